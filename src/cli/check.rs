@@ -1,0 +1,69 @@
+//! `kiln check`
+
+use super::*;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Policy files or directories.
+    #[arg(required = true)]
+    pub paths: Vec<PathBuf>,
+    #[arg(long, value_enum, default_value_t = Format::Human)]
+    pub format: Format,
+}
+
+pub fn run(a: Args) -> i32 {
+    let sets = match discover(&a.paths) {
+        Ok(s) => s,
+        Err(e) => return usage_error(&e),
+    };
+    let mut failed = false;
+    let mut all_json = Vec::new();
+    for set in &sets {
+        let c = match compile_set(set) {
+            Ok(c) => c,
+            Err(d) => {
+                print_human(&d, &SourceMap::new());
+                return EXIT_USAGE;
+            }
+        };
+        let errors = c.diagnostics.errors().count();
+        match a.format {
+            Format::Human => {
+                print_human(&c.diagnostics, &c.sources);
+                if errors == 0 {
+                    let g = c.graph.as_ref();
+                    println!(
+                        "ok: {} ({} files, {} tiers, {} tenants, {} rules)",
+                        set.name,
+                        set.files.len(),
+                        g.map_or(0, |g| g.tiers.len()),
+                        g.map_or(0, |g| g.tenants.len()),
+                        g.map_or(0, |g| g.rules.len())
+                    );
+                } else {
+                    eprintln!("{}: {}", set.name, summary(errors, 0));
+                }
+            }
+            Format::Json => {
+                all_json.extend(
+                    c.diagnostics
+                        .items
+                        .iter()
+                        .map(|d| diag::to_json(d, &c.sources)),
+                );
+            }
+        }
+        failed |= errors > 0;
+    }
+    if a.format == Format::Json {
+        match serde_json::to_string_pretty(&all_json) {
+            Ok(s) => println!("{s}"),
+            Err(e) => return usage_error(&e.to_string()),
+        }
+    }
+    if failed {
+        EXIT_FINDINGS
+    } else {
+        EXIT_OK
+    }
+}

@@ -1,0 +1,223 @@
+//! clap commands, one file a command.
+
+mod check;
+mod explain;
+mod fmt;
+mod lint;
+mod test;
+
+use crate::compile::{self, Compiled};
+use crate::diag::{self, Diagnostics};
+use crate::source::SourceMap;
+use clap::{Parser, Subcommand, ValueEnum};
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+
+/// Exit codes, stable for CI.
+pub const EXIT_OK: i32 = 0;
+pub const EXIT_FINDINGS: i32 = 1;
+pub const EXIT_USAGE: i32 = 2;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "kiln",
+    version,
+    about = "Policy-as-code control plane for GPU capacity in private LLM inference",
+    long_about = "kiln compiles GPU scheduling policies written in the kiln language, checks and lints them, formats them, runs their tests and explains decisions.\n\nExit codes: 0 clean, 1 findings that fail (errors, failing tests, lint findings under --deny warnings, unformatted files under fmt --check), 2 usage or I/O error."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Compile and validate policies; report every error at once.
+    Check(check::Args),
+    /// Check, then apply judgement rules (shadowed rules, oversubscribed quotas, …).
+    Lint(lint::Args),
+    /// Print policies in the canonical layout, comments kept.
+    Fmt(fmt::Args),
+    /// Run the policy tests (*.test.toml beside the policies) and report rule coverage.
+    Test(test::Args),
+    /// Decide one request and show why, condition by condition.
+    Explain(explain::Args),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
+pub enum Format {
+    #[default]
+    Human,
+    Json,
+}
+
+pub fn main() -> i32 {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            return match e.kind() {
+                clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion => {
+                    EXIT_OK
+                }
+                _ => EXIT_USAGE,
+            };
+        }
+    };
+    match cli.command {
+        Command::Check(a) => check::run(a),
+        Command::Lint(a) => lint::run(a),
+        Command::Fmt(a) => fmt::run(a),
+        Command::Test(a) => test::run(a),
+        Command::Explain(a) => explain::run(a),
+    }
+}
+
+/// One policy: its files, and the test files beside it.
+#[derive(Debug, Clone)]
+pub struct PolicySet {
+    pub name: String,
+    pub files: Vec<PathBuf>,
+    pub tests: Vec<PathBuf>,
+}
+
+fn sorted_entries(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .collect();
+    v.sort();
+    Ok(v)
+}
+
+fn is_kiln(p: &Path) -> bool {
+    p.extension().is_some_and(|x| x == "kiln")
+}
+
+fn is_test(p: &Path) -> bool {
+    p.file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.ends_with(".test.toml"))
+}
+
+/// Finds policies: `.kiln` files named together form one policy; a directory
+/// holding `.kiln` files is one policy; a directory without any is searched
+/// for such directories (so `kiln check policies` checks every policy).
+pub fn discover(paths: &[PathBuf]) -> Result<Vec<PolicySet>, String> {
+    let mut sets = Vec::new();
+    let mut loose = Vec::new();
+    for p in paths {
+        if p.is_dir() {
+            discover_dir(p, &mut sets, 0)
+                .map_err(|e| format!("cannot read {}: {e}", p.display()))?;
+        } else if p.exists() {
+            loose.push(p.clone());
+        } else {
+            return Err(format!("{}: no such file or directory", p.display()));
+        }
+    }
+    if !loose.is_empty() {
+        let mut tests = Vec::new();
+        for f in &loose {
+            if let (Some(dir), Some(stem)) = (f.parent(), f.file_stem().and_then(|s| s.to_str())) {
+                let t = dir.join(format!("{stem}.test.toml"));
+                if t.exists() {
+                    tests.push(t);
+                }
+            }
+        }
+        sets.insert(
+            0,
+            PolicySet {
+                name: loose
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(" + "),
+                files: loose,
+                tests,
+            },
+        );
+    }
+    if sets.is_empty() {
+        return Err("no .kiln files found".into());
+    }
+    Ok(sets)
+}
+
+fn discover_dir(dir: &Path, sets: &mut Vec<PolicySet>, depth: usize) -> std::io::Result<()> {
+    if depth > 8 {
+        return Ok(());
+    }
+    let entries = sorted_entries(dir)?;
+    let files: Vec<PathBuf> = entries
+        .iter()
+        .filter(|p| p.is_file() && is_kiln(p))
+        .cloned()
+        .collect();
+    if !files.is_empty() {
+        sets.push(PolicySet {
+            name: dir.display().to_string(),
+            files,
+            tests: entries
+                .iter()
+                .filter(|p| p.is_file() && is_test(p))
+                .cloned()
+                .collect(),
+        });
+        return Ok(());
+    }
+    for sub in entries.iter().filter(|p| p.is_dir()) {
+        discover_dir(sub, sets, depth + 1)?;
+    }
+    Ok(())
+}
+
+/// Loads and compiles one policy set.
+pub fn compile_set(set: &PolicySet) -> Result<Compiled, Diagnostics> {
+    let sources = compile::load(&set.files)?;
+    Ok(compile::compile(sources))
+}
+
+pub fn color() -> bool {
+    std::env::var_os("NO_COLOR").is_none() && std::io::stderr().is_terminal()
+}
+
+/// Prints diagnostics for humans on stderr.
+pub fn print_human(diags: &Diagnostics, sources: &SourceMap) {
+    let color = color();
+    for d in &diags.items {
+        eprint!("{}", diag::render(d, sources, color));
+    }
+}
+
+pub fn print_json(diags: &Diagnostics, sources: &SourceMap) {
+    let v: Vec<_> = diags
+        .items
+        .iter()
+        .map(|d| diag::to_json(d, sources))
+        .collect();
+    match serde_json::to_string_pretty(&v) {
+        Ok(s) => println!("{s}"),
+        Err(e) => eprintln!("error: {e}"),
+    }
+}
+
+pub fn summary(errors: usize, warnings: usize) -> String {
+    let plural = |n: usize, w: &str| {
+        if n == 1 {
+            format!("1 {w}")
+        } else {
+            format!("{n} {w}s")
+        }
+    };
+    format!(
+        "{}, {}",
+        plural(errors, "error"),
+        plural(warnings, "warning")
+    )
+}
+
+pub fn usage_error(msg: &str) -> i32 {
+    eprintln!("error: {msg}");
+    EXIT_USAGE
+}

@@ -1,0 +1,884 @@
+//! Lowering declarations (pool, model/variant, tier, tenant, cohort, rollout,
+//! approval) against their field schemas, with units checked.
+
+use super::units::{self, Ty};
+use super::Compiler;
+use crate::diag::{did_you_mean, Code, Diagnostic};
+use crate::graph::*;
+use crate::lang::ast::{self, Body, DeclKind, Item, PropArgs, Property, Value, ValueKind};
+use crate::lang::format;
+use crate::source::FileId;
+use std::collections::BTreeMap;
+
+const POOL_FIELDS: &[&str] = &[
+    "gpus",
+    "kind",
+    "memory",
+    "labels",
+    "allow_tiers",
+    "deny_tiers",
+    "allow_tenants",
+    "deny_tenants",
+    "description",
+];
+const MODEL_FIELDS: &[&str] = &["variant", "description"];
+const VARIANT_FIELDS: &[&str] = &[
+    "precision",
+    "memory",
+    "gpus_per_replica",
+    "pools",
+    "quality",
+];
+const TIER_FIELDS: &[&str] = &[
+    "priority",
+    "slo",
+    "batch",
+    "preemptible",
+    "preempts",
+    "backfill_only",
+    "aging",
+    "may_starve",
+    "models",
+    "prefix_affinity",
+    "exact_cache",
+    "description",
+];
+const SLO_FIELDS: &[&str] = &["ttft", "p95", "window"];
+const BATCH_FIELDS: &[&str] = &["max_wait"];
+const TENANT_FIELDS: &[&str] = &[
+    "owner",
+    "tiers",
+    "cohort",
+    "quota",
+    "weight",
+    "borrow",
+    "lend",
+    "retry_budget",
+    "session_steps",
+    "cost",
+    "api_keys",
+    "description",
+];
+const QUOTA_FIELDS: &[&str] = &["tokens", "requests", "concurrent", "gpu_seconds"];
+const COHORT_FIELDS: &[&str] = &["owner", "description"];
+const ROLLOUT_FIELDS: &[&str] = &["shadow", "canary"];
+const CANARY_FIELDS: &[&str] = &["share", "tenants", "duration"];
+
+/// Fields of one block, checked against its schema.
+pub(crate) struct Fields<'a> {
+    what: String,
+    map: BTreeMap<&'a str, &'a Property>,
+    repeated: Vec<&'a Property>,
+}
+
+impl<'a> Fields<'a> {
+    pub fn get(&self, key: &str) -> Option<&'a Property> {
+        self.map.get(key).copied()
+    }
+}
+
+impl Compiler<'_> {
+    pub(crate) fn fields<'a>(
+        &mut self,
+        body: &'a Body,
+        allowed: &[&str],
+        what: &str,
+        repeatable: &[&str],
+    ) -> Fields<'a> {
+        let mut f = Fields {
+            what: what.to_string(),
+            map: BTreeMap::new(),
+            repeated: Vec::new(),
+        };
+        for p in &body.props {
+            let k = p.key.name.as_str();
+            if !allowed.contains(&k) {
+                let help = match did_you_mean(k, allowed.iter().copied()) {
+                    Some(s) => format!("did you mean `{s}`?"),
+                    None => format!("{what} accepts: {}", allowed.join(", ")),
+                };
+                self.err(
+                    Diagnostic::error(Code::UnknownField, format!("{what} has no field `{k}`"))
+                        .at(p.key.span, "unknown field")
+                        .help(help),
+                );
+                continue;
+            }
+            if repeatable.contains(&k) {
+                f.repeated.push(p);
+                continue;
+            }
+            if let Some(first) = f.map.get(k) {
+                let first_span = first.key.span;
+                self.err(
+                    Diagnostic::error(
+                        Code::DuplicateDefinition,
+                        format!("`{k}` is set twice in {what}"),
+                    )
+                    .at(p.key.span, "set again here")
+                    .also(first_span, "first set here")
+                    .help("keep one of them"),
+                );
+                continue;
+            }
+            f.map.insert(k, p);
+        }
+        f
+    }
+
+    fn require<'a>(
+        &mut self,
+        f: &Fields<'a>,
+        key: &str,
+        at: &ast::Ident,
+        example: &str,
+    ) -> Option<&'a Property> {
+        let p = f.get(key);
+        if p.is_none() {
+            self.err(
+                Diagnostic::error(Code::MissingField, format!("{} needs `{key}`", f.what))
+                    .at(at.span, format!("`{key}` is missing"))
+                    .help(format!("add `{key} {example}`")),
+            );
+        }
+        p
+    }
+
+    /// The single value of a property, or a diagnostic.
+    fn one<'a>(&mut self, p: &'a Property, expect: &str) -> Option<&'a Value> {
+        match p.args.values() {
+            [v] if p.body.is_none() => Some(v),
+            _ => {
+                self.err(
+                    Diagnostic::error(
+                        Code::InvalidValue,
+                        format!("`{}` takes one value", p.key.name),
+                    )
+                    .at(p.span, format!("expected {expect}"))
+                    .help(format!("write `{} {expect}`", p.key.name)),
+                );
+                None
+            }
+        }
+    }
+
+    /// A quantity of one type, in base units.
+    pub(crate) fn quantity(&mut self, v: &Value, ty: Ty, what: &str) -> Option<f64> {
+        match units::literal(v) {
+            Some(Ok(t)) if t.ty == ty => Some(t.value),
+            Some(Ok(t)) => {
+                self.err(
+                    Diagnostic::error(
+                        Code::UnitMismatch,
+                        format!(
+                            "{what} is {}, found {} `{}`",
+                            ty.describe(),
+                            ty_article(t.ty),
+                            format::value(v)
+                        ),
+                    )
+                    .at(v.span, format!("this is {}", ty_article(t.ty)))
+                    .help(format!("write {what} as {}", ty.describe())),
+                );
+                None
+            }
+            Some(Err(e)) => {
+                self.err(
+                    Diagnostic::error(Code::InvalidValue, format!("{what}: {}", e.0))
+                        .at(v.span, "not a valid quantity")
+                        .help(format!("write {what} as {}", ty.describe())),
+                );
+                None
+            }
+            None => {
+                self.err(
+                    Diagnostic::error(
+                        Code::UnitMismatch,
+                        format!("{what} is {}, found `{}`", ty.describe(), format::value(v)),
+                    )
+                    .at(v.span, format!("expected {}", ty.short()))
+                    .help(format!("write {what} as {}", ty.describe())),
+                );
+                None
+            }
+        }
+    }
+
+    fn prop_quantity(&mut self, p: Option<&Property>, ty: Ty, what: &str) -> Option<f64> {
+        let p = p?;
+        let v = self.one(p, ty.short())?;
+        self.quantity(v, ty, what)
+    }
+
+    fn prop_percent(&mut self, p: Option<&Property>, what: &str) -> Option<f64> {
+        let v = self.prop_quantity(p, Ty::Percent, what)?;
+        if !(0.0..=100.0).contains(&v) {
+            if let Some(p) = p {
+                self.err(
+                    Diagnostic::error(
+                        Code::InvalidValue,
+                        format!("{what} must be between 0% and 100%"),
+                    )
+                    .at(p.span, "out of range")
+                    .help("write a percentage from 0% to 100%"),
+                );
+            }
+            return None;
+        }
+        Some(v)
+    }
+
+    fn prop_string(&mut self, p: Option<&Property>) -> Option<String> {
+        let p = p?;
+        let v = self.one(p, "\"text\"")?;
+        match &v.kind {
+            ValueKind::Str(s) => Some(s.clone()),
+            _ => {
+                self.err(
+                    Diagnostic::error(Code::UnitMismatch, format!("`{}` is a string", p.key.name))
+                        .at(v.span, "expected a string")
+                        .help(format!(
+                            "quote it: `{} \"{}\"`",
+                            p.key.name,
+                            format::value(v)
+                        )),
+                );
+                None
+            }
+        }
+    }
+
+    /// `[a, b]` or a single name, each resolved to a definition of `kind`.
+    fn prop_names(&mut self, p: Option<&Property>, kind: DeclKind) -> Vec<u32> {
+        let Some(p) = p else { return Vec::new() };
+        let items: Vec<&Value> = match p.args.values() {
+            [v] => match &v.kind {
+                ValueKind::List(items) => items.iter().collect(),
+                _ => vec![v],
+            },
+            vs => vs.iter().collect(),
+        };
+        let mut out = Vec::new();
+        for v in items {
+            match &v.kind {
+                ValueKind::Path(path) if path.len() == 1 => {
+                    if let Some(id) = self.resolve(kind, &path[0]) {
+                        if !out.contains(&id) {
+                            out.push(id);
+                        }
+                    }
+                }
+                _ => self.err(
+                    Diagnostic::error(
+                        Code::UnitMismatch,
+                        format!("`{}` lists {} names", p.key.name, kind.keyword()),
+                    )
+                    .at(v.span, format!("expected a {} name", kind.keyword()))
+                    .help(format!("write `{} [name, …]`", p.key.name)),
+                ),
+            }
+        }
+        out
+    }
+
+    fn flag(&mut self, f: &Fields, key: &str) -> bool {
+        match f.get(key) {
+            Some(p) => {
+                if !matches!(p.args, PropArgs::None) || p.body.is_some() {
+                    self.err(
+                        Diagnostic::error(
+                            Code::InvalidValue,
+                            format!("`{key}` is a flag and takes no value"),
+                        )
+                        .at(p.span, "remove the value")
+                        .help(format!("write just `{key}`; leave it out to turn it off")),
+                    );
+                }
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn sub_body<'a>(&mut self, p: Option<&'a Property>) -> Option<&'a Body> {
+        let p = p?;
+        match &p.body {
+            Some(b) if p.args.values().is_empty() => Some(b),
+            _ => {
+                self.err(
+                    Diagnostic::error(Code::InvalidValue, format!("`{}` is a block", p.key.name))
+                        .at(p.span, "expected `{ … }`")
+                        .help(format!("write `{} {{ … }}`", p.key.name)),
+                );
+                None
+            }
+        }
+    }
+
+    fn is_first(&self, d: &ast::Decl) -> bool {
+        let t = match d.kind {
+            DeclKind::Pool => &self.pools,
+            DeclKind::Model => &self.models,
+            DeclKind::Tier => &self.tiers,
+            DeclKind::Tenant => &self.tenants,
+            DeclKind::Cohort => &self.cohorts,
+        };
+        t.ids
+            .get(&d.name.name)
+            .is_some_and(|&i| t.spans[i as usize] == d.name.span)
+    }
+
+    pub(crate) fn lower_decls(&mut self, files: &[(FileId, ast::File)]) {
+        let decls: Vec<&ast::Decl> = files
+            .iter()
+            .flat_map(|(_, f)| f.items.iter())
+            .filter_map(|i| match i {
+                Item::Decl(d) => Some(d),
+                _ => None,
+            })
+            .collect();
+        // Pools first: variants need their sizes. Then the rest in order.
+        for kind in [
+            DeclKind::Pool,
+            DeclKind::Cohort,
+            DeclKind::Tier,
+            DeclKind::Model,
+            DeclKind::Tenant,
+        ] {
+            for d in decls.iter().filter(|d| d.kind == kind) {
+                if !self.is_first(d) {
+                    continue;
+                }
+                match kind {
+                    DeclKind::Pool => self.pool(d),
+                    DeclKind::Cohort => self.cohort(d),
+                    DeclKind::Tier => self.tier(d),
+                    DeclKind::Model => self.model(d),
+                    DeclKind::Tenant => self.tenant(d),
+                }
+            }
+        }
+        for (_, f) in files {
+            for item in &f.items {
+                match item {
+                    Item::Rollout(r) => self.rollout(r),
+                    Item::Approval(a) => self.approval(a),
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    fn pool(&mut self, d: &ast::Decl) {
+        let what = format!("pool `{}`", d.name.name);
+        let f = self.fields(&d.body, POOL_FIELDS, &what, &[]);
+        let gpus = self.require(&f, "gpus", &d.name, "8");
+        let gpus = self.prop_quantity(gpus, Ty::Count, "`gpus`").unwrap_or(0.0);
+        if gpus < 1.0 || gpus.fract() != 0.0 {
+            if let Some(p) = f.get("gpus") {
+                self.err(
+                    Diagnostic::error(
+                        Code::InvalidValue,
+                        "a pool needs a whole number of GPUs, at least 1",
+                    )
+                    .at(p.span, "not a positive whole number")
+                    .help("write `gpus 8`"),
+                );
+            }
+        }
+        let kind = self.require(&f, "kind", &d.name, "\"H100-80GB\"");
+        let kind = self.prop_string(kind).unwrap_or_default();
+        let mem = self.require(&f, "memory", &d.name, "80GB");
+        let gpu_memory = self
+            .prop_quantity(mem, Ty::Size, "`memory` (per GPU)")
+            .unwrap_or(0.0);
+        let mut labels = BTreeMap::new();
+        if let Some(b) = self.sub_body(f.get("labels")) {
+            for p in &b.props {
+                match (p.args.values(), &p.body) {
+                    ([v], None) => {
+                        let text = match &v.kind {
+                            ValueKind::Str(s) => s.clone(),
+                            _ => format::value(v),
+                        };
+                        labels.insert(p.key.name.clone(), text);
+                    }
+                    _ => self.err(
+                        Diagnostic::error(Code::InvalidValue, "a label is `key = \"value\"`")
+                            .at(p.span, "not a label")
+                            .help("write labels as `labels { region = \"eu\" }`"),
+                    ),
+                }
+            }
+        }
+        let allow_tiers = f.get("allow_tiers").map(|p| {
+            self.prop_names(Some(p), DeclKind::Tier)
+                .into_iter()
+                .map(|x| x as TierId)
+                .collect()
+        });
+        let deny_tiers = self
+            .prop_names(f.get("deny_tiers"), DeclKind::Tier)
+            .into_iter()
+            .map(|x| x as TierId)
+            .collect();
+        let allow_tenants = f
+            .get("allow_tenants")
+            .map(|p| self.prop_names(Some(p), DeclKind::Tenant));
+        let deny_tenants = self.prop_names(f.get("deny_tenants"), DeclKind::Tenant);
+        self.g.pools.push(Pool {
+            name: d.name.name.clone(),
+            gpus: gpus.max(0.0) as u32,
+            kind,
+            gpu_memory,
+            labels,
+            allow_tiers,
+            deny_tiers,
+            allow_tenants,
+            deny_tenants,
+            span: d.name.span,
+        });
+    }
+
+    fn cohort(&mut self, d: &ast::Decl) {
+        let what = format!("cohort `{}`", d.name.name);
+        let f = self.fields(&d.body, COHORT_FIELDS, &what, &[]);
+        let owner = self.prop_string(f.get("owner"));
+        let _ = self.prop_string(f.get("description"));
+        self.g.cohorts.push(Cohort {
+            name: d.name.name.clone(),
+            owner,
+            span: d.name.span,
+        });
+    }
+
+    fn tier(&mut self, d: &ast::Decl) {
+        let what = format!("tier `{}`", d.name.name);
+        let f = self.fields(&d.body, TIER_FIELDS, &what, &[]);
+        let prio = self.require(&f, "priority", &d.name, "50");
+        let priority = self
+            .prop_quantity(prio, Ty::Count, "`priority`")
+            .unwrap_or(0.0);
+        let mut slo = Slo::default();
+        if let Some(b) = self.sub_body(f.get("slo")) {
+            let s = self.fields(b, SLO_FIELDS, &format!("the slo of {what}"), &[]);
+            slo.ttft = self.prop_quantity(s.get("ttft"), Ty::Duration, "`ttft`");
+            slo.e2e_p95 = self.prop_quantity(s.get("p95"), Ty::Duration, "`p95`");
+            slo.window = self.prop_quantity(s.get("window"), Ty::Duration, "`window`");
+        }
+        let mut batch_max_wait = None;
+        if let Some(b) = self.sub_body(f.get("batch")) {
+            let s = self.fields(
+                b,
+                BATCH_FIELDS,
+                &format!("the batch settings of {what}"),
+                &[],
+            );
+            batch_max_wait = self.prop_quantity(s.get("max_wait"), Ty::Duration, "`max_wait`");
+        }
+        let preemptible = self.flag(&f, "preemptible");
+        let backfill_only = self.flag(&f, "backfill_only");
+        let may_starve = self.flag(&f, "may_starve");
+        let _ = self.flag(&f, "prefix_affinity");
+        let _ = self.flag(&f, "exact_cache");
+        let preempts: Vec<TierId> = self
+            .prop_names(f.get("preempts"), DeclKind::Tier)
+            .into_iter()
+            .map(|x| x as TierId)
+            .collect();
+        if let Some(p) = f.get("preempts") {
+            for v in list_items(p) {
+                if let ValueKind::Path(path) = &v.kind {
+                    if let Some(n) = path.first() {
+                        self.facts
+                            .preempt_spans
+                            .insert((d.name.name.clone(), n.name.clone()), v.span);
+                    }
+                }
+            }
+        }
+        let aging = self.prop_quantity(f.get("aging"), Ty::Duration, "`aging`");
+        let models = f.get("models").map(|p| {
+            self.prop_names(Some(p), DeclKind::Model)
+                .into_iter()
+                .map(|x| x as ModelId)
+                .collect()
+        });
+        let _ = self.prop_string(f.get("description"));
+        self.g.tiers.push(Tier {
+            name: d.name.name.clone(),
+            priority: priority as i64,
+            slo,
+            batch_max_wait,
+            preemptible,
+            preempts,
+            backfill_only,
+            aging,
+            may_starve,
+            models,
+            span: d.name.span,
+        });
+    }
+
+    fn model(&mut self, d: &ast::Decl) {
+        let what = format!("model `{}`", d.name.name);
+        let f = self.fields(&d.body, MODEL_FIELDS, &what, &["variant"]);
+        let _ = self.prop_string(f.get("description"));
+        let mut variants: Vec<Variant> = Vec::new();
+        for p in f.repeated.clone() {
+            let name = match p.args.values() {
+                [v] => match &v.kind {
+                    ValueKind::Path(path) if path.len() == 1 => Some(path[0].clone()),
+                    _ => None,
+                },
+                _ => None,
+            };
+            let (Some(name), Some(body)) = (name, &p.body) else {
+                self.err(
+                    Diagnostic::error(Code::InvalidValue, "a variant is `variant NAME { … }`")
+                        .at(p.span, "malformed variant")
+                        .help("write `variant int4 { precision int4 memory 40GB pools [shared] }`"),
+                );
+                continue;
+            };
+            if let Some(prev) = variants.iter().find(|v| v.name == name.name) {
+                let prev_span = prev.span;
+                self.err(
+                    Diagnostic::error(
+                        Code::DuplicateDefinition,
+                        format!("variant `{}` is defined twice in {what}", name.name),
+                    )
+                    .at(name.span, "defined again here")
+                    .also(prev_span, "first defined here")
+                    .help("rename or remove one"),
+                );
+                continue;
+            }
+            let vwhat = format!("variant `{}.{}`", d.name.name, name.name);
+            let vf = self.fields(body, VARIANT_FIELDS, &vwhat, &[]);
+            let precision = match vf.get("precision") {
+                Some(pp) => match self.one(pp, "fp16").map(|v| &v.kind) {
+                    Some(ValueKind::Path(path)) if path.len() == 1 => {
+                        match Precision::parse(&path[0].name) {
+                            Some(pr) => Some(pr),
+                            None => {
+                                let help = match did_you_mean(&path[0].name, Precision::NAMES) {
+                                    Some(s) => format!("did you mean `{s}`?"),
+                                    None => {
+                                        format!("precisions are: {}", Precision::NAMES.join(", "))
+                                    }
+                                };
+                                self.err(
+                                    Diagnostic::error(
+                                        Code::InvalidValue,
+                                        format!("unknown precision `{}`", path[0].name),
+                                    )
+                                    .at(path[0].span, "not a precision")
+                                    .help(help),
+                                );
+                                None
+                            }
+                        }
+                    }
+                    _ => None,
+                },
+                None => Precision::parse(&name.name),
+            };
+            if precision.is_none() && vf.get("precision").is_none() {
+                self.err(
+                    Diagnostic::error(Code::MissingField, format!("{vwhat} needs `precision`"))
+                        .at(name.span, "precision unknown")
+                        .help("add `precision fp16` (or int8, int4, …); a variant named after its precision may leave it out"),
+                );
+            }
+            let mem = self.require(&vf, "memory", &name, "40GB");
+            let memory = self.prop_quantity(mem, Ty::Size, "`memory`").unwrap_or(0.0);
+            let gpus = self
+                .prop_quantity(vf.get("gpus_per_replica"), Ty::Count, "`gpus_per_replica`")
+                .unwrap_or(1.0);
+            if gpus < 1.0 || gpus.fract() != 0.0 {
+                if let Some(pp) = vf.get("gpus_per_replica") {
+                    self.err(
+                        Diagnostic::error(
+                            Code::InvalidValue,
+                            "`gpus_per_replica` is a whole number, at least 1",
+                        )
+                        .at(pp.span, "not a positive whole number")
+                        .help("write `gpus_per_replica 2`"),
+                    );
+                }
+            }
+            let pp = self.require(&vf, "pools", &name, "[h100]");
+            let pools: Vec<PoolId> = self
+                .prop_names(pp, DeclKind::Pool)
+                .into_iter()
+                .map(|x| x as PoolId)
+                .collect();
+            let quality = self.prop_string(vf.get("quality"));
+            self.facts
+                .variant_spans
+                .insert((d.name.name.clone(), name.name.clone()), name.span);
+            variants.push(Variant {
+                name: name.name.clone(),
+                precision: precision.unwrap_or(Precision::Fp16),
+                memory,
+                gpus_per_replica: gpus.max(1.0) as u32,
+                pools,
+                quality,
+                span: name.span,
+            });
+        }
+        if variants.is_empty() {
+            self.err(
+                Diagnostic::error(Code::MissingField, format!("{what} has no variant"))
+                    .at(d.name.span, "no variant")
+                    .help("add `variant fp16 { memory 140GB gpus_per_replica 2 pools [h100] }`"),
+            );
+        }
+        self.g.models.push(Model {
+            name: d.name.name.clone(),
+            variants,
+            span: d.name.span,
+        });
+    }
+
+    fn tenant(&mut self, d: &ast::Decl) {
+        let what = format!("tenant `{}`", d.name.name);
+        let f = self.fields(&d.body, TENANT_FIELDS, &what, &[]);
+        let owner = self.prop_string(f.get("owner"));
+        let tp = self.require(&f, "tiers", &d.name, "[interactive]");
+        let tiers: Vec<TierId> = self
+            .prop_names(tp, DeclKind::Tier)
+            .into_iter()
+            .map(|x| x as TierId)
+            .collect();
+        let cohort = match f.get("cohort") {
+            Some(p) => match self.one(p, "NAME").map(|v| &v.kind) {
+                Some(ValueKind::Path(path)) if path.len() == 1 => {
+                    let id = path[0].clone();
+                    self.resolve(DeclKind::Cohort, &id).map(|x| x as CohortId)
+                }
+                _ => None,
+            },
+            None => None,
+        };
+        let mut quota = Quota::default();
+        if let Some(b) = self.sub_body(f.get("quota")) {
+            let q = self.fields(b, QUOTA_FIELDS, &format!("the quota of {what}"), &[]);
+            quota.tokens = self.prop_quantity(q.get("tokens"), Ty::Rate, "`tokens`");
+            quota.requests = self.prop_quantity(q.get("requests"), Ty::Rate, "`requests`");
+            quota.concurrent = self
+                .prop_quantity(q.get("concurrent"), Ty::Count, "`concurrent`")
+                .map(|x| x.max(0.0) as u64);
+            quota.gpu_seconds = self.prop_quantity(q.get("gpu_seconds"), Ty::Rate, "`gpu_seconds`");
+        }
+        let weight = self
+            .prop_quantity(f.get("weight"), Ty::Count, "`weight`")
+            .unwrap_or(1.0);
+        if weight <= 0.0 {
+            if let Some(p) = f.get("weight") {
+                self.err(
+                    Diagnostic::error(Code::InvalidValue, "a fair-share weight must be positive")
+                        .at(p.span, "not positive")
+                        .help(
+                            "write `weight 1` or more; a tenant with no share should have no tier",
+                        ),
+                );
+            }
+        }
+        let borrow = self
+            .prop_percent(f.get("borrow"), "`borrow`")
+            .unwrap_or(0.0);
+        let lend = self.prop_percent(f.get("lend"), "`lend`").unwrap_or(0.0);
+        if (borrow > 0.0 || lend > 0.0) && cohort.is_none() {
+            let p = f.get("borrow").or(f.get("lend"));
+            if let Some(p) = p {
+                self.err(
+                    Diagnostic::error(
+                        Code::MissingField,
+                        format!("{what} borrows or lends but has no cohort"),
+                    )
+                    .at(p.span, "borrowing happens within a cohort")
+                    .help("add `cohort <name>` and define `cohort <name> { owner \"…\" }`"),
+                );
+            }
+        }
+        let retry_budget = self.prop_percent(f.get("retry_budget"), "`retry_budget`");
+        let session_steps = self
+            .prop_quantity(f.get("session_steps"), Ty::Count, "`session_steps`")
+            .map(|x| x.max(0.0) as u64);
+        // `cost 2.5/h` is currency per GPU-hour.
+        let cost_per_gpu_hour = self
+            .prop_quantity(
+                f.get("cost"),
+                Ty::Rate,
+                "`cost` (per GPU-hour, like `2.5/h`)",
+            )
+            .map(|per_s| per_s * 3600.0);
+        let api_keys = match f.get("api_keys") {
+            Some(p) => list_items(p)
+                .into_iter()
+                .filter_map(|v| match &v.kind {
+                    ValueKind::Str(s) => Some(s.clone()),
+                    _ => {
+                        self.err(
+                            Diagnostic::error(Code::UnitMismatch, "API key ids are strings")
+                                .at(v.span, "expected a string")
+                                .help("write `api_keys [\"key-id\"]`"),
+                        );
+                        None
+                    }
+                })
+                .collect(),
+            None => Vec::new(),
+        };
+        let _ = self.prop_string(f.get("description"));
+        self.g.tenants.push(Tenant {
+            name: d.name.name.clone(),
+            owner,
+            tiers,
+            cohort,
+            quota,
+            weight,
+            borrow,
+            lend,
+            retry_budget,
+            session_steps,
+            cost_per_gpu_hour,
+            api_keys,
+            span: d.name.span,
+        });
+    }
+
+    fn rollout(&mut self, r: &ast::Rollout) {
+        if self.g.rollout.is_some() {
+            self.err(
+                Diagnostic::error(
+                    Code::DuplicateDefinition,
+                    "the policy has two rollout blocks",
+                )
+                .at(ast::Item::Rollout(r.clone()).span(), "second rollout block")
+                .help("a policy has at most one rollout block; merge them"),
+            );
+            return;
+        }
+        let mut out = Rollout::default();
+        let props: Vec<Property> = r
+            .items
+            .iter()
+            .filter_map(|i| match i {
+                ast::RolloutItem::Prop(p) => Some(p.clone()),
+                _ => None,
+            })
+            .collect();
+        let body = Body {
+            props,
+            span: r.span,
+        };
+        let f = self.fields(&body, ROLLOUT_FIELDS, "the rollout block", &[]);
+        out.shadow = self.prop_quantity(f.get("shadow"), Ty::Duration, "`shadow`");
+        if let Some(b) = self.sub_body(f.get("canary")) {
+            let c = self.fields(b, CANARY_FIELDS, "the canary", &[]);
+            out.canary_share = self.prop_percent(c.get("share"), "`share`");
+            out.canary_tenants = self.prop_names(c.get("tenants"), DeclKind::Tenant);
+            out.canary_duration = self.prop_quantity(c.get("duration"), Ty::Duration, "`duration`");
+            if out.canary_share.is_none() && out.canary_tenants.is_empty() {
+                self.err(
+                    Diagnostic::error(
+                        Code::MissingField,
+                        "the canary names neither a share nor tenants",
+                    )
+                    .at(
+                        f.get("canary").map(|p| p.key.span).unwrap_or(r.span),
+                        "empty canary",
+                    )
+                    .help("add `share 5%` or `tenants [name]`"),
+                );
+            }
+        }
+        for i in &r.items {
+            if let ast::RolloutItem::Rollback { cond, hold, .. } = i {
+                let c = self.condition(cond, super::rules::Scope::Rollout);
+                let hold = hold
+                    .as_ref()
+                    .and_then(|h| self.quantity(h, Ty::Duration, "the hold time after `for`"));
+                out.rollbacks.push(Rollback {
+                    cond: c,
+                    hold,
+                    text: format::expr(cond),
+                });
+            }
+        }
+        self.g.rollout = Some(out);
+    }
+
+    fn approval(&mut self, a: &ast::Approval) {
+        for r in &a.rules {
+            if r.count == 0 {
+                self.err(
+                    Diagnostic::error(
+                        Code::InvalidValue,
+                        "an approval rule needs at least one approver",
+                    )
+                    .at(r.count_span, "zero approvers")
+                    .help("write `require 1 from \"group\" for …` or remove the rule"),
+                );
+            }
+            if r.group.trim().is_empty() {
+                self.err(
+                    Diagnostic::error(Code::InvalidValue, "an approval rule names no group")
+                        .at(r.group_span, "empty group")
+                        .help("name the approvers' group, as listed in the server config"),
+                );
+            }
+            let mut kinds = Vec::new();
+            for n in &r.kinds.names {
+                match ChangeKind::ALL.iter().find(|k| k.name() == n.name) {
+                    Some(k) => kinds.push(*k),
+                    None => {
+                        let names: Vec<&str> = ChangeKind::ALL.iter().map(|k| k.name()).collect();
+                        let help = match did_you_mean(&n.name, names.iter().copied()) {
+                            Some(s) => format!("did you mean `{s}`?"),
+                            None => format!("change kinds are: {}", names.join(", ")),
+                        };
+                        self.err(
+                            Diagnostic::error(
+                                Code::UnknownName,
+                                format!("unknown change kind `{}`", n.name),
+                            )
+                            .at(n.span, "not a change kind")
+                            .help(help),
+                        );
+                    }
+                }
+            }
+            self.g.approvals.push(ApprovalRule {
+                count: r.count,
+                group: r.group.clone(),
+                kinds,
+            });
+        }
+    }
+}
+
+fn list_items(p: &Property) -> Vec<&Value> {
+    match p.args.values() {
+        [v] => match &v.kind {
+            ValueKind::List(items) => items.iter().collect(),
+            _ => vec![v],
+        },
+        vs => vs.iter().collect(),
+    }
+}
+
+pub(crate) fn ty_article(ty: Ty) -> String {
+    match ty {
+        Ty::Count => "a count".into(),
+        Ty::Duration => "a duration".into(),
+        Ty::Size => "a size".into(),
+        Ty::Percent => "a percentage".into(),
+        Ty::Rate => "a rate".into(),
+        Ty::TimeOfDay => "a time of day".into(),
+        t => format!("a {}", t.short()),
+    }
+}

@@ -1,0 +1,333 @@
+//! `kiln lint`: judgement beyond correctness. Each finding has a stable rule
+//! id (see [`Code`]) and can be silenced with `# kiln:allow(<id>)` on the
+//! line of the finding or in the comment lines just above it.
+
+use super::Compiled;
+use crate::diag::{Code, Diagnostic, Diagnostics};
+use crate::lang::ast::DeclKind;
+use crate::lang::comments;
+use crate::source::Span;
+use std::collections::{HashMap, HashSet};
+
+/// Lints a compiled policy (errors must be absent for the graph checks to
+/// run; syntax-level lints need only the AST).
+pub fn lint(c: &Compiled) -> Diagnostics {
+    let mut out = Diagnostics::new();
+    shadowed_rules(c, &mut out);
+    if let Some(g) = &c.graph {
+        // tier-without-slo
+        for t in &g.tiers {
+            if t.slo.is_empty() {
+                out.push(
+                    Diagnostic::error(Code::TierWithoutSlo, format!("tier `{}` has no SLO", t.name))
+                        .at(t.span, "no slo")
+                        .help("add `slo { ttft 500ms }` for interactive work or `slo { window 6h }` for batch work, so admission and alerts can use it"),
+                );
+            }
+        }
+        // tenant-without-owner
+        for t in &g.tenants {
+            if t.owner.as_deref().is_none_or(|o| o.trim().is_empty()) {
+                out.push(
+                    Diagnostic::error(Code::TenantWithoutOwner, format!("tenant `{}` has no owner", t.name))
+                        .at(t.span, "no owner")
+                        .help("add `owner \"team@example.com\"`: someone must be paged for it and approve its changes"),
+                );
+            }
+        }
+        // preempts-higher-priority
+        for t in &g.tiers {
+            for &p in &t.preempts {
+                let victim = &g.tiers[p as usize];
+                if victim.priority > t.priority {
+                    let span = c
+                        .facts
+                        .preempt_spans
+                        .get(&(t.name.clone(), victim.name.clone()))
+                        .copied()
+                        .unwrap_or(t.span);
+                    out.push(
+                        Diagnostic::error(
+                            Code::PreemptsHigherPriority,
+                            format!(
+                                "tier `{}` (priority {}) preempts `{}` (priority {})",
+                                t.name, t.priority, victim.name, victim.priority
+                            ),
+                        )
+                        .at(span, "preempts a higher-priority tier")
+                        .help("preemption should run from higher to lower priority; swap the priorities or drop this preempt"),
+                    );
+                }
+            }
+            if t.preempts.iter().any(|p| !g.tiers[*p as usize].preemptible) {
+                for &p in &t.preempts {
+                    let victim = &g.tiers[p as usize];
+                    if !victim.preemptible {
+                        let span = c
+                            .facts
+                            .preempt_spans
+                            .get(&(t.name.clone(), victim.name.clone()))
+                            .copied()
+                            .unwrap_or(t.span);
+                        out.push(
+                            Diagnostic::error(
+                                Code::PreemptsHigherPriority,
+                                format!(
+                                    "tier `{}` preempts `{}`, which is not preemptible",
+                                    t.name, victim.name
+                                ),
+                            )
+                            .at(span, "this preempt can never happen")
+                            .help(format!(
+                                "mark tier `{}` `preemptible`, or remove it from the list",
+                                victim.name
+                            )),
+                        );
+                    }
+                }
+            }
+        }
+        // quota-oversubscribed: promised GPU-seconds beyond the fleet's
+        let fleet_gpus: f64 = g.pools.iter().map(|p| f64::from(p.gpus)).sum();
+        let mut promised = 0.0;
+        for t in &g.tenants {
+            if let Some(gs) = t.quota.gpu_seconds {
+                let before = promised;
+                promised += gs;
+                if promised > fleet_gpus && before <= fleet_gpus {
+                    out.push(
+                        Diagnostic::error(
+                            Code::QuotaOversubscribed,
+                            format!(
+                                "GPU-second quotas promise {:.0} GPU-seconds/day but the pools hold {:.0}",
+                                promised * 86_400.0,
+                                fleet_gpus * 86_400.0
+                            ),
+                        )
+                        .at(t.span, "this tenant's quota crosses the fleet's capacity")
+                        .help("lower the gpu_seconds quotas, add GPUs to the pools, or silence this with kiln:allow(quota-oversubscribed) if overcommit is deliberate"),
+                    );
+                }
+            }
+        }
+        // tier-not-granted
+        for (tenant, tier, span) in &c.facts.classify_pins {
+            let (Some(tn), Some(ti)) = (g.tenant_id(tenant), g.tier_id(tier)) else {
+                continue;
+            };
+            let t = &g.tenants[tn as usize];
+            if !t.tiers.contains(&ti) {
+                let granted: Vec<&str> = t
+                    .tiers
+                    .iter()
+                    .map(|x| g.tiers[*x as usize].name.as_str())
+                    .collect();
+                out.push(
+                    Diagnostic::error(
+                        Code::TierNotGranted,
+                        format!("classify sends tenant `{tenant}` to tier `{tier}`, which it is not granted"),
+                    )
+                    .at(*span, "not granted to this tenant")
+                    .help(format!(
+                        "at run time it lands in `{}` instead; grant the tier in the tenant's `tiers` or change the rule (granted: {})",
+                        granted.first().copied().unwrap_or("?"),
+                        granted.join(", ")
+                    )),
+                );
+            }
+        }
+        unused(c, g, &mut out);
+    }
+    let mut out = suppress(c, out);
+    out.sort();
+    out
+}
+
+fn unused(c: &Compiled, g: &crate::graph::DecisionGraph, out: &mut Diagnostics) {
+    // Tiers reached by classify or a demote.
+    let mut reached: HashSet<u16> = HashSet::new();
+    reached.insert(g.classify.default.1.tier);
+    for (_, _, o) in &g.classify.rules {
+        reached.insert(o.tier);
+    }
+    for ch in g.fallbacks.iter().flatten() {
+        for (_, s) in &ch.steps {
+            if let crate::graph::Step::Demote(t) = s {
+                reached.insert(*t);
+            }
+        }
+    }
+    for (i, t) in g.tiers.iter().enumerate() {
+        if !reached.contains(&(i as u16)) {
+            out.push(
+                Diagnostic::error(
+                    Code::UnusedDefinition,
+                    format!("tier `{}` is never assigned", t.name),
+                )
+                .at(t.span, "no classify rule or demote leads here")
+                .help("send requests to it from classify, or remove it"),
+            );
+        }
+    }
+    for (i, p) in g.pools.iter().enumerate() {
+        let used = g
+            .models
+            .iter()
+            .any(|m| m.variants.iter().any(|v| v.pools.contains(&(i as u16))));
+        if !used {
+            out.push(
+                Diagnostic::error(
+                    Code::UnusedDefinition,
+                    format!("pool `{}` hosts no variant", p.name),
+                )
+                .at(p.span, "no variant lists this pool")
+                .help("add it to a variant's `pools`, or remove it"),
+            );
+        }
+    }
+    for (i, co) in g.cohorts.iter().enumerate() {
+        if !g.tenants.iter().any(|t| t.cohort == Some(i as u16)) {
+            out.push(
+                Diagnostic::error(
+                    Code::UnusedDefinition,
+                    format!("cohort `{}` has no member", co.name),
+                )
+                .at(co.span, "no tenant names this cohort")
+                .help("set `cohort NAME` on its tenants, or remove it"),
+            );
+        }
+    }
+    for m in &g.models {
+        for v in &m.variants {
+            if !c
+                .facts
+                .used_variants
+                .contains(&(m.name.clone(), v.name.clone()))
+            {
+                out.push(
+                    Diagnostic::error(
+                        Code::UnusedDefinition,
+                        format!("variant `{}.{}` is never routed to", m.name, v.name),
+                    )
+                    .at(v.span, "no route, fallback or degrade names it")
+                    .help("route to it, or remove it"),
+                );
+            }
+        }
+    }
+    let _ = DeclKind::Pool;
+}
+
+/// The shadowed-rule check. Rule j is shadowed when an earlier rule i
+/// matches whenever j does: every conjunction of j contains all atoms of
+/// some conjunction of i. Subset lookups through a hash of atom sets keep
+/// this near linear for the 10k-rule policies some teams generate.
+fn shadowed_rules(c: &Compiled, out: &mut Diagnostics) {
+    for block in &c.facts.blocks {
+        let mut seen: HashMap<Vec<&str>, usize> = HashMap::new();
+        for (j, (span, d)) in block.rules.iter().enumerate() {
+            let Some(d) = d else { continue };
+            let mut shadower: Option<usize> = None;
+            let mut all_covered = !d.is_empty();
+            for conj in d {
+                let atoms: Vec<&str> = conj.iter().map(String::as_str).collect();
+                let found = subsets_lookup(&atoms, &seen);
+                match found {
+                    Some(i) => shadower = Some(shadower.map_or(i, |s: usize| s.max(i))),
+                    None => {
+                        all_covered = false;
+                        break;
+                    }
+                }
+            }
+            if all_covered {
+                if let Some(i) = shadower {
+                    let earlier: Span = block.rules[i].0;
+                    out.push(
+                        Diagnostic::error(
+                            Code::ShadowedRule,
+                            format!("rule {} of `{}` can never match", j + 1, block.name),
+                        )
+                        .at(*span, "shadowed")
+                        .also(earlier, format!("rule {} matches first", i + 1))
+                        .help("an earlier rule matches every request this one does; move this rule above it, narrow the earlier rule, or delete this one"),
+                    );
+                }
+            }
+            for conj in d {
+                let mut key: Vec<&str> = conj.iter().map(String::as_str).collect();
+                key.sort_unstable();
+                seen.entry(key).or_insert(j);
+            }
+        }
+    }
+}
+
+/// Is any subset of `atoms` (as a sorted key) a rule seen before?
+fn subsets_lookup(atoms: &[&str], seen: &HashMap<Vec<&str>, usize>) -> Option<usize> {
+    let mut sorted: Vec<&str> = atoms.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let n = sorted.len();
+    if n > 12 {
+        return seen.get(&sorted).copied();
+    }
+    let mut best: Option<usize> = None;
+    for mask in 0u32..(1u32 << n) {
+        let key: Vec<&str> = (0..n)
+            .filter(|b| mask & (1 << b) != 0)
+            .map(|b| sorted[b])
+            .collect();
+        if let Some(&i) = seen.get(&key) {
+            best = Some(best.map_or(i, |x: usize| x.min(i)));
+        }
+    }
+    best
+}
+
+/// Drops findings silenced by `kiln:allow(<id>)` comments.
+fn suppress(c: &Compiled, diags: Diagnostics) -> Diagnostics {
+    let mut allowed: HashMap<(u32, usize), Vec<String>> = HashMap::new();
+    let mut comment_lines: HashMap<u32, HashSet<usize>> = HashMap::new();
+    for (id, f) in c.sources.files() {
+        for cm in comments::scan(&f.text) {
+            if cm.own_line {
+                comment_lines.entry(id.0).or_default().insert(cm.line);
+            }
+            let ids = comments::allowed_ids(&cm.text);
+            if !ids.is_empty() {
+                allowed.entry((id.0, cm.line)).or_default().extend(ids);
+            }
+        }
+    }
+    let mut out = Diagnostics::new();
+    for d in diags.items {
+        let silenced = d.span.and_then(|s| {
+            let f = c.sources.get(s.file)?;
+            let (line1, _) = f.line_col(s.start as usize);
+            let line = line1 - 1;
+            let hit = |l: usize| {
+                allowed
+                    .get(&(s.file.0, l))
+                    .is_some_and(|ids| ids.iter().any(|i| i == d.code.name() || i == "all"))
+            };
+            if hit(line) {
+                return Some(());
+            }
+            // walk up through the comment lines directly above
+            let mut l = line;
+            let lines = comment_lines.get(&s.file.0);
+            while l > 0 && lines.is_some_and(|ls| ls.contains(&(l - 1))) {
+                l -= 1;
+                if hit(l) {
+                    return Some(());
+                }
+            }
+            None
+        });
+        if silenced.is_none() {
+            out.push(d);
+        }
+    }
+    out
+}

@@ -1,0 +1,393 @@
+//! The compiler: AST → names resolved → types and units checked → validated
+//! → lowered to an immutable [`DecisionGraph`]. Every stage reports into one
+//! [`Diagnostics`] and goes on, so `kiln check` shows all violations at once.
+
+mod decls;
+mod lint;
+mod rules;
+pub mod units;
+mod validate;
+
+use crate::diag::{did_you_mean, Code, Diagnostic, Diagnostics};
+use crate::graph::*;
+use crate::lang::ast::{self, File, Ident, Item};
+use crate::source::{FileId, SourceMap, Span};
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+
+pub use lint::lint;
+
+/// The result of compiling a policy.
+#[derive(Debug)]
+pub struct Compiled {
+    pub sources: SourceMap,
+    pub files: Vec<(FileId, File)>,
+    /// `None` when any error was found.
+    pub graph: Option<DecisionGraph>,
+    pub diagnostics: Diagnostics,
+    /// Everything lints need that the graph does not keep.
+    pub(crate) facts: Facts,
+}
+
+impl Compiled {
+    pub fn has_errors(&self) -> bool {
+        self.diagnostics.has_errors()
+    }
+}
+
+/// Side facts gathered while compiling, for lints.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Facts {
+    pub used: BTreeSet<(ast::DeclKind, String)>,
+    pub used_variants: BTreeSet<(String, String)>,
+    pub decl_spans: HashMap<(ast::DeclKind, String), Span>,
+    pub variant_spans: HashMap<(String, String), Span>,
+    /// Per rule block: each rule's span and its condition as a disjunction
+    /// of conjunctions of atom texts (None when not in that normal form).
+    pub blocks: Vec<BlockFacts>,
+    /// (tenant, tier, span) pinned together by a classify rule.
+    pub classify_pins: Vec<(String, String, Span)>,
+    pub preempt_spans: HashMap<(String, String), Span>,
+    pub fallback_asts: Vec<(Vec<TierId>, ast::Fallback)>,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct BlockFacts {
+    pub name: String,
+    pub rules: Vec<(Span, Option<Vec<Vec<String>>>)>,
+}
+
+/// Reads policy files: each path is a `.kiln` file or a directory searched
+/// (not recursively) for `*.kiln`, in name order so ids are stable.
+pub fn load(paths: &[PathBuf]) -> Result<SourceMap, Diagnostics> {
+    let mut files = Vec::new();
+    let mut diags = Diagnostics::new();
+    for p in paths {
+        if p.is_dir() {
+            match std::fs::read_dir(p) {
+                Ok(rd) => {
+                    let mut found: Vec<PathBuf> = rd
+                        .filter_map(|e| e.ok().map(|e| e.path()))
+                        .filter(|f| f.extension().is_some_and(|x| x == "kiln"))
+                        .collect();
+                    found.sort();
+                    if found.is_empty() {
+                        diags.push(
+                            Diagnostic::error(
+                                Code::Io,
+                                format!("no .kiln files in {}", p.display()),
+                            )
+                            .help("point kiln at a policy file or a directory of .kiln files"),
+                        );
+                    }
+                    files.extend(found);
+                }
+                Err(e) => diags.push(io_error(p, &e)),
+            }
+        } else {
+            files.push(p.clone());
+        }
+    }
+    let mut sources = SourceMap::new();
+    for f in files {
+        match std::fs::read_to_string(&f) {
+            Ok(text) => {
+                sources.add(display_path(&f), text);
+            }
+            Err(e) => diags.push(io_error(&f, &e)),
+        }
+    }
+    if diags.has_errors() {
+        Err(diags)
+    } else {
+        Ok(sources)
+    }
+}
+
+fn display_path(p: &Path) -> String {
+    p.display().to_string()
+}
+
+fn io_error(p: &Path, e: &std::io::Error) -> Diagnostic {
+    Diagnostic::error(Code::Io, format!("cannot read {}: {e}", p.display()))
+        .help("check the path; kiln reads .kiln files and directories of them")
+}
+
+/// Parses every file (reporting every file's syntax error) and compiles.
+pub fn compile(sources: SourceMap) -> Compiled {
+    let mut diagnostics = Diagnostics::new();
+    let mut files = Vec::new();
+    for (id, f) in sources.files() {
+        match crate::lang::parse(id, &f.text) {
+            Ok(file) => files.push((id, file)),
+            Err(d) => diagnostics.push(*d),
+        }
+    }
+    if diagnostics.has_errors() {
+        diagnostics.sort();
+        return Compiled {
+            sources,
+            files,
+            graph: None,
+            diagnostics,
+            facts: Facts::default(),
+        };
+    }
+    let mut c = Compiler::new(&sources);
+    c.collect(&files);
+    c.lower_decls(&files);
+    c.lower_rules(&files);
+    let graph = c.finish();
+    diagnostics.extend(std::mem::take(&mut c.diags));
+    let facts = std::mem::take(&mut c.facts);
+    drop(c);
+    diagnostics.sort();
+    let graph = if diagnostics.has_errors() {
+        None
+    } else {
+        Some(graph)
+    };
+    Compiled {
+        sources,
+        files,
+        graph,
+        diagnostics,
+        facts,
+    }
+}
+
+/// Compiles policy text held in memory (tests, benchmarks, the fuzzer).
+pub fn compile_str(name: &str, text: &str) -> Compiled {
+    let mut sources = SourceMap::new();
+    sources.add(name, text.to_string());
+    compile(sources)
+}
+
+/// Name tables for one definition kind.
+#[derive(Debug, Default)]
+pub(crate) struct Table {
+    pub ids: HashMap<String, u32>,
+    pub names: Vec<String>,
+    pub spans: Vec<Span>,
+}
+
+impl Table {
+    fn insert(&mut self, name: &str, span: Span) -> Result<u32, Span> {
+        if let Some(&id) = self.ids.get(name) {
+            return Err(self.spans[id as usize]);
+        }
+        let id = self.names.len() as u32;
+        self.ids.insert(name.to_string(), id);
+        self.names.push(name.to_string());
+        self.spans.push(span);
+        Ok(id)
+    }
+}
+
+pub(crate) struct Compiler<'s> {
+    pub sources: &'s SourceMap,
+    pub diags: Diagnostics,
+    pub pools: Table,
+    pub models: Table,
+    pub tiers: Table,
+    pub tenants: Table,
+    pub cohorts: Table,
+    pub g: DecisionGraph,
+    pub facts: Facts,
+    /// Rule blocks seen: (tier, model) routes, admits and fallbacks by tier.
+    pub route_spans: HashMap<(TierId, ModelId), Span>,
+    pub admit_spans: HashMap<TierId, Span>,
+    pub fallback_spans: HashMap<TierId, Span>,
+    /// `fallback` outcomes by tier, to check a chain exists.
+    pub fallback_uses: Vec<(TierId, Span)>,
+    pub classify_span: Option<Span>,
+}
+
+impl<'s> Compiler<'s> {
+    fn new(sources: &'s SourceMap) -> Self {
+        Compiler {
+            sources,
+            diags: Diagnostics::new(),
+            pools: Table::default(),
+            models: Table::default(),
+            tiers: Table::default(),
+            tenants: Table::default(),
+            cohorts: Table::default(),
+            g: DecisionGraph::empty(),
+            facts: Facts::default(),
+            route_spans: HashMap::new(),
+            admit_spans: HashMap::new(),
+            fallback_spans: HashMap::new(),
+            fallback_uses: Vec::new(),
+            classify_span: None,
+        }
+    }
+
+    pub fn err(&mut self, d: Diagnostic) {
+        self.diags.push(d);
+    }
+
+    fn table(&self, kind: ast::DeclKind) -> &Table {
+        match kind {
+            ast::DeclKind::Pool => &self.pools,
+            ast::DeclKind::Model => &self.models,
+            ast::DeclKind::Tier => &self.tiers,
+            ast::DeclKind::Tenant => &self.tenants,
+            ast::DeclKind::Cohort => &self.cohorts,
+        }
+    }
+
+    /// Resolves a name of a kind, reporting unknown-name with a suggestion.
+    pub fn resolve(&mut self, kind: ast::DeclKind, id: &Ident) -> Option<u32> {
+        let t = self.table(kind);
+        if let Some(&i) = t.ids.get(&id.name) {
+            self.facts.used.insert((kind, id.name.clone()));
+            return Some(i);
+        }
+        let suggestion = did_you_mean(&id.name, t.names.iter().map(String::as_str));
+        let kw = kind.keyword();
+        let help = match suggestion {
+            Some(s) => format!("did you mean `{s}`?"),
+            None if t.names.is_empty() => format!("define it with `{kw} {} {{ … }}`", id.name),
+            None => format!(
+                "defined {kw}s are: {}",
+                t.names
+                    .iter()
+                    .take(12)
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        };
+        self.err(
+            Diagnostic::error(Code::UnknownName, format!("unknown {kw} `{}`", id.name))
+                .at(id.span, format!("no {kw} is named `{}`", id.name))
+                .help(help),
+        );
+        None
+    }
+
+    /// Pass 1: every definition's name, across all files, so that order and
+    /// file boundaries do not matter.
+    fn collect(&mut self, files: &[(FileId, File)]) {
+        for (_, f) in files {
+            for item in &f.items {
+                match item {
+                    Item::Decl(d) => {
+                        let table = match d.kind {
+                            ast::DeclKind::Pool => &mut self.pools,
+                            ast::DeclKind::Model => &mut self.models,
+                            ast::DeclKind::Tier => &mut self.tiers,
+                            ast::DeclKind::Tenant => &mut self.tenants,
+                            ast::DeclKind::Cohort => &mut self.cohorts,
+                        };
+                        if let Err(first) = table.insert(&d.name.name, d.name.span) {
+                            let kw = d.kind.keyword();
+                            let first_at = self.sources.describe(first);
+                            self.diags.push(
+                                Diagnostic::error(
+                                    Code::DuplicateDefinition,
+                                    format!("{kw} `{}` is defined twice", d.name.name),
+                                )
+                                .at(d.name.span, "defined again here")
+                                .also(first, "first defined here")
+                                .help(format!(
+                                    "names are global across the policy's files; rename or remove one (first at {first_at})"
+                                )),
+                            );
+                        } else {
+                            self.facts
+                                .decl_spans
+                                .insert((d.kind, d.name.name.clone()), d.name.span);
+                        }
+                    }
+                    Item::Classify(c) => {
+                        if let Some(first) = self.classify_span {
+                            let first_at = self.sources.describe(first);
+                            self.diags.push(
+                                Diagnostic::error(
+                                    Code::DuplicateDefinition,
+                                    "the policy has two classify blocks",
+                                )
+                                .at(
+                                    Span {
+                                        end: c.span.start + 8,
+                                        ..c.span
+                                    },
+                                    "second classify block",
+                                )
+                                .also(first, "first classify block")
+                                .help(format!(
+                                    "merge them into one ordered block (the first is at {first_at})"
+                                )),
+                            );
+                        } else {
+                            self.classify_span = Some(Span {
+                                end: c.span.start + 8,
+                                ..c.span
+                            });
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        if self.classify_span.is_none() && !files.is_empty() {
+            let span = files
+                .first()
+                .map(|(id, _)| Span::new(*id, 0, 0))
+                .unwrap_or_default();
+            self.diags.push(
+                Diagnostic::error(Code::MissingPiece, "the policy has no classify block")
+                    .at(span, "")
+                    .help("add `classify { default => tier <name> }`: every request needs a tier"),
+            );
+        }
+        if self.tiers.names.is_empty() && !files.is_empty() {
+            let span = files
+                .first()
+                .map(|(id, _)| Span::new(*id, 0, 0))
+                .unwrap_or_default();
+            self.diags.push(
+                Diagnostic::error(Code::MissingPiece, "the policy defines no tier")
+                    .at(span, "")
+                    .help("add at least one `tier <name> { priority N }`"),
+            );
+        }
+    }
+
+    fn finish(&mut self) -> DecisionGraph {
+        validate::run(self);
+        let g = &mut self.g;
+        g.index.pools = self
+            .pools
+            .ids
+            .iter()
+            .map(|(k, v)| (k.clone(), *v as PoolId))
+            .collect();
+        g.index.models = self
+            .models
+            .ids
+            .iter()
+            .map(|(k, v)| (k.clone(), *v as ModelId))
+            .collect();
+        g.index.tiers = self
+            .tiers
+            .ids
+            .iter()
+            .map(|(k, v)| (k.clone(), *v as TierId))
+            .collect();
+        g.index.tenants = self
+            .tenants
+            .ids
+            .iter()
+            .map(|(k, v)| (k.clone(), *v))
+            .collect();
+        for (i, t) in g.tenants.iter().enumerate() {
+            for k in &t.api_keys {
+                g.index.api_keys.insert(k.clone(), i as TenantId);
+            }
+        }
+        std::mem::replace(g, DecisionGraph::empty())
+    }
+}

@@ -1,0 +1,281 @@
+//! Whole-graph checks: every request reaches a terminal decision, fallback
+//! chains terminate without cycles, preemption has no cycle, every tier can
+//! route every model it may use, and every variant fits its pools.
+
+use super::Compiler;
+use crate::compile::units::{show, Ty};
+use crate::diag::{Code, Diagnostic};
+use crate::graph::*;
+use crate::lang::ast::StepKind;
+
+pub(crate) fn run(c: &mut Compiler) {
+    // Nothing graph-level is meaningful while names failed to resolve.
+    if c.g.tiers.is_empty() {
+        return;
+    }
+    routes_cover_models(c);
+    fallbacks_exist(c);
+    chains_terminate(c);
+    demotes_acyclic(c);
+    preempts_acyclic(c);
+    variants_fit(c);
+}
+
+fn routes_cover_models(c: &mut Compiler) {
+    let nm = c.g.models.len() as ModelId;
+    for t in 0..c.g.tiers.len() as TierId {
+        for m in 0..nm {
+            if !c.g.tier_allows_model(t, m) || c.route_spans.contains_key(&(t, m)) {
+                continue;
+            }
+            let tier = &c.g.tiers[t as usize];
+            let model = &c.g.models[m as usize];
+            let first_variant = model
+                .variants
+                .first()
+                .map(|v| v.name.as_str())
+                .unwrap_or("fp16");
+            let d = Diagnostic::error(
+                Code::NoRoute,
+                format!("tier `{}` has no route for model `{}`", tier.name, model.name),
+            )
+            .at(tier.span, format!("requests for `{}` in this tier go nowhere", model.name))
+            .help(format!(
+                "add `route {} {} {{ default => {first_variant} }}`, or limit the tier with `models [...]`",
+                tier.name, model.name
+            ));
+            c.err(d);
+        }
+    }
+}
+
+fn fallbacks_exist(c: &mut Compiler) {
+    let uses = std::mem::take(&mut c.fallback_uses);
+    let mut seen = std::collections::HashSet::new();
+    for (t, span) in &uses {
+        if c.fallback_spans.contains_key(t) || !seen.insert((*t, *span)) {
+            continue;
+        }
+        let name = c.g.tiers[*t as usize].name.clone();
+        c.err(
+            Diagnostic::error(
+                Code::NoTerminal,
+                format!("requests of tier `{name}` can reach `fallback`, but the tier has no fallback chain"),
+            )
+            .at(*span, "nowhere to fall back to")
+            .help(format!(
+                "add `fallback {name} [queue 30s, reject 503 \"no capacity\" retry_after 10s]`"
+            )),
+        );
+    }
+    c.fallback_uses = uses;
+}
+
+fn chains_terminate(c: &mut Compiler) {
+    let asts = c.facts.fallback_asts.clone();
+    for (_, f) in &asts {
+        let mut terminal_at = None;
+        for (i, s) in f.steps.iter().enumerate() {
+            if let Some(t) = terminal_at {
+                let _: usize = t;
+                c.err(
+                    Diagnostic::error(Code::FallbackNotTerminal, "this step follows a terminal step and never runs")
+                        .at(s.span, "unreachable step")
+                        .help("queue, reject and demote end a chain; move this step before them or delete it"),
+                );
+                break;
+            }
+            if matches!(
+                s.kind,
+                StepKind::Queue(_) | StepKind::Reject(_) | StepKind::Demote(_)
+            ) {
+                terminal_at = Some(i);
+            }
+        }
+        if terminal_at.is_none() {
+            if let Some(last) = f.steps.last() {
+                c.err(
+                    Diagnostic::error(Code::FallbackNotTerminal, "the fallback chain can run out of steps")
+                        .at(last.span, "if this is saturated too, the request has nowhere to go")
+                        .help("end the chain with `queue 30s`, `reject 503 \"…\" retry_after 10s` or `demote <tier>`"),
+                );
+            }
+        }
+    }
+}
+
+fn demotes_acyclic(c: &mut Compiler) {
+    let n = c.g.tiers.len();
+    let edges: Vec<Vec<TierId>> = (0..n)
+        .map(|t| {
+            c.g.fallbacks[t]
+                .as_ref()
+                .map(|ch| {
+                    ch.steps
+                        .iter()
+                        .filter_map(|(_, s)| match s {
+                            Step::Demote(to) => Some(*to),
+                            _ => None,
+                        })
+                        .collect()
+                })
+                .unwrap_or_default()
+        })
+        .collect();
+    if let Some(cycle) = find_cycle(&edges) {
+        let names: Vec<String> = cycle
+            .iter()
+            .map(|t| c.g.tiers[*t as usize].name.clone())
+            .collect();
+        let from = cycle[0];
+        let to = cycle.get(1).copied().unwrap_or(from);
+        let span = c
+            .facts
+            .fallback_asts
+            .iter()
+            .filter(|(tiers, _)| tiers.contains(&from))
+            .flat_map(|(_, f)| f.steps.iter())
+            .find(|s| matches!(&s.kind, StepKind::Demote(i) if c.g.tiers.get(to as usize).is_some_and(|t| t.name == i.name)))
+            .map(|s| s.span)
+            .unwrap_or(c.g.tiers[from as usize].span);
+        c.err(
+            Diagnostic::error(Code::FallbackCycle, format!("fallback chains demote in a cycle: {}", names.join(" → ")))
+                .at(span, "this demote closes the cycle")
+                .help("a demoted request must end somewhere: end one of these chains with queue or reject instead"),
+        );
+    }
+}
+
+fn preempts_acyclic(c: &mut Compiler) {
+    let edges: Vec<Vec<TierId>> = c.g.tiers.iter().map(|t| t.preempts.clone()).collect();
+    if let Some(cycle) = find_cycle(&edges) {
+        let names: Vec<String> = cycle
+            .iter()
+            .map(|t| c.g.tiers[*t as usize].name.clone())
+            .collect();
+        let from = names[0].clone();
+        let to = names.get(1).cloned().unwrap_or_else(|| from.clone());
+        let span = c
+            .facts
+            .preempt_spans
+            .get(&(from.clone(), to.clone()))
+            .copied()
+            .unwrap_or(c.g.tiers[cycle[0] as usize].span);
+        c.err(
+            Diagnostic::error(Code::PreemptCycle, format!("tiers preempt each other in a cycle: {}", names.join(" → ")))
+                .at(span, format!("`{from}` preempts `{to}` here"))
+                .help("preemption must flow one way, from higher to lower priority; remove one of these preempts"),
+        );
+    }
+}
+
+/// A cycle as a closed path (first node repeated at the end), if any.
+fn find_cycle(edges: &[Vec<TierId>]) -> Option<Vec<TierId>> {
+    #[derive(Clone, Copy, PartialEq)]
+    enum Mark {
+        New,
+        Active,
+        Done,
+    }
+    let n = edges.len();
+    let mut mark = vec![Mark::New; n];
+    let mut stack: Vec<TierId> = Vec::new();
+    // Iterative DFS: a policy of thousands of tiers must not overflow the stack.
+    for root in 0..n {
+        if mark[root] != Mark::New {
+            continue;
+        }
+        let mut work: Vec<(TierId, usize)> = vec![(root as TierId, 0)];
+        mark[root] = Mark::Active;
+        stack.push(root as TierId);
+        while let Some((node, i)) = work.last().copied() {
+            let next = edges.get(node as usize).and_then(|e| e.get(i)).copied();
+            match next {
+                Some(to) => {
+                    if let Some(top) = work.last_mut() {
+                        top.1 += 1;
+                    }
+                    match mark.get(to as usize) {
+                        Some(Mark::Active) => {
+                            let pos = stack.iter().position(|x| *x == to).unwrap_or(0);
+                            let mut cycle: Vec<TierId> = stack[pos..].to_vec();
+                            cycle.push(to);
+                            return Some(cycle);
+                        }
+                        Some(Mark::New) => {
+                            mark[to as usize] = Mark::Active;
+                            stack.push(to);
+                            work.push((to, 0));
+                        }
+                        _ => {}
+                    }
+                }
+                None => {
+                    mark[node as usize] = Mark::Done;
+                    stack.pop();
+                    work.pop();
+                }
+            }
+        }
+    }
+    None
+}
+
+fn variants_fit(c: &mut Compiler) {
+    let mut errs = Vec::new();
+    for m in &c.g.models {
+        for v in &m.variants {
+            for &p in &v.pools {
+                let pool = &c.g.pools[p as usize];
+                if pool.gpus == 0 || pool.gpu_memory <= 0.0 {
+                    continue; // already reported on the pool
+                }
+                if v.gpus_per_replica > pool.gpus {
+                    errs.push(
+                        Diagnostic::error(
+                            Code::VariantDoesNotFit,
+                            format!(
+                                "variant `{}.{}` needs {} GPUs per replica but pool `{}` has {}",
+                                m.name, v.name, v.gpus_per_replica, pool.name, pool.gpus
+                            ),
+                        )
+                        .at(v.span, "cannot be placed")
+                        .also(pool.span, "pool declared here")
+                        .help(format!(
+                            "gang placement needs all {} GPUs in one pool: remove `{}` from the variant's pools or grow the pool",
+                            v.gpus_per_replica, pool.name
+                        )),
+                    );
+                    continue;
+                }
+                let have = pool.gpu_memory * f64::from(v.gpus_per_replica);
+                if v.memory > have {
+                    errs.push(
+                        Diagnostic::error(
+                            Code::VariantDoesNotFit,
+                            format!(
+                                "variant `{}.{}` needs {} but {} GPU(s) of pool `{}` hold {}",
+                                m.name,
+                                v.name,
+                                show(Ty::Size, v.memory),
+                                v.gpus_per_replica,
+                                pool.name,
+                                show(Ty::Size, have)
+                            ),
+                        )
+                        .at(v.span, "does not fit")
+                        .also(pool.span, "pool declared here")
+                        .help(format!(
+                            "raise `gpus_per_replica` to {} or more, route a smaller variant, or remove `{}` from its pools",
+                            (v.memory / pool.gpu_memory).ceil(),
+                            pool.name
+                        )),
+                    );
+                }
+            }
+        }
+    }
+    for e in errs {
+        c.err(e);
+    }
+}

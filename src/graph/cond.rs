@@ -1,0 +1,193 @@
+//! Typed conditions and their evaluation. Each test compares one signal with
+//! a constant resolved at compile time, so evaluation does no name lookups
+//! and allocates nothing unless a trace is asked for.
+
+use super::input::{Request, Signals};
+use super::trace::Tracer;
+use super::{ModelId, PoolId, TenantId, TierId};
+use crate::ast::CmpOp;
+use crate::compile::units::{show, Ty};
+
+/// What a test reads.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Sig {
+    Tenant,
+    ApiKey,
+    Model,
+    Tier,
+    Session,
+    HasSession,
+    PromptTokens,
+    MaxTokens,
+    Header(String),
+    Tag(String),
+    PoolUtilization(PoolId),
+    PoolQueueDepth(PoolId),
+    TierWaitP95(TierId),
+    QuotaRemaining,
+    EstimatedWait,
+    TimeOfDay,
+    Weekday,
+    // Live metrics, read by rollout rollback conditions.
+    TierTtftP95(TierId),
+    TierE2eP95(TierId),
+    TierSloAttainment(TierId),
+    ErrorRate,
+    TenantDeadlineMisses(TenantId),
+}
+
+impl Sig {
+    pub fn ty(&self) -> Ty {
+        match self {
+            Sig::Tenant => Ty::Tenant,
+            Sig::Model => Ty::Model,
+            Sig::Tier => Ty::Tier,
+            Sig::ApiKey | Sig::Session | Sig::Header(_) => Ty::Str,
+            Sig::HasSession | Sig::Tag(_) => Ty::Bool,
+            Sig::PromptTokens | Sig::MaxTokens | Sig::PoolQueueDepth(_) => Ty::Count,
+            Sig::TenantDeadlineMisses(_) => Ty::Count,
+            Sig::PoolUtilization(_)
+            | Sig::QuotaRemaining
+            | Sig::ErrorRate
+            | Sig::TierSloAttainment(_) => Ty::Percent,
+            Sig::TierWaitP95(_) | Sig::EstimatedWait | Sig::TierTtftP95(_) | Sig::TierE2eP95(_) => {
+                Ty::Duration
+            }
+            Sig::TimeOfDay => Ty::TimeOfDay,
+            Sig::Weekday => Ty::Weekday,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum TestOp {
+    /// Equality on a dense id (tenant, model, tier, weekday).
+    IdIn(Vec<u32>),
+    StrIn(Vec<String>),
+    Num(CmpOp, f64),
+    /// Inclusive lower, exclusive upper; a time range may wrap midnight.
+    Range(f64, f64),
+    Truthy,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Test {
+    pub sig: Sig,
+    pub op: TestOp,
+    pub negate: bool,
+    /// The condition as written, for traces.
+    pub text: String,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Cond {
+    True,
+    Test(Box<Test>),
+    Not(Box<Cond>),
+    And(Vec<Cond>),
+    Or(Vec<Cond>),
+}
+
+/// The request as the evaluator sees it: names resolved to ids.
+pub struct Ctx<'r> {
+    pub req: &'r Request,
+    pub tenant: Option<TenantId>,
+    pub model: Option<ModelId>,
+    pub tier: Option<TierId>,
+    pub signals: &'r Signals,
+}
+
+enum Val<'a> {
+    Id(Option<u32>),
+    Str(Option<&'a str>),
+    Num(f64),
+    Bool(bool),
+}
+
+impl Cond {
+    pub fn eval<T: Tracer>(&self, cx: &Ctx, t: &mut T) -> bool {
+        match self {
+            Cond::True => true,
+            Cond::Test(test) => test.eval(cx, t),
+            Cond::Not(c) => !c.eval(cx, t),
+            Cond::And(cs) => cs.iter().all(|c| c.eval(cx, t)),
+            Cond::Or(cs) => cs.iter().any(|c| c.eval(cx, t)),
+        }
+    }
+}
+
+impl Test {
+    fn read<'a>(&self, cx: &Ctx<'a>) -> Val<'a> {
+        let s = cx.signals;
+        match &self.sig {
+            Sig::Tenant => Val::Id(cx.tenant),
+            Sig::Model => Val::Id(cx.model.map(u32::from)),
+            Sig::Tier => Val::Id(cx.tier.map(u32::from)),
+            Sig::ApiKey => Val::Str(cx.req.api_key.as_deref()),
+            Sig::Session => Val::Str(cx.req.session.as_deref()),
+            Sig::HasSession => Val::Bool(cx.req.session.as_deref().is_some_and(|s| !s.is_empty())),
+            Sig::PromptTokens => Val::Num(cx.req.prompt_tokens as f64),
+            Sig::MaxTokens => Val::Num(cx.req.max_tokens as f64),
+            Sig::Header(h) => Val::Str(cx.req.header(h)),
+            Sig::Tag(tag) => Val::Bool(cx.req.tags.iter().any(|x| x == tag)),
+            Sig::PoolUtilization(p) => Val::Num(s.pool_utilization(*p)),
+            Sig::PoolQueueDepth(p) => Val::Num(s.pool_queue_depth(*p)),
+            Sig::TierWaitP95(t) => Val::Num(s.tier_wait_p95(*t)),
+            Sig::QuotaRemaining => Val::Num(s.quota_remaining(cx.tenant)),
+            Sig::EstimatedWait => Val::Num(s.estimated_wait),
+            Sig::TimeOfDay => Val::Num(f64::from(s.time_of_day)),
+            Sig::Weekday => Val::Id(Some(u32::from(s.weekday))),
+            Sig::TierTtftP95(t) => Val::Num(s.metric_tier(*t, |m| m.ttft_p95)),
+            Sig::TierE2eP95(t) => Val::Num(s.metric_tier(*t, |m| m.e2e_p95)),
+            Sig::TierSloAttainment(t) => Val::Num(s.metric_tier(*t, |m| m.slo_attainment)),
+            Sig::ErrorRate => Val::Num(s.error_rate),
+            Sig::TenantDeadlineMisses(t) => Val::Num(s.deadline_misses(*t)),
+        }
+    }
+
+    pub fn eval<T: Tracer>(&self, cx: &Ctx, t: &mut T) -> bool {
+        let v = self.read(cx);
+        let r = match (&self.op, &v) {
+            (TestOp::IdIn(ids), Val::Id(Some(x))) => ids.contains(x),
+            (TestOp::IdIn(_), Val::Id(None)) => false,
+            (TestOp::StrIn(ss), Val::Str(Some(x))) => ss.iter().any(|s| s == x),
+            (TestOp::StrIn(_), Val::Str(None)) => false,
+            (TestOp::Num(op, k), Val::Num(x)) => match op {
+                CmpOp::Eq => x == k,
+                CmpOp::Ne => x != k,
+                CmpOp::Lt => x < k,
+                CmpOp::Le => x <= k,
+                CmpOp::Gt => x > k,
+                CmpOp::Ge => x >= k,
+            },
+            (TestOp::Range(lo, hi), Val::Num(x)) => {
+                if lo <= hi {
+                    x >= lo && x < hi
+                } else {
+                    x >= lo || x < hi
+                }
+            }
+            (TestOp::Truthy, Val::Bool(b)) => *b,
+            _ => false,
+        };
+        let r = r != self.negate;
+        if t.enabled() {
+            t.test(&self.text, self.observed(cx, &v), r);
+        }
+        r
+    }
+
+    fn observed(&self, cx: &Ctx, v: &Val) -> String {
+        let ty = self.sig.ty();
+        match v {
+            Val::Id(None) | Val::Str(None) => "absent".to_string(),
+            Val::Id(Some(id)) => match self.sig {
+                Sig::Weekday => show(Ty::Weekday, f64::from(*id)),
+                _ => cx.signals.name_of(ty, *id),
+            },
+            Val::Str(Some(s)) => format!("\"{s}\""),
+            Val::Num(x) => show(ty, *x),
+            Val::Bool(b) => b.to_string(),
+        }
+    }
+}

@@ -1,0 +1,463 @@
+//! One decision: classify → quota → route → admit → fallback. Pure: the same
+//! graph, request and signals give the same decision. No allocation unless a
+//! trace is recorded.
+
+use super::cond::Ctx;
+use super::input::{Request, Signals};
+use super::trace::{NoTrace, Trace, Tracer};
+use super::*;
+
+/// Where a request runs: a variant of a model, on a pool (or any allowed pool
+/// when `None`, left to the scheduler's placement).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Target {
+    pub model: ModelId,
+    pub variant: u16,
+    pub pool: Option<PoolId>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Admission<'g> {
+    Accept,
+    /// Wait in the tier's queue at most this long (ms).
+    Queue {
+        max_wait: f64,
+    },
+    /// Hold until this time of day (minutes after midnight).
+    Delay {
+        until: u16,
+    },
+    /// Accepted on a cheaper variant or a smaller max_tokens.
+    Degrade,
+    Reject(&'g Reject),
+}
+
+impl Admission<'_> {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Admission::Accept => "accept",
+            Admission::Queue { .. } => "queue",
+            Admission::Delay { .. } => "delay",
+            Admission::Degrade => "degrade",
+            Admission::Reject(_) => "reject",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Decision<'g> {
+    pub tenant: Option<TenantId>,
+    pub tier: TierId,
+    pub model: Option<ModelId>,
+    pub target: Option<Target>,
+    pub admission: Admission<'g>,
+    /// 0-based index of the fallback step taken, if any.
+    pub fallback_step: Option<u8>,
+    /// The request's max_tokens after any degrade.
+    pub max_tokens: u64,
+    pub classify_rule: RuleId,
+    pub route_rule: Option<RuleId>,
+    pub admit_rule: Option<RuleId>,
+    pub step_rule: Option<RuleId>,
+}
+
+impl DecisionGraph {
+    /// Decides one request. The hot path: no trace, no allocation.
+    pub fn decide<'g>(&'g self, req: &Request, signals: &Signals) -> Decision<'g> {
+        self.decide_with(req, signals, &mut NoTrace)
+    }
+
+    /// Decides and records why, condition by condition.
+    pub fn explain<'g>(&'g self, req: &Request, signals: &Signals) -> (Decision<'g>, Trace) {
+        let mut t = Trace::default();
+        let d = self.decide_with(req, signals, &mut t);
+        (d, t)
+    }
+
+    pub fn decide_with<'g, T: Tracer>(
+        &'g self,
+        req: &Request,
+        signals: &Signals,
+        t: &mut T,
+    ) -> Decision<'g> {
+        let mut tenant = match &req.tenant {
+            Some(name) => self.tenant_id(name),
+            None => None,
+        };
+        if tenant.is_none() {
+            if let Some(k) = &req.api_key {
+                tenant = self.tenant_for_key(k);
+            }
+        }
+        let model = self.model_id(&req.model);
+        let mut cx = Ctx {
+            req,
+            tenant,
+            model,
+            tier: None,
+            signals,
+        };
+
+        // classify
+        if t.enabled() {
+            t.stage("classify", "classify".into());
+            if req.tenant.is_some() && tenant.is_none() {
+                t.note(format!(
+                    "tenant `{}` is not defined by this policy",
+                    req.tenant.as_deref().unwrap_or("")
+                ));
+            }
+        }
+        let (classify_rule, out) = first_match(&self.classify, &cx, t);
+        if let Some(tn) = out.tenant {
+            tenant = Some(tn);
+            cx.tenant = Some(tn);
+        }
+        let mut tier = out.tier;
+        if let Some(tn) = tenant.and_then(|i| self.tenants.get(i as usize)) {
+            if !tn.tiers.is_empty() && !tn.tiers.contains(&tier) {
+                let granted = tn.tiers[0];
+                if t.enabled() {
+                    t.note(format!(
+                        "tier `{}` is not granted to tenant `{}`; it runs in its first granted tier `{}`",
+                        self.tiers[tier as usize].name, tn.name, self.tiers[granted as usize].name
+                    ));
+                }
+                tier = granted;
+            }
+        }
+        cx.tier = Some(tier);
+
+        let mut d = Decision {
+            tenant,
+            tier,
+            model,
+            target: None,
+            admission: Admission::Accept,
+            fallback_step: None,
+            max_tokens: req.max_tokens,
+            classify_rule,
+            route_rule: None,
+            admit_rule: None,
+            step_rule: None,
+        };
+
+        // quota: the gateway reserves against token buckets; the graph refuses
+        // outright when the live signals say the tenant has nothing left.
+        if let Some(tn) = tenant.and_then(|i| self.tenants.get(i as usize)) {
+            if t.enabled() {
+                t.stage("quota", format!("tenant {}", tn.name));
+            }
+            if tn.quota.is_limited() && signals.quota_remaining(tenant) <= 0.0 {
+                if t.enabled() {
+                    t.note("quota exhausted (0% remaining)".into());
+                }
+                d.admission = Admission::Reject(&self.builtin.quota);
+                return d;
+            }
+            if let (Some(limit), Some(id)) = (tn.quota.concurrent, tenant) {
+                if signals.in_flight(id) >= limit {
+                    if t.enabled() {
+                        t.note(format!(
+                            "{} requests in flight, limit {limit}",
+                            signals.in_flight(id)
+                        ));
+                    }
+                    d.admission = Admission::Reject(&self.builtin.concurrency);
+                    return d;
+                }
+            }
+            if t.enabled() {
+                t.note(format!(
+                    "within quota ({}% remaining)",
+                    signals.quota_remaining(tenant)
+                ));
+            }
+        }
+
+        let Some(model) = model else {
+            if t.enabled() {
+                t.stage("route", "route".into());
+                t.note(format!(
+                    "model `{}` is not defined by this policy",
+                    req.model
+                ));
+            }
+            d.admission = Admission::Reject(&self.builtin.unknown_model);
+            return d;
+        };
+
+        // A demote moves the request to another tier's route/admit/fallback;
+        // validation proves demotes are acyclic, the bound is belt and braces.
+        for _ in 0..=self.tiers.len() {
+            match self.route_and_admit(&mut d, &mut cx, model, t) {
+                Flow::Done => return d,
+                Flow::Demote(to) => {
+                    d.tier = to;
+                    cx.tier = Some(to);
+                }
+            }
+        }
+        d
+    }
+
+    fn route_and_admit<'g, T: Tracer>(
+        &'g self,
+        d: &mut Decision<'g>,
+        cx: &mut Ctx,
+        model: ModelId,
+        t: &mut T,
+    ) -> Flow {
+        let tier = d.tier;
+        if !self.tier_allows_model(tier, model) {
+            if t.enabled() {
+                t.stage("route", format!("route {}", self.tiers[tier as usize].name));
+                t.note("the tier may not use this model".into());
+            }
+            d.admission = Admission::Reject(&self.builtin.model_not_allowed);
+            return Flow::Done;
+        }
+        let Some(rs) = self.route_set(tier, model) else {
+            // Validation guarantees a route for every usable (tier, model).
+            d.admission = Admission::Reject(&self.builtin.model_not_allowed);
+            return Flow::Done;
+        };
+        if t.enabled() {
+            t.stage(
+                "route",
+                format!(
+                    "route {} {}",
+                    self.tiers[tier as usize].name, self.models[model as usize].name
+                ),
+            );
+        }
+        let (rid, out) = first_match(rs, cx, t);
+        d.route_rule = Some(rid);
+        let mut need_fallback = false;
+        match out {
+            RouteOutcome::Target(target) => {
+                let target = self.place(*target, tier, d.tenant, cx.signals);
+                d.target = Some(target);
+                if let Some(p) = target.pool {
+                    if cx.signals.saturated(p) && self.fallbacks[tier as usize].is_some() {
+                        if t.enabled() {
+                            t.note(format!(
+                                "pool `{}` is saturated ({}% utilized)",
+                                self.pools[p as usize].name,
+                                cx.signals.pool_utilization(p)
+                            ));
+                        }
+                        need_fallback = true;
+                    }
+                }
+            }
+            RouteOutcome::Fallback => need_fallback = true,
+            RouteOutcome::Reject(r) => {
+                d.admission = Admission::Reject(r);
+                return Flow::Done;
+            }
+        }
+
+        if !need_fallback {
+            if let Some(rs) = &self.admits[tier as usize] {
+                if t.enabled() {
+                    t.stage("admit", format!("admit {}", self.tiers[tier as usize].name));
+                }
+                let (rid, out) = first_match(rs, cx, t);
+                d.admit_rule = Some(rid);
+                match out {
+                    AdmitOutcome::Accept => d.admission = Admission::Accept,
+                    AdmitOutcome::Queue { max_wait } => {
+                        d.admission = Admission::Queue {
+                            max_wait: *max_wait,
+                        }
+                    }
+                    AdmitOutcome::Delay { until } => {
+                        d.admission = Admission::Delay { until: *until }
+                    }
+                    AdmitOutcome::Degrade {
+                        variant,
+                        max_tokens,
+                    } => {
+                        if let (Some(v), Some(tg)) = (variant, d.target) {
+                            let name = self.degrade_names.get(*v as usize);
+                            let found = self.models.get(tg.model as usize).and_then(|m| {
+                                m.variants.iter().position(|x| Some(&x.name) == name)
+                            });
+                            match found {
+                                Some(vi) => {
+                                    d.target = Some(self.place(
+                                        Target {
+                                            model: tg.model,
+                                            variant: vi as u16,
+                                            pool: None,
+                                        },
+                                        tier,
+                                        d.tenant,
+                                        cx.signals,
+                                    ));
+                                }
+                                None => {
+                                    if t.enabled() {
+                                        t.note(format!(
+                                            "model `{}` has no variant `{}`; variant kept",
+                                            self.models[tg.model as usize].name,
+                                            name.map(String::as_str).unwrap_or("?")
+                                        ));
+                                    }
+                                }
+                            }
+                        }
+                        if let Some(m) = max_tokens {
+                            d.max_tokens = d.max_tokens.min(*m);
+                        }
+                        d.admission = Admission::Degrade;
+                    }
+                    AdmitOutcome::Reject(r) => d.admission = Admission::Reject(r),
+                    AdmitOutcome::Fallback => need_fallback = true,
+                }
+            } else {
+                d.admission = Admission::Accept;
+            }
+        }
+        if !need_fallback {
+            return Flow::Done;
+        }
+
+        let Some(chain) = &self.fallbacks[tier as usize] else {
+            // Saturation without a chain: the scheduler queues it.
+            d.admission = Admission::Accept;
+            return Flow::Done;
+        };
+        if t.enabled() {
+            t.stage(
+                "fallback",
+                format!("fallback {}", self.tiers[tier as usize].name),
+            );
+        }
+        for (i, (rid, step)) in chain.steps.iter().enumerate() {
+            let taken = match step {
+                Step::Route(target) => {
+                    if target.model != model {
+                        if t.enabled() {
+                            t.note(format!(
+                                "step {}: skipped, it routes model `{}`",
+                                i + 1,
+                                self.models[target.model as usize].name
+                            ));
+                        }
+                        false
+                    } else {
+                        let placed = self.place(*target, tier, d.tenant, cx.signals);
+                        let ok = match placed.pool {
+                            Some(p) => {
+                                !cx.signals.saturated(p)
+                                    && self.pools[p as usize].admits(tier, d.tenant)
+                            }
+                            None => false,
+                        };
+                        if t.enabled() {
+                            t.note(format!(
+                                "step {}: route {} {}",
+                                i + 1,
+                                self.variant_name(target.model, target.variant),
+                                if ok {
+                                    "has capacity: taken"
+                                } else {
+                                    "is saturated or fenced off: skipped"
+                                }
+                            ));
+                        }
+                        if ok {
+                            d.target = Some(placed);
+                            d.admission = Admission::Accept;
+                        }
+                        ok
+                    }
+                }
+                Step::Queue { max_wait } => {
+                    d.admission = Admission::Queue {
+                        max_wait: *max_wait,
+                    };
+                    if t.enabled() {
+                        t.note(format!("step {}: queue", i + 1));
+                    }
+                    true
+                }
+                Step::Reject(r) => {
+                    d.admission = Admission::Reject(r);
+                    if t.enabled() {
+                        t.note(format!("step {}: reject {}", i + 1, r.status));
+                    }
+                    true
+                }
+                Step::Demote(to) => {
+                    d.fallback_step = Some(i as u8);
+                    d.step_rule = Some(*rid);
+                    if t.enabled() {
+                        t.note(format!(
+                            "step {}: demote to tier `{}`",
+                            i + 1,
+                            self.tiers[*to as usize].name
+                        ));
+                    }
+                    return Flow::Demote(*to);
+                }
+            };
+            if taken {
+                d.fallback_step = Some(i as u8);
+                d.step_rule = Some(*rid);
+                return Flow::Done;
+            }
+        }
+        Flow::Done
+    }
+
+    /// Chooses a pool for a target that names none: the first allowed pool,
+    /// fenced-off and saturated pools last.
+    fn place(&self, target: Target, tier: TierId, tenant: Option<TenantId>, s: &Signals) -> Target {
+        if target.pool.is_some() {
+            return target;
+        }
+        let Some(v) = self
+            .models
+            .get(target.model as usize)
+            .and_then(|m| m.variants.get(target.variant as usize))
+        else {
+            return target;
+        };
+        let mut best: Option<(PoolId, (bool, bool))> = None;
+        for &p in &v.pools {
+            let fenced = !self.pools[p as usize].admits(tier, tenant);
+            let key = (fenced, s.saturated(p));
+            if best.is_none_or(|(_, k)| key < k) {
+                best = Some((p, key));
+            }
+        }
+        Target {
+            pool: best.map(|(p, _)| p),
+            ..target
+        }
+    }
+}
+
+enum Flow {
+    Done,
+    Demote(TierId),
+}
+
+fn first_match<'a, O, T: Tracer>(rs: &'a RuleSet<O>, cx: &Ctx, t: &mut T) -> (RuleId, &'a O) {
+    for (id, cond, out) in &rs.rules {
+        let m = cond.eval(cx, t);
+        if t.enabled() {
+            t.rule(*id, m);
+        }
+        if m {
+            return (*id, out);
+        }
+    }
+    if t.enabled() {
+        t.rule(rs.default.0, true);
+    }
+    (rs.default.0, &rs.default.1)
+}

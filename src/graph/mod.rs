@@ -1,0 +1,510 @@
+//! The immutable decision graph: what a policy compiles to, and what the
+//! gateway holds behind an `ArcSwap` and evaluates per request. Names are
+//! resolved to dense ids; every value is in base units; conditions are
+//! typed trees over request attributes and live signals.
+
+mod cond;
+mod eval;
+mod input;
+pub mod trace;
+mod view;
+
+pub use cond::{Cond, Sig, Test, TestOp};
+pub use eval::{Admission, Decision, Target};
+pub use input::{Request, Signals, SignalsInput};
+pub use view::{DecisionView, FiredRule};
+
+use crate::source::Span;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+pub type PoolId = u16;
+pub type ModelId = u16;
+pub type TierId = u16;
+pub type TenantId = u32;
+pub type CohortId = u16;
+pub type RuleId = u32;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pool {
+    pub name: String,
+    pub gpus: u32,
+    pub kind: String,
+    /// Memory of one GPU, bytes.
+    pub gpu_memory: f64,
+    pub labels: BTreeMap<String, String>,
+    /// When set, only these tiers may run here.
+    pub allow_tiers: Option<Vec<TierId>>,
+    pub deny_tiers: Vec<TierId>,
+    pub allow_tenants: Option<Vec<TenantId>>,
+    pub deny_tenants: Vec<TenantId>,
+    pub span: Span,
+}
+
+impl Pool {
+    /// Isolation: may this tier (and tenant, when known) use the pool?
+    pub fn admits(&self, tier: TierId, tenant: Option<TenantId>) -> bool {
+        if self.deny_tiers.contains(&tier) {
+            return false;
+        }
+        if let Some(a) = &self.allow_tiers {
+            if !a.contains(&tier) {
+                return false;
+            }
+        }
+        if let Some(t) = tenant {
+            if self.deny_tenants.contains(&t) {
+                return false;
+            }
+            if let Some(a) = &self.allow_tenants {
+                if !a.contains(&t) {
+                    return false;
+                }
+            }
+        }
+        true
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    Fp32,
+    Bf16,
+    Fp16,
+    Fp8,
+    Int8,
+    Int4,
+}
+
+impl Precision {
+    pub const NAMES: [&'static str; 6] = ["fp32", "bf16", "fp16", "fp8", "int8", "int4"];
+
+    pub fn parse(s: &str) -> Option<Precision> {
+        Some(match s {
+            "fp32" => Precision::Fp32,
+            "bf16" => Precision::Bf16,
+            "fp16" => Precision::Fp16,
+            "fp8" => Precision::Fp8,
+            "int8" => Precision::Int8,
+            "int4" => Precision::Int4,
+            _ => return None,
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+            Precision::Fp8 => "fp8",
+            Precision::Int8 => "int8",
+            Precision::Int4 => "int4",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Variant {
+    pub name: String,
+    pub precision: Precision,
+    /// Weights plus reserved KV memory for one replica, bytes.
+    pub memory: f64,
+    pub gpus_per_replica: u32,
+    pub pools: Vec<PoolId>,
+    pub quality: Option<String>,
+    pub span: Span,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Model {
+    pub name: String,
+    pub variants: Vec<Variant>,
+    pub span: Span,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Slo {
+    /// Time to first token target, ms.
+    pub ttft: Option<f64>,
+    /// End-to-end p95 target, ms.
+    pub e2e_p95: Option<f64>,
+    /// Completion window for batch work, ms.
+    pub window: Option<f64>,
+}
+
+impl Slo {
+    pub fn is_empty(&self) -> bool {
+        self.ttft.is_none() && self.e2e_p95.is_none() && self.window.is_none()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tier {
+    pub name: String,
+    pub priority: i64,
+    pub slo: Slo,
+    /// Continuous batching: how long a request may wait for a batch, ms.
+    /// `None`: joins the next step, never waits for a batch to fill.
+    pub batch_max_wait: Option<f64>,
+    pub preemptible: bool,
+    pub preempts: Vec<TierId>,
+    pub backfill_only: bool,
+    /// One priority level gained per this much waiting, ms.
+    pub aging: Option<f64>,
+    /// Lower tiers may starve behind this one: no aging applies.
+    pub may_starve: bool,
+    /// Models this tier may use; `None` means every model.
+    pub models: Option<Vec<ModelId>>,
+    pub span: Span,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Quota {
+    /// Tokens per second (prompt + completion).
+    pub tokens: Option<f64>,
+    /// Requests per second.
+    pub requests: Option<f64>,
+    pub concurrent: Option<u64>,
+    /// GPU-seconds per second (GPU-seconds/day ÷ 86400).
+    pub gpu_seconds: Option<f64>,
+}
+
+impl Quota {
+    pub fn is_limited(&self) -> bool {
+        self.tokens.is_some()
+            || self.requests.is_some()
+            || self.concurrent.is_some()
+            || self.gpu_seconds.is_some()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tenant {
+    pub name: String,
+    pub owner: Option<String>,
+    /// Tiers granted, the first is where the tenant lands when classify
+    /// picks a tier it is not granted.
+    pub tiers: Vec<TierId>,
+    pub cohort: Option<CohortId>,
+    pub quota: Quota,
+    pub weight: f64,
+    /// Share of its quota it may borrow from idle cohort capacity, 0–100.
+    pub borrow: f64,
+    /// Share of its quota it lends to its cohort when idle, 0–100.
+    pub lend: f64,
+    /// Share of requests that may be retries, 0–100.
+    pub retry_budget: Option<f64>,
+    /// Agentic session step budget.
+    pub session_steps: Option<u64>,
+    /// Cost per GPU-hour.
+    pub cost_per_gpu_hour: Option<f64>,
+    pub api_keys: Vec<String>,
+    pub span: Span,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Cohort {
+    pub name: String,
+    pub owner: Option<String>,
+    pub span: Span,
+}
+
+/// Where a rule lives, for explain traces and test coverage.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RuleInfo {
+    /// `classify`, `route interactive llama-70b`, `admit batch`, `fallback batch`
+    pub block: String,
+    /// 1-based position in its block.
+    pub index: usize,
+    /// The rule as the formatter prints it.
+    pub text: String,
+    pub span: Span,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct RuleSet<O> {
+    pub rules: Vec<(RuleId, Cond, O)>,
+    pub default: (RuleId, O),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClassifyOutcome {
+    pub tier: TierId,
+    pub tenant: Option<TenantId>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum RouteOutcome {
+    Target(Target),
+    Fallback,
+    Reject(Arc<Reject>),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum AdmitOutcome {
+    Accept,
+    Queue {
+        max_wait: f64,
+    },
+    Delay {
+        until: u16,
+    },
+    Degrade {
+        variant: Option<u16>,
+        max_tokens: Option<u64>,
+    },
+    Reject(Arc<Reject>),
+    Fallback,
+}
+
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Reject {
+    pub status: u16,
+    pub message: String,
+    /// ms
+    pub retry_after: Option<f64>,
+    /// Reason code: `policy`, `quota`, `concurrency`, `unknown-model`, `unknown-tenant`.
+    pub reason: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Step {
+    Route(Target),
+    Queue { max_wait: f64 },
+    Demote(TierId),
+    Reject(Arc<Reject>),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct FallbackChain {
+    pub steps: Vec<(RuleId, Step)>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rollback {
+    pub cond: Cond,
+    /// How long the condition must hold, ms.
+    pub hold: Option<f64>,
+    pub text: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Rollout {
+    pub shadow: Option<f64>,
+    pub canary_share: Option<f64>,
+    pub canary_tenants: Vec<TenantId>,
+    pub canary_duration: Option<f64>,
+    pub rollbacks: Vec<Rollback>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ChangeKind {
+    Any,
+    PriorityIncrease,
+    QuotaIncrease,
+    PreemptionChange,
+    TierChange,
+    TenantChange,
+    RouteChange,
+    PoolChange,
+    RolloutChange,
+    ApprovalChange,
+    Rollback,
+}
+
+impl ChangeKind {
+    pub const ALL: [ChangeKind; 11] = [
+        ChangeKind::Any,
+        ChangeKind::PriorityIncrease,
+        ChangeKind::QuotaIncrease,
+        ChangeKind::PreemptionChange,
+        ChangeKind::TierChange,
+        ChangeKind::TenantChange,
+        ChangeKind::RouteChange,
+        ChangeKind::PoolChange,
+        ChangeKind::RolloutChange,
+        ChangeKind::ApprovalChange,
+        ChangeKind::Rollback,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ChangeKind::Any => "any",
+            ChangeKind::PriorityIncrease => "priority_increase",
+            ChangeKind::QuotaIncrease => "quota_increase",
+            ChangeKind::PreemptionChange => "preemption_change",
+            ChangeKind::TierChange => "tier_change",
+            ChangeKind::TenantChange => "tenant_change",
+            ChangeKind::RouteChange => "route_change",
+            ChangeKind::PoolChange => "pool_change",
+            ChangeKind::RolloutChange => "rollout_change",
+            ChangeKind::ApprovalChange => "approval_change",
+            ChangeKind::Rollback => "rollback",
+        }
+    }
+
+    /// Escalations need the stricter approval rule.
+    pub fn is_escalation(self) -> bool {
+        matches!(
+            self,
+            ChangeKind::PriorityIncrease | ChangeKind::QuotaIncrease | ChangeKind::PreemptionChange
+        )
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApprovalRule {
+    pub count: u32,
+    pub group: String,
+    pub kinds: Vec<ChangeKind>,
+}
+
+/// A compiled, validated policy. Immutable: a new policy is a new graph.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecisionGraph {
+    pub pools: Vec<Pool>,
+    pub models: Vec<Model>,
+    pub tiers: Vec<Tier>,
+    pub tenants: Vec<Tenant>,
+    pub cohorts: Vec<Cohort>,
+    pub classify: RuleSet<ClassifyOutcome>,
+    /// Indexed by `tier * models.len() + model`.
+    pub routes: Vec<Option<RuleSet<RouteOutcome>>>,
+    /// Indexed by tier; `None` admits everything.
+    pub admits: Vec<Option<RuleSet<AdmitOutcome>>>,
+    /// Indexed by tier.
+    pub fallbacks: Vec<Option<FallbackChain>>,
+    pub rollout: Option<Rollout>,
+    pub approvals: Vec<ApprovalRule>,
+    pub rules: Vec<RuleInfo>,
+    /// Variant names that `degrade variant` outcomes move to, resolved
+    /// against the request's model at decision time.
+    pub degrade_names: Vec<String>,
+    pub(crate) index: Names,
+    pub(crate) builtin: Builtin,
+}
+
+#[derive(Debug, Clone, PartialEq, Default)]
+pub(crate) struct Names {
+    pub pools: HashMap<String, PoolId>,
+    pub models: HashMap<String, ModelId>,
+    pub tiers: HashMap<String, TierId>,
+    pub tenants: HashMap<String, TenantId>,
+    pub api_keys: HashMap<String, TenantId>,
+}
+
+/// Rejections the graph makes itself, not written in the policy.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Builtin {
+    pub unknown_model: Reject,
+    pub quota: Reject,
+    pub concurrency: Reject,
+    pub model_not_allowed: Reject,
+}
+
+impl Default for Builtin {
+    fn default() -> Self {
+        Builtin {
+            unknown_model: Reject {
+                status: 404,
+                message: "the model is not served by this policy".into(),
+                retry_after: None,
+                reason: "unknown-model",
+            },
+            quota: Reject {
+                status: 429,
+                message: "the tenant's quota is exhausted".into(),
+                retry_after: Some(60_000.0),
+                reason: "quota",
+            },
+            concurrency: Reject {
+                status: 429,
+                message: "the tenant has reached its concurrent request limit".into(),
+                retry_after: Some(1_000.0),
+                reason: "concurrency",
+            },
+            model_not_allowed: Reject {
+                status: 403,
+                message: "the tier may not use this model".into(),
+                retry_after: None,
+                reason: "model-not-allowed",
+            },
+        }
+    }
+}
+
+impl DecisionGraph {
+    pub(crate) fn empty() -> Self {
+        DecisionGraph {
+            pools: Vec::new(),
+            models: Vec::new(),
+            tiers: Vec::new(),
+            tenants: Vec::new(),
+            cohorts: Vec::new(),
+            classify: RuleSet {
+                rules: Vec::new(),
+                default: (
+                    0,
+                    ClassifyOutcome {
+                        tier: 0,
+                        tenant: None,
+                    },
+                ),
+            },
+            routes: Vec::new(),
+            admits: Vec::new(),
+            fallbacks: Vec::new(),
+            rollout: None,
+            approvals: Vec::new(),
+            rules: Vec::new(),
+            degrade_names: Vec::new(),
+            index: Names::default(),
+            builtin: Builtin::default(),
+        }
+    }
+
+    pub fn pool_id(&self, name: &str) -> Option<PoolId> {
+        self.index.pools.get(name).copied()
+    }
+    pub fn model_id(&self, name: &str) -> Option<ModelId> {
+        self.index.models.get(name).copied()
+    }
+    pub fn tier_id(&self, name: &str) -> Option<TierId> {
+        self.index.tiers.get(name).copied()
+    }
+    pub fn tenant_id(&self, name: &str) -> Option<TenantId> {
+        self.index.tenants.get(name).copied()
+    }
+    pub fn tenant_for_key(&self, key: &str) -> Option<TenantId> {
+        self.index.api_keys.get(key).copied()
+    }
+
+    pub fn route_set(&self, tier: TierId, model: ModelId) -> Option<&RuleSet<RouteOutcome>> {
+        let i = tier as usize * self.models.len() + model as usize;
+        self.routes.get(i).and_then(|r| r.as_ref())
+    }
+
+    /// `model.variant` for display.
+    pub fn variant_name(&self, model: ModelId, variant: u16) -> String {
+        match self.models.get(model as usize) {
+            Some(m) => match m.variants.get(variant as usize) {
+                Some(v) => format!("{}.{}", m.name, v.name),
+                None => m.name.clone(),
+            },
+            None => "?".into(),
+        }
+    }
+
+    pub fn tier_allows_model(&self, tier: TierId, model: ModelId) -> bool {
+        match self
+            .tiers
+            .get(tier as usize)
+            .and_then(|t| t.models.as_ref())
+        {
+            Some(ms) => ms.contains(&model),
+            None => true,
+        }
+    }
+}

@@ -1,0 +1,377 @@
+//! The abstract syntax tree. Every node carries the [`Span`] it came from.
+//! The AST is what the user wrote, nothing resolved: names are strings and
+//! quantities keep their literal text so `kiln fmt` can print them back.
+
+use crate::source::Span;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Ident {
+    pub name: String,
+    pub span: Span,
+}
+
+/// One parsed file.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct File {
+    pub items: Vec<Item>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Item {
+    Decl(Decl),
+    Classify(Classify),
+    Route(Route),
+    Admit(Admit),
+    Fallback(Fallback),
+    Rollout(Rollout),
+    Approval(Approval),
+}
+
+impl Item {
+    pub fn span(&self) -> Span {
+        match self {
+            Item::Decl(d) => d.span,
+            Item::Classify(c) => c.span,
+            Item::Route(r) => r.span,
+            Item::Admit(a) => a.span,
+            Item::Fallback(f) => f.span,
+            Item::Rollout(r) => r.span,
+            Item::Approval(a) => a.span,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum DeclKind {
+    Pool,
+    Model,
+    Tier,
+    Tenant,
+    Cohort,
+}
+
+impl DeclKind {
+    pub fn keyword(self) -> &'static str {
+        match self {
+            DeclKind::Pool => "pool",
+            DeclKind::Model => "model",
+            DeclKind::Tier => "tier",
+            DeclKind::Tenant => "tenant",
+            DeclKind::Cohort => "cohort",
+        }
+    }
+}
+
+/// `pool h100 { … }`, `tier batch { … }` and friends.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decl {
+    pub kind: DeclKind,
+    pub name: Ident,
+    pub body: Body,
+    pub span: Span,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Body {
+    pub props: Vec<Property>,
+    pub span: Span,
+}
+
+/// `key value…`, `key = value`, a flag, each with an optional nested body.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Property {
+    pub key: Ident,
+    pub args: PropArgs,
+    pub body: Option<Body>,
+    pub span: Span,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum PropArgs {
+    /// A flag (`preemptible`) or a key followed only by a body (`slo { … }`).
+    None,
+    Assign(Value),
+    Values(Vec<Value>),
+}
+
+impl PropArgs {
+    pub fn values(&self) -> &[Value] {
+        match self {
+            PropArgs::None => &[],
+            PropArgs::Assign(v) => std::slice::from_ref(v),
+            PropArgs::Values(v) => v,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Value {
+    pub kind: ValueKind,
+    pub span: Span,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum ValueKind {
+    Quantity(Quantity),
+    Str(String),
+    Bool(bool),
+    /// Minutes after midnight, from `HH:MM`.
+    TimeOfDay(u16),
+    /// `name` or `model.variant`.
+    Path(Vec<Ident>),
+    List(Vec<Value>),
+    Range(Box<Value>, Box<Value>),
+}
+
+/// A number with its unit, exactly as written: `500ms`, `2M/min`, `80GB`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Quantity {
+    pub raw: String,
+    pub number: f64,
+    pub multiplier: Option<char>,
+    pub unit: Option<String>,
+    pub per: Option<String>,
+}
+
+// ---------------------------------------------------------------- rules
+
+/// `[a, b]` or `a`: the tiers a route/admit/fallback block applies to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NameSet {
+    pub names: Vec<Ident>,
+    pub bracketed: bool,
+    pub span: Span,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct RuleBlock {
+    pub rules: Vec<Rule>,
+    pub span: Span,
+}
+
+/// `when COND => OUTCOME` or, with no condition, `default => OUTCOME`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rule {
+    pub cond: Option<Expr>,
+    pub outcome: Outcome,
+    /// The `when …` or `default` head, where diagnostics about the rule point.
+    pub head: Span,
+    pub span: Span,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    pub items: Vec<OutcomeItem>,
+    pub span: Span,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum OutcomeItem {
+    Tier(Ident),
+    Tenant(Ident),
+    Accept(Span),
+    Fallback(Span),
+    Queue {
+        max_wait: Value,
+        span: Span,
+    },
+    Delay {
+        until: Value,
+        span: Span,
+    },
+    Degrade {
+        variant: Option<Vec<Ident>>,
+        max_tokens: Option<Value>,
+        span: Span,
+    },
+    Target {
+        path: Vec<Ident>,
+        pool: Option<Ident>,
+        span: Span,
+    },
+    Reject(RejectSpec),
+}
+
+impl OutcomeItem {
+    pub fn span(&self) -> Span {
+        match self {
+            OutcomeItem::Tier(i) | OutcomeItem::Tenant(i) => i.span,
+            OutcomeItem::Accept(s) | OutcomeItem::Fallback(s) => *s,
+            OutcomeItem::Queue { span, .. }
+            | OutcomeItem::Delay { span, .. }
+            | OutcomeItem::Degrade { span, .. }
+            | OutcomeItem::Target { span, .. } => *span,
+            OutcomeItem::Reject(r) => r.span,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct RejectSpec {
+    pub status: u16,
+    pub status_span: Span,
+    pub message: Option<String>,
+    pub retry_after: Option<Value>,
+    pub span: Span,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Classify {
+    pub rules: RuleBlock,
+    pub span: Span,
+}
+
+/// `route TIERS MODEL { rules }`: how requests of those tiers for that model
+/// pick a variant and pool.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Route {
+    pub tiers: NameSet,
+    pub model: Ident,
+    pub rules: RuleBlock,
+    pub span: Span,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Admit {
+    pub tiers: NameSet,
+    pub rules: RuleBlock,
+    pub span: Span,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fallback {
+    pub tiers: NameSet,
+    pub steps: Vec<Step>,
+    pub span: Span,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Step {
+    pub kind: StepKind,
+    pub span: Span,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum StepKind {
+    Route {
+        path: Vec<Ident>,
+        pool: Option<Ident>,
+    },
+    Queue(Value),
+    Demote(Ident),
+    Reject(RejectSpec),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rollout {
+    pub items: Vec<RolloutItem>,
+    pub span: Span,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum RolloutItem {
+    Prop(Property),
+    Rollback {
+        cond: Expr,
+        hold: Option<Value>,
+        span: Span,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Approval {
+    pub rules: Vec<Require>,
+    pub span: Span,
+}
+
+/// `require 2 from "platform-leads" for [priority_increase]`
+#[derive(Debug, Clone, PartialEq)]
+pub struct Require {
+    pub count: u32,
+    pub count_span: Span,
+    pub group: String,
+    pub group_span: Span,
+    pub kinds: NameSet,
+    pub span: Span,
+}
+
+// ---------------------------------------------------------------- expressions
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Expr {
+    pub kind: ExprKind,
+    pub span: Span,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CmpOp {
+    Eq,
+    Ne,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+}
+
+impl CmpOp {
+    pub fn symbol(self) -> &'static str {
+        match self {
+            CmpOp::Eq => "==",
+            CmpOp::Ne => "!=",
+            CmpOp::Lt => "<",
+            CmpOp::Le => "<=",
+            CmpOp::Gt => ">",
+            CmpOp::Ge => ">=",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum ExprKind {
+    Or(Vec<Expr>),
+    And(Vec<Expr>),
+    Not(Box<Expr>),
+    /// Kept so the formatter prints the user's grouping back.
+    Paren(Box<Expr>),
+    Cmp {
+        lhs: Operand,
+        op: CmpOp,
+        rhs: Operand,
+    },
+    In {
+        lhs: Operand,
+        set: Value,
+    },
+    /// A boolean signal on its own: `has_session`, `tag("nightly")`.
+    Truth(Operand),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Operand {
+    Ref(Reference),
+    Lit(Value),
+}
+
+impl Operand {
+    pub fn span(&self) -> Span {
+        match self {
+            Operand::Ref(r) => r.span,
+            Operand::Lit(v) => v.span,
+        }
+    }
+}
+
+/// `tenant`, `header("x")`, `pool(h100).utilization`, or a bare name.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reference {
+    pub base: Ident,
+    pub arg: Option<CallArg>,
+    pub fields: Vec<Ident>,
+    pub span: Span,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum CallArg {
+    Str(String, Span),
+    Name(Ident),
+}

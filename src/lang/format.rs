@@ -1,0 +1,455 @@
+//! `kiln fmt`: one canonical layout, every comment kept.
+//!
+//! The formatter prints the AST back (two-space indent, one item per line, one
+//! blank line between top-level items, blank lines between fields kept as at
+//! most one) and re-inserts comments by source position: a comment before a
+//! node stays before it; a comment at the end of a line stays at the end of
+//! that node's line. Comments inside a construct that is printed on one line
+//! (a condition split over lines, say) move to the line above it, never away.
+
+use super::ast::*;
+use super::comments::{scan, Comment};
+use super::parser::escape;
+
+const INDENT: &str = "  ";
+/// Nested bodies are printed on one line when short and comment-free.
+const INLINE_WIDTH: usize = 88;
+
+/// Formats a parsed file. `text` must be the text `file` was parsed from.
+pub fn format_file(file: &File, text: &str) -> String {
+    let mut p = Printer {
+        text,
+        comments: scan(text),
+        next: 0,
+        out: String::new(),
+        depth: 0,
+    };
+    for (i, item) in file.items.iter().enumerate() {
+        if i > 0 {
+            p.out.push('\n');
+        }
+        p.item(item);
+    }
+    p.flush_before(usize::MAX);
+    let mut out = p.out;
+    while out.ends_with("\n\n") {
+        out.pop();
+    }
+    if !out.is_empty() && !out.ends_with('\n') {
+        out.push('\n');
+    }
+    out
+}
+
+struct Printer<'a> {
+    text: &'a str,
+    comments: Vec<Comment>,
+    next: usize,
+    out: String,
+    depth: usize,
+}
+
+impl Printer<'_> {
+    fn indent(&mut self) {
+        for _ in 0..self.depth {
+            self.out.push_str(INDENT);
+        }
+    }
+
+    fn line(&mut self, s: &str) {
+        self.indent();
+        self.out.push_str(s);
+        self.out.push('\n');
+    }
+
+    /// Prints every comment that starts before `pos` on its own line.
+    fn flush_before(&mut self, pos: usize) {
+        while let Some(c) = self.comments.get(self.next) {
+            if c.start >= pos {
+                break;
+            }
+            let t = c.text.clone();
+            self.line(&t);
+            self.next += 1;
+        }
+    }
+
+    /// Appends a comment that sits at the end of source line of `pos` to the
+    /// line just printed.
+    fn trailing(&mut self, pos: usize) {
+        let line = self.line_of(pos);
+        if let Some(c) = self.comments.get(self.next) {
+            if !c.own_line && c.line == line {
+                let t = c.text.clone();
+                if self.out.ends_with('\n') {
+                    self.out.pop();
+                }
+                self.out.push(' ');
+                self.out.push_str(&t);
+                self.out.push('\n');
+                self.next += 1;
+            }
+        }
+    }
+
+    fn line_of(&self, pos: usize) -> usize {
+        self.text
+            .get(..pos.min(self.text.len()))
+            .map(|s| s.matches('\n').count())
+            .unwrap_or(0)
+    }
+
+    fn has_comment_in(&self, start: usize, end: usize) -> bool {
+        self.comments[self.next..]
+            .iter()
+            .any(|c| c.start >= start && c.start < end)
+    }
+
+    /// True when the source has a blank line between `from` and `to`.
+    fn blank_between(&self, from: usize, to: usize) -> bool {
+        let Some(gap) = self.text.get(from..to) else {
+            return false;
+        };
+        let lines: Vec<&str> = gap.split('\n').collect();
+        lines.len() > 2
+            && lines[1..lines.len() - 1]
+                .iter()
+                .any(|l| l.trim().is_empty())
+    }
+
+    /// A node printed as one line.
+    fn one_line(&mut self, start: usize, end: usize, s: &str) {
+        let _ = start;
+        self.flush_before(end);
+        self.line(s);
+        self.trailing(end.saturating_sub(1));
+    }
+
+    /// Opens a block: leading comments, the header and `{`.
+    fn open(&mut self, start: usize, brace: usize, header: &str) {
+        self.flush_before(start);
+        self.line(&format!("{header} {{"));
+        self.trailing(brace);
+        self.depth += 1;
+    }
+
+    fn close(&mut self, end: usize, closer: &str) {
+        let brace = end.saturating_sub(1);
+        self.flush_before(brace);
+        self.depth = self.depth.saturating_sub(1);
+        self.line(closer);
+        self.trailing(brace);
+    }
+
+    fn gap(&mut self, prev_end: Option<usize>, start: usize) {
+        if let Some(pe) = prev_end {
+            let first_comment = self.comments[self.next..]
+                .iter()
+                .find(|c| c.own_line && c.start >= pe)
+                .map(|c| c.start)
+                .unwrap_or(start)
+                .min(start);
+            if self.blank_between(pe, first_comment) {
+                self.out.push('\n');
+            }
+        }
+    }
+
+    fn item(&mut self, item: &Item) {
+        match item {
+            Item::Decl(d) => {
+                let header = format!("{} {}", d.kind.keyword(), d.name.name);
+                self.block_body(d.span.start as usize, &header, &d.body, true);
+            }
+            Item::Classify(c) => self.rule_block(c.span.start as usize, "classify", &c.rules),
+            Item::Route(r) => {
+                let header = format!("route {} {}", name_set(&r.tiers), r.model.name);
+                self.rule_block(r.span.start as usize, &header, &r.rules)
+            }
+            Item::Admit(a) => {
+                let header = format!("admit {}", name_set(&a.tiers));
+                self.rule_block(a.span.start as usize, &header, &a.rules)
+            }
+            Item::Fallback(f) => {
+                let start = f.span.start as usize;
+                let bracket = self
+                    .text
+                    .get(f.tiers.span.end as usize..f.span.end as usize)
+                    .and_then(|s| s.find('['))
+                    .map(|i| i + f.tiers.span.end as usize)
+                    .unwrap_or(start);
+                self.flush_before(start);
+                self.line(&format!("fallback {} [", name_set(&f.tiers)));
+                self.trailing(bracket);
+                self.depth += 1;
+                let mut prev = None;
+                for s in &f.steps {
+                    self.gap(prev, s.span.start as usize);
+                    let end = s.span.end as usize;
+                    // the comma after a step belongs to its line
+                    let comma_end = self
+                        .text
+                        .get(end..)
+                        .and_then(|r| {
+                            let t = r.trim_start_matches([' ', '\t']);
+                            t.starts_with(',').then(|| end + (r.len() - t.len()) + 1)
+                        })
+                        .unwrap_or(end);
+                    self.one_line(s.span.start as usize, comma_end, &format!("{},", step(s)));
+                    prev = Some(comma_end);
+                }
+                self.close(f.span.end as usize, "]");
+            }
+            Item::Rollout(r) => {
+                let start = r.span.start as usize;
+                self.open(start, brace_after(self.text, start), "rollout");
+                let mut prev = None;
+                for it in &r.items {
+                    match it {
+                        RolloutItem::Prop(p) => {
+                            self.gap(prev, p.span.start as usize);
+                            self.property(p);
+                            prev = Some(p.span.end as usize);
+                        }
+                        RolloutItem::Rollback { cond, hold, span } => {
+                            self.gap(prev, span.start as usize);
+                            let mut s = format!("rollback when {}", expr(cond));
+                            if let Some(h) = hold {
+                                s.push_str(&format!(" for {}", value(h)));
+                            }
+                            self.one_line(span.start as usize, span.end as usize, &s);
+                            prev = Some(span.end as usize);
+                        }
+                    }
+                }
+                self.close(r.span.end as usize, "}");
+            }
+            Item::Approval(a) => {
+                let start = a.span.start as usize;
+                self.open(start, brace_after(self.text, start), "approval");
+                let mut prev = None;
+                for r in &a.rules {
+                    self.gap(prev, r.span.start as usize);
+                    let s = format!(
+                        "require {} from \"{}\" for {}",
+                        r.count,
+                        escape(&r.group),
+                        name_set(&r.kinds)
+                    );
+                    self.one_line(r.span.start as usize, r.span.end as usize, &s);
+                    prev = Some(r.span.end as usize);
+                }
+                self.close(a.span.end as usize, "}");
+            }
+        }
+    }
+
+    fn rule_block(&mut self, start: usize, header: &str, rb: &RuleBlock) {
+        self.open(start, rb.span.start as usize, header);
+        let mut prev = None;
+        for r in &rb.rules {
+            self.gap(prev, r.span.start as usize);
+            self.one_line(r.span.start as usize, r.span.end as usize, &rule(r));
+            prev = Some(r.span.end as usize);
+        }
+        self.close(rb.span.end as usize, "}");
+    }
+
+    /// `header { props }`, inline when short and simple unless `force_block`.
+    fn block_body(&mut self, start: usize, header: &str, body: &Body, force_block: bool) {
+        let (bs, be) = (body.span.start as usize, body.span.end as usize);
+        if !force_block && !self.has_comment_in(bs, be) {
+            if let Some(inline) = inline_body(body) {
+                let s = format!("{header} {inline}");
+                if s.len() + self.depth * INDENT.len() <= INLINE_WIDTH {
+                    self.one_line(start, be, &s);
+                    return;
+                }
+            }
+        }
+        self.open(start, bs, header);
+        let mut prev = None;
+        for p in &body.props {
+            self.gap(prev, p.span.start as usize);
+            self.property(p);
+            prev = Some(p.span.end as usize);
+        }
+        self.close(be, "}");
+    }
+
+    fn property(&mut self, p: &Property) {
+        let head = property_head(p);
+        match &p.body {
+            Some(b) => self.block_body(p.span.start as usize, &head, b, false),
+            None => self.one_line(p.span.start as usize, p.span.end as usize, &head),
+        }
+    }
+}
+
+fn brace_after(text: &str, start: usize) -> usize {
+    text.get(start..)
+        .and_then(|s| s.find('{'))
+        .map(|i| i + start)
+        .unwrap_or(start)
+}
+
+fn inline_body(b: &Body) -> Option<String> {
+    if b.props.is_empty() {
+        return Some("{}".to_string());
+    }
+    if b.props.iter().any(|p| p.body.is_some()) || b.props.len() > 4 {
+        return None;
+    }
+    let parts: Vec<String> = b.props.iter().map(property_head).collect();
+    Some(format!("{{ {} }}", parts.join(" ")))
+}
+
+fn property_head(p: &Property) -> String {
+    let mut s = p.key.name.clone();
+    match &p.args {
+        PropArgs::None => {}
+        PropArgs::Assign(v) => {
+            s.push_str(" = ");
+            s.push_str(&value(v));
+        }
+        PropArgs::Values(vs) => {
+            for v in vs {
+                s.push(' ');
+                s.push_str(&value(v));
+            }
+        }
+    }
+    s
+}
+
+pub fn name_set(n: &NameSet) -> String {
+    let names: Vec<&str> = n.names.iter().map(|i| i.name.as_str()).collect();
+    if n.bracketed || names.len() != 1 {
+        format!("[{}]", names.join(", "))
+    } else {
+        names.join("")
+    }
+}
+
+pub fn rule(r: &Rule) -> String {
+    match &r.cond {
+        Some(c) => format!("when {} => {}", expr(c), outcome(&r.outcome)),
+        None => format!("default => {}", outcome(&r.outcome)),
+    }
+}
+
+pub fn outcome(o: &Outcome) -> String {
+    o.items
+        .iter()
+        .map(outcome_item)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn path(p: &[Ident]) -> String {
+    p.iter()
+        .map(|i| i.name.as_str())
+        .collect::<Vec<_>>()
+        .join(".")
+}
+
+fn outcome_item(i: &OutcomeItem) -> String {
+    match i {
+        OutcomeItem::Tier(t) => format!("tier {}", t.name),
+        OutcomeItem::Tenant(t) => format!("tenant {}", t.name),
+        OutcomeItem::Accept(_) => "accept".into(),
+        OutcomeItem::Fallback(_) => "fallback".into(),
+        OutcomeItem::Queue { max_wait, .. } => format!("queue {}", value(max_wait)),
+        OutcomeItem::Delay { until, .. } => format!("delay until {}", value(until)),
+        OutcomeItem::Degrade {
+            variant,
+            max_tokens,
+            ..
+        } => {
+            let mut s = "degrade".to_string();
+            if let Some(v) = variant {
+                s.push_str(&format!(" variant {}", path(v)));
+            }
+            if let Some(m) = max_tokens {
+                s.push_str(&format!(" max_tokens {}", value(m)));
+            }
+            s
+        }
+        OutcomeItem::Target { path: p, pool, .. } => match pool {
+            Some(pool) => format!("{} on {}", path(p), pool.name),
+            None => path(p),
+        },
+        OutcomeItem::Reject(r) => reject(r),
+    }
+}
+
+fn reject(r: &RejectSpec) -> String {
+    let mut s = format!("reject {}", r.status);
+    if let Some(m) = &r.message {
+        s.push_str(&format!(" \"{}\"", escape(m)));
+    }
+    if let Some(ra) = &r.retry_after {
+        s.push_str(&format!(" retry_after {}", value(ra)));
+    }
+    s
+}
+
+pub fn step(s: &Step) -> String {
+    match &s.kind {
+        StepKind::Route { path: p, pool } => match pool {
+            Some(pool) => format!("route {} on {}", path(p), pool.name),
+            None => format!("route {}", path(p)),
+        },
+        StepKind::Queue(v) => format!("queue {}", value(v)),
+        StepKind::Demote(t) => format!("demote {}", t.name),
+        StepKind::Reject(r) => reject(r),
+    }
+}
+
+pub fn expr(e: &Expr) -> String {
+    match &e.kind {
+        ExprKind::Or(parts) => parts.iter().map(expr).collect::<Vec<_>>().join(" or "),
+        ExprKind::And(parts) => parts.iter().map(expr).collect::<Vec<_>>().join(" and "),
+        ExprKind::Not(inner) => format!("not {}", expr(inner)),
+        ExprKind::Paren(inner) => format!("({})", expr(inner)),
+        ExprKind::Cmp { lhs, op, rhs } => {
+            format!("{} {} {}", operand(lhs), op.symbol(), operand(rhs))
+        }
+        ExprKind::In { lhs, set } => format!("{} in {}", operand(lhs), value(set)),
+        ExprKind::Truth(o) => operand(o),
+    }
+}
+
+pub fn operand(o: &Operand) -> String {
+    match o {
+        Operand::Lit(v) => value(v),
+        Operand::Ref(r) => {
+            let mut s = r.base.name.clone();
+            match &r.arg {
+                Some(CallArg::Str(a, _)) => s.push_str(&format!("(\"{}\")", escape(a))),
+                Some(CallArg::Name(n)) => s.push_str(&format!("({})", n.name)),
+                None => {}
+            }
+            for f in &r.fields {
+                s.push('.');
+                s.push_str(&f.name);
+            }
+            s
+        }
+    }
+}
+
+pub fn value(v: &Value) -> String {
+    match &v.kind {
+        ValueKind::Quantity(q) => q.raw.clone(),
+        ValueKind::Str(s) => format!("\"{}\"", escape(s)),
+        ValueKind::Bool(b) => b.to_string(),
+        ValueKind::TimeOfDay(m) => format!("{:02}:{:02}", m / 60, m % 60),
+        ValueKind::Path(p) => path(p),
+        ValueKind::List(items) => format!(
+            "[{}]",
+            items.iter().map(value).collect::<Vec<_>>().join(", ")
+        ),
+        ValueKind::Range(a, b) => format!("{}..{}", value(a), value(b)),
+    }
+}

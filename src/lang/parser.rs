@@ -1,0 +1,813 @@
+//! Text → AST. The pest grammar (`grammar/kiln.pest`) gives a concrete tree;
+//! this module turns it into [`ast`](super::ast) nodes with spans. A syntax
+//! error becomes a diagnostic that points at the offending position and says
+//! in words what was expected there.
+
+use super::ast::*;
+use crate::diag::{Code, Diagnostic};
+use crate::source::{FileId, Span};
+use pest::iterators::Pair;
+use pest::Parser as _;
+
+#[derive(pest_derive::Parser)]
+#[grammar = "../grammar/kiln.pest"]
+struct KilnParser;
+
+type P<'a> = Pair<'a, Rule>;
+
+fn is_keyword(r: Rule) -> bool {
+    matches!(
+        r,
+        Rule::kw_and
+            | Rule::kw_not
+            | Rule::kw_pool
+            | Rule::kw_model
+            | Rule::kw_tier
+            | Rule::kw_tenant
+            | Rule::kw_cohort
+            | Rule::kw_classify
+            | Rule::kw_route
+            | Rule::kw_admit
+            | Rule::kw_fallback
+            | Rule::kw_rollout
+            | Rule::kw_approval
+            | Rule::kw_when
+            | Rule::kw_default
+            | Rule::kw_accept
+            | Rule::kw_queue
+            | Rule::kw_max_wait
+            | Rule::kw_delay
+            | Rule::kw_until
+            | Rule::kw_degrade
+            | Rule::kw_variant
+            | Rule::kw_max_tokens
+            | Rule::kw_on
+            | Rule::kw_reject
+            | Rule::kw_retry_after
+            | Rule::kw_demote
+            | Rule::kw_rollback
+            | Rule::kw_for
+            | Rule::kw_require
+            | Rule::kw_from
+    )
+}
+
+/// Children without keyword tokens: the builder only reads what varies.
+trait Kids<'a> {
+    fn kids(self) -> std::iter::Filter<pest::iterators::Pairs<'a, Rule>, fn(&P<'a>) -> bool>;
+}
+
+impl<'a> Kids<'a> for P<'a> {
+    fn kids(self) -> std::iter::Filter<pest::iterators::Pairs<'a, Rule>, fn(&P<'a>) -> bool> {
+        fn keep(p: &P) -> bool {
+            !is_keyword(p.as_rule())
+        }
+        self.into_inner().filter(keep as fn(&P<'a>) -> bool)
+    }
+}
+
+/// Parses one file. On a syntax error returns the diagnostic.
+pub fn parse(file: FileId, text: &str) -> Result<File, Box<Diagnostic>> {
+    let mut pairs = match KilnParser::parse(Rule::policy, text) {
+        Ok(p) => p,
+        Err(e) => return Err(Box::new(syntax_error(file, text, e))),
+    };
+    let b = Builder { file };
+    let mut items = Vec::new();
+    if let Some(policy) = pairs.next() {
+        for p in policy.into_inner() {
+            if let Some(item) = b.item(p) {
+                items.push(item);
+            }
+        }
+    }
+    Ok(File { items })
+}
+
+fn rule_name(r: &Rule) -> Option<&'static str> {
+    Some(match r {
+        Rule::EOI => "end of file",
+        Rule::pool | Rule::model | Rule::tier | Rule::tenant | Rule::cohort => "a definition",
+        Rule::classify | Rule::route | Rule::admit | Rule::fallback => "a rule block",
+        Rule::rollout | Rule::approval => "a rollout or approval block",
+        Rule::property => "a field",
+        Rule::body => "`{`",
+        Rule::name | Rule::path | Rule::path_value => "a name",
+        Rule::key => "a field name",
+        Rule::rule => "`when …`",
+        Rule::default_rule => "`default => …`",
+        Rule::expr | Rule::or_expr | Rule::and_expr | Rule::not_expr | Rule::atom => "a condition",
+        Rule::operand | Rule::reference => "a signal or value",
+        Rule::comparison => "a comparison",
+        Rule::cmp_op => "a comparison operator (==, !=, <, <=, >, >=)",
+        Rule::kw_and => "`and`",
+        Rule::kw_or => "`or`",
+        Rule::kw_in => "`in`",
+        Rule::outcome => {
+            "an outcome (tier, route target, accept, queue, delay, degrade, reject, fallback)"
+        }
+        Rule::step => "a fallback step (route, queue, demote, reject)",
+        Rule::value | Rule::lit_value => "a value",
+        Rule::quantity | Rule::number => "a number",
+        Rule::unit => "a unit (ms, s, m, h, d, GB, %, …)",
+        Rule::string => "a string",
+        Rule::list => "a list `[…]`",
+        Rule::name_set => "a tier name or a list of tier names",
+        Rule::require_rule => "`require N from \"group\" for …`",
+        Rule::rollback_rule => "`rollback when …`",
+        Rule::degrade_arg => "`variant NAME` or `max_tokens N`",
+        _ => return None,
+    })
+}
+
+fn syntax_error(file: FileId, text: &str, e: pest::error::Error<Rule>) -> Diagnostic {
+    use pest::error::{ErrorVariant, InputLocation};
+    let (start, end) = match e.location {
+        InputLocation::Pos(p) => (p, p),
+        InputLocation::Span((s, e)) => (s, e),
+    };
+    // Point at the whole offending token, not a zero-width caret.
+    let end = if end > start {
+        end
+    } else {
+        let rest = text.get(start..).unwrap_or("");
+        let tok = rest
+            .char_indices()
+            .find(|(_, c)| c.is_whitespace())
+            .map(|(i, _)| i)
+            .unwrap_or(rest.len());
+        start + tok.clamp(usize::from(!rest.is_empty()), 40)
+    };
+    let found = text
+        .get(start..end)
+        .filter(|s| !s.is_empty())
+        .map(|s| format!("`{s}`"))
+        .unwrap_or_else(|| "end of file".to_string());
+    let expected = match &e.variant {
+        ErrorVariant::ParsingError { positives, .. } => {
+            let mut names: Vec<&str> = positives.iter().filter_map(rule_name).collect();
+            names.sort();
+            names.dedup();
+            names
+        }
+        ErrorVariant::CustomError { .. } => Vec::new(),
+    };
+    let label = if expected.is_empty() {
+        "unexpected here".to_string()
+    } else {
+        format!("expected {}", join_or(&expected))
+    };
+    let help = hint_for(text, start).unwrap_or_else(|| {
+        "check the line against the examples in policies/; each block is `keyword name { … }`"
+            .to_string()
+    });
+    Diagnostic::error(Code::Syntax, format!("unexpected {found}"))
+        .at(Span::new(file, start, end), label)
+        .help(help)
+}
+
+/// A targeted hint for the commonest slips.
+fn hint_for(text: &str, pos: usize) -> Option<String> {
+    let rest = text.get(pos..)?;
+    let before = text.get(..pos)?;
+    if rest.starts_with('=') && !rest.starts_with("==") && !rest.starts_with("=>") {
+        return Some("to compare, write `==`; outcomes follow `=>`".into());
+    }
+    if rest.starts_with("&&") || rest.starts_with("||") {
+        return Some("combine conditions with `and` / `or`".into());
+    }
+    let opens = before.matches('{').count();
+    let closes = before.matches('}').count();
+    if rest.trim().is_empty() && opens > closes {
+        return Some(format!(
+            "{} block(s) opened with `{{` are not closed; add `}}`",
+            opens - closes
+        ));
+    }
+    if rest.starts_with('\'') {
+        return Some("strings use double quotes: \"…\"".into());
+    }
+    None
+}
+
+fn join_or(items: &[&str]) -> String {
+    match items {
+        [] => String::new(),
+        [one] => (*one).to_string(),
+        [init @ .., last] => format!("{} or {}", init.join(", "), last),
+    }
+}
+
+struct Builder {
+    file: FileId,
+}
+
+impl Builder {
+    fn span(&self, p: &P) -> Span {
+        let s = p.as_span();
+        Span::new(self.file, s.start(), s.end())
+    }
+
+    fn ident(&self, p: P) -> Ident {
+        Ident {
+            name: p.as_str().to_string(),
+            span: self.span(&p),
+        }
+    }
+
+    fn item(&self, p: P) -> Option<Item> {
+        let span = self.span(&p);
+        Some(match p.as_rule() {
+            Rule::pool | Rule::model | Rule::tier | Rule::tenant | Rule::cohort => {
+                let kind = match p.as_rule() {
+                    Rule::pool => DeclKind::Pool,
+                    Rule::model => DeclKind::Model,
+                    Rule::tier => DeclKind::Tier,
+                    Rule::tenant => DeclKind::Tenant,
+                    _ => DeclKind::Cohort,
+                };
+                let mut it = p.kids();
+                let name = self.ident(it.next()?);
+                let body = self.body(it.next()?);
+                Item::Decl(Decl {
+                    kind,
+                    name,
+                    body,
+                    span,
+                })
+            }
+            Rule::classify => {
+                let rules = self.rule_block(p.kids().next()?);
+                Item::Classify(Classify { rules, span })
+            }
+            Rule::route => {
+                let mut it = p.kids();
+                let tiers = self.name_set(it.next()?);
+                let model = self.ident(it.next()?);
+                let rules = self.rule_block(it.next()?);
+                Item::Route(Route {
+                    tiers,
+                    model,
+                    rules,
+                    span,
+                })
+            }
+            Rule::admit => {
+                let mut it = p.kids();
+                let tiers = self.name_set(it.next()?);
+                let rules = self.rule_block(it.next()?);
+                Item::Admit(Admit { tiers, rules, span })
+            }
+            Rule::fallback => {
+                let mut it = p.kids();
+                let tiers = self.name_set(it.next()?);
+                let steps = it.filter_map(|s| self.step(s)).collect();
+                Item::Fallback(Fallback { tiers, steps, span })
+            }
+            Rule::rollout => {
+                let items = p
+                    .kids()
+                    .filter_map(|i| match i.as_rule() {
+                        Rule::rollback_rule => {
+                            let span = self.span(&i);
+                            let mut it = i.kids();
+                            let cond = self.expr(it.next()?);
+                            let hold = it.next().map(|v| self.value(v));
+                            Some(RolloutItem::Rollback { cond, hold, span })
+                        }
+                        Rule::property => Some(RolloutItem::Prop(self.property(i))),
+                        _ => None,
+                    })
+                    .collect();
+                Item::Rollout(Rollout { items, span })
+            }
+            Rule::approval => {
+                let rules = p.kids().filter_map(|r| self.require(r)).collect();
+                Item::Approval(Approval { rules, span })
+            }
+            _ => return None,
+        })
+    }
+
+    fn require(&self, p: P) -> Option<Require> {
+        let span = self.span(&p);
+        let mut it = p.kids();
+        let n = it.next()?;
+        let count_span = self.span(&n);
+        let count = n.as_str().parse::<f64>().unwrap_or(0.0) as u32;
+        let g = it.next()?;
+        let group_span = self.span(&g);
+        let group = unescape(g.kids().next().map(|i| i.as_str()).unwrap_or(""));
+        let kinds = self.name_set(it.next()?);
+        Some(Require {
+            count,
+            count_span,
+            group,
+            group_span,
+            kinds,
+            span,
+        })
+    }
+
+    fn body(&self, p: P) -> Body {
+        let span = self.span(&p);
+        Body {
+            props: p.kids().map(|q| self.property(q)).collect(),
+            span,
+        }
+    }
+
+    fn property(&self, p: P) -> Property {
+        let span = self.span(&p);
+        let mut key = None;
+        let mut args = PropArgs::None;
+        let mut values = Vec::new();
+        let mut body = None;
+        for q in p.kids() {
+            match q.as_rule() {
+                Rule::flag | Rule::key => key = Some(self.ident(q)),
+                Rule::assign => {
+                    if let Some(v) = q.kids().next() {
+                        args = PropArgs::Assign(self.value(v));
+                    }
+                }
+                Rule::lit_value | Rule::path_value => values.push(self.value(q)),
+                Rule::body => body = Some(self.body(q)),
+                _ => {}
+            }
+        }
+        if !values.is_empty() {
+            args = PropArgs::Values(values);
+        }
+        Property {
+            key: key.unwrap_or(Ident {
+                name: String::new(),
+                span,
+            }),
+            args,
+            body,
+            span,
+        }
+    }
+
+    fn name_set(&self, p: P) -> NameSet {
+        let span = self.span(&p);
+        let inner = p.kids().next();
+        match inner {
+            Some(q) if q.as_rule() == Rule::list => {
+                let names = q
+                    .kids()
+                    .map(|v| {
+                        let s = self.span(&v);
+                        Ident {
+                            name: v.as_str().to_string(),
+                            span: s,
+                        }
+                    })
+                    .collect();
+                NameSet {
+                    names,
+                    bracketed: true,
+                    span,
+                }
+            }
+            Some(q) => NameSet {
+                names: vec![self.ident(q)],
+                bracketed: false,
+                span,
+            },
+            None => NameSet {
+                names: Vec::new(),
+                bracketed: true,
+                span,
+            },
+        }
+    }
+
+    fn rule_block(&self, p: P) -> RuleBlock {
+        let span = self.span(&p);
+        let rules = p.kids().filter_map(|r| self.rule(r)).collect();
+        RuleBlock { rules, span }
+    }
+
+    fn rule(&self, p: P) -> Option<Rule_> {
+        let span = self.span(&p);
+        let is_default = p.as_rule() == Rule::default_rule;
+        let text = p.as_str();
+        let mut it = p.kids();
+        let cond = if is_default {
+            None
+        } else {
+            Some(self.expr(it.next()?))
+        };
+        let outcome = self.outcome(it.next()?);
+        let head_end = match &cond {
+            Some(c) => c.span.end,
+            None => span.start + text.find("default").map(|i| i + 7).unwrap_or(0) as u32,
+        };
+        let head = Span {
+            file: self.file,
+            start: span.start,
+            end: head_end,
+        };
+        Some(Rule_ {
+            cond,
+            outcome,
+            head,
+            span,
+        })
+    }
+
+    fn outcome(&self, p: P) -> Outcome {
+        let span = self.span(&p);
+        let items = p.kids().filter_map(|q| self.outcome_item(q)).collect();
+        Outcome { items, span }
+    }
+
+    fn outcome_item(&self, q: P) -> Option<OutcomeItem> {
+        let span = self.span(&q);
+        Some(match q.as_rule() {
+            Rule::out_tier => OutcomeItem::Tier(self.ident(q.kids().next()?)),
+            Rule::out_tenant => OutcomeItem::Tenant(self.ident(q.kids().next()?)),
+            Rule::out_accept => OutcomeItem::Accept(span),
+            Rule::out_fallback => OutcomeItem::Fallback(span),
+            Rule::out_queue => OutcomeItem::Queue {
+                max_wait: self.value(q.kids().next()?),
+                span,
+            },
+            Rule::out_delay => OutcomeItem::Delay {
+                until: self.value(q.kids().next()?),
+                span,
+            },
+            Rule::out_degrade => {
+                let mut variant = None;
+                let mut max_tokens = None;
+                for a in q.kids() {
+                    let text = a.as_str();
+                    if let Some(inner) = a.kids().next() {
+                        if text.starts_with("variant") {
+                            variant = Some(self.path(inner));
+                        } else {
+                            max_tokens = Some(self.value(inner));
+                        }
+                    }
+                }
+                OutcomeItem::Degrade {
+                    variant,
+                    max_tokens,
+                    span,
+                }
+            }
+            Rule::out_target => {
+                let mut it = q.kids();
+                let path = self.path(it.next()?);
+                let pool = it.next().map(|n| self.ident(n));
+                OutcomeItem::Target { path, pool, span }
+            }
+            Rule::reject_spec => OutcomeItem::Reject(self.reject(q)?),
+            _ => return None,
+        })
+    }
+
+    fn reject(&self, q: P) -> Option<RejectSpec> {
+        let span = self.span(&q);
+        let mut it = q.kids();
+        let n = it.next()?;
+        let status_span = self.span(&n);
+        let status = n.as_str().parse::<f64>().unwrap_or(0.0).min(65535.0) as u16;
+        let mut message = None;
+        let mut retry_after = None;
+        for r in it {
+            match r.as_rule() {
+                Rule::string => {
+                    message = Some(unescape(r.kids().next().map(|i| i.as_str()).unwrap_or("")))
+                }
+                Rule::value => retry_after = Some(self.value(r)),
+                _ => {}
+            }
+        }
+        Some(RejectSpec {
+            status,
+            status_span,
+            message,
+            retry_after,
+            span,
+        })
+    }
+
+    fn step(&self, p: P) -> Option<Step> {
+        let span = self.span(&p);
+        let q = p.kids().next()?;
+        let kind = match q.as_rule() {
+            Rule::reject_spec => StepKind::Reject(self.reject(q)?),
+            Rule::step_queue => StepKind::Queue(self.value(q.kids().next()?)),
+            Rule::step_demote => StepKind::Demote(self.ident(q.kids().next()?)),
+            Rule::step_route => {
+                let mut it = q.kids();
+                let path = self.path(it.next()?);
+                let pool = it.next().map(|n| self.ident(n));
+                StepKind::Route { path, pool }
+            }
+            _ => return None,
+        };
+        Some(Step { kind, span })
+    }
+
+    fn path(&self, p: P) -> Vec<Ident> {
+        if p.as_rule() == Rule::name {
+            return vec![self.ident(p)];
+        }
+        p.kids().map(|n| self.ident(n)).collect()
+    }
+
+    fn value(&self, p: P) -> Value {
+        let span = self.span(&p);
+        let p = match p.as_rule() {
+            Rule::value | Rule::lit_value | Rule::path_value => match p.kids().next() {
+                Some(q) => q,
+                None => {
+                    return Value {
+                        kind: ValueKind::List(Vec::new()),
+                        span,
+                    }
+                }
+            },
+            _ => p,
+        };
+        let kind = match p.as_rule() {
+            Rule::quantity => ValueKind::Quantity(quantity(&p)),
+            Rule::string => {
+                ValueKind::Str(unescape(p.kids().next().map(|i| i.as_str()).unwrap_or("")))
+            }
+            Rule::bool => ValueKind::Bool(p.as_str() == "true"),
+            Rule::time_of_day => {
+                let s = p.as_str();
+                let h: u16 = s.get(0..2).and_then(|x| x.parse().ok()).unwrap_or(0);
+                let m: u16 = s.get(3..5).and_then(|x| x.parse().ok()).unwrap_or(0);
+                ValueKind::TimeOfDay(h * 60 + m)
+            }
+            Rule::path | Rule::name => ValueKind::Path(self.path(p)),
+            Rule::list => ValueKind::List(p.kids().map(|v| self.value(v)).collect()),
+            Rule::range => {
+                let mut it = p.kids();
+                match (it.next(), it.next()) {
+                    (Some(a), Some(b)) => {
+                        ValueKind::Range(Box::new(self.value(a)), Box::new(self.value(b)))
+                    }
+                    _ => ValueKind::List(Vec::new()),
+                }
+            }
+            _ => ValueKind::Str(p.as_str().to_string()),
+        };
+        Value { kind, span }
+    }
+
+    fn expr(&self, p: P) -> Expr {
+        let span = self.span(&p);
+        match p.as_rule() {
+            Rule::expr | Rule::atom => {
+                let text = p.as_str();
+                let mut inner: Vec<P> = p.kids().collect();
+                if inner.len() == 1 {
+                    let only = inner.remove(0);
+                    let e = self.expr(only);
+                    if text.trim_start().starts_with('(') && e.span != span {
+                        // `( expr )` as written: keep the parentheses for fmt
+                        return Expr {
+                            kind: ExprKind::Paren(Box::new(e)),
+                            span,
+                        };
+                    }
+                    return e;
+                }
+                Expr {
+                    kind: ExprKind::And(inner.into_iter().map(|q| self.expr(q)).collect()),
+                    span,
+                }
+            }
+            Rule::or_expr | Rule::and_expr => {
+                let is_or = p.as_rule() == Rule::or_expr;
+                let parts: Vec<Expr> = p
+                    .kids()
+                    .filter(|q| !matches!(q.as_rule(), Rule::kw_and | Rule::kw_or))
+                    .map(|q| self.expr(q))
+                    .collect();
+                if parts.len() == 1 {
+                    return parts.into_iter().next().unwrap_or(Expr {
+                        kind: ExprKind::And(Vec::new()),
+                        span,
+                    });
+                }
+                Expr {
+                    kind: if is_or {
+                        ExprKind::Or(parts)
+                    } else {
+                        ExprKind::And(parts)
+                    },
+                    span,
+                }
+            }
+            Rule::not_expr => {
+                let mut it = p.kids().filter(|q| q.as_rule() != Rule::kw_not);
+                let first = it.next();
+                let negated = span_text_starts_with_not(&span, self, first.as_ref());
+                match first {
+                    Some(q) => {
+                        let e = self.expr(q);
+                        if negated {
+                            Expr {
+                                kind: ExprKind::Not(Box::new(e)),
+                                span,
+                            }
+                        } else {
+                            e
+                        }
+                    }
+                    None => Expr {
+                        kind: ExprKind::And(Vec::new()),
+                        span,
+                    },
+                }
+            }
+            Rule::comparison => {
+                let mut it = p.kids();
+                let lhs = it.next().map(|q| self.operand(q));
+                let op = it.next().map(|q| match q.as_str() {
+                    "==" => CmpOp::Eq,
+                    "!=" => CmpOp::Ne,
+                    "<=" => CmpOp::Le,
+                    ">=" => CmpOp::Ge,
+                    "<" => CmpOp::Lt,
+                    _ => CmpOp::Gt,
+                });
+                let rhs = it.next().map(|q| self.operand(q));
+                match (lhs, op, rhs) {
+                    (Some(lhs), Some(op), Some(rhs)) => Expr {
+                        kind: ExprKind::Cmp { lhs, op, rhs },
+                        span,
+                    },
+                    _ => Expr {
+                        kind: ExprKind::And(Vec::new()),
+                        span,
+                    },
+                }
+            }
+            Rule::in_test => {
+                let mut it = p.kids().filter(|q| q.as_rule() != Rule::kw_in);
+                let lhs = it.next().map(|q| self.operand(q));
+                let set = it.next().map(|q| self.value(q));
+                match (lhs, set) {
+                    (Some(lhs), Some(set)) => Expr {
+                        kind: ExprKind::In { lhs, set },
+                        span,
+                    },
+                    _ => Expr {
+                        kind: ExprKind::And(Vec::new()),
+                        span,
+                    },
+                }
+            }
+            Rule::operand => Expr {
+                kind: ExprKind::Truth(self.operand(p)),
+                span,
+            },
+            _ => Expr {
+                kind: ExprKind::And(Vec::new()),
+                span,
+            },
+        }
+    }
+
+    fn operand(&self, p: P) -> Operand {
+        let p = if p.as_rule() == Rule::operand {
+            match p.kids().next() {
+                Some(q) => q,
+                None => {
+                    return Operand::Lit(Value {
+                        kind: ValueKind::List(Vec::new()),
+                        span: Span::default(),
+                    })
+                }
+            }
+        } else {
+            p
+        };
+        if p.as_rule() == Rule::reference {
+            let span = self.span(&p);
+            let mut base = None;
+            let mut arg = None;
+            let mut fields = Vec::new();
+            for q in p.kids() {
+                match q.as_rule() {
+                    Rule::name if base.is_none() => base = Some(self.ident(q)),
+                    Rule::name => fields.push(self.ident(q)),
+                    Rule::call_arg => {
+                        if let Some(a) = q.kids().next() {
+                            arg = Some(match a.as_rule() {
+                                Rule::string => {
+                                    let s = self.span(&a);
+                                    CallArg::Str(
+                                        unescape(a.kids().next().map(|i| i.as_str()).unwrap_or("")),
+                                        s,
+                                    )
+                                }
+                                _ => CallArg::Name(self.ident(a)),
+                            });
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            return Operand::Ref(Reference {
+                base: base.unwrap_or(Ident {
+                    name: String::new(),
+                    span,
+                }),
+                arg,
+                fields,
+                span,
+            });
+        }
+        Operand::Lit(self.value(p))
+    }
+}
+
+/// `not_expr` is either `not not_expr` or an atom; pest drops the silent
+/// keyword only when it is a named rule, so we check the text.
+fn span_text_starts_with_not(span: &Span, _b: &Builder, first: Option<&P>) -> bool {
+    match first {
+        Some(q) => (q.as_span().start() as u32) > span.start,
+        None => false,
+    }
+}
+
+type Rule_ = super::ast::Rule;
+
+fn quantity(p: &P) -> Quantity {
+    let raw = p.as_str().to_string();
+    let mut number = 0.0;
+    let mut multiplier = None;
+    let mut unit = None;
+    let mut per = None;
+    for q in p.clone().kids() {
+        match q.as_rule() {
+            Rule::number => number = q.as_str().parse().unwrap_or(0.0),
+            Rule::multiplier => multiplier = q.as_str().chars().next(),
+            Rule::unit => unit = Some(q.as_str().to_string()),
+            Rule::per => per = Some(q.as_str().trim_start_matches('/').to_string()),
+            _ => {}
+        }
+    }
+    Quantity {
+        raw,
+        number,
+        multiplier,
+        unit,
+        per,
+    }
+}
+
+fn unescape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '\\' {
+            match chars.next() {
+                Some('n') => out.push('\n'),
+                Some('t') => out.push('\t'),
+                Some(o) => out.push(o),
+                None => {}
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Escapes a string for printing back inside double quotes.
+pub fn escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\t' => out.push_str("\\t"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// Parses a standalone value (`"85%"`, `"2s"`, `"09:30"`), for signals and
+/// test files that carry kiln literals inside JSON or TOML strings.
+pub fn parse_value_text(s: &str) -> Option<Value> {
+    let t = s.trim();
+    let mut pairs = KilnParser::parse(Rule::value, t).ok()?;
+    let p = pairs.next()?;
+    if p.as_str().len() != t.len() {
+        return None;
+    }
+    Some(Builder { file: FileId(0) }.value(p))
+}
