@@ -465,6 +465,23 @@ impl DecisionGraph {
         }
     }
 
+    /// The graph with every source span cleared. Two policies that differ
+    /// only in layout or comments normalize to equal graphs.
+    pub fn normalized(&self) -> DecisionGraph {
+        let mut g = self.clone();
+        let z = Span::default();
+        g.pools.iter_mut().for_each(|p| p.span = z);
+        g.tiers.iter_mut().for_each(|t| t.span = z);
+        g.tenants.iter_mut().for_each(|t| t.span = z);
+        g.cohorts.iter_mut().for_each(|c| c.span = z);
+        g.rules.iter_mut().for_each(|r| r.span = z);
+        for m in &mut g.models {
+            m.span = z;
+            m.variants.iter_mut().for_each(|v| v.span = z);
+        }
+        g
+    }
+
     pub fn pool_id(&self, name: &str) -> Option<PoolId> {
         self.index.pools.get(name).copied()
     }

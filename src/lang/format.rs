@@ -77,9 +77,15 @@ impl Printer<'_> {
     /// Appends a comment that sits at the end of source line of `pos` to the
     /// line just printed.
     fn trailing(&mut self, pos: usize) {
+        self.trailing_before(pos, usize::MAX)
+    }
+
+    /// As [`trailing`](Self::trailing), but only a comment that starts
+    /// before `limit` (after an opening brace: before the first child).
+    fn trailing_before(&mut self, pos: usize, limit: usize) {
         let line = self.line_of(pos);
         if let Some(c) = self.comments.get(self.next) {
-            if !c.own_line && c.line == line {
+            if !c.own_line && c.line == line && c.start < limit {
                 let t = c.text.clone();
                 if self.out.ends_with('\n') {
                     self.out.pop();
@@ -126,10 +132,10 @@ impl Printer<'_> {
     }
 
     /// Opens a block: leading comments, the header and `{`.
-    fn open(&mut self, start: usize, brace: usize, header: &str) {
+    fn open(&mut self, start: usize, brace: usize, header: &str, first_child: usize) {
         self.flush_before(start);
         self.line(&format!("{header} {{"));
-        self.trailing(brace);
+        self.trailing_before(brace, first_child);
         self.depth += 1;
     }
 
@@ -180,7 +186,8 @@ impl Printer<'_> {
                     .unwrap_or(start);
                 self.flush_before(start);
                 self.line(&format!("fallback {} [", name_set(&f.tiers)));
-                self.trailing(bracket);
+                let first = f.steps.first().map_or(usize::MAX, |s| s.span.start as usize);
+                self.trailing_before(bracket, first);
                 self.depth += 1;
                 let mut prev = None;
                 for s in &f.steps {
@@ -202,7 +209,11 @@ impl Printer<'_> {
             }
             Item::Rollout(r) => {
                 let start = r.span.start as usize;
-                self.open(start, brace_after(self.text, start), "rollout");
+                let first = r.items.first().map_or(usize::MAX, |i| match i {
+                    RolloutItem::Prop(p) => p.span.start as usize,
+                    RolloutItem::Rollback { span, .. } => span.start as usize,
+                });
+                self.open(start, brace_after(self.text, start), "rollout", first);
                 let mut prev = None;
                 for it in &r.items {
                     match it {
@@ -226,7 +237,8 @@ impl Printer<'_> {
             }
             Item::Approval(a) => {
                 let start = a.span.start as usize;
-                self.open(start, brace_after(self.text, start), "approval");
+                let first = a.rules.first().map_or(usize::MAX, |r| r.span.start as usize);
+                self.open(start, brace_after(self.text, start), "approval", first);
                 let mut prev = None;
                 for r in &a.rules {
                     self.gap(prev, r.span.start as usize);
@@ -245,7 +257,8 @@ impl Printer<'_> {
     }
 
     fn rule_block(&mut self, start: usize, header: &str, rb: &RuleBlock) {
-        self.open(start, rb.span.start as usize, header);
+        let first = rb.rules.first().map_or(usize::MAX, |r| r.span.start as usize);
+        self.open(start, rb.span.start as usize, header, first);
         let mut prev = None;
         for r in &rb.rules {
             self.gap(prev, r.span.start as usize);
@@ -267,7 +280,8 @@ impl Printer<'_> {
                 }
             }
         }
-        self.open(start, bs, header);
+        let first = body.props.first().map_or(usize::MAX, |p| p.span.start as usize);
+        self.open(start, bs, header, first);
         let mut prev = None;
         for p in &body.props {
             self.gap(prev, p.span.start as usize);

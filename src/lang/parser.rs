@@ -72,7 +72,7 @@ pub fn parse(file: FileId, text: &str) -> Result<File, Box<Diagnostic>> {
         Ok(p) => p,
         Err(e) => return Err(Box::new(syntax_error(file, text, e))),
     };
-    let b = Builder { file };
+    let b = Builder::new(file, text);
     let mut items = Vec::new();
     if let Some(policy) = pairs.next() {
         for p in policy.into_inner() {
@@ -200,12 +200,43 @@ fn join_or(items: &[&str]) -> String {
 
 struct Builder {
     file: FileId,
+    /// `content_end[i]`: where the content before offset `i` ends, skipping
+    /// back over whitespace and comments. pest lets a rule's span run over
+    /// the trivia a failed repetition skipped; diagnostics and the formatter
+    /// need spans that end on the last real character.
+    content_end: Vec<u32>,
 }
 
 impl Builder {
+    fn new(file: FileId, text: &str) -> Builder {
+        let bytes = text.as_bytes();
+        let mut trivia: Vec<bool> = bytes
+            .iter()
+            .map(|b| matches!(b, b' ' | b'\t' | b'\r' | b'\n'))
+            .collect();
+        for c in super::comments::scan(text) {
+            let end = (c.start + c.text.len()).min(trivia.len());
+            for t in trivia.iter_mut().take(end).skip(c.start) {
+                *t = true;
+            }
+        }
+        let mut content_end = Vec::with_capacity(bytes.len() + 1);
+        content_end.push(0u32);
+        for i in 1..=bytes.len() {
+            let prev = content_end[i - 1];
+            content_end.push(if trivia[i - 1] { prev } else { i as u32 });
+        }
+        Builder { file, content_end }
+    }
+
     fn span(&self, p: &P) -> Span {
         let s = p.as_span();
-        Span::new(self.file, s.start(), s.end())
+        let end = self
+            .content_end
+            .get(s.end())
+            .map(|&e| (e as usize).max(s.start()))
+            .unwrap_or(s.end());
+        Span::new(self.file, s.start(), end)
     }
 
     fn ident(&self, p: P) -> Ident {
@@ -809,5 +840,5 @@ pub fn parse_value_text(s: &str) -> Option<Value> {
     if p.as_str().len() != t.len() {
         return None;
     }
-    Some(Builder { file: FileId(0) }.value(p))
+    Some(Builder::new(FileId(0), t).value(p))
 }

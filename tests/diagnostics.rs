@@ -1,0 +1,201 @@
+//! Every diagnostic code, shown as the user sees it: one small policy per
+//! code, its rendered output kept as an insta snapshot. A meta test fails
+//! when a code is added without a case here.
+
+use kiln::compile::{compile_str, lint};
+use kiln::diag::{render, Code, Diagnostics};
+use std::collections::BTreeSet;
+
+const BASE: &str = r#"pool gpu { gpus 4 kind "H100-80GB" memory 80GB }
+
+model m {
+  variant fp16 { memory 40GB pools [gpu] }
+}
+
+tier chat {
+  priority 100
+  slo { ttft 500ms }
+}
+
+tier bulk {
+  priority 10
+  slo { window 6h }
+  preemptible
+}
+
+tenant app {
+  owner "app-team@example.com"
+  tiers [chat, bulk]
+}
+
+classify {
+  when tenant == app => tier chat
+  default => tier bulk
+}
+
+route [chat, bulk] m {
+  default => fp16
+}
+"#;
+
+fn with(from: &str, to: &str) -> String {
+    assert!(BASE.contains(from), "base has no `{from}`");
+    BASE.replacen(from, to, 1)
+}
+
+fn plus(extra: &str) -> String {
+    format!("{BASE}\n{extra}\n")
+}
+
+/// (snapshot name, policy text, the code it must produce)
+fn cases() -> Vec<(&'static str, String, Code)> {
+    vec![
+        ("syntax", with("when tenant == app", "when tenant = app"), Code::Syntax),
+        ("syntax_unclosed", with("route [chat, bulk] m {\n  default => fp16\n}", "route [chat, bulk] m {\n  default => fp16\n"), Code::Syntax),
+        ("duplicate_definition", plus("tier chat { priority 5 slo { ttft 1s } }"), Code::DuplicateDefinition),
+        ("unknown_name", with("tiers [chat, bulk]", "tiers [chat, bulkk]"), Code::UnknownName),
+        ("unknown_signal", with("when tenant == app", "when tennant == app"), Code::UnknownName),
+        ("unknown_field", with("priority 100", "prority 100"), Code::UnknownField),
+        ("missing_field", with("gpus 4 kind", "kind"), Code::MissingField),
+        ("unit_mismatch_field", with("ttft 500ms", "ttft 85%"), Code::UnitMismatch),
+        (
+            "unit_mismatch_compare",
+            with("when tenant == app => tier chat", "when estimated_wait > 85% => tier chat"),
+            Code::UnitMismatch,
+        ),
+        ("invalid_value", with("memory 80GB }", "memory 80GB }\npool small { gpus 0 kind \"L4\" memory 24GB }"), Code::InvalidValue),
+        ("invalid_outcome", with("when tenant == app => tier chat", "when tenant == app => accept"), Code::InvalidOutcome),
+        ("missing_default", with("  default => tier bulk\n", ""), Code::MissingDefault),
+        ("rule_after_default", with("  default => tier bulk\n", "  default => tier bulk\n  when tenant == app => tier bulk\n"), Code::RuleAfterDefault),
+        ("missing_piece", with("classify {\n  when tenant == app => tier chat\n  default => tier bulk\n}\n", ""), Code::MissingPiece),
+        ("no_route", with("route [chat, bulk] m", "route [chat] m"), Code::NoRoute),
+        (
+            "no_terminal",
+            plus("admit chat {\n  when estimated_wait > 2s => fallback\n  default => accept\n}"),
+            Code::NoTerminal,
+        ),
+        (
+            "fallback_cycle",
+            plus("admit [chat, bulk] {\n  when estimated_wait > 2s => fallback\n  default => accept\n}\nfallback chat [demote bulk]\nfallback bulk [demote chat]"),
+            Code::FallbackCycle,
+        ),
+        (
+            "fallback_not_terminal",
+            plus("admit chat {\n  when estimated_wait > 2s => fallback\n  default => accept\n}\nfallback chat [route m.fp16 on gpu]"),
+            Code::FallbackNotTerminal,
+        ),
+        (
+            "preempt_cycle",
+            with("  preemptible\n}", "  preemptible\n  preempts [chat]\n}").replacen("slo { ttft 500ms }", "slo { ttft 500ms }\n  preemptible\n  preempts [bulk]", 1),
+            Code::PreemptCycle,
+        ),
+        ("variant_does_not_fit", with("memory 40GB pools [gpu]", "memory 140GB pools [gpu]"), Code::VariantDoesNotFit),
+        (
+            "isolation_violation",
+            with("memory 80GB }", "memory 80GB deny_tiers [bulk] }"),
+            Code::IsolationViolation,
+        ),
+        (
+            "shadowed_rule",
+            with("  when tenant == app => tier chat\n", "  when tenant == app => tier chat\n  when tenant == app and has_session => tier bulk\n"),
+            Code::ShadowedRule,
+        ),
+        (
+            "quota_oversubscribed",
+            with("  tiers [chat, bulk]\n", "  tiers [chat, bulk]\n  quota { gpu_seconds 400k/day }\n"),
+            Code::QuotaOversubscribed,
+        ),
+        ("tier_without_slo", with("  priority 10\n  slo { window 6h }\n", "  priority 10\n"), Code::TierWithoutSlo),
+        ("tenant_without_owner", with("  owner \"app-team@example.com\"\n", ""), Code::TenantWithoutOwner),
+        (
+            "preempts_higher_priority",
+            with("  preemptible\n}", "  preemptible\n  preempts [chat]\n}").replacen("slo { ttft 500ms }", "slo { ttft 500ms }\n  preemptible", 1),
+            Code::PreemptsHigherPriority,
+        ),
+        ("unused_definition", plus("pool spare { gpus 2 kind \"L4\" memory 24GB }"), Code::UnusedDefinition),
+        (
+            "tier_not_granted",
+            with("tiers [chat, bulk]", "tiers [bulk]").replacen("default => tier bulk", "default => tier bulk\n", 1),
+            Code::TierNotGranted,
+        ),
+    ]
+}
+
+fn diagnose(text: &str) -> (kiln::source::SourceMap, Diagnostics) {
+    let c = compile_str("policy.kiln", text);
+    let mut all = c.diagnostics.clone();
+    if !c.has_errors() {
+        all.extend(lint(&c));
+    }
+    all.sort();
+    (c.sources.clone(), all)
+}
+
+#[test]
+fn base_policy_is_clean() {
+    let (_, d) = diagnose(BASE);
+    assert!(d.is_empty(), "{:?}", d.items.iter().map(|d| &d.message).collect::<Vec<_>>());
+}
+
+#[test]
+fn every_code_renders_as_snapshotted() {
+    for (name, text, code) in cases() {
+        let (sources, diags) = diagnose(&text);
+        assert!(
+            diags.items.iter().any(|d| d.code == code),
+            "case {name}: expected {code}, got {:?}",
+            diags.items.iter().map(|d| (d.code, &d.message)).collect::<Vec<_>>()
+        );
+        let rendered: String = diags.items.iter().map(|d| render(d, &sources, false)).collect();
+        insta::assert_snapshot!(name, rendered);
+    }
+}
+
+#[test]
+fn io_error_renders() {
+    let err = kiln::compile::load(&["does/not/exist.kiln".into()]).expect_err("missing file");
+    assert_eq!(err.items[0].code, Code::Io);
+    let rendered = render(&err.items[0], &kiln::source::SourceMap::new(), false);
+    // The OS message differs between systems; the code and the path do not.
+    assert!(rendered.contains("kiln::io"));
+    assert!(rendered.contains("does/not/exist.kiln"));
+    insta::assert_snapshot!("io", rendered.lines().filter(|l| !l.contains("No such file")).collect::<Vec<_>>().join("\n"));
+}
+
+#[test]
+fn every_code_has_a_case() {
+    let mut covered: BTreeSet<Code> = cases().into_iter().map(|c| c.2).collect();
+    covered.insert(Code::Io);
+    let missing: Vec<_> = Code::ALL.iter().filter(|c| !covered.contains(c)).collect();
+    assert!(missing.is_empty(), "codes without a snapshot case: {missing:?}");
+}
+
+#[test]
+fn check_reports_all_errors_at_once() {
+    let text = with("tiers [chat, bulk]", "tiers [chatt, bulk]")
+        .replacen("priority 100", "prority 100", 1)
+        .replacen("ttft 500ms", "ttft 85%", 1);
+    let (_, d) = diagnose(&text);
+    let codes: BTreeSet<Code> = d.errors().map(|d| d.code).collect();
+    assert!(codes.contains(&Code::UnknownName));
+    assert!(codes.contains(&Code::UnknownField));
+    assert!(codes.contains(&Code::UnitMismatch));
+}
+
+#[test]
+fn lint_findings_can_be_silenced() {
+    let text = with(
+        "tenant app {",
+        "# kiln:allow(tenant-without-owner)\ntenant app {",
+    )
+    .replacen("  owner \"app-team@example.com\"\n", "", 1);
+    let (_, d) = diagnose(&text);
+    assert!(d.is_empty(), "{:?}", d.items.iter().map(|d| &d.message).collect::<Vec<_>>());
+}
+
+#[test]
+fn did_you_mean_suggests_close_names() {
+    let (_, d) = diagnose(&with("tiers [chat, bulk]", "tiers [chat, blk]"));
+    let e = d.errors().next().expect("an error");
+    assert_eq!(e.help.as_deref(), Some("did you mean `bulk`?"));
+}
