@@ -134,7 +134,11 @@ fn diagnose(text: &str) -> (kiln::source::SourceMap, Diagnostics) {
 #[test]
 fn base_policy_is_clean() {
     let (_, d) = diagnose(BASE);
-    assert!(d.is_empty(), "{:?}", d.items.iter().map(|d| &d.message).collect::<Vec<_>>());
+    assert!(
+        d.is_empty(),
+        "{:?}",
+        d.items.iter().map(|d| &d.message).collect::<Vec<_>>()
+    );
 }
 
 #[test]
@@ -144,9 +148,17 @@ fn every_code_renders_as_snapshotted() {
         assert!(
             diags.items.iter().any(|d| d.code == code),
             "case {name}: expected {code}, got {:?}",
-            diags.items.iter().map(|d| (d.code, &d.message)).collect::<Vec<_>>()
+            diags
+                .items
+                .iter()
+                .map(|d| (d.code, &d.message))
+                .collect::<Vec<_>>()
         );
-        let rendered: String = diags.items.iter().map(|d| render(d, &sources, false)).collect();
+        let rendered: String = diags
+            .items
+            .iter()
+            .map(|d| render(d, &sources, false))
+            .collect();
         insta::assert_snapshot!(name, rendered);
     }
 }
@@ -159,7 +171,14 @@ fn io_error_renders() {
     // The OS message differs between systems; the code and the path do not.
     assert!(rendered.contains("kiln::io"));
     assert!(rendered.contains("does/not/exist.kiln"));
-    insta::assert_snapshot!("io", rendered.lines().filter(|l| !l.contains("No such file")).collect::<Vec<_>>().join("\n"));
+    insta::assert_snapshot!(
+        "io",
+        rendered
+            .lines()
+            .filter(|l| !l.contains("No such file"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
 }
 
 #[test]
@@ -167,7 +186,10 @@ fn every_code_has_a_case() {
     let mut covered: BTreeSet<Code> = cases().into_iter().map(|c| c.2).collect();
     covered.insert(Code::Io);
     let missing: Vec<_> = Code::ALL.iter().filter(|c| !covered.contains(c)).collect();
-    assert!(missing.is_empty(), "codes without a snapshot case: {missing:?}");
+    assert!(
+        missing.is_empty(),
+        "codes without a snapshot case: {missing:?}"
+    );
 }
 
 #[test]
@@ -190,7 +212,11 @@ fn lint_findings_can_be_silenced() {
     )
     .replacen("  owner \"app-team@example.com\"\n", "", 1);
     let (_, d) = diagnose(&text);
-    assert!(d.is_empty(), "{:?}", d.items.iter().map(|d| &d.message).collect::<Vec<_>>());
+    assert!(
+        d.is_empty(),
+        "{:?}",
+        d.items.iter().map(|d| &d.message).collect::<Vec<_>>()
+    );
 }
 
 #[test]

@@ -17,13 +17,19 @@ fn shipped() -> Vec<(String, String)> {
     let mut out = Vec::new();
     let mut stack = vec![Path::new(env!("CARGO_MANIFEST_DIR")).join("policies")];
     while let Some(dir) = stack.pop() {
-        let mut entries: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+        let mut entries: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
         entries.sort();
         for p in entries {
             if p.is_dir() {
                 stack.push(p);
             } else if p.extension().is_some_and(|x| x == "kiln") {
-                out.push((p.display().to_string(), std::fs::read_to_string(&p).unwrap()));
+                out.push((
+                    p.display().to_string(),
+                    std::fs::read_to_string(&p).unwrap(),
+                ));
             }
         }
     }
@@ -40,18 +46,27 @@ fn assert_fmt_sound(text: &str) {
     let Some(once) = fmt(text) else { return };
     let twice = fmt(&once).expect("formatted text must parse");
     assert_eq!(once, twice, "format is not idempotent for:\n{text}");
-    assert_eq!(comment_texts(text), comment_texts(&once), "comments changed");
+    assert_eq!(
+        comment_texts(text),
+        comment_texts(&once),
+        "comments changed"
+    );
     let before = compile_str("a.kiln", text);
     let after = compile_str("a.kiln", &once);
     assert_eq!(before.has_errors(), after.has_errors());
     if let (Some(a), Some(b)) = (&before.graph, &after.graph) {
-        assert!(a.normalized() == b.normalized(), "formatting changed the compiled graph");
+        assert!(
+            a.normalized() == b.normalized(),
+            "formatting changed the compiled graph"
+        );
     }
 }
 
 #[test]
 fn golden_messy_policy() {
-    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fmt/messy.kiln")).unwrap();
+    let text =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fmt/messy.kiln"))
+            .unwrap();
     let out = fmt(&text).expect("parses");
     insta::assert_snapshot!("fmt_messy", out);
     assert_fmt_sound(&text);
@@ -60,7 +75,11 @@ fn golden_messy_policy() {
 #[test]
 fn shipped_policies_are_formatted_and_sound() {
     for (name, text) in shipped() {
-        assert_eq!(fmt(&text).as_deref(), Some(text.as_str()), "{name} is not formatted");
+        assert_eq!(
+            fmt(&text).as_deref(),
+            Some(text.as_str()),
+            "{name} is not formatted"
+        );
         assert_fmt_sound(&text);
     }
 }
@@ -68,7 +87,10 @@ fn shipped_policies_are_formatted_and_sound() {
 #[test]
 fn empty_and_comment_only_files() {
     assert_eq!(fmt("").as_deref(), Some(""));
-    assert_eq!(fmt("# only a comment").as_deref(), Some("# only a comment\n"));
+    assert_eq!(
+        fmt("# only a comment").as_deref(),
+        Some("# only a comment\n")
+    );
 }
 
 /// Small edits that keep most of a policy parseable: delete a line,
@@ -86,7 +108,14 @@ fn mutate(text: &str, op: u8, a: usize, b: usize) -> String {
         }
         1 => lines.insert(i, lines[j]),
         2 => lines.swap(i, j),
-        3 => return lines.iter().map(|l| l.trim()).filter(|l| !l.is_empty()).collect::<Vec<_>>().join("\n"),
+        3 => {
+            return lines
+                .iter()
+                .map(|l| l.trim())
+                .filter(|l| !l.is_empty())
+                .collect::<Vec<_>>()
+                .join("\n")
+        }
         _ => return lines.join(" \n\n  "),
     }
     lines.join("\n")

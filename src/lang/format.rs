@@ -23,6 +23,7 @@ pub fn format_file(file: &File, text: &str) -> String {
         next: 0,
         out: String::new(),
         depth: 0,
+        limit: usize::MAX,
     };
     for (i, item) in file.items.iter().enumerate() {
         if i > 0 {
@@ -47,6 +48,9 @@ struct Printer<'a> {
     next: usize,
     out: String,
     depth: usize,
+    /// Where the next sibling starts: a comment after it on the same source
+    /// line belongs to that sibling, not to the node being printed.
+    limit: usize,
 }
 
 impl Printer<'_> {
@@ -64,12 +68,18 @@ impl Printer<'_> {
 
     /// Prints every comment that starts before `pos` on its own line.
     fn flush_before(&mut self, pos: usize) {
+        let mut prev_end: Option<usize> = None;
         while let Some(c) = self.comments.get(self.next) {
             if c.start >= pos {
                 break;
             }
-            let t = c.text.clone();
+            let (start, t) = (c.start, c.text.clone());
+            // keep one blank line between comment paragraphs
+            if prev_end.is_some_and(|e| self.blank_between(e, start)) {
+                self.out.push('\n');
+            }
             self.line(&t);
+            prev_end = Some(start + t.len());
             self.next += 1;
         }
     }
@@ -128,7 +138,29 @@ impl Printer<'_> {
         let _ = start;
         self.flush_before(end);
         self.line(s);
-        self.trailing(end.saturating_sub(1));
+        self.trailing_before(end.saturating_sub(1), self.limit);
+    }
+
+    /// Prints children in order, each knowing where the next one starts.
+    /// `close` is where the closing bracket is: a comment after it belongs to
+    /// the bracket's line, not to the last child.
+    fn children<T>(
+        &mut self,
+        items: &[T],
+        close: usize,
+        start: impl Fn(&T) -> usize,
+        end: impl Fn(&T) -> usize,
+        mut print: impl FnMut(&mut Self, &T),
+    ) {
+        let outer = self.limit;
+        let mut prev = None;
+        for (i, it) in items.iter().enumerate() {
+            self.gap(prev, start(it));
+            self.limit = items.get(i + 1).map_or(close, &start);
+            print(self, it);
+            prev = Some(end(it));
+        }
+        self.limit = outer;
     }
 
     /// Opens a block: leading comments, the header and `{`.
@@ -144,7 +176,7 @@ impl Printer<'_> {
         self.flush_before(brace);
         self.depth = self.depth.saturating_sub(1);
         self.line(closer);
-        self.trailing(brace);
+        self.trailing_before(brace, self.limit);
     }
 
     fn gap(&mut self, prev_end: Option<usize>, start: usize) {
@@ -186,25 +218,39 @@ impl Printer<'_> {
                     .unwrap_or(start);
                 self.flush_before(start);
                 self.line(&format!("fallback {} [", name_set(&f.tiers)));
-                let first = f.steps.first().map_or(usize::MAX, |s| s.span.start as usize);
+                let first = f
+                    .steps
+                    .first()
+                    .map_or(usize::MAX, |s| s.span.start as usize);
                 self.trailing_before(bracket, first);
                 self.depth += 1;
-                let mut prev = None;
-                for s in &f.steps {
-                    self.gap(prev, s.span.start as usize);
+                let text = self.text;
+                // the comma after a step belongs to its line
+                let comma_end = |s: &Step| {
                     let end = s.span.end as usize;
-                    // the comma after a step belongs to its line
-                    let comma_end = self
-                        .text
-                        .get(end..)
+                    text.get(end..)
                         .and_then(|r| {
                             let t = r.trim_start_matches([' ', '\t']);
                             t.starts_with(',').then(|| end + (r.len() - t.len()) + 1)
                         })
-                        .unwrap_or(end);
-                    self.one_line(s.span.start as usize, comma_end, &format!("{},", step(s)));
-                    prev = Some(comma_end);
-                }
+                        .unwrap_or(end)
+                };
+                let outer = self.limit;
+                self.limit = usize::MAX;
+                self.children(
+                    &f.steps,
+                    (f.span.end as usize).saturating_sub(1),
+                    |s| s.span.start as usize,
+                    comma_end,
+                    |p, s| {
+                        p.one_line(
+                            s.span.start as usize,
+                            comma_end(s),
+                            &format!("{},", step(s)),
+                        )
+                    },
+                );
+                self.limit = outer;
                 self.close(f.span.end as usize, "]");
             }
             Item::Rollout(r) => {
@@ -214,57 +260,77 @@ impl Printer<'_> {
                     RolloutItem::Rollback { span, .. } => span.start as usize,
                 });
                 self.open(start, brace_after(self.text, start), "rollout", first);
-                let mut prev = None;
-                for it in &r.items {
-                    match it {
-                        RolloutItem::Prop(p) => {
-                            self.gap(prev, p.span.start as usize);
-                            self.property(p);
-                            prev = Some(p.span.end as usize);
-                        }
+                let span_of = |it: &RolloutItem| match it {
+                    RolloutItem::Prop(p) => p.span,
+                    RolloutItem::Rollback { span, .. } => *span,
+                };
+                let outer = self.limit;
+                self.limit = usize::MAX;
+                self.children(
+                    &r.items,
+                    (r.span.end as usize).saturating_sub(1),
+                    |it| span_of(it).start as usize,
+                    |it| span_of(it).end as usize,
+                    |p, it| match it {
+                        RolloutItem::Prop(prop) => p.property(prop),
                         RolloutItem::Rollback { cond, hold, span } => {
-                            self.gap(prev, span.start as usize);
                             let mut s = format!("rollback when {}", expr(cond));
                             if let Some(h) = hold {
                                 s.push_str(&format!(" for {}", value(h)));
                             }
-                            self.one_line(span.start as usize, span.end as usize, &s);
-                            prev = Some(span.end as usize);
+                            p.one_line(span.start as usize, span.end as usize, &s);
                         }
-                    }
-                }
+                    },
+                );
+                self.limit = outer;
                 self.close(r.span.end as usize, "}");
             }
             Item::Approval(a) => {
                 let start = a.span.start as usize;
-                let first = a.rules.first().map_or(usize::MAX, |r| r.span.start as usize);
+                let first = a
+                    .rules
+                    .first()
+                    .map_or(usize::MAX, |r| r.span.start as usize);
                 self.open(start, brace_after(self.text, start), "approval", first);
-                let mut prev = None;
-                for r in &a.rules {
-                    self.gap(prev, r.span.start as usize);
-                    let s = format!(
-                        "require {} from \"{}\" for {}",
-                        r.count,
-                        escape(&r.group),
-                        name_set(&r.kinds)
-                    );
-                    self.one_line(r.span.start as usize, r.span.end as usize, &s);
-                    prev = Some(r.span.end as usize);
-                }
+                let outer = self.limit;
+                self.limit = usize::MAX;
+                self.children(
+                    &a.rules,
+                    (a.span.end as usize).saturating_sub(1),
+                    |r| r.span.start as usize,
+                    |r| r.span.end as usize,
+                    |p, r| {
+                        let s = format!(
+                            "require {} from \"{}\" for {}",
+                            r.count,
+                            escape(&r.group),
+                            name_set(&r.kinds)
+                        );
+                        p.one_line(r.span.start as usize, r.span.end as usize, &s);
+                    },
+                );
+                self.limit = outer;
                 self.close(a.span.end as usize, "}");
             }
         }
     }
 
     fn rule_block(&mut self, start: usize, header: &str, rb: &RuleBlock) {
-        let first = rb.rules.first().map_or(usize::MAX, |r| r.span.start as usize);
+        let first = rb
+            .rules
+            .first()
+            .map_or(usize::MAX, |r| r.span.start as usize);
         self.open(start, rb.span.start as usize, header, first);
-        let mut prev = None;
-        for r in &rb.rules {
-            self.gap(prev, r.span.start as usize);
-            self.one_line(r.span.start as usize, r.span.end as usize, &rule(r));
-            prev = Some(r.span.end as usize);
-        }
+        let outer = self.limit;
+        self.limit = usize::MAX;
+        self.children(
+            &rb.rules,
+            (rb.span.end as usize).saturating_sub(1),
+            |r| r.span.start as usize,
+            |r| r.span.end as usize,
+            |p, r| p.one_line(r.span.start as usize, r.span.end as usize, &rule(r)),
+        );
+        self.limit = outer;
         self.close(rb.span.end as usize, "}");
     }
 
@@ -280,14 +346,21 @@ impl Printer<'_> {
                 }
             }
         }
-        let first = body.props.first().map_or(usize::MAX, |p| p.span.start as usize);
+        let first = body
+            .props
+            .first()
+            .map_or(usize::MAX, |p| p.span.start as usize);
         self.open(start, bs, header, first);
-        let mut prev = None;
-        for p in &body.props {
-            self.gap(prev, p.span.start as usize);
-            self.property(p);
-            prev = Some(p.span.end as usize);
-        }
+        let outer = self.limit;
+        self.limit = usize::MAX;
+        self.children(
+            &body.props,
+            be.saturating_sub(1),
+            |p| p.span.start as usize,
+            |p| p.span.end as usize,
+            |pr, p| pr.property(p),
+        );
+        self.limit = outer;
         self.close(be, "}");
     }
 
@@ -315,7 +388,13 @@ fn inline_body(b: &Body) -> Option<String> {
         return None;
     }
     let parts: Vec<String> = b.props.iter().map(property_head).collect();
-    Some(format!("{{ {} }}", parts.join(" ")))
+    // `labels { region = "eu", tier = "prod" }` reads better with commas
+    let all_assign = b
+        .props
+        .iter()
+        .all(|p| matches!(p.args, PropArgs::Assign(_)));
+    let sep = if all_assign { ", " } else { " " };
+    Some(format!("{{ {} }}", parts.join(sep)))
 }
 
 fn property_head(p: &Property) -> String {

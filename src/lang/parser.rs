@@ -68,6 +68,9 @@ impl<'a> Kids<'a> for P<'a> {
 
 /// Parses one file. On a syntax error returns the diagnostic.
 pub fn parse(file: FileId, text: &str) -> Result<File, Box<Diagnostic>> {
+    if let Some(d) = too_deep(file, text) {
+        return Err(Box::new(d));
+    }
     let mut pairs = match KilnParser::parse(Rule::policy, text) {
         Ok(p) => p,
         Err(e) => return Err(Box::new(syntax_error(file, text, e))),
@@ -82,6 +85,81 @@ pub fn parse(file: FileId, text: &str) -> Result<File, Box<Diagnostic>> {
         }
     }
     Ok(File { items })
+}
+
+/// Deepest bracket nesting and longest `not not …` run accepted. Real
+/// policies stay far below; the limits keep the recursive descent (and every
+/// stage after it) inside a thread's stack whatever the input.
+pub const MAX_NESTING: usize = 32;
+
+fn too_deep(file: FileId, text: &str) -> Option<Diagnostic> {
+    let comments = super::comments::scan(text);
+    let mut next_comment = comments.iter().peekable();
+    let mut depth = 0usize;
+    let mut nots = 0usize;
+    let mut in_str = false;
+    let mut escaped = false;
+    let bytes = text.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        if let Some(c) = next_comment.peek() {
+            if c.start == i && !in_str {
+                i += c.text.len();
+                next_comment.next();
+                continue;
+            }
+        }
+        let b = bytes[i];
+        if in_str {
+            if escaped {
+                escaped = false;
+            } else if b == b'\\' {
+                escaped = true;
+            } else if b == b'"' || b == b'\n' {
+                in_str = false;
+            }
+            i += 1;
+            continue;
+        }
+        match b {
+            b'"' => in_str = true,
+            b'(' | b'[' | b'{' => depth += 1,
+            b')' | b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+        if b.is_ascii_alphanumeric() || b == b'_' {
+            let mut j = i;
+            while j < bytes.len()
+                && (bytes[j].is_ascii_alphanumeric() || bytes[j] == b'_' || bytes[j] == b'-')
+            {
+                j += 1;
+            }
+            if text.get(i..j) == Some("not") {
+                nots += 1;
+            } else {
+                nots = 0;
+            }
+            if nots > MAX_NESTING {
+                return Some(too_deep_error(file, i, j));
+            }
+            i = j;
+            continue;
+        }
+        if depth > MAX_NESTING {
+            return Some(too_deep_error(file, i, i + 1));
+        }
+        i += 1;
+    }
+    None
+}
+
+fn too_deep_error(file: FileId, start: usize, end: usize) -> Diagnostic {
+    Diagnostic::error(
+        Code::Syntax,
+        format!("nesting deeper than {MAX_NESTING} levels"),
+    )
+    .at(Span::new(file, start, end), "too deep")
+    .help("split the condition into several rules or flatten its parentheses")
 }
 
 fn rule_name(r: &Rule) -> Option<&'static str> {
