@@ -84,14 +84,9 @@ impl Printer<'_> {
         }
     }
 
-    /// Appends a comment that sits at the end of source line of `pos` to the
-    /// line just printed.
-    fn trailing(&mut self, pos: usize) {
-        self.trailing_before(pos, usize::MAX)
-    }
-
-    /// As [`trailing`](Self::trailing), but only a comment that starts
-    /// before `limit` (after an opening brace: before the first child).
+    /// Appends a comment that sits at the end of the source line of `pos`
+    /// to the line just printed, if it starts before `limit` (where the next
+    /// node begins).
     fn trailing_before(&mut self, pos: usize, limit: usize) {
         let line = self.line_of(pos);
         if let Some(c) = self.comments.get(self.next) {
