@@ -43,6 +43,8 @@ pub struct Expect {
     pub status: Option<u16>,
     /// 1-based fallback step; 0 expects that no fallback step was taken.
     pub fallback_step: Option<u32>,
+    /// The tier whose chain supplied the step (differs after a demote).
+    pub fallback_chain: Option<String>,
     pub max_tokens: Option<u64>,
 }
 
@@ -107,15 +109,7 @@ pub fn run(g: &DecisionGraph, cases: &[Case]) -> Report {
             }
         };
         let d = g.decide(&c.request, &signals);
-        for r in [
-            Some(d.classify_rule),
-            d.route_rule,
-            d.admit_rule,
-            d.step_rule,
-        ]
-        .into_iter()
-        .flatten()
-        {
+        for r in d.fired_rules() {
             fired.insert(r);
         }
         let v = g.view(&d);
@@ -161,6 +155,11 @@ pub fn run(g: &DecisionGraph, cases: &[Case]) -> Report {
             "fallback_step",
             e.fallback_step.map(|s| s.to_string()),
             v.fallback_step.unwrap_or(0).to_string(),
+        );
+        check(
+            "fallback_chain",
+            e.fallback_chain.clone(),
+            v.fallback_chain.clone().unwrap_or_else(|| "(none)".into()),
         );
         check(
             "max_tokens",

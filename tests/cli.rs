@@ -30,7 +30,10 @@ fn temp_dir(name: &str) -> PathBuf {
 
 fn broken_copy(name: &str, from: &str, to: &str) -> PathBuf {
     let dir = temp_dir(name);
-    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("policies/enterprise/enterprise.kiln")).unwrap();
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("policies/enterprise/enterprise.kiln"),
+    )
+    .unwrap();
     assert!(text.contains(from), "policy lacks `{from}`");
     let p = dir.join("enterprise.kiln");
     std::fs::write(&p, text.replacen(from, to, 1)).unwrap();
@@ -46,7 +49,13 @@ fn shipped_policies_pass_every_ci_command() {
         vec!["test", "policies"],
     ] {
         let o = kiln(&args);
-        assert_eq!(o.status.code(), Some(0), "kiln {args:?}\n{}{}", stdout(&o), stderr(&o));
+        assert_eq!(
+            o.status.code(),
+            Some(0),
+            "kiln {args:?}\n{}{}",
+            stdout(&o),
+            stderr(&o)
+        );
     }
 }
 
@@ -61,7 +70,11 @@ fn usage_errors_exit_2() {
 #[test]
 fn a_broken_policy_points_at_its_line() {
     // Line numbers are found, not hard-coded, so editing the policy does not break this.
-    let p = broken_copy("unknown-tier", "tiers [evaluation, batch]", "tiers [evaluaton, batch]");
+    let p = broken_copy(
+        "unknown-tier",
+        "tiers [evaluation, batch]",
+        "tiers [evaluaton, batch]",
+    );
     let text = std::fs::read_to_string(&p).unwrap();
     let line = text.lines().position(|l| l.contains("evaluaton")).unwrap() + 1;
     let o = kiln(&["check", "--format", "json", p.to_str().unwrap()]);
@@ -72,16 +85,40 @@ fn a_broken_policy_points_at_its_line() {
     assert_eq!(d["line"], line);
     assert_eq!(d["help"], "did you mean `evaluation`?");
     let human = kiln(&["check", p.to_str().unwrap()]);
-    assert!(stderr(&human).contains(&format!("enterprise.kiln:{line}:")), "{}", stderr(&human));
+    assert!(
+        stderr(&human).contains(&format!("enterprise.kiln:{line}:")),
+        "{}",
+        stderr(&human)
+    );
 }
 
 #[test]
 fn validator_catches_semantic_breakage() {
     let cases = [
-        ("no-default", "  default => tier background\n", "", "kiln::missing-default"),
-        ("cycle", "tier batch {\n", "tier batch {\n  preempts [interactive]\n", "kiln::preempt-cycle"),
-        ("fit", "variant int8 { memory 75GB", "variant int8 { memory 95GB", "kiln::variant-does-not-fit"),
-        ("units", "when estimated_wait > 2s => fallback", "when estimated_wait > 2% => fallback", "kiln::unit-mismatch"),
+        (
+            "no-default",
+            "  default => tier background\n",
+            "",
+            "kiln::missing-default",
+        ),
+        (
+            "cycle",
+            "tier batch {\n",
+            "tier batch {\n  preempts [interactive]\n",
+            "kiln::preempt-cycle",
+        ),
+        (
+            "fit",
+            "variant int8 { memory 75GB",
+            "variant int8 { memory 95GB",
+            "kiln::variant-does-not-fit",
+        ),
+        (
+            "units",
+            "when estimated_wait > 2s => fallback",
+            "when estimated_wait > 2% => fallback",
+            "kiln::unit-mismatch",
+        ),
     ];
     for (name, from, to, code) in cases {
         let p = broken_copy(name, from, to);
@@ -95,7 +132,11 @@ fn validator_catches_semantic_breakage() {
 fn lint_sarif_is_valid_2_1_0() {
     let p = broken_copy("sarif", "  owner \"analytics@corp.example\"\n", "");
     let o = kiln(&["lint", "--format", "sarif", p.to_str().unwrap()]);
-    assert_eq!(o.status.code(), Some(0), "warnings alone do not fail without --deny");
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "warnings alone do not fail without --deny"
+    );
     let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
     assert_eq!(v["version"], "2.1.0");
     let run = &v["runs"][0];
@@ -103,7 +144,12 @@ fn lint_sarif_is_valid_2_1_0() {
     let r = &run["results"][0];
     assert_eq!(r["ruleId"], "kiln::lint::tenant-without-owner");
     assert_eq!(r["level"], "warning");
-    assert!(r["locations"][0]["physicalLocation"]["region"]["startLine"].as_u64().unwrap() > 1);
+    assert!(
+        r["locations"][0]["physicalLocation"]["region"]["startLine"]
+            .as_u64()
+            .unwrap()
+            > 1
+    );
     let denied = kiln(&["lint", "--deny", "warnings", p.to_str().unwrap()]);
     assert_eq!(denied.status.code(), Some(1));
 }
@@ -117,8 +163,14 @@ fn fmt_check_reports_and_fmt_fixes() {
     assert_eq!(o.status.code(), Some(1));
     assert!(stdout(&o).contains("not formatted"));
     assert_eq!(kiln(&["fmt", p.to_str().unwrap()]).status.code(), Some(0));
-    assert_eq!(kiln(&["fmt", "--check", p.to_str().unwrap()]).status.code(), Some(0));
-    assert_eq!(std::fs::read_to_string(&p).unwrap(), "tier a {\n  priority 1\n  slo { ttft 1s }\n}\n# note\n");
+    assert_eq!(
+        kiln(&["fmt", "--check", p.to_str().unwrap()]).status.code(),
+        Some(0)
+    );
+    assert_eq!(
+        std::fs::read_to_string(&p).unwrap(),
+        "tier a {\n  priority 1\n  slo { ttft 1s }\n}\n# note\n"
+    );
 }
 
 #[test]
@@ -143,7 +195,10 @@ expect = { tier = "batch" }
     assert_eq!(o.status.code(), Some(1));
     let out = stdout(&o);
     assert!(out.contains("FAIL  support chat is batch"), "{out}");
-    assert!(out.contains("tier: expected batch, got interactive"), "{out}");
+    assert!(
+        out.contains("tier: expected batch, got interactive"),
+        "{out}"
+    );
     assert!(out.contains("rules no test exercised"), "{out}");
 }
 
@@ -162,7 +217,10 @@ fn explain_shows_each_condition() {
     let out = stdout(&o);
     assert!(out.contains("pool(h100).utilization < 90%"), "{out}");
     assert!(out.contains("saw 93%"), "{out}");
-    assert!(out.contains("decision: tenant support-bot · tier interactive"), "{out}");
+    assert!(
+        out.contains("decision: tenant support-bot · tier interactive"),
+        "{out}"
+    );
     let j = kiln(&[
         "explain",
         "--format",
@@ -182,7 +240,13 @@ fn explain_rejects_bad_request_json() {
     let dir = temp_dir("explain");
     let r = dir.join("r.json");
     std::fs::write(&r, "{ \"model\": 12 }").unwrap();
-    let o = kiln(&["explain", "--policy", "policies/enterprise", "--request", r.to_str().unwrap()]);
+    let o = kiln(&[
+        "explain",
+        "--policy",
+        "policies/enterprise",
+        "--request",
+        r.to_str().unwrap(),
+    ]);
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("r.json"));
 }

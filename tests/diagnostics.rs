@@ -225,3 +225,18 @@ fn did_you_mean_suggests_close_names() {
     let e = d.errors().next().expect("an error");
     assert_eq!(e.help.as_deref(), Some("did you mean `bulk`?"));
 }
+
+#[test]
+fn tier_not_granted_sees_tenant_lists() {
+    let text = with("tiers [chat, bulk]", "tiers [bulk]").replacen(
+        "when tenant == app => tier chat",
+        "when tenant in [app] and has_session => tier chat",
+        1,
+    );
+    let (_, d) = diagnose(&text);
+    assert!(
+        d.items.iter().any(|x| x.code == Code::TierNotGranted),
+        "{:?}",
+        d.items.iter().map(|x| &x.message).collect::<Vec<_>>()
+    );
+}

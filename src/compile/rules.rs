@@ -1309,6 +1309,20 @@ fn pinned_tenants(e: &Expr) -> Vec<String> {
         } if l.base.name == "tenant" && l.arg.is_none() && l.fields.is_empty() => {
             vec![r.base.name.clone()]
         }
+        ExprKind::In {
+            lhs: Operand::Ref(l),
+            set:
+                Value {
+                    kind: ValueKind::List(items),
+                    ..
+                },
+        } if l.base.name == "tenant" && l.arg.is_none() && l.fields.is_empty() => items
+            .iter()
+            .filter_map(|v| match &v.kind {
+                ValueKind::Path(p) if p.len() == 1 => Some(p[0].name.clone()),
+                _ => None,
+            })
+            .collect(),
         _ => Vec::new(),
     }
 }

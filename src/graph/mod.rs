@@ -402,6 +402,7 @@ pub(crate) struct Builtin {
     pub quota: Reject,
     pub concurrency: Reject,
     pub model_not_allowed: Reject,
+    pub pool_fenced: Reject,
 }
 
 impl Default for Builtin {
@@ -430,6 +431,12 @@ impl Default for Builtin {
                 message: "the tier may not use this model".into(),
                 retry_after: None,
                 reason: "model-not-allowed",
+            },
+            pool_fenced: Reject {
+                status: 403,
+                message: "the tenant may not use the pool this request routes to".into(),
+                retry_after: None,
+                reason: "pool-fenced",
             },
         }
     }

@@ -26,8 +26,11 @@ pub struct DecisionView {
     pub retry_after_ms: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
-    /// 1-based step of the tier's fallback chain that decided, if any.
+    /// 1-based step of the fallback chain that decided, if any.
     pub fallback_step: Option<u32>,
+    /// The tier whose chain that step belongs to.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fallback_chain: Option<String>,
     pub max_tokens: u64,
     /// The rules that decided, as `block #n`.
     pub rules: Vec<FiredRule>,
@@ -69,22 +72,20 @@ impl DecisionGraph {
             retry_after_ms: None,
             reason: None,
             fallback_step: d.fallback_step.map(|s| u32::from(s) + 1),
+            fallback_chain: d
+                .fallback_chain
+                .and_then(|t| self.tiers.get(t as usize))
+                .map(|t| t.name.clone()),
             max_tokens: d.max_tokens,
-            rules: [
-                Some(d.classify_rule),
-                d.route_rule,
-                d.admit_rule,
-                d.step_rule,
-            ]
-            .into_iter()
-            .flatten()
-            .filter_map(|r| self.rules.get(r as usize))
-            .map(|r| FiredRule {
-                block: r.block.clone(),
-                index: r.index,
-                text: r.text.clone(),
-            })
-            .collect(),
+            rules: d
+                .fired_rules()
+                .filter_map(|r| self.rules.get(r as usize))
+                .map(|r| FiredRule {
+                    block: r.block.clone(),
+                    index: r.index,
+                    text: r.text.clone(),
+                })
+                .collect(),
         };
         match d.admission {
             Admission::Queue { max_wait } => v.max_wait_ms = Some(max_wait),

@@ -67,6 +67,20 @@ impl Printer<'_> {
     }
 
     /// Prints every comment that starts before `pos` on its own line.
+    /// Comments before a node, and the blank line between them and the node
+    /// when the source has one (a file header stays apart from the first item).
+    fn leading(&mut self, pos: usize) {
+        let before = self.next;
+        self.flush_before(pos);
+        if self.next > before {
+            if let Some(c) = self.comments.get(self.next - 1) {
+                if self.blank_between(c.start + c.text.len(), pos) {
+                    self.out.push('\n');
+                }
+            }
+        }
+    }
+
     fn flush_before(&mut self, pos: usize) {
         let mut prev_end: Option<usize> = None;
         while let Some(c) = self.comments.get(self.next) {
@@ -130,7 +144,7 @@ impl Printer<'_> {
 
     /// A node printed as one line.
     fn one_line(&mut self, start: usize, end: usize, s: &str) {
-        let _ = start;
+        self.leading(start);
         self.flush_before(end);
         self.line(s);
         self.trailing_before(end.saturating_sub(1), self.limit);
@@ -160,7 +174,7 @@ impl Printer<'_> {
 
     /// Opens a block: leading comments, the header and `{`.
     fn open(&mut self, start: usize, brace: usize, header: &str, first_child: usize) {
-        self.flush_before(start);
+        self.leading(start);
         self.line(&format!("{header} {{"));
         self.trailing_before(brace, first_child);
         self.depth += 1;
@@ -211,7 +225,7 @@ impl Printer<'_> {
                     .and_then(|s| s.find('['))
                     .map(|i| i + f.tiers.span.end as usize)
                     .unwrap_or(start);
-                self.flush_before(start);
+                self.leading(start);
                 self.line(&format!("fallback {} [", name_set(&f.tiers)));
                 let first = f
                     .steps
