@@ -73,6 +73,18 @@ fn golden_messy_policy() {
 }
 
 #[test]
+fn golden_rollout_and_approval() {
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fmt/rollout.kiln"),
+    )
+    .unwrap();
+    let out = fmt(&text).expect("parses");
+    insta::assert_snapshot!("fmt_rollout", out);
+    assert_eq!(fmt(&out).as_deref(), Some(out.as_str()));
+    assert_eq!(comment_texts(&text), comment_texts(&out));
+}
+
+#[test]
 fn shipped_policies_are_formatted_and_sound() {
     for (name, text) in shipped() {
         assert_eq!(

@@ -71,29 +71,32 @@ fn fallbacks_exist(c: &mut Compiler) {
     c.fallback_uses = uses;
 }
 
+/// A chain ends in `queue`, `reject` or `demote`. `queue D` waits up to D
+/// for capacity and hands the request to the next step when it times out,
+/// so steps may follow it; nothing may follow `reject` or `demote`.
 fn chains_terminate(c: &mut Compiler) {
     let asts = c.facts.fallback_asts.clone();
     for (_, f) in &asts {
-        let mut terminal_at = None;
-        for (i, s) in f.steps.iter().enumerate() {
-            if let Some(t) = terminal_at {
-                let _: usize = t;
+        let mut ended = false;
+        for s in &f.steps {
+            if ended {
                 c.err(
-                    Diagnostic::error(Code::FallbackNotTerminal, "this step follows a terminal step and never runs")
-                        .at(s.span, "unreachable step")
-                        .help("queue, reject and demote end a chain; move this step before them or delete it"),
+                    Diagnostic::error(
+                        Code::FallbackNotTerminal,
+                        "this step follows a reject or demote and never runs",
+                    )
+                    .at(s.span, "unreachable step")
+                    .help("reject and demote end a chain; move this step before them or delete it"),
                 );
                 break;
             }
-            if matches!(
-                s.kind,
+            ended = matches!(s.kind, StepKind::Reject(_) | StepKind::Demote(_));
+        }
+        if let Some(last) = f.steps.last() {
+            if !matches!(
+                last.kind,
                 StepKind::Queue(_) | StepKind::Reject(_) | StepKind::Demote(_)
             ) {
-                terminal_at = Some(i);
-            }
-        }
-        if terminal_at.is_none() {
-            if let Some(last) = f.steps.last() {
                 c.err(
                     Diagnostic::error(Code::FallbackNotTerminal, "the fallback chain can run out of steps")
                         .at(last.span, "if this is saturated too, the request has nowhere to go")

@@ -271,7 +271,11 @@ pub struct Reject {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Step {
     Route(Target),
-    Queue { max_wait: f64 },
+    /// Wait up to `max_wait` ms for capacity; on timeout the scheduler
+    /// applies the next step (or rejects with 503 when this is the last).
+    Queue {
+        max_wait: f64,
+    },
     Demote(TierId),
     Reject(Arc<Reject>),
 }
