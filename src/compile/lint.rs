@@ -4,7 +4,6 @@
 
 use super::Compiled;
 use crate::diag::{Code, Diagnostic, Diagnostics};
-use crate::lang::ast::DeclKind;
 use crate::lang::comments;
 use crate::source::Span;
 use std::collections::{HashMap, HashSet};
@@ -215,7 +214,6 @@ fn unused(c: &Compiled, g: &crate::graph::DecisionGraph, out: &mut Diagnostics) 
             }
         }
     }
-    let _ = DeclKind::Pool;
 }
 
 /// The shadowed-rule check. Rule j is shadowed when an earlier rule i

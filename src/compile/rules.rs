@@ -22,20 +22,6 @@ pub(crate) enum Scope {
     Rollout,
 }
 
-const PLAIN_SIGNALS: &[&str] = &[
-    "tenant",
-    "api_key",
-    "model",
-    "tier",
-    "session",
-    "has_session",
-    "prompt_tokens",
-    "max_tokens",
-    "estimated_wait",
-    "time",
-    "weekday",
-    "error_rate",
-];
 const ALL_SIGNALS: &[&str] = &[
     "tenant",
     "api_key",
@@ -893,7 +879,7 @@ impl Compiler<'_> {
                 let mut ids = Vec::new();
                 let mut strs = Vec::new();
                 for it in items {
-                    match self.constant(ty, lhs, &Operand::Lit(it.clone()).resolve_bare()) {
+                    match self.constant(ty, lhs, &bare_ref(it.clone())) {
                         Some(Const::Id(i)) => ids.push(i),
                         Some(Const::Str(s)) => strs.push(s),
                         Some(Const::Num(_)) | Some(Const::Bool(_)) => {
@@ -919,8 +905,8 @@ impl Compiler<'_> {
             ValueKind::Range(a, b) => {
                 if ty == Ty::Weekday {
                     let (Some(Const::Id(x)), Some(Const::Id(y))) = (
-                        self.constant(ty, lhs, &Operand::Lit((**a).clone()).resolve_bare()),
-                        self.constant(ty, lhs, &Operand::Lit((**b).clone()).resolve_bare()),
+                        self.constant(ty, lhs, &bare_ref((**a).clone())),
+                        self.constant(ty, lhs, &bare_ref((**b).clone())),
                     ) else {
                         return Cond::True;
                     };
@@ -1108,7 +1094,6 @@ impl Compiler<'_> {
             );
             return Err(());
         }
-        let _ = PLAIN_SIGNALS;
         Ok(Some(sig))
     }
 
@@ -1366,24 +1351,18 @@ pub(crate) fn dnf(e: &Expr) -> Option<Vec<Vec<String>>> {
     }
 }
 
-trait ResolveBare {
-    fn resolve_bare(self) -> Operand;
-}
-
-impl ResolveBare for Operand {
-    /// List items parse as values; a bare name in a list is a reference.
-    fn resolve_bare(self) -> Operand {
-        match self {
-            Operand::Lit(Value {
-                kind: ValueKind::Path(p),
-                span,
-            }) if p.len() == 1 => Operand::Ref(Reference {
-                base: p[0].clone(),
-                arg: None,
-                fields: Vec::new(),
-                span,
-            }),
-            o => o,
-        }
+/// List items parse as values; a bare name in a list is a reference.
+fn bare_ref(v: Value) -> Operand {
+    match v {
+        Value {
+            kind: ValueKind::Path(p),
+            span,
+        } if p.len() == 1 => Operand::Ref(Reference {
+            base: p[0].clone(),
+            arg: None,
+            fields: Vec::new(),
+            span,
+        }),
+        v => Operand::Lit(v),
     }
 }

@@ -716,6 +716,39 @@ route online m { default => fp16 on dedicated }
     }
 
     #[test]
+    fn conditions_negate_group_and_compare_units() {
+        let c = compile_str(
+            "t.kiln",
+            r#"
+pool p { gpus 1 kind "x" memory 80GB }
+model m { variant fp16 { memory 1GB pools [p] } }
+tier a { priority 3 slo { ttft 1s } }
+tier b { priority 2 slo { ttft 1s } }
+tier c { priority 1 slo { ttft 1s } }
+classify {
+  when not has_session and (prompt_tokens >= 2k or tag("big")) => tier a
+  when 1500ms < estimated_wait => tier b
+  default => tier c
+}
+route [a, b, c] m { default => fp16 }
+"#,
+        );
+        let g = c.graph.expect("compiles");
+        let idle = Signals::idle(&g);
+        let mut r = req(None, "m");
+        r.prompt_tokens = 2000;
+        assert_eq!(g.view(&g.decide(&r, &idle)).tier, "a");
+        r.session = Some("s".into());
+        assert_eq!(g.view(&g.decide(&r, &idle)).tier, "c");
+        let waiting = signals(&g, r#"{ "estimated_wait": "2s" }"#);
+        assert_eq!(g.view(&g.decide(&r, &waiting)).tier, "b");
+        r.session = None;
+        r.prompt_tokens = 10;
+        r.tags = vec!["big".into()];
+        assert_eq!(g.view(&g.decide(&r, &idle)).tier, "a");
+    }
+
+    #[test]
     fn decisions_are_deterministic() {
         let g = graph();
         let s = Signals::idle(&g);

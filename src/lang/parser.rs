@@ -717,21 +717,22 @@ impl Builder {
                 }
             }
             Rule::not_expr => {
-                let mut it = p.kids().filter(|q| q.as_rule() != Rule::kw_not);
-                let first = it.next();
-                let negated = span_text_starts_with_not(&span, self, first.as_ref());
-                match first {
-                    Some(q) => {
-                        let e = self.expr(q);
-                        if negated {
-                            Expr {
-                                kind: ExprKind::Not(Box::new(e)),
-                                span,
-                            }
-                        } else {
-                            e
-                        }
+                let mut negated = false;
+                let mut inner = None;
+                // `kids()` hides keywords; here the keyword is the meaning.
+                for q in p.into_inner() {
+                    if q.as_rule() == Rule::kw_not {
+                        negated = true;
+                    } else {
+                        inner = Some(q);
                     }
+                }
+                match inner {
+                    Some(q) if negated => Expr {
+                        kind: ExprKind::Not(Box::new(self.expr(q))),
+                        span,
+                    },
+                    Some(q) => self.expr(q),
                     None => Expr {
                         kind: ExprKind::And(Vec::new()),
                         span,
@@ -838,15 +839,6 @@ impl Builder {
             });
         }
         Operand::Lit(self.value(p))
-    }
-}
-
-/// `not_expr` is either `not not_expr` or an atom; pest drops the silent
-/// keyword only when it is a named rule, so we check the text.
-fn span_text_starts_with_not(span: &Span, _b: &Builder, first: Option<&P>) -> bool {
-    match first {
-        Some(q) => (q.as_span().start() as u32) > span.start,
-        None => false,
     }
 }
 
