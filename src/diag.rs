@@ -510,6 +510,11 @@ pub fn to_sarif(diags: &[Diagnostic], sources: &SourceMap) -> serde_json::Value 
     })
 }
 
+/// "did you mean `x`?" when a candidate is close to `name`.
+pub fn suggest<'a>(name: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<String> {
+    did_you_mean(name, candidates).map(|s| format!("did you mean `{s}`?"))
+}
+
 /// Edit-distance suggestion among names in scope.
 pub fn did_you_mean<'a>(
     name: &str,

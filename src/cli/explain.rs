@@ -25,19 +25,15 @@ fn read_json<T: serde::de::DeserializeOwned>(p: &Path) -> Result<T, String> {
 }
 
 pub fn run(a: Args) -> i32 {
-    let sets = match discover(&a.policy) {
-        Ok(s) => s,
-        Err(e) => return usage_error(&e),
+    let mut compiled = match compile_all(&a.policy) {
+        Ok(c) => c,
+        Err(code) => return code,
     };
-    if sets.len() != 1 {
+    if compiled.len() != 1 {
         return usage_error("--policy must name one policy (a file, files, or one directory)");
     }
-    let c = match compile_set(&sets[0]) {
-        Ok(c) => c,
-        Err(d) => {
-            print_human(&d, &SourceMap::new());
-            return EXIT_USAGE;
-        }
+    let Some((_, c)) = compiled.pop() else {
+        return EXIT_USAGE;
     };
     let Some(g) = &c.graph else {
         print_human(&c.diagnostics, &c.sources);

@@ -27,23 +27,16 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> i32 {
-    let sets = match discover(&a.paths) {
-        Ok(s) => s,
-        Err(e) => return usage_error(&e),
+    let compiled = match compile_all(&a.paths) {
+        Ok(c) => c,
+        Err(code) => return code,
     };
     let mut failed = false;
     let mut json = Vec::new();
     let mut sarif_runs = Vec::new();
-    for set in &sets {
-        let c = match compile_set(set) {
-            Ok(c) => c,
-            Err(d) => {
-                print_human(&d, &SourceMap::new());
-                return EXIT_USAGE;
-            }
-        };
+    for (set, c) in &compiled {
         let mut all = c.diagnostics.clone();
-        all.extend(crate::compile::lint(&c));
+        all.extend(crate::compile::lint(c));
         all.sort();
         let errors = all.errors().count();
         let warnings = all.warnings().count();

@@ -172,6 +172,21 @@ fn discover_dir(dir: &Path, sets: &mut Vec<PolicySet>, depth: usize) -> std::io:
     Ok(())
 }
 
+/// Discovers and compiles every policy under `paths`. On unusable
+/// arguments or unreadable files, reports and returns the exit code.
+pub fn compile_all(paths: &[PathBuf]) -> Result<Vec<(PolicySet, Compiled)>, i32> {
+    let sets = discover(paths).map_err(|e| usage_error(&e))?;
+    sets.into_iter()
+        .map(|set| match compile_set(&set) {
+            Ok(c) => Ok((set, c)),
+            Err(d) => {
+                print_human(&d, &SourceMap::new());
+                Err(EXIT_USAGE)
+            }
+        })
+        .collect()
+}
+
 /// Loads and compiles one policy set.
 pub fn compile_set(set: &PolicySet) -> Result<Compiled, Diagnostics> {
     let sources = compile::load(&set.files)?;

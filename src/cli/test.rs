@@ -13,20 +13,13 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> i32 {
-    let sets = match discover(&a.paths) {
-        Ok(s) => s,
-        Err(e) => return usage_error(&e),
+    let compiled = match compile_all(&a.paths) {
+        Ok(c) => c,
+        Err(code) => return code,
     };
     let mut failed = false;
     let mut reports = Vec::new();
-    for set in &sets {
-        let c = match compile_set(set) {
-            Ok(c) => c,
-            Err(d) => {
-                print_human(&d, &SourceMap::new());
-                return EXIT_USAGE;
-            }
-        };
+    for (set, c) in &compiled {
         let Some(g) = &c.graph else {
             print_human(&c.diagnostics, &c.sources);
             eprintln!("{}: does not compile; no test ran", set.name);

@@ -3,7 +3,7 @@
 
 use super::units::{self, Ty};
 use super::Compiler;
-use crate::diag::{did_you_mean, Code, Diagnostic};
+use crate::diag::{suggest, Code, Diagnostic};
 use crate::graph::*;
 use crate::lang::ast::{self, Body, DeclKind, Item, PropArgs, Property, Value, ValueKind};
 use crate::lang::format;
@@ -93,10 +93,8 @@ impl Compiler<'_> {
         for p in &body.props {
             let k = p.key.name.as_str();
             if !allowed.contains(&k) {
-                let help = match did_you_mean(k, allowed.iter().copied()) {
-                    Some(s) => format!("did you mean `{s}`?"),
-                    None => format!("{what} accepts: {}", allowed.join(", ")),
-                };
+                let help = suggest(k, allowed.iter().copied())
+                    .unwrap_or_else(|| format!("{what} accepts: {}", allowed.join(", ")));
                 self.err(
                     Diagnostic::error(Code::UnknownField, format!("{what} has no field `{k}`"))
                         .at(p.key.span, "unknown field")
@@ -562,12 +560,10 @@ impl Compiler<'_> {
                         match Precision::parse(&path[0].name) {
                             Some(pr) => Some(pr),
                             None => {
-                                let help = match did_you_mean(&path[0].name, Precision::NAMES) {
-                                    Some(s) => format!("did you mean `{s}`?"),
-                                    None => {
+                                let help =
+                                    suggest(&path[0].name, Precision::NAMES).unwrap_or_else(|| {
                                         format!("precisions are: {}", Precision::NAMES.join(", "))
-                                    }
-                                };
+                                    });
                                 self.err(
                                     Diagnostic::error(
                                         Code::InvalidValue,
@@ -837,10 +833,8 @@ impl Compiler<'_> {
                     Some(k) => kinds.push(*k),
                     None => {
                         let names: Vec<&str> = ChangeKind::ALL.iter().map(|k| k.name()).collect();
-                        let help = match did_you_mean(&n.name, names.iter().copied()) {
-                            Some(s) => format!("did you mean `{s}`?"),
-                            None => format!("change kinds are: {}", names.join(", ")),
-                        };
+                        let help = suggest(&n.name, names.iter().copied())
+                            .unwrap_or_else(|| format!("change kinds are: {}", names.join(", ")));
                         self.err(
                             Diagnostic::error(
                                 Code::UnknownName,

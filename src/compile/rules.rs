@@ -4,7 +4,7 @@
 use super::decls::ty_article;
 use super::units::{self, Ty};
 use super::{BlockFacts, Compiler};
-use crate::diag::{did_you_mean, Code, Diagnostic};
+use crate::diag::{suggest, Code, Diagnostic};
 use crate::graph::*;
 use crate::lang::ast::{
     self, CallArg, CmpOp, DeclKind, Expr, ExprKind, Ident, Item, Operand, OutcomeItem, Reference,
@@ -418,10 +418,8 @@ impl Compiler<'_> {
             return Some(i as u16);
         }
         let names: Vec<&str> = model.variants.iter().map(|x| x.name.as_str()).collect();
-        let help = match did_you_mean(&v.name, names.iter().copied()) {
-            Some(s) => format!("did you mean `{s}`?"),
-            None => format!("`{}` has variants: {}", model.name, names.join(", ")),
-        };
+        let help = suggest(&v.name, names.iter().copied())
+            .unwrap_or_else(|| format!("`{}` has variants: {}", model.name, names.join(", ")));
         let mname = model.name.clone();
         self.err(
             Diagnostic::error(
@@ -603,10 +601,8 @@ impl Compiler<'_> {
                 .iter()
                 .flat_map(|m| m.variants.iter().map(|v| v.name.as_str()))
                 .collect();
-            let help = match did_you_mean(&vname.name, all.iter().copied()) {
-                Some(s) => format!("did you mean `{s}`?"),
-                None => "name a variant defined by a model these tiers use".into(),
-            };
+            let help = suggest(&vname.name, all.iter().copied())
+                .unwrap_or_else(|| "name a variant defined by a model these tiers use".to_string());
             self.err(
                 Diagnostic::error(
                     Code::UnknownName,
@@ -964,10 +960,7 @@ impl Compiler<'_> {
     }
 
     fn unknown_signal(&mut self, base: &Ident) {
-        let help = match did_you_mean(&base.name, ALL_SIGNALS.iter().copied()) {
-            Some(s) => format!("did you mean `{s}`?"),
-            None => "signals are: tenant, api_key, model, tier, session, has_session, prompt_tokens, max_tokens, header(\"…\"), tag(\"…\"), pool(P).utilization, pool(P).queue_depth, tier(T).wait_p95, quota.remaining, estimated_wait, time, weekday".into(),
-        };
+        let help = suggest(&base.name, ALL_SIGNALS.iter().copied()).unwrap_or_else(|| "signals are: tenant, api_key, model, tier, session, has_session, prompt_tokens, max_tokens, header(\"…\"), tag(\"…\"), pool(P).utilization, pool(P).queue_depth, tier(T).wait_p95, quota.remaining, estimated_wait, time, weekday".to_string());
         self.err(
             Diagnostic::error(Code::UnknownName, format!("unknown signal `{}`", base.name))
                 .at(base.span, "not a signal")
@@ -1224,10 +1217,8 @@ impl Compiler<'_> {
 }
 
 fn bad_field(c: &mut Compiler, f: &Ident, options: &[&str]) -> Result<Option<Sig>, ()> {
-    let help = match did_you_mean(&f.name, options.iter().copied()) {
-        Some(s) => format!("did you mean `{s}`?"),
-        None => format!("fields are: {}", options.join(", ")),
-    };
+    let help = suggest(&f.name, options.iter().copied())
+        .unwrap_or_else(|| format!("fields are: {}", options.join(", ")));
     c.err(
         Diagnostic::error(
             Code::UnknownName,
