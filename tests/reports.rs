@@ -60,10 +60,20 @@ fn check_json_and_lint_sarif() {
     let (code, out) = kiln(&["check", "--format", "json", "tests/fmt/messy.kiln"]);
     assert_eq!(code, 0, "messy.kiln is valid, only untidy");
     insta::assert_snapshot!("check_json_clean", out);
-    let (code, out) = kiln(&["lint", "--format", "sarif", "tests/fixtures/lint-findings.kiln"]);
+    let (code, out) = kiln(&[
+        "lint",
+        "--format",
+        "sarif",
+        "tests/fixtures/lint-findings.kiln",
+    ]);
     assert_eq!(code, 0, "warnings fail only under --deny warnings");
     insta::assert_snapshot!("lint_sarif", out);
-    let (code, out) = kiln(&["lint", "--format", "json", "tests/fixtures/lint-findings.kiln"]);
+    let (code, out) = kiln(&[
+        "lint",
+        "--format",
+        "json",
+        "tests/fixtures/lint-findings.kiln",
+    ]);
     assert_eq!(code, 0);
     insta::assert_snapshot!("lint_json", out);
 }

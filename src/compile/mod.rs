@@ -359,6 +359,14 @@ impl<'s> Compiler<'s> {
     fn finish(&mut self) -> DecisionGraph {
         validate::run(self);
         let g = &mut self.g;
+        let nt = g.tenants.len();
+        g.classify.index(nt);
+        for rs in g.routes.iter_mut().flatten() {
+            rs.index(nt);
+        }
+        for rs in g.admits.iter_mut().flatten() {
+            rs.index(nt);
+        }
         g.index.pools = self
             .pools
             .ids

@@ -154,7 +154,11 @@ impl Compiler<'_> {
         if !ok {
             return None;
         }
-        default.map(|default| RuleSet { rules, default })
+        default.map(|default| RuleSet {
+            rules,
+            default,
+            by_tenant: None,
+        })
     }
 
     fn classify(&mut self, c: &ast::Classify) {

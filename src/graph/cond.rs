@@ -105,6 +105,19 @@ enum Val<'a> {
 }
 
 impl Cond {
+    /// The tenants this condition can match, when it requires the tenant to
+    /// be one of a fixed set at its top level.
+    pub fn pinned_tenants(&self) -> Option<&[u32]> {
+        match self {
+            Cond::Test(t) if t.sig == Sig::Tenant && !t.negate => match &t.op {
+                TestOp::IdIn(ids) => Some(ids),
+                _ => None,
+            },
+            Cond::And(cs) => cs.iter().find_map(Cond::pinned_tenants),
+            _ => None,
+        }
+    }
+
     pub fn eval<T: Tracer>(&self, cx: &Ctx, t: &mut T) -> bool {
         match self {
             Cond::True => true,

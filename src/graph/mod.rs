@@ -226,6 +226,44 @@ pub struct RuleInfo {
 pub struct RuleSet<O> {
     pub rules: Vec<(RuleId, Cond, O)>,
     pub default: (RuleId, O),
+    /// Rules that can only match named tenants, indexed by tenant, so a
+    /// decision skips the rules of other teams (built by [`RuleSet::index`]).
+    pub by_tenant: Option<TenantIndex>,
+}
+
+/// Positions (into `rules`) of the rules each tenant can match, and of the
+/// rules that do not depend on the tenant. Both sorted: a decision merges
+/// them and keeps first-match order.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct TenantIndex {
+    pub pinned: Vec<Vec<u32>>,
+    pub unpinned: Vec<u32>,
+}
+
+impl<O> RuleSet<O> {
+    /// Builds the tenant index when it pays: when at least a few rules test
+    /// `tenant == X` or `tenant in [..]` at their top level.
+    pub fn index(&mut self, tenants: usize) {
+        let mut ix = TenantIndex {
+            pinned: vec![Vec::new(); tenants],
+            unpinned: Vec::new(),
+        };
+        let mut pinned_rules = 0;
+        for (pos, (_, cond, _)) in self.rules.iter().enumerate() {
+            match cond.pinned_tenants() {
+                Some(ids) => {
+                    pinned_rules += 1;
+                    for id in ids {
+                        if let Some(v) = ix.pinned.get_mut(*id as usize) {
+                            v.push(pos as u32);
+                        }
+                    }
+                }
+                None => ix.unpinned.push(pos as u32),
+            }
+        }
+        self.by_tenant = (pinned_rules >= 8).then_some(ix);
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -463,6 +501,7 @@ impl DecisionGraph {
                         tenant: None,
                     },
                 ),
+                by_tenant: None,
             },
             routes: Vec::new(),
             admits: Vec::new(),
