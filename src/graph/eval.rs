@@ -548,3 +548,251 @@ fn first_match_linear<'a, O, T: Tracer>(
     }
     (rs.default.0, &rs.default.1)
 }
+#[cfg(test)]
+mod tests {
+    use crate::compile::compile_str;
+    use crate::graph::{DecisionGraph, Request, Signals, SignalsInput};
+
+    const POLICY: &str = r#"
+pool big { gpus 8 kind "H100" memory 80GB }
+pool small { gpus 4 kind "L40S" memory 48GB deny_tenants [guest] }
+model m {
+  variant fp16 { memory 60GB pools [big] }
+  variant int4 { memory 20GB pools [big, small] }
+}
+model tiny { variant fp16 { memory 10GB pools [small] } }
+tier hi { priority 100 slo { ttft 500ms } preempts [lo] models [m] }
+tier lo { priority 10 slo { window 1h } preemptible }
+tier bulk { priority 5 slo { window 6h } preemptible }
+tenant app { owner "o" tiers [hi, lo] quota { tokens 1M/min concurrent 2 } api_keys ["k-app"] }
+tenant guest { owner "o" tiers [lo] }
+classify {
+  when header("x-tier") == "hi" => tier hi
+  when tenant == app => tier hi
+  default => tier lo
+}
+route hi m {
+  when pool(big).utilization < 90% => fp16 on big
+  default => fallback
+}
+route [lo, bulk] m { default => int4 }
+route [lo, bulk] tiny { default => fp16 }
+admit hi {
+  when prompt_tokens > 10k => reject 413 "too long"
+  when quota.remaining < 10% => degrade variant int4 max_tokens 64
+  default => accept
+}
+admit lo {
+  when time in 08:00..20:00 and weekday in mon..fri => delay until 20:00
+  default => accept
+}
+fallback hi [route m.int4 on small, demote lo]
+"#;
+
+    fn graph() -> DecisionGraph {
+        let c = compile_str("t.kiln", POLICY);
+        let msgs: Vec<_> = c
+            .diagnostics
+            .items
+            .iter()
+            .map(|d| d.message.clone())
+            .collect();
+        c.graph
+            .unwrap_or_else(|| panic!("does not compile: {msgs:?}"))
+    }
+
+    fn req(tenant: Option<&str>, model: &str) -> Request {
+        Request {
+            tenant: tenant.map(Into::into),
+            model: model.into(),
+            prompt_tokens: 100,
+            max_tokens: 500,
+            ..Default::default()
+        }
+    }
+
+    fn signals(g: &DecisionGraph, json: &str) -> Signals {
+        let input: SignalsInput = serde_json::from_str(json).unwrap();
+        Signals::resolve(g, &input).unwrap()
+    }
+
+    #[test]
+    fn routes_first_choice_when_idle() {
+        let g = graph();
+        let s = Signals::idle(&g);
+        let v = g.view(&g.decide(&req(Some("app"), "m"), &s));
+        assert_eq!(v.tier, "hi");
+        assert_eq!(v.route.as_deref(), Some("m.fp16 on big"));
+        assert_eq!(v.admission, "accept");
+        assert_eq!(v.fallback_step, None);
+    }
+
+    #[test]
+    fn api_key_identifies_the_tenant() {
+        let g = graph();
+        let mut r = req(None, "m");
+        r.api_key = Some("k-app".into());
+        let v = g.view(&g.decide(&r, &Signals::idle(&g)));
+        assert_eq!(v.tenant.as_deref(), Some("app"));
+        assert_eq!(v.tier, "hi");
+    }
+
+    #[test]
+    fn a_header_cannot_raise_a_tenant_beyond_its_grant() {
+        let g = graph();
+        let mut r = req(Some("guest"), "m");
+        r.headers.insert("X-Tier".into(), "hi".into());
+        let (d, t) = g.explain(&r, &Signals::idle(&g));
+        let v = g.view(&d);
+        assert_eq!(v.tier, "lo");
+        assert!(t.stages[0].notes.iter().any(|n| n.contains("not granted")));
+    }
+
+    #[test]
+    fn saturation_takes_the_fallback_chain() {
+        let g = graph();
+        let s = signals(&g, r#"{ "pools": { "big": { "utilization": "95%" } } }"#);
+        let v = g.view(&g.decide(&req(Some("app"), "m"), &s));
+        assert_eq!(v.route.as_deref(), Some("m.int4 on small"));
+        assert_eq!(v.fallback_step, Some(1));
+    }
+
+    #[test]
+    fn demote_moves_to_the_lower_tier_and_its_rules() {
+        let g = graph();
+        let s = signals(
+            &g,
+            r#"{ "pools": { "big": { "utilization": "95%" }, "small": { "utilization": "100%" } }, "time": "10:00", "weekday": "wed" }"#,
+        );
+        let v = g.view(&g.decide(&req(Some("app"), "m"), &s));
+        assert_eq!(v.tier, "lo");
+        assert_eq!(v.admission, "delay");
+        assert_eq!(v.delay_until.as_deref(), Some("20:00"));
+    }
+
+    #[test]
+    fn degrade_changes_variant_and_caps_tokens() {
+        let g = graph();
+        let s = signals(
+            &g,
+            r#"{ "tenants": { "app": { "quota_remaining": "5%" } } }"#,
+        );
+        let v = g.view(&g.decide(&req(Some("app"), "m"), &s));
+        assert_eq!(v.admission, "degrade");
+        assert_eq!(v.route.as_deref(), Some("m.int4 on big"));
+        assert_eq!(v.max_tokens, 64);
+    }
+
+    #[test]
+    fn quota_and_concurrency_reject_with_429() {
+        let g = graph();
+        let s = signals(
+            &g,
+            r#"{ "tenants": { "app": { "quota_remaining": "0%" } } }"#,
+        );
+        let v = g.view(&g.decide(&req(Some("app"), "m"), &s));
+        assert_eq!((v.admission.as_str(), v.status), ("reject", Some(429)));
+        assert_eq!(v.reason.as_deref(), Some("quota"));
+        let s = signals(&g, r#"{ "tenants": { "app": { "in_flight": 2 } } }"#);
+        let v = g.view(&g.decide(&req(Some("app"), "m"), &s));
+        assert_eq!(v.reason.as_deref(), Some("concurrency"));
+    }
+
+    #[test]
+    fn policy_rejects_and_unknown_models() {
+        let g = graph();
+        let mut r = req(Some("app"), "m");
+        r.prompt_tokens = 20_000;
+        let v = g.view(&g.decide(&r, &Signals::idle(&g)));
+        assert_eq!(v.status, Some(413));
+        assert_eq!(v.message.as_deref(), Some("too long"));
+        let v = g.view(&g.decide(&req(Some("app"), "gpt-9"), &Signals::idle(&g)));
+        assert_eq!(v.status, Some(404));
+        // tier hi may only use model m
+        let v = g.view(&g.decide(&req(Some("app"), "tiny"), &Signals::idle(&g)));
+        assert_eq!(v.status, Some(403));
+    }
+
+    #[test]
+    fn placement_skips_fenced_pools() {
+        let g = graph();
+        let s = signals(&g, r#"{ "time": "21:00" }"#);
+        // int4 may run on big or small; guest is fenced out of small, big is first anyway
+        let v = g.view(&g.decide(&req(Some("guest"), "m"), &s));
+        assert_eq!(v.route.as_deref(), Some("m.int4 on big"));
+        let s = signals(
+            &g,
+            r#"{ "time": "21:00", "pools": { "big": { "utilization": "100%" } } }"#,
+        );
+        // big saturated: an unfenced saturated pool still beats a fenced one
+        let v = g.view(&g.decide(&req(Some("guest"), "m"), &s));
+        assert_eq!(v.route.as_deref(), Some("m.int4 on big"));
+    }
+
+    #[test]
+    fn a_route_into_a_pool_fenced_against_the_tenant_is_refused() {
+        let c = compile_str(
+            "t.kiln",
+            r#"
+pool dedicated { gpus 8 kind "H100" memory 80GB allow_tenants [alpha] }
+model m { variant fp16 { memory 20GB pools [dedicated] } }
+tier online { priority 50 slo { ttft 1s } }
+tenant alpha { owner "a" tiers [online] }
+tenant beta { owner "b" tiers [online] }
+classify { default => tier online }
+route online m { default => fp16 on dedicated }
+"#,
+        );
+        let g = c.graph.expect("compiles");
+        let s = Signals::idle(&g);
+        let ok = g.view(&g.decide(&req(Some("alpha"), "m"), &s));
+        assert_eq!(ok.admission, "accept");
+        let fenced = g.view(&g.decide(&req(Some("beta"), "m"), &s));
+        assert_eq!(
+            (fenced.admission.as_str(), fenced.status),
+            ("reject", Some(403))
+        );
+        assert_eq!(fenced.reason.as_deref(), Some("pool-fenced"));
+    }
+
+    #[test]
+    fn conditions_negate_group_and_compare_units() {
+        let c = compile_str(
+            "t.kiln",
+            r#"
+pool p { gpus 1 kind "x" memory 80GB }
+model m { variant fp16 { memory 1GB pools [p] } }
+tier a { priority 3 slo { ttft 1s } }
+tier b { priority 2 slo { ttft 1s } }
+tier c { priority 1 slo { ttft 1s } }
+classify {
+  when not has_session and (prompt_tokens >= 2k or tag("big")) => tier a
+  when 1500ms < estimated_wait => tier b
+  default => tier c
+}
+route [a, b, c] m { default => fp16 }
+"#,
+        );
+        let g = c.graph.expect("compiles");
+        let idle = Signals::idle(&g);
+        let mut r = req(None, "m");
+        r.prompt_tokens = 2000;
+        assert_eq!(g.view(&g.decide(&r, &idle)).tier, "a");
+        r.session = Some("s".into());
+        assert_eq!(g.view(&g.decide(&r, &idle)).tier, "c");
+        let waiting = signals(&g, r#"{ "estimated_wait": "2s" }"#);
+        assert_eq!(g.view(&g.decide(&r, &waiting)).tier, "b");
+        r.session = None;
+        r.prompt_tokens = 10;
+        r.tags = vec!["big".into()];
+        assert_eq!(g.view(&g.decide(&r, &idle)).tier, "a");
+    }
+
+    #[test]
+    fn decisions_are_deterministic() {
+        let g = graph();
+        let s = Signals::idle(&g);
+        let r = req(Some("app"), "m");
+        assert_eq!(g.decide(&r, &s), g.decide(&r, &s));
+    }
+}
