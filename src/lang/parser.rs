@@ -235,6 +235,9 @@ fn syntax_error(file: FileId, text: &str, e: pest::error::Error<Rule>) -> Diagno
     } else {
         format!("expected {}", join_or(&expected))
     };
+    if let Some(d) = unclosed_block(file, text, start) {
+        return d;
+    }
     let help = hint_for(text, start).unwrap_or_else(|| {
         "check the line against the examples in policies/; each block is `keyword name { … }`"
             .to_string()
@@ -242,6 +245,65 @@ fn syntax_error(file: FileId, text: &str, e: pest::error::Error<Rule>) -> Diagno
     Diagnostic::error(Code::Syntax, format!("unexpected {found}"))
         .at(Span::new(file, start, end), label)
         .help(help)
+}
+
+const TOP_KEYWORDS: [&str; 11] = [
+    "pool", "model", "tier", "tenant", "cohort", "classify", "route", "admit", "fallback",
+    "rollout", "approval",
+];
+
+/// A new top-level item starting inside a still-open block is the commonest
+/// slip of all (a missing `}`): say so, and point at the block left open.
+fn unclosed_block(file: FileId, text: &str, pos: usize) -> Option<Diagnostic> {
+    let line_start = text.get(..pos)?.rfind('\n').map_or(0, |i| i + 1);
+    let line = text.get(line_start..)?.lines().next()?;
+    let word = line
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .next()?;
+    if !TOP_KEYWORDS.contains(&word) {
+        return None;
+    }
+    // depth at the start of this line, and where the outermost open block began
+    let mut depth = 0usize;
+    let mut opened_at = None;
+    let comments = super::comments::scan(text);
+    let mut next_comment = 0;
+    let mut in_str = false;
+    for (i, ch) in text.get(..line_start)?.char_indices() {
+        while comments
+            .get(next_comment)
+            .is_some_and(|c| c.start + c.text.len() <= i)
+        {
+            next_comment += 1;
+        }
+        if comments.get(next_comment).is_some_and(|c| i >= c.start) {
+            continue;
+        }
+        match ch {
+            '"' => in_str = !in_str,
+            '\n' => in_str = false,
+            '{' | '[' if !in_str => {
+                if depth == 0 {
+                    opened_at = Some(i);
+                }
+                depth += 1;
+            }
+            '}' | ']' if !in_str => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    let opened = opened_at.filter(|_| depth > 0)?;
+    let open_line_start = text.get(..opened)?.rfind('\n').map_or(0, |i| i + 1);
+    let head = text.get(open_line_start..opened)?.trim();
+    Some(
+        Diagnostic::error(Code::Syntax, format!("`{head}` is not closed"))
+            .at(
+                Span::new(file, line_start, line_start + word.len()),
+                format!("a new `{word}` starts here, inside it"),
+            )
+            .also(Span::new(file, opened, opened + 1), "opened here")
+            .help("add the missing `}` (or `]`) before this line"),
+    )
 }
 
 /// A targeted hint for the commonest slips.
