@@ -52,6 +52,7 @@ fn cases() -> Vec<(&'static str, String, Code)> {
     vec![
         ("syntax", with("when tenant == app", "when tenant = app"), Code::Syntax),
         ("syntax_missing_brace", with("  slo { ttft 500ms }\n}", "  slo { ttft 500ms }\n"), Code::Syntax),
+        ("syntax_keyword_typo", with("  default => tier bulk", "  defualt => tier bulk"), Code::Syntax),
         ("syntax_unclosed", with("route [chat, bulk] m {\n  default => fp16\n}", "route [chat, bulk] m {\n  default => fp16\n"), Code::Syntax),
         ("duplicate_definition", plus("tier chat { priority 5 slo { ttft 1s } }"), Code::DuplicateDefinition),
         ("unknown_name", with("tiers [chat, bulk]", "tiers [chat, bulkk]"), Code::UnknownName),

@@ -165,6 +165,26 @@ fn too_deep_error(file: FileId, start: usize, end: usize) -> Diagnostic {
 fn rule_name(r: &Rule) -> Option<&'static str> {
     Some(match r {
         Rule::EOI => "end of file",
+        Rule::kw_pool | Rule::kw_model | Rule::kw_tier | Rule::kw_tenant | Rule::kw_cohort => {
+            "a definition (pool, model, tier, tenant, cohort)"
+        }
+        Rule::kw_classify | Rule::kw_route | Rule::kw_admit | Rule::kw_fallback => {
+            "a rule block (classify, route, admit, fallback)"
+        }
+        Rule::kw_rollout | Rule::kw_approval => "a rollout or approval block",
+        Rule::kw_when => "`when …`",
+        Rule::kw_default => "`default => …`",
+        Rule::kw_accept
+        | Rule::kw_queue
+        | Rule::kw_delay
+        | Rule::kw_degrade
+        | Rule::kw_reject
+        | Rule::kw_demote => "an outcome",
+        Rule::kw_on => "`on POOL`",
+        Rule::kw_until => "`until HH:MM`",
+        Rule::kw_for => "`for …`",
+        Rule::kw_from => "`from \"group\"`",
+        Rule::kw_retry_after => "`retry_after DURATION`",
         Rule::pool | Rule::model | Rule::tier | Rule::tenant | Rule::cohort => "a definition",
         Rule::classify | Rule::route | Rule::admit | Rule::fallback => "a rule block",
         Rule::rollout | Rule::approval => "a rollout or approval block",
@@ -226,11 +246,21 @@ fn syntax_error(file: FileId, text: &str, e: pest::error::Error<Rule>) -> Diagno
             let mut names: Vec<&str> = positives.iter().filter_map(rule_name).collect();
             names.sort();
             names.dedup();
+            // Inside a rule block `tier`/`fallback` are outcomes, not items.
+            if names.contains(&"`when …`") {
+                names.retain(|n| !n.starts_with("a definition") && !n.starts_with("a rule block"));
+            }
             names
         }
         ErrorVariant::CustomError { .. } => Vec::new(),
     };
-    let label = if expected.is_empty() {
+    let at_line_start = text
+        .get(..start)
+        .map(|b| b.rsplit('\n').next().unwrap_or("").trim().is_empty())
+        .unwrap_or(true);
+    let label = if expected.is_empty() && at_line_start {
+        "expected a definition or a block: pool, model, tier, tenant, cohort, classify, route, admit, fallback, rollout, approval".to_string()
+    } else if expected.is_empty() {
         "unexpected here".to_string()
     } else {
         format!("expected {}", join_or(&expected))
@@ -309,6 +339,19 @@ fn unclosed_block(file: FileId, text: &str, pos: usize) -> Option<Diagnostic> {
 /// A targeted hint for the commonest slips.
 fn hint_for(text: &str, pos: usize) -> Option<String> {
     let rest = text.get(pos..)?;
+    let word: String = rest
+        .chars()
+        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+        .collect();
+    const KEYWORDS: [&str; 13] = [
+        "when", "default", "pool", "model", "tier", "tenant", "cohort", "classify", "route",
+        "admit", "fallback", "rollout", "approval",
+    ];
+    if !word.is_empty() && !KEYWORDS.contains(&word.as_str()) {
+        if let Some(s) = crate::diag::suggest(&word, KEYWORDS) {
+            return Some(s);
+        }
+    }
     let before = text.get(..pos)?;
     if rest.starts_with('=') && !rest.starts_with("==") && !rest.starts_with("=>") {
         return Some("to compare, write `==`; outcomes follow `=>`".into());
