@@ -221,7 +221,12 @@ impl Block {
     fn write(&self, out: &mut String) {
         out.push_str(self.head);
         out.push_str(" {\n");
-        for r in self.tenant_rules.iter().map(String::as_str).chain(self.fixed.iter().copied()) {
+        for r in self
+            .tenant_rules
+            .iter()
+            .map(String::as_str)
+            .chain(self.fixed.iter().copied())
+        {
             out.push_str("  ");
             out.push_str(r);
             out.push('\n');
@@ -389,7 +394,11 @@ fn write_classify_rule(out: &mut String, r: &ClassifyRule) {
             "  when tenant == {t} and header(\"{TIER_HEADER}\") == \"{v}\" => tier {}",
             r.tier
         ),
-        Extra::Tag(g) => writeln!(out, "  when tenant == {t} and tag(\"{g}\") => tier {}", r.tier),
+        Extra::Tag(g) => writeln!(
+            out,
+            "  when tenant == {t} and tag(\"{g}\") => tier {}",
+            r.tier
+        ),
         Extra::None => writeln!(out, "  when tenant == {t} => tier {}", r.tier),
     };
 }
@@ -495,7 +504,12 @@ pub fn requests(g: &Generated) -> Vec<(String, Request)> {
     let last = |grp: Group| {
         (0..g.tenants)
             .rev()
-            .find(|&k| group(k) == grp && g.classify.iter().any(|r| r.tenant == k && r.extra == Extra::None))
+            .find(|&k| {
+                group(k) == grp
+                    && g.classify
+                        .iter()
+                        .any(|r| r.tenant == k && r.extra == Extra::None)
+            })
             .expect("a tenant of each group")
     };
     let lp = last(Group::Product);
