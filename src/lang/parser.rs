@@ -71,11 +71,38 @@ pub fn parse(file: FileId, text: &str) -> Result<File, Box<Diagnostic>> {
     if let Some(d) = too_deep(file, text) {
         return Err(Box::new(d));
     }
-    let mut pairs = match KilnParser::parse(Rule::policy, text) {
+    let content_end = content_ends(text);
+    if text.len() >= PARALLEL_MIN_BYTES {
+        if let Some(file) = parse_halves(file, text, &content_end) {
+            return Ok(file);
+        }
+    }
+    parse_segment(file, text, 0, text.len(), &content_end).map_err(Box::new)
+}
+
+/// Below this size one thread parses faster than two start.
+const PARALLEL_MIN_BYTES: usize = 256 * 1024;
+
+/// Parses `text[start..end]` (whole top-level items) as a policy.
+fn parse_segment(
+    file: FileId,
+    text: &str,
+    start: usize,
+    end: usize,
+    content_end: &[u32],
+) -> Result<File, Diagnostic> {
+    let segment = text.get(start..end).unwrap_or("");
+    let mut pairs = match KilnParser::parse(Rule::policy, segment) {
         Ok(p) => p,
-        Err(e) => return Err(Box::new(syntax_error(file, text, e))),
+        // Halves are parsed with start > 0 and never report: on failure the
+        // whole file is parsed again and that error is the one shown.
+        Err(e) => return Err(syntax_error(file, segment, e)),
     };
-    let b = Builder::new(file, text);
+    let b = Builder {
+        file,
+        offset: start,
+        content_end,
+    };
     let mut items = Vec::new();
     if let Some(policy) = pairs.next() {
         for p in policy.into_inner() {
@@ -85,6 +112,100 @@ pub fn parse(file: FileId, text: &str) -> Result<File, Box<Diagnostic>> {
         }
     }
     Ok(File { items })
+}
+
+/// Large policies (generated ones reach 10,000 rules) are split at the
+/// top-level item nearest the middle and parsed on two threads; the result
+/// is the same AST as a single parse. `None` when no split point exists or
+/// a half fails (the caller then parses the whole file for the diagnostic).
+fn parse_halves(file: FileId, text: &str, content_end: &[u32]) -> Option<File> {
+    let mid = text.len() / 2;
+    let split = item_starts(text)
+        .into_iter()
+        .filter(|&p| p > 0)
+        .min_by_key(|&p| p.abs_diff(mid))?;
+    let (a, b) = std::thread::scope(|s| {
+        let second = std::thread::Builder::new()
+            .stack_size(8 << 20)
+            .spawn_scoped(s, || {
+                parse_segment(file, text, split, text.len(), content_end)
+            })
+            .ok()?;
+        let first = parse_segment(file, text, 0, split, content_end);
+        Some((first, second.join().ok()?))
+    })?;
+    let (mut a, b) = (a.ok()?, b.ok()?);
+    a.items.extend(b.items);
+    Some(a)
+}
+
+/// Byte offsets of lines that start a top-level item (depth 0, first word a
+/// top-level keyword), skipping strings and comments.
+fn item_starts(text: &str) -> Vec<usize> {
+    let mut out = Vec::new();
+    let comments = super::comments::scan(text);
+    let mut next_comment = 0;
+    let mut depth = 0usize;
+    let mut in_str = false;
+    let bytes = text.as_bytes();
+    let mut line_start = true;
+    let mut i = 0;
+    while i < bytes.len() {
+        if !in_str && comments.get(next_comment).is_some_and(|c| c.start == i) {
+            i += comments[next_comment].text.len();
+            next_comment += 1;
+            continue;
+        }
+        let b = bytes[i];
+        if line_start && depth == 0 && !in_str && b.is_ascii_alphabetic() {
+            let word_end = bytes[i..]
+                .iter()
+                .position(|c| !(c.is_ascii_alphanumeric() || *c == b'_'))
+                .map_or(bytes.len(), |n| i + n);
+            if text
+                .get(i..word_end)
+                .is_some_and(|w| TOP_KEYWORDS.contains(&w))
+            {
+                out.push(i);
+            }
+        }
+        match b {
+            b'"' => in_str = !in_str,
+            b'\\' if in_str => i += 1,
+            b'\n' => in_str = false,
+            b'{' | b'[' | b'(' if !in_str => depth += 1,
+            b'}' | b']' | b')' if !in_str => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+        line_start = b == b'\n';
+        i += 1;
+    }
+    out
+}
+
+/// `content_end[i]`: where the content before offset `i` ends, skipping
+/// back over whitespace and comments. pest lets a rule's span run over the
+/// trivia a failed repetition skipped; diagnostics and the formatter need
+/// spans that end on the last real character.
+fn content_ends(text: &str) -> Vec<u32> {
+    let bytes = text.as_bytes();
+    let mut trivia: Vec<bool> = bytes
+        .iter()
+        .map(|b| matches!(b, b' ' | b'\t' | b'\r' | b'\n'))
+        .collect();
+    for c in super::comments::scan(text) {
+        let end = (c.start + c.text.len()).min(trivia.len());
+        for t in trivia.iter_mut().take(end).skip(c.start) {
+            *t = true;
+        }
+    }
+    let mut content_end = Vec::with_capacity(bytes.len() + 1);
+    content_end.push(0u32);
+    for i in 1..=bytes.len() {
+        let prev = content_end[i - 1];
+        content_end.push(if trivia[i - 1] { prev } else { i as u32 });
+    }
+    content_end
 }
 
 /// Deepest bracket nesting and longest `not not …` run accepted. Real
@@ -381,45 +502,24 @@ fn join_or(items: &[&str]) -> String {
     }
 }
 
-struct Builder {
+struct Builder<'c> {
     file: FileId,
-    /// `content_end[i]`: where the content before offset `i` ends, skipping
-    /// back over whitespace and comments. pest lets a rule's span run over
-    /// the trivia a failed repetition skipped; diagnostics and the formatter
-    /// need spans that end on the last real character.
-    content_end: Vec<u32>,
+    /// Where the parsed segment starts in the file.
+    offset: usize,
+    /// See [`content_ends`].
+    content_end: &'c [u32],
 }
 
-impl Builder {
-    fn new(file: FileId, text: &str) -> Builder {
-        let bytes = text.as_bytes();
-        let mut trivia: Vec<bool> = bytes
-            .iter()
-            .map(|b| matches!(b, b' ' | b'\t' | b'\r' | b'\n'))
-            .collect();
-        for c in super::comments::scan(text) {
-            let end = (c.start + c.text.len()).min(trivia.len());
-            for t in trivia.iter_mut().take(end).skip(c.start) {
-                *t = true;
-            }
-        }
-        let mut content_end = Vec::with_capacity(bytes.len() + 1);
-        content_end.push(0u32);
-        for i in 1..=bytes.len() {
-            let prev = content_end[i - 1];
-            content_end.push(if trivia[i - 1] { prev } else { i as u32 });
-        }
-        Builder { file, content_end }
-    }
-
+impl Builder<'_> {
     fn span(&self, p: &P) -> Span {
         let s = p.as_span();
+        let (start, end) = (self.offset + s.start(), self.offset + s.end());
         let end = self
             .content_end
-            .get(s.end())
-            .map(|&e| (e as usize).max(s.start()))
-            .unwrap_or(s.end());
-        Span::new(self.file, s.start(), end)
+            .get(end)
+            .map(|&e| (e as usize).max(start))
+            .unwrap_or(end);
+        Span::new(self.file, start, end)
     }
 
     fn ident(&self, p: P) -> Ident {
@@ -844,43 +944,44 @@ impl Builder {
                     },
                 }
             }
-            Rule::comparison => {
-                let mut it = p.kids();
-                let lhs = it.next().map(|q| self.operand(q));
-                let op = it.next().map(|q| match q.as_str() {
-                    "==" => CmpOp::Eq,
-                    "!=" => CmpOp::Ne,
-                    "<=" => CmpOp::Le,
-                    ">=" => CmpOp::Ge,
-                    "<" => CmpOp::Lt,
-                    _ => CmpOp::Gt,
-                });
-                let rhs = it.next().map(|q| self.operand(q));
-                match (lhs, op, rhs) {
-                    (Some(lhs), Some(op), Some(rhs)) => Expr {
-                        kind: ExprKind::Cmp { lhs, op, rhs },
-                        span,
-                    },
-                    _ => Expr {
+            Rule::test => {
+                let mut it = p.into_inner();
+                let Some(lhs) = it.next().map(|q| self.operand(q)) else {
+                    return Expr {
                         kind: ExprKind::And(Vec::new()),
                         span,
-                    },
-                }
-            }
-            Rule::in_test => {
-                let mut it = p.kids().filter(|q| q.as_rule() != Rule::kw_in);
-                let lhs = it.next().map(|q| self.operand(q));
-                let set = it.next().map(|q| self.value(q));
-                match (lhs, set) {
-                    (Some(lhs), Some(set)) => Expr {
-                        kind: ExprKind::In { lhs, set },
-                        span,
-                    },
-                    _ => Expr {
-                        kind: ExprKind::And(Vec::new()),
-                        span,
-                    },
-                }
+                    };
+                };
+                let kind = match it.next() {
+                    Some(suffix) if suffix.as_rule() == Rule::comparison => {
+                        let mut parts = suffix.into_inner();
+                        let op = parts.next().map(|q| match q.as_str() {
+                            "==" => CmpOp::Eq,
+                            "!=" => CmpOp::Ne,
+                            "<=" => CmpOp::Le,
+                            ">=" => CmpOp::Ge,
+                            "<" => CmpOp::Lt,
+                            _ => CmpOp::Gt,
+                        });
+                        let rhs = parts.next().map(|q| self.operand(q));
+                        match (op, rhs) {
+                            (Some(op), Some(rhs)) => ExprKind::Cmp { lhs, op, rhs },
+                            _ => ExprKind::And(Vec::new()),
+                        }
+                    }
+                    Some(suffix) => {
+                        let set = suffix
+                            .into_inner()
+                            .find(|q| q.as_rule() != Rule::kw_in)
+                            .map(|q| self.value(q));
+                        match set {
+                            Some(set) => ExprKind::In { lhs, set },
+                            None => ExprKind::And(Vec::new()),
+                        }
+                    }
+                    None => ExprKind::Truth(lhs),
+                };
+                Expr { kind, span }
             }
             Rule::operand => Expr {
                 kind: ExprKind::Truth(self.operand(p)),
@@ -1015,5 +1116,49 @@ pub fn parse_value_text(s: &str) -> Option<Value> {
     if p.as_str().len() != t.len() {
         return None;
     }
-    Some(Builder::new(FileId(0), t).value(p))
+    let content_end = content_ends(t);
+    Some(
+        Builder {
+            file: FileId(0),
+            offset: 0,
+            content_end: &content_end,
+        }
+        .value(p),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parallel_parse_equals_single_parse() {
+        let mut text = String::from("# big\ntier t { priority 1 }\n");
+        let mut k = 0;
+        while text.len() < PARALLEL_MIN_BYTES * 2 {
+            text.push_str(&format!(
+                "tenant team-{k} {{\n  owner \"o\" # {{ not a brace\n  tiers [t]\n}}\n\nclassify {{\n  when tenant == team-{k} and header(\"x\") == \"}}\" => tier t\n  default => tier t\n}}\n"
+            ));
+            k += 1;
+        }
+        let ce = content_ends(&text);
+        let single = parse_segment(FileId(0), &text, 0, text.len(), &ce).expect("parses");
+        let halves = parse_halves(FileId(0), &text, &ce).expect("splits and parses");
+        assert_eq!(single, halves);
+        assert_eq!(parse(FileId(0), &text).ok(), Some(single));
+    }
+
+    #[test]
+    fn a_syntax_error_in_a_large_file_is_reported_at_its_place() {
+        let mut text = String::new();
+        for k in 0..20_000 {
+            text.push_str(&format!("tier t{k} {{ priority 1 }}\n"));
+        }
+        text.push_str("tier broken { priority = }\n");
+        let err = parse(FileId(0), &text).expect_err("syntax error");
+        let span = err.span.expect("span");
+        let line_start = text[..span.start as usize].rfind('\n').map_or(0, |i| i + 1);
+        assert!(text[line_start..].starts_with("tier broken { priority = }"));
+        assert_eq!(&text[span.start as usize..span.start as usize + 1], "}");
+    }
 }
