@@ -77,7 +77,7 @@ pub fn parse(file: FileId, text: &str) -> Result<File, Box<Diagnostic>> {
             return Ok(file);
         }
     }
-    parse_segment(file, text, 0, text.len(), &content_end).map_err(Box::new)
+    parse_segment(file, text, 0, text.len(), &content_end)
 }
 
 /// Below this size one thread parses faster than two start.
@@ -90,13 +90,13 @@ fn parse_segment(
     start: usize,
     end: usize,
     content_end: &[u32],
-) -> Result<File, Diagnostic> {
+) -> Result<File, Box<Diagnostic>> {
     let segment = text.get(start..end).unwrap_or("");
     let mut pairs = match KilnParser::parse(Rule::policy, segment) {
         Ok(p) => p,
         // Halves are parsed with start > 0 and never report: on failure the
         // whole file is parsed again and that error is the one shown.
-        Err(e) => return Err(syntax_error(file, segment, e)),
+        Err(e) => return Err(Box::new(syntax_error(file, segment, e))),
     };
     let b = Builder {
         file,
