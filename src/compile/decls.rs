@@ -21,11 +21,13 @@ const POOL_FIELDS: &[&str] = &[
     "deny_tenants",
     "description",
 ];
-const MODEL_FIELDS: &[&str] = &["variant", "description"];
+const MODEL_FIELDS: &[&str] = &["variant", "description", "params", "kv_per_token"];
 const VARIANT_FIELDS: &[&str] = &[
     "precision",
     "memory",
     "gpus_per_replica",
+    "max_batch",
+    "max_batch_tokens",
     "pools",
     "quality",
 ];
@@ -206,6 +208,25 @@ impl Compiler<'_> {
         let p = p?;
         let v = self.one(p, ty.short())?;
         self.quantity(v, ty, what)
+    }
+
+    /// A whole number of at least 1 (batch sizes, GPU counts).
+    fn positive_count(&mut self, p: Option<&Property>, what: &str) -> Option<u32> {
+        let v = self.prop_quantity(p, Ty::Count, what)?;
+        if v < 1.0 || v.fract() != 0.0 || v > f64::from(u32::MAX) {
+            if let Some(p) = p {
+                self.err(
+                    Diagnostic::error(
+                        Code::InvalidValue,
+                        format!("{what} is a whole number, at least 1"),
+                    )
+                    .at(p.span, "not a positive whole number")
+                    .help(format!("write {what} as a count like `256`")),
+                );
+            }
+            return None;
+        }
+        Some(v as u32)
     }
 
     fn prop_percent(&mut self, p: Option<&Property>, what: &str) -> Option<f64> {
@@ -477,8 +498,8 @@ impl Compiler<'_> {
         let preemptible = self.flag(&f, "preemptible");
         let backfill_only = self.flag(&f, "backfill_only");
         let may_starve = self.flag(&f, "may_starve");
-        let _ = self.flag(&f, "prefix_affinity");
-        let _ = self.flag(&f, "exact_cache");
+        let prefix_affinity = self.flag(&f, "prefix_affinity");
+        let exact_cache = self.flag(&f, "exact_cache");
         let preempts: Vec<TierId> = self
             .prop_names(f.get("preempts"), DeclKind::Tier)
             .into_iter()
@@ -514,6 +535,8 @@ impl Compiler<'_> {
             aging,
             may_starve,
             models,
+            prefix_affinity,
+            exact_cache,
             span: d.name.span,
         });
     }
@@ -522,6 +545,8 @@ impl Compiler<'_> {
         let what = format!("model `{}`", d.name.name);
         let f = self.fields(&d.body, MODEL_FIELDS, &what, &["variant"]);
         let _ = self.prop_string(f.get("description"));
+        let params = self.prop_quantity(f.get("params"), Ty::Count, "`params`");
+        let kv_per_token = self.prop_quantity(f.get("kv_per_token"), Ty::Size, "`kv_per_token`");
         let mut variants: Vec<Variant> = Vec::new();
         for p in f.repeated.clone() {
             let name = match p.args.values() {
@@ -611,6 +636,12 @@ impl Compiler<'_> {
                 .map(|x| x as PoolId)
                 .collect();
             let quality = self.prop_string(vf.get("quality"));
+            let max_batch = self
+                .positive_count(vf.get("max_batch"), "`max_batch`")
+                .unwrap_or(256);
+            let max_batch_tokens = self
+                .positive_count(vf.get("max_batch_tokens"), "`max_batch_tokens`")
+                .unwrap_or(8192);
             self.facts
                 .variant_spans
                 .insert((d.name.name.clone(), name.name.clone()), name.span);
@@ -621,6 +652,8 @@ impl Compiler<'_> {
                 gpus_per_replica: gpus.max(1.0) as u32,
                 pools,
                 quality,
+                max_batch,
+                max_batch_tokens,
                 span: name.span,
             });
         }
@@ -634,6 +667,8 @@ impl Compiler<'_> {
         self.g.models.push(Model {
             name: d.name.name.clone(),
             variants,
+            params,
+            kv_per_token,
             span: d.name.span,
         });
     }

@@ -93,7 +93,7 @@ pub fn quantity(q: &Quantity) -> Result<Typed, UnitError> {
         None => 1.0,
         Some('k') | Some('K') => 1e3,
         Some('M') => 1e6,
-        Some('G') => 1e9,
+        Some('G') | Some('B') => 1e9,
         Some(c) => return Err(UnitError(format!("unknown multiplier `{c}`"))),
     };
     let n = q.number * mult;

@@ -113,6 +113,10 @@ pub struct Variant {
     pub gpus_per_replica: u32,
     pub pools: Vec<PoolId>,
     pub quality: Option<String>,
+    /// Continuous batching limits per replica: sequences in a step, and
+    /// tokens (prefill chunks plus decodes) in a step.
+    pub max_batch: u32,
+    pub max_batch_tokens: u32,
     pub span: Span,
 }
 
@@ -120,6 +124,10 @@ pub struct Variant {
 pub struct Model {
     pub name: String,
     pub variants: Vec<Variant>,
+    /// Parameter count, for the simulator's cost model (`params 70B`).
+    pub params: Option<f64>,
+    /// KV-cache bytes per token at 16-bit precision (`kv_per_token 320KB`).
+    pub kv_per_token: Option<f64>,
     pub span: Span,
 }
 
@@ -156,6 +164,10 @@ pub struct Tier {
     pub may_starve: bool,
     /// Models this tier may use; `None` means every model.
     pub models: Option<Vec<ModelId>>,
+    /// Prefer the replica that already holds the request's prompt prefix.
+    pub prefix_affinity: bool,
+    /// Identical deterministic requests may be answered from a cache.
+    pub exact_cache: bool,
     pub span: Span,
 }
 
