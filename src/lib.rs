@@ -4,6 +4,7 @@
 //! [`compile`] (resolved, type and unit checked, validated) →
 //! [`graph::DecisionGraph`] (immutable, evaluated per request).
 
+pub mod backend;
 pub mod cli;
 pub mod compile;
 pub mod diag;
@@ -11,6 +12,7 @@ pub mod graph;
 pub mod lang;
 pub mod policy_test;
 pub mod source;
+pub mod traffic;
 
 pub use lang::ast;
 

@@ -5,6 +5,7 @@ mod explain;
 mod fmt;
 mod lint;
 mod test;
+mod traffic;
 
 use crate::compile::{self, Compiled};
 use crate::diag::{self, Diagnostics};
@@ -42,6 +43,8 @@ pub enum Command {
     Test(test::Args),
     /// Decide one request and show why, condition by condition.
     Explain(explain::Args),
+    /// Import and combine recorded traffic (Azure, Mooncake, ServeGen traces).
+    Traffic(traffic::Args),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
@@ -70,6 +73,7 @@ pub fn main() -> i32 {
         Command::Fmt(a) => fmt::run(a),
         Command::Test(a) => test::run(a),
         Command::Explain(a) => explain::run(a),
+        Command::Traffic(a) => traffic::run(a),
     }
 }
 

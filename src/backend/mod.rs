@@ -1,0 +1,4 @@
+//! Backends that run batches: `sim` (the roofline cost model, the embedded
+//! default), later `http` and `cuda`.
+
+pub mod sim;

@@ -1,0 +1,1 @@
+//! The roofline cost model of a simulated GPU replica.
