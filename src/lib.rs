@@ -11,6 +11,8 @@ pub mod diag;
 pub mod graph;
 pub mod lang;
 pub mod policy_test;
+pub mod sched;
+pub mod sim;
 pub mod source;
 pub mod traffic;
 

@@ -160,7 +160,8 @@ pub struct Tier {
     pub backfill_only: bool,
     /// One priority level gained per this much waiting, ms.
     pub aging: Option<f64>,
-    /// Lower tiers may starve behind this one: no aging applies.
+    /// This tier may starve: its waiting requests gain no priority with age
+    /// (without it, a tier with no `aging` ages one level a minute).
     pub may_starve: bool,
     /// Models this tier may use; `None` means every model.
     pub models: Option<Vec<ModelId>>,

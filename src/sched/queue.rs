@@ -1,0 +1,411 @@
+//! Waiting work, ordered three ways: tiers by priority plus aging; tenants
+//! within a tier by weighted service received (the Virtual Token Counter of
+//! Sheng et al., OSDI'24: the backlogged tenant that has been served least,
+//! per unit of weight, goes next); requests within a tenant by arrival, or
+//! earliest deadline first in tiers with a completion window. Baseline modes
+//! replace the first two with plain FIFO or strict priority.
+
+use super::{Config, Micros, Mode, ReqId};
+use crate::graph::{DecisionGraph, PoolId, TenantId, TierId};
+use std::collections::{BTreeSet, HashMap, VecDeque};
+
+/// A request waiting to start (or to resume, after a preemption).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Waiting {
+    pub id: ReqId,
+    pub tier: TierId,
+    pub tenant: Option<TenantId>,
+    pub arrival: Micros,
+    /// Completion deadline (arrival + the tier's window), if any.
+    pub deadline: Option<Micros>,
+    /// Give up waiting at this time (a `queue` outcome's max wait).
+    pub expires: Option<Micros>,
+    pub prompt_tokens: u32,
+    pub output_tokens: u32,
+    /// Tokens already generated before a preemption.
+    pub generated: u32,
+    pub model: u16,
+    pub variant: u16,
+    pub pool: Option<PoolId>,
+    pub prefix_blocks: Vec<u64>,
+    /// The replica holding this prompt's prefix, preferred for a while.
+    pub affinity: Option<usize>,
+    pub preemptions: u32,
+    pub backfill: bool,
+}
+
+/// The replica asking for work.
+#[derive(Debug, Clone, Copy)]
+pub struct Slot {
+    pub replica: usize,
+    pub model: u16,
+    pub variant: u16,
+    pub pool: PoolId,
+    pub only_tier: Option<TierId>,
+    pub allow_backfill: bool,
+}
+
+/// How long a request waits for the replica holding its prefix before any
+/// replica may take it.
+pub const AFFINITY_HOLD: Micros = 50_000;
+
+impl Waiting {
+    pub fn tokens(&self) -> u64 {
+        u64::from(self.prompt_tokens)
+            + u64::from(self.output_tokens - self.generated.min(self.output_tokens))
+    }
+}
+
+#[derive(Debug, Default)]
+struct TenantQueue {
+    q: VecDeque<Waiting>,
+    /// Weighted service received (VTC counter).
+    served: f64,
+}
+
+#[derive(Debug, Default)]
+struct TierQueue {
+    /// Index 0 is "no tenant"; tenant `t` is at `t + 1`.
+    tenants: Vec<TenantQueue>,
+    len: usize,
+    tokens: u64,
+}
+
+#[derive(Debug, Default)]
+pub struct Queues {
+    /// Per routed (model, variant): per tier.
+    by_variant: HashMap<(u16, u16), Vec<TierQueue>>,
+    tiers: usize,
+    tenants: usize,
+    len: usize,
+    non_backfill: HashMap<(u16, u16), usize>,
+    tier_tokens: Vec<u64>,
+    expiries: BTreeSet<(Micros, ReqId)>,
+    parked: HashMap<ReqId, Waiting>,
+    aging: Vec<Option<Micros>>,
+    windowed: Vec<bool>,
+}
+
+impl Queues {
+    pub fn new(g: &DecisionGraph, cfg: &Config) -> Queues {
+        Queues {
+            tiers: g.tiers.len(),
+            tenants: g.tenants.len(),
+            tier_tokens: vec![0; g.tiers.len()],
+            aging: g
+                .tiers
+                .iter()
+                .map(|t| {
+                    if t.may_starve {
+                        None
+                    } else {
+                        Some(
+                            t.aging
+                                .map_or(cfg.default_aging, |ms| (ms * 1000.0) as Micros)
+                                .max(1),
+                        )
+                    }
+                })
+                .collect(),
+            windowed: g.tiers.iter().map(|t| t.slo.window.is_some()).collect(),
+            ..Queues::default()
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn tiers_for(&mut self, key: (u16, u16)) -> &mut Vec<TierQueue> {
+        let (nt, nn) = (self.tiers, self.tenants);
+        self.by_variant.entry(key).or_insert_with(|| {
+            (0..nt)
+                .map(|_| TierQueue {
+                    tenants: (0..=nn).map(|_| TenantQueue::default()).collect(),
+                    len: 0,
+                    tokens: 0,
+                })
+                .collect()
+        })
+    }
+
+    /// Adds a new request at the back of its tenant's queue (or in deadline
+    /// order for windowed tiers).
+    pub fn push(&mut self, w: Waiting, cfg: &Config) {
+        let _ = cfg;
+        let windowed = self.windowed.get(w.tier as usize).copied().unwrap_or(false);
+        self.insert(w, false, windowed);
+    }
+
+    /// Puts a request back where it was: at the head of its tenant's queue.
+    pub fn push_front(&mut self, w: Waiting) {
+        self.insert(w, true, false);
+    }
+
+    fn insert(&mut self, w: Waiting, front: bool, by_deadline: bool) {
+        let key = (w.model, w.variant);
+        let (tier, slot) = (w.tier as usize, w.tenant.map_or(0, |t| t as usize + 1));
+        let tokens = w.tokens();
+        if let Some(e) = w.expires {
+            self.expiries.insert((e, w.id));
+        }
+        if !w.backfill {
+            *self.non_backfill.entry(key).or_default() += 1;
+        }
+        self.len += 1;
+        if let Some(t) = self.tier_tokens.get_mut(tier) {
+            *t += tokens;
+        }
+        let tiers = self.tiers_for(key);
+        let Some(tq) = tiers.get_mut(tier) else {
+            return;
+        };
+        // VTC lift: a tenant that becomes backlogged starts no lower than
+        // the least-served backlogged tenant, so idling banks no credit.
+        // (Not when a request is put back: that tenant never left.)
+        if !front && tq.tenants.get(slot).is_some_and(|t| t.q.is_empty()) {
+            let floor = tq
+                .tenants
+                .iter()
+                .filter(|t| !t.q.is_empty())
+                .map(|t| t.served)
+                .fold(f64::INFINITY, f64::min);
+            if let Some(t) = tq.tenants.get_mut(slot) {
+                if floor.is_finite() && t.served < floor {
+                    t.served = floor;
+                }
+            }
+        }
+        tq.len += 1;
+        tq.tokens += tokens;
+        let Some(t) = tq.tenants.get_mut(slot) else {
+            return;
+        };
+        if front {
+            t.q.push_front(w);
+        } else if by_deadline {
+            let d = w.deadline.unwrap_or(Micros::MAX);
+            let pos =
+                t.q.iter()
+                    .position(|x| x.deadline.unwrap_or(Micros::MAX) > d)
+                    .unwrap_or(t.q.len());
+            t.q.insert(pos, w);
+        } else {
+            t.q.push_back(w);
+        }
+    }
+
+    fn remove_at(
+        &mut self,
+        key: (u16, u16),
+        tier: usize,
+        slot: usize,
+        pos: usize,
+    ) -> Option<Waiting> {
+        let tq = self.by_variant.get_mut(&key)?.get_mut(tier)?;
+        let w = tq.tenants.get_mut(slot)?.q.remove(pos)?;
+        tq.len -= 1;
+        tq.tokens -= w.tokens();
+        self.len -= 1;
+        if let Some(t) = self.tier_tokens.get_mut(tier) {
+            *t -= w.tokens();
+        }
+        if !w.backfill {
+            if let Some(n) = self.non_backfill.get_mut(&key) {
+                *n -= 1;
+            }
+        }
+        if let Some(e) = w.expires {
+            self.expiries.remove(&(e, w.id));
+        }
+        Some(w)
+    }
+
+    /// Holds a request outside the queues (a delay window, a batching hold).
+    pub fn park(&mut self, w: Waiting) {
+        self.parked.insert(w.id, w);
+    }
+
+    pub fn unpark(&mut self, id: ReqId) -> Option<Waiting> {
+        self.parked.remove(&id)
+    }
+
+    pub fn parked(&self) -> usize {
+        self.parked.len()
+    }
+
+    pub fn any_non_backfill_for(&self, model: u16, variant: u16, _pool: PoolId) -> bool {
+        self.non_backfill
+            .get(&(model, variant))
+            .is_some_and(|n| *n > 0)
+    }
+
+    /// Tokens queued in tiers of at least `tier`'s priority.
+    pub fn tokens_at_or_above(&self, g: &DecisionGraph, tier: TierId) -> u64 {
+        let p = g.tiers[tier as usize].priority;
+        g.tiers
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| t.priority >= p)
+            .map(|(i, _)| self.tier_tokens.get(i).copied().unwrap_or(0))
+            .sum()
+    }
+
+    /// How long the oldest queued request of a tier has waited.
+    pub fn oldest_wait(&self, tier: TierId, now: Micros) -> Micros {
+        let mut oldest = now;
+        for tiers in self.by_variant.values() {
+            if let Some(tq) = tiers.get(tier as usize) {
+                for t in &tq.tenants {
+                    if let Some(w) = t.q.front() {
+                        oldest = oldest.min(w.arrival);
+                    }
+                }
+            }
+        }
+        now - oldest
+    }
+
+    pub fn next_expiry(&self) -> Option<Micros> {
+        self.expiries.iter().next().map(|(t, _)| *t)
+    }
+
+    /// Removes every request whose max wait has passed.
+    pub fn take_expired(&mut self, now: Micros) -> Vec<Waiting> {
+        let mut out = Vec::new();
+        while let Some(&(t, id)) = self.expiries.iter().next() {
+            if t > now {
+                break;
+            }
+            self.expiries.remove(&(t, id));
+            if let Some(loc) = self.locate(id) {
+                if let Some(mut w) = self.remove_at(loc.0, loc.1, loc.2, loc.3) {
+                    w.expires = None;
+                    out.push(w);
+                }
+            }
+        }
+        out
+    }
+
+    fn locate(&self, id: ReqId) -> Option<((u16, u16), usize, usize, usize)> {
+        for (key, tiers) in &self.by_variant {
+            for (ti, tq) in tiers.iter().enumerate() {
+                if tq.len == 0 {
+                    continue;
+                }
+                for (si, t) in tq.tenants.iter().enumerate() {
+                    if let Some(pos) = t.q.iter().position(|w| w.id == id) {
+                        return Some((*key, ti, si, pos));
+                    }
+                }
+            }
+        }
+        None
+    }
+
+    /// Charges a dispatched request's service to its tenant (weighted
+    /// prompt and output tokens, divided by the tenant's fair-share weight).
+    pub fn charge(&mut self, g: &DecisionGraph, cfg: &Config, w: &Waiting) {
+        let weight = w
+            .tenant
+            .and_then(|t| g.tenants.get(t as usize))
+            .map_or(1.0, |t| t.weight.max(1e-9));
+        let remaining_out = w.output_tokens.saturating_sub(w.generated);
+        let cost = (cfg.vtc_input_weight * f64::from(w.prompt_tokens)
+            + cfg.vtc_output_weight * f64::from(remaining_out))
+            / weight;
+        let slot = w.tenant.map_or(0, |t| t as usize + 1);
+        if let Some(t) = self
+            .by_variant
+            .get_mut(&(w.model, w.variant))
+            .and_then(|tiers| tiers.get_mut(w.tier as usize))
+            .and_then(|tq| tq.tenants.get_mut(slot))
+        {
+            t.served += cost;
+        }
+    }
+
+    /// Weighted service a tenant has received in a tier (for the fairness
+    /// metric), summed over variants.
+    pub fn served(&self, tier: TierId, tenant: Option<TenantId>) -> f64 {
+        let slot = tenant.map_or(0, |t| t as usize + 1);
+        self.by_variant
+            .values()
+            .filter_map(|tiers| tiers.get(tier as usize))
+            .filter_map(|tq| tq.tenants.get(slot))
+            .map(|t| t.served)
+            .sum()
+    }
+
+    /// Takes the next request for a replica of (model, variant) in `pool`.
+    pub fn pick(
+        &mut self,
+        g: &DecisionGraph,
+        cfg: &Config,
+        now: Micros,
+        slot: Slot,
+    ) -> Option<Waiting> {
+        let key = (slot.model, slot.variant);
+        let tiers = self.by_variant.get(&key)?;
+        let fits = |w: &Waiting| {
+            w.pool.is_none_or(|p| p == slot.pool)
+                && (slot.allow_backfill || !w.backfill)
+                && slot.only_tier.is_none_or(|t| t == w.tier)
+                && w.affinity.is_none_or(|r| {
+                    r == slot.replica || now.saturating_sub(w.arrival) >= AFFINITY_HOLD
+                })
+        };
+        // (tier, slot, pos) of the chosen request
+        let mut best: Option<(PickKey, usize, usize, usize)> = None;
+        for (ti, tq) in tiers.iter().enumerate() {
+            if tq.len == 0 {
+                continue;
+            }
+            for (si, t) in tq.tenants.iter().enumerate() {
+                let Some(pos) = t.q.iter().position(fits) else {
+                    continue;
+                };
+                let w = &t.q[pos];
+                let prio = g.tiers[ti].priority;
+                let age = now.saturating_sub(w.arrival);
+                // Lower key wins.
+                let key = match cfg.mode {
+                    Mode::Fifo | Mode::Static => (0, 0, 0.0, w.arrival, w.id),
+                    Mode::Priority => (-prio, 0, 0.0, w.arrival, w.id),
+                    Mode::Kiln => {
+                        let boost = self.aging[ti].map_or(0, |a| age / a) as i64;
+                        (
+                            -(prio + boost),
+                            ti as u64,
+                            t.served,
+                            w.deadline.unwrap_or(w.arrival),
+                            w.id,
+                        )
+                    }
+                };
+                if best.as_ref().is_none_or(|(k, ..)| lt(&key, k)) {
+                    best = Some((key, ti, si, pos));
+                }
+            }
+        }
+        let (_, ti, si, pos) = best?;
+        self.remove_at(key, ti, si, pos)
+    }
+}
+
+/// Lower is served first: (negated effective priority, tier, weighted
+/// service, deadline or arrival, id).
+type PickKey = (i64, u64, f64, Micros, Micros);
+
+fn lt(a: &PickKey, b: &PickKey) -> bool {
+    (a.0, a.1)
+        .cmp(&(b.0, b.1))
+        .then(a.2.total_cmp(&b.2))
+        .then((a.3, a.4).cmp(&(b.3, b.4)))
+        .is_lt()
+}

@@ -1,0 +1,223 @@
+//! Quotas as token buckets (tokens/min, requests/min), a concurrency limit
+//! and a GPU-seconds budget, reserved at admission rather than charged after
+//! the fact. A tenant short of tokens may borrow from idle cohort members,
+//! up to its `borrow` share of its own quota and each lender's `lend` share.
+
+use super::{Micros, Reason, SEC};
+use crate::graph::{DecisionGraph, TenantId};
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Bucket {
+    /// Tokens (or requests) per microsecond.
+    rate: f64,
+    capacity: f64,
+    level: f64,
+    at: Micros,
+}
+
+impl Bucket {
+    /// A bucket that holds one minute of its rate (`rate` per second).
+    fn per_minute(rate_per_s: f64) -> Bucket {
+        let capacity = rate_per_s * 60.0;
+        Bucket {
+            rate: rate_per_s / SEC as f64,
+            capacity,
+            level: capacity,
+            at: 0,
+        }
+    }
+
+    fn refill(&mut self, now: Micros) {
+        if now > self.at {
+            self.level = (self.level + self.rate * (now - self.at) as f64).min(self.capacity);
+            self.at = now;
+        }
+    }
+
+    /// Time until `need` is available.
+    fn wait_for(&self, need: f64) -> Micros {
+        if self.level >= need || self.rate <= 0.0 {
+            return 0;
+        }
+        ((need - self.level) / self.rate) as Micros
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+struct TenantState {
+    tokens: Option<Bucket>,
+    requests: Option<Bucket>,
+    concurrent: Option<u64>,
+    in_flight: u64,
+    borrow: f64,
+    lend: f64,
+    cohort: Option<u16>,
+    /// Tokens currently borrowed from (positive) or lent to (negative) the cohort.
+    borrowed: f64,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Quotas {
+    tenants: Vec<TenantState>,
+}
+
+impl Quotas {
+    pub fn new(g: &DecisionGraph) -> Quotas {
+        Quotas {
+            tenants: g
+                .tenants
+                .iter()
+                .map(|t| TenantState {
+                    tokens: t.quota.tokens.map(Bucket::per_minute),
+                    requests: t.quota.requests.map(Bucket::per_minute),
+                    concurrent: t.quota.concurrent,
+                    in_flight: 0,
+                    borrow: t.borrow / 100.0,
+                    lend: t.lend / 100.0,
+                    cohort: t.cohort,
+                    borrowed: 0.0,
+                })
+                .collect(),
+        }
+    }
+
+    /// Counts a request in flight without enforcing anything (baselines).
+    pub fn track(&mut self, t: TenantId) {
+        if let Some(s) = self.tenants.get_mut(t as usize) {
+            s.in_flight += 1;
+        }
+    }
+
+    /// Reserves `tokens` and one request for tenant `t`, borrowing from the
+    /// cohort when its own bucket is short. On refusal: the reason and how
+    /// long until a retry could succeed.
+    pub fn reserve(
+        &mut self,
+        _g: &DecisionGraph,
+        t: TenantId,
+        tokens: f64,
+        now: Micros,
+    ) -> Result<(), (Reason, Micros)> {
+        let ti = t as usize;
+        let Some(s) = self.tenants.get_mut(ti) else {
+            return Ok(());
+        };
+        if let Some(limit) = s.concurrent {
+            if s.in_flight >= limit {
+                return Err((Reason::Concurrency, SEC));
+            }
+        }
+        if let Some(b) = s.requests.as_mut() {
+            b.refill(now);
+            if b.level < 1.0 {
+                return Err((Reason::Quota, b.wait_for(1.0).max(1)));
+            }
+        }
+        let mut from_cohort = 0.0;
+        if let Some(b) = s.tokens.as_mut() {
+            b.refill(now);
+            if b.level < tokens {
+                let short = tokens - b.level;
+                let may_borrow = b.capacity * s.borrow - s.borrowed.max(0.0);
+                if short > may_borrow || s.cohort.is_none() {
+                    return Err((Reason::Quota, b.wait_for(tokens).max(1)));
+                }
+                from_cohort = short;
+            }
+        }
+        if from_cohort > 0.0 && !self.borrow_from_cohort(ti, from_cohort, now) {
+            let wait = self.tenants[ti]
+                .tokens
+                .as_ref()
+                .map_or(SEC, |b| b.wait_for(tokens).max(1));
+            return Err((Reason::Quota, wait));
+        }
+        let s = &mut self.tenants[ti];
+        if let Some(b) = s.requests.as_mut() {
+            b.level -= 1.0;
+        }
+        if let Some(b) = s.tokens.as_mut() {
+            b.level -= tokens - from_cohort;
+        }
+        s.borrowed += from_cohort;
+        s.in_flight += 1;
+        Ok(())
+    }
+
+    /// Takes `amount` tokens from cohort members' idle buckets, each within
+    /// its `lend` share. All or nothing.
+    fn borrow_from_cohort(&mut self, borrower: usize, amount: f64, now: Micros) -> bool {
+        let cohort = self.tenants[borrower].cohort;
+        let mut offers: Vec<(usize, f64)> = Vec::new();
+        let mut total = 0.0;
+        for (i, s) in self.tenants.iter_mut().enumerate() {
+            if i == borrower || s.cohort != cohort || s.lend <= 0.0 {
+                continue;
+            }
+            if let Some(b) = s.tokens.as_mut() {
+                b.refill(now);
+                let lendable = (b.capacity * s.lend + s.borrowed.min(0.0))
+                    .min(b.level)
+                    .max(0.0);
+                if lendable > 0.0 {
+                    offers.push((i, lendable));
+                    total += lendable;
+                }
+            }
+        }
+        if total < amount {
+            return false;
+        }
+        let mut left = amount;
+        for (i, lendable) in offers {
+            let take = lendable.min(left);
+            if let Some(b) = self.tenants[i].tokens.as_mut() {
+                b.level -= take;
+            }
+            self.tenants[i].borrowed -= take;
+            left -= take;
+            if left <= 0.0 {
+                break;
+            }
+        }
+        true
+    }
+
+    /// The request ended: release its slot and refund what it did not use.
+    pub fn release(&mut self, t: TenantId, reserved: f64, used: f64) {
+        if let Some(s) = self.tenants.get_mut(t as usize) {
+            s.in_flight = s.in_flight.saturating_sub(1);
+            let refund = (reserved - used).max(0.0);
+            if let Some(b) = s.tokens.as_mut() {
+                b.level = (b.level + refund).min(b.capacity);
+            }
+            if reserved > 0.0 && s.borrowed > 0.0 {
+                // Borrowed tokens are repaid as the request completes.
+                s.borrowed = (s.borrowed - reserved).max(0.0);
+            }
+        }
+    }
+
+    pub fn in_flight(&self, t: TenantId) -> u64 {
+        self.tenants.get(t as usize).map_or(0, |s| s.in_flight)
+    }
+
+    /// Share of the tightest bucket left, 0–100 (100 when unlimited).
+    pub fn remaining_percent(&self, t: TenantId, now: Micros) -> f64 {
+        let Some(s) = self.tenants.get(t as usize) else {
+            return 100.0;
+        };
+        let pct = |b: &Bucket| {
+            let mut b = *b;
+            b.refill(now);
+            if b.capacity > 0.0 {
+                100.0 * b.level / b.capacity
+            } else {
+                0.0
+            }
+        };
+        let a = s.tokens.as_ref().map_or(100.0, pct);
+        let r = s.requests.as_ref().map_or(100.0, pct);
+        a.min(r).max(0.0)
+    }
+}

@@ -1,0 +1,213 @@
+//! One model replica running continuous batching: every step decodes one
+//! token for each running sequence and spends what is left of the step's
+//! token budget on prompt prefill (chunked, as vLLM's v1 scheduler does).
+//! KV memory for a sequence's prompt and output is reserved when it starts,
+//! so a replica never holds more than its capacity.
+
+use super::plan::ReplicaSpec;
+use super::queue::Waiting;
+use super::{Action, Micros, ReqId, SEC};
+use std::collections::VecDeque;
+
+/// Prompt blocks (512 tokens) a replica remembers for prefix affinity.
+const PREFIX_CACHE_BLOCKS: usize = 8192;
+pub const BLOCK_TOKENS: u32 = 512;
+
+#[derive(Debug, Clone)]
+pub struct Seq {
+    pub w: Waiting,
+    /// Prompt (plus, after a preemption, regenerated) tokens still to prefill.
+    pub prefill_left: u32,
+    pub generated: u32,
+    pub started: Micros,
+    pub first_token_sent: bool,
+    pub kv: u64,
+    /// Tokens prefilled in the step in flight.
+    step_prefill: u32,
+    step_decode: bool,
+}
+
+impl Seq {
+    /// A sequence resumes after preemption by recomputing the KV cache of
+    /// its prompt and of what it had generated (the recompute cost).
+    pub fn from_waiting(w: Waiting, cached_prefix: u32) -> Seq {
+        let recompute = w.prompt_tokens + w.generated;
+        let kv = u64::from(w.prompt_tokens) + u64::from(w.output_tokens);
+        Seq {
+            prefill_left: recompute.saturating_sub(cached_prefix).max(1),
+            generated: w.generated,
+            started: 0,
+            first_token_sent: w.generated > 0,
+            kv,
+            step_prefill: 0,
+            step_decode: false,
+            w,
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct Replica {
+    pub spec: ReplicaSpec,
+    pub running: Vec<Seq>,
+    pub busy: bool,
+    kv_used: u64,
+    prefix: VecDeque<u64>,
+    /// Seconds the replica has spent running steps (for utilization).
+    pub busy_seconds: f64,
+    rate: f64,
+}
+
+impl Replica {
+    pub fn new(spec: ReplicaSpec) -> Replica {
+        // Token throughput for wait estimates: a mix of prefill (fast) and
+        // decode at a moderate batch (slow), weighted 4:1 as prompts
+        // usually are longer than outputs.
+        let b = spec.max_batch.clamp(1, 64);
+        let decode = f64::from(b) / spec.cost.step_time(0, b, u64::from(b) * 1024).max(1e-9);
+        let chunk = spec.max_batch_tokens.max(1);
+        let prefill = f64::from(chunk) / spec.cost.step_time(chunk, 0, 0).max(1e-9);
+        let rate = 1.0 / (0.8 / prefill + 0.2 / decode);
+        Replica {
+            spec,
+            running: Vec::new(),
+            busy: false,
+            kv_used: 0,
+            prefix: VecDeque::new(),
+            busy_seconds: 0.0,
+            rate,
+        }
+    }
+
+    pub fn kv_used(&self) -> u64 {
+        self.kv_used
+    }
+
+    pub fn kv_free(&self) -> u64 {
+        self.spec.kv_capacity.saturating_sub(self.kv_used)
+    }
+
+    pub fn free_seq_slots(&self) -> u32 {
+        self.spec
+            .max_batch
+            .saturating_sub(self.running.len() as u32)
+    }
+
+    pub fn throughput_tokens_per_s(&self) -> f64 {
+        self.rate
+    }
+
+    /// Leading prompt blocks this replica has seen, in tokens.
+    pub fn cached_prefix_tokens(&self, blocks: &[u64]) -> u32 {
+        let n = blocks
+            .iter()
+            .take_while(|b| self.prefix.contains(b))
+            .count() as u32;
+        n * BLOCK_TOKENS
+    }
+
+    /// Longest cached prefix, for choosing among replicas.
+    pub fn prefix_match(&self, blocks: &[u64]) -> usize {
+        blocks
+            .iter()
+            .take_while(|b| self.prefix.contains(b))
+            .count()
+    }
+
+    pub fn admit(&mut self, mut s: Seq, now: Micros) {
+        self.kv_used += s.kv;
+        s.started = now;
+        self.running.push(s);
+    }
+
+    pub fn evict(&mut self, i: usize) -> Seq {
+        let s = self.running.swap_remove(i);
+        self.kv_used -= s.kv;
+        s
+    }
+
+    /// Plans and starts the next step; returns when it ends.
+    pub fn start_step(&mut self, now: Micros) -> Option<Micros> {
+        if self.running.is_empty() || self.busy {
+            return None;
+        }
+        let mut budget = self.spec.max_batch_tokens;
+        let mut decodes = 0u32;
+        let mut context = 0u64;
+        for s in &mut self.running {
+            s.step_prefill = 0;
+            s.step_decode = false;
+            if s.prefill_left == 0 && budget > 0 {
+                s.step_decode = true;
+                decodes += 1;
+                budget -= 1;
+                context += u64::from(s.w.prompt_tokens) + u64::from(s.generated);
+            }
+        }
+        let mut prefill = 0u32;
+        for s in &mut self.running {
+            if s.prefill_left > 0 && budget > 0 {
+                let chunk = s.prefill_left.min(budget);
+                s.step_prefill = chunk;
+                budget -= chunk;
+                prefill += chunk;
+            }
+        }
+        if prefill == 0 && decodes == 0 {
+            return None;
+        }
+        let secs = self
+            .spec
+            .cost
+            .step_time(prefill, decodes, context)
+            .max(1e-6);
+        self.busy = true;
+        self.busy_seconds += secs;
+        Some(now + (secs * SEC as f64).ceil() as Micros)
+    }
+
+    /// Applies the finished step: prefill progress, one token per decoding
+    /// sequence, first tokens and completions. Returns finished sequences.
+    pub fn finish_step(&mut self, _now: Micros, out: &mut Vec<Action>) -> Vec<(ReqId, Seq)> {
+        self.busy = false;
+        let mut done = Vec::new();
+        let mut i = 0;
+        while i < self.running.len() {
+            let s = &mut self.running[i];
+            let mut produced = false;
+            if s.step_prefill > 0 {
+                s.prefill_left -= s.step_prefill.min(s.prefill_left);
+                // The step that completes the prefill samples a token.
+                produced = s.prefill_left == 0;
+            } else if s.step_decode {
+                produced = true;
+            }
+            s.step_prefill = 0;
+            s.step_decode = false;
+            if produced {
+                s.generated += 1;
+                if !s.first_token_sent {
+                    s.first_token_sent = true;
+                    out.push(Action::FirstToken { id: s.w.id });
+                }
+            }
+            if s.generated >= s.w.output_tokens {
+                let s = self.running.swap_remove(i);
+                self.kv_used -= s.kv;
+                for b in &s.w.prefix_blocks {
+                    if !self.prefix.contains(b) {
+                        if self.prefix.len() >= PREFIX_CACHE_BLOCKS {
+                            self.prefix.pop_front();
+                        }
+                        self.prefix.push_back(*b);
+                    }
+                }
+                out.push(Action::Finished { id: s.w.id });
+                done.push((s.w.id, s));
+            } else {
+                i += 1;
+            }
+        }
+        done
+    }
+}

@@ -1,0 +1,140 @@
+//! The replay simulator: recorded arrivals drive the scheduler core through
+//! a discrete-event loop; replicas "run" steps for the time the cost model
+//! gives. Same inputs, same output, bit for bit: events are ordered by time
+//! and then by the order they were created.
+
+pub mod report;
+
+use crate::graph::{TenantId, TierId};
+use crate::sched::{Action, Arrival, Event, Micros, ReqId, Scheduler};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+
+/// What happened to one request.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Outcome {
+    pub id: ReqId,
+    pub arrival: Micros,
+    pub tier: Option<TierId>,
+    pub tenant: Option<TenantId>,
+    pub prompt_tokens: u32,
+    pub output_tokens: u32,
+    pub started: Option<Micros>,
+    pub first_token: Option<Micros>,
+    pub finished: Option<Micros>,
+    pub rejected: Option<(crate::sched::Reason, u16)>,
+    pub preemptions: u32,
+    pub fallback_step: Option<u8>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum Kind {
+    Arrive(usize),
+    StepDone(usize),
+    Tick,
+}
+
+/// Runs every arrival (sorted by time) to completion or rejection.
+/// `progress` is told how many arrivals have been fed so far.
+pub fn run(
+    sched: &mut Scheduler,
+    arrivals: Vec<(Micros, Arrival)>,
+    mut progress: impl FnMut(usize, usize),
+) -> Vec<Outcome> {
+    let n = arrivals.len();
+    let mut outcomes: Vec<Outcome> = Vec::with_capacity(n);
+    let mut index: HashMap<ReqId, usize> = HashMap::with_capacity(n);
+    let mut heap: BinaryHeap<Reverse<(Micros, u64, Kind)>> = BinaryHeap::new();
+    let mut seq = 0u64;
+    let mut pending: Vec<Option<Arrival>> = Vec::with_capacity(n);
+    for (i, (t, a)) in arrivals.into_iter().enumerate() {
+        index.insert(a.id, i);
+        outcomes.push(Outcome {
+            id: a.id,
+            arrival: t,
+            prompt_tokens: a.request.prompt_tokens as u32,
+            output_tokens: a.output_tokens,
+            ..Outcome::default()
+        });
+        heap.push(Reverse((t, seq, Kind::Arrive(i))));
+        seq += 1;
+        pending.push(Some(a));
+    }
+    let mut ticks: std::collections::BTreeSet<Micros> = Default::default();
+    let mut fed = 0usize;
+    while let Some(Reverse((t, _, kind))) = heap.pop() {
+        let event = match kind {
+            Kind::Arrive(i) => {
+                fed += 1;
+                if fed % 4096 == 0 {
+                    progress(fed, n);
+                }
+                match pending.get_mut(i).and_then(Option::take) {
+                    Some(a) => Event::Arrive(a),
+                    None => continue,
+                }
+            }
+            Kind::StepDone(r) => Event::StepDone { replica: r },
+            Kind::Tick => {
+                ticks.remove(&t);
+                Event::Tick
+            }
+        };
+        let actions = sched.handle(t, event);
+        for a in actions {
+            match *a {
+                Action::Step { replica, until } => {
+                    heap.push(Reverse((until, seq, Kind::StepDone(replica))));
+                    seq += 1;
+                }
+                Action::WakeAt(w) => {
+                    if ticks.insert(w) {
+                        heap.push(Reverse((w, seq, Kind::Tick)));
+                        seq += 1;
+                    }
+                }
+                Action::Decided {
+                    id,
+                    tier,
+                    tenant,
+                    fallback_step,
+                } => {
+                    if let Some(o) = index.get(&id).and_then(|&i| outcomes.get_mut(i)) {
+                        o.tier = Some(tier);
+                        o.tenant = tenant;
+                        o.fallback_step = fallback_step;
+                    }
+                }
+                Action::Reject {
+                    id, reason, status, ..
+                } => {
+                    if let Some(o) = index.get(&id).and_then(|&i| outcomes.get_mut(i)) {
+                        o.rejected = Some((reason, status));
+                    }
+                }
+                Action::Started { id, .. } => {
+                    if let Some(o) = index.get(&id).and_then(|&i| outcomes.get_mut(i)) {
+                        o.started.get_or_insert(t);
+                    }
+                }
+                Action::FirstToken { id } => {
+                    if let Some(o) = index.get(&id).and_then(|&i| outcomes.get_mut(i)) {
+                        o.first_token = Some(t);
+                    }
+                }
+                Action::Finished { id } => {
+                    if let Some(o) = index.get(&id).and_then(|&i| outcomes.get_mut(i)) {
+                        o.finished = Some(t);
+                    }
+                }
+                Action::Preempted { id, .. } => {
+                    if let Some(o) = index.get(&id).and_then(|&i| outcomes.get_mut(i)) {
+                        o.preemptions += 1;
+                    }
+                }
+            }
+        }
+    }
+    progress(n, n);
+    outcomes
+}

@@ -1,0 +1,354 @@
+//! What a simulation shows: per tier and per tenant, latency percentiles,
+//! SLO attainment, goodput, rejects by reason, preemptions and fallbacks,
+//! plus fleet utilization. Rendered for terminals, as markdown, or as JSON
+//! (schema: the serde form of [`Report`], documented in README).
+
+use super::Outcome;
+use crate::graph::DecisionGraph;
+use crate::sched::{Micros, MS, SEC};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Percentiles {
+    pub p50: f64,
+    pub p95: f64,
+    pub p99: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Group {
+    pub name: String,
+    pub requests: u64,
+    pub finished: u64,
+    pub rejected: u64,
+    pub rejects_by_reason: BTreeMap<String, u64>,
+    /// Milliseconds, over finished requests.
+    pub ttft_ms: Option<Percentiles>,
+    pub e2e_ms: Option<Percentiles>,
+    /// Share of all requests (rejected ones count as misses) that met the
+    /// tier's SLO, 0–1.
+    pub slo_attainment: f64,
+    /// Requests that met their SLO, per second of the run.
+    pub goodput_rps: f64,
+    pub preemptions: u64,
+    pub fallbacks: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Report {
+    pub scheduler: String,
+    pub requests: u64,
+    /// From the first arrival to the last completion, seconds.
+    pub duration_s: f64,
+    pub gpus: u32,
+    /// Busy GPU-seconds over available GPU-seconds, 0–1.
+    pub gpu_utilization: f64,
+    /// Largest gap in weighted service (tokens/weight) between tenants of
+    /// one tier that were still sending work at the end: the VTC fairness
+    /// measure (smaller is fairer).
+    pub max_service_gap: f64,
+    pub tiers: Vec<Group>,
+    pub tenants: Vec<Group>,
+}
+
+fn pct(mut v: Vec<f64>) -> Option<Percentiles> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let at = |q: f64| {
+        let i = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1;
+        (v[i] * 1000.0).round() / 1000.0
+    };
+    Some(Percentiles {
+        p50: at(0.50),
+        p95: at(0.95),
+        p99: at(0.99),
+    })
+}
+
+/// Did this request meet its tier's SLO?
+pub fn met_slo(g: &DecisionGraph, o: &Outcome) -> bool {
+    let (Some(fin), None) = (o.finished, o.rejected) else {
+        return false;
+    };
+    let Some(t) = o.tier.and_then(|t| g.tiers.get(t as usize)) else {
+        return true;
+    };
+    let ms = |x: Micros| x as f64 / MS as f64;
+    let e2e = ms(fin - o.arrival);
+    let ttft = o.first_token.map_or(e2e, |f| ms(f - o.arrival));
+    t.slo.ttft.is_none_or(|s| ttft <= s)
+        && t.slo.e2e_p95.is_none_or(|s| e2e <= s)
+        && t.slo.window.is_none_or(|s| e2e <= s)
+}
+
+fn group<'a>(
+    g: &DecisionGraph,
+    name: String,
+    items: impl Iterator<Item = &'a Outcome>,
+    duration_s: f64,
+) -> Group {
+    let mut gr = Group {
+        name,
+        requests: 0,
+        finished: 0,
+        rejected: 0,
+        rejects_by_reason: BTreeMap::new(),
+        ttft_ms: None,
+        e2e_ms: None,
+        slo_attainment: 0.0,
+        goodput_rps: 0.0,
+        preemptions: 0,
+        fallbacks: 0,
+    };
+    let (mut ttft, mut e2e) = (Vec::new(), Vec::new());
+    let mut met = 0u64;
+    for o in items {
+        gr.requests += 1;
+        gr.preemptions += u64::from(o.preemptions);
+        if o.fallback_step.is_some() {
+            gr.fallbacks += 1;
+        }
+        if let Some((r, _)) = o.rejected {
+            gr.rejected += 1;
+            *gr.rejects_by_reason
+                .entry(r.name().to_string())
+                .or_default() += 1;
+        }
+        if let Some(f) = o.finished {
+            gr.finished += 1;
+            e2e.push((f - o.arrival) as f64 / MS as f64);
+            if let Some(t) = o.first_token {
+                ttft.push((t - o.arrival) as f64 / MS as f64);
+            }
+        }
+        if met_slo(g, o) {
+            met += 1;
+        }
+    }
+    gr.ttft_ms = pct(ttft);
+    gr.e2e_ms = pct(e2e);
+    if gr.requests > 0 {
+        gr.slo_attainment = round(met as f64 / gr.requests as f64);
+    }
+    if duration_s > 0.0 {
+        gr.goodput_rps = round(met as f64 / duration_s);
+    }
+    gr
+}
+
+fn round(x: f64) -> f64 {
+    (x * 10_000.0).round() / 10_000.0
+}
+
+/// Builds the report. `busy_gpu_seconds` is summed over replicas.
+pub fn build(
+    g: &DecisionGraph,
+    scheduler: &str,
+    outcomes: &[Outcome],
+    busy_gpu_seconds: f64,
+    gpus: u32,
+    vtc_weights: (f64, f64),
+) -> Report {
+    let start = outcomes.iter().map(|o| o.arrival).min().unwrap_or(0);
+    let end = outcomes
+        .iter()
+        .filter_map(|o| o.finished.or(Some(o.arrival)))
+        .max()
+        .unwrap_or(start);
+    let duration_s = (end - start) as f64 / SEC as f64;
+    let tiers = g
+        .tiers
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            group(
+                g,
+                t.name.clone(),
+                outcomes.iter().filter(|o| o.tier == Some(i as u16)),
+                duration_s,
+            )
+        })
+        .filter(|gr| gr.requests > 0)
+        .collect();
+    let mut tenants: Vec<Group> = g
+        .tenants
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            group(
+                g,
+                t.name.clone(),
+                outcomes.iter().filter(|o| o.tenant == Some(i as u32)),
+                duration_s,
+            )
+        })
+        .filter(|gr| gr.requests > 0)
+        .collect();
+    let anonymous = group(
+        g,
+        "(no tenant)".into(),
+        outcomes.iter().filter(|o| o.tenant.is_none()),
+        duration_s,
+    );
+    if anonymous.requests > 0 {
+        tenants.push(anonymous);
+    }
+    // Weighted service per (tier, tenant) over finished work.
+    let mut service: BTreeMap<(u16, u32), f64> = BTreeMap::new();
+    for o in outcomes.iter().filter(|o| o.finished.is_some()) {
+        if let (Some(t), Some(tn)) = (o.tier, o.tenant) {
+            let w = g
+                .tenants
+                .get(tn as usize)
+                .map_or(1.0, |x| x.weight.max(1e-9));
+            *service.entry((t, tn)).or_default() += (vtc_weights.0 * f64::from(o.prompt_tokens)
+                + vtc_weights.1 * f64::from(o.output_tokens))
+                / w;
+        }
+    }
+    // Tenants still backlogged at the end: those whose last request
+    // finished in the final tenth of the run.
+    let cutoff = end.saturating_sub((end - start) / 10);
+    let mut gap: f64 = 0.0;
+    for (ti, _) in g.tiers.iter().enumerate() {
+        let active: Vec<f64> = service
+            .iter()
+            .filter(|((t, tn), _)| {
+                *t == ti as u16
+                    && outcomes.iter().any(|o| {
+                        o.tier == Some(*t)
+                            && o.tenant == Some(*tn)
+                            && o.finished.is_some_and(|f| f >= cutoff)
+                    })
+            })
+            .map(|(_, s)| *s)
+            .collect();
+        if active.len() > 1 {
+            let max = active.iter().copied().fold(f64::MIN, f64::max);
+            let min = active.iter().copied().fold(f64::MAX, f64::min);
+            gap = gap.max(max - min);
+        }
+    }
+    let util = if duration_s > 0.0 && gpus > 0 {
+        busy_gpu_seconds / (duration_s * f64::from(gpus))
+    } else {
+        0.0
+    };
+    Report {
+        scheduler: scheduler.to_string(),
+        requests: outcomes.len() as u64,
+        duration_s: round(duration_s),
+        gpus,
+        gpu_utilization: round(util.min(1.0)),
+        max_service_gap: round(gap),
+        tiers,
+        tenants,
+    }
+}
+
+fn fmt_pct(p: &Option<Percentiles>) -> String {
+    match p {
+        Some(p) => format!("{:.0} / {:.0} / {:.0}", p.p50, p.p95, p.p99),
+        None => "-".into(),
+    }
+}
+
+fn rejects(gr: &Group) -> String {
+    if gr.rejects_by_reason.is_empty() {
+        return "0".into();
+    }
+    gr.rejects_by_reason
+        .iter()
+        .map(|(k, v)| format!("{v} {k}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Markdown tables, one row per tier and per tenant for each report.
+pub fn markdown(reports: &[Report]) -> String {
+    let mut s = String::new();
+    for r in reports {
+        let _ = writeln!(
+            s,
+            "### scheduler `{}`: {} requests over {:.0} s on {} GPUs, utilization {:.1}%, max service gap {:.0}\n",
+            r.scheduler,
+            r.requests,
+            r.duration_s,
+            r.gpus,
+            r.gpu_utilization * 100.0,
+            r.max_service_gap
+        );
+        for (title, groups) in [("tier", &r.tiers), ("tenant", &r.tenants)] {
+            let _ = writeln!(
+                s,
+                "| {title} | requests | TTFT ms p50/p95/p99 | E2E ms p50/p95/p99 | SLO met | goodput/s | rejects | preemptions | fallbacks |"
+            );
+            let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---|---:|---:|");
+            for gr in groups.iter() {
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | {} | {} | {:.1}% | {:.2} | {} | {} | {} |",
+                    gr.name,
+                    gr.requests,
+                    fmt_pct(&gr.ttft_ms),
+                    fmt_pct(&gr.e2e_ms),
+                    gr.slo_attainment * 100.0,
+                    gr.goodput_rps,
+                    rejects(gr),
+                    gr.preemptions,
+                    gr.fallbacks
+                );
+            }
+            s.push('\n');
+        }
+    }
+    s
+}
+
+/// Plain text for terminals.
+pub fn human(reports: &[Report]) -> String {
+    let mut s = String::new();
+    for r in reports {
+        let _ = writeln!(
+            s,
+            "scheduler {}: {} requests, {:.0} s, {} GPUs, utilization {:.1}%, max service gap {:.0}",
+            r.scheduler,
+            r.requests,
+            r.duration_s,
+            r.gpus,
+            r.gpu_utilization * 100.0,
+            r.max_service_gap
+        );
+        for (title, groups) in [("tier", &r.tiers), ("tenant", &r.tenants)] {
+            let _ = writeln!(
+                s,
+                "  {:<18} {:>8} {:>22} {:>24} {:>8} {:>9}  rejects",
+                title,
+                "requests",
+                "TTFT ms p50/p95/p99",
+                "E2E ms p50/p95/p99",
+                "SLO met",
+                "goodput/s"
+            );
+            for gr in groups.iter() {
+                let _ = writeln!(
+                    s,
+                    "  {:<18} {:>8} {:>22} {:>24} {:>7.1}% {:>9.2}  {}",
+                    gr.name,
+                    gr.requests,
+                    fmt_pct(&gr.ttft_ms),
+                    fmt_pct(&gr.e2e_ms),
+                    gr.slo_attainment * 100.0,
+                    gr.goodput_rps,
+                    rejects(gr)
+                );
+            }
+        }
+        s.push('\n');
+    }
+    s
+}
