@@ -4,6 +4,7 @@ mod check;
 mod explain;
 mod fmt;
 mod lint;
+mod simulate;
 mod test;
 mod traffic;
 
@@ -43,6 +44,8 @@ pub enum Command {
     Test(test::Args),
     /// Decide one request and show why, condition by condition.
     Explain(explain::Args),
+    /// Replay recorded traffic through the scheduler on simulated GPUs.
+    Simulate(simulate::Args),
     /// Import and combine recorded traffic (Azure, Mooncake, ServeGen traces).
     Traffic(traffic::Args),
 }
@@ -73,6 +76,7 @@ pub fn main() -> i32 {
         Command::Fmt(a) => fmt::run(a),
         Command::Test(a) => test::run(a),
         Command::Explain(a) => explain::run(a),
+        Command::Simulate(a) => simulate::run(a),
         Command::Traffic(a) => traffic::run(a),
     }
 }

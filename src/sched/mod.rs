@@ -619,7 +619,7 @@ impl Scheduler {
     /// The `estimated_wait` signal policies read: for the request's route
     /// under an idle decision, or 0 when unknown.
     fn estimate_wait(&self, req: &Request) -> Micros {
-        let d = self.graph.decide(req, &Signals::idle(&self.graph));
+        let d = self.graph.decide(req, &self.signals);
         match d.target {
             Some(t) => {
                 let reps: Vec<usize> = self

@@ -188,12 +188,18 @@ impl Queues {
         if front {
             t.q.push_front(w);
         } else if by_deadline {
+            // Deadlines mostly arrive in order: check the back first.
             let d = w.deadline.unwrap_or(Micros::MAX);
-            let pos =
-                t.q.iter()
-                    .position(|x| x.deadline.unwrap_or(Micros::MAX) > d)
-                    .unwrap_or(t.q.len());
-            t.q.insert(pos, w);
+            if t.q
+                .back()
+                .is_none_or(|x| x.deadline.unwrap_or(Micros::MAX) <= d)
+            {
+                t.q.push_back(w);
+            } else {
+                let pos =
+                    t.q.partition_point(|x| x.deadline.unwrap_or(Micros::MAX) <= d);
+                t.q.insert(pos, w);
+            }
         } else {
             t.q.push_back(w);
         }

@@ -138,3 +138,50 @@ pub fn run(
     progress(n, n);
     outcomes
 }
+
+impl crate::sched::plan::StepCost for crate::backend::sim::ReplicaModel {
+    fn step_time(&self, prefill_tokens: u32, decode_seqs: u32, context_tokens: u64) -> f64 {
+        crate::backend::sim::ReplicaModel::step_time(
+            self,
+            prefill_tokens,
+            decode_seqs,
+            context_tokens,
+        )
+    }
+}
+
+/// The deployment the simulator runs: replicas placed by the policy's
+/// routes, each with the roofline cost model of its GPU kind.
+pub fn plan(
+    g: &crate::graph::DecisionGraph,
+    cost: &crate::backend::sim::CostModel,
+) -> crate::sched::plan::Plan {
+    crate::sched::plan::Plan::from_graph(g, |m, v, p| {
+        let r = cost.replica(m, v, p)?;
+        let kv = r.kv_capacity_tokens().ok()?;
+        Some(crate::sched::plan::Costing {
+            cost: std::sync::Arc::new(r.clone()),
+            kv_capacity: kv,
+        })
+    })
+}
+
+/// Turns recorded traffic into arrivals (ids are positions in the trace).
+pub fn arrivals(records: &[crate::traffic::Record]) -> Vec<(Micros, Arrival)> {
+    records
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let at = (r.at_ms.max(0.0) * 1000.0).round() as Micros;
+            (
+                at,
+                Arrival {
+                    id: i as ReqId,
+                    request: r.request(),
+                    output_tokens: r.output_tokens.min(u64::from(u32::MAX)) as u32,
+                    prefix_blocks: r.prefix_blocks.clone(),
+                },
+            )
+        })
+        .collect()
+}

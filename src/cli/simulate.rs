@@ -1,0 +1,147 @@
+//! `kiln simulate`
+
+use super::*;
+use crate::backend::sim::{Calibration, CostModel};
+use crate::sched::{Config, Mode, Scheduler};
+use crate::sim::{self, report};
+use std::sync::Arc;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SimFormat {
+    Human,
+    Markdown,
+    Json,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The policy (file or directory).
+    #[arg(long, required = true)]
+    pub policy: Vec<PathBuf>,
+    /// Recorded traffic (kiln JSONL; see `kiln traffic import`), merged by arrival time.
+    #[arg(long, required = true, num_args = 1..)]
+    pub traffic: Vec<PathBuf>,
+    /// Scheduler(s) to run; several compare on the same traffic in one report.
+    #[arg(long, value_enum, num_args = 1.., default_values_t = [Mode::Kiln])]
+    pub scheduler: Vec<Mode>,
+    /// Run kiln and every baseline (fifo, priority, static).
+    #[arg(long)]
+    pub compare: bool,
+    /// Seed for anything random (the core is deterministic; recorded in the report).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Roofline calibration (TOML) overriding GPU and efficiency figures.
+    #[arg(long)]
+    pub calibration: Option<PathBuf>,
+    /// Skip malformed traffic lines (counted) instead of failing.
+    #[arg(long)]
+    pub skip_malformed: bool,
+    #[arg(long, value_enum, default_value_t = SimFormat::Human)]
+    pub format: SimFormat,
+}
+
+pub fn run(a: Args) -> i32 {
+    let mut compiled = match compile_all(&a.policy) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    if compiled.len() != 1 {
+        return usage_error("--policy must name one policy (a file, files, or one directory)");
+    }
+    let Some((_, c)) = compiled.pop() else {
+        return EXIT_USAGE;
+    };
+    let Some(g) = c.graph else {
+        print_human(&c.diagnostics, &c.sources);
+        return EXIT_FINDINGS;
+    };
+    let g = Arc::new(g);
+    let calibration = match &a.calibration {
+        Some(p) => match Calibration::load(p) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                eprintln!("{:?}", miette::Report::new(e));
+                return EXIT_FINDINGS;
+            }
+        },
+        None => None,
+    };
+    let cost = match CostModel::from_graph(&g, calibration.as_ref()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("{:?}", miette::Report::new(e));
+            return EXIT_FINDINGS;
+        }
+    };
+    let mut traces = Vec::new();
+    for t in &a.traffic {
+        let opts = crate::traffic::ReadOptions {
+            skip_malformed: a.skip_malformed,
+        };
+        match crate::traffic::read_with(t, opts) {
+            Ok(l) => {
+                if !l.skipped.is_empty() {
+                    eprintln!(
+                        "{}: skipped {} malformed lines",
+                        t.display(),
+                        l.skipped.len()
+                    );
+                }
+                traces.push(l.records);
+            }
+            Err(e) => {
+                eprintln!("{:?}", miette::Report::new(e));
+                return EXIT_FINDINGS;
+            }
+        }
+    }
+    let records = crate::traffic::merge(traces);
+    let modes: Vec<Mode> = if a.compare {
+        vec![Mode::Kiln, Mode::Fifo, Mode::Priority, Mode::Static]
+    } else {
+        a.scheduler.clone()
+    };
+    let gpus: u32 = g.pools.iter().map(|p| p.gpus).sum();
+    let mut reports = Vec::new();
+    for mode in modes {
+        let mut plan = sim::plan(&g, &cost);
+        if mode == Mode::Static {
+            plan.partition_by_tier(&g);
+        }
+        let cfg = Config {
+            mode,
+            ..Config::default()
+        };
+        let weights = (cfg.vtc_input_weight, cfg.vtc_output_weight);
+        let mut sched = Scheduler::new(g.clone(), plan, cfg);
+        let show = std::io::IsTerminal::is_terminal(&std::io::stderr());
+        let name = format!("{mode:?}").to_lowercase();
+        let outcomes = sim::run(&mut sched, sim::arrivals(&records), |done, total| {
+            if show {
+                eprint!("\r{name}: {done}/{total} requests");
+                if done == total {
+                    eprintln!();
+                }
+            }
+        });
+        let busy: f64 = sched
+            .replicas()
+            .iter()
+            .map(|r| r.busy_seconds * f64::from(r.spec.gpus))
+            .sum();
+        reports.push(report::build(&g, &name, &outcomes, busy, gpus, weights));
+    }
+    let out = match a.format {
+        SimFormat::Human => report::human(&reports),
+        SimFormat::Markdown => report::markdown(&reports),
+        SimFormat::Json => match serde_json::to_string_pretty(&serde_json::json!({
+            "seed": a.seed,
+            "reports": reports,
+        })) {
+            Ok(s) => s + "\n",
+            Err(e) => return usage_error(&e.to_string()),
+        },
+    };
+    print!("{out}");
+    EXIT_OK
+}

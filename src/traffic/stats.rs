@@ -1,0 +1,150 @@
+//! Summary of a trace per tenant: count, span, rate, token percentiles.
+
+use super::Record;
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// Percentiles of a token count (nearest rank).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Percentiles {
+    pub p50: u64,
+    pub p95: u64,
+    pub p99: u64,
+    pub max: u64,
+}
+
+impl Percentiles {
+    fn of(mut v: Vec<u64>) -> Self {
+        v.sort_unstable();
+        let at = |q: f64| -> u64 {
+            if v.is_empty() {
+                return 0;
+            }
+            let rank = (q * v.len() as f64).ceil() as usize;
+            v[rank.clamp(1, v.len()) - 1]
+        };
+        Percentiles {
+            p50: at(0.50),
+            p95: at(0.95),
+            p99: at(0.99),
+            max: v.last().copied().unwrap_or(0),
+        }
+    }
+}
+
+/// One row of the summary.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Stats {
+    /// The tenant, else the API key, else `-`; `(all)` for the total.
+    pub tenant: String,
+    pub count: usize,
+    /// From the first to the last arrival, seconds.
+    pub duration_s: f64,
+    /// Requests per second over the whole trace's span.
+    pub rate: f64,
+    pub prompt_tokens: Percentiles,
+    pub output_tokens: Percentiles,
+}
+
+fn summarise(name: String, recs: &[&Record], span_s: f64) -> Stats {
+    let first = recs.iter().map(|r| r.at_ms).fold(f64::INFINITY, f64::min);
+    let last = recs
+        .iter()
+        .map(|r| r.at_ms)
+        .fold(f64::NEG_INFINITY, f64::max);
+    let duration_s = if recs.is_empty() {
+        0.0
+    } else {
+        (last - first) / 1000.0
+    };
+    Stats {
+        tenant: name,
+        count: recs.len(),
+        duration_s,
+        rate: if span_s > 0.0 {
+            recs.len() as f64 / span_s
+        } else {
+            0.0
+        },
+        prompt_tokens: Percentiles::of(recs.iter().map(|r| r.prompt_tokens).collect()),
+        output_tokens: Percentiles::of(recs.iter().map(|r| r.output_tokens).collect()),
+    }
+}
+
+/// One row per tenant (by name), then `(all)`. Rates are over the span of
+/// the whole trace, so they add up.
+pub fn stats(records: &[Record]) -> Vec<Stats> {
+    let mut by: BTreeMap<String, Vec<&Record>> = BTreeMap::new();
+    for r in records {
+        let k = r
+            .tenant
+            .clone()
+            .or_else(|| r.api_key.clone())
+            .unwrap_or_else(|| "-".into());
+        by.entry(k).or_default().push(r);
+    }
+    let all: Vec<&Record> = records.iter().collect();
+    let span_s = summarise("(all)".into(), &all, 0.0).duration_s;
+    let mut out: Vec<Stats> = by
+        .into_iter()
+        .map(|(k, v)| summarise(k, &v, span_s))
+        .collect();
+    out.push(summarise("(all)".into(), &all, span_s));
+    out
+}
+
+/// A plain-text table of [`stats`].
+pub fn render(rows: &[Stats]) -> String {
+    let mut s = format!(
+        "{:<20} {:>9} {:>10} {:>9}  {:>27}  {:>27}\n",
+        "tenant", "requests", "span s", "req/s", "prompt p50/p95/p99/max", "output p50/p95/p99/max"
+    );
+    let p = |x: &Percentiles| format!("{}/{}/{}/{}", x.p50, x.p95, x.p99, x.max);
+    for r in rows {
+        s.push_str(&format!(
+            "{:<20} {:>9} {:>10.1} {:>9.3}  {:>27}  {:>27}\n",
+            r.tenant,
+            r.count,
+            r.duration_s,
+            r.rate,
+            p(&r.prompt_tokens),
+            p(&r.output_tokens)
+        ));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_tenant_rows_and_total() {
+        let mk = |at_ms: f64, t: &str, p: u64| Record {
+            at_ms,
+            tenant: Some(t.into()),
+            prompt_tokens: p,
+            ..Record::default()
+        };
+        let recs: Vec<Record> = (0..100)
+            .map(|i| mk(i as f64 * 100.0, if i % 4 == 0 { "a" } else { "b" }, i + 1))
+            .collect();
+        let s = stats(&recs);
+        assert_eq!(s.len(), 3);
+        assert_eq!((s[0].tenant.as_str(), s[0].count), ("a", 25));
+        assert_eq!(s[2].count, 100);
+        assert_eq!(
+            s[2].prompt_tokens,
+            Percentiles {
+                p50: 50,
+                p95: 95,
+                p99: 99,
+                max: 100
+            }
+        );
+        assert!((s[2].duration_s - 9.9).abs() < 1e-9);
+        assert!((s[0].rate + s[1].rate - s[2].rate).abs() < 1e-9);
+        assert!(render(&s).contains("(all)"));
+        assert_eq!(stats(&[]).len(), 1);
+    }
+}
