@@ -194,7 +194,9 @@ fn priority_serves_the_higher_tier_first() {
 
 #[test]
 fn preemption_makes_room_and_the_victim_still_finishes() {
-    let g = graph(&policy(TWO_TIERS, TWO_TENANTS, ROUTE));
+    // A tight TTFT: waiting ~550 ms for the bulk request would miss it.
+    let tight = TWO_TIERS.replace("ttft 10s", "ttft 100ms");
+    let g = graph(&policy(&tight, TWO_TENANTS, ROUTE));
     let o = simulate(
         &g,
         Mode::Kiln,
@@ -205,7 +207,7 @@ fn preemption_makes_room_and_the_victim_still_finishes() {
     assert!(o[0].finished.is_some(), "the preempted request is not lost");
     // Without a preempts right the chat request waits for the bulk one.
     let g2 = graph(&policy(
-        &TWO_TIERS.replace(" preempts [lo]", ""),
+        &tight.replace(" preempts [lo]", ""),
         TWO_TENANTS,
         ROUTE,
     ));
@@ -216,6 +218,69 @@ fn preemption_makes_room_and_the_victim_still_finishes() {
     );
     assert_eq!(o2[0].preemptions, 0);
     assert!(o2[1].started.unwrap() >= o2[0].finished.unwrap());
+}
+
+#[test]
+fn no_preemption_when_waiting_still_meets_the_slo() {
+    // 10 s of TTFT leaves room to wait ~550 ms: no recompute is spent.
+    let g = graph(&policy(TWO_TIERS, TWO_TENANTS, ROUTE));
+    let o = simulate(
+        &g,
+        Mode::Kiln,
+        vec![a(0, "bulk", 100, 500), a(10, "chat", 100, 5)],
+    );
+    assert_eq!(o[0].preemptions, 0);
+    assert!(o[1].started.unwrap() >= o[0].finished.unwrap());
+}
+
+#[test]
+fn retries_draw_on_a_budget() {
+    let tenants = r#"
+tenant chat { owner "o" tiers [hi] retry_budget 10% }
+tenant bulk { owner "o" tiers [lo] }
+"#;
+    let g = graph(&policy(TWO_TIERS, tenants, ROUTE));
+    let retry = |at| A {
+        headers: vec![("x-kiln-retry", "1")],
+        ..a(at, "chat", 10, 2)
+    };
+    // 10 first tries, then retries: one retry is always allowed, the rest
+    // only up to 10% of the last minute's requests.
+    let mut list: Vec<A> = (0..10).map(|i| a(i, "chat", 10, 2)).collect();
+    list.extend((0..5).map(|i| retry(100 + i)));
+    let o = simulate(&g, Mode::Kiln, list);
+    let refused = o
+        .iter()
+        .filter(|x| x.rejected == Some((Reason::RetryBudget, 429)))
+        .count();
+    assert_eq!(
+        refused,
+        4,
+        "{:?}",
+        o.iter().map(|x| x.rejected).collect::<Vec<_>>()
+    );
+}
+
+#[test]
+fn gpu_seconds_per_day_are_a_quota() {
+    let tenants = r#"
+tenant chat { owner "o" tiers [hi] }
+tenant bulk { owner "o" tiers [lo] quota { gpu_seconds 1/day } }
+"#;
+    let g = graph(&policy(TWO_TIERS, tenants, ROUTE));
+    // Each request takes ~0.55 s of the one GPU; the third finds the day's
+    // second used up.
+    let o = simulate(
+        &g,
+        Mode::Kiln,
+        vec![
+            a(0, "bulk", 100, 500),
+            a(2000, "bulk", 100, 500),
+            a(4000, "bulk", 100, 500),
+        ],
+    );
+    assert!(o[0].finished.is_some() && o[1].finished.is_some());
+    assert_eq!(o[2].rejected, Some((Reason::Quota, 429)));
 }
 
 #[test]
@@ -443,4 +508,148 @@ fn replays_are_deterministic() {
         simulate(&g, Mode::Kiln, list()),
         simulate(&g, Mode::Kiln, list())
     );
+}
+
+#[test]
+fn prefix_affinity_prefers_the_replica_holding_the_prefix() {
+    let text = r#"
+pool p { gpus 2 kind "H100-80GB" memory 80GB }
+model m { variant fp16 { memory 10GB pools [p] max_batch 4 } }
+tier t { priority 1 slo { ttft 10s } prefix_affinity }
+tenant x { owner "o" tiers [t] }
+classify { default => tier t }
+route t m { default => fp16 }
+"#;
+    let g = graph(text);
+    let mk = |id: u64, at_ms: u64, blocks: Vec<u64>| {
+        (
+            at_ms * MS,
+            Arrival {
+                id,
+                request: Request {
+                    tenant: Some("x".into()),
+                    model: "m".into(),
+                    prompt_tokens: 4096,
+                    max_tokens: 4,
+                    ..Default::default()
+                },
+                output_tokens: 4,
+                prefix_blocks: blocks,
+            },
+        )
+    };
+    // Two conversations alternate; each turn shares its conversation's prefix.
+    let list = vec![
+        mk(0, 0, vec![1, 2, 3]),
+        mk(1, 0, vec![7, 8, 9]),
+        mk(2, 500, vec![7, 8, 9, 10]),
+        mk(3, 600, vec![1, 2, 3, 4]),
+        mk(4, 700, vec![7, 8, 9, 10, 11]),
+    ];
+    let mut s = sched(&g, Mode::Kiln, 1_000_000);
+    let o = run(&mut s, list, |_, _| {});
+    assert_ne!(o[0].replica, o[1].replica);
+    assert_eq!(o[2].replica, o[1].replica);
+    assert_eq!(o[3].replica, o[0].replica);
+    assert_eq!(o[4].replica, o[1].replica);
+    // The cached prefix is not prefilled again: a later turn's first token
+    // comes sooner than the first turn's.
+    let ttft = |x: &Outcome| x.first_token.unwrap() - x.arrival;
+    assert!(ttft(&o[2]) < ttft(&o[1]));
+}
+
+#[test]
+fn a_saturated_pool_takes_the_fallback_chain() {
+    let text = r#"
+pool p { gpus 2 kind "H100-80GB" memory 80GB }
+model m {
+  variant fp16 { memory 40GB pools [p] }
+  variant int4 { memory 20GB pools [p] }
+}
+tier t { priority 1 slo { ttft 60s } }
+tenant x { owner "o" tiers [t] }
+classify { default => tier t }
+route t m {
+  when pool(p).utilization < 40% => fp16
+  default => fallback
+}
+fallback t [route m.int4 on p, reject 503 "full" retry_after 5s]
+"#;
+    let g = graph(text);
+    // Two long requests fill the fp16 replica's KV memory: half the pool's.
+    let o = simulate(
+        &g,
+        Mode::Kiln,
+        vec![
+            a(0, "x", 300_000, 200_000),
+            a(1, "x", 300_000, 200_000),
+            a(500, "x", 100, 10),
+        ],
+    );
+    assert_eq!(o[2].fallback_step, Some(0), "{:?}", o[2]);
+    assert!(o[2].finished.is_some());
+}
+
+#[test]
+fn aging_lets_low_tiers_through_unless_they_may_starve() {
+    let tiers = r#"
+tier hi { priority 12 slo { ttft 60s } }
+tier lo { priority 10 slo { window 1h } aging 100ms }
+"#;
+    let g = graph(&policy(tiers, TWO_TENANTS, ROUTE));
+    // A steady stream of chat work, and one bulk request waiting behind it.
+    let mut list = vec![a(0, "bulk", 100, 5)];
+    list.extend((0..40).map(|i| a(i * 20, "chat", 100, 50)));
+    list.swap(0, 1); // a chat request runs first
+    let aged = simulate(&g, Mode::Kiln, list);
+    let bulk = aged.iter().find(|x| x.tenant == Some(1)).unwrap();
+    assert!(
+        bulk.started.unwrap() < 600 * MS,
+        "started at {:?}",
+        bulk.started
+    );
+    let g2 = graph(&policy(
+        &tiers.replace("aging 100ms", "may_starve"),
+        TWO_TENANTS,
+        ROUTE,
+    ));
+    let mut list = vec![a(0, "bulk", 100, 5)];
+    list.extend((0..40).map(|i| a(i * 20, "chat", 100, 50)));
+    list.swap(0, 1);
+    let starved = simulate(&g2, Mode::Kiln, list);
+    let bulk = starved.iter().find(|x| x.tenant == Some(1)).unwrap();
+    let last_chat = starved
+        .iter()
+        .filter(|x| x.tenant == Some(0))
+        .map(|x| x.started.unwrap())
+        .max()
+        .unwrap();
+    assert!(bulk.started.unwrap() > last_chat);
+}
+
+#[test]
+fn a_tenant_borrows_idle_quota_within_its_cohort() {
+    let tenants = r#"
+cohort team { owner "o" }
+tenant chat { owner "o" tiers [hi] cohort team quota { tokens 1k/min } borrow 100% }
+tenant bulk { owner "o" tiers [lo] cohort team quota { tokens 100k/min } lend 50% }
+"#;
+    let g = graph(&policy(TWO_TIERS, tenants, ROUTE));
+    let o = simulate(
+        &g,
+        Mode::Kiln,
+        vec![a(0, "chat", 700, 100), a(1, "chat", 700, 100)],
+    );
+    assert!(o[1].finished.is_some(), "borrowed from bulk: {:?}", o[1]);
+    let alone = graph(&policy(
+        TWO_TIERS,
+        &tenants.replace(" borrow 100%", ""),
+        ROUTE,
+    ));
+    let o = simulate(
+        &alone,
+        Mode::Kiln,
+        vec![a(0, "chat", 700, 100), a(1, "chat", 700, 100)],
+    );
+    assert_eq!(o[1].rejected, Some((Reason::Quota, 429)));
 }

@@ -188,6 +188,9 @@ pub struct Config {
     /// Prefill tokens and generated tokens weigh this much in fair share.
     pub vtc_input_weight: f64,
     pub vtc_output_weight: f64,
+    /// Service older than about this much counts less in fair share
+    /// (exponential decay); `None` keeps all history.
+    pub fairness_window: Option<Micros>,
     /// A sequence may be preempted at most this many times (thrash budget).
     pub max_preemptions_per_seq: u32,
     /// Minute of day at time 0 and weekday (0 = Monday), for time-of-day rules.
@@ -203,6 +206,7 @@ impl Default for Config {
             admission_slack: 4.0,
             vtc_input_weight: 1.0,
             vtc_output_weight: 2.0,
+            fairness_window: Some(600 * SEC),
             max_preemptions_per_seq: 2,
             start_minute_of_day: 12 * 60,
             start_weekday: 0,
@@ -290,6 +294,7 @@ impl Scheduler {
     pub fn handle(&mut self, now: Micros, event: Event) -> &[Action] {
         self.out.clear();
         self.now = self.now.max(now);
+        self.queues.set_now(self.now);
         match event {
             Event::Arrive(a) => self.arrive(a),
             Event::StepDone { replica } => self.step_done(replica),
@@ -459,6 +464,20 @@ impl Scheduler {
                 retry_after: None,
             });
             return;
+        }
+        // Retries draw on the tenant's retry budget.
+        if let Some(t) = tenant {
+            let retry = req.header("x-kiln-retry").is_some();
+            if self.cfg.mode == Mode::Kiln && !self.quotas.note_request(&graph, t, retry, self.now)
+            {
+                self.out.push(Action::Reject {
+                    id: a.id,
+                    reason: Reason::RetryBudget,
+                    status: 429,
+                    retry_after: Some(10 * SEC),
+                });
+                return;
+            }
         }
         // Quota: reserve at admission, not after the fact.
         let need = f64::from(output) + req.prompt_tokens as f64;
@@ -680,6 +699,15 @@ impl Scheduler {
         let Some(rep) = self.replicas.get_mut(r) else {
             return;
         };
+        // GPU-seconds: the step's GPU time, shared by its sequences.
+        if !rep.running.is_empty() {
+            let share = rep.last_step * f64::from(rep.spec.gpus) / rep.running.len() as f64;
+            for s in &rep.running {
+                if let Some(t) = s.w.tenant {
+                    self.quotas.charge_gpu(t, share, now);
+                }
+            }
+        }
         let done = rep.finish_step(now, &mut self.out);
         for (id, seq) in done {
             let served_in = f64::from(seq.w.prompt_tokens);
@@ -763,6 +791,20 @@ impl Scheduler {
         let tier = &self.graph.tiers[w.tier as usize];
         if tier.preempts.is_empty() {
             return false;
+        }
+        // Only when waiting for a slot to free would miss the SLO (half of
+        // it, leaving the rest for the request itself): preemption costs a
+        // recompute, so it is not spent where patience suffices.
+        let budget = tier
+            .slo
+            .ttft
+            .or(tier.slo.window)
+            .map(|ms| (ms * 1000.0 / 2.0) as Micros);
+        if let Some(budget) = budget {
+            let waited = self.now.saturating_sub(w.arrival);
+            if waited + self.replicas[r].time_to_free() <= budget {
+                return false;
+            }
         }
         let victim = self.replicas[r]
             .running

@@ -59,8 +59,22 @@ impl Waiting {
 #[derive(Debug, Default)]
 struct TenantQueue {
     q: VecDeque<Waiting>,
-    /// Weighted service received (VTC counter).
+    /// Weighted service received (VTC counter), as of `at`.
     served: f64,
+    at: Micros,
+}
+
+impl TenantQueue {
+    /// The counter at `now`: service older than the decay window counts
+    /// less and less, so fairness is over recent time, not all time.
+    fn served_at(&self, now: Micros, decay: Option<Micros>) -> f64 {
+        match decay {
+            Some(w) if now > self.at && self.served > 0.0 => {
+                self.served * (-((now - self.at) as f64) / w as f64).exp()
+            }
+            _ => self.served,
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -84,6 +98,8 @@ pub struct Queues {
     parked: HashMap<ReqId, Waiting>,
     aging: Vec<Option<Micros>>,
     windowed: Vec<bool>,
+    decay: Option<Micros>,
+    now: Micros,
 }
 
 impl Queues {
@@ -108,6 +124,7 @@ impl Queues {
                 })
                 .collect(),
             windowed: g.tiers.iter().map(|t| t.slo.window.is_some()).collect(),
+            decay: cfg.fairness_window,
             ..Queues::default()
         }
     }
@@ -135,6 +152,11 @@ impl Queues {
 
     /// Adds a new request at the back of its tenant's queue (or in deadline
     /// order for windowed tiers).
+    /// Sets the clock used for fairness decay.
+    pub fn set_now(&mut self, now: Micros) {
+        self.now = now;
+    }
+
     pub fn push(&mut self, w: Waiting, cfg: &Config) {
         let _ = cfg;
         let windowed = self.windowed.get(w.tier as usize).copied().unwrap_or(false);
@@ -160,6 +182,7 @@ impl Queues {
         if let Some(t) = self.tier_tokens.get_mut(tier) {
             *t += tokens;
         }
+        let (now, decay) = (self.now, self.decay);
         let tiers = self.tiers_for(key);
         let Some(tq) = tiers.get_mut(tier) else {
             return;
@@ -172,12 +195,16 @@ impl Queues {
                 .tenants
                 .iter()
                 .filter(|t| !t.q.is_empty())
-                .map(|t| t.served)
+                .map(|t| t.served_at(now, decay))
                 .fold(f64::INFINITY, f64::min);
             if let Some(t) = tq.tenants.get_mut(slot) {
-                if floor.is_finite() && t.served < floor {
-                    t.served = floor;
-                }
+                let mine = t.served_at(now, decay);
+                t.served = if floor.is_finite() {
+                    mine.max(floor)
+                } else {
+                    mine
+                };
+                t.at = now;
             }
         }
         tq.len += 1;
@@ -332,7 +359,8 @@ impl Queues {
             .and_then(|tiers| tiers.get_mut(w.tier as usize))
             .and_then(|tq| tq.tenants.get_mut(slot))
         {
-            t.served += cost;
+            t.served = t.served_at(self.now, self.decay) + cost;
+            t.at = self.now;
         }
     }
 
@@ -344,7 +372,7 @@ impl Queues {
             .values()
             .filter_map(|tiers| tiers.get(tier as usize))
             .filter_map(|tq| tq.tenants.get(slot))
-            .map(|t| t.served)
+            .map(|t| t.served_at(self.now, self.decay))
             .sum()
     }
 
@@ -388,7 +416,7 @@ impl Queues {
                         (
                             -(prio + boost),
                             ti as u64,
-                            t.served,
+                            t.served_at(now, self.decay),
                             w.deadline.unwrap_or(w.arrival),
                             w.id,
                         )

@@ -54,6 +54,14 @@ struct TenantState {
     cohort: Option<u16>,
     /// Tokens currently borrowed from (positive) or lent to (negative) the cohort.
     borrowed: f64,
+    /// GPU-seconds a day, and what today has used.
+    gpu_per_day: Option<f64>,
+    gpu_used: f64,
+    gpu_day: u64,
+    /// Share of requests that may be retries, and the last minute's
+    /// (time, was a retry) for it.
+    retry_budget: Option<f64>,
+    recent: std::collections::VecDeque<(Micros, bool)>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -76,6 +84,11 @@ impl Quotas {
                     lend: t.lend / 100.0,
                     cohort: t.cohort,
                     borrowed: 0.0,
+                    gpu_per_day: t.quota.gpu_seconds.map(|per_s| per_s * 86_400.0),
+                    gpu_used: 0.0,
+                    gpu_day: 0,
+                    retry_budget: t.retry_budget.map(|p| p / 100.0),
+                    recent: Default::default(),
                 })
                 .collect(),
         }
@@ -105,6 +118,12 @@ impl Quotas {
         if let Some(limit) = s.concurrent {
             if s.in_flight >= limit {
                 return Err((Reason::Concurrency, SEC));
+            }
+        }
+        if let Some(limit) = s.gpu_per_day {
+            let day = now / (86_400 * SEC);
+            if s.gpu_day == day && s.gpu_used >= limit {
+                return Err((Reason::Quota, (day + 1) * 86_400 * SEC - now));
             }
         }
         if let Some(b) = s.requests.as_mut() {
@@ -196,6 +215,45 @@ impl Quotas {
                 s.borrowed = (s.borrowed - reserved).max(0.0);
             }
         }
+    }
+
+    /// Charges GPU-seconds to a tenant's daily budget.
+    pub fn charge_gpu(&mut self, t: TenantId, gpu_seconds: f64, now: Micros) {
+        if let Some(s) = self.tenants.get_mut(t as usize) {
+            let day = now / (86_400 * SEC);
+            if s.gpu_day != day {
+                s.gpu_day = day;
+                s.gpu_used = 0.0;
+            }
+            s.gpu_used += gpu_seconds;
+        }
+    }
+
+    /// Counts a request against the retry budget; false when it is a retry
+    /// and the tenant's retries in the last minute already reach its share.
+    pub fn note_request(
+        &mut self,
+        _g: &DecisionGraph,
+        t: TenantId,
+        retry: bool,
+        now: Micros,
+    ) -> bool {
+        let Some(s) = self.tenants.get_mut(t as usize) else {
+            return true;
+        };
+        let Some(budget) = s.retry_budget else {
+            return true;
+        };
+        while s.recent.front().is_some_and(|(at, _)| *at + 60 * SEC < now) {
+            s.recent.pop_front();
+        }
+        let total = s.recent.len() as f64 + 1.0;
+        let retries = s.recent.iter().filter(|(_, r)| *r).count() as f64;
+        if retry && retries + 1.0 > (budget * total).max(1.0) {
+            return false;
+        }
+        s.recent.push_back((now, retry));
+        true
     }
 
     pub fn in_flight(&self, t: TenantId) -> u64 {

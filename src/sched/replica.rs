@@ -55,6 +55,8 @@ pub struct Replica {
     prefix: VecDeque<u64>,
     /// Seconds the replica has spent running steps (for utilization).
     pub busy_seconds: f64,
+    /// Duration of the step in flight (or the last one), seconds.
+    pub last_step: f64,
     rate: f64,
 }
 
@@ -75,6 +77,7 @@ impl Replica {
             kv_used: 0,
             prefix: VecDeque::new(),
             busy_seconds: 0.0,
+            last_step: 0.0,
             rate,
         }
     }
@@ -95,6 +98,31 @@ impl Replica {
 
     pub fn throughput_tokens_per_s(&self) -> f64 {
         self.rate
+    }
+
+    /// Estimated time until the first running sequence finishes and frees
+    /// its slot and memory.
+    pub fn time_to_free(&self) -> Micros {
+        let context: u64 = self
+            .running
+            .iter()
+            .map(|s| u64::from(s.w.prompt_tokens) + u64::from(s.generated))
+            .sum();
+        let step = self
+            .spec
+            .cost
+            .step_time(0, self.running.len() as u32, context)
+            .max(1e-6);
+        let steps = self
+            .running
+            .iter()
+            .map(|s| {
+                let prefill_steps = s.prefill_left.div_ceil(self.spec.max_batch_tokens.max(1));
+                prefill_steps + s.w.output_tokens.saturating_sub(s.generated)
+            })
+            .min()
+            .unwrap_or(0);
+        (f64::from(steps) * step * SEC as f64) as Micros
     }
 
     /// Leading prompt blocks this replica has seen, in tokens.
@@ -163,6 +191,7 @@ impl Replica {
             .max(1e-6);
         self.busy = true;
         self.busy_seconds += secs;
+        self.last_step = secs;
         Some(now + (secs * SEC as f64).ceil() as Micros)
     }
 

@@ -25,6 +25,8 @@ pub struct Outcome {
     pub rejected: Option<(crate::sched::Reason, u16)>,
     pub preemptions: u32,
     pub fallback_step: Option<u8>,
+    /// The replica it (last) started on.
+    pub replica: Option<usize>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -112,9 +114,10 @@ pub fn run(
                         o.rejected = Some((reason, status));
                     }
                 }
-                Action::Started { id, .. } => {
+                Action::Started { id, replica } => {
                     if let Some(o) = index.get(&id).and_then(|&i| outcomes.get_mut(i)) {
                         o.started.get_or_insert(t);
+                        o.replica = Some(replica);
                     }
                 }
                 Action::FirstToken { id } => {
