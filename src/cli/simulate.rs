@@ -118,7 +118,7 @@ pub fn run(a: Args) -> i32 {
         let name = format!("{mode:?}").to_lowercase();
         let outcomes = sim::run(&mut sched, sim::arrivals(&records), |done, total| {
             if show {
-                eprint!("\r{name}: {done}/{total} requests");
+                eprint!("\r{}", progress_bar(&name, done, total));
                 if done == total {
                     eprintln!();
                 }
@@ -144,4 +144,28 @@ pub fn run(a: Args) -> i32 {
     };
     print!("{out}");
     EXIT_OK
+}
+
+/// `kiln   [##########..........]  50%  14092/28185 requests`
+fn progress_bar(name: &str, done: usize, total: usize) -> String {
+    const WIDTH: usize = 30;
+    let filled = (done * WIDTH).checked_div(total).unwrap_or(WIDTH);
+    let pct = (done * 100).checked_div(total).unwrap_or(100);
+    format!(
+        "{name:<8} [{}{}] {pct:>3}%  {done}/{total} requests",
+        "#".repeat(filled),
+        ".".repeat(WIDTH - filled)
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn progress_bar_fills() {
+        assert_eq!(
+            super::progress_bar("kiln", 5, 10),
+            "kiln     [###############...............]  50%  5/10 requests"
+        );
+        assert!(super::progress_bar("kiln", 0, 0).contains("100%"));
+    }
 }

@@ -237,6 +237,9 @@ pub struct Scheduler {
     timers: Vec<(Micros, ReqId)>,
     sessions: HashMap<String, (TierId, u64)>,
     signals: Signals,
+    /// Baselines decide on an idle fleet: the policy classifies and routes
+    /// for them, but its admission control and quotas are kiln's, not theirs.
+    idle: Signals,
     out: Vec<Action>,
 }
 
@@ -258,6 +261,7 @@ impl Scheduler {
             })
             .collect();
         let signals = Signals::idle(&graph);
+        let idle = signals.clone();
         let quotas = Quotas::new(&graph);
         let queues = Queues::new(&graph, &cfg);
         Scheduler {
@@ -272,6 +276,7 @@ impl Scheduler {
             timers: Vec::new(),
             sessions: HashMap::new(),
             signals,
+            idle,
             out: Vec::new(),
         }
     }
@@ -367,7 +372,8 @@ impl Scheduler {
             .map(|(t, _)| *t);
         let estimate = self.estimate_wait(&req);
         self.signals.estimated_wait = estimate as f64 / 1000.0;
-        let d = graph.decide(&req, &self.signals);
+        let baseline = self.cfg.mode != Mode::Kiln;
+        let d = graph.decide(&req, if baseline { &self.idle } else { &self.signals });
         let mut tier = d.tier;
         if let Some(t) = session_tier {
             tier = t;
@@ -395,6 +401,12 @@ impl Scheduler {
             }
         }
         let target = match d.admission {
+            // A baseline has no admission control: only "no such model"
+            // stops it.
+            Admission::Reject(r) if baseline && d.target.is_some() => {
+                let _ = r;
+                d.target
+            }
             Admission::Reject(r) => {
                 let reason = match r.reason {
                     "quota" => Reason::Quota,
@@ -537,7 +549,9 @@ impl Scheduler {
             .window
             .map(|w| self.now + (w * 1000.0) as Micros);
         let max_wait = match d.admission {
-            Admission::Queue { max_wait } => Some(self.now + (max_wait * 1000.0) as Micros),
+            Admission::Queue { max_wait } if !baseline => {
+                Some(self.now + (max_wait * 1000.0) as Micros)
+            }
             _ => None,
         };
         let w = Waiting {
@@ -558,7 +572,7 @@ impl Scheduler {
             preemptions: 0,
             backfill: graph.tiers[tier as usize].backfill_only,
         };
-        if let Admission::Delay { until } = d.admission {
+        if let (Admission::Delay { until }, false) = (d.admission, baseline) {
             let at = self.time_at_minute(u32::from(until));
             self.timers.push((at, a.id));
             self.queues.park(w);

@@ -34,6 +34,9 @@ pub struct Group {
     pub goodput_rps: f64,
     pub preemptions: u64,
     pub fallbacks: u64,
+    /// Requests of a completion-window tier that finished after their
+    /// window, or were refused because they could not make it.
+    pub deadline_misses: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -103,6 +106,7 @@ fn group<'a>(
         goodput_rps: 0.0,
         preemptions: 0,
         fallbacks: 0,
+        deadline_misses: 0,
     };
     let (mut ttft, mut e2e) = (Vec::new(), Vec::new());
     let mut met = 0u64;
@@ -111,6 +115,19 @@ fn group<'a>(
         gr.preemptions += u64::from(o.preemptions);
         if o.fallback_step.is_some() {
             gr.fallbacks += 1;
+        }
+        let window = o
+            .tier
+            .and_then(|t| g.tiers.get(t as usize))
+            .and_then(|t| t.slo.window);
+        if let Some(w) = window {
+            let late = o
+                .finished
+                .is_some_and(|f| (f - o.arrival) as f64 / MS as f64 > w);
+            let refused = matches!(o.rejected, Some((crate::sched::Reason::Deadline, _)));
+            if late || refused {
+                gr.deadline_misses += 1;
+            }
         }
         if let Some((r, _)) = o.rejected {
             gr.rejected += 1;

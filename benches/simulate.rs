@@ -1,0 +1,106 @@
+//! Simulating the whole Azure 2023 hour (conv + code, 28,185 requests) on
+//! 8 simulated H100s: target < 1 s wall. Reads the trace from
+//! ../shared/traces at run time. Also prints, once, the quality comparison
+//! of kiln against the fifo baseline at several loads.
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use kiln::backend::sim::CostModel;
+use kiln::sched::{Config, Mode, Scheduler};
+use kiln::sim::{self, report};
+use kiln::traffic::{self, import::Mapping};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+fn load(scale: f64) -> Vec<traffic::Record> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces/azure2023");
+    let mut conv = Mapping::new("llama-70b");
+    conv.tenant = Some("chat".into());
+    conv.time_scale = scale;
+    let mut code = Mapping::new("llama-70b");
+    code.tenant = Some("code".into());
+    code.time_scale = scale;
+    let a = traffic::import::azure(dir.join("AzureLLMInferenceTrace_conv.csv"), &conv)
+        .expect("conv trace");
+    let b = traffic::import::azure(dir.join("AzureLLMInferenceTrace_code.csv"), &code)
+        .expect("code trace");
+    traffic::merge([a.records, b.records])
+}
+
+fn graph() -> Arc<kiln::graph::DecisionGraph> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/azure-hour/azure.kiln");
+    let c = kiln::compile::compile(kiln::compile::load(&[path]).expect("policy"));
+    Arc::new(c.graph.expect("policy compiles"))
+}
+
+fn simulate(
+    g: &Arc<kiln::graph::DecisionGraph>,
+    cost: &CostModel,
+    records: &[traffic::Record],
+    mode: Mode,
+) -> report::Report {
+    let cfg = Config {
+        mode,
+        ..Config::default()
+    };
+    let weights = (cfg.vtc_input_weight, cfg.vtc_output_weight);
+    let mut plan = sim::plan(g, cost);
+    if mode == Mode::Static {
+        plan.partition_by_tier(g);
+    }
+    let mut s = Scheduler::new(g.clone(), plan, cfg);
+    let outcomes = sim::run(&mut s, sim::arrivals(records), |_, _| {});
+    let busy: f64 = s
+        .replicas()
+        .iter()
+        .map(|r| r.busy_seconds * f64::from(r.spec.gpus))
+        .sum();
+    report::build(g, &format!("{mode:?}"), &outcomes, busy, 8, weights)
+}
+
+fn bench(c: &mut Criterion) {
+    let g = graph();
+    let cost = CostModel::from_graph(&g, None).expect("cost model");
+    let records = load(1.0);
+    assert_eq!(records.len(), 28_185);
+    let mut grp = c.benchmark_group("simulate");
+    grp.sample_size(10)
+        .measurement_time(Duration::from_secs(10));
+    grp.bench_function("azure-hour/8xH100/kiln", |b| {
+        b.iter(|| simulate(&g, &cost, &records, Mode::Kiln))
+    });
+    grp.bench_function("azure-hour/8xH100/fifo", |b| {
+        b.iter(|| simulate(&g, &cost, &records, Mode::Fifo))
+    });
+    grp.finish();
+
+    // Quality at several loads (time scale stretches arrivals; 5 is about
+    // 90% of this fleet's busy time).
+    println!("\nscale | scheduler | busy | interactive SLO | batch SLO | goodput/s | vs fifo");
+    for scale in [1.0, 2.0, 3.0, 5.0] {
+        let records = load(scale);
+        let k = simulate(&g, &cost, &records, Mode::Kiln);
+        let f = simulate(&g, &cost, &records, Mode::Fifo);
+        let goodput = |r: &report::Report| r.tiers.iter().map(|t| t.goodput_rps).sum::<f64>();
+        for r in [&k, &f] {
+            let slo = |name: &str| {
+                r.tiers
+                    .iter()
+                    .find(|t| t.name == name)
+                    .map_or(0.0, |t| t.slo_attainment * 100.0)
+            };
+            println!(
+                "{scale} | {} | {:.1}% | {:.1}% | {:.1}% | {:.2} | {:.2}x",
+                r.scheduler,
+                r.gpu_utilization * 100.0,
+                slo("interactive"),
+                slo("batch"),
+                goodput(r),
+                goodput(r) / goodput(&f).max(1e-9)
+            );
+        }
+    }
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

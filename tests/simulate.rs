@@ -1,0 +1,165 @@
+//! `kiln simulate` on real recorded traffic (a slice of the Azure 2023
+//! trace from ../shared/traces): reports in every format, baselines in the
+//! same run, every request accounted for, byte-identical reruns.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn kiln(args: &[&str]) -> (i32, String, String) {
+    let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("NO_COLOR", "1")
+        .output()
+        .expect("run kiln");
+    (
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+fn traces() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces/azure2023")
+}
+
+/// Imports 400 conversation and 200 code requests once per test process.
+fn traffic() -> (String, String) {
+    let dir = std::env::temp_dir().join(format!("kiln-sim-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let conv = dir.join("conv.jsonl");
+    let code = dir.join("code.jsonl");
+    if !conv.exists() {
+        let src = traces().join("AzureLLMInferenceTrace_conv.csv");
+        let (c, _, e) = kiln(&[
+            "traffic",
+            "import",
+            "azure",
+            src.to_str().unwrap(),
+            "--tenant",
+            "support-bot",
+            "--model",
+            "llama-70b",
+            "--limit",
+            "400",
+            "-o",
+            conv.to_str().unwrap(),
+        ]);
+        assert_eq!(c, 0, "{e}");
+        let src = traces().join("AzureLLMInferenceTrace_code.csv");
+        let (c, _, e) = kiln(&[
+            "traffic",
+            "import",
+            "azure",
+            src.to_str().unwrap(),
+            "--tenant",
+            "enrichment",
+            "--model",
+            "llama-70b",
+            "--limit",
+            "200",
+            "-o",
+            code.to_str().unwrap(),
+        ]);
+        assert_eq!(c, 0, "{e}");
+    }
+    (conv.display().to_string(), code.display().to_string())
+}
+
+#[test]
+fn simulate_reports_are_deterministic_and_complete() {
+    let (conv, code) = traffic();
+    let args = [
+        "simulate",
+        "--policy",
+        "policies/enterprise",
+        "--traffic",
+        &conv,
+        &code,
+        "--compare",
+        "--format",
+        "json",
+    ];
+    let (c1, a, e) = kiln(&args);
+    assert_eq!(c1, 0, "{e}");
+    let (_, b, _) = kiln(&args);
+    assert_eq!(a, b, "two runs differ");
+    let v: serde_json::Value = serde_json::from_str(&a).unwrap();
+    let reports = v["reports"].as_array().unwrap();
+    let names: Vec<&str> = reports
+        .iter()
+        .map(|r| r["scheduler"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["kiln", "fifo", "priority", "static"]);
+    for r in reports {
+        assert_eq!(r["requests"], 600);
+        let mut total = 0;
+        for t in r["tiers"].as_array().unwrap() {
+            let (n, f, x) = (
+                t["requests"].as_u64().unwrap(),
+                t["finished"].as_u64().unwrap(),
+                t["rejected"].as_u64().unwrap(),
+            );
+            assert_eq!(n, f + x, "every request finishes or is refused: {t}");
+            total += n;
+        }
+        assert_eq!(total, 600);
+    }
+}
+
+#[test]
+fn simulate_markdown_and_human_snapshots() {
+    let (conv, code) = traffic();
+    let (c, md, e) = kiln(&[
+        "simulate",
+        "--policy",
+        "policies/enterprise",
+        "--traffic",
+        &conv,
+        &code,
+        "--scheduler",
+        "kiln",
+        "fifo",
+        "--format",
+        "markdown",
+    ]);
+    assert_eq!(c, 0, "{e}");
+    insta::assert_snapshot!("simulate_markdown", md);
+    let (c, human, _) = kiln(&[
+        "simulate",
+        "--policy",
+        "policies/enterprise",
+        "--traffic",
+        &conv,
+        &code,
+    ]);
+    assert_eq!(c, 0);
+    insta::assert_snapshot!("simulate_human", human);
+}
+
+#[test]
+fn malformed_traffic_is_an_error_naming_the_line() {
+    let dir = std::env::temp_dir().join(format!("kiln-sim-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("bad.jsonl");
+    std::fs::write(&bad, "{\"at_ms\": 0, \"model\": \"llama-70b\", \"prompt_tokens\": 5, \"output_tokens\": 1}\nnot json\n").unwrap();
+    let (c, _, e) = kiln(&[
+        "simulate",
+        "--policy",
+        "policies/enterprise",
+        "--traffic",
+        bad.to_str().unwrap(),
+    ]);
+    assert_eq!(c, 1);
+    assert!(e.contains("bad.jsonl") && e.contains('2'), "{e}");
+    let (c, _, e) = kiln(&[
+        "simulate",
+        "--policy",
+        "policies/enterprise",
+        "--traffic",
+        bad.to_str().unwrap(),
+        "--skip-malformed",
+    ]);
+    assert_eq!(c, 0, "{e}");
+    assert!(e.contains("skipped 1 malformed"), "{e}");
+}
