@@ -653,3 +653,76 @@ tenant bulk { owner "o" tiers [lo] cohort team quota { tokens 100k/min } lend 50
     );
     assert_eq!(o[1].rejected, Some((Reason::Quota, 429)));
 }
+
+#[test]
+fn batch_eligible_work_waits_briefly_for_a_batch_and_interactive_never_does() {
+    let tiers = r#"
+tier hi { priority 100 slo { ttft 10s } }
+tier lo { priority 10 slo { window 1h } batch { max_wait 50ms } }
+"#;
+    let g = graph(&policy(tiers, TWO_TENANTS, ROUTE));
+    let o = simulate(&g, Mode::Kiln, vec![a(0, "bulk", 10, 2)]);
+    assert_eq!(o[0].started, Some(50 * MS));
+    assert_eq!(o[0].waited_for, Some(Reason::Batching));
+    let o = simulate(&g, Mode::Kiln, vec![a(0, "chat", 10, 2)]);
+    assert_eq!(o[0].started, Some(0));
+    assert_eq!(o[0].waited_for, None);
+}
+
+#[test]
+fn a_deadline_that_cannot_be_met_is_refused_at_admission() {
+    let tiers = r#"
+tier hi { priority 100 slo { ttft 10s } }
+tier lo { priority 10 slo { window 200ms } }
+"#;
+    let g = graph(&policy(tiers, TWO_TENANTS, ROUTE));
+    // Each takes ~55 ms; the queue soon predicts a miss of the 200 ms window.
+    let o = simulate(
+        &g,
+        Mode::Kiln,
+        (0..20).map(|_| a(0, "bulk", 100, 500)).collect(),
+    );
+    let refused = o
+        .iter()
+        .filter(|x| x.rejected == Some((Reason::Deadline, 429)))
+        .count();
+    assert!(refused > 5, "{refused}");
+    assert!(o
+        .iter()
+        .filter(|x| x.finished.is_some())
+        .all(|x| x.finished.unwrap() - x.arrival <= 2 * SEC));
+}
+
+#[test]
+fn waits_carry_a_reason() {
+    let g = graph(&policy(TWO_TIERS, TWO_TENANTS, ROUTE));
+    let o = simulate(
+        &g,
+        Mode::Kiln,
+        vec![a(0, "bulk", 100, 50), a(1, "bulk", 100, 50)],
+    );
+    assert_eq!(o[0].waited_for, None);
+    assert_eq!(o[1].waited_for, Some(Reason::Saturation));
+}
+
+#[test]
+fn a_lender_reclaims_capacity_from_borrowed_work() {
+    // Both tenants in one tier: only the cohort's lending right lets the
+    // lender preempt the borrower's running (preemptible) request.
+    let tiers = "tier t { priority 10 slo { ttft 100ms } preemptible }";
+    let tenants = r#"
+cohort team { owner "o" }
+tenant borrower { owner "o" tiers [t] cohort team quota { tokens 1k/min } borrow 100% }
+tenant lender { owner "o" tiers [t] cohort team quota { tokens 100k/min } lend 50% }
+"#;
+    let route = "classify { default => tier t }\nroute t m { default => fp16 }";
+    let g = graph(&policy(tiers, tenants, route));
+    let o = simulate(
+        &g,
+        Mode::Kiln,
+        vec![a(0, "borrower", 500, 1000), a(10, "lender", 100, 5)],
+    );
+    assert_eq!(o[0].preemptions, 1, "{:?}", o[0]);
+    assert!(o[1].finished.unwrap() < o[0].finished.unwrap());
+    assert!(o[0].finished.is_some());
+}

@@ -162,8 +162,13 @@ pub enum Action {
         status: u16,
         retry_after: Option<Micros>,
     },
-    /// The request started on a replica (it may be preempted later).
-    Started { id: ReqId, replica: usize },
+    /// The request started on a replica (it may be preempted later);
+    /// `waited_for` says why it did not start on arrival, if it waited.
+    Started {
+        id: ReqId,
+        replica: usize,
+        waited_for: Option<Reason>,
+    },
     /// The first output token was produced.
     FirstToken { id: ReqId },
     /// The request produced its last token.
@@ -493,10 +498,14 @@ impl Scheduler {
         }
         // Quota: reserve at admission, not after the fact.
         let need = f64::from(output) + req.prompt_tokens as f64;
+        let mut borrowed = false;
         let reserved = match tenant {
             Some(t) if self.cfg.mode == Mode::Kiln => {
                 match self.quotas.reserve(&graph, t, need, self.now) {
-                    Ok(()) => need,
+                    Ok(b) => {
+                        borrowed = b;
+                        need
+                    }
                     Err((reason, retry)) => {
                         self.out.push(Action::Reject {
                             id: a.id,
@@ -571,8 +580,12 @@ impl Scheduler {
             prefix_blocks: a.prefix_blocks,
             preemptions: 0,
             backfill: graph.tiers[tier as usize].backfill_only,
+            borrowed,
+            waiting_for: None,
         };
+        let mut w = w;
         if let (Admission::Delay { until }, false) = (d.admission, baseline) {
+            w.waiting_for = Some(Reason::Delay);
             let at = self.time_at_minute(u32::from(until));
             self.timers.push((at, a.id));
             self.queues.park(w);
@@ -584,9 +597,23 @@ impl Scheduler {
             if hold > 0.0 && self.cfg.mode == Mode::Kiln && self.all_idle(&candidates) {
                 let at = self.now + (hold * 1000.0) as Micros;
                 self.timers.push((at, a.id));
+                w.waiting_for = Some(Reason::Batching);
                 self.queues.park(w);
                 return;
             }
+        }
+        // Why it will wait, if it does: no room on any replica of its route,
+        // or (backfill) capacity reserved for others.
+        if w.backfill {
+            w.waiting_for = Some(Reason::Backfill);
+        } else if candidates.iter().all(|&r| {
+            self.replicas[r].free_seq_slots() == 0 || self.replicas[r].kv_free() < kv_need
+        }) {
+            w.waiting_for = Some(Reason::Saturation);
+        } else if self.queues.tokens_above(&graph, tier) > 0 {
+            w.waiting_for = Some(Reason::Priority);
+        } else if self.queues.others_queued(tier, tenant) {
+            w.waiting_for = Some(Reason::Fairness);
         }
         self.queues.push(w, &self.cfg);
     }
@@ -788,6 +815,12 @@ impl Scheduler {
             }
             self.queues.charge(&self.graph, &self.cfg, &w);
             let id = w.id;
+            let waited_for = if self.now > w.arrival {
+                // Nothing more specific: it queued behind earlier work.
+                w.waiting_for.or(Some(Reason::Saturation))
+            } else {
+                None
+            };
             let cached = if self.graph.tiers[w.tier as usize].prefix_affinity {
                 self.replicas[r].cached_prefix_tokens(&w.prefix_blocks)
             } else {
@@ -795,7 +828,11 @@ impl Scheduler {
             };
             let now = self.now;
             self.replicas[r].admit(Seq::from_waiting(w, cached), now);
-            self.out.push(Action::Started { id, replica: r });
+            self.out.push(Action::Started {
+                id,
+                replica: r,
+                waited_for,
+            });
         }
     }
 
@@ -803,7 +840,8 @@ impl Scheduler {
     /// that `w`'s tier may preempt, if any, within the thrash budget.
     fn try_preempt(&mut self, r: usize, w: &Waiting) -> bool {
         let tier = &self.graph.tiers[w.tier as usize];
-        if tier.preempts.is_empty() {
+        let lends = w.tenant.and_then(|t| self.quotas.cohort(t)).is_some();
+        if tier.preempts.is_empty() && !lends {
             return false;
         }
         // Only when waiting for a slot to free would miss the SLO (half of
@@ -820,12 +858,19 @@ impl Scheduler {
                 return false;
             }
         }
+        let cohort = w.tenant.and_then(|t| self.quotas.cohort(t));
         let victim = self.replicas[r]
             .running
             .iter()
             .enumerate()
             .filter(|(_, s)| {
-                tier.preempts.contains(&s.w.tier)
+                // Lower tiers this tier may preempt, or work a cohort member
+                // runs on borrowed quota, which the lender reclaims.
+                let reclaim = s.w.borrowed
+                    && cohort.is_some()
+                    && s.w.tenant != w.tenant
+                    && s.w.tenant.and_then(|t| self.quotas.cohort(t)) == cohort;
+                (tier.preempts.contains(&s.w.tier) || reclaim)
                     && self.graph.tiers[s.w.tier as usize].preemptible
                     && s.w.preemptions < self.cfg.max_preemptions_per_seq
             })
@@ -850,6 +895,7 @@ impl Scheduler {
         // generated tokens; the KV cache is recomputed when it resumes.
         seq.w.preemptions += 1;
         seq.w.generated = seq.generated;
+        seq.w.waiting_for = Some(Reason::Preempted);
         self.queues.push_front(seq.w);
         true
     }

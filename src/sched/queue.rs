@@ -32,6 +32,11 @@ pub struct Waiting {
     pub affinity: Option<usize>,
     pub preemptions: u32,
     pub backfill: bool,
+    /// Its reservation used tokens borrowed from the cohort: lenders may
+    /// reclaim the capacity by preempting it (when its tier is preemptible).
+    pub borrowed: bool,
+    /// Why it is waiting, for "why did my request wait".
+    pub waiting_for: Option<super::Reason>,
 }
 
 /// The replica asking for work.
@@ -286,6 +291,30 @@ impl Queues {
             .filter(|(_, t)| t.priority >= p)
             .map(|(i, _)| self.tier_tokens.get(i).copied().unwrap_or(0))
             .sum()
+    }
+
+    /// Tokens queued in tiers of strictly higher priority than `tier`.
+    pub fn tokens_above(&self, g: &DecisionGraph, tier: TierId) -> u64 {
+        let p = g.tiers[tier as usize].priority;
+        g.tiers
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| t.priority > p)
+            .map(|(i, _)| self.tier_tokens.get(i).copied().unwrap_or(0))
+            .sum()
+    }
+
+    /// Does another tenant have work queued in this tier?
+    pub fn others_queued(&self, tier: TierId, tenant: Option<TenantId>) -> bool {
+        let slot = tenant.map_or(0, |t| t as usize + 1);
+        self.by_variant.values().any(|tiers| {
+            tiers.get(tier as usize).is_some_and(|tq| {
+                tq.tenants
+                    .iter()
+                    .enumerate()
+                    .any(|(i, t)| i != slot && !t.q.is_empty())
+            })
+        })
     }
 
     /// How long the oldest queued request of a tier has waited.

@@ -110,10 +110,10 @@ impl Quotas {
         t: TenantId,
         tokens: f64,
         now: Micros,
-    ) -> Result<(), (Reason, Micros)> {
+    ) -> Result<bool, (Reason, Micros)> {
         let ti = t as usize;
         let Some(s) = self.tenants.get_mut(ti) else {
-            return Ok(());
+            return Ok(false);
         };
         if let Some(limit) = s.concurrent {
             if s.in_flight >= limit {
@@ -160,7 +160,7 @@ impl Quotas {
         }
         s.borrowed += from_cohort;
         s.in_flight += 1;
-        Ok(())
+        Ok(from_cohort > 0.0)
     }
 
     /// Takes `amount` tokens from cohort members' idle buckets, each within
@@ -258,6 +258,10 @@ impl Quotas {
 
     pub fn in_flight(&self, t: TenantId) -> u64 {
         self.tenants.get(t as usize).map_or(0, |s| s.in_flight)
+    }
+
+    pub fn cohort(&self, t: TenantId) -> Option<u16> {
+        self.tenants.get(t as usize).and_then(|s| s.cohort)
     }
 
     /// Share of the tightest bucket left, 0–100 (100 when unlimited).

@@ -27,6 +27,8 @@ pub struct Outcome {
     pub fallback_step: Option<u8>,
     /// The replica it (last) started on.
     pub replica: Option<usize>,
+    /// Why it did not start on arrival, when it waited.
+    pub waited_for: Option<crate::sched::Reason>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -114,9 +116,16 @@ pub fn run(
                         o.rejected = Some((reason, status));
                     }
                 }
-                Action::Started { id, replica } => {
+                Action::Started {
+                    id,
+                    replica,
+                    waited_for,
+                } => {
                     if let Some(o) = index.get(&id).and_then(|&i| outcomes.get_mut(i)) {
-                        o.started.get_or_insert(t);
+                        if o.started.is_none() {
+                            o.started = Some(t);
+                            o.waited_for = waited_for;
+                        }
                         o.replica = Some(replica);
                     }
                 }

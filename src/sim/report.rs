@@ -24,6 +24,8 @@ pub struct Group {
     pub finished: u64,
     pub rejected: u64,
     pub rejects_by_reason: BTreeMap<String, u64>,
+    /// Requests that did not start on arrival, by why they waited.
+    pub waits_by_reason: BTreeMap<String, u64>,
     /// Milliseconds, over finished requests.
     pub ttft_ms: Option<Percentiles>,
     pub e2e_ms: Option<Percentiles>,
@@ -100,6 +102,7 @@ fn group<'a>(
         finished: 0,
         rejected: 0,
         rejects_by_reason: BTreeMap::new(),
+        waits_by_reason: BTreeMap::new(),
         ttft_ms: None,
         e2e_ms: None,
         slo_attainment: 0.0,
@@ -128,6 +131,9 @@ fn group<'a>(
             if late || refused {
                 gr.deadline_misses += 1;
             }
+        }
+        if let Some(r) = o.waited_for {
+            *gr.waits_by_reason.entry(r.name().to_string()).or_default() += 1;
         }
         if let Some((r, _)) = o.rejected {
             gr.rejected += 1;
@@ -275,11 +281,14 @@ fn fmt_pct(p: &Option<Percentiles>) -> String {
 }
 
 fn rejects(gr: &Group) -> String {
-    if gr.rejects_by_reason.is_empty() {
+    by_reason(&gr.rejects_by_reason)
+}
+
+fn by_reason(m: &BTreeMap<String, u64>) -> String {
+    if m.is_empty() {
         return "0".into();
     }
-    gr.rejects_by_reason
-        .iter()
+    m.iter()
         .map(|(k, v)| format!("{v} {k}"))
         .collect::<Vec<_>>()
         .join(", ")
@@ -302,13 +311,13 @@ pub fn markdown(reports: &[Report]) -> String {
         for (title, groups) in [("tier", &r.tiers), ("tenant", &r.tenants)] {
             let _ = writeln!(
                 s,
-                "| {title} | requests | TTFT ms p50/p95/p99 | E2E ms p50/p95/p99 | SLO met | goodput/s | rejects | preemptions | fallbacks |"
+                "| {title} | requests | TTFT ms p50/p95/p99 | E2E ms p50/p95/p99 | SLO met | goodput/s | rejects | waited (why) | preemptions | fallbacks | deadline misses |"
             );
-            let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---|---:|---:|");
+            let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|");
             for gr in groups.iter() {
                 let _ = writeln!(
                     s,
-                    "| {} | {} | {} | {} | {:.1}% | {:.2} | {} | {} | {} |",
+                    "| {} | {} | {} | {} | {:.1}% | {:.2} | {} | {} | {} | {} | {} |",
                     gr.name,
                     gr.requests,
                     fmt_pct(&gr.ttft_ms),
@@ -316,8 +325,10 @@ pub fn markdown(reports: &[Report]) -> String {
                     gr.slo_attainment * 100.0,
                     gr.goodput_rps,
                     rejects(gr),
+                    by_reason(&gr.waits_by_reason),
                     gr.preemptions,
-                    gr.fallbacks
+                    gr.fallbacks,
+                    gr.deadline_misses
                 );
             }
             s.push('\n');
