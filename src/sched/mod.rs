@@ -438,7 +438,10 @@ impl Scheduler {
             return;
         };
         req.max_tokens = d.max_tokens;
-        let output = a.output_tokens.min(d.max_tokens.max(1) as u32).max(1);
+        let output = a
+            .output_tokens
+            .min(d.max_tokens.clamp(1, u64::from(u32::MAX)) as u32)
+            .max(1);
         // Replicas of the routed variant, preferring the routed pool.
         let candidates: Vec<usize> = self
             .by_variant
@@ -467,7 +470,7 @@ impl Scheduler {
             return;
         }
         // A request larger than any replica's KV memory could never start.
-        let kv_need = req.prompt_tokens + u64::from(output);
+        let kv_need = req.prompt_tokens.saturating_add(u64::from(output));
         let kv_max = candidates
             .iter()
             .map(|&r| self.replicas[r].spec.kv_capacity)
@@ -556,10 +559,10 @@ impl Scheduler {
         let window = graph.tiers[tier as usize]
             .slo
             .window
-            .map(|w| self.now + (w * 1000.0) as Micros);
+            .map(|w| self.now.saturating_add((w * 1000.0) as Micros));
         let max_wait = match d.admission {
             Admission::Queue { max_wait } if !baseline => {
-                Some(self.now + (max_wait * 1000.0) as Micros)
+                Some(self.now.saturating_add((max_wait * 1000.0) as Micros))
             }
             _ => None,
         };
@@ -570,7 +573,8 @@ impl Scheduler {
             arrival: self.now,
             deadline: window,
             expires: max_wait,
-            prompt_tokens: req.prompt_tokens as u32,
+            // kv_need <= a replica's KV capacity bounds this; clamp anyway.
+            prompt_tokens: req.prompt_tokens.min(u64::from(u32::MAX)) as u32,
             output_tokens: output,
             generated: 0,
             model: target.model,
@@ -595,7 +599,7 @@ impl Scheduler {
             // Batch-eligible work may wait briefly for a batch to form; it
             // never does when a replica could start it with others already.
             if hold > 0.0 && self.cfg.mode == Mode::Kiln && self.all_idle(&candidates) {
-                let at = self.now + (hold * 1000.0) as Micros;
+                let at = self.now.saturating_add((hold * 1000.0) as Micros);
                 self.timers.push((at, a.id));
                 w.waiting_for = Some(Reason::Batching);
                 self.queues.park(w);
@@ -804,7 +808,7 @@ impl Scheduler {
             let Some(w) = pick else {
                 break;
             };
-            if !has_room || u64::from(w.prompt_tokens + w.output_tokens) > kv_free {
+            if !has_room || u64::from(w.prompt_tokens) + u64::from(w.output_tokens) > kv_free {
                 // Make room by preempting lower, preemptible work, or stop.
                 if self.cfg.mode == Mode::Kiln && self.try_preempt(r, &w) {
                     self.queues.push_front(w);

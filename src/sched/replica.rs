@@ -31,7 +31,7 @@ impl Seq {
     /// A sequence resumes after preemption by recomputing the KV cache of
     /// its prompt and of what it had generated (the recompute cost).
     pub fn from_waiting(w: Waiting, cached_prefix: u32) -> Seq {
-        let recompute = w.prompt_tokens + w.generated;
+        let recompute = w.prompt_tokens.saturating_add(w.generated);
         let kv = u64::from(w.prompt_tokens) + u64::from(w.output_tokens);
         Seq {
             prefill_left: recompute.saturating_sub(cached_prefix).max(1),
@@ -184,15 +184,18 @@ impl Replica {
         if prefill == 0 && decodes == 0 {
             return None;
         }
-        let secs = self
-            .spec
-            .cost
-            .step_time(prefill, decodes, context)
-            .max(1e-6);
+        let secs = self.spec.cost.step_time(prefill, decodes, context);
+        // A cost model must give a finite, positive time; a broken one
+        // (NaN, infinite) is treated as one second rather than stalling.
+        let secs = if secs.is_finite() {
+            secs.max(1e-6)
+        } else {
+            1.0
+        };
         self.busy = true;
         self.busy_seconds += secs;
         self.last_step = secs;
-        Some(now + (secs * SEC as f64).ceil() as Micros)
+        Some(now.saturating_add(((secs * SEC as f64).ceil() as Micros).max(1)))
     }
 
     /// Applies the finished step: prefill progress, one token per decoding

@@ -56,7 +56,7 @@ pub fn run(
         outcomes.push(Outcome {
             id: a.id,
             arrival: t,
-            prompt_tokens: a.request.prompt_tokens as u32,
+            prompt_tokens: a.request.prompt_tokens.min(u64::from(u32::MAX)) as u32,
             output_tokens: a.output_tokens,
             ..Outcome::default()
         });
