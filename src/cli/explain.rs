@@ -25,20 +25,11 @@ fn read_json<T: serde::de::DeserializeOwned>(p: &Path) -> Result<T, String> {
 }
 
 pub fn run(a: Args) -> i32 {
-    let mut compiled = match compile_all(&a.policy) {
-        Ok(c) => c,
+    let (c, g) = match compile_one(&a.policy) {
+        Ok(x) => x,
         Err(code) => return code,
     };
-    if compiled.len() != 1 {
-        return usage_error("--policy must name one policy (a file, files, or one directory)");
-    }
-    let Some((_, c)) = compiled.pop() else {
-        return EXIT_USAGE;
-    };
-    let Some(g) = &c.graph else {
-        print_human(&c.diagnostics, &c.sources);
-        return EXIT_FINDINGS;
-    };
+    let g = &g;
     let req: Request = match read_json(&a.request) {
         Ok(r) => r,
         Err(e) => return usage_error(&e),

@@ -195,6 +195,28 @@ pub fn compile_all(paths: &[PathBuf]) -> Result<Vec<(PolicySet, Compiled)>, i32>
         .collect()
 }
 
+/// Compiles the one policy `--policy` names into its graph (with the
+/// compiled sources, for diagnostics). On failure, reports and returns the
+/// exit code.
+pub fn compile_one(paths: &[PathBuf]) -> Result<(Compiled, crate::graph::DecisionGraph), i32> {
+    let mut compiled = compile_all(paths)?;
+    if compiled.len() != 1 {
+        return Err(usage_error(
+            "--policy must name one policy (a file, files, or one directory)",
+        ));
+    }
+    let Some((_, mut c)) = compiled.pop() else {
+        return Err(EXIT_USAGE);
+    };
+    match c.graph.take() {
+        Some(g) => Ok((c, g)),
+        None => {
+            print_human(&c.diagnostics, &c.sources);
+            Err(EXIT_FINDINGS)
+        }
+    }
+}
+
 /// Loads and compiles one policy set.
 pub fn compile_set(set: &PolicySet) -> Result<Compiled, Diagnostics> {
     let sources = compile::load(&set.files)?;

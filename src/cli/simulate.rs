@@ -41,21 +41,10 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> i32 {
-    let mut compiled = match compile_all(&a.policy) {
-        Ok(c) => c,
+    let g = match compile_one(&a.policy) {
+        Ok((_, g)) => Arc::new(g),
         Err(code) => return code,
     };
-    if compiled.len() != 1 {
-        return usage_error("--policy must name one policy (a file, files, or one directory)");
-    }
-    let Some((_, c)) = compiled.pop() else {
-        return EXIT_USAGE;
-    };
-    let Some(g) = c.graph else {
-        print_human(&c.diagnostics, &c.sources);
-        return EXIT_FINDINGS;
-    };
-    let g = Arc::new(g);
     let calibration = match &a.calibration {
         Some(p) => match Calibration::load(p) {
             Ok(c) => Some(c),
