@@ -726,3 +726,59 @@ tenant lender { owner "o" tiers [t] cohort team quota { tokens 100k/min } lend 5
     assert!(o[1].finished.unwrap() < o[0].finished.unwrap());
     assert!(o[0].finished.is_some());
 }
+
+#[test]
+fn deadlines_near_their_end_go_first_in_deadline_order() {
+    let tiers = "tier b { priority 10 slo { window 10s } }";
+    let tenants = r#"
+tenant early { owner "o" tiers [b] }
+tenant late { owner "o" tiers [b] }
+"#;
+    let route = "classify { default => tier b }\nroute b m { default => fp16 }";
+    let g = graph(&policy(tiers, tenants, route));
+    // `early` queues two short requests behind a long one of its own;
+    // `late` queues one at 5 s. When the replica frees at ~9.5 s, early's
+    // first short request runs; fair share would then pick `late` (early has
+    // more service), but early's second request has under a tenth of its
+    // window left, so it goes first.
+    let o = simulate(
+        &g,
+        Mode::Kiln,
+        vec![
+            a(0, "early", 100, 9000),
+            a(1, "early", 100, 5),
+            a(2, "early", 100, 5),
+            a(5000, "late", 100, 5),
+        ],
+    );
+    assert!(
+        o[2].started.unwrap() < o[3].started.unwrap(),
+        "{:?} {:?}",
+        o[2],
+        o[3]
+    );
+}
+
+#[test]
+fn request_rate_quotas_and_the_thrash_budget() {
+    let tenants = r#"
+tenant chat { owner "o" tiers [hi] quota { requests 2/min } }
+tenant bulk { owner "o" tiers [lo] }
+"#;
+    let g = graph(&policy(TWO_TIERS, tenants, ROUTE));
+    let o = simulate(
+        &g,
+        Mode::Kiln,
+        (0..3).map(|i| a(i, "chat", 10, 2)).collect(),
+    );
+    assert_eq!(o[2].rejected, Some((Reason::Quota, 429)));
+    // A long bulk request is preempted at most twice, however many chat
+    // requests would like its slot.
+    let tight = TWO_TIERS.replace("ttft 10s", "ttft 20ms");
+    let g = graph(&policy(&tight, TWO_TENANTS, ROUTE));
+    let mut list = vec![a(0, "bulk", 100, 3000)];
+    list.extend((1..8).map(|i| a(i * 100, "chat", 100, 5)));
+    let o = simulate(&g, Mode::Kiln, list);
+    assert_eq!(o[0].preemptions, 2);
+    assert!(o[0].finished.is_some());
+}

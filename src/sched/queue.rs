@@ -103,6 +103,8 @@ pub struct Queues {
     parked: HashMap<ReqId, Waiting>,
     aging: Vec<Option<Micros>>,
     windowed: Vec<bool>,
+    /// Completion window per tier, for deadline urgency.
+    window_len: Vec<Option<Micros>>,
     decay: Option<Micros>,
     now: Micros,
 }
@@ -129,6 +131,11 @@ impl Queues {
                 })
                 .collect(),
             windowed: g.tiers.iter().map(|t| t.slo.window.is_some()).collect(),
+            window_len: g
+                .tiers
+                .iter()
+                .map(|t| t.slo.window.map(|ms| (ms * 1000.0) as Micros))
+                .collect(),
             decay: cfg.fairness_window,
             ..Queues::default()
         }
@@ -442,10 +449,21 @@ impl Queues {
                     Mode::Priority => (-prio, 0, 0.0, w.arrival, w.id),
                     Mode::Kiln => {
                         let boost = self.aging[ti].map_or(0, |a| age / a) as i64;
+                        // Deadline work whose window is nearly spent (the
+                        // last tenth) goes earliest deadline first, ahead of
+                        // fair share; the rest of the tier shares by VTC.
+                        let urgent = match (w.deadline, self.window_len[ti]) {
+                            (Some(d), Some(len)) => d.saturating_sub(now) <= len / 10,
+                            _ => false,
+                        };
                         (
                             -(prio + boost),
-                            ti as u64,
-                            t.served_at(now, self.decay),
+                            ti as u64 * 2 + u64::from(!urgent),
+                            if urgent {
+                                w.deadline.unwrap_or(w.arrival) as f64
+                            } else {
+                                t.served_at(now, self.decay)
+                            },
                             w.deadline.unwrap_or(w.arrival),
                             w.id,
                         )
@@ -461,8 +479,8 @@ impl Queues {
     }
 }
 
-/// Lower is served first: (negated effective priority, tier, weighted
-/// service, deadline or arrival, id).
+/// Lower is served first: (negated effective priority, tier and urgency,
+/// weighted service or, when urgent, the deadline, deadline or arrival, id).
 type PickKey = (i64, u64, f64, Micros, Micros);
 
 fn lt(a: &PickKey, b: &PickKey) -> bool {
