@@ -25,6 +25,9 @@ fn traces() -> PathBuf {
 
 /// Imports 400 conversation and 200 code requests once per test process.
 fn traffic() -> (String, String) {
+    // Tests run in parallel: import once, under a lock.
+    static ONCE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = ONCE.lock().unwrap_or_else(|e| e.into_inner());
     let dir = std::env::temp_dir().join(format!("kiln-sim-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let conv = dir.join("conv.jsonl");
