@@ -8,6 +8,7 @@ pub mod backend;
 pub mod cli;
 pub mod compile;
 pub mod diag;
+pub mod diff;
 pub mod graph;
 pub mod lang;
 pub mod policy_test;

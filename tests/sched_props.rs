@@ -125,7 +125,7 @@ fn check(mode: Mode, kv: u64, reqs: &[(u64, u8, u32, u32)]) {
                     heap.push(Reverse((w, seq, 2, 0)));
                     seq += 1;
                 }
-                Action::Finished { id } | Action::Reject { id, .. } => {
+                Action::Finished { id, .. } | Action::Reject { id, .. } => {
                     *ended.entry(id).or_default() += 1;
                 }
                 _ => {}

@@ -1,6 +1,7 @@
 //! clap commands, one file a command.
 
 mod check;
+mod diff;
 mod explain;
 mod fmt;
 mod lint;
@@ -44,6 +45,9 @@ pub enum Command {
     Test(test::Args),
     /// Decide one request and show why, condition by condition.
     Explain(explain::Args),
+    /// What a policy change does: semantic diff, and with --traffic, changed
+    /// decisions and the simulated impact per tier and tenant.
+    Diff(diff::Args),
     /// Replay recorded traffic through the scheduler on simulated GPUs.
     Simulate(simulate::Args),
     /// Import and combine recorded traffic (Azure, Mooncake, ServeGen traces).
@@ -76,6 +80,7 @@ pub fn main() -> i32 {
         Command::Fmt(a) => fmt::run(a),
         Command::Test(a) => test::run(a),
         Command::Explain(a) => explain::run(a),
+        Command::Diff(a) => diff::run(a),
         Command::Simulate(a) => simulate::run(a),
         Command::Traffic(a) => traffic::run(a),
     }

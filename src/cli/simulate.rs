@@ -136,7 +136,7 @@ pub fn run(a: Args) -> i32 {
 }
 
 /// `kiln   [##########..........]  50%  14092/28185 requests`
-fn progress_bar(name: &str, done: usize, total: usize) -> String {
+pub(crate) fn progress_bar(name: &str, done: usize, total: usize) -> String {
     const WIDTH: usize = 30;
     let filled = (done * WIDTH).checked_div(total).unwrap_or(WIDTH);
     let pct = (done * 100).checked_div(total).unwrap_or(100);

@@ -171,8 +171,9 @@ pub enum Action {
     },
     /// The first output token was produced.
     FirstToken { id: ReqId },
-    /// The request produced its last token.
-    Finished { id: ReqId },
+    /// The request produced its last token, having used this much GPU time
+    /// (its share of every step it was part of, times the replica's GPUs).
+    Finished { id: ReqId, gpu_seconds: f64 },
     /// A running sequence was preempted to make room; it is queued again.
     Preempted {
         id: ReqId,
@@ -586,6 +587,7 @@ impl Scheduler {
             backfill: graph.tiers[tier as usize].backfill_only,
             borrowed,
             waiting_for: None,
+            gpu_seconds: 0.0,
         };
         let mut w = w;
         if let (Admission::Delay { until }, false) = (d.admission, baseline) {
@@ -747,7 +749,8 @@ impl Scheduler {
         // GPU-seconds: the step's GPU time, shared by its sequences.
         if !rep.running.is_empty() {
             let share = rep.last_step * f64::from(rep.spec.gpus) / rep.running.len() as f64;
-            for s in &rep.running {
+            for s in rep.running.iter_mut() {
+                s.gpu_seconds += share;
                 if let Some(t) = s.w.tenant {
                     self.quotas.charge_gpu(t, share, now);
                 }
@@ -899,6 +902,7 @@ impl Scheduler {
         // generated tokens; the KV cache is recomputed when it resumes.
         seq.w.preemptions += 1;
         seq.w.generated = seq.generated;
+        seq.w.gpu_seconds = seq.gpu_seconds;
         seq.w.waiting_for = Some(Reason::Preempted);
         self.queues.push_front(seq.w);
         true

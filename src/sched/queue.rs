@@ -37,6 +37,8 @@ pub struct Waiting {
     pub borrowed: bool,
     /// Why it is waiting, for "why did my request wait".
     pub waiting_for: Option<super::Reason>,
+    /// GPU time used before a preemption (it counts toward cost).
+    pub gpu_seconds: f64,
 }
 
 /// The replica asking for work.

@@ -22,6 +22,8 @@ pub struct Seq {
     pub started: Micros,
     pub first_token_sent: bool,
     pub kv: u64,
+    /// GPU-seconds used so far.
+    pub gpu_seconds: f64,
     /// Tokens prefilled in the step in flight.
     step_prefill: u32,
     step_decode: bool,
@@ -39,6 +41,7 @@ impl Seq {
             started: 0,
             first_token_sent: w.generated > 0,
             kv,
+            gpu_seconds: w.gpu_seconds,
             step_prefill: 0,
             step_decode: false,
             w,
@@ -234,7 +237,10 @@ impl Replica {
                         self.prefix.push_back(*b);
                     }
                 }
-                out.push(Action::Finished { id: s.w.id });
+                out.push(Action::Finished {
+                    id: s.w.id,
+                    gpu_seconds: s.gpu_seconds,
+                });
                 done.push((s.w.id, s));
             } else {
                 i += 1;

@@ -29,6 +29,7 @@ pub struct Outcome {
     pub replica: Option<usize>,
     /// Why it did not start on arrival, when it waited.
     pub waited_for: Option<crate::sched::Reason>,
+    pub gpu_seconds: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -134,9 +135,10 @@ pub fn run(
                         o.first_token = Some(t);
                     }
                 }
-                Action::Finished { id } => {
+                Action::Finished { id, gpu_seconds } => {
                     if let Some(o) = index.get(&id).and_then(|&i| outcomes.get_mut(i)) {
                         o.finished = Some(t);
+                        o.gpu_seconds = gpu_seconds;
                     }
                 }
                 Action::Preempted { id, .. } => {

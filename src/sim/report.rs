@@ -39,6 +39,10 @@ pub struct Group {
     /// Requests of a completion-window tier that finished after their
     /// window, or were refused because they could not make it.
     pub deadline_misses: u64,
+    /// GPU time the group's requests used, and what it cost at each
+    /// tenant's `cost` per GPU-hour (0 where a tenant states none).
+    pub gpu_seconds: f64,
+    pub cost: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -110,6 +114,8 @@ fn group<'a>(
         preemptions: 0,
         fallbacks: 0,
         deadline_misses: 0,
+        gpu_seconds: 0.0,
+        cost: 0.0,
     };
     let (mut ttft, mut e2e) = (Vec::new(), Vec::new());
     let mut met = 0u64;
@@ -132,6 +138,13 @@ fn group<'a>(
                 gr.deadline_misses += 1;
             }
         }
+        gr.gpu_seconds += o.gpu_seconds;
+        let rate = o
+            .tenant
+            .and_then(|t| g.tenants.get(t as usize))
+            .and_then(|t| t.cost_per_gpu_hour)
+            .unwrap_or(0.0);
+        gr.cost += o.gpu_seconds / 3600.0 * rate;
         if let Some(r) = o.waited_for {
             *gr.waits_by_reason.entry(r.name().to_string()).or_default() += 1;
         }
@@ -152,6 +165,8 @@ fn group<'a>(
             met += 1;
         }
     }
+    gr.gpu_seconds = round(gr.gpu_seconds);
+    gr.cost = round(gr.cost);
     gr.ttft_ms = pct(ttft);
     gr.e2e_ms = pct(e2e);
     if gr.requests > 0 {

@@ -1,0 +1,217 @@
+//! CI gates for `kiln diff --fail-if`: conditions on the change that fail
+//! the run (exit 1), and the report says which tripped.
+//!
+//! A gate is `SCOPE METRIC LIMIT`:
+//! - SCOPE: `tier:NAME`, `tenant:NAME`, or `all` (every tier);
+//! - METRIC: `ttft_p50|ttft_p95|ttft_p99|e2e_p50|e2e_p95|e2e_p99` (trip when
+//!   the new value exceeds the old by more than LIMIT), `slo_attainment` and
+//!   `goodput` (trip when the new value falls by more than LIMIT),
+//!   `rejected`, `preemptions`, `cost`, `gpu_seconds` (trip when they rise by
+//!   more than LIMIT), or `changed_decisions` (trip when more requests than
+//!   LIMIT are decided differently; scope `all`);
+//! - LIMIT: `+10%` (relative) or `+0`, `+250` (absolute, in the metric's
+//!   unit: ms, requests, points of attainment ×100…).
+//!
+//! Examples: `tier:interactive ttft_p95 +10%`, `tenant:analytics rejected +0`.
+
+use super::traffic::{group_metrics, DecisionDiff, Impact};
+use serde::Serialize;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Gate {
+    pub text: String,
+    scope: Scope,
+    metric: String,
+    limit: Limit,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Scope {
+    Tier(String),
+    Tenant(String),
+    All,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Limit {
+    Percent(f64),
+    Absolute(f64),
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GateResult {
+    pub gate: String,
+    pub tripped: bool,
+    /// What was measured, in words.
+    pub detail: String,
+}
+
+const RISE: &[&str] = &[
+    "ttft_p50",
+    "ttft_p95",
+    "ttft_p99",
+    "e2e_p50",
+    "e2e_p95",
+    "e2e_p99",
+    "rejected",
+    "preemptions",
+    "cost",
+    "gpu_seconds",
+];
+const FALL: &[&str] = &["slo_attainment", "goodput"];
+
+/// Parses a gate; the error says what is wrong and what is accepted.
+pub fn parse(text: &str) -> Result<Gate, String> {
+    let parts: Vec<&str> = text.split_whitespace().collect();
+    let [scope, metric, limit] = parts.as_slice() else {
+        return Err(format!(
+            "gate `{text}`: write `SCOPE METRIC LIMIT`, e.g. `tier:interactive ttft_p95 +10%`"
+        ));
+    };
+    let scope = match scope.split_once(':') {
+        Some(("tier", n)) if !n.is_empty() => Scope::Tier(n.to_string()),
+        Some(("tenant", n)) if !n.is_empty() => Scope::Tenant(n.to_string()),
+        None if *scope == "all" => Scope::All,
+        _ => {
+            return Err(format!(
+                "gate `{text}`: scope is `tier:NAME`, `tenant:NAME` or `all`"
+            ))
+        }
+    };
+    let metric = metric.to_string();
+    if !RISE.contains(&metric.as_str())
+        && !FALL.contains(&metric.as_str())
+        && metric != "changed_decisions"
+    {
+        return Err(format!(
+            "gate `{text}`: unknown metric `{metric}`; use one of {}, {} or changed_decisions",
+            RISE.join(", "),
+            FALL.join(", ")
+        ));
+    }
+    let l = limit.trim_start_matches('+');
+    let limit = match l.strip_suffix('%') {
+        Some(p) => Limit::Percent(
+            p.parse()
+                .map_err(|_| format!("gate `{text}`: `{limit}` is not a number"))?,
+        ),
+        None => Limit::Absolute(
+            l.parse()
+                .map_err(|_| format!("gate `{text}`: `{limit}` is not a number"))?,
+        ),
+    };
+    Ok(Gate {
+        text: text.to_string(),
+        scope,
+        metric,
+        limit,
+    })
+}
+
+fn exceeds(old: f64, new: f64, limit: Limit, rising_is_bad: bool) -> bool {
+    let worse = if rising_is_bad { new - old } else { old - new };
+    match limit {
+        Limit::Absolute(a) => worse > a,
+        Limit::Percent(p) => {
+            if old == 0.0 {
+                worse > 0.0
+            } else {
+                worse / old.abs() * 100.0 > p
+            }
+        }
+    }
+}
+
+/// Evaluates a gate against the decision diff and the impact report.
+pub fn evaluate(g: &Gate, decisions: Option<&DecisionDiff>, impact: Option<&Impact>) -> GateResult {
+    let result = |tripped: bool, detail: String| GateResult {
+        gate: g.text.clone(),
+        tripped,
+        detail,
+    };
+    if g.metric == "changed_decisions" {
+        let Some(d) = decisions else {
+            return result(false, "no traffic given: nothing to measure".into());
+        };
+        let tripped = exceeds(0.0, d.changed as f64, g.limit, true);
+        return result(
+            tripped,
+            format!(
+                "{} of {} requests decided differently",
+                d.changed, d.requests
+            ),
+        );
+    }
+    let Some(i) = impact else {
+        return result(false, "no traffic given: nothing to measure".into());
+    };
+    let groups: Vec<(
+        String,
+        Option<&crate::sim::report::Group>,
+        Option<&crate::sim::report::Group>,
+    )> = match &g.scope {
+        Scope::Tier(n) => vec![(
+            format!("tier {n}"),
+            i.old.tiers.iter().find(|x| &x.name == n),
+            i.new.tiers.iter().find(|x| &x.name == n),
+        )],
+        Scope::Tenant(n) => vec![(
+            format!("tenant {n}"),
+            i.old.tenants.iter().find(|x| &x.name == n),
+            i.new.tenants.iter().find(|x| &x.name == n),
+        )],
+        Scope::All => {
+            let mut names: Vec<String> = i
+                .old
+                .tiers
+                .iter()
+                .chain(i.new.tiers.iter())
+                .map(|x| x.name.clone())
+                .collect();
+            names.sort();
+            names.dedup();
+            names
+                .into_iter()
+                .map(|n| {
+                    (
+                        format!("tier {n}"),
+                        i.old.tiers.iter().find(|x| x.name == n),
+                        i.new.tiers.iter().find(|x| x.name == n),
+                    )
+                })
+                .collect()
+        }
+    };
+    let key = match g.metric.as_str() {
+        "goodput" => "goodput_rps".to_string(),
+        m if m.starts_with("ttft_") || m.starts_with("e2e_") => format!("{m}_ms"),
+        m => m.to_string(),
+    };
+    let rising_is_bad = RISE.contains(&g.metric.as_str());
+    let mut details = Vec::new();
+    let mut tripped = false;
+    for (label, o, n) in groups {
+        if o.is_none() && n.is_none() {
+            details.push(format!("{label}: no requests"));
+            continue;
+        }
+        let m = group_metrics(o, n);
+        let Some(x) = m.iter().find(|x| x.metric == key) else {
+            continue;
+        };
+        // Attainment is compared in points (×100) so `+2` means two points.
+        let (old, new) = if key == "slo_attainment" {
+            (x.old * 100.0, x.new * 100.0)
+        } else {
+            (x.old, x.new)
+        };
+        let t = exceeds(old, new, g.limit, rising_is_bad);
+        tripped |= t;
+        details.push(format!(
+            "{label}: {} {old} → {new}{}",
+            g.metric,
+            if t { " (tripped)" } else { "" }
+        ));
+    }
+    result(tripped, details.join("; "))
+}
