@@ -72,6 +72,25 @@ fn bench(c: &mut Criterion) {
     grp.bench_function("azure-hour/8xH100/fifo", |b| {
         b.iter(|| simulate(&g, &cost, &records, Mode::Fifo))
     });
+    // `kiln diff --traffic`: every request decided twice, and both policies
+    // replayed (in parallel). Target: under twice one simulation.
+    let changed = {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/azure-hour/azure.kiln");
+        let text = std::fs::read_to_string(path).expect("policy");
+        let text = text.replace("slo { ttft 1s }", "slo { ttft 800ms }");
+        Arc::new(
+            kiln::compile::compile_str("new.kiln", &text)
+                .graph
+                .expect("changed policy compiles"),
+        )
+    };
+    let cost2 = CostModel::from_graph(&changed, None).expect("cost model");
+    grp.bench_function("azure-hour/8xH100/diff", |b| {
+        b.iter(|| {
+            kiln::diff::dry_run(&g, &changed, (&cost, &cost2), &records, |_, _| {})
+                .expect("dry run")
+        })
+    });
     grp.finish();
 
     // Quality at several loads (time scale stretches arrivals; 5 is about

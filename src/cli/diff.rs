@@ -3,9 +3,6 @@
 use super::*;
 use crate::backend::sim::{Calibration, CostModel};
 use crate::diff::{self, gate, semantic, traffic as dtraffic, DiffReport};
-use crate::graph::DecisionGraph;
-use crate::sched::{Config, Scheduler};
-use crate::sim::{self, report, Outcome};
 use std::fmt::Write as _;
 use std::sync::Arc;
 
@@ -42,37 +39,6 @@ pub struct Args {
     /// Seed (the replay is deterministic; recorded in the report).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-}
-
-/// One replay of the traffic under one policy.
-fn replay(
-    g: &Arc<DecisionGraph>,
-    cost: &CostModel,
-    records: &[crate::traffic::Record],
-    label: &str,
-) -> (report::Report, Vec<Outcome>) {
-    let cfg = Config::default();
-    let weights = (cfg.vtc_input_weight, cfg.vtc_output_weight);
-    let mut sched = Scheduler::new(g.clone(), sim::plan(g, cost), cfg);
-    let show = std::io::IsTerminal::is_terminal(&std::io::stderr()) && label == "new";
-    let outcomes = sim::run(&mut sched, sim::arrivals(records), |done, total| {
-        if show {
-            eprint!("\r{}", super::simulate::progress_bar("replay", done, total));
-            if done == total {
-                eprintln!();
-            }
-        }
-    });
-    let busy: f64 = sched
-        .replicas()
-        .iter()
-        .map(|r| r.busy_seconds * f64::from(r.spec.gpus))
-        .sum();
-    let gpus: u32 = g.pools.iter().map(|p| p.gpus).sum();
-    (
-        report::build(g, label, &outcomes, busy, gpus, weights),
-        outcomes,
-    )
 }
 
 pub fn run(a: Args) -> i32 {
@@ -116,14 +82,6 @@ pub fn run(a: Args) -> i32 {
             }
         }
         let records = crate::traffic::merge(traces);
-        let cfg = Config::default();
-        decisions = Some(dtraffic::decisions(
-            &old,
-            &new,
-            &records,
-            cfg.start_minute_of_day,
-            cfg.start_weekday,
-        ));
         let calibration = match &a.calibration {
             Some(p) => match Calibration::load(p) {
                 Ok(c) => Some(c),
@@ -145,32 +103,20 @@ pub fn run(a: Args) -> i32 {
                 return EXIT_FINDINGS;
             }
         };
-        // The two replays are independent: run them side by side.
-        let (ro, rn) = std::thread::scope(|s| {
-            let h = s.spawn(|| replay(&old, &co, &records, "old"));
-            let n = replay(&new, &cn, &records, "new");
-            (h.join(), n)
-        });
-        let Ok(ro) = ro else {
-            return usage_error("the replay of the old policy failed");
+        let show = std::io::IsTerminal::is_terminal(&std::io::stderr());
+        let Some(run) = diff::dry_run(&old, &new, (&co, &cn), &records, |done, total| {
+            if show {
+                eprint!("\r{}", super::simulate::progress_bar("replay", done, total));
+                if done == total {
+                    eprintln!();
+                }
+            }
+        }) else {
+            return usage_error("a replay failed");
         };
-        for t in &old.tiers {
-            let ot = old.tier_id(&t.name);
-            let nt = new.tier_id(&t.name);
-            panels.push((
-                t.name.clone(),
-                diff::plot::ttfts(&ro.1, ot),
-                diff::plot::ttfts(&rn.1, nt),
-            ));
-        }
-        for t in new.tiers.iter().filter(|t| old.tier_id(&t.name).is_none()) {
-            panels.push((
-                t.name.clone(),
-                Vec::new(),
-                diff::plot::ttfts(&rn.1, new.tier_id(&t.name)),
-            ));
-        }
-        impact = Some(dtraffic::impact(ro.0, rn.0));
+        decisions = Some(run.decisions);
+        impact = Some(run.impact);
+        panels = run.ttfts;
     }
     let results: Vec<gate::GateResult> = gates
         .iter()

@@ -33,3 +33,84 @@ impl DiffReport {
 pub fn reports(r: &DiffReport) -> Option<(&Report, &Report)> {
     r.impact.as_ref().map(|i| (&i.old, &i.new))
 }
+
+/// The result of replaying one traffic under two policies.
+pub struct DryRun {
+    pub decisions: traffic::DecisionDiff,
+    pub impact: traffic::Impact,
+    /// Per tier name: TTFTs (ms) under the old and the new policy.
+    pub ttfts: Vec<(String, Vec<f64>, Vec<f64>)>,
+}
+
+/// One replay of the traffic under one policy.
+pub fn replay(
+    g: &std::sync::Arc<crate::graph::DecisionGraph>,
+    cost: &crate::backend::sim::CostModel,
+    records: &[crate::traffic::Record],
+    label: &str,
+    mut progress: impl FnMut(usize, usize),
+) -> (Report, Vec<crate::sim::Outcome>) {
+    use crate::sched::{Config, Scheduler};
+    let cfg = Config::default();
+    let weights = (cfg.vtc_input_weight, cfg.vtc_output_weight);
+    let mut sched = Scheduler::new(g.clone(), crate::sim::plan(g, cost), cfg);
+    let outcomes = crate::sim::run(&mut sched, crate::sim::arrivals(records), &mut progress);
+    let busy: f64 = sched
+        .replicas()
+        .iter()
+        .map(|r| r.busy_seconds * f64::from(r.spec.gpus))
+        .sum();
+    let gpus: u32 = g.pools.iter().map(|p| p.gpus).sum();
+    (
+        crate::sim::report::build(g, label, &outcomes, busy, gpus, weights),
+        outcomes,
+    )
+}
+
+/// Decides every request under both policies and replays the traffic
+/// through both, the two replays side by side on two threads.
+pub fn dry_run(
+    old: &std::sync::Arc<crate::graph::DecisionGraph>,
+    new: &std::sync::Arc<crate::graph::DecisionGraph>,
+    costs: (
+        &crate::backend::sim::CostModel,
+        &crate::backend::sim::CostModel,
+    ),
+    records: &[crate::traffic::Record],
+    progress: impl FnMut(usize, usize) + Send,
+) -> Option<DryRun> {
+    let cfg = crate::sched::Config::default();
+    let decisions = traffic::decisions(
+        old,
+        new,
+        records,
+        cfg.start_minute_of_day,
+        cfg.start_weekday,
+    );
+    let (ro, rn) = std::thread::scope(|s| {
+        let h = s.spawn(|| replay(old, costs.0, records, "old", |_, _| {}));
+        let n = replay(new, costs.1, records, "new", progress);
+        (h.join(), n)
+    });
+    let ro = ro.ok()?;
+    let mut ttfts = Vec::new();
+    for t in &old.tiers {
+        ttfts.push((
+            t.name.clone(),
+            plot::ttfts(&ro.1, old.tier_id(&t.name)),
+            plot::ttfts(&rn.1, new.tier_id(&t.name)),
+        ));
+    }
+    for t in new.tiers.iter().filter(|t| old.tier_id(&t.name).is_none()) {
+        ttfts.push((
+            t.name.clone(),
+            Vec::new(),
+            plot::ttfts(&rn.1, new.tier_id(&t.name)),
+        ));
+    }
+    Some(DryRun {
+        decisions,
+        impact: traffic::impact(ro.0, rn.0),
+        ttfts,
+    })
+}

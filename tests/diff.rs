@@ -1,0 +1,158 @@
+//! `kiln diff` end to end on the committed example (a slice of the Azure
+//! 2023 trace, CC-BY-4.0, see examples/diff/): reports in every format,
+//! gates and their exit codes, and decision changes that agree with
+//! deciding the same requests directly under each policy.
+
+use kiln::graph::{Signals, SignalsInput};
+use std::process::Command;
+
+fn kiln(args: &[&str]) -> (i32, String, String) {
+    let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("NO_COLOR", "1")
+        .output()
+        .expect("run kiln");
+    (
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+const OLD: &str = "examples/diff/old";
+const NEW: &str = "examples/diff/new";
+const TRAFFIC: &str = "examples/diff/traffic.jsonl";
+
+#[test]
+fn same_policy_has_an_empty_diff() {
+    let (c, out, e) = kiln(&["diff", NEW, NEW, "--traffic", TRAFFIC]);
+    assert_eq!(c, 0, "{e}");
+    assert!(out.contains("No semantic change"), "{out}");
+    assert!(
+        out.contains("0 of 750 requests decided differently"),
+        "{out}"
+    );
+}
+
+#[test]
+fn reports_in_every_format() {
+    for (fmt, name) in [
+        ("human", "diff_human"),
+        ("markdown", "diff_markdown"),
+        ("json", "diff_json"),
+    ] {
+        let (c, out, e) = kiln(&["diff", OLD, NEW, "--traffic", TRAFFIC, "--format", fmt]);
+        assert_eq!(c, 0, "{e}");
+        insta::assert_snapshot!(name, out);
+        let (_, again, _) = kiln(&["diff", OLD, NEW, "--traffic", TRAFFIC, "--format", fmt]);
+        assert_eq!(out, again, "{fmt} output is not deterministic");
+    }
+}
+
+#[test]
+fn gates_fail_the_run_and_say_which() {
+    let (c, out, _) = kiln(&[
+        "diff",
+        OLD,
+        NEW,
+        "--traffic",
+        TRAFFIC,
+        "--fail-if",
+        "tenant:analytics rejected +0",
+        "--fail-if",
+        "tier:interactive ttft_p95 +10%",
+    ]);
+    assert_eq!(c, 1);
+    assert!(
+        out.contains("FAILED: `tenant:analytics rejected +0`"),
+        "{out}"
+    );
+    assert!(
+        out.contains("ok: `tier:interactive ttft_p95 +10%`"),
+        "{out}"
+    );
+    let (c, _, _) = kiln(&[
+        "diff",
+        OLD,
+        NEW,
+        "--traffic",
+        TRAFFIC,
+        "--fail-if",
+        "all changed_decisions +1000",
+    ]);
+    assert_eq!(c, 0);
+    let (c, _, _) = kiln(&[
+        "diff",
+        OLD,
+        NEW,
+        "--traffic",
+        TRAFFIC,
+        "--fail-if",
+        "all changed_decisions +10",
+    ]);
+    assert_eq!(c, 1);
+    let (c, _, e) = kiln(&[
+        "diff",
+        OLD,
+        NEW,
+        "--fail-if",
+        "tier:interactive latency +10%",
+    ]);
+    assert_eq!(c, 2);
+    assert!(e.contains("unknown metric"), "{e}");
+}
+
+#[test]
+fn decision_changes_agree_with_deciding_directly() {
+    let (c, out, e) = kiln(&["diff", OLD, NEW, "--traffic", TRAFFIC, "--format", "json"]);
+    assert_eq!(c, 0, "{e}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let load = |p: &str| {
+        let c = kiln::compile::compile(kiln::compile::load(&[p.into()]).unwrap());
+        c.graph.unwrap()
+    };
+    let (old, new) = (load(OLD), load(NEW));
+    let records = kiln::traffic::read(TRAFFIC).unwrap();
+    let samples = v["diff"]["decisions"]["samples"].as_array().unwrap();
+    assert!(!samples.is_empty());
+    for s in samples {
+        let i = s["index"].as_u64().unwrap() as usize;
+        let req = records[i].request();
+        // The run starts at 12:00 on a Monday; these requests arrive within minutes.
+        let sig = |g| {
+            Signals::resolve(
+                g,
+                &SignalsInput {
+                    time: Some("12:00".into()),
+                    ..Default::default()
+                },
+            )
+            .unwrap()
+        };
+        let a = old.view(&old.decide(&req, &sig(&old)));
+        let b = new.view(&new.decide(&req, &sig(&new)));
+        assert_eq!(s["old"]["route"], serde_json::json!(a.route));
+        assert_eq!(s["new"]["route"], serde_json::json!(b.route));
+        assert_eq!(s["old"]["tier"], serde_json::json!(a.tier));
+        assert_ne!(a, b);
+    }
+}
+
+#[test]
+fn plot_writes_an_svg() {
+    let p = std::env::temp_dir().join(format!("kiln-diff-{}.svg", std::process::id()));
+    let (c, _, e) = kiln(&[
+        "diff",
+        OLD,
+        NEW,
+        "--traffic",
+        TRAFFIC,
+        "--plot",
+        p.to_str().unwrap(),
+    ]);
+    assert_eq!(c, 0, "{e}");
+    let svg = std::fs::read_to_string(&p).unwrap();
+    assert!(svg.starts_with("<svg"));
+    assert!(svg.contains("tier interactive") && svg.contains("polyline"));
+}
