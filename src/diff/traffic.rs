@@ -28,6 +28,10 @@ pub struct Sample {
     pub request: String,
     pub old: DecisionView,
     pub new: DecisionView,
+    /// Both explanations, condition by condition (rule ids index each
+    /// policy's own rules).
+    pub old_trace: crate::graph::trace::Trace,
+    pub new_trace: crate::graph::trace::Trace,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -140,6 +144,8 @@ pub fn decisions(
                     request: describe(&req),
                     old: a,
                     new: b,
+                    old_trace: old.explain(&req, &so).1,
+                    new_trace: new.explain(&req, &sn).1,
                 });
             }
         }
