@@ -782,3 +782,42 @@ tenant bulk { owner "o" tiers [lo] }
     assert_eq!(o[0].preemptions, 2);
     assert!(o[0].finished.is_some());
 }
+
+#[test]
+fn a_replica_going_down_loses_no_request() {
+    use kiln::sched::{Action, Event};
+    let g = graph(&policy(TWO_TIERS, TWO_TENANTS, ROUTE));
+    let mut s = sched(&g, Mode::Kiln, 1_000_000);
+    let (_, arrival) = arrivals(vec![a(0, "chat", 100, 20)]).remove(0);
+    let acts = s.handle(0, Event::Arrive(arrival)).to_vec();
+    assert!(acts.iter().any(|x| matches!(x, Action::Started { .. })));
+    let acts = s.handle(MS, Event::ReplicaDown { replica: 0 }).to_vec();
+    assert!(
+        acts.iter()
+            .any(|x| matches!(x, Action::Preempted { id: 0, .. })),
+        "{acts:?}"
+    );
+    assert_eq!(s.waiting(), 1, "back in its queue");
+    // A stale StepDone from before the failure changes nothing.
+    let acts = s.handle(2 * MS, Event::StepDone { replica: 0 }).to_vec();
+    assert!(!acts.iter().any(|x| matches!(x, Action::Finished { .. })));
+    let mut acts = s.handle(10 * MS, Event::ReplicaUp { replica: 0 }).to_vec();
+    let mut finished = false;
+    for _ in 0..1000 {
+        let Some(until) = acts.iter().find_map(|x| match x {
+            Action::Step { until, .. } => Some(*until),
+            _ => None,
+        }) else {
+            break;
+        };
+        acts = s.handle(until, Event::StepDone { replica: 0 }).to_vec();
+        if acts
+            .iter()
+            .any(|x| matches!(x, Action::Finished { id: 0, .. }))
+        {
+            finished = true;
+            break;
+        }
+    }
+    assert!(finished, "the request finished after the replica came back");
+}

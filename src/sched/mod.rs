@@ -136,6 +136,15 @@ pub enum Event {
     StepDone {
         replica: usize,
     },
+    /// A replica failed or was drained: its running sequences go back to
+    /// the head of their queues (nothing is lost) and it takes no work.
+    ReplicaDown {
+        replica: usize,
+    },
+    /// A replica is (back) in service.
+    ReplicaUp {
+        replica: usize,
+    },
     /// Time passed: queue timeouts, delays and batching holds fire.
     Tick,
 }
@@ -309,6 +318,12 @@ impl Scheduler {
         match event {
             Event::Arrive(a) => self.arrive(a),
             Event::StepDone { replica } => self.step_done(replica),
+            Event::ReplicaDown { replica } => self.replica_down(replica),
+            Event::ReplicaUp { replica } => {
+                if let Some(r) = self.replicas.get_mut(replica) {
+                    r.up = true;
+                }
+            }
             Event::Tick => {}
         }
         self.fire_timers();
@@ -741,11 +756,39 @@ impl Scheduler {
         .filter(|&t| t > self.now)
     }
 
+    fn replica_down(&mut self, r: usize) {
+        let Some(rep) = self.replicas.get_mut(r) else {
+            return;
+        };
+        rep.up = false;
+        // A step in flight is lost with the replica; its StepDone, if it
+        // still arrives, finds nothing to apply.
+        rep.busy = false;
+        let mut seqs = Vec::new();
+        while !rep.running.is_empty() {
+            seqs.push(rep.evict(0));
+        }
+        for mut s in seqs {
+            s.w.generated = s.generated;
+            s.w.gpu_seconds = s.gpu_seconds;
+            s.w.waiting_for = Some(Reason::Saturation);
+            self.out.push(Action::Preempted {
+                id: s.w.id,
+                replica: r,
+                by: s.w.id,
+            });
+            self.queues.push_front(s.w);
+        }
+    }
+
     fn step_done(&mut self, r: usize) {
         let now = self.now;
         let Some(rep) = self.replicas.get_mut(r) else {
             return;
         };
+        if !rep.up || !rep.busy {
+            return; // a step lost with a replica that went down
+        }
         // GPU-seconds: the step's GPU time, shared by its sequences.
         if !rep.running.is_empty() {
             let share = rep.last_step * f64::from(rep.spec.gpus) / rep.running.len() as f64;
@@ -774,7 +817,7 @@ impl Scheduler {
     /// queue order under the replica's budgets, preempting if needed.
     fn dispatch_all(&mut self) {
         for r in 0..self.replicas.len() {
-            if self.replicas[r].busy {
+            if self.replicas[r].busy || !self.replicas[r].up {
                 continue;
             }
             self.fill(r);

@@ -54,6 +54,8 @@ pub struct Replica {
     pub spec: ReplicaSpec,
     pub running: Vec<Seq>,
     pub busy: bool,
+    /// In service (a replica that went down takes no work until it is up).
+    pub up: bool,
     kv_used: u64,
     prefix: VecDeque<u64>,
     /// Seconds the replica has spent running steps (for utilization).
@@ -77,6 +79,7 @@ impl Replica {
             spec,
             running: Vec::new(),
             busy: false,
+            up: true,
             kv_used: 0,
             prefix: VecDeque::new(),
             busy_seconds: 0.0,
