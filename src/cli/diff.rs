@@ -1,7 +1,6 @@
 //! `kiln diff`
 
 use super::*;
-use crate::backend::sim::{Calibration, CostModel};
 use crate::diff::{self, gate, semantic, traffic as dtraffic, DiffReport};
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -59,49 +58,16 @@ pub fn run(a: Args) -> i32 {
     let mut impact = None;
     let mut panels = Vec::new();
     if !a.traffic.is_empty() {
-        let mut traces = Vec::new();
-        for t in &a.traffic {
-            let opts = crate::traffic::ReadOptions {
-                skip_malformed: a.skip_malformed,
-            };
-            match crate::traffic::read_with(t, opts) {
-                Ok(l) => {
-                    if !l.skipped.is_empty() {
-                        eprintln!(
-                            "{}: skipped {} malformed lines",
-                            t.display(),
-                            l.skipped.len()
-                        );
-                    }
-                    traces.push(l.records);
-                }
-                Err(e) => {
-                    eprintln!("{:?}", miette::Report::new(e));
-                    return EXIT_FINDINGS;
-                }
-            }
-        }
-        let records = crate::traffic::merge(traces);
-        let calibration = match &a.calibration {
-            Some(p) => match Calibration::load(p) {
-                Ok(c) => Some(c),
-                Err(e) => {
-                    eprintln!("{:?}", miette::Report::new(e));
-                    return EXIT_FINDINGS;
-                }
-            },
-            None => None,
+        let records = match load_traffic(&a.traffic, a.skip_malformed) {
+            Ok(r) => r,
+            Err(code) => return code,
         };
-        let costs = (
-            CostModel::from_graph(&old, calibration.as_ref()),
-            CostModel::from_graph(&new, calibration.as_ref()),
-        );
-        let (co, cn) = match costs {
+        let (co, cn) = match (
+            cost_model(&old, a.calibration.as_ref()),
+            cost_model(&new, a.calibration.as_ref()),
+        ) {
             (Ok(o), Ok(n)) => (o, n),
-            (Err(e), _) | (_, Err(e)) => {
-                eprintln!("{:?}", miette::Report::new(e));
-                return EXIT_FINDINGS;
-            }
+            (Err(code), _) | (_, Err(code)) => return code,
         };
         let show = std::io::IsTerminal::is_terminal(&std::io::stderr());
         let Some(run) = diff::dry_run(&old, &new, (&co, &cn), &records, |done, total| {

@@ -222,6 +222,57 @@ pub fn compile_one(paths: &[PathBuf]) -> Result<(Compiled, crate::graph::Decisio
     }
 }
 
+/// Reads and merges recorded traffic files (sorted by arrival). Malformed
+/// lines fail with file and line unless `skip_malformed`, when they are
+/// counted on stderr.
+pub fn load_traffic(
+    paths: &[PathBuf],
+    skip_malformed: bool,
+) -> Result<Vec<crate::traffic::Record>, i32> {
+    let mut traces = Vec::new();
+    for t in paths {
+        let opts = crate::traffic::ReadOptions { skip_malformed };
+        match crate::traffic::read_with(t, opts) {
+            Ok(l) => {
+                if !l.skipped.is_empty() {
+                    eprintln!(
+                        "{}: skipped {} malformed lines",
+                        t.display(),
+                        l.skipped.len()
+                    );
+                }
+                traces.push(l.records);
+            }
+            Err(e) => {
+                eprintln!("{:?}", miette::Report::new(e));
+                return Err(EXIT_FINDINGS);
+            }
+        }
+    }
+    Ok(crate::traffic::merge(traces))
+}
+
+/// The simulator's cost model for a policy, with an optional calibration.
+pub fn cost_model(
+    g: &crate::graph::DecisionGraph,
+    calibration: Option<&PathBuf>,
+) -> Result<crate::backend::sim::CostModel, i32> {
+    let cal = match calibration {
+        Some(p) => match crate::backend::sim::Calibration::load(p) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                eprintln!("{:?}", miette::Report::new(e));
+                return Err(EXIT_FINDINGS);
+            }
+        },
+        None => None,
+    };
+    crate::backend::sim::CostModel::from_graph(g, cal.as_ref()).map_err(|e| {
+        eprintln!("{:?}", miette::Report::new(e));
+        EXIT_FINDINGS
+    })
+}
+
 /// Loads and compiles one policy set.
 pub fn compile_set(set: &PolicySet) -> Result<Compiled, Diagnostics> {
     let sources = compile::load(&set.files)?;

@@ -1,7 +1,6 @@
 //! `kiln simulate`
 
 use super::*;
-use crate::backend::sim::{Calibration, CostModel};
 use crate::sched::{Config, Mode, Scheduler};
 use crate::sim::{self, report};
 use std::sync::Arc;
@@ -45,46 +44,14 @@ pub fn run(a: Args) -> i32 {
         Ok((_, g)) => Arc::new(g),
         Err(code) => return code,
     };
-    let calibration = match &a.calibration {
-        Some(p) => match Calibration::load(p) {
-            Ok(c) => Some(c),
-            Err(e) => {
-                eprintln!("{:?}", miette::Report::new(e));
-                return EXIT_FINDINGS;
-            }
-        },
-        None => None,
-    };
-    let cost = match CostModel::from_graph(&g, calibration.as_ref()) {
+    let cost = match cost_model(&g, a.calibration.as_ref()) {
         Ok(c) => c,
-        Err(e) => {
-            eprintln!("{:?}", miette::Report::new(e));
-            return EXIT_FINDINGS;
-        }
+        Err(code) => return code,
     };
-    let mut traces = Vec::new();
-    for t in &a.traffic {
-        let opts = crate::traffic::ReadOptions {
-            skip_malformed: a.skip_malformed,
-        };
-        match crate::traffic::read_with(t, opts) {
-            Ok(l) => {
-                if !l.skipped.is_empty() {
-                    eprintln!(
-                        "{}: skipped {} malformed lines",
-                        t.display(),
-                        l.skipped.len()
-                    );
-                }
-                traces.push(l.records);
-            }
-            Err(e) => {
-                eprintln!("{:?}", miette::Report::new(e));
-                return EXIT_FINDINGS;
-            }
-        }
-    }
-    let records = crate::traffic::merge(traces);
+    let records = match load_traffic(&a.traffic, a.skip_malformed) {
+        Ok(r) => r,
+        Err(code) => return code,
+    };
     let modes: Vec<Mode> = if a.compare {
         vec![Mode::Kiln, Mode::Fifo, Mode::Priority, Mode::Static]
     } else {
