@@ -26,7 +26,7 @@ pub const EXIT_USAGE: i32 = 2;
     name = "kiln",
     version,
     about = "Policy-as-code control plane for GPU capacity in private LLM inference",
-    long_about = "kiln compiles GPU scheduling policies written in the kiln language, checks and lints them, formats them, runs their tests and explains decisions.\n\nExit codes: 0 clean, 1 findings that fail (errors, failing tests, lint findings under --deny warnings, unformatted files under fmt --check), 2 usage or I/O error."
+    long_about = "kiln compiles GPU scheduling policies written in the kiln language, checks and lints them, formats them, runs their tests and explains decisions; replays recorded traffic through its scheduler on simulated GPUs; and shows what a policy change would do to real traffic before it ships.\n\nExit codes: 0 clean, 1 findings that fail (errors, failing tests, lint findings under --deny warnings, unformatted files under fmt --check), 2 usage or I/O error."
 )]
 pub struct Cli {
     #[command(subcommand)]
