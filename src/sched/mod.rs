@@ -29,8 +29,8 @@ use plan::Plan;
 use queue::{Queues, Waiting};
 use quota::Quotas;
 use replica::{Replica, Seq};
+use rustc_hash::FxHashMap as HashMap;
 use serde::Serialize;
-use std::collections::HashMap;
 
 /// Microseconds since the start of the run.
 pub type Micros = u64;
@@ -262,7 +262,7 @@ impl Scheduler {
     /// Builds a scheduler for a graph and a deployment plan (replicas with
     /// their cost models).
     pub fn new(graph: std::sync::Arc<DecisionGraph>, plan: Plan, cfg: Config) -> Scheduler {
-        let mut by_variant: HashMap<(u16, u16), Vec<usize>> = HashMap::new();
+        let mut by_variant: HashMap<(u16, u16), Vec<usize>> = HashMap::default();
         let replicas: Vec<Replica> = plan
             .replicas
             .into_iter()
@@ -287,9 +287,9 @@ impl Scheduler {
             by_variant,
             queues,
             quotas,
-            held: HashMap::new(),
+            held: HashMap::default(),
             timers: Vec::new(),
-            sessions: HashMap::new(),
+            sessions: HashMap::default(),
             signals,
             idle,
             out: Vec::new(),

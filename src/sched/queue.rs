@@ -7,7 +7,8 @@
 
 use super::{Config, Micros, Mode, ReqId};
 use crate::graph::{DecisionGraph, PoolId, TenantId, TierId};
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use rustc_hash::FxHashMap as HashMap;
+use std::collections::{BTreeSet, VecDeque};
 
 /// A request waiting to start (or to resume, after a preemption).
 #[derive(Debug, Clone, PartialEq)]

@@ -57,7 +57,9 @@ pub struct Replica {
     /// In service (a replica that went down takes no work until it is up).
     pub up: bool,
     kv_used: u64,
+    /// Prompt blocks held, oldest first, and the same set for lookups.
     prefix: VecDeque<u64>,
+    prefix_set: rustc_hash::FxHashSet<u64>,
     /// Seconds the replica has spent running steps (for utilization).
     pub busy_seconds: f64,
     /// Duration of the step in flight (or the last one), seconds.
@@ -82,6 +84,7 @@ impl Replica {
             up: true,
             kv_used: 0,
             prefix: VecDeque::new(),
+            prefix_set: Default::default(),
             busy_seconds: 0.0,
             last_step: 0.0,
             rate,
@@ -135,7 +138,7 @@ impl Replica {
     pub fn cached_prefix_tokens(&self, blocks: &[u64]) -> u32 {
         let n = blocks
             .iter()
-            .take_while(|b| self.prefix.contains(b))
+            .take_while(|b| self.prefix_set.contains(b))
             .count() as u32;
         n * BLOCK_TOKENS
     }
@@ -233,9 +236,11 @@ impl Replica {
                 let s = self.running.swap_remove(i);
                 self.kv_used -= s.kv;
                 for b in &s.w.prefix_blocks {
-                    if !self.prefix.contains(b) {
+                    if self.prefix_set.insert(*b) {
                         if self.prefix.len() >= PREFIX_CACHE_BLOCKS {
-                            self.prefix.pop_front();
+                            if let Some(old) = self.prefix.pop_front() {
+                                self.prefix_set.remove(&old);
+                            }
                         }
                         self.prefix.push_back(*b);
                     }
