@@ -51,6 +51,29 @@ pub struct CostModel {
     slots: Vec<Option<ReplicaModel>>,
     /// The resolved GPU of each pool some variant may run on.
     gpus: Vec<Option<GpuSpec>>,
+    /// What had to be estimated because the policy did not say (model
+    /// sizes); callers should show these.
+    pub warnings: Vec<String>,
+}
+
+/// Parameters from the largest variant's memory at its precision, taking
+/// 85% of the memory as weights (the rest KV cache and activations).
+fn estimate_params(model: &crate::graph::Model) -> Option<f64> {
+    model
+        .variants
+        .iter()
+        .map(|v| 0.85 * v.memory / bytes_per_param(v.precision))
+        .filter(|p| p.is_finite() && *p > 0.0)
+        .fold(None, |best: Option<f64>, p| {
+            Some(best.map_or(p, |b| b.max(p)))
+        })
+}
+
+/// KV bytes per token at 16 bits, from the parameter count, fitted to
+/// grouped-query-attention models (Llama 3 8B: 128 KiB, 70B: 320 KiB):
+/// 128 KiB × (params / 8B)^0.4.
+fn estimate_kv_per_token(params: f64) -> f64 {
+    131_072.0 * (params / 8e9).max(1e-3).powf(0.4)
 }
 
 impl CostModel {
@@ -76,20 +99,42 @@ impl CostModel {
         }
         let mut slots: Vec<Option<ReplicaModel>> = vec![None; n * pools];
         let mut gpus: Vec<Option<GpuSpec>> = vec![None; pools];
+        let mut warnings = Vec::new();
 
         for (mi, model) in graph.models.iter().enumerate() {
             let mo = cal.model(&model.name);
-            let params = mo.and_then(|o| o.params).or(model.params).ok_or_else(|| {
-                SimError::MissingParams {
-                    model: model.name.clone(),
+            // Policies written for routing alone may not say how big a
+            // model is; estimate rather than refuse, and say so.
+            let params = match mo.and_then(|o| o.params).or(model.params) {
+                Some(p) => p,
+                None => match estimate_params(model) {
+                    Some(p) => {
+                        warnings.push(format!(
+                            "model `{}` has no `params`: estimated {:.1}B from its variants' memory; add `params …B` for accurate timing",
+                            model.name,
+                            p / 1e9
+                        ));
+                        p
+                    }
+                    None => {
+                        return Err(SimError::MissingParams {
+                            model: model.name.clone(),
+                        })
+                    }
+                },
+            };
+            let kv16 = match mo.and_then(|o| o.kv_per_token).or(model.kv_per_token) {
+                Some(k) => k,
+                None => {
+                    let k = estimate_kv_per_token(params);
+                    warnings.push(format!(
+                        "model `{}` has no `kv_per_token`: estimated {:.0}KB from its size; add `kv_per_token …KB` for accurate memory",
+                        model.name,
+                        k / 1e3
+                    ));
+                    k
                 }
-            })?;
-            let kv16 = mo
-                .and_then(|o| o.kv_per_token)
-                .or(model.kv_per_token)
-                .ok_or_else(|| SimError::MissingKvPerToken {
-                    model: model.name.clone(),
-                })?;
+            };
             for (vi, variant) in model.variants.iter().enumerate() {
                 let eff = cal.variant_efficiency(&model.name, &variant.name);
                 let vo = cal.variant(&model.name, &variant.name);
@@ -145,6 +190,7 @@ impl CostModel {
             pools,
             slots,
             gpus,
+            warnings,
         })
     }
 

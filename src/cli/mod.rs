@@ -267,10 +267,14 @@ pub fn cost_model(
         },
         None => None,
     };
-    crate::backend::sim::CostModel::from_graph(g, cal.as_ref()).map_err(|e| {
+    let cost = crate::backend::sim::CostModel::from_graph(g, cal.as_ref()).map_err(|e| {
         eprintln!("{:?}", miette::Report::new(e));
         EXIT_FINDINGS
-    })
+    })?;
+    for w in &cost.warnings {
+        eprintln!("warning: {w}");
+    }
+    Ok(cost)
 }
 
 /// Loads and compiles one policy set.

@@ -505,7 +505,7 @@ mod tests {
     fn parses_and_applies() {
         let c = Calibration::from_toml_str(
             "[efficiency]\nmbu = 0.7\nstep_overhead_ms = 2\n\n[gpu.H100]\nhbm_bandwidth = 3.0e12\n\n\
-             [gpu.MI300X]\nhbm_bandwidth = 5.3e12\ndense_bf16_flops = 1307e12\nmemory = 192e9\n\n\
+             [gpu.Gaudi3]\nhbm_bandwidth = 3.7e12\ndense_bf16_flops = 1835e12\nmemory = 128e9\n\n\
              [model.m]\nparams = 7e9\n[model.m.variant.fp16]\ntime_factor = 1.2\nmfu = 0.4\n",
         )
         .unwrap();
@@ -521,9 +521,10 @@ mod tests {
         // The more specific built-in wins over the calibration's `H100`.
         let pcie = c.gpu_spec("p", "H100-PCIe").unwrap();
         assert_eq!(pcie.hbm_bandwidth, 2.0e12);
-        let mi = c.gpu_spec("p", "AMD MI300X").unwrap();
-        assert_eq!(mi.fp8_flops, 1307e12);
-        assert_eq!(mi.memory, 192e9);
+        let mi = c.gpu_spec("p", "Intel Gaudi3").unwrap();
+        // A GPU only the calibration knows: fp8 defaults to its bf16 rate.
+        assert_eq!(mi.fp8_flops, 1835e12);
+        assert_eq!(mi.memory, 128e9);
         assert_eq!(
             c.variant("m", "fp16").and_then(|v| v.time_factor),
             Some(1.2)
@@ -559,7 +560,7 @@ mod tests {
 
     #[test]
     fn new_gpu_needs_its_figures() {
-        let (line, msg) = err_text("\n[gpu.B200]\nhbm_bandwidth = 8e12\n");
+        let (line, msg) = err_text("\n[gpu.Gaudi3]\nhbm_bandwidth = 3.7e12\n");
         assert!(line <= 3, "{line}");
         assert!(
             msg.contains("dense_bf16_flops") && msg.contains("memory"),

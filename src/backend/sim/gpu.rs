@@ -126,6 +126,49 @@ const BUILTINS: &[Builtin] = &[
     },
     // NVIDIA L4 datasheet: 300 GB/s GDDR6; BF16 121 TFLOPS dense (242
     // sparse); FP8 242.5 TFLOPS dense; INT8 242.5 TOPS dense; 24 GB.
+    // NVIDIA A10 datasheet: 600 GB/s, BF16 125 TF dense, INT8 250 TOPS, 24 GB
+    // (the A10G of cloud instances is the same silicon).
+    Builtin {
+        key: "a10",
+        name: "A10",
+        bw: 0.6 * TERA,
+        bf16: 125.0 * TERA,
+        fp8: 125.0 * TERA,
+        int8: 250.0 * TERA,
+        mem: 24.0 * GB,
+    },
+    // NVIDIA T4 datasheet: 320 GB/s, FP16 65 TF (no BF16), INT8 130 TOPS, 16 GB.
+    Builtin {
+        key: "t4",
+        name: "T4",
+        bw: 0.32 * TERA,
+        bf16: 65.0 * TERA,
+        fp8: 65.0 * TERA,
+        int8: 130.0 * TERA,
+        mem: 16.0 * GB,
+    },
+    // AMD Instinct MI300X datasheet: 5.3 TB/s, BF16 1307.4 TF dense, FP8 and
+    // INT8 2614.9 dense, 192 GB.
+    Builtin {
+        key: "mi300x",
+        name: "MI300X",
+        bw: 5.3 * TERA,
+        bf16: 1307.4 * TERA,
+        fp8: 2614.9 * TERA,
+        int8: 2614.9 * TERA,
+        mem: 192.0 * GB,
+    },
+    // NVIDIA HGX B200 (per GPU): 8 TB/s, BF16 2.25 PF dense, FP8 4.5 PF
+    // dense, 180 GB.
+    Builtin {
+        key: "b200",
+        name: "B200",
+        bw: 8.0 * TERA,
+        bf16: 2250.0 * TERA,
+        fp8: 4500.0 * TERA,
+        int8: 4500.0 * TERA,
+        mem: 180.0 * GB,
+    },
     Builtin {
         key: "l4",
         name: "L4",
@@ -233,12 +276,13 @@ mod tests {
         assert_eq!(name("L40S-48GB").as_deref(), Some("L40S"));
         assert_eq!(name("L4-24GB").as_deref(), Some("L4"));
         assert_eq!(name("L4").as_deref(), Some("L4"));
-        assert_eq!(name("MI300X"), None);
+        assert_eq!(name("MI300X").as_deref(), Some("MI300X"));
+        assert_eq!(name("Gaudi3"), None);
     }
 
     #[test]
     fn unknown_kind_is_an_error_with_known_kinds() {
-        let err = GpuSpec::resolve("amd", "MI300X").unwrap_err();
+        let err = GpuSpec::resolve("intel", "Gaudi3").unwrap_err();
         assert!(matches!(err, SimError::UnknownGpuKind { .. }));
         let help = miette::Diagnostic::help(&err).map(|h| h.to_string());
         let help = help.unwrap_or_default();
