@@ -43,19 +43,18 @@ fn simulate(
         mode,
         ..Config::default()
     };
-    let weights = (cfg.vtc_input_weight, cfg.vtc_output_weight);
     let mut plan = sim::plan(g, cost);
     if mode == Mode::Static {
         plan.partition_by_tier(g);
     }
     let mut s = Scheduler::new(g.clone(), plan, cfg);
-    let outcomes = sim::run(&mut s, sim::arrivals(records), |_, _| {});
+    let (outcomes, gap) = sim::run_measured(&mut s, sim::arrivals(records), |_, _| {});
     let busy: f64 = s
         .replicas()
         .iter()
         .map(|r| r.busy_seconds * f64::from(r.spec.gpus))
         .sum();
-    report::build(g, &format!("{mode:?}"), &outcomes, busy, 8, weights)
+    report::build(g, &format!("{mode:?}"), &outcomes, busy, 8, gap)
 }
 
 fn bench(c: &mut Criterion) {

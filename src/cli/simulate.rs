@@ -68,24 +68,24 @@ pub fn run(a: Args) -> i32 {
             mode,
             ..Config::default()
         };
-        let weights = (cfg.vtc_input_weight, cfg.vtc_output_weight);
         let mut sched = Scheduler::new(g.clone(), plan, cfg);
         let show = std::io::IsTerminal::is_terminal(&std::io::stderr());
         let name = format!("{mode:?}").to_lowercase();
-        let outcomes = sim::run(&mut sched, sim::arrivals(&records), |done, total| {
-            if show {
-                eprint!("\r{}", progress_bar(&name, done, total));
-                if done == total {
-                    eprintln!();
+        let (outcomes, gap) =
+            sim::run_measured(&mut sched, sim::arrivals(&records), |done, total| {
+                if show {
+                    eprint!("\r{}", progress_bar(&name, done, total));
+                    if done == total {
+                        eprintln!();
+                    }
                 }
-            }
-        });
+            });
         let busy: f64 = sched
             .replicas()
             .iter()
             .map(|r| r.busy_seconds * f64::from(r.spec.gpus))
             .sum();
-        reports.push(report::build(&g, &name, &outcomes, busy, gpus, weights));
+        reports.push(report::build(&g, &name, &outcomes, busy, gpus, gap));
     }
     let out = match a.format {
         SimFormat::Human => report::human(&reports),

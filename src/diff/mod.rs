@@ -52,9 +52,9 @@ pub fn replay(
 ) -> (Report, Vec<crate::sim::Outcome>) {
     use crate::sched::{Config, Scheduler};
     let cfg = Config::default();
-    let weights = (cfg.vtc_input_weight, cfg.vtc_output_weight);
     let mut sched = Scheduler::new(g.clone(), crate::sim::plan(g, cost), cfg);
-    let outcomes = crate::sim::run(&mut sched, crate::sim::arrivals(records), &mut progress);
+    let (outcomes, gap) =
+        crate::sim::run_measured(&mut sched, crate::sim::arrivals(records), &mut progress);
     let busy: f64 = sched
         .replicas()
         .iter()
@@ -62,7 +62,7 @@ pub fn replay(
         .sum();
     let gpus: u32 = g.pools.iter().map(|p| p.gpus).sum();
     (
-        crate::sim::report::build(g, label, &outcomes, busy, gpus, weights),
+        crate::sim::report::build(g, label, &outcomes, busy, gpus, gap),
         outcomes,
     )
 }

@@ -309,6 +309,12 @@ impl Scheduler {
         self.queues.len()
     }
 
+    /// The largest gap in weighted service between backlogged tenants of
+    /// one tier right now (the VTC fairness measure; see [`queue`]).
+    pub fn service_gap(&self) -> f64 {
+        self.queues.backlog_gap()
+    }
+
     /// Feeds one event at time `now` (never earlier than the last one) and
     /// returns the actions it caused. The slice is valid until the next call.
     pub fn handle(&mut self, now: Micros, event: Event) -> &[Action] {

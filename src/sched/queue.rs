@@ -303,6 +303,29 @@ impl Queues {
             .sum()
     }
 
+    /// The VTC fairness measure now: within each tier (and routed variant),
+    /// the largest difference in weighted service between tenants that
+    /// both have work waiting.
+    pub fn backlog_gap(&self) -> f64 {
+        let mut gap: f64 = 0.0;
+        for tiers in self.by_variant.values() {
+            for tq in tiers.iter().filter(|tq| tq.len > 1) {
+                let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
+                let mut n = 0;
+                for t in tq.tenants.iter().filter(|t| !t.q.is_empty()) {
+                    let s = t.served_at(self.now, self.decay);
+                    lo = lo.min(s);
+                    hi = hi.max(s);
+                    n += 1;
+                }
+                if n > 1 {
+                    gap = gap.max(hi - lo);
+                }
+            }
+        }
+        gap
+    }
+
     /// Tokens queued in tiers of strictly higher priority than `tier`.
     pub fn tokens_above(&self, g: &DecisionGraph, tier: TierId) -> u64 {
         let p = g.tiers[tier as usize].priority;

@@ -44,7 +44,16 @@ enum Kind {
 pub fn run(
     sched: &mut Scheduler,
     arrivals: Vec<(Micros, Arrival)>,
+    progress: impl FnMut(usize, usize),
+) -> Vec<Outcome> {
+    run_inner(sched, arrivals, progress, &mut |_: &Scheduler, _: u64| {})
+}
+
+fn run_inner(
+    sched: &mut Scheduler,
+    arrivals: Vec<(Micros, Arrival)>,
     mut progress: impl FnMut(usize, usize),
+    observe: &mut dyn FnMut(&Scheduler, u64),
 ) -> Vec<Outcome> {
     let n = arrivals.len();
     let mut outcomes: Vec<Outcome> = Vec::with_capacity(n);
@@ -67,6 +76,7 @@ pub fn run(
     }
     let mut ticks: std::collections::BTreeSet<Micros> = Default::default();
     let mut fed = 0usize;
+    let mut events = 0u64;
     while let Some(Reverse((t, _, kind))) = heap.pop() {
         let event = match kind {
             Kind::Arrive(i) => {
@@ -85,6 +95,9 @@ pub fn run(
                 Event::Tick
             }
         };
+        events += 1;
+        // Observed before the event: the state the previous one left.
+        observe(sched, events);
         let actions = sched.handle(t, event);
         for a in actions {
             match *a {
@@ -151,6 +164,23 @@ pub fn run(
     }
     progress(n, n);
     outcomes
+}
+
+/// Like [`run`], also sampling the VTC fairness measure (the largest gap in
+/// weighted service between backlogged tenants of a tier) every 64 events;
+/// returns the outcomes and the largest gap seen.
+pub fn run_measured(
+    sched: &mut Scheduler,
+    arrivals: Vec<(Micros, Arrival)>,
+    progress: impl FnMut(usize, usize),
+) -> (Vec<Outcome>, f64) {
+    let mut gap: f64 = 0.0;
+    let outcomes = run_inner(sched, arrivals, progress, &mut |s: &Scheduler, i: u64| {
+        if i % 64 == 0 {
+            gap = gap.max(s.service_gap());
+        }
+    });
+    (outcomes, gap)
 }
 
 impl crate::sched::plan::StepCost for crate::backend::sim::ReplicaModel {

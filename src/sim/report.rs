@@ -54,9 +54,9 @@ pub struct Report {
     pub gpus: u32,
     /// Busy GPU-seconds over available GPU-seconds, 0–1.
     pub gpu_utilization: f64,
-    /// Largest gap in weighted service (tokens/weight) between tenants of
-    /// one tier that were still sending work at the end: the VTC fairness
-    /// measure (smaller is fairer).
+    /// Largest gap in weighted service (tokens/weight) seen between tenants
+    /// of one tier that both had work waiting: the VTC fairness measure
+    /// (smaller is fairer).
     pub max_service_gap: f64,
     pub tiers: Vec<Group>,
     pub tenants: Vec<Group>,
@@ -189,7 +189,7 @@ pub fn build(
     outcomes: &[Outcome],
     busy_gpu_seconds: f64,
     gpus: u32,
-    vtc_weights: (f64, f64),
+    service_gap: f64,
 ) -> Report {
     let start = outcomes.iter().map(|o| o.arrival).min().unwrap_or(0);
     let end = outcomes
@@ -235,42 +235,6 @@ pub fn build(
     if anonymous.requests > 0 {
         tenants.push(anonymous);
     }
-    // Weighted service per (tier, tenant) over finished work.
-    let mut service: BTreeMap<(u16, u32), f64> = BTreeMap::new();
-    for o in outcomes.iter().filter(|o| o.finished.is_some()) {
-        if let (Some(t), Some(tn)) = (o.tier, o.tenant) {
-            let w = g
-                .tenants
-                .get(tn as usize)
-                .map_or(1.0, |x| x.weight.max(1e-9));
-            *service.entry((t, tn)).or_default() += (vtc_weights.0 * f64::from(o.prompt_tokens)
-                + vtc_weights.1 * f64::from(o.output_tokens))
-                / w;
-        }
-    }
-    // Tenants still backlogged at the end: those whose last request
-    // finished in the final tenth of the run.
-    let cutoff = end.saturating_sub((end - start) / 10);
-    let mut gap: f64 = 0.0;
-    for (ti, _) in g.tiers.iter().enumerate() {
-        let active: Vec<f64> = service
-            .iter()
-            .filter(|((t, tn), _)| {
-                *t == ti as u16
-                    && outcomes.iter().any(|o| {
-                        o.tier == Some(*t)
-                            && o.tenant == Some(*tn)
-                            && o.finished.is_some_and(|f| f >= cutoff)
-                    })
-            })
-            .map(|(_, s)| *s)
-            .collect();
-        if active.len() > 1 {
-            let max = active.iter().copied().fold(f64::MIN, f64::max);
-            let min = active.iter().copied().fold(f64::MAX, f64::min);
-            gap = gap.max(max - min);
-        }
-    }
     let util = if duration_s > 0.0 && gpus > 0 {
         busy_gpu_seconds / (duration_s * f64::from(gpus))
     } else {
@@ -282,7 +246,7 @@ pub fn build(
         duration_s: round(duration_s),
         gpus,
         gpu_utilization: round(util.min(1.0)),
-        max_service_gap: round(gap),
+        max_service_gap: round(service_gap),
         tiers,
         tenants,
     }
