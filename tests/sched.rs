@@ -802,6 +802,21 @@ fn a_replica_going_down_loses_no_request() {
     let acts = s.handle(2 * MS, Event::StepDone { replica: 0 }).to_vec();
     assert!(!acts.iter().any(|x| matches!(x, Action::Finished { .. })));
     let mut acts = s.handle(10 * MS, Event::ReplicaUp { replica: 0 }).to_vec();
+    // Nor does one arriving while the restarted replica runs a new step.
+    let until = acts
+        .iter()
+        .find_map(|x| match x {
+            Action::Step { until, .. } => Some(*until),
+            _ => None,
+        })
+        .expect("the replica restarts the request");
+    let stale = s.handle(until - 1, Event::StepDone { replica: 0 }).to_vec();
+    assert!(
+        !stale
+            .iter()
+            .any(|x| matches!(x, Action::Step { .. } | Action::FirstToken { .. })),
+        "{stale:?}"
+    );
     let mut finished = false;
     for _ in 0..1000 {
         let Some(until) = acts.iter().find_map(|x| match x {

@@ -792,7 +792,7 @@ impl Scheduler {
         let Some(rep) = self.replicas.get_mut(r) else {
             return;
         };
-        if !rep.up || !rep.busy {
+        if !rep.up || !rep.busy || now < rep.step_until {
             return; // a step lost with a replica that went down
         }
         // GPU-seconds: the step's GPU time, shared by its sequences.

@@ -64,6 +64,9 @@ pub struct Replica {
     pub busy_seconds: f64,
     /// Duration of the step in flight (or the last one), seconds.
     pub last_step: f64,
+    /// When the step in flight ends: a completion reported earlier belongs
+    /// to a step lost when the replica went down, and is ignored.
+    pub step_until: Micros,
     rate: f64,
 }
 
@@ -87,6 +90,7 @@ impl Replica {
             prefix_set: Default::default(),
             busy_seconds: 0.0,
             last_step: 0.0,
+            step_until: 0,
             rate,
         }
     }
@@ -204,7 +208,8 @@ impl Replica {
         self.busy = true;
         self.busy_seconds += secs;
         self.last_step = secs;
-        Some(now.saturating_add(((secs * SEC as f64).ceil() as Micros).max(1)))
+        self.step_until = now.saturating_add(((secs * SEC as f64).ceil() as Micros).max(1));
+        Some(self.step_until)
     }
 
     /// Applies the finished step: prefill progress, one token per decoding
