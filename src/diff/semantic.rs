@@ -379,44 +379,36 @@ fn sorted_list<S: AsRef<str>>(xs: &[S]) -> String {
     format!("[{}]", v.join(", "))
 }
 
-fn tier_names(g: &DecisionGraph, ids: &[u16]) -> Vec<String> {
+/// Names of definitions by id ("?" for an id the graph lacks).
+fn names_of<T, I: Copy + Into<u64>>(
+    items: &[T],
+    ids: &[I],
+    name: impl Fn(&T) -> &str,
+) -> Vec<String> {
     ids.iter()
         .map(|&i| {
-            g.tiers
-                .get(i as usize)
-                .map_or_else(|| "?".into(), |t| t.name.clone())
+            usize::try_from(i.into())
+                .ok()
+                .and_then(|i| items.get(i))
+                .map_or_else(|| "?".into(), |x| name(x).to_string())
         })
         .collect()
+}
+
+fn tier_names(g: &DecisionGraph, ids: &[u16]) -> Vec<String> {
+    names_of(&g.tiers, ids, |t| &t.name)
 }
 
 fn tenant_names(g: &DecisionGraph, ids: &[u32]) -> Vec<String> {
-    ids.iter()
-        .map(|&i| {
-            g.tenants
-                .get(i as usize)
-                .map_or_else(|| "?".into(), |t| t.name.clone())
-        })
-        .collect()
+    names_of(&g.tenants, ids, |t| &t.name)
 }
 
 fn pool_names(g: &DecisionGraph, ids: &[u16]) -> Vec<String> {
-    ids.iter()
-        .map(|&i| {
-            g.pools
-                .get(i as usize)
-                .map_or_else(|| "?".into(), |p| p.name.clone())
-        })
-        .collect()
+    names_of(&g.pools, ids, |p| &p.name)
 }
 
 fn model_names(g: &DecisionGraph, ids: &[u16]) -> Vec<String> {
-    ids.iter()
-        .map(|&i| {
-            g.models
-                .get(i as usize)
-                .map_or_else(|| "?".into(), |m| m.name.clone())
-        })
-        .collect()
+    names_of(&g.models, ids, |m| &m.name)
 }
 
 fn opt_sorted_list(names: Option<Vec<String>>, none: &str) -> String {
