@@ -13,6 +13,7 @@ pub mod graph;
 pub mod lang;
 pub mod policy_test;
 pub mod sched;
+pub mod server;
 pub mod sim;
 pub mod source;
 pub mod traffic;
