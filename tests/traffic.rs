@@ -457,8 +457,10 @@ prop_compose! {
         admission in proptest::option::of(text()),
         status in proptest::option::of(any::<u16>()),
         fallback_step in proptest::option::of(any::<u32>()),
+        reason in proptest::option::of(text()),
+        waited_for in proptest::option::of(text()),
     ) -> Decision {
-        Decision { tier, tenant, route, admission, status, fallback_step }
+        Decision { tier, tenant, route, admission, status, fallback_step, reason, waited_for }
     }
 }
 
@@ -474,15 +476,19 @@ prop_compose! {
         prefix_blocks in proptest::collection::vec(any::<u64>(), 0..5),
         policy_version in proptest::option::of(text()),
         decision in proptest::option::of(decision()),
-        ttft_ms in proptest::option::of(0.0f64..1e9),
-        e2e_ms in proptest::option::of(0.0f64..1e9),
+        latencies in (
+            proptest::option::of(0.0f64..1e9),
+            proptest::option::of(0.0f64..1e9),
+            proptest::option::of(0.0f64..1e9),
+        ),
     ) -> Record {
         let (id, tenant, api_key) = ids;
+        let (queue_ms, ttft_ms, e2e_ms) = latencies;
         let (prompt_tokens, max_tokens, output_tokens) = tokens;
         Record {
             v: 1, at_ms, id, tenant, api_key, model, headers, tags, session,
             prompt_tokens, max_tokens, output_tokens, prefix_blocks,
-            policy_version, decision, ttft_ms, e2e_ms,
+            policy_version, decision, queue_ms, ttft_ms, e2e_ms,
         }
     }
 }

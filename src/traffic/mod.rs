@@ -77,6 +77,10 @@ pub struct Record {
     pub policy_version: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decision: Option<Decision>,
+    /// Time spent waiting in the gateway's queue before the request started
+    /// on a replica (or was refused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_ms: Option<f64>,
     /// Time to first token seen by the gateway.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttft_ms: Option<f64>,
@@ -106,6 +110,14 @@ pub struct Decision {
     /// Index of the fallback step taken, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fallback_step: Option<u32>,
+    /// Why the request was refused (`quota`, `overload`, `policy`, …), when
+    /// it was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Why the request did not start on arrival (`priority`, `fairness`,
+    /// `saturation`, …), when it waited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waited_for: Option<String>,
 }
 
 impl Default for Record {
@@ -126,6 +138,7 @@ impl Default for Record {
             prefix_blocks: Vec::new(),
             policy_version: None,
             decision: None,
+            queue_ms: None,
             ttft_ms: None,
             e2e_ms: None,
         }
@@ -305,7 +318,11 @@ fn parse_line(at: &At<'_>) -> Result<Record, TrafficError> {
             "negative arrival time",
         ));
     }
-    for (name, v) in [("ttft_ms", r.ttft_ms), ("e2e_ms", r.e2e_ms)] {
+    for (name, v) in [
+        ("queue_ms", r.queue_ms),
+        ("ttft_ms", r.ttft_ms),
+        ("e2e_ms", r.e2e_ms),
+    ] {
         if let Some(v) = v {
             if v.is_nan() || v < 0.0 {
                 return Err(at.whole(
@@ -331,6 +348,7 @@ pub fn write<W: Write>(mut w: W, records: &[Record]) -> io::Result<()> {
 /// Writes one record and its newline.
 pub fn write_record<W: Write>(w: &mut W, r: &Record) -> io::Result<()> {
     let finite = r.at_ms.is_finite()
+        && r.queue_ms.is_none_or(f64::is_finite)
         && r.ttft_ms.is_none_or(f64::is_finite)
         && r.e2e_ms.is_none_or(f64::is_finite);
     if !finite {
@@ -532,6 +550,36 @@ mod tests {
         );
         assert_eq!(r.by_ref().filter(Result::is_ok).count(), 1);
         assert_eq!(r.skipped(), &[1]);
+    }
+
+    #[test]
+    fn gateway_fields_round_trip_and_are_checked() {
+        let mut r = rec(3.0, "m");
+        r.queue_ms = Some(1.5);
+        r.decision = Some(Decision {
+            admission: Some("reject".into()),
+            status: Some(429),
+            reason: Some("quota".into()),
+            waited_for: Some("saturation".into()),
+            ..Decision::default()
+        });
+        let mut out = Vec::new();
+        write(&mut out, std::slice::from_ref(&r)).unwrap();
+        let line = String::from_utf8(out).unwrap();
+        assert!(line.contains("\"queue_ms\":1.5"), "{line}");
+        assert!(line.contains("\"reason\":\"quota\",\"waited_for\":\"saturation\""));
+        let (v, _) = read_str(&line, false);
+        assert_eq!(v[0].as_ref().unwrap(), &r);
+
+        let (v, _) = read_str("{\"at_ms\":1,\"model\":\"m\",\"queue_ms\":-2}", false);
+        assert!(v[0]
+            .as_ref()
+            .unwrap_err()
+            .to_string()
+            .contains("queue_ms must not be negative"));
+        let mut r = rec(1.0, "m");
+        r.queue_ms = Some(f64::NAN);
+        assert!(write(&mut Vec::new(), &[r]).is_err());
     }
 
     #[test]
