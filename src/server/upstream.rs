@@ -1,0 +1,2399 @@
+//! The `http` backend: one OpenAI-compatible upstream replica (vLLM, SGLang,
+//! TGI, the llama.cpp server) reached over plain HTTP on loopback or a
+//! private network.
+//!
+//! An [`Upstream`] forwards one request at a time as the executor asks:
+//! [`Upstream::complete`] for a whole JSON answer, [`Upstream::stream`] for
+//! the server-sent events of a streaming answer, parsed into JSON chunks.
+//! Dropping the future or the stream closes the connection to the replica,
+//! so the model server stops generating for a client that went away.
+//!
+//! Each upstream has a circuit breaker ([`Breaker`], a pure state machine
+//! fed explicit instants): consecutive failures (connect errors, timeouts,
+//! 5xx) open it for a while, then a single trial request probes the replica.
+//! An optional periodic health check ([`Upstream::spawn_health_checks`])
+//! feeds the same breaker.
+
+use bytes::Bytes;
+use futures_util::{Stream, StreamExt};
+use reqwest::header::{HeaderValue, ACCEPT, AUTHORIZATION, CONTENT_TYPE};
+use serde_json::Value;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+/// The most a successful non-streaming answer may weigh.
+const MAX_BODY: usize = 64 << 20;
+/// How much of an error answer is kept (the rest is not read).
+const MAX_ERROR_BODY: usize = 64 << 10;
+/// The longest SSE line or event (a single chunk of a streaming answer).
+const MAX_EVENT: usize = 16 << 20;
+/// Idle pooled connections are closed after this long: below the 5 s
+/// keep-alive of uvicorn (vLLM, SGLang) and cpp-httplib (llama.cpp), so a
+/// reused connection is never one the replica is closing at that moment.
+const POOL_IDLE: Duration = Duration::from_secs(4);
+/// The longest duration a configuration may give (longer ones could
+/// overflow a clock).
+const MAX_DURATION: Duration = Duration::from_secs(365 * 86400);
+/// How long the rest of a finished stream may take to drain in the
+/// background so that its connection goes back to the pool.
+const DRAIN_FOR: Duration = Duration::from_secs(1);
+
+// ---------------------------------------------------------------------------
+// Configuration
+// ---------------------------------------------------------------------------
+
+/// One `http` backend replica, as written in the server's TOML config.
+///
+/// Durations are strings with units (`"30s"`, `"500ms"`, `"1m30s"`) or
+/// plain numbers of seconds (`30`, `0.5`). Unknown keys are rejected when
+/// it is deserialized on its own or as a tagged enum's payload; once
+/// `#[serde(flatten)]`ed into a larger struct, serde ignores them instead.
+#[derive(Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamConfig {
+    /// Base URL, e.g. `http://127.0.0.1:8000`; the `/v1/...` path is
+    /// appended to it (a path prefix in the base URL is kept).
+    pub url: String,
+    /// Sent as `Authorization: Bearer <api_key>` to the upstream.
+    #[serde(default)]
+    pub api_key: Option<String>,
+    /// The model name the upstream expects; replaces the request's `model`.
+    #[serde(default)]
+    pub served_model: Option<String>,
+    /// The replica's batch slots (the scheduler enforces it; it sizes the
+    /// connection pool here).
+    #[serde(default = "default_concurrency")]
+    pub concurrency: u32,
+    /// Whole-request deadline for a non-streaming call; for a streaming
+    /// call, the longest wait for the response headers and the longest gap
+    /// between two chunks.
+    #[serde(
+        default = "default_timeout",
+        deserialize_with = "duration::deserialize"
+    )]
+    pub timeout: Duration,
+    /// The longest a TCP connect may take.
+    #[serde(
+        default = "default_connect_timeout",
+        deserialize_with = "duration::deserialize"
+    )]
+    pub connect_timeout: Duration,
+    /// Path of the active health check (`GET`); empty disables it.
+    #[serde(default = "default_health_path")]
+    pub health_path: String,
+    /// Period of the active health check.
+    #[serde(
+        default = "default_health_interval",
+        deserialize_with = "duration::deserialize"
+    )]
+    pub health_interval: Duration,
+    /// Consecutive failures that open the circuit breaker.
+    #[serde(default = "default_failure_threshold")]
+    pub failure_threshold: u32,
+    /// How long the circuit stays open before a trial request is let through.
+    #[serde(
+        default = "default_open_for",
+        deserialize_with = "duration::deserialize"
+    )]
+    pub open_for: Duration,
+}
+
+fn default_concurrency() -> u32 {
+    8
+}
+fn default_timeout() -> Duration {
+    Duration::from_secs(120)
+}
+fn default_connect_timeout() -> Duration {
+    Duration::from_secs(2)
+}
+fn default_health_path() -> String {
+    "/health".to_string()
+}
+fn default_health_interval() -> Duration {
+    Duration::from_secs(5)
+}
+fn default_failure_threshold() -> u32 {
+    5
+}
+fn default_open_for() -> Duration {
+    Duration::from_secs(10)
+}
+
+impl UpstreamConfig {
+    /// A configuration for `url` with every other field at its default.
+    pub fn new(url: impl Into<String>) -> UpstreamConfig {
+        UpstreamConfig {
+            url: url.into(),
+            api_key: None,
+            served_model: None,
+            concurrency: default_concurrency(),
+            timeout: default_timeout(),
+            connect_timeout: default_connect_timeout(),
+            health_path: default_health_path(),
+            health_interval: default_health_interval(),
+            failure_threshold: default_failure_threshold(),
+            open_for: default_open_for(),
+        }
+    }
+}
+
+/// Like the derived `Debug`, with the API key redacted.
+impl std::fmt::Debug for UpstreamConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UpstreamConfig")
+            .field("url", &self.url)
+            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
+            .field("served_model", &self.served_model)
+            .field("concurrency", &self.concurrency)
+            .field("timeout", &self.timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("health_path", &self.health_path)
+            .field("health_interval", &self.health_interval)
+            .field("failure_threshold", &self.failure_threshold)
+            .field("open_for", &self.open_for)
+            .finish()
+    }
+}
+
+/// Durations in configuration files: `"30s"`, `"500ms"`, `"1m30s"`,
+/// `"1.5h"`, or a plain number of seconds (`30`, `0.25`, `"30"`).
+pub mod duration {
+    use std::time::Duration;
+
+    /// Parses a duration; the error says what is wrong in words.
+    ///
+    /// Units: `ns`, `us`/`µs`, `ms`, `s`/`sec`/`secs`/`second(s)`,
+    /// `m`/`min`/`mins`/`minute(s)`, `h`/`hr`/`hrs`/`hour(s)`,
+    /// `d`/`day(s)`. Several parts add up (`"1m 30s"`).
+    pub fn parse(text: &str) -> Result<Duration, String> {
+        let s = text.trim();
+        if s.is_empty() {
+            return Err("empty duration; write e.g. \"30s\" or \"500ms\"".into());
+        }
+        if let Ok(secs) = s.parse::<f64>() {
+            return from_secs(secs, text);
+        }
+        let mut total = Duration::ZERO;
+        let mut rest = s;
+        while !rest.is_empty() {
+            let num_len = rest
+                .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+                .unwrap_or(rest.len());
+            let (num, after) = rest.split_at(num_len);
+            if num.is_empty() {
+                return Err(format!(
+                    "`{text}` is not a duration: expected a number at `{rest}`"
+                ));
+            }
+            let after = after.trim_start();
+            let unit_len = after
+                .find(|c: char| !c.is_alphabetic())
+                .unwrap_or(after.len());
+            let (unit, after) = after.split_at(unit_len);
+            let scale = match unit {
+                "ns" => 1e-9,
+                "us" | "µs" => 1e-6,
+                "ms" => 1e-3,
+                "s" | "sec" | "secs" | "second" | "seconds" => 1.0,
+                "m" | "min" | "mins" | "minute" | "minutes" => 60.0,
+                "h" | "hr" | "hrs" | "hour" | "hours" => 3600.0,
+                "d" | "day" | "days" => 86400.0,
+                "" => return Err(format!("`{text}` is not a duration: `{num}` has no unit")),
+                other => {
+                    return Err(format!(
+                        "`{text}` is not a duration: unknown unit `{other}` (use ms, s, m or h)"
+                    ))
+                }
+            };
+            let value: f64 = num
+                .parse()
+                .map_err(|_| format!("`{text}` is not a duration: bad number `{num}`"))?;
+            let part = from_secs(value * scale, text)?;
+            total = total
+                .checked_add(part)
+                .ok_or_else(|| format!("`{text}` is too long a duration"))?;
+            rest = after.trim_start();
+        }
+        Ok(total)
+    }
+
+    fn from_secs(secs: f64, text: &str) -> Result<Duration, String> {
+        Duration::try_from_secs_f64(secs).map_err(|_| {
+            format!("`{text}` is not a duration: it must be a finite, non-negative time")
+        })
+    }
+
+    /// Formats a duration the way [`parse`] reads it: `200ms`, `2s`, `1.5s`.
+    pub fn format(d: Duration) -> String {
+        if d.subsec_nanos() == 0 {
+            format!("{}s", d.as_secs())
+        } else if d.as_nanos() % 1_000_000 == 0 && d < Duration::from_secs(10) {
+            format!("{}ms", d.as_millis())
+        } else {
+            format!("{}s", d.as_secs_f64())
+        }
+    }
+
+    /// `#[serde(deserialize_with = "duration::deserialize")]`: a string
+    /// with units, or a number of seconds.
+    pub fn deserialize<'de, D>(deserializer: D) -> Result<Duration, D::Error>
+    where
+        D: serde::Deserializer<'de>,
+    {
+        deserializer.deserialize_any(Visitor)
+    }
+
+    struct Visitor;
+
+    impl serde::de::Visitor<'_> for Visitor {
+        type Value = Duration;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a duration such as \"30s\" or \"500ms\", or a number of seconds")
+        }
+
+        fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Duration, E> {
+            parse(v).map_err(E::custom)
+        }
+
+        fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Duration, E> {
+            Ok(Duration::from_secs(v))
+        }
+
+        fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Duration, E> {
+            u64::try_from(v)
+                .map(Duration::from_secs)
+                .map_err(|_| E::custom(format!("{v} is not a duration: it is negative")))
+        }
+
+        fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Duration, E> {
+            from_secs(v, &v.to_string()).map_err(E::custom)
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Errors
+// ---------------------------------------------------------------------------
+
+/// Everything that can go wrong calling an upstream.
+#[derive(Debug, thiserror::Error, miette::Diagnostic)]
+pub enum UpstreamError {
+    /// The configuration cannot work (bad URL, zero concurrency, ...).
+    #[error("upstream `{upstream}`: {reason}")]
+    #[diagnostic(
+        code(kiln::upstream::config),
+        help("fix this backend's entry in the server configuration")
+    )]
+    Config { upstream: String, reason: String },
+
+    /// The request was not sent: the circuit breaker is open, or the
+    /// replica refused or did not accept the connection.
+    #[error("upstream `{upstream}` is unavailable: {reason}")]
+    #[diagnostic(
+        code(kiln::upstream::unavailable),
+        help("the replica is down or failing; the request never reached it and may go to another replica")
+    )]
+    Unavailable { upstream: String, reason: String },
+
+    /// No answer (or no next chunk) in time.
+    #[error("upstream `{upstream}` timed out: no {waiting_for} within {}", duration::format(*.after))]
+    #[diagnostic(
+        code(kiln::upstream::timeout),
+        help("the replica is overloaded or stuck; raise `timeout` for long generations")
+    )]
+    Timeout {
+        upstream: String,
+        waiting_for: &'static str,
+        after: Duration,
+    },
+
+    /// The upstream answered with an HTTP error status; `body` is the start
+    /// of its answer (an OpenAI error object, usually).
+    #[error("upstream answered HTTP {status}: {}", snippet(.body))]
+    #[diagnostic(
+        code(kiln::upstream::status),
+        help("4xx: the request was refused as it is; 5xx: the replica failed")
+    )]
+    Status { status: u16, body: String },
+
+    /// The upstream's answer is not what the OpenAI protocol says (bad
+    /// JSON, a stream cut before `data: [DONE]`).
+    #[error("upstream `{upstream}` broke the protocol: {reason}")]
+    #[diagnostic(
+        code(kiln::upstream::protocol),
+        help("check that `url` points at an OpenAI-compatible server and the endpoint supports this request")
+    )]
+    Protocol { upstream: String, reason: String },
+
+    /// The connection failed after the request was sent (reset, closed
+    /// mid-answer).
+    #[error("upstream `{upstream}`: connection failed: {reason}")]
+    #[diagnostic(
+        code(kiln::upstream::transport),
+        help("the replica closed or reset the connection; it may have crashed or restarted")
+    )]
+    Transport { upstream: String, reason: String },
+
+    /// The request body cannot be forwarded (not a JSON object).
+    #[error("cannot forward the request: {reason}")]
+    #[diagnostic(
+        code(kiln::upstream::bad_request),
+        help("the request body must be a JSON object")
+    )]
+    BadRequest { reason: String },
+}
+
+impl UpstreamError {
+    /// The HTTP status to answer the gateway's client with: timeout 504,
+    /// unavailable 503, upstream 4xx as is, upstream 5xx and protocol or
+    /// connection failures 502, a body that cannot be forwarded 400.
+    pub fn http_status(&self) -> u16 {
+        match self {
+            UpstreamError::Timeout { .. } => 504,
+            UpstreamError::Unavailable { .. } => 503,
+            UpstreamError::Status { status, .. } if (400..500).contains(status) => *status,
+            UpstreamError::Status { .. } => 502,
+            UpstreamError::Protocol { .. } | UpstreamError::Transport { .. } => 502,
+            UpstreamError::BadRequest { .. } => 400,
+            UpstreamError::Config { .. } => 500,
+        }
+    }
+
+    /// True when the request certainly never reached the upstream (circuit
+    /// open, connection refused), so it may be retried on another replica.
+    pub fn is_unsent(&self) -> bool {
+        matches!(
+            self,
+            UpstreamError::Unavailable { .. } | UpstreamError::BadRequest { .. }
+        )
+    }
+
+    /// Whether this error counts against the upstream's circuit breaker:
+    /// connect errors, timeouts, broken connections and 5xx do; 4xx (the
+    /// client's fault) and protocol errors do not.
+    pub fn is_upstream_failure(&self) -> bool {
+        match self {
+            UpstreamError::Unavailable { .. }
+            | UpstreamError::Timeout { .. }
+            | UpstreamError::Transport { .. } => true,
+            UpstreamError::Status { status, .. } => *status >= 500,
+            _ => false,
+        }
+    }
+}
+
+/// The start of a long error body, for messages.
+fn snippet(body: &str) -> &str {
+    const MAX: usize = 300;
+    if body.len() <= MAX {
+        return body;
+    }
+    let mut end = MAX;
+    while !body.is_char_boundary(end) {
+        end -= 1;
+    }
+    &body[..end]
+}
+
+/// An error and its causes on one line (reqwest's own message names only
+/// the URL; the cause is in the source chain).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let part = s.to_string();
+        if !text.contains(&part) {
+            text.push_str(": ");
+            text.push_str(&part);
+        }
+        source = s.source();
+    }
+    text
+}
+
+// ---------------------------------------------------------------------------
+// Circuit breaker
+// ---------------------------------------------------------------------------
+
+/// The state of an upstream's circuit breaker, as `/admin` and `/readyz`
+/// show it: `{"state":"closed"}`, `{"state":"open","retry_in_ms":1234}`,
+/// `{"state":"half_open"}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum BreakerState {
+    /// Requests flow.
+    Closed,
+    /// Requests are refused until `until` (serialized as the milliseconds
+    /// left from the moment of serialization).
+    Open {
+        #[serde(rename = "retry_in_ms", serialize_with = "serialize_until")]
+        until: Instant,
+    },
+    /// One trial request may go through; its outcome closes or reopens.
+    HalfOpen,
+}
+
+fn serialize_until<S: serde::Serializer>(until: &Instant, s: S) -> Result<S::Ok, S::Error> {
+    let left = until.saturating_duration_since(Instant::now()).as_millis();
+    s.serialize_u64(u64::try_from(left).unwrap_or(u64::MAX))
+}
+
+/// The circuit breaker as a pure state machine: every method that depends
+/// on time takes `now`, so tests drive it without sleeping.
+///
+/// Closed → (`threshold` consecutive failures) → Open for `open_for` →
+/// HalfOpen, which lets exactly one trial call through → its success
+/// closes, its failure opens again.
+///
+/// The trial is taken either by [`Breaker::try_acquire`] (a reservation,
+/// used by the next call admitted) or directly by [`Breaker::admit`] at
+/// send time, so no matter how often or by whom availability is asked,
+/// there is never more than one trial in flight. A reservation no call
+/// uses within `open_for`, or a trial that reports nothing within
+/// `trial_lease`, expires; a trial call cancelled before its answer is
+/// [released](Breaker::release_trial).
+#[derive(Debug, Clone)]
+pub struct Breaker {
+    threshold: u32,
+    open_for: Duration,
+    trial_lease: Duration,
+    failures: u32,
+    phase: Phase,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Phase {
+    Closed,
+    Open { until: Instant },
+    HalfOpen { trial: Trial },
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Trial {
+    /// The next caller may take the trial.
+    Free,
+    /// `available()` said yes; the next admitted call is the trial.
+    Reserved { since: Instant },
+    /// The trial call is in flight.
+    InFlight { since: Instant },
+}
+
+/// What [`Breaker::admit`] decided for one call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission {
+    /// Circuit open, or the half-open trial is taken: do not send.
+    Refused,
+    /// Circuit closed: send.
+    Admitted,
+    /// Half-open: send, as the single trial.
+    Trial,
+}
+
+impl Breaker {
+    /// A closed breaker. A `threshold` of 0 is taken as 1.
+    pub fn new(threshold: u32, open_for: Duration, trial_lease: Duration) -> Breaker {
+        Breaker {
+            threshold: threshold.max(1),
+            open_for,
+            trial_lease,
+            failures: 0,
+            phase: Phase::Closed,
+        }
+    }
+
+    /// Whether the trial (if half-open) is free at `now`, its holder
+    /// having expired or never taken it.
+    fn trial_free(&self, trial: Trial, now: Instant) -> bool {
+        match trial {
+            Trial::Free => true,
+            Trial::Reserved { since } => now.saturating_duration_since(since) >= self.open_for,
+            Trial::InFlight { since } => now.saturating_duration_since(since) >= self.trial_lease,
+        }
+    }
+
+    /// Whether a request would be admitted at `now`, without taking
+    /// anything: for dashboards and readiness.
+    pub fn ready(&self, now: Instant) -> bool {
+        match self.phase {
+            Phase::Closed => true,
+            Phase::Open { until } => now >= until,
+            Phase::HalfOpen { trial } => self.trial_free(trial, now),
+        }
+    }
+
+    /// Whether a request may be sent at `now`: always when closed; when the
+    /// open period is over and the trial is free, the caller reserves it
+    /// (the next admitted call is the trial); otherwise no.
+    pub fn try_acquire(&mut self, now: Instant) -> bool {
+        if matches!(self.phase, Phase::Closed) {
+            return true;
+        }
+        if !self.ready(now) {
+            return false;
+        }
+        self.phase = Phase::HalfOpen {
+            trial: Trial::Reserved { since: now },
+        };
+        true
+    }
+
+    /// Admission of a call about to be sent at `now`. In half-open, the
+    /// call takes a reserved trial, or a free one; with the trial in
+    /// flight it is refused.
+    pub fn admit(&mut self, now: Instant) -> Admission {
+        let take = match self.phase {
+            Phase::Closed => return Admission::Admitted,
+            Phase::Open { until } => now >= until,
+            Phase::HalfOpen {
+                trial: Trial::Reserved { .. },
+            } => true,
+            Phase::HalfOpen { trial } => self.trial_free(trial, now),
+        };
+        if !take {
+            return Admission::Refused;
+        }
+        self.phase = Phase::HalfOpen {
+            trial: Trial::InFlight { since: now },
+        };
+        Admission::Trial
+    }
+
+    /// The upstream answered (or a health check passed): close. Returns
+    /// whether the breaker was not closed before.
+    pub fn on_success(&mut self) -> bool {
+        self.failures = 0;
+        let was_closed = matches!(self.phase, Phase::Closed);
+        self.phase = Phase::Closed;
+        !was_closed
+    }
+
+    /// The upstream failed at `now`. Returns whether this opened the
+    /// breaker. A failure while already open (a request sent before it
+    /// opened) does not extend the open period.
+    pub fn on_failure(&mut self, now: Instant) -> bool {
+        self.failures = self.failures.saturating_add(1);
+        match self.phase {
+            Phase::Closed if self.failures < self.threshold => false,
+            Phase::Closed | Phase::HalfOpen { .. } => {
+                let until = now
+                    .checked_add(self.open_for)
+                    .or_else(|| now.checked_add(MAX_DURATION))
+                    .unwrap_or(now);
+                self.phase = Phase::Open { until };
+                true
+            }
+            Phase::Open { .. } => false,
+        }
+    }
+
+    /// The trial call ended without an outcome (cancelled before an
+    /// answer): the next caller may take the trial.
+    pub fn release_trial(&mut self) {
+        if let Phase::HalfOpen {
+            trial: Trial::InFlight { .. },
+        } = self.phase
+        {
+            self.phase = Phase::HalfOpen { trial: Trial::Free };
+        }
+    }
+
+    /// The state at `now` (an open period that is over shows as half-open).
+    pub fn state(&self, now: Instant) -> BreakerState {
+        match self.phase {
+            Phase::Closed => BreakerState::Closed,
+            Phase::Open { until } if now < until => BreakerState::Open { until },
+            Phase::Open { .. } | Phase::HalfOpen { .. } => BreakerState::HalfOpen,
+        }
+    }
+
+    /// Consecutive failures so far (reset by a success).
+    pub fn consecutive_failures(&self) -> u32 {
+        self.failures
+    }
+}
+
+/// A poisoned lock only means another thread panicked while holding it;
+/// the breaker's state is still consistent (every update is one assignment).
+fn lock(breaker: &Mutex<Breaker>) -> MutexGuard<'_, Breaker> {
+    breaker.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Records an outcome in the shared breaker, logging state changes.
+fn record(breaker: &Mutex<Breaker>, name: &str, failed: bool) {
+    if failed {
+        let mut b = lock(breaker);
+        if b.on_failure(Instant::now()) {
+            let failures = b.consecutive_failures();
+            drop(b);
+            tracing::warn!(upstream = name, failures, "circuit breaker opened");
+        }
+    } else if lock(breaker).on_success() {
+        tracing::info!(upstream = name, "circuit breaker closed");
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The upstream
+// ---------------------------------------------------------------------------
+
+/// One OpenAI-compatible replica: a pooled HTTP client and its circuit
+/// breaker. Share it through an `Arc`.
+pub struct Upstream {
+    name: Arc<str>,
+    cfg: UpstreamConfig,
+    /// `cfg.url` without its trailing `/`.
+    base: String,
+    client: reqwest::Client,
+    auth: Option<HeaderValue>,
+    breaker: Arc<Mutex<Breaker>>,
+}
+
+impl std::fmt::Debug for Upstream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Upstream")
+            .field("name", &self.name)
+            .field("cfg", &self.cfg)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Upstream {
+    /// Validates the configuration and builds the pooled client (idle
+    /// connections kept per host ≈ `concurrency`, `TCP_NODELAY`, no proxy,
+    /// no redirects).
+    pub fn new(name: String, cfg: UpstreamConfig) -> Result<Upstream, UpstreamError> {
+        let invalid = |reason: String| UpstreamError::Config {
+            upstream: name.clone(),
+            reason,
+        };
+        let url = reqwest::Url::parse(cfg.url.trim()).map_err(|e| {
+            invalid(format!(
+                "`{}` is not a URL ({e}); write e.g. \"http://127.0.0.1:8000\"",
+                cfg.url
+            ))
+        })?;
+        match url.scheme() {
+            "http" => {}
+            "https" => {
+                return Err(invalid(format!(
+                    "`{}`: https is not supported (this build has no TLS); reach the replica over plain http on a private network",
+                    cfg.url
+                )))
+            }
+            other => {
+                return Err(invalid(format!(
+                    "`{}`: scheme `{other}` is not http",
+                    cfg.url
+                )))
+            }
+        }
+        if url.host_str().is_none_or(str::is_empty) {
+            return Err(invalid(format!("`{}` has no host", cfg.url)));
+        }
+        if url.query().is_some() || url.fragment().is_some() {
+            return Err(invalid(format!(
+                "`{}`: the base URL cannot have a query or a fragment",
+                cfg.url
+            )));
+        }
+        if cfg.concurrency == 0 {
+            return Err(invalid("`concurrency` must be at least 1".into()));
+        }
+        if cfg.failure_threshold == 0 {
+            return Err(invalid(
+                "`failure_threshold` must be at least 1 (a large number all but disables the breaker)"
+                    .into(),
+            ));
+        }
+        for (field, value) in [
+            ("timeout", cfg.timeout),
+            ("connect_timeout", cfg.connect_timeout),
+            ("health_interval", cfg.health_interval),
+            ("open_for", cfg.open_for),
+        ] {
+            if value > MAX_DURATION {
+                return Err(invalid(format!(
+                    "`{field}` of {} is longer than the longest allowed, one year",
+                    duration::format(value)
+                )));
+            }
+        }
+        if cfg.timeout.is_zero() || cfg.connect_timeout.is_zero() {
+            return Err(invalid(
+                "`timeout` and `connect_timeout` must be longer than zero".into(),
+            ));
+        }
+        if !cfg.health_path.is_empty() && !cfg.health_path.starts_with('/') {
+            return Err(invalid(format!(
+                "`health_path` `{}` must start with `/` (or be empty to disable health checks)",
+                cfg.health_path
+            )));
+        }
+        if !cfg.health_path.is_empty() && cfg.health_interval.is_zero() {
+            return Err(invalid("`health_interval` must be longer than zero".into()));
+        }
+        let auth = match &cfg.api_key {
+            None => None,
+            Some(key) => {
+                let mut value = HeaderValue::from_str(&format!("Bearer {key}")).map_err(|_| {
+                    invalid("`api_key` has characters not allowed in an HTTP header".into())
+                })?;
+                value.set_sensitive(true);
+                Some(value)
+            }
+        };
+        let client = reqwest::Client::builder()
+            .no_proxy()
+            .tcp_nodelay(true)
+            .connect_timeout(cfg.connect_timeout)
+            .pool_max_idle_per_host(
+                usize::try_from(cfg.concurrency)
+                    .unwrap_or(usize::MAX)
+                    .saturating_add(1),
+            )
+            .pool_idle_timeout(POOL_IDLE)
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .map_err(|e| invalid(format!("cannot build the HTTP client: {}", error_chain(&e))))?;
+        let base = cfg.url.trim().trim_end_matches('/').to_string();
+        let breaker = Breaker::new(
+            cfg.failure_threshold,
+            cfg.open_for,
+            cfg.timeout.saturating_add(cfg.connect_timeout),
+        );
+        Ok(Upstream {
+            name: name.into(),
+            cfg,
+            base,
+            client,
+            auth,
+            breaker: Arc::new(Mutex::new(breaker)),
+        })
+    }
+
+    /// The backend's name in the configuration.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The configuration it was built from.
+    pub fn config(&self) -> &UpstreamConfig {
+        &self.cfg
+    }
+
+    /// The model name the upstream expects, if the configuration sets one.
+    pub fn served_model(&self) -> Option<&str> {
+        self.cfg.served_model.as_deref()
+    }
+
+    /// Whether a request may be sent now: the circuit is closed, or it is
+    /// half-open and this caller takes the single trial (reserved for the
+    /// next [`Upstream::complete`] or [`Upstream::stream`] call; unused, it
+    /// expires after `open_for`). For display and readiness, where nothing
+    /// is sent, use [`Upstream::ready`].
+    ///
+    /// The calls themselves enforce the breaker too: while open, or while
+    /// the half-open trial is in flight, they fail at once with
+    /// [`UpstreamError::Unavailable`].
+    pub fn available(&self) -> bool {
+        lock(&self.breaker).try_acquire(Instant::now())
+    }
+
+    /// Whether a request would be admitted now, taking nothing: closed, or
+    /// half-open with the trial free. For `/admin` and `/readyz`.
+    pub fn ready(&self) -> bool {
+        lock(&self.breaker).ready(Instant::now())
+    }
+
+    /// The circuit breaker's state now.
+    pub fn state(&self) -> BreakerState {
+        lock(&self.breaker).state(Instant::now())
+    }
+
+    /// Consecutive failures counted by the breaker.
+    pub fn consecutive_failures(&self) -> u32 {
+        lock(&self.breaker).consecutive_failures()
+    }
+
+    /// Non-streaming call: `POST {url}{path}` with `body` (its `model`
+    /// replaced by `served_model` if set, `stream` set to false if present,
+    /// `stream_options` removed). Returns the upstream's JSON answer.
+    ///
+    /// The whole exchange is bounded by `timeout`. Dropping the future
+    /// closes the connection.
+    pub async fn complete(&self, path: &str, body: Value) -> Result<Value, UpstreamError> {
+        let payload = self.prepare(body, false)?;
+        let mut call = self.begin()?;
+        let request = self.post(path, payload, "application/json");
+        let exchange = async {
+            let resp = request.send().await.map_err(|e| self.send_error(e))?;
+            let status = resp.status().as_u16();
+            let cap = if status < 300 {
+                MAX_BODY
+            } else {
+                MAX_ERROR_BODY
+            };
+            let (bytes, truncated) = read_body(resp, cap).await.map_err(|e| self.body_error(e))?;
+            Ok::<_, UpstreamError>((status, bytes, truncated))
+        };
+        let outcome = match tokio::time::timeout(self.cfg.timeout, exchange).await {
+            Ok(outcome) => outcome,
+            Err(_) => Err(self.timeout("complete response", self.cfg.timeout)),
+        };
+        let (status, bytes, truncated) = match outcome {
+            Ok(ok) => ok,
+            Err(e) => {
+                call.finish(e.is_upstream_failure());
+                return Err(e);
+            }
+        };
+        call.finish(status >= 500);
+        if !(200..300).contains(&status) {
+            return Err(UpstreamError::Status {
+                status,
+                body: String::from_utf8_lossy(&bytes).into_owned(),
+            });
+        }
+        if truncated {
+            return Err(self.protocol(format!("the answer is larger than {} MiB", MAX_BODY >> 20)));
+        }
+        serde_json::from_slice(&bytes)
+            .map_err(|e| self.protocol(format!("the answer is not JSON: {e}")))
+    }
+
+    /// Streaming call: `POST {url}{path}` with `body` (`model` rewritten as
+    /// for [`Upstream::complete`], `"stream": true`,
+    /// `"stream_options": {"include_usage": true}` added to any other
+    /// stream options). Resolves once the upstream's headers arrive (within
+    /// `timeout`); the stream then yields each `data:` event parsed as JSON
+    /// and ends at `data: [DONE]`. A gap longer than `timeout` between two
+    /// network chunks, a broken connection, bad JSON or an end before
+    /// `[DONE]` yield one error and end the stream.
+    ///
+    /// Dropping the stream before its end closes the connection.
+    pub async fn stream(
+        &self,
+        path: &str,
+        body: Value,
+    ) -> Result<impl Stream<Item = Result<Value, UpstreamError>> + Send + 'static, UpstreamError>
+    {
+        let payload = self.prepare(body, true)?;
+        let mut call = self.begin()?;
+        let request = self.post(path, payload, "text/event-stream");
+        let resp = match tokio::time::timeout(self.cfg.timeout, request.send()).await {
+            Ok(Ok(resp)) => resp,
+            Ok(Err(e)) => {
+                let e = self.send_error(e);
+                call.finish(e.is_upstream_failure());
+                return Err(e);
+            }
+            Err(_) => {
+                call.finish(true);
+                return Err(self.timeout("response headers", self.cfg.timeout));
+            }
+        };
+        let status = resp.status().as_u16();
+        call.finish(status >= 500);
+        if !(200..300).contains(&status) {
+            let body = match tokio::time::timeout(self.cfg.timeout, read_body(resp, MAX_ERROR_BODY))
+                .await
+            {
+                Ok(Ok((bytes, _))) => String::from_utf8_lossy(&bytes).into_owned(),
+                _ => String::new(),
+            };
+            return Err(UpstreamError::Status { status, body });
+        }
+        let json = resp
+            .headers()
+            .get(CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.trim_start().starts_with("application/json"));
+        if json {
+            return Err(self.protocol(
+                "it answered a streaming request with plain JSON; does this endpoint support \"stream\": true?".into(),
+            ));
+        }
+        Ok(SseStream {
+            body: Some(Box::pin(resp.bytes_stream())),
+            parser: SseParser::default(),
+            eof: false,
+            gap: self.cfg.timeout,
+            deadline: Box::pin(tokio::time::sleep(self.cfg.timeout)),
+            breaker: Arc::clone(&self.breaker),
+            name: Arc::clone(&self.name),
+        })
+    }
+
+    /// One health check now: `GET {url}{health_path}`, healthy on 2xx. The
+    /// outcome feeds the breaker (a success closes it). `Ok` without a
+    /// request when health checks are disabled.
+    pub async fn check_health(&self) -> Result<(), UpstreamError> {
+        if self.cfg.health_path.is_empty() {
+            return Ok(());
+        }
+        let limit = self
+            .cfg
+            .health_interval
+            .max(self.cfg.connect_timeout)
+            .min(self.cfg.timeout);
+        let request = self.client.get(self.endpoint(&self.cfg.health_path));
+        let request = match &self.auth {
+            Some(auth) => request.header(AUTHORIZATION, auth.clone()),
+            None => request,
+        };
+        let probe = async {
+            let resp = request.send().await.map_err(|e| self.send_error(e))?;
+            let status = resp.status().as_u16();
+            // Read the (small) body so the connection can be reused.
+            let (bytes, _) = read_body(resp, MAX_ERROR_BODY)
+                .await
+                .map_err(|e| self.body_error(e))?;
+            if (200..300).contains(&status) {
+                Ok(())
+            } else {
+                Err(UpstreamError::Status {
+                    status,
+                    body: String::from_utf8_lossy(&bytes).into_owned(),
+                })
+            }
+        };
+        let outcome = match tokio::time::timeout(limit, probe).await {
+            Ok(outcome) => outcome,
+            Err(_) => Err(self.timeout("health check answer", limit)),
+        };
+        if let Err(e) = &outcome {
+            tracing::debug!(upstream = &*self.name, error = %e, "health check failed");
+        }
+        record(&self.breaker, &self.name, outcome.is_err());
+        outcome
+    }
+
+    /// Spawns the periodic health check (the first one at once); a failed
+    /// check counts as a failure for the breaker, a passed one closes it.
+    /// The task holds only a weak reference: it stops when the last `Arc`
+    /// of the upstream is dropped, or when the handle is aborted. `None`
+    /// when `health_path` is empty or there is no Tokio runtime.
+    pub fn spawn_health_checks(self: &Arc<Self>) -> Option<tokio::task::JoinHandle<()>> {
+        if self.cfg.health_path.is_empty() {
+            return None;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!(
+                upstream = &*self.name,
+                "no Tokio runtime: health checks not started"
+            );
+            return None;
+        };
+        let weak = Arc::downgrade(self);
+        let period = self.cfg.health_interval;
+        Some(runtime.spawn(async move {
+            let mut ticker = tokio::time::interval(period);
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticker.tick().await;
+                let Some(upstream) = weak.upgrade() else {
+                    break;
+                };
+                let _ = upstream.check_health().await;
+            }
+        }))
+    }
+
+    // -- helpers ------------------------------------------------------------
+
+    /// Admits a call through the breaker.
+    fn begin(&self) -> Result<Call<'_>, UpstreamError> {
+        let mut breaker = lock(&self.breaker);
+        let trial = match breaker.admit(Instant::now()) {
+            Admission::Admitted => false,
+            Admission::Trial => true,
+            Admission::Refused => {
+                return Err(UpstreamError::Unavailable {
+                    upstream: self.name.to_string(),
+                    reason: refusal(&breaker),
+                })
+            }
+        };
+        Ok(Call {
+            upstream: self,
+            trial,
+            settled: false,
+        })
+    }
+}
+
+/// Why the breaker refused a call, in words.
+fn refusal(breaker: &Breaker) -> String {
+    match breaker.state(Instant::now()) {
+        BreakerState::Open { until } => format!(
+            "circuit breaker open after {} consecutive failures; next trial in {}",
+            breaker.consecutive_failures(),
+            duration::format(until.saturating_duration_since(Instant::now()))
+        ),
+        _ => "circuit breaker half-open and its single trial request is taken".to_string(),
+    }
+}
+
+impl Upstream {
+    /// The body to send: the client's JSON object with `model`, `stream`
+    /// and `stream_options` adjusted.
+    fn prepare(&self, body: Value, stream: bool) -> Result<Vec<u8>, UpstreamError> {
+        let Value::Object(mut map) = body else {
+            return Err(UpstreamError::BadRequest {
+                reason: "the body is not a JSON object".into(),
+            });
+        };
+        if let Some(model) = &self.cfg.served_model {
+            map.insert("model".into(), Value::String(model.clone()));
+        }
+        if stream {
+            map.insert("stream".into(), Value::Bool(true));
+            match map.get_mut("stream_options") {
+                Some(Value::Object(options)) => {
+                    options.insert("include_usage".into(), Value::Bool(true));
+                }
+                _ => {
+                    let mut options = serde_json::Map::new();
+                    options.insert("include_usage".into(), Value::Bool(true));
+                    map.insert("stream_options".into(), Value::Object(options));
+                }
+            }
+        } else {
+            if map.contains_key("stream") {
+                map.insert("stream".into(), Value::Bool(false));
+            }
+            // vLLM and OpenAI refuse stream_options without streaming.
+            map.remove("stream_options");
+        }
+        serde_json::to_vec(&map).map_err(|e| UpstreamError::BadRequest {
+            reason: e.to_string(),
+        })
+    }
+
+    fn endpoint(&self, path: &str) -> String {
+        if path.starts_with('/') {
+            format!("{}{path}", self.base)
+        } else {
+            format!("{}/{path}", self.base)
+        }
+    }
+
+    fn post(&self, path: &str, payload: Vec<u8>, accept: &'static str) -> reqwest::RequestBuilder {
+        let request = self
+            .client
+            .post(self.endpoint(path))
+            .header(CONTENT_TYPE, "application/json")
+            .header(ACCEPT, accept)
+            .body(payload);
+        match &self.auth {
+            Some(auth) => request.header(AUTHORIZATION, auth.clone()),
+            None => request,
+        }
+    }
+
+    /// Classifies an error of sending the request and waiting for headers.
+    fn send_error(&self, e: reqwest::Error) -> UpstreamError {
+        if e.is_connect() {
+            UpstreamError::Unavailable {
+                upstream: self.name.to_string(),
+                reason: format!("cannot connect to {}: {}", self.base, error_chain(&e)),
+            }
+        } else if e.is_timeout() {
+            self.timeout("response", self.cfg.timeout)
+        } else {
+            UpstreamError::Transport {
+                upstream: self.name.to_string(),
+                reason: error_chain(&e),
+            }
+        }
+    }
+
+    /// Classifies an error while reading the body.
+    fn body_error(&self, e: reqwest::Error) -> UpstreamError {
+        UpstreamError::Transport {
+            upstream: self.name.to_string(),
+            reason: error_chain(&e),
+        }
+    }
+
+    fn timeout(&self, waiting_for: &'static str, after: Duration) -> UpstreamError {
+        UpstreamError::Timeout {
+            upstream: self.name.to_string(),
+            waiting_for,
+            after,
+        }
+    }
+
+    fn protocol(&self, reason: String) -> UpstreamError {
+        UpstreamError::Protocol {
+            upstream: self.name.to_string(),
+            reason,
+        }
+    }
+}
+
+/// One admitted call. Its outcome goes to the breaker; the half-open
+/// trial, dropped without an outcome (the caller cancelled it), releases
+/// the trial.
+struct Call<'a> {
+    upstream: &'a Upstream,
+    trial: bool,
+    settled: bool,
+}
+
+impl Call<'_> {
+    fn finish(&mut self, failed: bool) {
+        self.settled = true;
+        record(&self.upstream.breaker, &self.upstream.name, failed);
+    }
+}
+
+impl Drop for Call<'_> {
+    fn drop(&mut self) {
+        if self.trial && !self.settled {
+            lock(&self.upstream.breaker).release_trial();
+        }
+    }
+}
+
+/// Reads a body up to `cap` bytes; the flag says whether it was cut.
+async fn read_body(
+    mut resp: reqwest::Response,
+    cap: usize,
+) -> Result<(Vec<u8>, bool), reqwest::Error> {
+    let hint = resp
+        .content_length()
+        .and_then(|n| usize::try_from(n).ok())
+        .unwrap_or(0)
+        .min(cap);
+    let mut buf = Vec::with_capacity(hint);
+    while let Some(chunk) = resp.chunk().await? {
+        if buf.len() + chunk.len() > cap {
+            let room = cap - buf.len();
+            buf.extend_from_slice(&chunk[..room]);
+            return Ok((buf, true));
+        }
+        buf.extend_from_slice(&chunk);
+    }
+    Ok((buf, false))
+}
+
+// ---------------------------------------------------------------------------
+// Server-sent events
+// ---------------------------------------------------------------------------
+
+type ByteStream = Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>;
+
+/// The stream [`Upstream::stream`] returns.
+struct SseStream {
+    /// `None` once the stream has ended; dropping it closes the connection
+    /// unless the body was read to its end.
+    body: Option<ByteStream>,
+    parser: SseParser,
+    eof: bool,
+    gap: Duration,
+    deadline: Pin<Box<tokio::time::Sleep>>,
+    breaker: Arc<Mutex<Breaker>>,
+    name: Arc<str>,
+}
+
+impl SseStream {
+    fn fail(&mut self, error: UpstreamError) -> Poll<Option<Result<Value, UpstreamError>>> {
+        if error.is_upstream_failure() {
+            record(&self.breaker, &self.name, true);
+        }
+        self.body = None;
+        Poll::Ready(Some(Err(error)))
+    }
+
+    /// `data: [DONE]`: the stream is over. The body's end (the terminating
+    /// chunk) normally follows at once; read it so the connection returns
+    /// to the pool, in the background if it is not there yet.
+    fn done(&mut self, cx: &mut Context<'_>) {
+        let Some(mut body) = self.body.take() else {
+            return;
+        };
+        if self.eof {
+            return;
+        }
+        if let Poll::Ready(None) = body.as_mut().poll_next(cx) {
+            return;
+        }
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let drain = async {
+                    let mut left = MAX_ERROR_BODY;
+                    while let Some(Ok(chunk)) = body.next().await {
+                        left = match left.checked_sub(chunk.len()) {
+                            Some(left) => left,
+                            None => break,
+                        };
+                    }
+                };
+                let _ = tokio::time::timeout(DRAIN_FOR, drain).await;
+            });
+        }
+    }
+}
+
+impl Stream for SseStream {
+    type Item = Result<Value, UpstreamError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        loop {
+            if this.body.is_none() {
+                return Poll::Ready(None);
+            }
+            match this.parser.next_event() {
+                Ok(Some(SseEvent::Done)) => {
+                    this.done(cx);
+                    return Poll::Ready(None);
+                }
+                Ok(Some(SseEvent::Data(text))) => {
+                    return match serde_json::from_str(&text) {
+                        Ok(value) => Poll::Ready(Some(Ok(value))),
+                        Err(e) => {
+                            let reason =
+                                format!("a stream event is not JSON ({e}): {}", snippet(&text));
+                            this.fail(UpstreamError::Protocol {
+                                upstream: this.name.to_string(),
+                                reason,
+                            })
+                        }
+                    };
+                }
+                Ok(None) => {}
+                Err(reason) => {
+                    return this.fail(UpstreamError::Protocol {
+                        upstream: this.name.to_string(),
+                        reason,
+                    })
+                }
+            }
+            if this.eof {
+                return this.fail(UpstreamError::Protocol {
+                    upstream: this.name.to_string(),
+                    reason: "the stream ended before `data: [DONE]`".into(),
+                });
+            }
+            let Some(body) = this.body.as_mut() else {
+                return Poll::Ready(None);
+            };
+            match body.as_mut().poll_next(cx) {
+                Poll::Ready(Some(Ok(bytes))) => {
+                    this.parser.push(&bytes);
+                    if let Some(next) = tokio::time::Instant::now().checked_add(this.gap) {
+                        this.deadline.as_mut().reset(next);
+                    }
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    let error = UpstreamError::Transport {
+                        upstream: this.name.to_string(),
+                        reason: error_chain(&e),
+                    };
+                    return this.fail(error);
+                }
+                Poll::Ready(None) => {
+                    this.eof = true;
+                    this.parser.finish();
+                }
+                Poll::Pending => {
+                    if this.deadline.as_mut().poll(cx).is_ready() {
+                        let error = UpstreamError::Timeout {
+                            upstream: this.name.to_string(),
+                            waiting_for: "next stream chunk",
+                            after: this.gap,
+                        };
+                        return this.fail(error);
+                    }
+                    return Poll::Pending;
+                }
+            }
+        }
+    }
+}
+
+/// One dispatched server-sent event.
+#[derive(Debug, PartialEq)]
+enum SseEvent {
+    /// The `data` of an event (its `data:` lines joined by `\n`).
+    Data(String),
+    /// `data: [DONE]`.
+    Done,
+}
+
+/// An incremental parser of `text/event-stream` (the WHATWG rules): lines
+/// end in `\n`, `\r\n` or `\r` and may be split anywhere across network
+/// chunks; a blank line dispatches the event; `:` starts a comment; fields
+/// other than `data` are ignored.
+#[derive(Debug, Default)]
+struct SseParser {
+    buf: Vec<u8>,
+    /// Start of the unparsed part of `buf`.
+    pos: usize,
+    data: String,
+    has_data: bool,
+    started: bool,
+    eof: bool,
+}
+
+impl SseParser {
+    fn push(&mut self, bytes: &[u8]) {
+        if self.pos > 0 && self.pos == self.buf.len() {
+            self.buf.clear();
+            self.pos = 0;
+        } else if self.pos > 4096 && self.pos * 2 > self.buf.len() {
+            self.buf.drain(..self.pos);
+            self.pos = 0;
+        }
+        self.buf.extend_from_slice(bytes);
+    }
+
+    /// No more input: a last line without its end, and an event without
+    /// its blank line, still count.
+    fn finish(&mut self) {
+        self.eof = true;
+    }
+
+    /// The next complete event, if the input so far has one.
+    fn next_event(&mut self) -> Result<Option<SseEvent>, String> {
+        if !self.started {
+            if self.buf.len() - self.pos < 3
+                && !self.eof
+                && b"\xEF\xBB\xBF".starts_with(&self.buf[self.pos..])
+            {
+                return Ok(None);
+            }
+            self.started = true;
+            if self.buf[self.pos..].starts_with(b"\xEF\xBB\xBF") {
+                self.pos += 3;
+            }
+        }
+        loop {
+            let rest = &self.buf[self.pos..];
+            let line_end = rest.iter().position(|&b| b == b'\n' || b == b'\r');
+            let (line_len, term_len) = match line_end {
+                Some(i) if rest[i] == b'\r' => match rest.get(i + 1) {
+                    Some(b'\n') => (i, 2),
+                    Some(_) => (i, 1),
+                    // A `\r` at the end: its `\n` may be in the next chunk.
+                    None if self.eof => (i, 1),
+                    None => return Ok(None),
+                },
+                Some(i) => (i, 1),
+                None if self.eof && !rest.is_empty() => (rest.len(), 0),
+                None if self.eof => {
+                    // End of input: dispatch a pending event as if a blank
+                    // line followed.
+                    return Ok(self.dispatch());
+                }
+                None => {
+                    if rest.len() > MAX_EVENT {
+                        return Err(format!(
+                            "a stream line is longer than {} MiB",
+                            MAX_EVENT >> 20
+                        ));
+                    }
+                    return Ok(None);
+                }
+            };
+            let start = self.pos;
+            self.pos += line_len + term_len;
+            let line = &self.buf[start..start + line_len];
+            if line.is_empty() {
+                if let Some(event) = self.dispatch() {
+                    return Ok(Some(event));
+                }
+                continue;
+            }
+            if line[0] == b':' {
+                continue;
+            }
+            let (field, value) = match line.iter().position(|&b| b == b':') {
+                Some(i) => {
+                    let value = &line[i + 1..];
+                    (&line[..i], value.strip_prefix(b" ").unwrap_or(value))
+                }
+                None => (line, &[][..]),
+            };
+            if field != b"data" {
+                continue;
+            }
+            let value = std::str::from_utf8(value)
+                .map_err(|_| "a stream event is not valid UTF-8".to_string())?;
+            if self.has_data {
+                self.data.push('\n');
+            }
+            self.data.push_str(value);
+            self.has_data = true;
+            if self.data.len() > MAX_EVENT {
+                return Err(format!(
+                    "a stream event is longer than {} MiB",
+                    MAX_EVENT >> 20
+                ));
+            }
+        }
+    }
+
+    fn dispatch(&mut self) -> Option<SseEvent> {
+        if !self.has_data {
+            return None;
+        }
+        self.has_data = false;
+        let data = std::mem::take(&mut self.data);
+        if data.trim() == "[DONE]" {
+            Some(SseEvent::Done)
+        } else {
+            Some(SseEvent::Data(data))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::body::Body;
+    use axum::extract::ConnectInfo;
+    use axum::http::{HeaderMap, StatusCode};
+    use axum::routing::{get, post};
+    use axum::{Json, Router};
+    use serde_json::json;
+    use std::convert::Infallible;
+    use std::net::SocketAddr;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+    // -- in-test mock servers ------------------------------------------------
+
+    /// A mock server on an ephemeral loopback port, stopped when dropped.
+    struct Mock {
+        url: String,
+        task: tokio::task::JoinHandle<()>,
+    }
+
+    impl Drop for Mock {
+        fn drop(&mut self) {
+            self.task.abort();
+        }
+    }
+
+    async fn mock(router: Router) -> Mock {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let service = router.into_make_service_with_connect_info::<SocketAddr>();
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(listener, service).await;
+        });
+        Mock {
+            url: format!("http://{addr}"),
+            task,
+        }
+    }
+
+    /// A loopback address nothing listens on.
+    async fn dead_url() -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        drop(listener);
+        format!("http://{addr}")
+    }
+
+    fn upstream(url: &str, tweak: impl FnOnce(&mut UpstreamConfig)) -> Upstream {
+        let mut cfg = UpstreamConfig::new(url);
+        cfg.health_path = String::new();
+        tweak(&mut cfg);
+        Upstream::new("test".into(), cfg).unwrap()
+    }
+
+    /// Every test is bounded: a hang fails it instead of the suite.
+    async fn bounded<F: Future>(f: F) -> F::Output {
+        tokio::time::timeout(Duration::from_secs(20), f)
+            .await
+            .expect("test did not finish in time")
+    }
+
+    async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+        let start = Instant::now();
+        while !cond() {
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "timed out waiting until {what}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Sets its flag when dropped: the mock's response body was dropped,
+    /// i.e. the client went away.
+    struct DropFlag(Arc<AtomicBool>);
+
+    impl Drop for DropFlag {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// An endless body: `first`, then a chunk every 20 ms; sets `flag` when
+    /// the server drops it.
+    fn endless_body(first: &'static str, chunk: &'static str, flag: Arc<AtomicBool>) -> Body {
+        let first =
+            futures_util::stream::iter([Ok::<_, Infallible>(Bytes::from_static(first.as_bytes()))]);
+        let rest = futures_util::stream::unfold(DropFlag(flag), move |flag| async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            Some((Ok(Bytes::from_static(chunk.as_bytes())), flag))
+        });
+        Body::from_stream(first.chain(rest))
+    }
+
+    fn sse_response(body: Body) -> axum::response::Response {
+        let mut resp = axum::response::Response::new(body);
+        resp.headers_mut()
+            .insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+        resp
+    }
+
+    // -- non-streaming -------------------------------------------------------
+
+    #[tokio::test]
+    async fn complete_rewrites_model_and_sends_auth() {
+        bounded(async {
+            let app = Router::new().route(
+                "/prefix/v1/chat/completions",
+                post(
+                    |ConnectInfo(peer): ConnectInfo<SocketAddr>,
+                     headers: HeaderMap,
+                     Json(body): Json<Value>| async move {
+                        Json(json!({
+                            "got": body,
+                            "auth": headers.get("authorization").and_then(|v| v.to_str().ok()),
+                            "accept": headers.get("accept").and_then(|v| v.to_str().ok()),
+                            "peer": peer.to_string(),
+                        }))
+                    },
+                ),
+            );
+            let m = mock(app).await;
+            let up = upstream(&format!("{}/prefix/", m.url), |c| {
+                c.api_key = Some("sk-test".into());
+                c.served_model = Some("meta-llama/Llama-3.1-8B".into());
+            });
+            let body = json!({
+                "model": "small", "stream": true,
+                "stream_options": {"include_usage": true},
+                "messages": [{"role": "user", "content": "hi"}]
+            });
+            let a = up
+                .complete("/v1/chat/completions", body.clone())
+                .await
+                .unwrap();
+            assert_eq!(a["got"]["model"], "meta-llama/Llama-3.1-8B");
+            assert_eq!(a["got"]["stream"], false);
+            assert!(a["got"].get("stream_options").is_none());
+            assert_eq!(a["got"]["messages"], body["messages"]);
+            assert_eq!(a["auth"], "Bearer sk-test");
+            assert_eq!(a["accept"], "application/json");
+            // No "stream" key is added where there was none; the path may
+            // come without its leading slash.
+            let b = up
+                .complete("v1/chat/completions", json!({"model": "x"}))
+                .await
+                .unwrap();
+            assert!(b["got"].get("stream").is_none());
+            // The connection was pooled and reused.
+            assert_eq!(a["peer"], b["peer"]);
+            assert_eq!(up.state(), BreakerState::Closed);
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn complete_rejects_a_body_that_is_not_an_object() {
+        let up = upstream("http://127.0.0.1:9", |_| {});
+        let e = up
+            .complete("/v1/completions", json!([1, 2]))
+            .await
+            .unwrap_err();
+        assert!(matches!(e, UpstreamError::BadRequest { .. }), "{e:?}");
+        assert_eq!(e.http_status(), 400);
+    }
+
+    #[tokio::test]
+    async fn non_json_answer_is_a_protocol_error() {
+        bounded(async {
+            let app = Router::new().route("/v1/completions", post(|| async { "not json" }));
+            let m = mock(app).await;
+            let up = upstream(&m.url, |_| {});
+            let e = up.complete("/v1/completions", json!({})).await.unwrap_err();
+            assert!(matches!(e, UpstreamError::Protocol { .. }), "{e:?}");
+            assert_eq!(e.http_status(), 502);
+            // The upstream did answer: not a breaker failure.
+            assert_eq!(up.consecutive_failures(), 0);
+        })
+        .await;
+    }
+
+    // -- streaming -----------------------------------------------------------
+
+    /// Awkward SSE: a BOM, comments, `\r\n`, bare `\r`, other fields, an
+    /// event whose data spans two `data:` lines, and no blank line after
+    /// `[DONE]`.
+    const AWKWARD_SSE: &str = "\u{FEFF}: keep-alive\r\n\
+        event: message\r\nid: 1\r\n\
+        data: {\"n\":1,\"text\":\"é ü\"}\r\n\r\n\
+        data:{\"n\":2}\n\n\
+        retry: 100\r\
+        data: {\"n\":\r\
+        data: 3}\r\r\
+        : another comment\n\
+        \n\n\
+        data: {\"choices\":[],\"usage\":{\"completion_tokens\":3}}\n\n\
+        data: [DONE]";
+
+    fn expected_events() -> Vec<SseEvent> {
+        vec![
+            SseEvent::Data("{\"n\":1,\"text\":\"é ü\"}".into()),
+            SseEvent::Data("{\"n\":2}".into()),
+            SseEvent::Data("{\"n\":\n3}".into()),
+            SseEvent::Data("{\"choices\":[],\"usage\":{\"completion_tokens\":3}}".into()),
+            SseEvent::Done,
+        ]
+    }
+
+    fn parse_in_pieces(pieces: &[&[u8]]) -> Vec<SseEvent> {
+        let mut parser = SseParser::default();
+        let mut events = Vec::new();
+        for piece in pieces {
+            parser.push(piece);
+            while let Some(e) = parser.next_event().unwrap() {
+                events.push(e);
+            }
+        }
+        parser.finish();
+        while let Some(e) = parser.next_event().unwrap() {
+            events.push(e);
+        }
+        events
+    }
+
+    #[test]
+    fn sse_parser_handles_every_split_point() {
+        let bytes = AWKWARD_SSE.as_bytes();
+        assert_eq!(parse_in_pieces(&[bytes]), expected_events());
+        for i in 0..=bytes.len() {
+            let (a, b) = bytes.split_at(i);
+            assert_eq!(parse_in_pieces(&[a, b]), expected_events(), "split at {i}");
+        }
+        let singles: Vec<&[u8]> = bytes.chunks(1).collect();
+        assert_eq!(parse_in_pieces(&singles), expected_events());
+    }
+
+    #[test]
+    fn sse_parser_limits_and_errors() {
+        let mut p = SseParser::default();
+        p.push(&vec![b'a'; MAX_EVENT + 1]);
+        assert!(p.next_event().is_err());
+        let mut p = SseParser::default();
+        p.push(b"data: \xff\xfe\n\n");
+        assert!(p.next_event().is_err());
+        // An event cut by the end of input still counts.
+        assert_eq!(
+            parse_in_pieces(&[b"data: {}\r"]),
+            vec![SseEvent::Data("{}".into())]
+        );
+        assert_eq!(parse_in_pieces(&[b": only a comment\n\n"]), vec![]);
+    }
+
+    #[tokio::test]
+    async fn stream_parses_chunks_split_at_awkward_boundaries() {
+        bounded(async {
+            let seen = Arc::new(Mutex::new(None::<Value>));
+            let seen_in = Arc::clone(&seen);
+            let app = Router::new().route(
+                "/v1/chat/completions",
+                post(move |headers: HeaderMap, Json(body): Json<Value>| {
+                    let seen = Arc::clone(&seen_in);
+                    async move {
+                        *seen.lock().unwrap() = Some(json!({
+                            "body": body,
+                            "accept": headers.get("accept").and_then(|v| v.to_str().ok()),
+                        }));
+                        // Chunks of 1 to 7 bytes, sent 1 ms apart.
+                        let bytes = AWKWARD_SSE.as_bytes();
+                        let mut pieces = Vec::new();
+                        let (mut at, mut size) = (0, 1);
+                        while at < bytes.len() {
+                            let end = (at + size).min(bytes.len());
+                            pieces.push(Bytes::copy_from_slice(&bytes[at..end]));
+                            at = end;
+                            size = size % 7 + 1;
+                        }
+                        let body = futures_util::stream::iter(pieces).then(|p| async move {
+                            tokio::time::sleep(Duration::from_millis(1)).await;
+                            Ok::<_, Infallible>(p)
+                        });
+                        sse_response(Body::from_stream(body))
+                    }
+                }),
+            );
+            let m = mock(app).await;
+            let up = upstream(&m.url, |c| c.served_model = Some("served".into()));
+            let body = json!({
+                "model": "alias", "messages": [],
+                "stream_options": {"continuous_usage_stats": false}
+            });
+            let stream = up.stream("/v1/chat/completions", body).await.unwrap();
+            let items: Vec<_> = stream.collect().await;
+            let values: Vec<Value> = items.into_iter().map(Result::unwrap).collect();
+            assert_eq!(
+                values,
+                vec![
+                    json!({"n": 1, "text": "é ü"}),
+                    json!({"n": 2}),
+                    json!({"n": 3}),
+                    json!({"choices": [], "usage": {"completion_tokens": 3}}),
+                ]
+            );
+            let seen = seen.lock().unwrap().clone().unwrap();
+            assert_eq!(seen["accept"], "text/event-stream");
+            assert_eq!(seen["body"]["model"], "served");
+            assert_eq!(seen["body"]["stream"], true);
+            assert_eq!(
+                seen["body"]["stream_options"],
+                json!({"continuous_usage_stats": false, "include_usage": true})
+            );
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn stream_reuses_the_connection_after_done() {
+        bounded(async {
+            let app = Router::new().route(
+                "/v1/completions",
+                post(|ConnectInfo(peer): ConnectInfo<SocketAddr>| async move {
+                    sse_response(Body::from(format!(
+                        "data: {{\"peer\":\"{peer}\"}}\n\ndata: [DONE]\n\n"
+                    )))
+                }),
+            );
+            let m = mock(app).await;
+            let up = upstream(&m.url, |_| {});
+            let mut peers = Vec::new();
+            for _ in 0..3 {
+                let stream = up.stream("/v1/completions", json!({})).await.unwrap();
+                let items: Vec<_> = stream.collect().await;
+                assert_eq!(items.len(), 1);
+                peers.push(items[0].as_ref().unwrap()["peer"].clone());
+                // Leave time for a background drain, if one was needed.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            assert_eq!(peers[0], peers[1]);
+            assert_eq!(peers[1], peers[2]);
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn stream_errors_on_cut_stream_and_json_answer() {
+        bounded(async {
+            let app = Router::new()
+                .route(
+                    "/cut",
+                    post(|| async { sse_response(Body::from("data: {\"n\":1}\n\ndata: {\"n\"")) }),
+                )
+                .route("/json", post(|| async { Json(json!({"choices": []})) }));
+            let m = mock(app).await;
+            let up = upstream(&m.url, |_| {});
+            let items: Vec<_> = up.stream("/cut", json!({})).await.unwrap().collect().await;
+            assert_eq!(items.len(), 2);
+            assert_eq!(items[0].as_ref().unwrap(), &json!({"n": 1}));
+            let e = items[1].as_ref().unwrap_err();
+            assert!(matches!(e, UpstreamError::Protocol { .. }), "{e:?}");
+            match up.stream("/json", json!({})).await {
+                Err(UpstreamError::Protocol { .. }) => {}
+                Err(e) => panic!("unexpected error {e:?}"),
+                Ok(_) => panic!("a JSON answer to a streaming request must fail"),
+            }
+        })
+        .await;
+    }
+
+    // -- errors and the breaker ----------------------------------------------
+
+    #[tokio::test]
+    async fn server_errors_open_the_breaker() {
+        bounded(async {
+            let hits = Arc::new(AtomicUsize::new(0));
+            let hits_in = Arc::clone(&hits);
+            let app = Router::new().route(
+                "/v1/completions",
+                post(move || {
+                    hits_in.fetch_add(1, Ordering::SeqCst);
+                    async { (StatusCode::INTERNAL_SERVER_ERROR, "CUDA out of memory") }
+                }),
+            );
+            let m = mock(app).await;
+            let up = upstream(&m.url, |c| c.failure_threshold = 3);
+            for i in 0..3 {
+                assert!(up.available(), "still closed before failure {i}");
+                let e = up.complete("/v1/completions", json!({})).await.unwrap_err();
+                match &e {
+                    UpstreamError::Status { status, body } => {
+                        assert_eq!(*status, 500);
+                        assert_eq!(body, "CUDA out of memory");
+                    }
+                    other => panic!("unexpected {other:?}"),
+                }
+                assert_eq!(e.http_status(), 502);
+            }
+            assert!(!up.available());
+            assert!(matches!(up.state(), BreakerState::Open { .. }));
+            let e = up.complete("/v1/completions", json!({})).await.unwrap_err();
+            assert!(matches!(e, UpstreamError::Unavailable { .. }), "{e:?}");
+            assert_eq!(e.http_status(), 503);
+            assert!(e.is_unsent());
+            let e = up.stream("/v1/completions", json!({})).await.err().unwrap();
+            assert_eq!(e.http_status(), 503);
+            assert_eq!(hits.load(Ordering::SeqCst), 3, "no request while open");
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn client_errors_pass_through_and_do_not_count() {
+        bounded(async {
+            let app = Router::new().route(
+                "/v1/chat/completions",
+                post(|| async {
+                    (
+                        StatusCode::NOT_FOUND,
+                        Json(json!({"error": {"message": "The model `x` does not exist."}})),
+                    )
+                }),
+            );
+            let m = mock(app).await;
+            let up = upstream(&m.url, |c| c.failure_threshold = 2);
+            for _ in 0..3 {
+                let e = up
+                    .complete("/v1/chat/completions", json!({"model": "x"}))
+                    .await
+                    .unwrap_err();
+                assert_eq!(e.http_status(), 404);
+                let UpstreamError::Status { status: 404, body } = &e else {
+                    panic!("unexpected {e:?}");
+                };
+                let body: Value = serde_json::from_str(body).unwrap();
+                assert_eq!(body["error"]["message"], "The model `x` does not exist.");
+                let e = up
+                    .stream("/v1/chat/completions", json!({}))
+                    .await
+                    .err()
+                    .unwrap();
+                assert_eq!(e.http_status(), 404);
+            }
+            assert!(up.available());
+            assert_eq!(up.consecutive_failures(), 0);
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn timeouts_answer_504() {
+        bounded(async {
+            let app = Router::new()
+                .route(
+                    "/never",
+                    post(|| async {
+                        std::future::pending::<()>().await;
+                        ""
+                    }),
+                )
+                .route(
+                    "/stalls",
+                    post(|| async {
+                        let first = futures_util::stream::iter([Ok::<_, Infallible>(
+                            Bytes::from_static(b"data: {\"n\":1}\n\n"),
+                        )]);
+                        sse_response(Body::from_stream(
+                            first.chain(futures_util::stream::pending()),
+                        ))
+                    }),
+                );
+            let m = mock(app).await;
+            let up = upstream(&m.url, |c| c.timeout = Duration::from_millis(200));
+
+            let start = Instant::now();
+            let e = up.complete("/never", json!({})).await.unwrap_err();
+            assert!(matches!(e, UpstreamError::Timeout { .. }), "{e:?}");
+            assert_eq!(e.http_status(), 504);
+            assert!(start.elapsed() < Duration::from_secs(2));
+            assert!(e.to_string().contains("200ms"), "{e}");
+
+            let e = up.stream("/never", json!({})).await.err().unwrap();
+            assert_eq!(e.http_status(), 504);
+
+            let mut stream = Box::pin(up.stream("/stalls", json!({})).await.unwrap());
+            assert_eq!(stream.next().await.unwrap().unwrap(), json!({"n": 1}));
+            let e = stream.next().await.unwrap().unwrap_err();
+            assert!(matches!(e, UpstreamError::Timeout { .. }), "{e:?}");
+            assert!(stream.next().await.is_none());
+            // Two timeouts, then the stall's headers (a success) reset the
+            // count before its gap timeout.
+            assert_eq!(up.consecutive_failures(), 1);
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn connection_refused_is_unavailable() {
+        bounded(async {
+            let up = upstream(&dead_url().await, |_| {});
+            let e = up.complete("/v1/completions", json!({})).await.unwrap_err();
+            assert!(matches!(e, UpstreamError::Unavailable { .. }), "{e:?}");
+            assert_eq!(e.http_status(), 503);
+            assert!(e.is_unsent());
+            assert_eq!(up.consecutive_failures(), 1);
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn half_open_lets_one_trial_through_then_closes() {
+        bounded(async {
+            let failing = Arc::new(AtomicBool::new(true));
+            let failing_in = Arc::clone(&failing);
+            let app = Router::new()
+                .route(
+                    "/v1/completions",
+                    post(move || {
+                        let fail = failing_in.load(Ordering::SeqCst);
+                        async move {
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            if fail {
+                                (StatusCode::BAD_GATEWAY, Json(json!({})))
+                            } else {
+                                (StatusCode::OK, Json(json!({"ok": true})))
+                            }
+                        }
+                    }),
+                )
+                .route(
+                    "/slow",
+                    post(|| async {
+                        tokio::time::sleep(Duration::from_secs(30)).await;
+                        ""
+                    }),
+                );
+            let m = mock(app).await;
+            let up = upstream(&m.url, |c| {
+                c.failure_threshold = 1;
+                c.open_for = Duration::from_millis(100);
+            });
+            assert!(up.complete("/v1/completions", json!({})).await.is_err());
+            assert!(!up.ready());
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            assert_eq!(up.state(), BreakerState::HalfOpen);
+            // A trial cancelled before its answer frees the trial.
+            assert!(up.ready());
+            let cancelled = up.complete("/slow", json!({}));
+            assert!(tokio::time::timeout(Duration::from_millis(50), cancelled)
+                .await
+                .is_err());
+            assert!(up.ready());
+            // Two calls at once: one trial, one refused without being sent.
+            failing.store(false, Ordering::SeqCst);
+            assert!(up.available());
+            let (a, b) = tokio::join!(
+                up.complete("/v1/completions", json!({})),
+                up.complete("/v1/completions", json!({}))
+            );
+            let (ok, refused) = if a.is_ok() { (a, b) } else { (b, a) };
+            assert_eq!(ok.unwrap(), json!({"ok": true}));
+            let refused = refused.unwrap_err();
+            assert!(refused.is_unsent(), "{refused:?}");
+            assert_eq!(up.state(), BreakerState::Closed);
+        })
+        .await;
+    }
+
+    // -- cancellation --------------------------------------------------------
+
+    #[tokio::test]
+    async fn dropping_the_stream_closes_the_upstream_connection() {
+        bounded(async {
+            let gone = Arc::new(AtomicBool::new(false));
+            let gone_in = Arc::clone(&gone);
+            let app = Router::new().route(
+                "/v1/chat/completions",
+                post(move || {
+                    let flag = Arc::clone(&gone_in);
+                    async move {
+                        sse_response(endless_body(
+                            "data: {\"n\":0}\n\n",
+                            "data: {\"n\":1}\n\n",
+                            flag,
+                        ))
+                    }
+                }),
+            );
+            let m = mock(app).await;
+            let up = upstream(&m.url, |_| {});
+            let mut stream = Box::pin(up.stream("/v1/chat/completions", json!({})).await.unwrap());
+            assert_eq!(stream.next().await.unwrap().unwrap(), json!({"n": 0}));
+            assert_eq!(stream.next().await.unwrap().unwrap(), json!({"n": 1}));
+            assert!(!gone.load(Ordering::SeqCst));
+            drop(stream);
+            wait_until("the mock sees the client go", || {
+                gone.load(Ordering::SeqCst)
+            })
+            .await;
+            assert_eq!(up.consecutive_failures(), 0);
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn dropping_the_complete_future_closes_the_upstream_connection() {
+        bounded(async {
+            let gone = Arc::new(AtomicBool::new(false));
+            let gone_in = Arc::clone(&gone);
+            let app = Router::new().route(
+                "/v1/completions",
+                post(move || {
+                    let flag = Arc::clone(&gone_in);
+                    async move { endless_body("{\"choices\": [", " ", flag) }
+                }),
+            );
+            let m = mock(app).await;
+            let up = upstream(&m.url, |_| {});
+            let call = up.complete("/v1/completions", json!({}));
+            assert!(tokio::time::timeout(Duration::from_millis(200), call)
+                .await
+                .is_err());
+            wait_until("the mock sees the client go", || {
+                gone.load(Ordering::SeqCst)
+            })
+            .await;
+            assert_eq!(up.consecutive_failures(), 0);
+        })
+        .await;
+    }
+
+    // -- health checks -------------------------------------------------------
+
+    #[tokio::test]
+    async fn health_checks_mark_a_dead_upstream_unavailable() {
+        bounded(async {
+            let up = Arc::new(upstream(&dead_url().await, |c| {
+                c.health_path = "/health".into();
+                c.health_interval = Duration::from_millis(20);
+                c.failure_threshold = 2;
+            }));
+            let task = up.spawn_health_checks().unwrap();
+            wait_until("the breaker opens", || {
+                matches!(up.state(), BreakerState::Open { .. })
+            })
+            .await;
+            assert!(!up.available());
+            // The task holds only a weak reference and stops with the upstream.
+            drop(up);
+            tokio::time::timeout(Duration::from_secs(5), task)
+                .await
+                .unwrap()
+                .unwrap();
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn health_checks_open_and_close_the_breaker() {
+        bounded(async {
+            let healthy = Arc::new(AtomicBool::new(true));
+            let healthy_in = Arc::clone(&healthy);
+            let app = Router::new().route(
+                "/health",
+                get(move || {
+                    let ok = healthy_in.load(Ordering::SeqCst);
+                    async move {
+                        if ok {
+                            StatusCode::OK
+                        } else {
+                            StatusCode::SERVICE_UNAVAILABLE
+                        }
+                    }
+                }),
+            );
+            let m = mock(app).await;
+            let up = Arc::new(upstream(&m.url, |c| {
+                c.health_path = "/health".into();
+                c.health_interval = Duration::from_millis(20);
+                c.failure_threshold = 2;
+            }));
+            up.check_health().await.unwrap();
+            let task = up.spawn_health_checks().unwrap();
+            healthy.store(false, Ordering::SeqCst);
+            wait_until("the breaker opens", || {
+                matches!(up.state(), BreakerState::Open { .. })
+            })
+            .await;
+            healthy.store(true, Ordering::SeqCst);
+            wait_until("the breaker closes", || up.state() == BreakerState::Closed).await;
+            task.abort();
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn no_health_task_without_a_path() {
+        let up = Arc::new(upstream("http://127.0.0.1:9", |c| {
+            c.health_path = String::new()
+        }));
+        assert!(up.spawn_health_checks().is_none());
+        up.check_health().await.unwrap();
+    }
+
+    // -- the breaker as a pure state machine -----------------------------------
+
+    #[test]
+    fn breaker_opens_after_consecutive_failures() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs(1);
+        let mut b = Breaker::new(3, 10 * s, 60 * s);
+        assert!(b.try_acquire(t0));
+        assert_eq!(b.admit(t0), Admission::Admitted);
+        assert!(!b.on_failure(t0));
+        assert!(!b.on_failure(t0));
+        // A success resets the count.
+        assert!(!b.on_success());
+        assert_eq!(b.consecutive_failures(), 0);
+        assert!(!b.on_failure(t0));
+        assert!(!b.on_failure(t0));
+        assert!(b.on_failure(t0 + s));
+        assert_eq!(b.state(t0 + s), BreakerState::Open { until: t0 + 11 * s });
+        assert!(!b.ready(t0 + 5 * s));
+        assert!(!b.try_acquire(t0 + 5 * s));
+        assert_eq!(b.admit(t0 + 5 * s), Admission::Refused);
+        // A late failure of a request sent before does not extend it.
+        assert!(!b.on_failure(t0 + 5 * s));
+        assert_eq!(
+            b.state(t0 + 5 * s),
+            BreakerState::Open { until: t0 + 11 * s }
+        );
+        assert_eq!(b.state(t0 + 11 * s), BreakerState::HalfOpen);
+        assert!(b.ready(t0 + 11 * s));
+    }
+
+    #[test]
+    fn half_open_admits_one_trial() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs(1);
+        let mut b = Breaker::new(1, 10 * s, 60 * s);
+        assert!(b.on_failure(t0));
+        let t1 = t0 + 10 * s;
+        // Asking without taking changes nothing.
+        assert!(b.ready(t1) && b.ready(t1));
+        assert!(b.try_acquire(t1), "the first caller reserves the trial");
+        assert!(!b.ready(t1));
+        assert!(!b.try_acquire(t1), "only one trial");
+        // The next call sent is the trial; any other is refused.
+        assert_eq!(b.admit(t1), Admission::Trial);
+        assert_eq!(b.admit(t1), Admission::Refused);
+        assert!(!b.try_acquire(t1 + 30 * s));
+        // Trial fails: open again for a full period.
+        assert!(b.on_failure(t1 + s));
+        assert_eq!(b.state(t1 + s), BreakerState::Open { until: t1 + 11 * s });
+        assert_eq!(b.admit(t1 + 5 * s), Admission::Refused);
+        // A call sent directly after the period takes the trial itself.
+        let t2 = t1 + 11 * s;
+        assert_eq!(b.admit(t2), Admission::Trial);
+        assert_eq!(b.admit(t2), Admission::Refused);
+        assert!(!b.try_acquire(t2));
+        // It succeeds: closed, everyone admitted.
+        assert!(b.on_success());
+        assert_eq!(b.state(t2), BreakerState::Closed);
+        assert!(b.try_acquire(t2) && b.try_acquire(t2));
+        assert_eq!(b.admit(t2), Admission::Admitted);
+    }
+
+    #[test]
+    fn abandoned_trials_are_released() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs(1);
+        let mut b = Breaker::new(1, 10 * s, 60 * s);
+        b.on_failure(t0);
+        let t1 = t0 + 10 * s;
+        // A reservation no call uses expires after `open_for`.
+        assert!(b.try_acquire(t1));
+        assert!(!b.try_acquire(t1 + 9 * s));
+        assert!(b.try_acquire(t1 + 10 * s));
+        // A trial cancelled before its answer frees the trial at once.
+        let t2 = t1 + 10 * s;
+        assert_eq!(b.admit(t2), Admission::Trial);
+        b.release_trial();
+        assert!(b.ready(t2));
+        assert_eq!(b.admit(t2), Admission::Trial);
+        // A trial that never reports expires after the lease.
+        assert_eq!(b.admit(t2 + 59 * s), Admission::Refused);
+        assert!(!b.ready(t2 + 59 * s));
+        assert_eq!(b.admit(t2 + 60 * s), Admission::Trial);
+        // Releasing does nothing unless a trial is in flight.
+        b.on_success();
+        b.release_trial();
+        assert_eq!(b.state(t2), BreakerState::Closed);
+        b.on_failure(t2);
+        b.release_trial();
+        assert!(matches!(b.state(t2), BreakerState::Open { .. }));
+    }
+
+    #[test]
+    fn breaker_state_serializes_for_admin() {
+        assert_eq!(
+            serde_json::to_value(BreakerState::Closed).unwrap(),
+            json!({"state": "closed"})
+        );
+        assert_eq!(
+            serde_json::to_value(BreakerState::HalfOpen).unwrap(),
+            json!({"state": "half_open"})
+        );
+        let open = BreakerState::Open {
+            until: Instant::now() + Duration::from_secs(5),
+        };
+        let v = serde_json::to_value(open).unwrap();
+        assert_eq!(v["state"], "open");
+        let ms = v["retry_in_ms"].as_u64().unwrap();
+        assert!(ms > 4000 && ms <= 5000, "{ms}");
+    }
+
+    // -- configuration ---------------------------------------------------------
+
+    #[test]
+    fn durations_parse() {
+        let ms = Duration::from_millis;
+        assert_eq!(duration::parse("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(duration::parse("500ms"), Ok(ms(500)));
+        assert_eq!(duration::parse(" 1m30s "), Ok(Duration::from_secs(90)));
+        assert_eq!(duration::parse("1h 2m"), Ok(Duration::from_secs(3720)));
+        assert_eq!(duration::parse("1.5s"), Ok(ms(1500)));
+        assert_eq!(duration::parse("2 seconds"), Ok(Duration::from_secs(2)));
+        assert_eq!(duration::parse("250us"), Ok(Duration::from_micros(250)));
+        assert_eq!(duration::parse("30"), Ok(Duration::from_secs(30)));
+        assert_eq!(duration::parse("0.25"), Ok(ms(250)));
+        for bad in ["", "s", "10x", "5 m s", "-1s", "-3", "1.2.3s", "inf", "NaN"] {
+            assert!(duration::parse(bad).is_err(), "{bad:?} must not parse");
+        }
+        assert_eq!(duration::format(ms(200)), "200ms");
+        assert_eq!(duration::format(Duration::from_secs(120)), "120s");
+        assert_eq!(duration::format(ms(1500)), "1500ms");
+        assert_eq!(duration::format(ms(12_500)), "12.5s");
+    }
+
+    #[test]
+    fn config_from_toml_with_defaults() {
+        let cfg: UpstreamConfig = toml::from_str(
+            r#"
+            url = "http://10.0.0.5:8000"
+            api_key = "sk-secret"
+            timeout = "30s"
+            connect_timeout = 0.5
+            open_for = 15
+            health_interval = "1m"
+            "#,
+        )
+        .unwrap();
+        assert_eq!(cfg.timeout, Duration::from_secs(30));
+        assert_eq!(cfg.connect_timeout, Duration::from_millis(500));
+        assert_eq!(cfg.open_for, Duration::from_secs(15));
+        assert_eq!(cfg.health_interval, Duration::from_secs(60));
+        assert_eq!(cfg.concurrency, 8);
+        assert_eq!(cfg.failure_threshold, 5);
+        assert_eq!(cfg.health_path, "/health");
+        assert!(cfg.served_model.is_none());
+        assert!(!format!("{cfg:?}").contains("sk-secret"));
+
+        let err =
+            toml::from_str::<UpstreamConfig>("url = \"http://x:1\"\ntimout = \"5s\"").unwrap_err();
+        assert!(err.to_string().contains("timout"), "{err}");
+        let err = toml::from_str::<UpstreamConfig>("url = \"http://x:1\"\ntimeout = \"5 parsecs\"")
+            .unwrap_err();
+        assert!(err.to_string().contains("unknown unit"), "{err}");
+
+        // Works as the payload of an internally tagged backend enum.
+        #[derive(Debug, serde::Deserialize)]
+        #[serde(tag = "kind", rename_all = "snake_case")]
+        #[allow(dead_code)]
+        enum Backend {
+            Http(UpstreamConfig),
+            Sim { pool: String },
+        }
+        let b: Backend =
+            toml::from_str("kind = \"http\"\nurl = \"http://x:1\"\ntimeout = \"1s\"").unwrap();
+        let Backend::Http(cfg) = b else { panic!() };
+        assert_eq!(cfg.timeout, Duration::from_secs(1));
+
+        // And flattened into a larger entry.
+        #[derive(Debug, serde::Deserialize)]
+        struct Entry {
+            model: String,
+            #[serde(flatten)]
+            upstream: UpstreamConfig,
+        }
+        let e: Entry =
+            toml::from_str("model = \"m\"\nurl = \"http://x:1\"\nopen_for = \"3s\"").unwrap();
+        assert_eq!(e.model, "m");
+        assert_eq!(e.upstream.open_for, Duration::from_secs(3));
+    }
+
+    #[test]
+    fn invalid_configurations_are_refused() {
+        let try_new = |tweak: &dyn Fn(&mut UpstreamConfig)| {
+            let mut cfg = UpstreamConfig::new("http://127.0.0.1:8000");
+            tweak(&mut cfg);
+            Upstream::new("u".into(), cfg)
+        };
+        assert!(try_new(&|_| {}).is_ok());
+        for bad in [
+            "https://10.0.0.1",
+            "ftp://10.0.0.1",
+            "127.0.0.1:8000",
+            "not a url",
+            "http://10.0.0.1/?a=b",
+        ] {
+            let e = try_new(&|c| c.url = bad.into()).unwrap_err();
+            assert!(matches!(e, UpstreamError::Config { .. }), "{bad}: {e:?}");
+        }
+        assert!(try_new(&|c| c.concurrency = 0).is_err());
+        assert!(try_new(&|c| c.failure_threshold = 0).is_err());
+        assert!(try_new(&|c| c.timeout = Duration::ZERO).is_err());
+        assert!(try_new(&|c| c.open_for = Duration::from_secs(u64::MAX)).is_err());
+        assert!(try_new(&|c| c.health_path = "health".into()).is_err());
+        assert!(try_new(&|c| c.api_key = Some("bad\nkey".into())).is_err());
+        let up = try_new(&|c| c.url = "http://10.0.0.1:8000/".into()).unwrap();
+        assert_eq!(up.endpoint("/v1/models"), "http://10.0.0.1:8000/v1/models");
+        assert_eq!(up.name(), "u");
+    }
+
+    #[test]
+    fn error_statuses() {
+        let status = |status| UpstreamError::Status {
+            status,
+            body: String::new(),
+        };
+        assert_eq!(status(400).http_status(), 400);
+        assert_eq!(status(429).http_status(), 429);
+        assert_eq!(status(500).http_status(), 502);
+        assert_eq!(status(503).http_status(), 502);
+        assert_eq!(status(302).http_status(), 502);
+        assert!(status(500).is_upstream_failure());
+        assert!(!status(429).is_upstream_failure());
+        let long = UpstreamError::Status {
+            status: 500,
+            body: "é".repeat(1000),
+        };
+        assert!(long.to_string().len() < 400);
+    }
+}
