@@ -2,9 +2,10 @@
 
 mod check;
 mod diff;
-mod explain;
+pub(crate) mod explain;
 mod fmt;
 mod lint;
+mod serve;
 mod simulate;
 mod test;
 mod traffic;
@@ -52,6 +53,12 @@ pub enum Command {
     Simulate(simulate::Args),
     /// Import and combine recorded traffic (Azure, Mooncake, ServeGen traces).
     Traffic(traffic::Args),
+    /// Run the gateway: an OpenAI-compatible server that decides, queues and
+    /// dispatches every request under the policy, on simulated GPUs or
+    /// HTTP upstreams.
+    Serve(serve::Args),
+    /// Print the SHA-256 of an API key or admin token, as kiln.toml stores it.
+    HashKey(serve::HashKeyArgs),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
@@ -83,6 +90,8 @@ pub fn main() -> i32 {
         Command::Diff(a) => diff::run(a),
         Command::Simulate(a) => simulate::run(a),
         Command::Traffic(a) => traffic::run(a),
+        Command::Serve(a) => serve::run(a),
+        Command::HashKey(a) => serve::hash_key(a),
     }
 }
 

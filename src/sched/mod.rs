@@ -17,12 +17,18 @@
 //! - [`replica`] runs continuous batching under a sequence and token
 //!   budget, with KV memory reserved per sequence so it is never
 //!   over-committed, and preempts lower tiers' preemptible work when a
-//!   higher tier would otherwise wait.
+//!   higher tier would otherwise wait; an external replica (an HTTP
+//!   upstream) only has its slots filled, the upstream runs the batch;
+//! - [`swap`] moves queues, running work, quotas and fair share to a new
+//!   policy version by name while requests wait and run.
 
 pub mod plan;
 pub mod queue;
 pub mod quota;
 pub mod replica;
+pub mod swap;
+#[cfg(test)]
+mod testkit;
 
 use crate::graph::{Admission, DecisionGraph, PoolId, Request, Signals, TenantId, TierId};
 use plan::Plan;
@@ -76,6 +82,10 @@ pub enum Reason {
     SessionBudget,
     /// The tenant's retry budget is spent.
     RetryBudget,
+    /// A new policy version no longer has the request's tier, tenant or
+    /// variant (or no replica for it) while it waited: re-submit it to be
+    /// decided under the new version.
+    PolicyChanged,
 }
 
 impl Reason {
@@ -97,6 +107,7 @@ impl Reason {
             Reason::Preempted => "preempted",
             Reason::SessionBudget => "session-budget",
             Reason::RetryBudget => "retry-budget",
+            Reason::PolicyChanged => "policy-changed",
         }
     }
 }
@@ -138,6 +149,9 @@ pub enum Event {
     },
     /// A replica failed or was drained: its running sequences go back to
     /// the head of their queues (nothing is lost) and it takes no work.
+    /// Sequences on an external replica stay: the upstream owns them until
+    /// they are reported complete or cancelled. One that no live replica
+    /// could run again after a policy swap is refused (`policy-changed`).
     ReplicaDown {
         replica: usize,
     },
@@ -147,6 +161,20 @@ pub enum Event {
     },
     /// Time passed: queue timeouts, delays and batching holds fire.
     Tick,
+    /// The client went away. Wherever the request is (delayed, queued or
+    /// running) it is removed, its memory and batch slot freed, its quota
+    /// released (charging what was served), and [`Action::Cancelled`]
+    /// emitted. An unknown or finished id is ignored.
+    Cancel {
+        id: ReqId,
+    },
+    /// An external replica's upstream finished request `id` after
+    /// producing `output_tokens`: it ends with [`Action::Finished`] and its
+    /// slot is refilled. Ignored unless `id` runs on an external replica.
+    Complete {
+        id: ReqId,
+        output_tokens: u32,
+    },
 }
 
 /// What the environment must do.
@@ -189,6 +217,26 @@ pub enum Action {
         replica: usize,
         by: ReqId,
     },
+    /// The request was cancelled ([`Event::Cancel`]); nothing more will
+    /// happen to it.
+    Cancelled { id: ReqId },
+}
+
+/// One (tier, tenant) queue, for the gateway's `/admin/queues` and metrics.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct QueueRow {
+    pub tier: String,
+    pub tenant: Option<String>,
+    /// Requests queued.
+    pub depth: usize,
+    /// Requests held outside the queue (a delay window, a batching hold).
+    pub parked: usize,
+    /// How long the oldest queued request has waited (0 when none).
+    pub oldest_wait: Micros,
+    /// Weighted service received (the VTC counter, decayed to now).
+    pub served: f64,
+    /// This tenant's part of the service its tier has given, 0 to 1.
+    pub share: f64,
 }
 
 /// Tunables that are not policy: how the scheduler itself behaves.
@@ -251,6 +299,9 @@ pub struct Scheduler {
     /// Requests waiting for a delay window or a batching hold.
     timers: Vec<(Micros, ReqId)>,
     sessions: HashMap<String, (TierId, u64)>,
+    /// Draining replicas whose variant a policy swap dropped, by the names
+    /// they had, so a later version that has them again can take them.
+    gone: HashMap<usize, swap::ReplicaKey>,
     signals: Signals,
     /// Baselines decide on an idle fleet: the policy classifies and routes
     /// for them, but its admission control and quotas are kiln's, not theirs.
@@ -290,6 +341,7 @@ impl Scheduler {
             held: HashMap::default(),
             timers: Vec::new(),
             sessions: HashMap::default(),
+            gone: HashMap::default(),
             signals,
             idle,
             out: Vec::new(),
@@ -315,6 +367,64 @@ impl Scheduler {
         self.queues.backlog_gap()
     }
 
+    /// The policy version in force (the last one swapped in).
+    pub fn graph(&self) -> &std::sync::Arc<DecisionGraph> {
+        &self.graph
+    }
+
+    /// The live signals policies read, as of the last arrival.
+    pub fn signals(&self) -> &Signals {
+        &self.signals
+    }
+
+    /// Sequences running on replica `r` (0 for an unknown replica).
+    pub fn running_on(&self, r: usize) -> usize {
+        self.replicas.get(r).map_or(0, |x| x.running.len())
+    }
+
+    /// Requests delayed or held for a batch (not in [`Self::waiting`]).
+    pub fn parked(&self) -> usize {
+        self.queues.parked()
+    }
+
+    /// Every (tier, tenant) with work waiting or service received, in tier
+    /// then tenant order (no tenant first), with names from the graph.
+    pub fn queue_snapshot(&self) -> Vec<QueueRow> {
+        let stats = self.queues.stats();
+        let mut tier_total: HashMap<TierId, f64> = HashMap::default();
+        for q in &stats {
+            *tier_total.entry(q.tier).or_default() += q.served;
+        }
+        stats
+            .into_iter()
+            .map(|q| {
+                let total = tier_total.get(&q.tier).copied().unwrap_or(0.0);
+                QueueRow {
+                    tier: self
+                        .graph
+                        .tiers
+                        .get(q.tier as usize)
+                        .map_or_else(|| format!("#{}", q.tier), |t| t.name.clone()),
+                    tenant: q.tenant.map(|t| {
+                        self.graph
+                            .tenants
+                            .get(t as usize)
+                            .map_or_else(|| format!("#{t}"), |x| x.name.clone())
+                    }),
+                    depth: q.depth,
+                    parked: q.parked,
+                    oldest_wait: q.oldest.map_or(0, |a| self.now.saturating_sub(a)),
+                    served: q.served,
+                    share: if total > 0.0 {
+                        (q.served / total).clamp(0.0, 1.0)
+                    } else {
+                        0.0
+                    },
+                }
+            })
+            .collect()
+    }
+
     /// Feeds one event at time `now` (never earlier than the last one) and
     /// returns the actions it caused. The slice is valid until the next call.
     pub fn handle(&mut self, now: Micros, event: Event) -> &[Action] {
@@ -331,14 +441,124 @@ impl Scheduler {
                 }
             }
             Event::Tick => {}
+            Event::Cancel { id } => self.cancel(id),
+            Event::Complete { id, output_tokens } => self.complete(id, output_tokens),
         }
+        self.settle();
+        &self.out
+    }
+
+    /// After every event: timers fire, expired waits are refused, idle
+    /// capacity is filled, and the next wake-up is asked for.
+    fn settle(&mut self) {
         self.fire_timers();
         self.expire_queued();
         self.dispatch_all();
         if let Some(t) = self.next_wake() {
             self.out.push(Action::WakeAt(t));
         }
-        &self.out
+    }
+
+    /// Forgets a held request, releasing its quota reservation and
+    /// charging `used` tokens.
+    fn end_held(&mut self, id: ReqId, used: f64) {
+        if let Some(h) = self.held.remove(&id) {
+            if let Some(t) = h.tenant {
+                self.quotas.release(t, h.reserved_tokens, used);
+            }
+        }
+    }
+
+    /// Where request `id` runs: (replica, position in its batch).
+    fn find_running(&self, id: ReqId) -> Option<(usize, usize)> {
+        self.replicas
+            .iter()
+            .enumerate()
+            .find_map(|(r, rep)| rep.position(id).map(|i| (r, i)))
+    }
+
+    /// The GPU time an external replica's sequence used: wall time since
+    /// it started times the replica's GPUs, split evenly among the
+    /// sequences running there now. An approximation (the upstream's batch
+    /// varied over the request's life, and its steps are not seen here),
+    /// but an honest one: it never counts a GPU-second twice.
+    fn external_share(&self, r: usize, i: usize) -> f64 {
+        let Some(rep) = self.replicas.get(r) else {
+            return 0.0;
+        };
+        let Some(s) = rep.running.get(i) else {
+            return 0.0;
+        };
+        let wall = self.now.saturating_sub(s.started) as f64 / SEC as f64;
+        wall * f64::from(rep.spec.gpus) / rep.running.len().max(1) as f64
+    }
+
+    fn cancel(&mut self, id: ReqId) {
+        if !self.held.contains_key(&id) {
+            return; // unknown, finished or refused: nothing to do
+        }
+        let mut used = 0.0;
+        if let Some(w) = self.queues.unpark(id) {
+            self.timers.retain(|&(_, t)| t != id);
+            used = swap::served_tokens(&w);
+        } else if let Some(w) = self.queues.remove(id) {
+            used = swap::served_tokens(&w);
+            // It was charged fair-share service for output it never made.
+            if w.started {
+                let unused = w.output_tokens.saturating_sub(w.generated);
+                self.queues.refund(&self.graph, &self.cfg, &w, unused);
+            }
+        } else if let Some((r, i)) = self.find_running(id) {
+            let external = self.replicas[r].spec.external;
+            let share = if external {
+                self.external_share(r, i)
+            } else {
+                0.0
+            };
+            let s = self.replicas[r].evict(i);
+            if let Some(t) = s.w.tenant {
+                if share > 0.0 {
+                    self.quotas.charge_gpu(t, share, self.now);
+                }
+            }
+            // An external replica's progress is unknown: its prompt is
+            // charged, and fair share keeps what it was charged.
+            used = f64::from(s.w.prompt_tokens) + f64::from(s.generated);
+            if !external {
+                let unused = s.w.output_tokens.saturating_sub(s.generated);
+                self.queues.refund(&self.graph, &self.cfg, &s.w, unused);
+            }
+        }
+        self.end_held(id, used);
+        self.out.push(Action::Cancelled { id });
+    }
+
+    fn complete(&mut self, id: ReqId, output_tokens: u32) {
+        let Some((r, i)) = self.find_running(id) else {
+            return;
+        };
+        if !self.replicas[r].spec.external {
+            return; // its steps are the scheduler's to count
+        }
+        let share = self.external_share(r, i);
+        let rep = &mut self.replicas[r];
+        let s = rep.evict(i);
+        rep.remember_prefix(&s.w.prefix_blocks);
+        if let Some(t) = s.w.tenant {
+            self.quotas.charge_gpu(t, share, self.now);
+        }
+        // Fair share was charged for the output budget at dispatch.
+        let unused =
+            s.w.output_tokens
+                .saturating_sub(s.generated)
+                .saturating_sub(output_tokens);
+        self.queues.refund(&self.graph, &self.cfg, &s.w, unused);
+        let used = f64::from(s.w.prompt_tokens) + f64::from(output_tokens);
+        self.end_held(id, used);
+        self.out.push(Action::Finished {
+            id,
+            gpu_seconds: s.gpu_seconds + share,
+        });
     }
 
     fn refresh_signals(&mut self) {
@@ -609,6 +829,8 @@ impl Scheduler {
             borrowed,
             waiting_for: None,
             gpu_seconds: 0.0,
+            started: false,
+            orphan: false,
         };
         let mut w = w;
         if let (Admission::Delay { until }, false) = (d.admission, baseline) {
@@ -767,6 +989,12 @@ impl Scheduler {
             return;
         };
         rep.up = false;
+        if rep.spec.external {
+            // Its requests are the upstream's: tokens already streamed
+            // cannot be taken back, so they stay until the environment
+            // reports each one complete or cancelled.
+            return;
+        }
         // A step in flight is lost with the replica; its StepDone, if it
         // still arrives, finds nothing to apply.
         rep.busy = false;
@@ -778,6 +1006,13 @@ impl Scheduler {
             s.w.generated = s.generated;
             s.w.gpu_seconds = s.gpu_seconds;
             s.w.waiting_for = Some(Reason::Saturation);
+            if !swap::servable(&self.by_variant, &self.replicas, &s.w) {
+                // A policy swap left no replica that could take it back
+                // (this one drains, or shrank): re-decide it.
+                let used = swap::served_tokens(&s.w);
+                self.refuse_changed(s.w.id, used);
+                continue;
+            }
             self.out.push(Action::Preempted {
                 id: s.w.id,
                 replica: r,
@@ -823,10 +1058,23 @@ impl Scheduler {
     /// queue order under the replica's budgets, preempting if needed.
     fn dispatch_all(&mut self) {
         for r in 0..self.replicas.len() {
-            if self.replicas[r].busy || !self.replicas[r].up {
+            let rep = &self.replicas[r];
+            if !rep.up {
                 continue;
             }
-            self.fill(r);
+            if rep.spec.external {
+                // The upstream runs the batch: fill its slots, no steps.
+                if !rep.draining {
+                    self.fill(r);
+                }
+                continue;
+            }
+            if rep.busy {
+                continue;
+            }
+            if !rep.draining {
+                self.fill(r);
+            }
             let now = self.now;
             if let Some(until) = self.replicas[r].start_step(now) {
                 self.out.push(Action::Step { replica: r, until });
@@ -877,7 +1125,12 @@ impl Scheduler {
             } else {
                 None
             };
-            let cached = if self.graph.tiers[w.tier as usize].prefix_affinity {
+            let affinity = self
+                .graph
+                .tiers
+                .get(w.tier as usize)
+                .is_some_and(|t| t.prefix_affinity);
+            let cached = if affinity {
                 self.replicas[r].cached_prefix_tokens(&w.prefix_blocks)
             } else {
                 0
@@ -895,7 +1148,13 @@ impl Scheduler {
     /// Preempts the lowest-priority preemptible sequence on replica `r`
     /// that `w`'s tier may preempt, if any, within the thrash budget.
     fn try_preempt(&mut self, r: usize, w: &Waiting) -> bool {
-        let tier = &self.graph.tiers[w.tier as usize];
+        // Tokens streamed from an upstream cannot be taken back.
+        if self.replicas[r].spec.external {
+            return false;
+        }
+        let Some(tier) = self.graph.tiers.get(w.tier as usize) else {
+            return false;
+        };
         let lends = w.tenant.and_then(|t| self.quotas.cohort(t)).is_some();
         if tier.preempts.is_empty() && !lends {
             return false;
@@ -910,7 +1169,7 @@ impl Scheduler {
             .map(|ms| (ms * 1000.0 / 2.0) as Micros);
         if let Some(budget) = budget {
             let waited = self.now.saturating_sub(w.arrival);
-            if waited + self.replicas[r].time_to_free() <= budget {
+            if waited.saturating_add(self.replicas[r].time_to_free()) <= budget {
                 return false;
             }
         }
@@ -927,13 +1186,23 @@ impl Scheduler {
                     && s.w.tenant != w.tenant
                     && s.w.tenant.and_then(|t| self.quotas.cohort(t)) == cohort;
                 (tier.preempts.contains(&s.w.tier) || reclaim)
-                    && self.graph.tiers[s.w.tier as usize].preemptible
+                    && self
+                        .graph
+                        .tiers
+                        .get(s.w.tier as usize)
+                        .is_some_and(|t| t.preemptible)
+                    && !s.w.orphan
                     && s.w.preemptions < self.cfg.max_preemptions_per_seq
+                    // it could come back here (a swap may shrink memory)
+                    && s.kv <= self.replicas[r].spec.kv_capacity
             })
             // lowest priority first, then the one that started last (least work lost)
             .min_by_key(|(_, s)| {
                 (
-                    self.graph.tiers[s.w.tier as usize].priority,
+                    self.graph
+                        .tiers
+                        .get(s.w.tier as usize)
+                        .map_or(i64::MIN, |t| t.priority),
                     std::cmp::Reverse(s.started),
                 )
             })
@@ -966,5 +1235,243 @@ impl Scheduler {
 
     pub fn pool_of(&self, r: usize) -> Option<PoolId> {
         self.replicas.get(r).map(|x| x.spec.pool)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testkit::*;
+    use super::*;
+
+    fn cancelled(acts: &[Action]) -> Vec<ReqId> {
+        ids(acts, |a| match a {
+            Action::Cancelled { id } => Some(*id),
+            _ => None,
+        })
+    }
+
+    #[test]
+    fn cancel_takes_a_queued_request_out_and_releases_its_quota() {
+        let g = graph(BASE);
+        let mut s = sched(&g);
+        // chat: tokens 60k/min, concurrent 4.
+        for id in 0..4 {
+            arrive(&mut s, 0, arrival(id, "chat", "m", 100, 5));
+        }
+        assert_eq!(s.waiting(), 3);
+        assert_eq!(s.quotas.in_flight(0), 4);
+        let acts = s.handle(MS, Event::Cancel { id: 2 }).to_vec();
+        assert_eq!(cancelled(&acts), vec![2]);
+        assert_eq!(s.waiting(), 2);
+        assert_eq!(s.quotas.in_flight(0), 3);
+        // Never started: nothing charged, the whole reservation refunded.
+        assert!(!s.held.contains_key(&2));
+        // Cancelling again, or an unknown id, does nothing.
+        let acts = s.handle(MS, Event::Cancel { id: 2 }).to_vec();
+        assert!(cancelled(&acts).is_empty());
+        let acts = s.handle(MS, Event::Cancel { id: 99 }).to_vec();
+        assert!(acts.is_empty(), "{acts:?}");
+    }
+
+    #[test]
+    fn cancel_frees_a_running_sequence_memory_at_once() {
+        let g = graph(BASE);
+        let mut s = sched(&g);
+        let acts = arrive(&mut s, 0, arrival(0, "bulk", "m", 100, 50));
+        assert_eq!(started(&acts), vec![0]);
+        arrive(&mut s, 0, arrival(1, "bulk", "m", 100, 50));
+        assert_eq!(s.replicas[0].kv_used(), 150);
+        let acts = s.handle(MS / 2, Event::Cancel { id: 0 }).to_vec();
+        assert_eq!(cancelled(&acts), vec![0]);
+        assert_eq!(s.replicas[0].kv_used(), 0);
+        assert_eq!(s.running_on(0), 0);
+        // The step in flight ends; the freed slot goes to the next one.
+        let until = s.replicas[0].step_until;
+        let acts = s.handle(until, Event::StepDone { replica: 0 }).to_vec();
+        assert_eq!(started(&acts), vec![1]);
+        assert!(!acts.iter().any(|a| matches!(a, Action::Finished { .. })));
+    }
+
+    #[test]
+    fn cancel_charges_what_a_started_request_was_served() {
+        let g = graph(BASE);
+        let mut s = sched(&g);
+        arrive(&mut s, 0, arrival(0, "chat", "m", 1000, 500));
+        let before = s.quotas.remaining_percent(0, 0);
+        // Run two steps: the prompt is prefilled and one token generated.
+        for _ in 0..2 {
+            let until = s.replicas[0].step_until;
+            s.handle(until, Event::StepDone { replica: 0 });
+        }
+        let generated = s.replicas[0].running[0].generated;
+        assert!(generated >= 1);
+        let now = s.now();
+        s.handle(now, Event::Cancel { id: 0 });
+        // 1500 reserved of a 60k bucket (refilling 1000 a second); the
+        // prompt and the generated tokens stay charged.
+        let after = s.quotas.remaining_percent(0, now);
+        let charged = 60_000.0 * (100.0 - after) / 100.0 + now as f64 / 1000.0;
+        let expect = 1000.0 + f64::from(generated);
+        assert!((charged - expect).abs() < 1.0, "{charged} vs {expect}");
+        assert!(after > before);
+        assert_eq!(s.quotas.in_flight(0), 0);
+    }
+
+    #[test]
+    fn cancel_drops_a_delayed_request_and_its_timer() {
+        let text = BASE.replace(
+            "route [hi, lo] m",
+            "admit lo {\n  when time in 08:00..20:00 => delay until 20:00\n  default => accept\n}\nroute [hi, lo] m",
+        );
+        let g = graph(&text);
+        let mut s = sched(&g);
+        let acts = arrive(&mut s, 0, arrival(0, "bulk", "m", 10, 2));
+        assert!(acts.iter().any(|a| matches!(a, Action::WakeAt(_))));
+        assert_eq!(s.parked(), 1);
+        let acts = s.handle(SEC, Event::Cancel { id: 0 }).to_vec();
+        assert_eq!(acts, vec![Action::Cancelled { id: 0 }]);
+        assert_eq!(s.parked(), 0);
+        assert!(s.timers.is_empty());
+        let acts = s.handle(9 * 3600 * SEC, Event::Tick).to_vec();
+        assert!(acts.is_empty(), "{acts:?}");
+    }
+
+    #[test]
+    fn external_replicas_fill_slots_without_steps_and_finish_on_complete() {
+        let g = graph(BASE);
+        let mut s = sched(&g);
+        let ext = s
+            .replicas
+            .iter()
+            .position(|r| r.spec.external)
+            .expect("an external replica");
+        let mut acts = Vec::new();
+        for id in 0..3 {
+            acts.extend(arrive(&mut s, 0, arrival(id, "bulk", "api", 100, 10)));
+        }
+        assert_eq!(started(&acts), vec![0, 1], "two slots, queue order");
+        assert!(!acts.iter().any(|a| matches!(a, Action::Step { .. })));
+        assert_eq!(s.running_on(ext), 2);
+        // Completion: finished with wall time x GPUs / sequences there.
+        let acts = s
+            .handle(
+                2 * SEC,
+                Event::Complete {
+                    id: 1,
+                    output_tokens: 7,
+                },
+            )
+            .to_vec();
+        let gpu = acts.iter().find_map(|a| match a {
+            Action::Finished { id: 1, gpu_seconds } => Some(*gpu_seconds),
+            _ => None,
+        });
+        assert_eq!(gpu, Some(1.0));
+        assert_eq!(started(&acts), vec![2], "the slot is refilled at once");
+        assert!(!acts.iter().any(|a| matches!(a, Action::Step { .. })));
+        // Complete for a queued, unknown or internal request does nothing.
+        arrive(&mut s, 2 * SEC, arrival(3, "bulk", "api", 100, 10));
+        arrive(&mut s, 2 * SEC, arrival(4, "bulk", "m", 100, 10));
+        for id in [3, 4, 77] {
+            let acts = s
+                .handle(
+                    2 * SEC,
+                    Event::Complete {
+                        id,
+                        output_tokens: 1,
+                    },
+                )
+                .to_vec();
+            assert!(
+                !acts.iter().any(|a| matches!(a, Action::Finished { .. })),
+                "{id}: {acts:?}"
+            );
+        }
+        assert!(s.held.contains_key(&3) && s.held.contains_key(&4));
+    }
+
+    #[test]
+    fn work_on_an_external_replica_is_never_preempted_nor_requeued() {
+        let g = graph(BASE);
+        let mut s = sched(&g);
+        let ext = s.replicas.iter().position(|r| r.spec.external).unwrap();
+        arrive(&mut s, 0, arrival(0, "bulk", "api", 100, 10));
+        arrive(&mut s, 0, arrival(1, "bulk", "api", 100, 10));
+        // hi preempts lo, and waits long enough to want to.
+        let mut acts = arrive(&mut s, SEC, arrival(2, "chat", "api", 100, 10));
+        acts.extend(s.handle(30 * SEC, Event::Tick).to_vec());
+        assert!(!acts.iter().any(|a| matches!(a, Action::Preempted { .. })));
+        let acts = s
+            .handle(31 * SEC, Event::ReplicaDown { replica: ext })
+            .to_vec();
+        assert!(!acts.iter().any(|a| matches!(a, Action::Preempted { .. })));
+        assert_eq!(s.running_on(ext), 2);
+        // It still completes what runs, but takes nothing new while down.
+        let acts = s
+            .handle(
+                32 * SEC,
+                Event::Complete {
+                    id: 0,
+                    output_tokens: 10,
+                },
+            )
+            .to_vec();
+        assert!(acts
+            .iter()
+            .any(|a| matches!(a, Action::Finished { id: 0, .. })));
+        assert!(started(&acts).is_empty());
+        let acts = s
+            .handle(33 * SEC, Event::ReplicaUp { replica: ext })
+            .to_vec();
+        assert_eq!(started(&acts), vec![2]);
+    }
+
+    #[test]
+    fn estimates_stay_finite_for_external_replicas() {
+        let g = graph(BASE);
+        let mut s = sched(&g);
+        let ext = s.replicas.iter().position(|r| r.spec.external).unwrap();
+        for id in 0..2 {
+            arrive(&mut s, 0, arrival(id, "bulk", "api", 100, 400_000));
+        }
+        assert_eq!(s.running_on(ext), 2);
+        let r = &s.replicas[ext];
+        assert!(r.throughput_tokens_per_s().is_finite());
+        assert!(r.throughput_tokens_per_s() > 0.0);
+        assert!(r.time_to_free() > 0);
+        let est = s.estimate_wait_for(1, &[ext]);
+        assert!(est < u64::MAX / 4, "{est}");
+    }
+
+    #[test]
+    fn queue_snapshot_names_each_queue_with_its_share() {
+        let g = graph(BASE);
+        let mut s = sched(&g);
+        for id in 0..3 {
+            arrive(&mut s, id * MS, arrival(id, "bulk", "m", 100, 5));
+        }
+        arrive(&mut s, 3 * MS, arrival(3, "chat", "m", 100, 5));
+        let rows = s.queue_snapshot();
+        let bulk = rows
+            .iter()
+            .find(|r| r.tenant.as_deref() == Some("bulk"))
+            .expect("a bulk row");
+        assert_eq!(bulk.tier, "lo");
+        assert_eq!(bulk.depth, 2);
+        assert_eq!(bulk.oldest_wait, 2 * MS);
+        assert!(bulk.served > 0.0);
+        assert_eq!(bulk.share, 1.0, "the only tenant served in lo");
+        let chat = rows
+            .iter()
+            .find(|r| r.tenant.as_deref() == Some("chat"))
+            .expect("a chat row");
+        assert_eq!((chat.tier.as_str(), chat.depth), ("hi", 1));
+        assert_eq!(chat.share, 0.0, "not served yet");
+        for r in &rows {
+            assert!((0.0..=1.0).contains(&r.share));
+        }
+        let json = serde_json::to_string(&rows).unwrap();
+        assert!(json.contains("\"oldest_wait\""), "{json}");
+        assert!(std::sync::Arc::ptr_eq(s.graph(), &g));
     }
 }

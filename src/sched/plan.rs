@@ -26,6 +26,15 @@ pub struct ReplicaSpec {
     pub cost: Arc<dyn StepCost>,
     /// In the `static` baseline, the only tier this replica serves.
     pub only_tier: Option<TierId>,
+    /// The batch runs elsewhere (an HTTP upstream such as vLLM): the
+    /// scheduler fills its `max_batch` slots in queue order and emits
+    /// `Started`, but never `Step` or `FirstToken`, and never preempts (or,
+    /// when it goes down, re-queues) work on it; the environment reports
+    /// each request's end with `Event::Complete` (or `Event::Cancel`).
+    pub external: bool,
+    /// An opaque label for the environment (the gateway: which backend
+    /// serves this replica). The scheduler carries it and never reads it.
+    pub tag: u32,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -119,6 +128,8 @@ impl Plan {
                             max_batch_tokens: var.max_batch_tokens,
                             cost: c.cost.clone(),
                             only_tier: None,
+                            external: false,
+                            tag: 0,
                         });
                     }
                 }

@@ -40,6 +40,26 @@ pub struct Waiting {
     pub waiting_for: Option<super::Reason>,
     /// GPU time used before a preemption (it counts toward cost).
     pub gpu_seconds: f64,
+    /// It has run on a replica at least once (so its prompt was served).
+    pub started: bool,
+    /// A policy swap removed its tier while it ran: it finishes under a
+    /// stand-in tier and is never preempted.
+    pub orphan: bool,
+}
+
+/// What waits in one (tier, tenant), for snapshots.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QueueStat {
+    pub tier: TierId,
+    pub tenant: Option<TenantId>,
+    /// Requests queued.
+    pub depth: usize,
+    /// Requests held for a delay window or a batching hold.
+    pub parked: usize,
+    /// Arrival of the oldest one queued.
+    pub oldest: Option<Micros>,
+    /// Weighted service received (the VTC counter), decayed to now.
+    pub served: f64,
 }
 
 /// The replica asking for work.
@@ -294,7 +314,9 @@ impl Queues {
 
     /// Tokens queued in tiers of at least `tier`'s priority.
     pub fn tokens_at_or_above(&self, g: &DecisionGraph, tier: TierId) -> u64 {
-        let p = g.tiers[tier as usize].priority;
+        let Some(p) = g.tiers.get(tier as usize).map(|t| t.priority) else {
+            return 0;
+        };
         g.tiers
             .iter()
             .enumerate()
@@ -328,7 +350,9 @@ impl Queues {
 
     /// Tokens queued in tiers of strictly higher priority than `tier`.
     pub fn tokens_above(&self, g: &DecisionGraph, tier: TierId) -> u64 {
-        let p = g.tiers[tier as usize].priority;
+        let Some(p) = g.tiers.get(tier as usize).map(|t| t.priority) else {
+            return 0;
+        };
         g.tiers
             .iter()
             .enumerate()
@@ -438,6 +462,150 @@ impl Queues {
             .sum()
     }
 
+    /// Takes a queued request out wherever it waits (a cancellation).
+    pub fn remove(&mut self, id: ReqId) -> Option<Waiting> {
+        let (key, tier, slot, pos) = self.locate(id)?;
+        self.remove_at(key, tier, slot, pos)
+    }
+
+    /// Gives back fair-share service charged for output tokens that were
+    /// never produced (a request cancelled, or finished short of the
+    /// output it was charged for at dispatch).
+    pub fn refund(&mut self, g: &DecisionGraph, cfg: &Config, w: &Waiting, unused_output: u32) {
+        if unused_output == 0 {
+            return;
+        }
+        let weight = w
+            .tenant
+            .and_then(|t| g.tenants.get(t as usize))
+            .map_or(1.0, |t| t.weight.max(1e-9));
+        let cost = cfg.vtc_output_weight * f64::from(unused_output) / weight;
+        let slot = w.tenant.map_or(0, |t| t as usize + 1);
+        let (now, decay) = (self.now, self.decay);
+        if let Some(t) = self
+            .by_variant
+            .get_mut(&(w.model, w.variant))
+            .and_then(|tiers| tiers.get_mut(w.tier as usize))
+            .and_then(|tq| tq.tenants.get_mut(slot))
+        {
+            t.served = (t.served_at(now, decay) - cost).max(0.0);
+            t.at = now;
+        }
+    }
+
+    /// Per (tier, tenant): requests queued and parked, the earliest
+    /// arrival queued, and weighted service (summed over routed variants).
+    /// Only pairs with something waiting or some service are listed, in
+    /// tier order and then tenant order (no tenant first).
+    pub fn stats(&self) -> Vec<QueueStat> {
+        use std::collections::BTreeMap;
+        fn row(
+            rows: &mut BTreeMap<(usize, usize), QueueStat>,
+            ti: usize,
+            si: usize,
+        ) -> &mut QueueStat {
+            rows.entry((ti, si)).or_insert_with(|| QueueStat {
+                tier: ti as TierId,
+                tenant: si.checked_sub(1).map(|t| t as TenantId),
+                depth: 0,
+                parked: 0,
+                oldest: None,
+                served: 0.0,
+            })
+        }
+        let mut rows: BTreeMap<(usize, usize), QueueStat> = BTreeMap::new();
+        for tiers in self.by_variant.values() {
+            for (ti, tq) in tiers.iter().enumerate() {
+                for (si, t) in tq.tenants.iter().enumerate() {
+                    let served = t.served_at(self.now, self.decay);
+                    if t.q.is_empty() && served <= 0.0 {
+                        continue;
+                    }
+                    let r = row(&mut rows, ti, si);
+                    r.depth += t.q.len();
+                    r.served += served;
+                    if let Some(a) = t.q.iter().map(|w| w.arrival).min() {
+                        r.oldest = Some(r.oldest.map_or(a, |o| o.min(a)));
+                    }
+                }
+            }
+        }
+        for w in self.parked.values() {
+            row(
+                &mut rows,
+                w.tier as usize,
+                w.tenant.map_or(0, |t| t as usize + 1),
+            )
+            .parked += 1;
+        }
+        rows.into_values().collect()
+    }
+
+    /// Rebuilds the queues for another graph (a policy swap). Each queued
+    /// and parked request is remapped by `map`; those it cannot map, or
+    /// that `servable` (asked after mapping) says no replica can run, are
+    /// taken out and returned, sorted by id. Fair-share counters move with
+    /// their (variant, tier, tenant); order within a tenant is kept.
+    pub fn remap(
+        &mut self,
+        g: &DecisionGraph,
+        cfg: &Config,
+        map: &super::swap::Remap,
+        servable: impl Fn(&Waiting) -> bool,
+    ) -> Vec<Waiting> {
+        let mut next = Queues::new(g, cfg);
+        next.now = self.now;
+        let old = std::mem::take(self);
+        let mut dropped = Vec::new();
+        let mut keys: Vec<(u16, u16)> = old.by_variant.keys().copied().collect();
+        keys.sort_unstable();
+        let mut old_by_variant = old.by_variant;
+        for key in keys {
+            let Some(tiers) = old_by_variant.remove(&key) else {
+                continue;
+            };
+            let new_key = map.variant(key.0, key.1);
+            for (ti, tq) in tiers.into_iter().enumerate() {
+                let new_tier = map.tier(ti as TierId);
+                for (si, t) in tq.tenants.into_iter().enumerate() {
+                    let new_slot = match si.checked_sub(1) {
+                        None => Some(0),
+                        Some(tn) => map.tenant(tn as TenantId).map(|x| x as usize + 1),
+                    };
+                    // Back to front, each put at the head: order is kept
+                    // and no fair-share lift applies.
+                    for mut w in t.q.into_iter().rev() {
+                        if map.waiting(&mut w, g, false) && servable(&w) {
+                            next.push_front(w);
+                        } else {
+                            dropped.push(w);
+                        }
+                    }
+                    if let (Some(k), Some(nt), Some(ns)) = (new_key, new_tier, new_slot) {
+                        if let Some(c) = next
+                            .tiers_for(k)
+                            .get_mut(nt as usize)
+                            .and_then(|tq| tq.tenants.get_mut(ns))
+                        {
+                            c.served = t.served;
+                            c.at = t.at;
+                        }
+                    }
+                }
+            }
+        }
+        for (_, mut w) in old.parked {
+            if map.waiting(&mut w, g, false) && servable(&w) {
+                next.park(w);
+            } else {
+                dropped.push(w);
+            }
+        }
+        *self = next;
+        dropped.sort_by_key(|w| w.id);
+        dropped
+    }
+
     /// Takes the next request for a replica of (model, variant) in `pool`.
     pub fn pick(
         &mut self,
@@ -467,18 +635,20 @@ impl Queues {
                     continue;
                 };
                 let w = &t.q[pos];
-                let prio = g.tiers[ti].priority;
+                let prio = g.tiers.get(ti).map_or(i64::MIN, |t| t.priority);
                 let age = now.saturating_sub(w.arrival);
                 // Lower key wins.
                 let key = match cfg.mode {
                     Mode::Fifo | Mode::Static => (0, 0, 0.0, w.arrival, w.id),
                     Mode::Priority => (-prio, 0, 0.0, w.arrival, w.id),
                     Mode::Kiln => {
-                        let boost = self.aging[ti].map_or(0, |a| age / a) as i64;
+                        let boost =
+                            self.aging.get(ti).copied().flatten().map_or(0, |a| age / a) as i64;
                         // Deadline work whose window is nearly spent (the
                         // last tenth) goes earliest deadline first, ahead of
                         // fair share; the rest of the tier shares by VTC.
-                        let urgent = match (w.deadline, self.window_len[ti]) {
+                        let urgent = match (w.deadline, self.window_len.get(ti).copied().flatten())
+                        {
                             (Some(d), Some(len)) => d.saturating_sub(now) <= len / 10,
                             _ => false,
                         };
@@ -515,4 +685,133 @@ fn lt(a: &PickKey, b: &PickKey) -> bool {
         .then(a.2.total_cmp(&b.2))
         .then((a.3, a.4).cmp(&(b.3, b.4)))
         .is_lt()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::swap::Remap;
+    use super::super::testkit::{graph, waiting, BASE};
+    use super::*;
+
+    fn queues(g: &DecisionGraph) -> Queues {
+        Queues::new(g, &Config::default())
+    }
+
+    #[test]
+    fn remove_takes_a_request_out_wherever_it_waits() {
+        let g = graph(BASE);
+        let mut q = queues(&g);
+        let cfg = Config::default();
+        for id in 0..3 {
+            let mut w = waiting(id, 1, Some(1));
+            w.expires = Some(100);
+            q.push(w, &cfg);
+        }
+        assert_eq!(q.remove(1).map(|w| w.id), Some(1));
+        assert_eq!(q.remove(1), None);
+        assert_eq!(q.len(), 2);
+        assert_eq!(q.tokens_at_or_above(&g, 1), 30);
+        let expired: Vec<_> = q.take_expired(100).into_iter().map(|w| w.id).collect();
+        assert_eq!(expired, vec![0, 2]);
+    }
+
+    #[test]
+    fn refund_gives_back_service_never_received() {
+        let g = graph(BASE);
+        let cfg = Config {
+            fairness_window: None,
+            ..Config::default()
+        };
+        let mut q = Queues::new(&g, &cfg);
+        let w = waiting(0, 1, Some(1));
+        q.push(w.clone(), &cfg);
+        let w = q
+            .pick(
+                &g,
+                &cfg,
+                0,
+                Slot {
+                    replica: 0,
+                    model: 0,
+                    variant: 0,
+                    pool: 0,
+                    only_tier: None,
+                    allow_backfill: true,
+                },
+            )
+            .unwrap();
+        q.charge(&g, &cfg, &w);
+        // 10 prompt x 1 + 5 output x 2.
+        assert_eq!(q.served(1, Some(1)), 20.0);
+        q.refund(&g, &cfg, &w, 3);
+        assert_eq!(q.served(1, Some(1)), 14.0);
+        q.refund(&g, &cfg, &w, 1000);
+        assert_eq!(q.served(1, Some(1)), 0.0, "never below zero");
+    }
+
+    #[test]
+    fn stats_list_each_tier_and_tenant_in_order() {
+        let g = graph(BASE);
+        let cfg = Config::default();
+        let mut q = queues(&g);
+        q.push(waiting(5, 1, Some(1)), &cfg);
+        q.push(waiting(3, 1, Some(1)), &cfg);
+        q.push(waiting(4, 0, None), &cfg);
+        q.park(waiting(6, 0, Some(0)));
+        let st = q.stats();
+        let keys: Vec<_> = st
+            .iter()
+            .map(|s| (s.tier, s.tenant, s.depth, s.parked))
+            .collect();
+        assert_eq!(
+            keys,
+            vec![(0, None, 1, 0), (0, Some(0), 0, 1), (1, Some(1), 2, 0)]
+        );
+        assert_eq!(st[2].oldest, Some(3));
+    }
+
+    #[test]
+    fn remap_keeps_order_and_fair_share_by_name() {
+        let g = graph(BASE);
+        let cfg = Config {
+            fairness_window: None,
+            ..Config::default()
+        };
+        let mut q = Queues::new(&g, &cfg);
+        // Service for bulk in lo on m.fp16, then three queued in order.
+        let mut first = waiting(0, 1, Some(1));
+        first.output_tokens = 50;
+        q.push(waiting(0, 1, Some(1)), &cfg);
+        q.charge(&g, &cfg, &first);
+        for id in [9, 2, 7] {
+            q.push(waiting(id, 1, Some(1)), &cfg);
+        }
+        q.park(waiting(8, 0, Some(0)));
+        assert_eq!(q.served(1, Some(1)), 110.0);
+        // Swap to a version with tiers and tenants in another order.
+        let g2 = graph(&BASE.replace(
+            "tier hi { priority 100 slo { ttft 10s } preempts [lo] }\ntier lo { priority 10 slo { window 1h } preemptible }",
+            "tier lo { priority 10 slo { window 1h } preemptible }\ntier hi { priority 100 slo { ttft 10s } preempts [lo] }",
+        ));
+        let map = Remap::new(&g, &g2);
+        assert_eq!(map.tiers, vec![Some(1), Some(0)]);
+        let dropped = q.remap(&g2, &cfg, &map, |w| w.id != 2);
+        assert_eq!(dropped.iter().map(|w| w.id).collect::<Vec<_>>(), vec![2]);
+        assert_eq!(q.len(), 3);
+        assert_eq!(q.parked(), 1);
+        assert_eq!(q.served(0, Some(1)), 110.0, "bulk's counter, lo now tier 0");
+        assert_eq!(q.served(1, Some(1)), 0.0);
+        let slot = Slot {
+            replica: 0,
+            model: 0,
+            variant: 0,
+            pool: 0,
+            only_tier: None,
+            allow_backfill: true,
+        };
+        let order: Vec<_> =
+            std::iter::from_fn(|| q.pick(&g2, &cfg, 0, slot).map(|w| w.id)).collect();
+        assert_eq!(order, vec![0, 9, 7]);
+        assert_eq!(q.unpark(8).map(|w| w.tier), Some(1));
+    }
 }

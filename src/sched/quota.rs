@@ -94,6 +94,38 @@ impl Quotas {
         }
     }
 
+    /// The quotas of another graph (a policy swap): a quota that changes is
+    /// resized, not reset. A tenant in both keeps its bucket levels
+    /// (clamped to the new capacity), requests in flight, GPU-seconds used
+    /// today, borrowed tokens and retry history; a new tenant starts full;
+    /// a removed one is dropped. `tenant_map` maps old tenant ids to new.
+    pub fn remap(&self, g: &DecisionGraph, tenant_map: &[Option<TenantId>], now: Micros) -> Quotas {
+        let mut next = Quotas::new(g);
+        let resize = |old: Option<Bucket>, new: &mut Option<Bucket>| {
+            if let (Some(mut o), Some(n)) = (old, new.as_mut()) {
+                o.refill(now);
+                n.level = o.level.min(n.capacity);
+                n.at = now;
+            }
+        };
+        for (i, old) in self.tenants.iter().enumerate() {
+            let Some(Some(t)) = tenant_map.get(i) else {
+                continue;
+            };
+            let Some(s) = next.tenants.get_mut(*t as usize) else {
+                continue;
+            };
+            resize(old.tokens, &mut s.tokens);
+            resize(old.requests, &mut s.requests);
+            s.in_flight = old.in_flight;
+            s.borrowed = old.borrowed;
+            s.gpu_used = old.gpu_used;
+            s.gpu_day = old.gpu_day;
+            s.recent = old.recent.clone();
+        }
+        next
+    }
+
     /// Counts a request in flight without enforcing anything (baselines).
     pub fn track(&mut self, t: TenantId) {
         if let Some(s) = self.tenants.get_mut(t as usize) {
@@ -281,5 +313,53 @@ impl Quotas {
         let a = s.tokens.as_ref().map_or(100.0, pct);
         let r = s.requests.as_ref().map_or(100.0, pct);
         a.min(r).max(0.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::swap::Remap;
+    use super::super::testkit::{graph, BASE};
+    use super::*;
+
+    #[test]
+    fn a_quota_that_changes_is_resized_not_reset() {
+        let base = BASE.replace("concurrent 4 }", "concurrent 4 } retry_budget 50%");
+        let g = graph(&base);
+        let mut q = Quotas::new(&g);
+        // chat (tenant 0): tokens 60k/min, concurrent 4.
+        assert_eq!(q.reserve(&g, 0, 50_000.0, 0), Ok(false));
+        q.charge_gpu(0, 7.0, 0);
+        assert!(q.note_request(&g, 0, false, 0));
+        // New version: chat's bucket shrinks to 30k/min, tenants reorder,
+        // bulk is gone and newbie appears.
+        let text = base
+            .replace("tokens 60k/min concurrent 4", "tokens 30k/min concurrent 1")
+            .replace(
+                "tenant bulk { owner \"o\" tiers [lo] }",
+                "tenant newbie { owner \"o\" tiers [lo] quota { tokens 1k/min } }",
+            );
+        let g2 = graph(&text);
+        let map = Remap::new(&g, &g2);
+        assert_eq!(map.tenants, vec![Some(0), None]);
+        let q2 = q.remap(&g2, &map.tenants, 0);
+        // 10k left of 60k, clamped to nothing more than 30k: still 10k.
+        assert!((q2.remaining_percent(0, 0) - 100.0 * 10_000.0 / 30_000.0).abs() < 1e-6);
+        assert_eq!(q2.in_flight(0), 1);
+        assert_eq!(q2.tenants[0].gpu_used, 7.0);
+        assert_eq!(q2.tenants[0].recent.len(), 1);
+        // The new concurrency limit applies to the carried count.
+        let mut q2 = q2;
+        assert_eq!(q2.reserve(&g2, 0, 1.0, 0), Err((Reason::Concurrency, SEC)));
+        // A new tenant starts full.
+        assert_eq!(q2.remaining_percent(1, 0), 100.0);
+        // A level above a smaller capacity is clamped to it.
+        let mut fresh = Quotas::new(&g);
+        if let Some(b) = fresh.tenants[0].tokens.as_mut() {
+            b.level = 60_000.0;
+        }
+        let q3 = fresh.remap(&g2, &map.tenants, 0);
+        assert_eq!(q3.remaining_percent(0, 0), 100.0);
+        assert_eq!(q3.tenants[0].tokens.map(|b| b.level), Some(30_000.0));
     }
 }

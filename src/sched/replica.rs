@@ -56,6 +56,9 @@ pub struct Replica {
     pub busy: bool,
     /// In service (a replica that went down takes no work until it is up).
     pub up: bool,
+    /// A policy swap left it out of the plan: it takes no new work and
+    /// finishes what runs. It keeps its index, as replicas are named by it.
+    pub draining: bool,
     kv_used: u64,
     /// Prompt blocks held, oldest first, and the same set for lookups.
     prefix: VecDeque<u64>,
@@ -70,21 +73,41 @@ pub struct Replica {
     rate: f64,
 }
 
+/// A cost model's step time made usable: a broken one (NaN, infinite,
+/// negative) reads as one second, a tiny one as at least a nanosecond.
+fn sane_secs(secs: f64) -> f64 {
+    if secs.is_finite() {
+        secs.max(1e-9)
+    } else {
+        1.0
+    }
+}
+
+/// Token throughput for wait estimates: a mix of prefill (fast) and decode
+/// at a moderate batch (slow), weighted 4:1 as prompts usually are longer
+/// than outputs. Always finite and positive.
+fn throughput(spec: &ReplicaSpec) -> f64 {
+    let b = spec.max_batch.clamp(1, 64);
+    let decode = f64::from(b) / sane_secs(spec.cost.step_time(0, b, u64::from(b) * 1024));
+    let chunk = spec.max_batch_tokens.max(1);
+    let prefill = f64::from(chunk) / sane_secs(spec.cost.step_time(chunk, 0, 0));
+    let rate = 1.0 / (0.8 / prefill + 0.2 / decode);
+    if rate.is_finite() && rate > 0.0 {
+        rate
+    } else {
+        1.0
+    }
+}
+
 impl Replica {
     pub fn new(spec: ReplicaSpec) -> Replica {
-        // Token throughput for wait estimates: a mix of prefill (fast) and
-        // decode at a moderate batch (slow), weighted 4:1 as prompts
-        // usually are longer than outputs.
-        let b = spec.max_batch.clamp(1, 64);
-        let decode = f64::from(b) / spec.cost.step_time(0, b, u64::from(b) * 1024).max(1e-9);
-        let chunk = spec.max_batch_tokens.max(1);
-        let prefill = f64::from(chunk) / spec.cost.step_time(chunk, 0, 0).max(1e-9);
-        let rate = 1.0 / (0.8 / prefill + 0.2 / decode);
+        let rate = throughput(&spec);
         Replica {
             spec,
             running: Vec::new(),
             busy: false,
             up: true,
+            draining: false,
             kv_used: 0,
             prefix: VecDeque::new(),
             prefix_set: Default::default(),
@@ -93,6 +116,14 @@ impl Replica {
             step_until: 0,
             rate,
         }
+    }
+
+    /// Takes a new spec (a policy swap) keeping what runs, its step in
+    /// flight and its prefix cache. If the new limits are below what runs,
+    /// nothing is evicted: the replica admits nothing until it is under.
+    pub fn respec(&mut self, spec: ReplicaSpec) {
+        self.rate = throughput(&spec);
+        self.spec = spec;
     }
 
     pub fn kv_used(&self) -> u64 {
@@ -114,27 +145,30 @@ impl Replica {
     }
 
     /// Estimated time until the first running sequence finishes and frees
-    /// its slot and memory.
+    /// its slot and memory (for an external replica, from the cost model
+    /// and each sequence's remaining budget: its progress is unknown here).
     pub fn time_to_free(&self) -> Micros {
         let context: u64 = self
             .running
             .iter()
             .map(|s| u64::from(s.w.prompt_tokens) + u64::from(s.generated))
             .sum();
-        let step = self
-            .spec
-            .cost
-            .step_time(0, self.running.len() as u32, context)
-            .max(1e-6);
+        let step = sane_secs(
+            self.spec
+                .cost
+                .step_time(0, self.running.len() as u32, context),
+        )
+        .max(1e-6);
         let steps = self
             .running
             .iter()
             .map(|s| {
                 let prefill_steps = s.prefill_left.div_ceil(self.spec.max_batch_tokens.max(1));
-                prefill_steps + s.w.output_tokens.saturating_sub(s.generated)
+                prefill_steps.saturating_add(s.w.output_tokens.saturating_sub(s.generated))
             })
             .min()
             .unwrap_or(0);
+        // A float-to-integer cast saturates: no overflow however large.
         (f64::from(steps) * step * SEC as f64) as Micros
     }
 
@@ -158,6 +192,7 @@ impl Replica {
     pub fn admit(&mut self, mut s: Seq, now: Micros) {
         self.kv_used += s.kv;
         s.started = now;
+        s.w.started = true;
         self.running.push(s);
     }
 
@@ -165,6 +200,25 @@ impl Replica {
         let s = self.running.swap_remove(i);
         self.kv_used -= s.kv;
         s
+    }
+
+    /// Where request `id` runs on this replica, if it does.
+    pub fn position(&self, id: ReqId) -> Option<usize> {
+        self.running.iter().position(|s| s.w.id == id)
+    }
+
+    /// Remembers a finished prompt's blocks for prefix affinity.
+    pub fn remember_prefix(&mut self, blocks: &[u64]) {
+        for b in blocks {
+            if self.prefix_set.insert(*b) {
+                if self.prefix.len() >= PREFIX_CACHE_BLOCKS {
+                    if let Some(old) = self.prefix.pop_front() {
+                        self.prefix_set.remove(&old);
+                    }
+                }
+                self.prefix.push_back(*b);
+            }
+        }
     }
 
     /// Plans and starts the next step; returns when it ends.
@@ -240,16 +294,7 @@ impl Replica {
             if s.generated >= s.w.output_tokens {
                 let s = self.running.swap_remove(i);
                 self.kv_used -= s.kv;
-                for b in &s.w.prefix_blocks {
-                    if self.prefix_set.insert(*b) {
-                        if self.prefix.len() >= PREFIX_CACHE_BLOCKS {
-                            if let Some(old) = self.prefix.pop_front() {
-                                self.prefix_set.remove(&old);
-                            }
-                        }
-                        self.prefix.push_back(*b);
-                    }
-                }
+                self.remember_prefix(&s.w.prefix_blocks);
                 out.push(Action::Finished {
                     id: s.w.id,
                     gpu_seconds: s.gpu_seconds,
@@ -260,5 +305,78 @@ impl Replica {
             }
         }
         done
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::plan::StepCost;
+    use super::super::testkit::{waiting, Linear};
+    use super::*;
+    use std::sync::Arc;
+
+    #[derive(Debug)]
+    struct Broken(f64);
+
+    impl StepCost for Broken {
+        fn step_time(&self, _: u32, _: u32, _: u64) -> f64 {
+            self.0
+        }
+    }
+
+    fn spec(cost: Arc<dyn StepCost>, max_batch: u32, external: bool) -> ReplicaSpec {
+        ReplicaSpec {
+            pool: 0,
+            model: 0,
+            variant: 0,
+            gpus: 1,
+            kv_capacity: u64::MAX,
+            max_batch,
+            max_batch_tokens: 0,
+            cost,
+            only_tier: None,
+            external,
+            tag: 0,
+        }
+    }
+
+    #[test]
+    fn estimates_are_finite_whatever_the_cost_model_says() {
+        for secs in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 0.0, -1.0, 1e300] {
+            for max_batch in [0, 1, u32::MAX] {
+                let mut r = Replica::new(spec(Arc::new(Broken(secs)), max_batch, true));
+                let rate = r.throughput_tokens_per_s();
+                assert!(rate.is_finite() && rate > 0.0, "{secs} {max_batch}: {rate}");
+                let mut w = waiting(0, 0, None);
+                w.prompt_tokens = u32::MAX;
+                w.output_tokens = u32::MAX;
+                r.admit(Seq::from_waiting(w, 0), 0);
+                let _ = r.time_to_free();
+            }
+        }
+    }
+
+    #[test]
+    fn respec_keeps_what_runs_and_admits_nothing_over_the_new_limits() {
+        let mut r = Replica::new(spec(Arc::new(Linear), 4, false));
+        for id in 0..3 {
+            r.admit(Seq::from_waiting(waiting(id, 0, None), 0), 0);
+        }
+        assert!(r.running.iter().all(|s| s.w.started));
+        let mut small = spec(Arc::new(Linear), 2, false);
+        small.kv_capacity = 20;
+        r.respec(small);
+        assert_eq!(r.running.len(), 3);
+        assert_eq!(r.free_seq_slots(), 0);
+        assert_eq!(r.kv_free(), 0);
+    }
+
+    #[test]
+    fn finished_prompts_are_remembered_for_affinity() {
+        let mut r = Replica::new(spec(Arc::new(Linear), 4, false));
+        r.remember_prefix(&[1, 2, 3]);
+        assert_eq!(r.prefix_match(&[1, 2, 9]), 2);
+        assert_eq!(r.cached_prefix_tokens(&[1, 2, 3]), 3 * BLOCK_TOKENS);
+        assert_eq!(r.position(5), None);
     }
 }

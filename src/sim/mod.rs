@@ -159,6 +159,8 @@ fn run_inner(
                         o.preemptions += 1;
                     }
                 }
+                // The replay never cancels.
+                Action::Cancelled { .. } => {}
             }
         }
     }

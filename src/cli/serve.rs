@@ -1,0 +1,142 @@
+//! `kiln serve` and `kiln hash-key`
+
+use super::*;
+use crate::server::{self, config::ServerConfig, Policy, ServeOptions};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The policy (file or directory).
+    #[arg(long, required = true)]
+    pub policy: Vec<PathBuf>,
+    /// Server config (keys, backends per pool, log). Without one, every pool
+    /// runs on the embedded simulator and the policy's API keys apply.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Address to listen on (overrides the config's `listen`).
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// Simulated GPUs run this many times faster than real time
+    /// (overrides the config's `sim.speed`).
+    #[arg(long)]
+    pub sim_speed: Option<f64>,
+    /// Write the decision log here (overrides the config's `[log] path`).
+    #[arg(long)]
+    pub log: Option<PathBuf>,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct HashKeyArgs {
+    /// The API key or admin token to hash (reads stdin when absent).
+    pub key: Option<String>,
+}
+
+pub fn hash_key(a: HashKeyArgs) -> i32 {
+    let key = match a.key {
+        Some(k) => k,
+        None => {
+            let mut s = String::new();
+            if std::io::stdin().read_line(&mut s).is_err() {
+                return usage_error("cannot read the key from stdin");
+            }
+            s.trim_end_matches(['\r', '\n']).to_string()
+        }
+    };
+    println!("{}", server::config::hash_secret(&key));
+    EXIT_OK
+}
+
+pub fn run(a: Args) -> i32 {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("kiln=info")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    let (c, g) = match compile_one(&a.policy) {
+        Ok(x) => x,
+        Err(code) => return code,
+    };
+    let mut config = match &a.config {
+        Some(p) => match ServerConfig::load(p) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("{:?}", miette::Report::new(e));
+                return EXIT_USAGE;
+            }
+        },
+        None => ServerConfig::default_embedded(),
+    };
+    if let Some(s) = a.sim_speed {
+        if !(s.is_finite() && s > 0.0) {
+            return usage_error("--sim-speed must be a positive number");
+        }
+        config.sim.speed = s;
+    }
+    if let Some(p) = a.log {
+        let mut l = config.log.take().unwrap_or_else(|| server::config::LogSection::at(p.clone()));
+        l.path = p;
+        config.log = Some(l);
+    }
+    let listen = a
+        .listen
+        .clone()
+        .or_else(|| config.listen.clone())
+        .unwrap_or_else(|| "127.0.0.1:8080".into());
+    let policy = Policy::new(g, c.sources);
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => return usage_error(&format!("cannot start the async runtime: {e}")),
+    };
+    rt.block_on(async move {
+        let version = policy.version.clone();
+        let models: Vec<String> = policy.graph.models.iter().map(|m| m.name.clone()).collect();
+        let mut running = match server::start(ServeOptions {
+            policy,
+            config,
+            listen,
+        })
+        .await
+        {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("{:?}", miette::Report::new(e));
+                return EXIT_USAGE;
+            }
+        };
+        let addr = running.addr;
+        eprintln!("kiln gateway listening on http://{addr} (policy {version})");
+        eprintln!("  models: {}", models.join(", "));
+        eprintln!("  OpenAI base URL: http://{addr}/v1   explain: /admin/explain/ID   metrics: /metrics");
+        if !running.app.admin_open && running.app.config.admin.token_sha256.is_empty() {
+            eprintln!("  admin endpoints are closed: no [admin] tokens and not on loopback");
+        }
+        shutdown_signal().await;
+        eprintln!("shutting down: finishing in-flight requests");
+        running.trigger_shutdown();
+        running.wait().await;
+        EXIT_OK
+    })
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = ctrl_c => {},
+                    _ = term.recv() => {},
+                }
+            }
+            Err(_) => {
+                let _ = ctrl_c.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}

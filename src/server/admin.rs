@@ -1,0 +1,334 @@
+//! What operators see and do: `/metrics`, `/healthz`, `/readyz`,
+//! `/admin/explain/{id}`, `/admin/queues`, and `POST /admin/policy`, the
+//! atomic hot swap (compile, validate, swap in the executor between two
+//! events, then publish; on any failure the diagnostics and the old policy
+//! stays).
+
+use super::openai::ApiError;
+use super::{App, Policy};
+use crate::compile;
+use crate::source::SourceMap;
+use axum::body::Body;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use serde::Deserialize;
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+pub fn router(app: Arc<App>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/admin/explain/{id}", get(explain))
+        .route("/admin/queues", get(queues))
+        .route("/admin/policy", post(swap_policy).get(show_policy))
+        .with_state(app)
+}
+
+/// Admin calls carry `Authorization: Bearer TOKEN` whose SHA-256 the
+/// config lists; with no tokens configured they are open on loopback only.
+pub fn authorize(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
+    let token = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().strip_prefix("Bearer ").map(str::trim));
+    match token {
+        Some(t) if app.config.admin_token_ok(t) => Ok(()),
+        Some(_) => Err(ApiError::new(403, "this admin token is not valid").code("forbidden")),
+        None if app.admin_open => Ok(()),
+        None => Err(ApiError::new(
+            401,
+            "admin endpoints need `Authorization: Bearer ADMIN-TOKEN` (see [admin] in kiln.toml)",
+        )
+        .code("unauthorized")),
+    }
+}
+
+async fn metrics(State(app): State<Arc<App>>) -> Response {
+    if let Some(s) = app.exec.snapshot().await {
+        app.metrics.reset_gauges();
+        for q in &s.queues {
+            app.metrics.set_queue(
+                &q.tier,
+                q.tenant.as_deref().unwrap_or("none"),
+                q.depth,
+                q.oldest_wait as f64 / 1e6 / app.speed,
+            );
+        }
+        for r in &s.replicas {
+            app.metrics.set_replica(
+                &r.pool,
+                &format!("{}.{}", r.model, r.variant),
+                r.running,
+                r.slots as usize,
+                r.kv_used_tokens,
+                r.kv_capacity_tokens,
+                r.busy_fraction,
+            );
+        }
+    }
+    let mut resp = app.metrics.render().into_response();
+    if let Ok(v) = HeaderValue::from_str(super::metrics::Metrics::content_type()) {
+        resp.headers_mut().insert("content-type", v);
+    }
+    resp
+}
+
+async fn healthz() -> Response {
+    axum::Json(json!({"status": "ok"})).into_response()
+}
+
+async fn readyz(State(app): State<Arc<App>>) -> Response {
+    match app.exec.snapshot().await {
+        Some(s) => {
+            let ready = s.replicas.iter().any(|r| r.up && r.available && !r.draining);
+            let body = json!({
+                "ready": ready,
+                "version": s.version,
+                "replicas": s.replicas.iter().map(|r| json!({
+                    "index": r.index, "pool": r.pool, "model": r.model, "variant": r.variant,
+                    "backend": r.backend, "up": r.up, "available": r.available,
+                })).collect::<Vec<_>>(),
+            });
+            let code = if ready {
+                StatusCode::OK
+            } else {
+                StatusCode::SERVICE_UNAVAILABLE
+            };
+            (code, axum::Json(body)).into_response()
+        }
+        None => ApiError::new(503, "the scheduler is not running").into_response(),
+    }
+}
+
+#[derive(Deserialize)]
+struct ExplainQuery {
+    #[serde(default)]
+    format: Option<String>,
+}
+
+async fn explain(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    Query(q): Query<ExplainQuery>,
+) -> Response {
+    if let Err(e) = authorize(&app, &headers) {
+        return e.into_response();
+    }
+    let Some(e) = app.explain.get(&id) else {
+        return ApiError::new(
+            404,
+            format!("no recent request `{id}` (the gateway keeps the last 10,000)"),
+        )
+        .into_response();
+    };
+    let (decision, trace) = match (&e.graph, &e.signals) {
+        (Some(g), Some(s)) => {
+            let (d, t) = g.explain(&e.request, s);
+            (Some(g.view(&d)), Some(t))
+        }
+        _ => (None, None),
+    };
+    if q.format.as_deref() == Some("text") {
+        let mut out = format!(
+            "request {} ({}) decided by policy {}\n",
+            e.id,
+            e.endpoint,
+            e.version.as_deref().unwrap_or("(not yet decided)")
+        );
+        if let (Some(g), Some(v), Some(t)) = (&e.graph, &decision, &trace) {
+            let sources = app
+                .policy_sources(e.version.as_deref())
+                .unwrap_or_default();
+            out.push_str(&crate::cli::explain::render(g, &sources, &e.request, v, t));
+        }
+        out.push_str("\nscheduler:\n");
+        for ev in &e.events {
+            match &ev.reason {
+                Some(r) => out.push_str(&format!("  +{:>9.3} ms  {} [{r}]\n", ev.at_ms, ev.event)),
+                None => out.push_str(&format!("  +{:>9.3} ms  {}\n", ev.at_ms, ev.event)),
+            }
+        }
+        if let Some(o) = &e.outcome {
+            out.push_str(&format!("outcome: {o}\n"));
+        }
+        return out.into_response();
+    }
+    axum::Json(json!({
+        "id": e.id,
+        "endpoint": e.endpoint,
+        "received_unix_ms": e.received_unix_ms,
+        "policy_version": e.version.as_deref(),
+        "request": e.request,
+        "decision": decision,
+        "trace": trace,
+        "scheduler": {
+            "events": e.events,
+            "replica": e.replica,
+            "outcome": e.outcome,
+        },
+    }))
+    .into_response()
+}
+
+async fn queues(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&app, &headers) {
+        return e.into_response();
+    }
+    match app.exec.snapshot().await {
+        Some(s) => axum::Json(s).into_response(),
+        None => ApiError::new(503, "the scheduler is not running").into_response(),
+    }
+}
+
+async fn show_policy(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&app, &headers) {
+        return e.into_response();
+    }
+    let p = app.policy.load();
+    let files: BTreeMap<String, String> = p
+        .sources
+        .files()
+        .map(|(_, f)| (f.name.clone(), f.text.to_string()))
+        .collect();
+    axum::Json(json!({"version": p.version.as_ref(), "files": files})).into_response()
+}
+
+/// `{"files": {"name.kiln": "text", ...}}`, or one file as the raw body.
+#[derive(Deserialize)]
+struct PolicyUpload {
+    files: BTreeMap<String, String>,
+}
+
+async fn swap_policy(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    if let Err(e) = authorize(&app, &headers) {
+        return e.into_response();
+    }
+    let bytes = match axum::body::to_bytes(body, 8 * 1024 * 1024).await {
+        Ok(b) => b,
+        Err(_) => return ApiError::new(413, "a policy upload is limited to 8 MiB").into_response(),
+    };
+    let json_body = headers
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|c| c.starts_with("application/json"));
+    let files: BTreeMap<String, String> = if json_body {
+        match serde_json::from_slice::<PolicyUpload>(&bytes) {
+            Ok(u) if !u.files.is_empty() => u.files,
+            Ok(_) => return ApiError::new(400, "`files` is empty").into_response(),
+            Err(e) => {
+                return ApiError::bad_request(
+                    format!("expected {{\"files\": {{\"name.kiln\": \"…\"}}}}: {e}"),
+                    Some("files"),
+                )
+                .into_response()
+            }
+        }
+    } else {
+        match std::str::from_utf8(&bytes) {
+            Ok(t) => BTreeMap::from([("policy.kiln".to_string(), t.to_string())]),
+            Err(_) => return ApiError::new(400, "the policy is not UTF-8 text").into_response(),
+        }
+    };
+    match activate(&app, files).await {
+        Ok(v) => (StatusCode::OK, axum::Json(v)).into_response(),
+        Err((status, v)) => (status, axum::Json(v)).into_response(),
+    }
+}
+
+/// Compiles, validates and swaps in a policy. On failure nothing changes.
+pub async fn activate(
+    app: &Arc<App>,
+    files: BTreeMap<String, String>,
+) -> Result<serde_json::Value, (StatusCode, serde_json::Value)> {
+    let mut sources = SourceMap::new();
+    for (name, text) in &files {
+        sources.add(name.clone(), text.clone());
+    }
+    let compiled = compile::compile(sources);
+    let refuse = |c: &compile::Compiled| {
+        let diags: Vec<_> = c
+            .diagnostics
+            .items
+            .iter()
+            .filter(|d| d.severity == crate::diag::Severity::Error)
+            .map(|d| crate::diag::to_json(d, &c.sources))
+            .collect();
+        let text: String = c
+            .diagnostics
+            .items
+            .iter()
+            .filter(|d| d.severity == crate::diag::Severity::Error)
+            .map(|d| crate::diag::render(d, &c.sources, false))
+            .collect();
+        json!({
+            "error": {
+                "message": "the policy does not compile; the active policy is unchanged",
+                "type": "invalid_policy",
+            },
+            "diagnostics": diags,
+            "rendered": text,
+        })
+    };
+    if compiled.has_errors() {
+        app.metrics.policy_swap(false);
+        return Err((StatusCode::UNPROCESSABLE_ENTITY, refuse(&compiled)));
+    }
+    let compile::Compiled { sources, graph, .. } = compiled;
+    let Some(graph) = graph else {
+        app.metrics.policy_swap(false);
+        return Err((
+            StatusCode::UNPROCESSABLE_ENTITY,
+            json!({"error": {"message": "the policy produced no decision graph", "type": "invalid_policy"}}),
+        ));
+    };
+    let policy = Policy::new(graph, sources);
+    let (plan, notes) = match super::build_plan(&policy.graph, &app.config, app.calibration.as_ref()) {
+        Ok(p) => p,
+        Err(e) => {
+            app.metrics.policy_swap(false);
+            return Err((
+                StatusCode::UNPROCESSABLE_ENTITY,
+                json!({"error": {"message": format!("{e}; the active policy is unchanged"), "type": "invalid_policy"}}),
+            ));
+        }
+    };
+    let _one_at_a_time = app.swap_lock.lock().await;
+    let previous = app.policy.load().version.clone();
+    if previous == policy.version {
+        return Ok(json!({"version": policy.version.as_ref(), "previous": previous.as_ref(), "changed": false}));
+    }
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let policy = Arc::new(policy);
+    if !app.exec.send(super::executor::Command::Swap {
+        graph: policy.graph.clone(),
+        plan,
+        version: policy.version.clone(),
+        done: tx,
+    }) {
+        app.metrics.policy_swap(false);
+        return Err((
+            StatusCode::SERVICE_UNAVAILABLE,
+            json!({"error": {"message": "the scheduler is not running", "type": "service_unavailable"}}),
+        ));
+    }
+    let redecided = rx.await.unwrap_or_default();
+    app.remember(policy.clone());
+    app.policy.store(policy.clone());
+    app.metrics.policy_swap(true);
+    app.metrics.set_policy_version(&policy.version);
+    tracing::info!(version = %policy.version, previous = %previous, "policy activated");
+    Ok(json!({
+        "version": policy.version.as_ref(),
+        "previous": previous.as_ref(),
+        "changed": true,
+        "redecided": redecided.len(),
+        "notes": notes,
+    }))
+}

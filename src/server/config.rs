@@ -1,0 +1,352 @@
+//! `kiln serve --config kiln.toml`: who may call, which backend serves each
+//! pool, limits and the decision log. With no file the gateway runs on the
+//! embedded default: every pool of the policy on simulated GPUs, API keys
+//! as the policy declares them, admin open on loopback only.
+//!
+//! Secrets are stored hashed (SHA-256, hex): `kiln hash-key KEY` prints the
+//! hash to paste here, so the file can be reviewed and committed.
+
+use super::upstream::UpstreamConfig;
+use miette::{NamedSource, SourceSpan};
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerConfig {
+    /// Address to listen on; `--listen` overrides it.
+    pub listen: Option<String>,
+    #[serde(default)]
+    pub admin: AdminConfig,
+    /// API keys, hashed, and the tenant each one authenticates as.
+    #[serde(default)]
+    pub keys: Vec<KeyConfig>,
+    /// Accept the `api_keys` a policy declares in clear text as well (the
+    /// embedded default does; set false once keys live here, hashed).
+    #[serde(default = "yes")]
+    pub policy_keys: bool,
+    /// Requests without a key: refused (401) unless this is true, in which
+    /// case they are decided as the policy's default (no tenant).
+    #[serde(default)]
+    pub allow_anonymous: bool,
+    /// Backend per pool, by the policy's pool name. Pools not named here
+    /// run on the simulator.
+    #[serde(default)]
+    pub pools: BTreeMap<String, PoolBackend>,
+    #[serde(default)]
+    pub limits: Limits,
+    #[serde(default)]
+    pub log: Option<LogSection>,
+    #[serde(default)]
+    pub sim: SimSection,
+}
+
+fn yes() -> bool {
+    true
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdminConfig {
+    /// SHA-256 (hex) of admin bearer tokens. With none, admin endpoints
+    /// answer only when the gateway listens on loopback.
+    #[serde(default)]
+    pub token_sha256: Vec<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KeyConfig {
+    /// SHA-256 (hex) of the key.
+    pub sha256: String,
+    /// The policy tenant this key authenticates as.
+    pub tenant: String,
+    /// A label for logs (never the key).
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(tag = "backend", rename_all = "lowercase", deny_unknown_fields)]
+pub enum PoolBackend {
+    /// The roofline simulator, producing placeholder tokens at the
+    /// simulated speed.
+    Sim,
+    /// OpenAI-compatible upstreams (vLLM, SGLang, TGI, llama.cpp server).
+    Http { upstreams: Vec<UpstreamEntry> },
+}
+
+/// One upstream replica: which of the policy's variants it serves.
+#[derive(Debug, Clone, Deserialize)]
+pub struct UpstreamEntry {
+    pub model: String,
+    pub variant: String,
+    #[serde(flatten)]
+    pub upstream: UpstreamConfig,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Limits {
+    /// Largest request body accepted (413 above).
+    #[serde(default = "default_body")]
+    pub max_body_bytes: usize,
+    /// Output tokens assumed when a request sets no max_tokens.
+    #[serde(default = "default_max_tokens")]
+    pub default_max_tokens: u64,
+    /// Times a request whose tier vanished in a policy swap is re-decided.
+    #[serde(default = "default_redecide")]
+    pub max_redecide: u32,
+}
+
+fn default_body() -> usize {
+    4 * 1024 * 1024
+}
+fn default_max_tokens() -> u64 {
+    256
+}
+fn default_redecide() -> u32 {
+    3
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_body_bytes: default_body(),
+            default_max_tokens: default_max_tokens(),
+            max_redecide: default_redecide(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogSection {
+    pub path: PathBuf,
+    #[serde(default = "default_log_bytes")]
+    pub max_bytes: u64,
+    #[serde(default = "default_keep")]
+    pub keep: usize,
+}
+
+fn default_log_bytes() -> u64 {
+    256 * 1024 * 1024
+}
+fn default_keep() -> usize {
+    7
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SimSection {
+    /// Simulated time runs this many times faster than the wall clock
+    /// (demos of long batch jobs, fast tests). 1 is real speed.
+    #[serde(default = "one")]
+    pub speed: f64,
+    /// A calibration TOML for the cost model (see `kiln simulate`).
+    #[serde(default)]
+    pub calibration: Option<PathBuf>,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+impl Default for SimSection {
+    fn default() -> Self {
+        SimSection {
+            speed: 1.0,
+            calibration: None,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error, miette::Diagnostic)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {message}")]
+    #[diagnostic(
+        code(kiln::config::io),
+        help("check the path given to --config; without --config kiln runs on the embedded default")
+    )]
+    Io { path: String, message: String },
+    #[error("{message}")]
+    #[diagnostic(
+        code(kiln::config::syntax),
+        help("see the commented example in examples/kiln.toml for every setting")
+    )]
+    Syntax {
+        message: String,
+        #[source_code]
+        src: NamedSource<String>,
+        #[label("here")]
+        at: Option<SourceSpan>,
+    },
+    #[error("{message}")]
+    #[diagnostic(code(kiln::config::invalid))]
+    Invalid {
+        message: String,
+        #[help]
+        help: Option<String>,
+    },
+}
+
+/// SHA-256 of a secret, lowercase hex: what the config stores.
+pub fn hash_secret(secret: &str) -> String {
+    hex::encode(Sha256::digest(secret.as_bytes()))
+}
+
+impl LogSection {
+    pub fn at(path: PathBuf) -> LogSection {
+        LogSection {
+            path,
+            max_bytes: default_log_bytes(),
+            keep: default_keep(),
+        }
+    }
+}
+
+impl ServerConfig {
+    /// No config file: the policy's keys, simulated pools, no log.
+    pub fn default_embedded() -> ServerConfig {
+        ServerConfig {
+            policy_keys: true,
+            ..ServerConfig::default()
+        }
+    }
+
+    pub fn load(path: &Path) -> Result<ServerConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Io {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
+        ServerConfig::parse(&path.display().to_string(), &text)
+    }
+
+    pub fn parse(name: &str, text: &str) -> Result<ServerConfig, ConfigError> {
+        let cfg: ServerConfig = toml::from_str(text).map_err(|e| ConfigError::Syntax {
+            message: e.message().to_string(),
+            src: NamedSource::new(name, text.to_string()),
+            at: e.span().map(|r| SourceSpan::from(r.start..r.end)),
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let is_hash = |h: &str| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit());
+        for k in &self.keys {
+            if !is_hash(&k.sha256) {
+                return Err(ConfigError::Invalid {
+                    message: format!(
+                        "the key for tenant `{}` is not a SHA-256 hash (64 hex digits)",
+                        k.tenant
+                    ),
+                    help: Some("store keys hashed: `kiln hash-key YOUR-KEY` prints the value".into()),
+                });
+            }
+        }
+        for h in &self.admin.token_sha256 {
+            if !is_hash(h) {
+                return Err(ConfigError::Invalid {
+                    message: "an admin token is not a SHA-256 hash (64 hex digits)".into(),
+                    help: Some("`kiln hash-key YOUR-TOKEN` prints the value to store".into()),
+                });
+            }
+        }
+        if !(self.sim.speed.is_finite() && self.sim.speed > 0.0) {
+            return Err(ConfigError::Invalid {
+                message: format!("sim.speed must be a positive number, not {}", self.sim.speed),
+                help: Some("1 runs simulated GPUs at real speed; 10 runs them ten times faster".into()),
+            });
+        }
+        if self.limits.max_body_bytes == 0 {
+            return Err(ConfigError::Invalid {
+                message: "limits.max_body_bytes must be above 0".into(),
+                help: None,
+            });
+        }
+        for (pool, b) in &self.pools {
+            if let PoolBackend::Http { upstreams } = b {
+                if upstreams.is_empty() {
+                    return Err(ConfigError::Invalid {
+                        message: format!("pool `{pool}` uses the http backend with no upstreams"),
+                        help: Some("add [[pools.NAME.upstreams]] entries, or use backend = \"sim\"".into()),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The tenant a key authenticates as, by hash.
+    pub fn tenant_for_key(&self, key: &str) -> Option<&str> {
+        if self.keys.is_empty() {
+            return None;
+        }
+        let h = hash_secret(key);
+        self.keys
+            .iter()
+            .find(|k| constant_time_eq(k.sha256.to_ascii_lowercase().as_bytes(), h.as_bytes()))
+            .map(|k| k.tenant.as_str())
+    }
+
+    pub fn admin_token_ok(&self, token: &str) -> bool {
+        let h = hash_secret(token);
+        self.admin
+            .token_sha256
+            .iter()
+            .any(|t| constant_time_eq(t.to_ascii_lowercase().as_bytes(), h.as_bytes()))
+    }
+}
+
+/// Comparison that does not stop at the first differing byte.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn embedded_default_is_empty_config() {
+        let c = ServerConfig::parse("t", "").unwrap();
+        assert!(c.keys.is_empty() && c.pools.is_empty() && c.policy_keys);
+        assert_eq!(c.sim.speed, 1.0);
+    }
+
+    #[test]
+    fn keys_are_matched_by_hash() {
+        let h = hash_secret("s3cret");
+        let c = ServerConfig::parse(
+            "t",
+            &format!("[[keys]]\nsha256 = \"{h}\"\ntenant = \"acme\"\n"),
+        )
+        .unwrap();
+        assert_eq!(c.tenant_for_key("s3cret"), Some("acme"));
+        assert_eq!(c.tenant_for_key("s3cret "), None);
+    }
+
+    #[test]
+    fn clear_text_key_is_refused_with_help() {
+        let e = ServerConfig::parse("t", "[[keys]]\nsha256 = \"hunter2\"\ntenant = \"a\"\n")
+            .unwrap_err();
+        assert!(e.to_string().contains("not a SHA-256"), "{e}");
+    }
+
+    #[test]
+    fn syntax_error_points_at_the_line() {
+        let e = ServerConfig::parse("kiln.toml", "listen = \n").unwrap_err();
+        match e {
+            ConfigError::Syntax { at, .. } => assert!(at.is_some()),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn unknown_setting_is_an_error() {
+        assert!(ServerConfig::parse("t", "lisen = \"x\"\n").is_err());
+    }
+}

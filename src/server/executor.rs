@@ -1,0 +1,508 @@
+//! The executor: the one task that owns the scheduler core and feeds it
+//! real time. Request handlers submit arrivals and cancellations over a
+//! channel; the executor turns the scheduler's actions into progress
+//! messages for each handler, sleeps until the next simulated step ends or
+//! timer fires, and applies policy swaps between two events, so every
+//! request is decided wholly by one version.
+//!
+//! Why one task: the scheduler is a pure state machine with `&mut self`
+//! methods; serialising events through a channel keeps it lock-free and
+//! makes the live gateway run exactly the code the replay simulator runs.
+
+use super::upstream::Upstream;
+use crate::graph::{DecisionGraph, Signals, TenantId, TierId};
+use crate::sched::plan::Plan;
+use crate::sched::{Action, Arrival, Event, Micros, QueueRow, Reason, ReqId, Scheduler};
+use rustc_hash::FxHashMap as HashMap;
+use serde::Serialize;
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, BinaryHeap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, oneshot};
+
+/// Where a replica's work runs.
+#[derive(Clone)]
+pub enum Backend {
+    /// The roofline simulator: the executor produces tokens at step ends.
+    Sim,
+    /// An OpenAI-compatible upstream: the handler sends the request and
+    /// reports completion.
+    Http(Arc<Upstream>),
+}
+
+impl Backend {
+    pub fn name(&self) -> String {
+        match self {
+            Backend::Sim => "sim".into(),
+            Backend::Http(u) => format!("http:{}", u.name()),
+        }
+    }
+}
+
+/// What a handler hears about its request.
+#[derive(Clone)]
+pub enum Progress {
+    Decided {
+        tier: TierId,
+        tenant: Option<TenantId>,
+        fallback_step: Option<u8>,
+        version: Arc<str>,
+        graph: Arc<DecisionGraph>,
+        /// The live signals the decision saw (for explain).
+        signals: Arc<Signals>,
+    },
+    Started {
+        replica: usize,
+        /// `model.variant on pool`.
+        route: String,
+        backend: Backend,
+        waited_for: Option<Reason>,
+        /// Scheduler time of the start, for queue-wait accounting.
+        at: Micros,
+    },
+    /// Simulated backends: this many more output tokens exist.
+    Tokens(u32),
+    FirstToken,
+    Finished {
+        gpu_seconds: f64,
+    },
+    Rejected {
+        reason: Reason,
+        status: u16,
+        retry_after: Option<Micros>,
+    },
+    Preempted {
+        by: ReqId,
+    },
+}
+
+pub enum Command {
+    Submit {
+        arrival: Arrival,
+        events: mpsc::UnboundedSender<Progress>,
+    },
+    Cancel(ReqId),
+    /// An HTTP upstream finished the request.
+    Complete {
+        id: ReqId,
+        output_tokens: u32,
+    },
+    Swap {
+        graph: Arc<DecisionGraph>,
+        plan: Plan,
+        version: Arc<str>,
+        done: oneshot::Sender<Vec<ReqId>>,
+    },
+    Snapshot(oneshot::Sender<Snapshot>),
+}
+
+/// The scheduler's state, for `/admin/queues`, `/readyz` and the gauges.
+#[derive(Debug, Clone, Serialize)]
+pub struct Snapshot {
+    pub version: String,
+    pub queues: Vec<QueueRow>,
+    pub replicas: Vec<ReplicaRow>,
+    pub in_flight: usize,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ReplicaRow {
+    pub index: usize,
+    pub pool: String,
+    pub model: String,
+    pub variant: String,
+    pub backend: String,
+    pub up: bool,
+    pub draining: bool,
+    /// Whether an HTTP upstream's circuit breaker lets requests through.
+    pub available: bool,
+    pub running: usize,
+    pub slots: u32,
+    pub kv_used_tokens: u64,
+    pub kv_capacity_tokens: u64,
+    /// Share of wall time spent running steps (simulated replicas).
+    pub busy_fraction: f64,
+}
+
+/// A cheap, cloneable handle to the executor task.
+#[derive(Clone)]
+pub struct ExecHandle {
+    tx: mpsc::UnboundedSender<Command>,
+}
+
+impl ExecHandle {
+    pub fn send(&self, c: Command) -> bool {
+        self.tx.send(c).is_ok()
+    }
+
+    pub async fn snapshot(&self) -> Option<Snapshot> {
+        let (tx, rx) = oneshot::channel();
+        if !self.send(Command::Snapshot(tx)) {
+            return None;
+        }
+        rx.await.ok()
+    }
+}
+
+struct Entry {
+    events: mpsc::UnboundedSender<Progress>,
+    /// Tokens reported to the handler so far, and the sequence's length.
+    sent: u32,
+    target: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Timer {
+    StepDone(usize),
+    Tick,
+}
+
+pub struct Executor {
+    sched: Scheduler,
+    graph: Arc<DecisionGraph>,
+    version: Arc<str>,
+    /// Backends by `ReplicaSpec::tag`.
+    backends: Arc<Vec<Backend>>,
+    start: Instant,
+    speed: f64,
+    timers: BinaryHeap<Reverse<(Micros, Timer)>>,
+    ticks: BTreeSet<Micros>,
+    reqs: HashMap<ReqId, Entry>,
+    buf: Vec<Action>,
+}
+
+impl Executor {
+    /// `speed`: simulated time runs this many times faster than the clock.
+    pub fn new(
+        sched: Scheduler,
+        graph: Arc<DecisionGraph>,
+        version: Arc<str>,
+        backends: Arc<Vec<Backend>>,
+        speed: f64,
+    ) -> Executor {
+        Executor {
+            sched,
+            graph,
+            version,
+            backends,
+            start: Instant::now(),
+            speed: if speed.is_finite() && speed > 0.0 {
+                speed
+            } else {
+                1.0
+            },
+            timers: BinaryHeap::new(),
+            ticks: BTreeSet::new(),
+            reqs: HashMap::default(),
+            buf: Vec::new(),
+        }
+    }
+
+    /// Starts the executor on the current tokio runtime.
+    pub fn spawn(self) -> (ExecHandle, tokio::task::JoinHandle<()>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let task = tokio::spawn(self.run(rx));
+        (ExecHandle { tx }, task)
+    }
+
+    fn now(&self) -> Micros {
+        (self.start.elapsed().as_secs_f64() * self.speed * 1e6) as Micros
+    }
+
+    fn instant_of(&self, t: Micros) -> Instant {
+        self.start + Duration::from_secs_f64(t as f64 / 1e6 / self.speed)
+    }
+
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Command>) {
+        loop {
+            let next = self.timers.peek().map(|Reverse((t, _))| self.instant_of(*t));
+            let cmd = match next {
+                Some(at) => {
+                    tokio::select! {
+                        biased;
+                        c = rx.recv() => Some(c),
+                        _ = tokio::time::sleep_until(at.into()) => None,
+                    }
+                }
+                None => Some(rx.recv().await),
+            };
+            match cmd {
+                Some(None) => break,
+                Some(Some(c)) => {
+                    self.command(c);
+                    // Drain what queued meanwhile before sleeping again.
+                    for _ in 0..256 {
+                        match rx.try_recv() {
+                            Ok(c) => self.command(c),
+                            Err(_) => break,
+                        }
+                    }
+                }
+                None => {}
+            }
+            self.fire_due();
+        }
+    }
+
+    fn command(&mut self, c: Command) {
+        let now = self.now();
+        match c {
+            Command::Submit { arrival, events } => {
+                let id = arrival.id;
+                self.reqs.insert(
+                    id,
+                    Entry {
+                        events,
+                        sent: 0,
+                        target: 0,
+                    },
+                );
+                self.feed(now, Event::Arrive(arrival));
+            }
+            Command::Cancel(id) => {
+                if self.reqs.remove(&id).is_some() {
+                    self.feed(now, Event::Cancel { id });
+                }
+            }
+            Command::Complete { id, output_tokens } => {
+                self.feed(now, Event::Complete { id, output_tokens });
+            }
+            Command::Swap {
+                graph,
+                plan,
+                version,
+                done,
+            } => {
+                self.graph = graph.clone();
+                self.version = version;
+                self.buf.clear();
+                self.buf.extend_from_slice(self.sched.swap(now, graph, plan));
+                let redecide: Vec<ReqId> = self
+                    .buf
+                    .iter()
+                    .filter_map(|a| match a {
+                        Action::Reject {
+                            id,
+                            reason: Reason::PolicyChanged,
+                            ..
+                        } => Some(*id),
+                        _ => None,
+                    })
+                    .collect();
+                self.apply(None);
+                let _ = done.send(redecide);
+            }
+            Command::Snapshot(reply) => {
+                let _ = reply.send(self.snapshot());
+            }
+        }
+    }
+
+    fn fire_due(&mut self) {
+        loop {
+            let now = self.now();
+            let Some(&Reverse((t, timer))) = self.timers.peek() else {
+                return;
+            };
+            if t > now {
+                return;
+            }
+            self.timers.pop();
+            match timer {
+                Timer::StepDone(r) => self.feed(t, Event::StepDone { replica: r }),
+                Timer::Tick => {
+                    self.ticks.remove(&t);
+                    self.feed(t, Event::Tick);
+                }
+            }
+        }
+    }
+
+    /// Feeds one event and routes the actions it caused.
+    fn feed(&mut self, now: Micros, event: Event) {
+        let stepped = match event {
+            Event::StepDone { replica } => Some(replica),
+            _ => None,
+        };
+        let decided_signals = matches!(event, Event::Arrive(_));
+        self.buf.clear();
+        self.buf.extend_from_slice(self.sched.handle(now, event));
+        let signals = decided_signals.then(|| Arc::new(self.sched.signals().clone()));
+        self.apply(signals);
+        // Tokens produced by the step that just ended, for sequences that
+        // keep running (finished ones were settled by their action).
+        if let Some(r) = stepped {
+            if let Some(rep) = self.sched.replicas().get(r) {
+                for s in &rep.running {
+                    if let Some(e) = self.reqs.get_mut(&s.w.id) {
+                        if s.generated > e.sent {
+                            let _ = e.events.send(Progress::Tokens(s.generated - e.sent));
+                            e.sent = s.generated;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn apply(&mut self, signals: Option<Arc<Signals>>) {
+        let actions = std::mem::take(&mut self.buf);
+        for a in &actions {
+            match *a {
+                Action::Decided {
+                    id,
+                    tier,
+                    tenant,
+                    fallback_step,
+                } => {
+                    if let Some(e) = self.reqs.get(&id) {
+                        let _ = e.events.send(Progress::Decided {
+                            tier,
+                            tenant,
+                            fallback_step,
+                            version: self.version.clone(),
+                            graph: self.graph.clone(),
+                            signals: signals.clone().unwrap_or_default(),
+                        });
+                    }
+                }
+                Action::Step { replica, until } => {
+                    self.timers.push(Reverse((until, Timer::StepDone(replica))));
+                }
+                Action::WakeAt(t) => {
+                    if self.ticks.insert(t) {
+                        self.timers.push(Reverse((t, Timer::Tick)));
+                    }
+                }
+                Action::Reject {
+                    id,
+                    reason,
+                    status,
+                    retry_after,
+                } => {
+                    if let Some(e) = self.reqs.remove(&id) {
+                        let _ = e.events.send(Progress::Rejected {
+                            reason,
+                            status,
+                            retry_after,
+                        });
+                    }
+                }
+                Action::Started {
+                    id,
+                    replica,
+                    waited_for,
+                } => {
+                    let rep = self.sched.replicas().get(replica);
+                    let backend = rep
+                        .and_then(|r| self.backends.get(r.spec.tag as usize))
+                        .cloned()
+                        .unwrap_or(Backend::Sim);
+                    let target = rep
+                        .and_then(|r| r.running.iter().find(|s| s.w.id == id))
+                        .map(|s| s.w.output_tokens);
+                    let at = self.sched.now();
+                    let route = rep
+                        .map(|r| {
+                            let g = &self.graph;
+                            format!(
+                                "{} on {}",
+                                g.variant_name(r.spec.model, r.spec.variant),
+                                g.pools
+                                    .get(r.spec.pool as usize)
+                                    .map(|p| p.name.as_str())
+                                    .unwrap_or("?")
+                            )
+                        })
+                        .unwrap_or_default();
+                    if let Some(e) = self.reqs.get_mut(&id) {
+                        if let Some(t) = target {
+                            e.target = t;
+                        }
+                        let _ = e.events.send(Progress::Started {
+                            replica,
+                            route,
+                            backend,
+                            waited_for,
+                            at,
+                        });
+                    }
+                }
+                Action::FirstToken { id } => {
+                    if let Some(e) = self.reqs.get(&id) {
+                        let _ = e.events.send(Progress::FirstToken);
+                    }
+                }
+                Action::Finished { id, gpu_seconds } => {
+                    if let Some(e) = self.reqs.remove(&id) {
+                        if e.target > e.sent {
+                            let _ = e.events.send(Progress::Tokens(e.target - e.sent));
+                        }
+                        let _ = e.events.send(Progress::Finished { gpu_seconds });
+                    }
+                }
+                Action::Preempted { id, by, .. } => {
+                    if let Some(e) = self.reqs.get(&id) {
+                        let _ = e.events.send(Progress::Preempted { by });
+                    }
+                }
+                Action::Cancelled { id } => {
+                    self.reqs.remove(&id);
+                }
+            }
+        }
+        self.buf = actions;
+        self.buf.clear();
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        let g = &self.graph;
+        let elapsed = (self.now() as f64 / 1e6).max(1e-9);
+        let replicas = self
+            .sched
+            .replicas()
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let backend = self.backends.get(r.spec.tag as usize);
+                let model = g.models.get(r.spec.model as usize);
+                ReplicaRow {
+                    index: i,
+                    pool: g
+                        .pools
+                        .get(r.spec.pool as usize)
+                        .map(|p| p.name.clone())
+                        .unwrap_or_default(),
+                    model: model.map(|m| m.name.clone()).unwrap_or_default(),
+                    variant: model
+                        .and_then(|m| m.variants.get(r.spec.variant as usize))
+                        .map(|v| v.name.clone())
+                        .unwrap_or_default(),
+                    backend: backend.map(Backend::name).unwrap_or_else(|| "sim".into()),
+                    up: r.up,
+                    draining: r.draining,
+                    available: match backend {
+                        Some(Backend::Http(u)) => u.ready(),
+                        _ => r.up,
+                    },
+                    running: r.running.len(),
+                    slots: r.spec.max_batch,
+                    kv_used_tokens: r.kv_used(),
+                    kv_capacity_tokens: r.spec.kv_capacity,
+                    busy_fraction: if r.spec.external {
+                        f64::from(r.running.len() as u32) / f64::from(r.spec.max_batch.max(1))
+                    } else {
+                        (r.busy_seconds / elapsed).min(1.0)
+                    },
+                }
+            })
+            .collect();
+        Snapshot {
+            version: self.version.to_string(),
+            queues: self.sched.queue_snapshot(),
+            replicas,
+            in_flight: self.reqs.len(),
+        }
+    }
+}

@@ -1,0 +1,1039 @@
+//! The OpenAI endpoints: `POST /v1/chat/completions`, `POST /v1/completions`
+//! (plain and streaming) and `GET /v1/models`.
+//!
+//! One request's life: read the body (413 above the limit), parse (400),
+//! authenticate (401), count prompt tokens, submit to the executor, wait
+//! for the decision and the start (or a refusal: 404/413/429/503 with
+//! Retry-After), then either produce simulated tokens as the executor
+//! reports them or call the HTTP upstream. A guard cancels the request in
+//! the scheduler if the client goes away at any point, so its capacity is
+//! freed at once. At the end one decision-log line and the metrics.
+
+use super::executor::{Backend, Command, Progress};
+use super::explain::{self, Shared};
+use super::metrics::{Labels, Outcome as MetricOutcome};
+use super::openai::{ApiError, Endpoint, GenerationRequest};
+use super::upstream::UpstreamError;
+use super::App;
+use crate::graph::{DecisionGraph, Request, Signals, TenantId, TierId};
+use crate::sched::{Arrival, Reason, ReqId, SEC};
+use crate::traffic::{Decision as LogDecision, Record};
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::mpsc;
+
+pub fn router(app: Arc<App>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .with_state(app)
+}
+
+async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    generate(app, Endpoint::Chat, headers, body).await
+}
+
+async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    generate(app, Endpoint::Completions, headers, body).await
+}
+
+async fn models(State(app): State<Arc<App>>) -> Response {
+    let p = app.policy.load();
+    let created = (app.boot_ms / 1000) as i64;
+    let data: Vec<Value> = p
+        .graph
+        .models
+        .iter()
+        .map(|m| json!({"id": m.name, "object": "model", "created": created, "owned_by": "kiln"}))
+        .collect();
+    axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+/// Cancels the request in the scheduler unless disarmed: dropped with the
+/// handler or the response stream when the client disconnects.
+struct CancelGuard {
+    id: ReqId,
+    app: Arc<App>,
+    armed: bool,
+}
+
+impl Drop for CancelGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            self.app.exec.send(Command::Cancel(self.id));
+        }
+    }
+}
+
+/// Headers never copied into the policy's view or the decision log.
+fn private_header(name: &str) -> bool {
+    matches!(
+        name,
+        "authorization"
+            | "proxy-authorization"
+            | "cookie"
+            | "x-api-key"
+            | "api-key"
+            | "host"
+            | "content-length"
+            | "content-type"
+            | "accept"
+            | "accept-encoding"
+            | "connection"
+    ) || name.starts_with("x-stainless")
+}
+
+/// The key from `Authorization: Bearer` (or `x-api-key`).
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    if let Some(v) = headers.get("authorization").and_then(|v| v.to_str().ok()) {
+        let v = v.trim();
+        let key = v
+            .strip_prefix("Bearer ")
+            .or_else(|| v.strip_prefix("bearer "))
+            .unwrap_or(v);
+        return Some(key.trim()).filter(|k| !k.is_empty());
+    }
+    headers
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .filter(|k| !k.is_empty())
+}
+
+/// The tenant a caller is: by a hashed key from the config, or a key the
+/// policy declares. `Ok(None)` is an anonymous caller, where allowed.
+fn authenticate(app: &App, g: &DecisionGraph, headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    match bearer(headers) {
+        Some(key) => {
+            if let Some(t) = app.config.tenant_for_key(key) {
+                return Ok(Some(t.to_string()));
+            }
+            if app.config.policy_keys {
+                if let Some(t) = g.tenant_for_key(key) {
+                    return Ok(g.tenants.get(t as usize).map(|t| t.name.clone()));
+                }
+            }
+            Err(ApiError::new(401, "the API key is not valid").code("invalid_api_key"))
+        }
+        None if app.config.allow_anonymous => Ok(None),
+        None => Err(ApiError::new(
+            401,
+            "missing API key: send `Authorization: Bearer YOUR-KEY`",
+        )
+        .code("missing_api_key")),
+    }
+}
+
+struct Decided {
+    tier: TierId,
+    tenant: Option<TenantId>,
+    fallback_step: Option<u8>,
+    version: Arc<str>,
+    graph: Arc<DecisionGraph>,
+    signals: Arc<Signals>,
+}
+
+struct Ctx {
+    app: Arc<App>,
+    endpoint: Endpoint,
+    id: ReqId,
+    rid: String,
+    req: Request,
+    body: Value,
+    client_model: String,
+    stream: bool,
+    include_usage: bool,
+    received: Instant,
+    received_ms: f64,
+    explain: Shared,
+}
+
+impl Ctx {
+    fn ms(&self) -> f64 {
+        self.received.elapsed().as_secs_f64() * 1000.0
+    }
+}
+
+async fn generate(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body) -> Response {
+    match generate_inner(app, endpoint, headers, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn generate_inner(
+    app: Arc<App>,
+    endpoint: Endpoint,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let received = Instant::now();
+    let received_ms = super::unix_ms();
+    let limit = app.config.limits.max_body_bytes;
+    let bytes = axum::body::to_bytes(body, limit).await.map_err(|_| {
+        ApiError::new(
+            413,
+            format!("the request body is larger than this gateway accepts ({limit} bytes)"),
+        )
+        .code("request_too_large")
+    })?;
+    let (greq, raw) = GenerationRequest::parse(endpoint, &bytes)?;
+    let policy = app.policy.load_full();
+    let tenant = authenticate(&app, &policy.graph, &headers)?;
+    let prompt_tokens = app.tokenizer.prompt_tokens(&greq);
+    let max_tokens = greq
+        .requested_max_tokens()
+        .unwrap_or(app.config.limits.default_max_tokens);
+    let mut hdrs = BTreeMap::new();
+    for (k, v) in headers.iter() {
+        let name = k.as_str();
+        if private_header(name) {
+            continue;
+        }
+        if let Ok(v) = v.to_str() {
+            hdrs.insert(name.to_string(), v.to_string());
+        }
+    }
+    let tags = headers
+        .get("x-kiln-tags")
+        .and_then(|v| v.to_str().ok())
+        .map(|s| {
+            s.split(',')
+                .map(|t| t.trim().to_string())
+                .filter(|t| !t.is_empty())
+                .collect()
+        })
+        .unwrap_or_default();
+    let session = headers
+        .get("x-kiln-session")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let req = Request {
+        tenant,
+        api_key: None,
+        model: greq.model.clone(),
+        headers: hdrs,
+        tags,
+        session,
+        prompt_tokens,
+        max_tokens,
+    };
+    let id = app.next_id.fetch_add(1, Ordering::Relaxed);
+    let rid = format!("{:x}-{id}", app.boot_ms);
+    let explain = app.explain.insert(explain::Entry {
+        id: rid.clone(),
+        endpoint: endpoint.path(),
+        received_unix_ms: received_ms,
+        request: req.clone(),
+        version: None,
+        graph: None,
+        signals: None,
+        events: Vec::new(),
+        outcome: None,
+        replica: None,
+    });
+    let ctx = Ctx {
+        app: app.clone(),
+        endpoint,
+        id,
+        rid,
+        req,
+        body: raw,
+        client_model: greq.model.clone(),
+        stream: greq.streaming(),
+        include_usage: greq.include_usage(),
+        received,
+        received_ms,
+        explain,
+    };
+    run(ctx, max_tokens).await
+}
+
+/// Submits (and, after a policy swap that removed its tier, re-submits)
+/// until the request starts or is refused.
+async fn run(ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
+    let app = ctx.app.clone();
+    let mut attempts = 0u32;
+    loop {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let arrival = Arrival {
+            id: ctx.id,
+            request: ctx.req.clone(),
+            output_tokens: max_tokens.min(u64::from(u32::MAX)) as u32,
+            prefix_blocks: Vec::new(),
+        };
+        let mut guard = CancelGuard {
+            id: ctx.id,
+            app: app.clone(),
+            armed: true,
+        };
+        if !app.exec.send(Command::Submit {
+            arrival,
+            events: tx,
+        }) {
+            guard.armed = false;
+            return Err(ApiError::new(503, "the gateway is shutting down").retry_after(Some(1)));
+        }
+        let mut decided: Option<Decided> = None;
+        let mut waited_for = None;
+        let mut preempted = 0u32;
+        loop {
+            let Some(p) = rx.recv().await else {
+                guard.armed = false;
+                return Err(ApiError::new(503, "the scheduler stopped").retry_after(Some(1)));
+            };
+            match p {
+                Progress::Decided {
+                    tier,
+                    tenant,
+                    fallback_step,
+                    version,
+                    graph,
+                    signals,
+                } => {
+                    if let Ok(mut e) = ctx.explain.lock() {
+                        e.version = Some(version.clone());
+                        e.graph = Some(graph.clone());
+                        e.signals = Some(signals.clone());
+                    }
+                    let tname = graph.tiers.get(tier as usize).map(|t| t.name.as_str()).unwrap_or("?");
+                    explain::note(&ctx.explain, ctx.ms(), format!("decided: tier {tname}"), None);
+                    if let Some(step) = fallback_step {
+                        let tn = tenant_name(&graph, tenant);
+                        app.metrics.fallback(tname, &tn, step.saturating_add(1));
+                    }
+                    decided = Some(Decided {
+                        tier,
+                        tenant,
+                        fallback_step,
+                        version,
+                        graph,
+                        signals,
+                    });
+                }
+                Progress::Rejected {
+                    reason: Reason::PolicyChanged,
+                    ..
+                } if attempts < app.config.limits.max_redecide => {
+                    guard.armed = false;
+                    attempts += 1;
+                    explain::note(
+                        &ctx.explain,
+                        ctx.ms(),
+                        "re-decided under the new policy version",
+                        Some(Reason::PolicyChanged.name()),
+                    );
+                    break;
+                }
+                Progress::Rejected {
+                    reason,
+                    status,
+                    retry_after,
+                } => {
+                    guard.armed = false;
+                    let err = refusal(&ctx, decided.as_ref(), reason, status, retry_after);
+                    finish_rejected(&ctx, decided.as_ref(), reason, &err);
+                    return Err(err);
+                }
+                Progress::Preempted { by } => {
+                    preempted += 1;
+                    explain::note(
+                        &ctx.explain,
+                        ctx.ms(),
+                        format!("preempted by request {by}; queued again at the head"),
+                        Some(Reason::Preempted.name()),
+                    );
+                }
+                Progress::Started {
+                    replica,
+                    route,
+                    backend,
+                    waited_for: w,
+                    ..
+                } => {
+                    waited_for = w;
+                    let Some(d) = decided.take() else {
+                        guard.armed = false;
+                        return Err(ApiError::new(500, "started before a decision"));
+                    };
+                    explain::note(
+                        &ctx.explain,
+                        ctx.ms(),
+                        format!("started on replica {replica} ({route})"),
+                        waited_for.map(Reason::name),
+                    );
+                    if let Ok(mut e) = ctx.explain.lock() {
+                        e.replica = Some(route.clone());
+                    }
+                    let queue_s = ctx.received.elapsed().as_secs_f64();
+                    let started = Started {
+                        d,
+                        route,
+                        waited_for,
+                        queue_s,
+                        preempted,
+                    };
+                    return match backend {
+                        Backend::Sim => Ok(serve_sim(ctx, guard, rx, started).await),
+                        Backend::Http(u) => serve_http(ctx, guard, rx, started, u).await,
+                    };
+                }
+                Progress::Tokens(_) | Progress::FirstToken | Progress::Finished { .. } => {}
+            }
+        }
+        let _ = waited_for;
+    }
+}
+
+struct Started {
+    d: Decided,
+    route: String,
+    waited_for: Option<Reason>,
+    queue_s: f64,
+    preempted: u32,
+}
+
+fn tenant_name(g: &DecisionGraph, t: Option<TenantId>) -> String {
+    t.and_then(|t| g.tenants.get(t as usize))
+        .map(|t| t.name.clone())
+        .unwrap_or_else(|| "none".into())
+}
+
+fn secs_ceil(app: &App, micros: crate::sched::Micros) -> u64 {
+    ((micros as f64 / SEC as f64 / app.speed).ceil() as u64).max(1)
+}
+
+/// The error a refusal answers with, in the policy's words where it has
+/// them.
+fn refusal(
+    ctx: &Ctx,
+    d: Option<&Decided>,
+    reason: Reason,
+    status: u16,
+    retry_after: Option<crate::sched::Micros>,
+) -> ApiError {
+    let app = &ctx.app;
+    let (tier, tenant) = match d {
+        Some(d) => (
+            d.graph
+                .tiers
+                .get(d.tier as usize)
+                .map(|t| t.name.clone())
+                .unwrap_or_default(),
+            tenant_name(&d.graph, d.tenant),
+        ),
+        None => (String::new(), "none".into()),
+    };
+    let policy_msg = d.and_then(|d| {
+        let dec = d.graph.decide(&ctx.req, &d.signals);
+        d.graph.view(&dec).message
+    });
+    let msg = match reason {
+        Reason::Policy => policy_msg.unwrap_or_else(|| {
+            if status == 404 {
+                format!(
+                    "the model `{}` does not exist or tier `{tier}` may not use it (GET /v1/models lists models)",
+                    ctx.client_model
+                )
+            } else {
+                "the policy refused this request".into()
+            }
+        }),
+        Reason::Quota => format!("tenant {tenant} is over its token or request quota"),
+        Reason::Concurrency => format!("tenant {tenant} has as many requests in flight as its quota allows"),
+        Reason::Overload => format!("the estimated wait exceeds tier {tier}'s time-to-first-token SLO; retry later"),
+        Reason::Deadline => format!("tier {tier}'s completion window cannot be met at the current backlog"),
+        Reason::Saturation if status == 413 => {
+            "the prompt plus max_tokens is larger than any replica of the routed model can hold".into()
+        }
+        Reason::Saturation | Reason::Gang => "no replica can serve this route now".into(),
+        Reason::Timeout => format!("waited longer than tier {tier}'s max queue time"),
+        Reason::RetryBudget => format!("tenant {tenant} has spent its retry budget"),
+        Reason::SessionBudget => "this agent session has used all the steps its tenant allows".into(),
+        Reason::PolicyChanged => "the policy changed while this request waited; retry".into(),
+        other => format!("refused: {}", other.name()),
+    };
+    let retry = match (status, retry_after) {
+        (429 | 503, Some(r)) => Some(secs_ceil(app, r)),
+        (429 | 503, None) => Some(1),
+        _ => None,
+    };
+    let code = if status == 404 {
+        "model_not_found".to_string()
+    } else {
+        reason.name().to_string()
+    };
+    ApiError::new(status, msg).code(code).retry_after(retry)
+}
+
+fn finish_rejected(ctx: &Ctx, d: Option<&Decided>, reason: Reason, err: &ApiError) {
+    let app = &ctx.app;
+    let (tier, tenant) = match d {
+        Some(d) => (
+            d.graph
+                .tiers
+                .get(d.tier as usize)
+                .map(|t| t.name.clone())
+                .unwrap_or_default(),
+            tenant_name(&d.graph, d.tenant),
+        ),
+        None => ("none".into(), "none".into()),
+    };
+    app.metrics.rejected(&tier, &tenant, reason.name(), err.status);
+    explain::note(
+        &ctx.explain,
+        ctx.ms(),
+        format!("refused with {}: {}", err.status, err.message),
+        Some(reason.name()),
+    );
+    if let Ok(mut e) = ctx.explain.lock() {
+        e.outcome = Some(format!("rejected {}", err.status));
+    }
+    let mut rec = base_record(ctx, d);
+    if let Some(dec) = rec.decision.as_mut() {
+        dec.admission = Some("reject".into());
+        dec.status = Some(err.status);
+        dec.reason = Some(reason.name().to_string());
+    }
+    rec.e2e_ms = Some(round3(ctx.ms()));
+    app.log.write(rec);
+}
+
+fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+fn base_record(ctx: &Ctx, d: Option<&Decided>) -> Record {
+    let mut r = Record::new(ctx.received_ms.round(), ctx.req.clone(), 0);
+    r.id = Some(ctx.rid.clone());
+    r.api_key = None;
+    if let Some(d) = d {
+        r.policy_version = Some(d.version.to_string());
+        r.decision = Some(LogDecision {
+            tier: d.graph.tiers.get(d.tier as usize).map(|t| t.name.clone()),
+            tenant: d
+                .tenant
+                .and_then(|t| d.graph.tenants.get(t as usize))
+                .map(|t| t.name.clone()),
+            route: None,
+            admission: Some("accept".into()),
+            status: Some(200),
+            fallback_step: d.fallback_step.map(|s| u32::from(s) + 1),
+            ..LogDecision::default()
+        });
+    }
+    r
+}
+
+/// What one served request adds to the log, metrics and explain store.
+fn finish_served(
+    ctx: &Ctx,
+    s: &Started,
+    output_tokens: u64,
+    ttft_s: Option<f64>,
+    outcome: MetricOutcome,
+    gpu_seconds: f64,
+) {
+    let app = &ctx.app;
+    let g = &s.d.graph;
+    let tier = g.tiers.get(s.d.tier as usize).map(|t| t.name.as_str()).unwrap_or("?");
+    let tenant = tenant_name(g, s.d.tenant);
+    let (pool, model) = s.route.split_once(" on ").map_or((s.route.as_str(), ""), |(m, p)| (p, m));
+    let labels = Labels {
+        tier,
+        tenant: &tenant,
+        pool,
+        model,
+    };
+    let e2e = ctx.received.elapsed().as_secs_f64();
+    app.metrics.request_done(&labels, outcome);
+    app.metrics.queue_wait(&labels, s.queue_s);
+    if let Some(t) = ttft_s {
+        app.metrics.ttft(&labels, t);
+    }
+    app.metrics.e2e(&labels, e2e);
+    app.metrics.tokens(&labels, ctx.req.prompt_tokens, output_tokens);
+    let cost_per_h = s
+        .d
+        .tenant
+        .and_then(|t| g.tenants.get(t as usize))
+        .and_then(|t| t.cost_per_gpu_hour)
+        .unwrap_or(0.0);
+    app.metrics.gpu_seconds(&labels, gpu_seconds, gpu_seconds / 3600.0 * cost_per_h);
+    for _ in 0..s.preempted {
+        app.metrics.preempted(tier, &tenant);
+    }
+    if let Some(w) = g.tiers.get(s.d.tier as usize).and_then(|t| t.slo.window) {
+        if e2e * 1000.0 * app.speed > w {
+            app.metrics.deadline_miss(tier, &tenant);
+        }
+    }
+    let label = match outcome {
+        MetricOutcome::Ok => "served",
+        MetricOutcome::Cancelled => "cancelled by the client",
+        MetricOutcome::UpstreamError => "upstream error",
+        MetricOutcome::Timeout => "upstream timeout",
+        MetricOutcome::Rejected => "rejected",
+    };
+    explain::note(
+        &ctx.explain,
+        ctx.ms(),
+        format!("{label}: {output_tokens} tokens"),
+        None,
+    );
+    if let Ok(mut e) = ctx.explain.lock() {
+        e.outcome = Some(label.into());
+    }
+    let mut rec = base_record(ctx, Some(&s.d));
+    rec.output_tokens = output_tokens;
+    if let Some(dec) = rec.decision.as_mut() {
+        dec.route = Some(s.route.clone());
+        dec.admission = Some(if s.waited_for.is_some() { "queue" } else { "accept" }.into());
+        dec.waited_for = s.waited_for.map(|r| r.name().to_string());
+    }
+    rec.ttft_ms = ttft_s.map(|t| round3(t * 1000.0));
+    rec.e2e_ms = Some(round3(e2e * 1000.0));
+    rec.queue_ms = Some(round3(s.queue_s * 1000.0));
+    app.log.write(rec);
+}
+
+fn kiln_headers(ctx: &Ctx, s: &Started, backend: &str) -> Vec<(&'static str, String)> {
+    let g = &s.d.graph;
+    let mut h = vec![
+        ("x-kiln-request-id", ctx.rid.clone()),
+        ("x-kiln-policy-version", s.d.version.to_string()),
+        (
+            "x-kiln-tier",
+            g.tiers.get(s.d.tier as usize).map(|t| t.name.clone()).unwrap_or_default(),
+        ),
+        ("x-kiln-tenant", tenant_name(g, s.d.tenant)),
+        ("x-kiln-route", s.route.clone()),
+        ("x-kiln-backend", backend.to_string()),
+        ("x-kiln-queue-ms", format!("{:.3}", s.queue_s * 1000.0)),
+        ("x-kiln-explain", format!("/admin/explain/{}", ctx.rid)),
+    ];
+    if let Some(w) = s.waited_for {
+        h.push(("x-kiln-waited-for", w.name().to_string()));
+    }
+    if let Some(f) = s.d.fallback_step {
+        h.push(("x-kiln-fallback-step", (u32::from(f) + 1).to_string()));
+    }
+    h
+}
+
+fn with_headers(mut resp: Response, h: Vec<(&'static str, String)>) -> Response {
+    for (k, v) in h {
+        if let Ok(v) = HeaderValue::from_str(&v) {
+            resp.headers_mut().insert(k, v);
+        }
+    }
+    resp
+}
+
+/// Placeholder text for simulated output: it says what it is.
+const SIM_WORDS: [&str; 8] = [
+    " simulated", " output", " from", " kiln's", " roofline", " GPU", " model", ".",
+];
+
+fn sim_text(from: u64, n: u64) -> String {
+    (from..from + n).map(|i| SIM_WORDS[(i % 8) as usize]).collect()
+}
+
+fn completion_id(ctx: &Ctx) -> String {
+    match ctx.endpoint {
+        Endpoint::Chat => format!("chatcmpl-{}", ctx.rid),
+        Endpoint::Completions => format!("cmpl-{}", ctx.rid),
+    }
+}
+
+fn created() -> i64 {
+    (super::unix_ms() / 1000.0) as i64
+}
+
+fn full_body(ctx: &Ctx, text: &str, prompt: u64, completion: u64, finish: &str, fingerprint: &str) -> Value {
+    let choice = match ctx.endpoint {
+        Endpoint::Chat => json!({
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": null,
+            "finish_reason": finish,
+        }),
+        Endpoint::Completions => json!({
+            "index": 0, "text": text, "logprobs": null, "finish_reason": finish,
+        }),
+    };
+    json!({
+        "id": completion_id(ctx),
+        "object": ctx.endpoint.object(false),
+        "created": created(),
+        "model": ctx.client_model,
+        "system_fingerprint": fingerprint,
+        "choices": [choice],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+    })
+}
+
+fn chunk(ctx: &Ctx, created: i64, text: Option<&str>, first: bool, finish: Option<&str>) -> Value {
+    let choice = match ctx.endpoint {
+        Endpoint::Chat => {
+            let mut delta = serde_json::Map::new();
+            if first {
+                delta.insert("role".into(), json!("assistant"));
+            }
+            if let Some(t) = text {
+                delta.insert("content".into(), json!(t));
+            }
+            json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+        }
+        Endpoint::Completions => {
+            json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish})
+        }
+    };
+    json!({
+        "id": completion_id(ctx),
+        "object": ctx.endpoint.object(true),
+        "created": created,
+        "model": ctx.client_model,
+        "system_fingerprint": "kiln-sim",
+        "choices": [choice],
+    })
+}
+
+fn usage_chunk(ctx: &Ctx, created: i64, prompt: u64, completion: u64) -> Value {
+    json!({
+        "id": completion_id(ctx),
+        "object": ctx.endpoint.object(true),
+        "created": created,
+        "model": ctx.client_model,
+        "choices": [],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+    })
+}
+
+fn sse(v: &Value) -> Bytes {
+    let mut s = String::with_capacity(256);
+    s.push_str("data: ");
+    s.push_str(&v.to_string());
+    s.push_str("\n\n");
+    Bytes::from(s)
+}
+
+fn sse_done() -> Bytes {
+    Bytes::from_static(b"data: [DONE]\n\n")
+}
+
+fn sse_response(body: Body, h: Vec<(&'static str, String)>) -> Response {
+    let mut resp = Response::new(body);
+    let hs = resp.headers_mut();
+    hs.insert("content-type", HeaderValue::from_static("text/event-stream"));
+    hs.insert("cache-control", HeaderValue::from_static("no-cache"));
+    with_headers(resp, h)
+}
+
+/// The simulator's tokens arrive as the executor's steps end.
+async fn serve_sim(
+    ctx: Ctx,
+    mut guard: CancelGuard,
+    mut rx: mpsc::UnboundedReceiver<Progress>,
+    s: Started,
+) -> Response {
+    let headers = kiln_headers(&ctx, &s, "sim");
+    if !ctx.stream {
+        let mut produced = 0u64;
+        let mut ttft = None;
+        let mut gpu = 0.0;
+        loop {
+            match rx.recv().await {
+                Some(Progress::Tokens(n)) => {
+                    if produced == 0 && n > 0 {
+                        ttft = Some(ctx.received.elapsed().as_secs_f64());
+                    }
+                    produced += u64::from(n);
+                }
+                Some(Progress::Finished { gpu_seconds }) => {
+                    gpu = gpu_seconds;
+                    break;
+                }
+                Some(Progress::Preempted { by }) => {
+                    explain::note(
+                        &ctx.explain,
+                        ctx.ms(),
+                        format!("preempted by request {by}"),
+                        Some(Reason::Preempted.name()),
+                    );
+                }
+                Some(_) => {}
+                None => {
+                    guard.armed = false;
+                    finish_served(&ctx, &s, produced, ttft, MetricOutcome::UpstreamError, gpu);
+                    return ApiError::new(503, "the scheduler stopped").into_response();
+                }
+            }
+        }
+        guard.armed = false;
+        let finish = "length";
+        let text = sim_text(0, produced);
+        finish_served(&ctx, &s, produced, ttft, MetricOutcome::Ok, gpu);
+        let body = full_body(&ctx, &text, ctx.req.prompt_tokens, produced, finish, "kiln-sim");
+        return with_headers(axum::Json(body).into_response(), headers);
+    }
+    // Streaming: one SSE chunk per token, as the steps produce them.
+    struct St {
+        ctx: Ctx,
+        guard: CancelGuard,
+        rx: mpsc::UnboundedReceiver<Progress>,
+        s: Started,
+        produced: u64,
+        ttft: Option<f64>,
+        created: i64,
+        done: bool,
+        pending: std::collections::VecDeque<Bytes>,
+    }
+    let created = created();
+    let first = sse(&chunk(&ctx, created, Some(""), true, None));
+    let mut st = St {
+        ctx,
+        guard,
+        rx,
+        s,
+        produced: 0,
+        ttft: None,
+        created,
+        done: false,
+        pending: std::collections::VecDeque::from([first]),
+    };
+    let stream = futures_util::stream::poll_fn(move |cx| {
+        // Capture the whole state (its guard included), not its fields.
+        let st = &mut st;
+        use std::task::Poll;
+        loop {
+            if let Some(b) = st.pending.pop_front() {
+                return Poll::Ready(Some(Ok::<Bytes, std::convert::Infallible>(b)));
+            }
+            if st.done {
+                return Poll::Ready(None);
+            }
+            match st.rx.poll_recv(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some(Progress::Tokens(n))) => {
+                    if st.produced == 0 && n > 0 {
+                        st.ttft = Some(st.ctx.received.elapsed().as_secs_f64());
+                    }
+                    for i in 0..u64::from(n) {
+                        let t = sim_text(st.produced + i, 1);
+                        st.pending.push_back(sse(&chunk(&st.ctx, st.created, Some(&t), false, None)));
+                    }
+                    st.produced += u64::from(n);
+                }
+                Poll::Ready(Some(Progress::Finished { gpu_seconds })) => {
+                    st.guard.armed = false;
+                    st.done = true;
+                    st.pending
+                        .push_back(sse(&chunk(&st.ctx, st.created, None, false, Some("length"))));
+                    if st.ctx.include_usage {
+                        st.pending.push_back(sse(&usage_chunk(
+                            &st.ctx,
+                            st.created,
+                            st.ctx.req.prompt_tokens,
+                            st.produced,
+                        )));
+                    }
+                    st.pending.push_back(sse_done());
+                    finish_served(&st.ctx, &st.s, st.produced, st.ttft, MetricOutcome::Ok, gpu_seconds);
+                }
+                Poll::Ready(Some(_)) => {}
+                Poll::Ready(None) => {
+                    st.guard.armed = false;
+                    st.done = true;
+                    let e = ApiError::new(503, "the scheduler stopped");
+                    st.pending.push_back(sse(&e.body()));
+                    finish_served(&st.ctx, &st.s, st.produced, st.ttft, MetricOutcome::UpstreamError, 0.0);
+                }
+            }
+        }
+    });
+    sse_response(Body::from_stream(stream), headers)
+}
+
+/// The body sent upstream: the client's, with the upstream's model name.
+fn upstream_body(ctx: &Ctx, served_model: Option<&str>, stream: bool) -> Value {
+    let mut b = ctx.body.clone();
+    if let Some(obj) = b.as_object_mut() {
+        if let Some(m) = served_model {
+            obj.insert("model".into(), json!(m));
+        }
+        obj.insert("stream".into(), json!(stream));
+        if stream {
+            obj.insert("stream_options".into(), json!({"include_usage": true}));
+        } else {
+            obj.remove("stream_options");
+        }
+    }
+    b
+}
+
+fn upstream_error(ctx: &Ctx, e: &UpstreamError) -> ApiError {
+    let status = e.http_status();
+    let mut err = ApiError::new(status, format!("upstream {}: {e}", ctx.rid));
+    if status == 503 {
+        err = err.retry_after(Some(5));
+    }
+    err
+}
+
+async fn serve_http(
+    ctx: Ctx,
+    mut guard: CancelGuard,
+    rx: mpsc::UnboundedReceiver<Progress>,
+    s: Started,
+    up: Arc<super::upstream::Upstream>,
+) -> Result<Response, ApiError> {
+    drop(rx);
+    let headers = kiln_headers(&ctx, &s, &format!("http:{}", up.name()));
+    let served_model = up.served_model().map(str::to_string);
+    let path = ctx.endpoint.path();
+    if !ctx.stream {
+        let body = upstream_body(&ctx, served_model.as_deref(), false);
+        let result = up.complete(path, body).await;
+        // From here the request is settled either way.
+        guard.armed = false;
+        return match result {
+            Ok(mut v) => {
+                let completion = v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+                ctx.app.exec.send(Command::Complete {
+                    id: ctx.id,
+                    output_tokens: completion.min(u64::from(u32::MAX)) as u32,
+                });
+                if let Some(obj) = v.as_object_mut() {
+                    obj.insert("model".into(), json!(ctx.client_model));
+                }
+                let e2e = ctx.received.elapsed().as_secs_f64();
+                finish_served(&ctx, &s, completion, Some(e2e), MetricOutcome::Ok, 0.0);
+                Ok(with_headers(axum::Json(v).into_response(), headers))
+            }
+            Err(e) => {
+                ctx.app.exec.send(Command::Complete {
+                    id: ctx.id,
+                    output_tokens: 0,
+                });
+                let outcome = if e.http_status() == 504 {
+                    MetricOutcome::Timeout
+                } else {
+                    MetricOutcome::UpstreamError
+                };
+                finish_served(&ctx, &s, 0, None, outcome, 0.0);
+                Err(upstream_error(&ctx, &e))
+            }
+        };
+    }
+    let body = upstream_body(&ctx, served_model.as_deref(), true);
+    let upstream = match up.stream(path, body).await {
+        Ok(st) => st,
+        Err(e) => {
+            guard.armed = false;
+            ctx.app.exec.send(Command::Complete {
+                id: ctx.id,
+                output_tokens: 0,
+            });
+            finish_served(&ctx, &s, 0, None, MetricOutcome::UpstreamError, 0.0);
+            return Err(upstream_error(&ctx, &e));
+        }
+    };
+    struct St<S> {
+        ctx: Ctx,
+        guard: CancelGuard,
+        s: Started,
+        up: std::pin::Pin<Box<S>>,
+        produced: u64,
+        usage_completion: Option<u64>,
+        ttft: Option<f64>,
+        done: bool,
+    }
+    let mut st = St {
+        ctx,
+        guard,
+        s,
+        up: Box::pin(upstream),
+        produced: 0,
+        usage_completion: None,
+        ttft: None,
+        done: false,
+    };
+    let stream = futures_util::stream::poll_fn(move |cx| {
+        // Capture the whole state (its guard included), not its fields.
+        let st = &mut st;
+        use std::task::Poll;
+        loop {
+            if st.done {
+                return Poll::Ready(None);
+            }
+            match st.up.poll_next_unpin(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some(Ok(mut v))) => {
+                    if let Some(u) = v.get("usage").and_then(|u| u.get("completion_tokens")).and_then(Value::as_u64) {
+                        st.usage_completion = Some(u);
+                    }
+                    let choices_empty = v["choices"].as_array().is_none_or(|c| c.is_empty());
+                    let has_text = v["choices"][0]["delta"]["content"].as_str().is_some_and(|t| !t.is_empty())
+                        || v["choices"][0]["text"].as_str().is_some_and(|t| !t.is_empty());
+                    if has_text {
+                        if st.ttft.is_none() {
+                            st.ttft = Some(st.ctx.received.elapsed().as_secs_f64());
+                        }
+                        st.produced += 1;
+                    }
+                    if choices_empty && !st.ctx.include_usage {
+                        continue; // the usage chunk kiln asked for, not the client
+                    }
+                    if let Some(obj) = v.as_object_mut() {
+                        obj.insert("model".into(), json!(st.ctx.client_model));
+                        if !st.ctx.include_usage {
+                            obj.remove("usage");
+                        }
+                    }
+                    return Poll::Ready(Some(Ok::<Bytes, std::convert::Infallible>(sse(&v))));
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    st.done = true;
+                    st.guard.armed = false;
+                    let out = st.usage_completion.unwrap_or(st.produced);
+                    st.ctx.app.exec.send(Command::Complete {
+                        id: st.ctx.id,
+                        output_tokens: out.min(u64::from(u32::MAX)) as u32,
+                    });
+                    let outcome = if e.http_status() == 504 {
+                        MetricOutcome::Timeout
+                    } else {
+                        MetricOutcome::UpstreamError
+                    };
+                    finish_served(&st.ctx, &st.s, out, st.ttft, outcome, 0.0);
+                    let err = upstream_error(&st.ctx, &e);
+                    return Poll::Ready(Some(Ok(sse(&err.body()))));
+                }
+                Poll::Ready(None) => {
+                    st.done = true;
+                    st.guard.armed = false;
+                    let out = st.usage_completion.unwrap_or(st.produced);
+                    st.ctx.app.exec.send(Command::Complete {
+                        id: st.ctx.id,
+                        output_tokens: out.min(u64::from(u32::MAX)) as u32,
+                    });
+                    finish_served(&st.ctx, &st.s, out, st.ttft, MetricOutcome::Ok, 0.0);
+                    return Poll::Ready(Some(Ok(sse_done())));
+                }
+            }
+        }
+    });
+    Ok(sse_response(Body::from_stream(stream), headers))
+}
+

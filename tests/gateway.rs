@@ -1,0 +1,401 @@
+//! The gateway end to end: `kiln::server::start` on 127.0.0.1:0, real HTTP
+//! from reqwest, the simulated backend and an in-test mock upstream.
+
+use kiln::compile::compile_str;
+use kiln::server::config::{hash_secret, ServerConfig};
+use kiln::server::{start, Policy, Running, ServeOptions};
+use serde_json::{json, Value};
+use std::time::Duration;
+
+/// One GPU, one small model whose replica runs ONE sequence at a time, so
+/// queueing and cancellation are visible; `alpha` is high tier, `beta` low.
+const SMALL: &str = r#"
+pool gpu { gpus 1 kind "H100-80GB" memory 80GB }
+model tiny {
+  params 1B
+  kv_per_token 32KB
+  variant fp16 { memory 4GB pools [gpu] max_batch 1 }
+}
+tier high { priority 100 slo { p95 600s } }
+tier low { priority 10 slo { p95 600s } }
+tenant alpha { owner "a@x" tiers [high] api_keys ["k-alpha"] }
+tenant beta {
+  owner "b@x"
+  tiers [low]
+  quota { requests 2/min }
+  api_keys ["k-beta"]
+}
+classify {
+  when tenant == alpha => tier high
+  default => tier low
+}
+route [high, low] tiny { default => fp16 }
+"#;
+
+fn policy(name: &str, text: &str) -> Policy {
+    let c = compile_str(name, text);
+    let errs: Vec<String> = c.diagnostics.items.iter().map(|d| d.message.clone()).collect();
+    let g = c.graph.unwrap_or_else(|| panic!("policy does not compile: {errs:?}"));
+    Policy::new(g, c.sources)
+}
+
+fn enterprise() -> Policy {
+    let text = std::fs::read_to_string("policies/enterprise/enterprise.kiln").unwrap();
+    policy("enterprise.kiln", &text)
+}
+
+async fn serve(p: Policy, mut cfg: ServerConfig, speed: f64) -> Running {
+    cfg.sim.speed = speed;
+    start(ServeOptions {
+        policy: p,
+        config: cfg,
+        listen: "127.0.0.1:0".into(),
+    })
+    .await
+    .unwrap()
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap()
+}
+
+fn chat_body(model: &str, text: &str, max_tokens: u64) -> Value {
+    json!({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_is_decided_served_and_explained() {
+    let srv = serve(enterprise(), ServerConfig::default_embedded(), 50.0).await;
+    let base = format!("http://{}", srv.addr);
+    let c = client();
+    let r = c
+        .post(format!("{base}/v1/chat/completions"))
+        .bearer_auth("key-support-prod")
+        .json(&chat_body("llama-70b", "Where is my parcel?", 12))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let h = r.headers().clone();
+    assert_eq!(h["x-kiln-tier"], "interactive");
+    assert_eq!(h["x-kiln-tenant"], "support-bot");
+    assert!(h["x-kiln-route"].to_str().unwrap().starts_with("llama-70b."));
+    assert!(h["x-kiln-policy-version"].to_str().unwrap().starts_with("sha256:"));
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["model"], "llama-70b");
+    assert_eq!(v["usage"]["completion_tokens"], 12);
+    // "Where is my parcel?" is 5 cl100k tokens; + role 1 + framing 6.
+    assert_eq!(v["usage"]["prompt_tokens"], 12);
+    let id = h["x-kiln-request-id"].to_str().unwrap();
+    let e: Value = c
+        .get(format!("{base}/admin/explain/{id}"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(e["decision"]["tier"], "interactive");
+    assert!(!e["trace"]["stages"].as_array().unwrap().is_empty());
+    let events = e["scheduler"]["events"].as_array().unwrap();
+    assert!(events.iter().any(|ev| ev["event"].as_str().unwrap().starts_with("started on replica")));
+    let text = c
+        .get(format!("{base}/admin/explain/{id}?format=text"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(text.contains("decision: tenant support-bot · tier interactive"), "{text}");
+    srv.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_sends_tokens_usage_and_done() {
+    let srv = serve(enterprise(), ServerConfig::default_embedded(), 50.0).await;
+    let base = format!("http://{}", srv.addr);
+    let mut body = chat_body("llama-70b", "hi", 5);
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let r = client()
+        .post(format!("{base}/v1/chat/completions"))
+        .bearer_auth("key-support-prod")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["content-type"], "text/event-stream");
+    let text = r.text().await.unwrap();
+    let data: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(data.last(), Some(&"[DONE]"));
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let content: usize = chunks
+        .iter()
+        .filter(|c| c["choices"][0]["delta"]["content"].as_str().is_some_and(|t| !t.is_empty()))
+        .count();
+    assert_eq!(content, 5);
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["usage"]["completion_tokens"], 5);
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    srv.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_have_openai_shape_and_status() {
+    let mut cfg = ServerConfig::default_embedded();
+    cfg.limits.max_body_bytes = 2048;
+    let srv = serve(policy("small.kiln", SMALL), cfg, 50.0).await;
+    let base = format!("http://{}", srv.addr);
+    let c = client();
+    let url = format!("{base}/v1/chat/completions");
+    // 400: malformed JSON
+    let r = c.post(&url).bearer_auth("k-alpha").body("{nope").send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    // 400: no messages
+    let r = c.post(&url).bearer_auth("k-alpha").json(&json!({"model": "tiny"})).send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    // 401: bad key, and no key
+    let r = c.post(&url).bearer_auth("wrong").json(&chat_body("tiny", "x", 1)).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    let r = c.post(&url).json(&chat_body("tiny", "x", 1)).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    // 404: unknown model
+    let r = c.post(&url).bearer_auth("k-alpha").json(&chat_body("gpt-9", "x", 1)).send().await.unwrap();
+    assert_eq!(r.status(), 404);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "model_not_found");
+    // 413: body over the limit
+    let big = "word ".repeat(1000);
+    let r = c.post(&url).bearer_auth("k-alpha").json(&chat_body("tiny", &big, 1)).send().await.unwrap();
+    assert_eq!(r.status(), 413);
+    // 429 with Retry-After: beta may send 2 requests a minute
+    for _ in 0..2 {
+        let r = c.post(&url).bearer_auth("k-beta").json(&chat_body("tiny", "x", 1)).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    let r = c.post(&url).bearer_auth("k-beta").json(&chat_body("tiny", "x", 1)).send().await.unwrap();
+    assert_eq!(r.status(), 429);
+    assert!(r.headers().contains_key("retry-after"));
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "quota");
+    // models
+    let v: Value = c.get(format!("{base}/v1/models")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(v["data"][0]["id"], "tiny");
+    srv.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_cannot_raise_its_own_tier() {
+    let srv = serve(enterprise(), ServerConfig::default_embedded(), 50.0).await;
+    let base = format!("http://{}", srv.addr);
+    // support-bot asks for the evaluation tier; the policy grants that
+    // header only to analytics and research.
+    let r = client()
+        .post(format!("{base}/v1/chat/completions"))
+        .bearer_auth("key-support-prod")
+        .header("x-kiln-tier", "eval")
+        .json(&chat_body("llama-70b", "hi", 2))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.headers()["x-kiln-tier"], "interactive");
+    srv.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn configured_keys_are_hashed_and_name_tenants() {
+    let mut cfg = ServerConfig::default_embedded();
+    cfg.keys.push(kiln::server::config::KeyConfig {
+        sha256: hash_secret("analytics-secret"),
+        tenant: "analytics".into(),
+        name: None,
+    });
+    let srv = serve(enterprise(), cfg, 50.0).await;
+    let base = format!("http://{}", srv.addr);
+    let r = client()
+        .post(format!("{base}/v1/completions"))
+        .bearer_auth("analytics-secret")
+        .header("x-kiln-tier", "eval")
+        .json(&json!({"model": "llama-70b", "prompt": "score this", "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-kiln-tier"], "evaluation");
+    assert_eq!(r.headers()["x-kiln-tenant"], "analytics");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["object"], "text_completion");
+    srv.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disconnected_client_frees_its_slot_at_once() {
+    // Real speed: a 2,000-token answer would hold the only slot for a while.
+    let srv = serve(policy("small.kiln", SMALL), ServerConfig::default_embedded(), 1.0).await;
+    let base = format!("http://{}", srv.addr);
+    let c = client();
+    let mut body = chat_body("tiny", "write a long story", 2000);
+    body["stream"] = json!(true);
+    let r = c
+        .post(format!("{base}/v1/chat/completions"))
+        .bearer_auth("k-alpha")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let q: Value = c.get(format!("{base}/admin/queues")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(q["replicas"][0]["running"], 1);
+    drop(r); // the client goes away mid-stream
+    let mut freed = false;
+    for _ in 0..100 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let q: Value = c.get(format!("{base}/admin/queues")).send().await.unwrap().json().await.unwrap();
+        if q["replicas"][0]["running"] == 0 {
+            freed = true;
+            break;
+        }
+    }
+    assert!(freed, "the slot was not freed after the client disconnected");
+    srv.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_policy_is_refused_and_the_old_one_stays() {
+    let srv = serve(policy("small.kiln", SMALL), ServerConfig::default_embedded(), 50.0).await;
+    let base = format!("http://{}", srv.addr);
+    let c = client();
+    let before = srv.app.policy.load().version.clone();
+    let broken = SMALL.replace("tiers [high]", "tiers [hihg]");
+    let r = c
+        .post(format!("{base}/admin/policy"))
+        .body(broken)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 422);
+    let v: Value = r.json().await.unwrap();
+    assert!(v["rendered"].as_str().unwrap().contains("hihg"), "{v}");
+    assert_eq!(srv.app.policy.load().version, before);
+    let r = c
+        .post(format!("{base}/v1/chat/completions"))
+        .bearer_auth("k-alpha")
+        .json(&chat_body("tiny", "x", 1))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.headers()["x-kiln-policy-version"].to_str().unwrap(), before.as_ref());
+    srv.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hot_swap_under_load_fails_nothing_and_logs_one_version_per_line() {
+    let dir = std::env::temp_dir().join(format!("kiln-gw-swap-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = dir.join("decisions.jsonl");
+    let mut cfg = ServerConfig::default_embedded();
+    cfg.log = Some(kiln::server::config::LogSection::at(log.clone()));
+    // A roomier fleet than SMALL so load does not queue for long.
+    let base_policy = SMALL.replace("max_batch 1", "max_batch 64").replace("requests 2/min", "requests 100k/min");
+    let srv = serve(policy("p.kiln", &base_policy), cfg, 200.0).await;
+    let base = format!("http://{}", srv.addr);
+    let mut versions = vec![srv.app.policy.load().version.to_string()];
+    let load = {
+        let base = base.clone();
+        tokio::spawn(async move {
+            let c = client();
+            let mut handles = Vec::new();
+            for w in 0..8 {
+                let c = c.clone();
+                let base = base.clone();
+                handles.push(tokio::spawn(async move {
+                    let mut statuses = Vec::new();
+                    for i in 0..25 {
+                        let key = if (w + i) % 2 == 0 { "k-alpha" } else { "k-beta" };
+                        let r = c
+                            .post(format!("{base}/v1/chat/completions"))
+                            .bearer_auth(key)
+                            .json(&chat_body("tiny", "hello there", 4))
+                            .send()
+                            .await;
+                        statuses.push(r.map(|r| r.status().as_u16()).unwrap_or(0));
+                    }
+                    statuses
+                }));
+            }
+            let mut all = Vec::new();
+            for h in handles {
+                all.extend(h.await.unwrap());
+            }
+            all
+        })
+    };
+    let c = client();
+    for i in 0..10 {
+        // Alternate between two shapes: one drops the `low` tier entirely,
+        // so queued low requests must be re-decided, not lost.
+        let text = if i % 2 == 0 {
+            base_policy.replace("priority 100", &format!("priority {}", 100 + i))
+        } else {
+            base_policy
+                .replace("tier low { priority 10 slo { p95 600s } }", "")
+                .replace("tiers [low]", "tiers [high]")
+                .replace("default => tier low", "default => tier high")
+                .replace("route [high, low]", "route [high]")
+                .replace("priority 100", &format!("priority {}", 100 + i))
+        };
+        let r = c.post(format!("{base}/admin/policy")).body(text).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+        let v: Value = r.json().await.unwrap();
+        versions.push(v["version"].as_str().unwrap().to_string());
+        tokio::time::sleep(Duration::from_millis(15)).await;
+    }
+    let statuses = load.await.unwrap();
+    assert_eq!(statuses.len(), 200);
+    assert!(statuses.iter().all(|&s| s == 200), "failed requests: {statuses:?}");
+    srv.stop().await;
+    let recs = kiln::traffic::read(&log).unwrap();
+    assert_eq!(recs.len(), 200);
+    for r in &recs {
+        let v = r.policy_version.as_deref().expect("every line names its version");
+        assert!(versions.iter().any(|x| x == v), "unknown version {v}");
+        assert!(r.api_key.is_none());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_health_and_readiness() {
+    let srv = serve(enterprise(), ServerConfig::default_embedded(), 50.0).await;
+    let base = format!("http://{}", srv.addr);
+    let c = client();
+    c.post(format!("{base}/v1/chat/completions"))
+        .bearer_auth("key-support-prod")
+        .json(&chat_body("llama-70b", "hi", 3))
+        .send()
+        .await
+        .unwrap();
+    let m = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(m.contains("kiln_requests_total{"), "{m}");
+    assert!(m.contains("tier=\"interactive\""));
+    assert!(m.contains("kiln_ttft_seconds_bucket"));
+    assert_eq!(c.get(format!("{base}/healthz")).send().await.unwrap().status(), 200);
+    assert_eq!(c.get(format!("{base}/readyz")).send().await.unwrap().status(), 200);
+    srv.stop().await;
+}
