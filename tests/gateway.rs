@@ -34,8 +34,15 @@ route [high, low] tiny { default => fp16 }
 
 fn policy(name: &str, text: &str) -> Policy {
     let c = compile_str(name, text);
-    let errs: Vec<String> = c.diagnostics.items.iter().map(|d| d.message.clone()).collect();
-    let g = c.graph.unwrap_or_else(|| panic!("policy does not compile: {errs:?}"));
+    let errs: Vec<String> = c
+        .diagnostics
+        .items
+        .iter()
+        .map(|d| d.message.clone())
+        .collect();
+    let g = c
+        .graph
+        .unwrap_or_else(|| panic!("policy does not compile: {errs:?}"));
     Policy::new(g, c.sources)
 }
 
@@ -83,8 +90,14 @@ async fn chat_is_decided_served_and_explained() {
     let h = r.headers().clone();
     assert_eq!(h["x-kiln-tier"], "interactive");
     assert_eq!(h["x-kiln-tenant"], "support-bot");
-    assert!(h["x-kiln-route"].to_str().unwrap().starts_with("llama-70b."));
-    assert!(h["x-kiln-policy-version"].to_str().unwrap().starts_with("sha256:"));
+    assert!(h["x-kiln-route"]
+        .to_str()
+        .unwrap()
+        .starts_with("llama-70b."));
+    assert!(h["x-kiln-policy-version"]
+        .to_str()
+        .unwrap()
+        .starts_with("sha256:"));
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["object"], "chat.completion");
     assert_eq!(v["model"], "llama-70b");
@@ -103,7 +116,10 @@ async fn chat_is_decided_served_and_explained() {
     assert_eq!(e["decision"]["tier"], "interactive");
     assert!(!e["trace"]["stages"].as_array().unwrap().is_empty());
     let events = e["scheduler"]["events"].as_array().unwrap();
-    assert!(events.iter().any(|ev| ev["event"].as_str().unwrap().starts_with("started on replica")));
+    assert!(events.iter().any(|ev| ev["event"]
+        .as_str()
+        .unwrap()
+        .starts_with("started on replica")));
     let text = c
         .get(format!("{base}/admin/explain/{id}?format=text"))
         .send()
@@ -112,7 +128,10 @@ async fn chat_is_decided_served_and_explained() {
         .text()
         .await
         .unwrap();
-    assert!(text.contains("decision: tenant support-bot · tier interactive"), "{text}");
+    assert!(
+        text.contains("decision: tenant support-bot · tier interactive"),
+        "{text}"
+    );
     srv.stop().await;
 }
 
@@ -144,7 +163,11 @@ async fn streaming_sends_tokens_usage_and_done() {
         .collect();
     let content: usize = chunks
         .iter()
-        .filter(|c| c["choices"][0]["delta"]["content"].as_str().is_some_and(|t| !t.is_empty()))
+        .filter(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .is_some_and(|t| !t.is_empty())
+        })
         .count();
     assert_eq!(content, 5);
     let usage = chunks.last().unwrap();
@@ -162,39 +185,93 @@ async fn errors_have_openai_shape_and_status() {
     let c = client();
     let url = format!("{base}/v1/chat/completions");
     // 400: malformed JSON
-    let r = c.post(&url).bearer_auth("k-alpha").body("{nope").send().await.unwrap();
+    let r = c
+        .post(&url)
+        .bearer_auth("k-alpha")
+        .body("{nope")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 400);
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["error"]["type"], "invalid_request_error");
     // 400: no messages
-    let r = c.post(&url).bearer_auth("k-alpha").json(&json!({"model": "tiny"})).send().await.unwrap();
+    let r = c
+        .post(&url)
+        .bearer_auth("k-alpha")
+        .json(&json!({"model": "tiny"}))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 400);
     // 401: bad key, and no key
-    let r = c.post(&url).bearer_auth("wrong").json(&chat_body("tiny", "x", 1)).send().await.unwrap();
+    let r = c
+        .post(&url)
+        .bearer_auth("wrong")
+        .json(&chat_body("tiny", "x", 1))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 401);
-    let r = c.post(&url).json(&chat_body("tiny", "x", 1)).send().await.unwrap();
+    let r = c
+        .post(&url)
+        .json(&chat_body("tiny", "x", 1))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 401);
     // 404: unknown model
-    let r = c.post(&url).bearer_auth("k-alpha").json(&chat_body("gpt-9", "x", 1)).send().await.unwrap();
+    let r = c
+        .post(&url)
+        .bearer_auth("k-alpha")
+        .json(&chat_body("gpt-9", "x", 1))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 404);
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["error"]["code"], "model_not_found");
     // 413: body over the limit
     let big = "word ".repeat(1000);
-    let r = c.post(&url).bearer_auth("k-alpha").json(&chat_body("tiny", &big, 1)).send().await.unwrap();
+    let r = c
+        .post(&url)
+        .bearer_auth("k-alpha")
+        .json(&chat_body("tiny", &big, 1))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 413);
     // 429 with Retry-After: beta may send 2 requests a minute
     for _ in 0..2 {
-        let r = c.post(&url).bearer_auth("k-beta").json(&chat_body("tiny", "x", 1)).send().await.unwrap();
+        let r = c
+            .post(&url)
+            .bearer_auth("k-beta")
+            .json(&chat_body("tiny", "x", 1))
+            .send()
+            .await
+            .unwrap();
         assert_eq!(r.status(), 200);
     }
-    let r = c.post(&url).bearer_auth("k-beta").json(&chat_body("tiny", "x", 1)).send().await.unwrap();
+    let r = c
+        .post(&url)
+        .bearer_auth("k-beta")
+        .json(&chat_body("tiny", "x", 1))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 429);
     assert!(r.headers().contains_key("retry-after"));
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["error"]["code"], "quota");
     // models
-    let v: Value = c.get(format!("{base}/v1/models")).send().await.unwrap().json().await.unwrap();
+    let v: Value = c
+        .get(format!("{base}/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(v["data"][0]["id"], "tiny");
     srv.stop().await;
 }
@@ -246,7 +323,12 @@ async fn configured_keys_are_hashed_and_name_tenants() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_disconnected_client_frees_its_slot_at_once() {
     // Real speed: a 2,000-token answer would hold the only slot for a while.
-    let srv = serve(policy("small.kiln", SMALL), ServerConfig::default_embedded(), 1.0).await;
+    let srv = serve(
+        policy("small.kiln", SMALL),
+        ServerConfig::default_embedded(),
+        1.0,
+    )
+    .await;
     let base = format!("http://{}", srv.addr);
     let c = client();
     let mut body = chat_body("tiny", "write a long story", 2000);
@@ -259,25 +341,47 @@ async fn a_disconnected_client_frees_its_slot_at_once() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
-    let q: Value = c.get(format!("{base}/admin/queues")).send().await.unwrap().json().await.unwrap();
+    let q: Value = c
+        .get(format!("{base}/admin/queues"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(q["replicas"][0]["running"], 1);
     drop(r); // the client goes away mid-stream
     let mut freed = false;
     for _ in 0..100 {
         tokio::time::sleep(Duration::from_millis(20)).await;
-        let q: Value = c.get(format!("{base}/admin/queues")).send().await.unwrap().json().await.unwrap();
+        let q: Value = c
+            .get(format!("{base}/admin/queues"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
         if q["replicas"][0]["running"] == 0 {
             freed = true;
             break;
         }
     }
-    assert!(freed, "the slot was not freed after the client disconnected");
+    assert!(
+        freed,
+        "the slot was not freed after the client disconnected"
+    );
     srv.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bad_policy_is_refused_and_the_old_one_stays() {
-    let srv = serve(policy("small.kiln", SMALL), ServerConfig::default_embedded(), 50.0).await;
+    let srv = serve(
+        policy("small.kiln", SMALL),
+        ServerConfig::default_embedded(),
+        50.0,
+    )
+    .await;
     let base = format!("http://{}", srv.addr);
     let c = client();
     let before = srv.app.policy.load().version.clone();
@@ -299,7 +403,10 @@ async fn a_bad_policy_is_refused_and_the_old_one_stays() {
         .send()
         .await
         .unwrap();
-    assert_eq!(r.headers()["x-kiln-policy-version"].to_str().unwrap(), before.as_ref());
+    assert_eq!(
+        r.headers()["x-kiln-policy-version"].to_str().unwrap(),
+        before.as_ref()
+    );
     srv.stop().await;
 }
 
@@ -312,7 +419,9 @@ async fn hot_swap_under_load_fails_nothing_and_logs_one_version_per_line() {
     let mut cfg = ServerConfig::default_embedded();
     cfg.log = Some(kiln::server::config::LogSection::at(log.clone()));
     // A roomier fleet than SMALL so load does not queue for long.
-    let base_policy = SMALL.replace("max_batch 1", "max_batch 64").replace("requests 2/min", "requests 100k/min");
+    let base_policy = SMALL
+        .replace("max_batch 1", "max_batch 64")
+        .replace("requests 2/min", "requests 100k/min");
     let srv = serve(policy("p.kiln", &base_policy), cfg, 200.0).await;
     let base = format!("http://{}", srv.addr);
     let mut versions = vec![srv.app.policy.load().version.to_string()];
@@ -327,7 +436,11 @@ async fn hot_swap_under_load_fails_nothing_and_logs_one_version_per_line() {
                 handles.push(tokio::spawn(async move {
                     let mut statuses = Vec::new();
                     for i in 0..25 {
-                        let key = if (w + i) % 2 == 0 { "k-alpha" } else { "k-beta" };
+                        let key = if (w + i) % 2 == 0 {
+                            "k-alpha"
+                        } else {
+                            "k-beta"
+                        };
                         let r = c
                             .post(format!("{base}/v1/chat/completions"))
                             .bearer_auth(key)
@@ -360,7 +473,12 @@ async fn hot_swap_under_load_fails_nothing_and_logs_one_version_per_line() {
                 .replace("route [high, low]", "route [high]")
                 .replace("priority 100", &format!("priority {}", 100 + i))
         };
-        let r = c.post(format!("{base}/admin/policy")).body(text).send().await.unwrap();
+        let r = c
+            .post(format!("{base}/admin/policy"))
+            .body(text)
+            .send()
+            .await
+            .unwrap();
         assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
         let v: Value = r.json().await.unwrap();
         versions.push(v["version"].as_str().unwrap().to_string());
@@ -368,12 +486,18 @@ async fn hot_swap_under_load_fails_nothing_and_logs_one_version_per_line() {
     }
     let statuses = load.await.unwrap();
     assert_eq!(statuses.len(), 200);
-    assert!(statuses.iter().all(|&s| s == 200), "failed requests: {statuses:?}");
+    assert!(
+        statuses.iter().all(|&s| s == 200),
+        "failed requests: {statuses:?}"
+    );
     srv.stop().await;
     let recs = kiln::traffic::read(&log).unwrap();
     assert_eq!(recs.len(), 200);
     for r in &recs {
-        let v = r.policy_version.as_deref().expect("every line names its version");
+        let v = r
+            .policy_version
+            .as_deref()
+            .expect("every line names its version");
         assert!(versions.iter().any(|x| x == v), "unknown version {v}");
         assert!(r.api_key.is_none());
     }
@@ -391,11 +515,249 @@ async fn metrics_health_and_readiness() {
         .send()
         .await
         .unwrap();
-    let m = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+    let m = c
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     assert!(m.contains("kiln_requests_total{"), "{m}");
     assert!(m.contains("tier=\"interactive\""));
     assert!(m.contains("kiln_ttft_seconds_bucket"));
-    assert_eq!(c.get(format!("{base}/healthz")).send().await.unwrap().status(), 200);
-    assert_eq!(c.get(format!("{base}/readyz")).send().await.unwrap().status(), 200);
+    assert_eq!(
+        c.get(format!("{base}/healthz"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    assert_eq!(
+        c.get(format!("{base}/readyz"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
     srv.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// The http backend, against a mock OpenAI upstream started in the test.
+
+mod mock {
+    use axum::body::{Body, Bytes};
+    use axum::extract::State;
+    use axum::routing::{get, post};
+    use axum::{Json, Router};
+    use serde_json::{json, Value};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    #[derive(Default)]
+    pub struct Seen {
+        pub requests: AtomicUsize,
+        pub models: Mutex<Vec<String>>,
+        /// Streams whose body was dropped before the end (client went away).
+        pub abandoned: AtomicUsize,
+    }
+
+    struct Abandon(Arc<Seen>, bool);
+    impl Drop for Abandon {
+        fn drop(&mut self) {
+            if !self.1 {
+                self.0.abandoned.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+    }
+
+    async fn chat(
+        State(seen): State<Arc<Seen>>,
+        Json(body): Json<Value>,
+    ) -> axum::response::Response {
+        use axum::response::IntoResponse;
+        seen.requests.fetch_add(1, Ordering::SeqCst);
+        seen.models
+            .lock()
+            .unwrap()
+            .push(body["model"].as_str().unwrap_or("").to_string());
+        let n = body["max_tokens"].as_u64().unwrap_or(4);
+        if body["stream"].as_bool() == Some(true) {
+            let slow = n > 100;
+            let guard = Abandon(seen.clone(), false);
+            let s = futures_util::stream::unfold((0u64, guard), move |(i, mut g)| async move {
+                if i > n + 1 {
+                    return None;
+                }
+                if slow {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                let data = if i < n {
+                    json!({"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "up",
+                        "choices": [{"index": 0, "delta": {"content": "tok "}, "finish_reason": null}]})
+                    .to_string()
+                } else if i == n {
+                    json!({"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "up",
+                        "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3}})
+                    .to_string()
+                } else {
+                    g.1 = true;
+                    "[DONE]".to_string()
+                };
+                Some((
+                    Ok::<Bytes, std::convert::Infallible>(Bytes::from(format!("data: {data}\n\n"))),
+                    (i + 1, g),
+                ))
+            });
+            let mut r = Body::from_stream(s).into_response();
+            r.headers_mut()
+                .insert("content-type", "text/event-stream".parse().unwrap());
+            return r;
+        }
+        Json(json!({
+            "id": "x", "object": "chat.completion", "created": 0, "model": "up",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello from upstream"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+        }))
+        .into_response()
+    }
+
+    pub async fn start() -> (String, Arc<Seen>, tokio::task::JoinHandle<()>) {
+        let seen = Arc::new(Seen::default());
+        let app = Router::new()
+            .route("/v1/chat/completions", post(chat))
+            .route("/health", get(|| async { "ok" }))
+            .with_state(seen.clone());
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let h = tokio::spawn(async move {
+            let _ = axum::serve(l, app).await;
+        });
+        (format!("http://{addr}"), seen, h)
+    }
+}
+
+fn http_config(urls: &[&str]) -> ServerConfig {
+    let ups: String = urls
+        .iter()
+        .map(|u| {
+            format!(
+                "[[pools.gpu.upstreams]]\nmodel = \"tiny\"\nvariant = \"fp16\"\nurl = \"{u}\"\nserved_model = \"upstream-tiny\"\nconcurrency = 4\nhealth_interval = \"100ms\"\nfailure_threshold = 1\nconnect_timeout = \"300ms\"\n"
+            )
+        })
+        .collect();
+    ServerConfig::parse(
+        "kiln.toml",
+        &format!("[pools.gpu]\nbackend = \"http\"\n{ups}"),
+    )
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_backend_forwards_rewrites_and_streams() {
+    let (url, seen, mock) = mock::start().await;
+    let srv = serve(policy("small.kiln", SMALL), http_config(&[&url]), 1.0).await;
+    let base = format!("http://{}", srv.addr);
+    let c = client();
+    let r = c
+        .post(format!("{base}/v1/chat/completions"))
+        .bearer_auth("k-alpha")
+        .json(&chat_body("tiny", "hello", 4))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.headers()["x-kiln-backend"]
+        .to_str()
+        .unwrap()
+        .starts_with("http:"));
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], "hello from upstream");
+    assert_eq!(v["model"], "tiny", "the client sees its own model name");
+    assert_eq!(seen.models.lock().unwrap()[0], "upstream-tiny");
+    // Streaming, without include_usage: the usage chunk kiln asked the
+    // upstream for is not passed on.
+    let mut body = chat_body("tiny", "hello", 3);
+    body["stream"] = json!(true);
+    let text = c
+        .post(format!("{base}/v1/chat/completions"))
+        .bearer_auth("k-alpha")
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let data: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(data.len(), 4, "{text}");
+    assert_eq!(data[3], "[DONE]");
+    assert!(!text.contains("usage"));
+    srv.stop().await;
+    mock.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_upstream_is_routed_around() {
+    let (url, seen, mock) = mock::start().await;
+    // Nothing listens on the first address: its requests never get sent,
+    // so they are queued again and served by the live replica.
+    let dead = "http://127.0.0.1:9";
+    let srv = serve(policy("small.kiln", SMALL), http_config(&[dead, &url]), 1.0).await;
+    let base = format!("http://{}", srv.addr);
+    let c = client();
+    for _ in 0..8 {
+        let r = c
+            .post(format!("{base}/v1/chat/completions"))
+            .bearer_auth("k-alpha")
+            .json(&chat_body("tiny", "hello", 4))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    }
+    assert_eq!(seen.requests.load(std::sync::atomic::Ordering::SeqCst), 8);
+    srv.stop().await;
+    mock.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancellation_reaches_the_upstream() {
+    let (url, seen, mock) = mock::start().await;
+    let srv = serve(policy("small.kiln", SMALL), http_config(&[&url]), 1.0).await;
+    let base = format!("http://{}", srv.addr);
+    let mut body = chat_body("tiny", "a long answer please", 500);
+    body["stream"] = json!(true);
+    let mut r = client()
+        .post(format!("{base}/v1/chat/completions"))
+        .bearer_auth("k-alpha")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let first = r.chunk().await.unwrap();
+    assert!(first.is_some());
+    drop(r);
+    let mut seen_cancel = false;
+    for _ in 0..150 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        if seen.abandoned.load(std::sync::atomic::Ordering::SeqCst) == 1 {
+            seen_cancel = true;
+            break;
+        }
+    }
+    assert!(
+        seen_cancel,
+        "the upstream kept generating for a client that left"
+    );
+    srv.stop().await;
+    mock.abort();
 }

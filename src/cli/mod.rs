@@ -258,7 +258,10 @@ pub fn load_traffic(
             }
         }
     }
-    Ok(crate::traffic::merge(traces))
+    let mut all = crate::traffic::merge(traces);
+    // A gateway decision log is stamped in wall-clock time.
+    crate::traffic::rebase_wall_clock(&mut all);
+    Ok(all)
 }
 
 /// The simulator's cost model for a policy, with an optional calibration.

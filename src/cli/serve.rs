@@ -74,7 +74,10 @@ pub fn run(a: Args) -> i32 {
         config.sim.speed = s;
     }
     if let Some(p) = a.log {
-        let mut l = config.log.take().unwrap_or_else(|| server::config::LogSection::at(p.clone()));
+        let mut l = config
+            .log
+            .take()
+            .unwrap_or_else(|| server::config::LogSection::at(p.clone()));
         l.path = p;
         config.log = Some(l);
     }
@@ -84,7 +87,10 @@ pub fn run(a: Args) -> i32 {
         .or_else(|| config.listen.clone())
         .unwrap_or_else(|| "127.0.0.1:8080".into());
     let policy = Policy::new(g, c.sources);
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => return usage_error(&format!("cannot start the async runtime: {e}")),
     };
@@ -107,7 +113,9 @@ pub fn run(a: Args) -> i32 {
         let addr = running.addr;
         eprintln!("kiln gateway listening on http://{addr} (policy {version})");
         eprintln!("  models: {}", models.join(", "));
-        eprintln!("  OpenAI base URL: http://{addr}/v1   explain: /admin/explain/ID   metrics: /metrics");
+        eprintln!(
+            "  OpenAI base URL: http://{addr}/v1   explain: /admin/explain/ID   metrics: /metrics"
+        );
         if !running.app.admin_open && running.app.config.admin.token_sha256.is_empty() {
             eprintln!("  admin endpoints are closed: no [admin] tokens and not on loopback");
         }

@@ -86,7 +86,10 @@ async fn healthz() -> Response {
 async fn readyz(State(app): State<Arc<App>>) -> Response {
     match app.exec.snapshot().await {
         Some(s) => {
-            let ready = s.replicas.iter().any(|r| r.up && r.available && !r.draining);
+            let ready = s
+                .replicas
+                .iter()
+                .any(|r| r.up && r.available && !r.draining);
             let body = json!({
                 "ready": ready,
                 "version": s.version,
@@ -143,9 +146,7 @@ async fn explain(
             e.version.as_deref().unwrap_or("(not yet decided)")
         );
         if let (Some(g), Some(v), Some(t)) = (&e.graph, &decision, &trace) {
-            let sources = app
-                .policy_sources(e.version.as_deref())
-                .unwrap_or_default();
+            let sources = app.policy_sources(e.version.as_deref()).unwrap_or_default();
             out.push_str(&crate::cli::explain::render(g, &sources, &e.request, v, t));
         }
         out.push_str("\nscheduler:\n");
@@ -289,7 +290,11 @@ pub async fn activate(
         ));
     };
     let policy = Policy::new(graph, sources);
-    let (plan, notes) = match super::build_plan(&policy.graph, &app.config, app.calibration.as_ref()) {
+    let (plan, notes) = match super::build_plan(
+        &policy.graph,
+        &app.config,
+        app.calibration.as_ref(),
+    ) {
         Ok(p) => p,
         Err(e) => {
             app.metrics.policy_swap(false);
@@ -302,7 +307,9 @@ pub async fn activate(
     let _one_at_a_time = app.swap_lock.lock().await;
     let previous = app.policy.load().version.clone();
     if previous == policy.version {
-        return Ok(json!({"version": policy.version.as_ref(), "previous": previous.as_ref(), "changed": false}));
+        return Ok(
+            json!({"version": policy.version.as_ref(), "previous": previous.as_ref(), "changed": false}),
+        );
     }
     let (tx, rx) = tokio::sync::oneshot::channel();
     let policy = Arc::new(policy);

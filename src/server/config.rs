@@ -168,7 +168,9 @@ pub enum ConfigError {
     #[error("cannot read {path}: {message}")]
     #[diagnostic(
         code(kiln::config::io),
-        help("check the path given to --config; without --config kiln runs on the embedded default")
+        help(
+            "check the path given to --config; without --config kiln runs on the embedded default"
+        )
     )]
     Io { path: String, message: String },
     #[error("{message}")]
@@ -243,7 +245,9 @@ impl ServerConfig {
                         "the key for tenant `{}` is not a SHA-256 hash (64 hex digits)",
                         k.tenant
                     ),
-                    help: Some("store keys hashed: `kiln hash-key YOUR-KEY` prints the value".into()),
+                    help: Some(
+                        "store keys hashed: `kiln hash-key YOUR-KEY` prints the value".into(),
+                    ),
                 });
             }
         }
@@ -257,8 +261,13 @@ impl ServerConfig {
         }
         if !(self.sim.speed.is_finite() && self.sim.speed > 0.0) {
             return Err(ConfigError::Invalid {
-                message: format!("sim.speed must be a positive number, not {}", self.sim.speed),
-                help: Some("1 runs simulated GPUs at real speed; 10 runs them ten times faster".into()),
+                message: format!(
+                    "sim.speed must be a positive number, not {}",
+                    self.sim.speed
+                ),
+                help: Some(
+                    "1 runs simulated GPUs at real speed; 10 runs them ten times faster".into(),
+                ),
             });
         }
         if self.limits.max_body_bytes == 0 {
@@ -272,7 +281,9 @@ impl ServerConfig {
                 if upstreams.is_empty() {
                     return Err(ConfigError::Invalid {
                         message: format!("pool `{pool}` uses the http backend with no upstreams"),
-                        help: Some("add [[pools.NAME.upstreams]] entries, or use backend = \"sim\"".into()),
+                        help: Some(
+                            "add [[pools.NAME.upstreams]] entries, or use backend = \"sim\"".into(),
+                        ),
                     });
                 }
             }

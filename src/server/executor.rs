@@ -95,6 +95,9 @@ pub enum Command {
         done: oneshot::Sender<Vec<ReqId>>,
     },
     Snapshot(oneshot::Sender<Snapshot>),
+    /// An upstream just failed: fold breaker states in now, not at the
+    /// next periodic check, so a resent request avoids it.
+    CheckHealth,
 }
 
 /// The scheduler's state, for `/admin/queues`, `/readyz` and the gauges.
@@ -170,7 +173,14 @@ pub struct Executor {
     ticks: BTreeSet<Micros>,
     reqs: HashMap<ReqId, Entry>,
     buf: Vec<Action>,
+    /// Last known health of each replica's HTTP upstream (true for the
+    /// simulator), so a breaker that opens takes the replica out of
+    /// dispatch and one that closes puts it back.
+    healthy: Vec<bool>,
 }
+
+/// How often upstream health is folded into the scheduler.
+const HEALTH_EVERY: Duration = Duration::from_millis(200);
 
 impl Executor {
     /// `speed`: simulated time runs this many times faster than the clock.
@@ -196,6 +206,7 @@ impl Executor {
             ticks: BTreeSet::new(),
             reqs: HashMap::default(),
             buf: Vec::new(),
+            healthy: Vec::new(),
         }
     }
 
@@ -215,17 +226,24 @@ impl Executor {
     }
 
     async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Command>) {
+        let has_http = self.backends.iter().any(|b| matches!(b, Backend::Http(_)));
+        let mut health = tokio::time::interval(HEALTH_EVERY);
+        health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            let next = self.timers.peek().map(|Reverse((t, _))| self.instant_of(*t));
-            let cmd = match next {
-                Some(at) => {
-                    tokio::select! {
-                        biased;
-                        c = rx.recv() => Some(c),
-                        _ = tokio::time::sleep_until(at.into()) => None,
-                    }
+            let next = self
+                .timers
+                .peek()
+                .map(|Reverse((t, _))| self.instant_of(*t));
+            // Far enough away to never fire when nothing is pending.
+            let at = next.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
+            let cmd = tokio::select! {
+                biased;
+                c = rx.recv() => Some(c),
+                _ = tokio::time::sleep_until(at.into()), if next.is_some() => None,
+                _ = health.tick(), if has_http => {
+                    self.check_health();
+                    None
                 }
-                None => Some(rx.recv().await),
             };
             match cmd {
                 Some(None) => break,
@@ -277,7 +295,8 @@ impl Executor {
                 self.graph = graph.clone();
                 self.version = version;
                 self.buf.clear();
-                self.buf.extend_from_slice(self.sched.swap(now, graph, plan));
+                self.buf
+                    .extend_from_slice(self.sched.swap(now, graph, plan));
                 let redecide: Vec<ReqId> = self
                     .buf
                     .iter()
@@ -296,6 +315,38 @@ impl Executor {
             Command::Snapshot(reply) => {
                 let _ = reply.send(self.snapshot());
             }
+            Command::CheckHealth => self.check_health(),
+        }
+    }
+
+    /// Folds upstream breakers into the scheduler: a replica whose upstream
+    /// cannot take requests goes down (its queue waits for others), and
+    /// comes back up when the breaker lets requests through again.
+    fn check_health(&mut self) {
+        let now = self.now();
+        let states: Vec<bool> = self
+            .sched
+            .replicas()
+            .iter()
+            .map(|r| match self.backends.get(r.spec.tag as usize) {
+                Some(Backend::Http(u)) => u.ready(),
+                _ => true,
+            })
+            .collect();
+        self.healthy.resize(states.len(), true);
+        for (r, ok) in states.into_iter().enumerate() {
+            if self.healthy[r] == ok {
+                continue;
+            }
+            self.healthy[r] = ok;
+            let event = if ok {
+                tracing::info!(replica = r, "upstream available again");
+                Event::ReplicaUp { replica: r }
+            } else {
+                tracing::warn!(replica = r, "upstream unavailable: taken out of dispatch");
+                Event::ReplicaDown { replica: r }
+            };
+            self.feed(now, event);
         }
     }
 

@@ -244,7 +244,10 @@ pub fn build_plan(
             format!(
                 "{} on {}: {why}",
                 g.variant_name(*m, *v),
-                g.pools.get(*p as usize).map(|p| p.name.as_str()).unwrap_or("?")
+                g.pools
+                    .get(*p as usize)
+                    .map(|p| p.name.as_str())
+                    .unwrap_or("?")
             )
         })
         .chain(cost.warnings.iter().cloned())
@@ -335,12 +338,13 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         .map_err(|e| ServeError::Startup(format!("{e}")))?,
         None => decision_log::DecisionLog::disabled(),
     };
-    let listener = tokio::net::TcpListener::bind(&listen)
-        .await
-        .map_err(|e| ServeError::Listen {
-            addr: listen.clone(),
-            message: e.to_string(),
-        })?;
+    let listener =
+        tokio::net::TcpListener::bind(&listen)
+            .await
+            .map_err(|e| ServeError::Listen {
+                addr: listen.clone(),
+                message: e.to_string(),
+            })?;
     let addr = listener.local_addr().map_err(|e| ServeError::Listen {
         addr: listen.clone(),
         message: e.to_string(),

@@ -152,7 +152,9 @@ impl GenerationRequest {
     }
 
     pub fn include_usage(&self) -> bool {
-        self.stream_options.as_ref().is_some_and(|o| o.include_usage)
+        self.stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage)
     }
 
     pub fn requested_max_tokens(&self) -> Option<u64> {
@@ -328,7 +330,9 @@ mod tests {
 
     #[test]
     fn error_shape_is_openai() {
-        let e = ApiError::new(429, "slow down").retry_after(Some(3)).code("quota");
+        let e = ApiError::new(429, "slow down")
+            .retry_after(Some(3))
+            .code("quota");
         let b = e.body();
         assert_eq!(b["error"]["type"], "rate_limit_exceeded");
         assert_eq!(b["error"]["code"], "quota");

@@ -112,7 +112,11 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
 
 /// The tenant a caller is: by a hashed key from the config, or a key the
 /// policy declares. `Ok(None)` is an anonymous caller, where allowed.
-fn authenticate(app: &App, g: &DecisionGraph, headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+fn authenticate(
+    app: &App,
+    g: &DecisionGraph,
+    headers: &HeaderMap,
+) -> Result<Option<String>, ApiError> {
     match bearer(headers) {
         Some(key) => {
             if let Some(t) = app.config.tenant_for_key(key) {
@@ -261,9 +265,12 @@ async fn generate_inner(
 
 /// Submits (and, after a policy swap that removed its tier, re-submits)
 /// until the request starts or is refused.
-async fn run(ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
+async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
     let app = ctx.app.clone();
     let mut attempts = 0u32;
+    // Requests an upstream never received (its breaker opened, or the
+    // connection was refused) are queued again for another replica.
+    let mut resent = 0u32;
     loop {
         let (tx, mut rx) = mpsc::unbounded_channel();
         let arrival = Arrival {
@@ -306,8 +313,17 @@ async fn run(ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
                         e.graph = Some(graph.clone());
                         e.signals = Some(signals.clone());
                     }
-                    let tname = graph.tiers.get(tier as usize).map(|t| t.name.as_str()).unwrap_or("?");
-                    explain::note(&ctx.explain, ctx.ms(), format!("decided: tier {tname}"), None);
+                    let tname = graph
+                        .tiers
+                        .get(tier as usize)
+                        .map(|t| t.name.as_str())
+                        .unwrap_or("?");
+                    explain::note(
+                        &ctx.explain,
+                        ctx.ms(),
+                        format!("decided: tier {tname}"),
+                        None,
+                    );
                     if let Some(step) = fallback_step {
                         let tn = tenant_name(&graph, tenant);
                         app.metrics.fallback(tname, &tn, step.saturating_add(1));
@@ -383,10 +399,28 @@ async fn run(ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
                         queue_s,
                         preempted,
                     };
-                    return match backend {
-                        Backend::Sim => Ok(serve_sim(ctx, guard, rx, started).await),
-                        Backend::Http(u) => serve_http(ctx, guard, rx, started, u).await,
-                    };
+                    match backend {
+                        Backend::Sim => return Ok(serve_sim(ctx, guard, rx, started).await),
+                        Backend::Http(u) => {
+                            let retry = resent < RESEND_UNSENT;
+                            match serve_http(ctx, guard, rx, started, u, retry).await {
+                                Ok(r) => return Ok(r),
+                                Err(HttpFail::Fatal(e)) => return Err(e),
+                                Err(HttpFail::Unsent(back)) => {
+                                    ctx = *back;
+                                    resent += 1;
+                                    app.exec.send(Command::CheckHealth);
+                                    explain::note(
+                                        &ctx.explain,
+                                        ctx.ms(),
+                                        "the upstream never received it; queued again",
+                                        Some(Reason::Saturation.name()),
+                                    );
+                                    break;
+                                }
+                            }
+                        }
+                    }
                 }
                 Progress::Tokens(_) | Progress::FirstToken | Progress::Finished { .. } => {}
             }
@@ -489,7 +523,8 @@ fn finish_rejected(ctx: &Ctx, d: Option<&Decided>, reason: Reason, err: &ApiErro
         ),
         None => ("none".into(), "none".into()),
     };
-    app.metrics.rejected(&tier, &tenant, reason.name(), err.status);
+    app.metrics
+        .rejected(&tier, &tenant, reason.name(), err.status);
     explain::note(
         &ctx.explain,
         ctx.ms(),
@@ -546,9 +581,16 @@ fn finish_served(
 ) {
     let app = &ctx.app;
     let g = &s.d.graph;
-    let tier = g.tiers.get(s.d.tier as usize).map(|t| t.name.as_str()).unwrap_or("?");
+    let tier = g
+        .tiers
+        .get(s.d.tier as usize)
+        .map(|t| t.name.as_str())
+        .unwrap_or("?");
     let tenant = tenant_name(g, s.d.tenant);
-    let (pool, model) = s.route.split_once(" on ").map_or((s.route.as_str(), ""), |(m, p)| (p, m));
+    let (pool, model) = s
+        .route
+        .split_once(" on ")
+        .map_or((s.route.as_str(), ""), |(m, p)| (p, m));
     let labels = Labels {
         tier,
         tenant: &tenant,
@@ -562,14 +604,15 @@ fn finish_served(
         app.metrics.ttft(&labels, t);
     }
     app.metrics.e2e(&labels, e2e);
-    app.metrics.tokens(&labels, ctx.req.prompt_tokens, output_tokens);
-    let cost_per_h = s
-        .d
-        .tenant
-        .and_then(|t| g.tenants.get(t as usize))
-        .and_then(|t| t.cost_per_gpu_hour)
-        .unwrap_or(0.0);
-    app.metrics.gpu_seconds(&labels, gpu_seconds, gpu_seconds / 3600.0 * cost_per_h);
+    app.metrics
+        .tokens(&labels, ctx.req.prompt_tokens, output_tokens);
+    let cost_per_h =
+        s.d.tenant
+            .and_then(|t| g.tenants.get(t as usize))
+            .and_then(|t| t.cost_per_gpu_hour)
+            .unwrap_or(0.0);
+    app.metrics
+        .gpu_seconds(&labels, gpu_seconds, gpu_seconds / 3600.0 * cost_per_h);
     for _ in 0..s.preempted {
         app.metrics.preempted(tier, &tenant);
     }
@@ -598,7 +641,14 @@ fn finish_served(
     rec.output_tokens = output_tokens;
     if let Some(dec) = rec.decision.as_mut() {
         dec.route = Some(s.route.clone());
-        dec.admission = Some(if s.waited_for.is_some() { "queue" } else { "accept" }.into());
+        dec.admission = Some(
+            if s.waited_for.is_some() {
+                "queue"
+            } else {
+                "accept"
+            }
+            .into(),
+        );
         dec.waited_for = s.waited_for.map(|r| r.name().to_string());
     }
     rec.ttft_ms = ttft_s.map(|t| round3(t * 1000.0));
@@ -614,7 +664,10 @@ fn kiln_headers(ctx: &Ctx, s: &Started, backend: &str) -> Vec<(&'static str, Str
         ("x-kiln-policy-version", s.d.version.to_string()),
         (
             "x-kiln-tier",
-            g.tiers.get(s.d.tier as usize).map(|t| t.name.clone()).unwrap_or_default(),
+            g.tiers
+                .get(s.d.tier as usize)
+                .map(|t| t.name.clone())
+                .unwrap_or_default(),
         ),
         ("x-kiln-tenant", tenant_name(g, s.d.tenant)),
         ("x-kiln-route", s.route.clone()),
@@ -642,11 +695,20 @@ fn with_headers(mut resp: Response, h: Vec<(&'static str, String)>) -> Response 
 
 /// Placeholder text for simulated output: it says what it is.
 const SIM_WORDS: [&str; 8] = [
-    " simulated", " output", " from", " kiln's", " roofline", " GPU", " model", ".",
+    " simulated",
+    " output",
+    " from",
+    " kiln's",
+    " roofline",
+    " GPU",
+    " model",
+    ".",
 ];
 
 fn sim_text(from: u64, n: u64) -> String {
-    (from..from + n).map(|i| SIM_WORDS[(i % 8) as usize]).collect()
+    (from..from + n)
+        .map(|i| SIM_WORDS[(i % 8) as usize])
+        .collect()
 }
 
 fn completion_id(ctx: &Ctx) -> String {
@@ -660,7 +722,14 @@ fn created() -> i64 {
     (super::unix_ms() / 1000.0) as i64
 }
 
-fn full_body(ctx: &Ctx, text: &str, prompt: u64, completion: u64, finish: &str, fingerprint: &str) -> Value {
+fn full_body(
+    ctx: &Ctx,
+    text: &str,
+    prompt: u64,
+    completion: u64,
+    finish: &str,
+    fingerprint: &str,
+) -> Value {
     let choice = match ctx.endpoint {
         Endpoint::Chat => json!({
             "index": 0,
@@ -735,7 +804,10 @@ fn sse_done() -> Bytes {
 fn sse_response(body: Body, h: Vec<(&'static str, String)>) -> Response {
     let mut resp = Response::new(body);
     let hs = resp.headers_mut();
-    hs.insert("content-type", HeaderValue::from_static("text/event-stream"));
+    hs.insert(
+        "content-type",
+        HeaderValue::from_static("text/event-stream"),
+    );
     hs.insert("cache-control", HeaderValue::from_static("no-cache"));
     with_headers(resp, h)
 }
@@ -784,7 +856,14 @@ async fn serve_sim(
         let finish = "length";
         let text = sim_text(0, produced);
         finish_served(&ctx, &s, produced, ttft, MetricOutcome::Ok, gpu);
-        let body = full_body(&ctx, &text, ctx.req.prompt_tokens, produced, finish, "kiln-sim");
+        let body = full_body(
+            &ctx,
+            &text,
+            ctx.req.prompt_tokens,
+            produced,
+            finish,
+            "kiln-sim",
+        );
         return with_headers(axum::Json(body).into_response(), headers);
     }
     // Streaming: one SSE chunk per token, as the steps produce them.
@@ -831,15 +910,26 @@ async fn serve_sim(
                     }
                     for i in 0..u64::from(n) {
                         let t = sim_text(st.produced + i, 1);
-                        st.pending.push_back(sse(&chunk(&st.ctx, st.created, Some(&t), false, None)));
+                        st.pending.push_back(sse(&chunk(
+                            &st.ctx,
+                            st.created,
+                            Some(&t),
+                            false,
+                            None,
+                        )));
                     }
                     st.produced += u64::from(n);
                 }
                 Poll::Ready(Some(Progress::Finished { gpu_seconds })) => {
                     st.guard.armed = false;
                     st.done = true;
-                    st.pending
-                        .push_back(sse(&chunk(&st.ctx, st.created, None, false, Some("length"))));
+                    st.pending.push_back(sse(&chunk(
+                        &st.ctx,
+                        st.created,
+                        None,
+                        false,
+                        Some("length"),
+                    )));
                     if st.ctx.include_usage {
                         st.pending.push_back(sse(&usage_chunk(
                             &st.ctx,
@@ -849,7 +939,14 @@ async fn serve_sim(
                         )));
                     }
                     st.pending.push_back(sse_done());
-                    finish_served(&st.ctx, &st.s, st.produced, st.ttft, MetricOutcome::Ok, gpu_seconds);
+                    finish_served(
+                        &st.ctx,
+                        &st.s,
+                        st.produced,
+                        st.ttft,
+                        MetricOutcome::Ok,
+                        gpu_seconds,
+                    );
                 }
                 Poll::Ready(Some(_)) => {}
                 Poll::Ready(None) => {
@@ -857,7 +954,14 @@ async fn serve_sim(
                     st.done = true;
                     let e = ApiError::new(503, "the scheduler stopped");
                     st.pending.push_back(sse(&e.body()));
-                    finish_served(&st.ctx, &st.s, st.produced, st.ttft, MetricOutcome::UpstreamError, 0.0);
+                    finish_served(
+                        &st.ctx,
+                        &st.s,
+                        st.produced,
+                        st.ttft,
+                        MetricOutcome::UpstreamError,
+                        0.0,
+                    );
                 }
             }
         }
@@ -891,13 +995,31 @@ fn upstream_error(ctx: &Ctx, e: &UpstreamError) -> ApiError {
     err
 }
 
+/// How many times a request no upstream received is queued again.
+/// Enough for a dead upstream's breaker to open (5 failures by default)
+/// and the request to reach a live one; refused connections fail at once.
+const RESEND_UNSENT: u32 = 8;
+
+enum HttpFail {
+    Fatal(ApiError),
+    /// The upstream never saw the request: it may go to another replica.
+    Unsent(Box<Ctx>),
+}
+
+impl From<ApiError> for HttpFail {
+    fn from(e: ApiError) -> Self {
+        HttpFail::Fatal(e)
+    }
+}
+
 async fn serve_http(
     ctx: Ctx,
     mut guard: CancelGuard,
     rx: mpsc::UnboundedReceiver<Progress>,
     s: Started,
     up: Arc<super::upstream::Upstream>,
-) -> Result<Response, ApiError> {
+    may_resend: bool,
+) -> Result<Response, HttpFail> {
     drop(rx);
     let headers = kiln_headers(&ctx, &s, &format!("http:{}", up.name()));
     let served_model = up.served_model().map(str::to_string);
@@ -926,13 +1048,16 @@ async fn serve_http(
                     id: ctx.id,
                     output_tokens: 0,
                 });
+                if may_resend && e.is_unsent() {
+                    return Err(HttpFail::Unsent(Box::new(ctx)));
+                }
                 let outcome = if e.http_status() == 504 {
                     MetricOutcome::Timeout
                 } else {
                     MetricOutcome::UpstreamError
                 };
                 finish_served(&ctx, &s, 0, None, outcome, 0.0);
-                Err(upstream_error(&ctx, &e))
+                Err(upstream_error(&ctx, &e).into())
             }
         };
     }
@@ -945,8 +1070,11 @@ async fn serve_http(
                 id: ctx.id,
                 output_tokens: 0,
             });
+            if may_resend && e.is_unsent() {
+                return Err(HttpFail::Unsent(Box::new(ctx)));
+            }
             finish_served(&ctx, &s, 0, None, MetricOutcome::UpstreamError, 0.0);
-            return Err(upstream_error(&ctx, &e));
+            return Err(upstream_error(&ctx, &e).into());
         }
     };
     struct St<S> {
@@ -980,12 +1108,20 @@ async fn serve_http(
             match st.up.poll_next_unpin(cx) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Some(Ok(mut v))) => {
-                    if let Some(u) = v.get("usage").and_then(|u| u.get("completion_tokens")).and_then(Value::as_u64) {
+                    if let Some(u) = v
+                        .get("usage")
+                        .and_then(|u| u.get("completion_tokens"))
+                        .and_then(Value::as_u64)
+                    {
                         st.usage_completion = Some(u);
                     }
                     let choices_empty = v["choices"].as_array().is_none_or(|c| c.is_empty());
-                    let has_text = v["choices"][0]["delta"]["content"].as_str().is_some_and(|t| !t.is_empty())
-                        || v["choices"][0]["text"].as_str().is_some_and(|t| !t.is_empty());
+                    let has_text = v["choices"][0]["delta"]["content"]
+                        .as_str()
+                        .is_some_and(|t| !t.is_empty())
+                        || v["choices"][0]["text"]
+                            .as_str()
+                            .is_some_and(|t| !t.is_empty());
                     if has_text {
                         if st.ttft.is_none() {
                             st.ttft = Some(st.ctx.received.elapsed().as_secs_f64());
@@ -1036,4 +1172,3 @@ async fn serve_http(
     });
     Ok(sse_response(Body::from_stream(stream), headers))
 }
-

@@ -376,6 +376,22 @@ pub fn scale_time(records: &mut [Record], factor: f64) {
 
 /// Merges traces by arrival time, stably: records with equal times keep
 /// the order of the traces given, then their order within a trace.
+/// Decision logs stamp arrivals with wall-clock time (Unix milliseconds);
+/// replays want time from the start of the trace. When the first arrival
+/// looks like a wall-clock stamp (after 1973), every `at_ms` is shifted so
+/// the trace starts at 0. Returns the shift, if any. Sorted input expected.
+pub fn rebase_wall_clock(records: &mut [Record]) -> Option<f64> {
+    const WALL_CLOCK_MS: f64 = 1e11;
+    let first = records.first()?.at_ms;
+    if first < WALL_CLOCK_MS {
+        return None;
+    }
+    for r in records.iter_mut() {
+        r.at_ms = ((r.at_ms - first) * 1000.0).round() / 1000.0;
+    }
+    Some(first)
+}
+
 pub fn merge(traces: impl IntoIterator<Item = Vec<Record>>) -> Vec<Record> {
     let mut all: Vec<Record> = traces.into_iter().flatten().collect();
     sort(&mut all);
@@ -580,6 +596,16 @@ mod tests {
         let mut r = rec(1.0, "m");
         r.queue_ms = Some(f64::NAN);
         assert!(write(&mut Vec::new(), &[r]).is_err());
+    }
+
+    #[test]
+    fn wall_clock_logs_are_rebased_and_traces_are_not() {
+        let mut log = vec![rec(1_795_976_296_000.0, "a"), rec(1_795_976_296_250.5, "b")];
+        assert_eq!(rebase_wall_clock(&mut log), Some(1_795_976_296_000.0));
+        assert_eq!((log[0].at_ms, log[1].at_ms), (0.0, 250.5));
+        let mut trace = vec![rec(3_600_000.0, "a")];
+        assert_eq!(rebase_wall_clock(&mut trace), None);
+        assert_eq!(trace[0].at_ms, 3_600_000.0);
     }
 
     #[test]
