@@ -183,6 +183,10 @@ async fn generate_inner(
 ) -> Result<Response, ApiError> {
     let received = Instant::now();
     let received_ms = super::unix_ms();
+    // Who is asking comes first: an unauthenticated caller learns nothing
+    // about the body it sent.
+    let policy = app.policy.load_full();
+    let tenant = authenticate(&app, &policy.graph, &headers)?;
     let limit = app.config.limits.max_body_bytes;
     let bytes = axum::body::to_bytes(body, limit).await.map_err(|_| {
         ApiError::new(
@@ -192,8 +196,6 @@ async fn generate_inner(
         .code("request_too_large")
     })?;
     let (greq, raw) = GenerationRequest::parse(endpoint, &bytes)?;
-    let policy = app.policy.load_full();
-    let tenant = authenticate(&app, &policy.graph, &headers)?;
     let prompt_tokens = app.tokenizer.prompt_tokens(&greq);
     let max_tokens = greq
         .requested_max_tokens()
