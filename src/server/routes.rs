@@ -1167,6 +1167,14 @@ async fn serve_http(
                         output_tokens: out.min(u64::from(u32::MAX)) as u32,
                     });
                     finish_served(&st.ctx, &st.s, out, st.ttft, MetricOutcome::Ok, 0.0);
+                    if st.ctx.include_usage && st.usage_completion.is_none() {
+                        // The upstream ignored stream_options (llama.cpp
+                        // does): the usage chunk comes from kiln's counts.
+                        let usage = usage_chunk(&st.ctx, created(), st.ctx.req.prompt_tokens, out);
+                        let mut b = sse(&usage).to_vec();
+                        b.extend_from_slice(&sse_done());
+                        return Poll::Ready(Some(Ok(Bytes::from(b))));
+                    }
                     return Poll::Ready(Some(Ok(sse_done())));
                 }
             }
