@@ -9,6 +9,7 @@ pub mod cli;
 pub mod compile;
 pub mod diag;
 pub mod diff;
+pub mod governance;
 pub mod graph;
 pub mod lang;
 pub mod policy_test;

@@ -116,7 +116,7 @@ pub fn run(a: Args) -> i32 {
         eprintln!(
             "  OpenAI base URL: http://{addr}/v1   explain: /admin/explain/ID   metrics: /metrics"
         );
-        if !running.app.admin_open && running.app.config.admin.token_sha256.is_empty() {
+        if !running.app.admin_open && !running.app.config.has_admin_tokens() {
             eprintln!("  admin endpoints are closed: no [admin] tokens and not on loopback");
         }
         shutdown_signal().await;

@@ -118,6 +118,20 @@ impl Cond {
         }
     }
 
+    /// Evaluates a condition that reads only live signals (a rollout's
+    /// rollback conditions), with no request.
+    pub fn eval_signals<T: Tracer>(&self, signals: &Signals, t: &mut T) -> bool {
+        let req = Request::default();
+        let cx = Ctx {
+            req: &req,
+            tenant: None,
+            model: None,
+            tier: None,
+            signals,
+        };
+        self.eval(&cx, t)
+    }
+
     pub fn eval<T: Tracer>(&self, cx: &Ctx, t: &mut T) -> bool {
         match self {
             Cond::True => true,

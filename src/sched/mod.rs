@@ -22,6 +22,7 @@
 //! - [`swap`] moves queues, running work, quotas and fair share to a new
 //!   policy version by name while requests wait and run.
 
+pub mod canary;
 pub mod plan;
 pub mod queue;
 pub mod quota;
@@ -306,13 +307,21 @@ pub struct Scheduler {
     /// Baselines decide on an idle fleet: the policy classifies and routes
     /// for them, but its admission control and quotas are kiln's, not theirs.
     idle: Signals,
+    /// A canary version deciding part of the traffic ([`canary`]).
+    canary: Option<canary::Canary>,
+    /// Whether the canary decided the last arrival.
+    last_canary: bool,
     out: Vec<Action>,
+    /// When a request of each tier last started (to tell a request that
+    /// was overtaken by a higher tier from one that only lacked room).
+    tier_started: Vec<Micros>,
 }
 
 impl Scheduler {
     /// Builds a scheduler for a graph and a deployment plan (replicas with
     /// their cost models).
     pub fn new(graph: std::sync::Arc<DecisionGraph>, plan: Plan, cfg: Config) -> Scheduler {
+        let graph_tiers = graph.tiers.len();
         let mut by_variant: HashMap<(u16, u16), Vec<usize>> = HashMap::default();
         let replicas: Vec<Replica> = plan
             .replicas
@@ -344,8 +353,27 @@ impl Scheduler {
             gone: HashMap::default(),
             signals,
             idle,
+            canary: None,
+            last_canary: false,
             out: Vec::new(),
+            tier_started: vec![0; graph_tiers],
         }
+    }
+
+    /// Sets (or with `None` ends) the canary: the version that decides the
+    /// requests it selects (see [`canary`]). Takes effect at the next
+    /// arrival; queued and running work is untouched.
+    pub fn set_canary(&mut self, c: Option<canary::Canary>) {
+        self.canary = c;
+    }
+
+    pub fn canary(&self) -> Option<&canary::Canary> {
+        self.canary.as_ref()
+    }
+
+    /// Whether the canary (not the active graph) decided the last arrival.
+    pub fn last_arrival_canary(&self) -> bool {
+        self.last_canary
     }
 
     pub fn replicas(&self) -> &[Replica] {
@@ -620,7 +648,19 @@ impl Scheduler {
         let estimate = self.estimate_wait(&req);
         self.signals.estimated_wait = estimate as f64 / 1000.0;
         let baseline = self.cfg.mode != Mode::Kiln;
-        let d = graph.decide(&req, if baseline { &self.idle } else { &self.signals });
+        let canary_graph = match &self.canary {
+            Some(c) if !baseline && c.selects(a.id, &req) => Some(c.graph().clone()),
+            _ => None,
+        };
+        let canary_d = match (&canary_graph, self.canary.as_mut()) {
+            (Some(cg), Some(c)) => c.decide(cg, &req, &self.signals),
+            _ => None,
+        };
+        self.last_canary = canary_d.is_some();
+        let d = match canary_d {
+            Some(d) => d,
+            None => graph.decide(&req, if baseline { &self.idle } else { &self.signals }),
+        };
         let mut tier = d.tier;
         if let Some(t) = session_tier {
             tier = t;
@@ -1120,11 +1160,19 @@ impl Scheduler {
             self.queues.charge(&self.graph, &self.cfg, &w);
             let id = w.id;
             let waited_for = if self.now > w.arrival {
-                // Nothing more specific: it queued behind earlier work.
-                w.waiting_for.or(Some(Reason::Saturation))
+                match w.waiting_for {
+                    // A higher tier started while it waited: it was
+                    // overtaken, which says more than "no room".
+                    None | Some(Reason::Saturation) if self.overtaken(&w) => Some(Reason::Priority),
+                    // Nothing more specific: it queued behind earlier work.
+                    other => other.or(Some(Reason::Saturation)),
+                }
             } else {
                 None
             };
+            if let Some(t) = self.tier_started.get_mut(w.tier as usize) {
+                *t = self.now;
+            }
             let affinity = self
                 .graph
                 .tiers
@@ -1224,6 +1272,18 @@ impl Scheduler {
         seq.w.waiting_for = Some(Reason::Preempted);
         self.queues.push_front(seq.w);
         true
+    }
+
+    /// Whether a request of a higher-priority tier started after `w` arrived.
+    fn overtaken(&self, w: &Waiting) -> bool {
+        let Some(mine) = self.graph.tiers.get(w.tier as usize).map(|t| t.priority) else {
+            return false;
+        };
+        self.graph
+            .tiers
+            .iter()
+            .zip(&self.tier_started)
+            .any(|(t, &at)| t.priority > mine && at > w.arrival)
     }
 
     /// Tokens of KV cache reserved across replicas, and capacity.

@@ -174,6 +174,9 @@ impl Scheduler {
         self.queues.set_now(self.now);
         let old = self.graph.clone();
         let map = Remap::new(&old, &graph);
+        if let Some(c) = self.canary.as_mut() {
+            c.rebase(&graph);
+        }
 
         // Replicas: match by name, in order; the rest drain. A replica
         // whose variant an earlier version dropped is known by the names it
@@ -240,6 +243,7 @@ impl Scheduler {
             .into_iter()
             .filter_map(|(k, (t, n))| map.tier(t).map(|t| (k, (t, n))))
             .collect();
+        self.tier_started = vec![0; graph.tiers.len()];
         self.signals = Signals::idle(&graph);
         self.idle = self.signals.clone();
         self.by_variant = HashMap::default();

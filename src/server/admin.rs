@@ -33,14 +33,22 @@ pub fn router(app: Arc<App>) -> Router {
 /// Admin calls carry `Authorization: Bearer TOKEN` whose SHA-256 the
 /// config lists; with no tokens configured they are open on loopback only.
 pub fn authorize(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
+    identify(app, headers).map(|_| ())
+}
+
+/// Who an admin call comes from: the token's name (`admin` for tokens in
+/// `token_sha256`), or `loopback` when admin is open without tokens.
+pub fn identify(app: &App, headers: &HeaderMap) -> Result<String, ApiError> {
     let token = headers
         .get("authorization")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().strip_prefix("Bearer ").map(str::trim));
     match token {
-        Some(t) if app.config.admin_token_ok(t) => Ok(()),
-        Some(_) => Err(ApiError::new(403, "this admin token is not valid").code("forbidden")),
-        None if app.admin_open => Ok(()),
+        Some(t) => match app.config.admin_identity(t) {
+            Some(name) => Ok(name),
+            None => Err(ApiError::new(403, "this admin token is not valid").code("forbidden")),
+        },
+        None if app.admin_open => Ok("loopback".into()),
         None => Err(ApiError::new(
             401,
             "admin endpoints need `Authorization: Bearer ADMIN-TOKEN` (see [admin] in kiln.toml)",
@@ -183,7 +191,15 @@ async fn queues(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
         return e.into_response();
     }
     match app.exec.snapshot().await {
-        Some(s) => axum::Json(s).into_response(),
+        Some(s) => {
+            let mut v = serde_json::to_value(&s).unwrap_or_else(|_| json!({}));
+            if let Some(o) = v.as_object_mut() {
+                // Incident controls in force: paused or throttled tiers and
+                // tenants, with the time they have left.
+                o.insert("overrides".into(), json!(app.gov.override_views()));
+            }
+            axum::Json(v).into_response()
+        }
         None => ApiError::new(503, "the scheduler is not running").into_response(),
     }
 }
@@ -207,13 +223,17 @@ struct PolicyUpload {
     files: BTreeMap<String, String>,
 }
 
-async fn swap_policy(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
-    if let Err(e) = authorize(&app, &headers) {
-        return e.into_response();
-    }
+/// The files of a policy upload: `{"files": {...}}` as JSON, or one file
+/// as the raw body.
+pub async fn read_upload(
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<BTreeMap<String, String>, Response> {
     let bytes = match axum::body::to_bytes(body, 8 * 1024 * 1024).await {
         Ok(b) => b,
-        Err(_) => return ApiError::new(413, "a policy upload is limited to 8 MiB").into_response(),
+        Err(_) => {
+            return Err(ApiError::new(413, "a policy upload is limited to 8 MiB").into_response())
+        }
     };
     let json_body = headers
         .get("content-type")
@@ -222,24 +242,109 @@ async fn swap_policy(State(app): State<Arc<App>>, headers: HeaderMap, body: Body
     let files: BTreeMap<String, String> = if json_body {
         match serde_json::from_slice::<PolicyUpload>(&bytes) {
             Ok(u) if !u.files.is_empty() => u.files,
-            Ok(_) => return ApiError::new(400, "`files` is empty").into_response(),
+            Ok(_) => return Err(ApiError::new(400, "`files` is empty").into_response()),
             Err(e) => {
-                return ApiError::bad_request(
+                return Err(ApiError::bad_request(
                     format!("expected {{\"files\": {{\"name.kiln\": \"…\"}}}}: {e}"),
                     Some("files"),
                 )
-                .into_response()
+                .into_response())
             }
         }
     } else {
         match std::str::from_utf8(&bytes) {
             Ok(t) => BTreeMap::from([("policy.kiln".to_string(), t.to_string())]),
-            Err(_) => return ApiError::new(400, "the policy is not UTF-8 text").into_response(),
+            Err(_) => {
+                return Err(ApiError::new(400, "the policy is not UTF-8 text").into_response())
+            }
         }
     };
-    match activate(&app, files).await {
+    Ok(files)
+}
+
+async fn swap_policy(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    let who = match identify(&app, &headers) {
+        Ok(w) => w,
+        Err(e) => return e.into_response(),
+    };
+    if app.gov.enabled {
+        // With approvers configured, a direct swap would bypass approvals.
+        return (
+            StatusCode::FORBIDDEN,
+            axum::Json(json!({
+                "error": {
+                    "message": "policy changes need approvals on this gateway: propose it (`kiln propose` or POST /admin/proposals) and have it approved (`kiln approve`)",
+                    "type": "approval_required",
+                    "code": "approval_required",
+                }
+            })),
+        )
+            .into_response();
+    }
+    let files = match read_upload(&headers, body).await {
+        Ok(f) => f,
+        Err(r) => return r,
+    };
+    match super::governance::activate_direct(&app, files, &who).await {
         Ok(v) => (StatusCode::OK, axum::Json(v)).into_response(),
         Err((status, v)) => (status, axum::Json(v)).into_response(),
+    }
+}
+
+/// The diagnostics answer for a policy that does not compile.
+fn refusal_body(c: &compile::Compiled) -> serde_json::Value {
+    let diags: Vec<_> = c
+        .diagnostics
+        .items
+        .iter()
+        .filter(|d| d.severity == crate::diag::Severity::Error)
+        .map(|d| crate::diag::to_json(d, &c.sources))
+        .collect();
+    let text: String = c
+        .diagnostics
+        .items
+        .iter()
+        .filter(|d| d.severity == crate::diag::Severity::Error)
+        .map(|d| crate::diag::render(d, &c.sources, false))
+        .collect();
+    json!({
+        "error": {
+            "message": "the policy does not compile; the active policy is unchanged",
+            "type": "invalid_policy",
+        },
+        "diagnostics": diags,
+        "rendered": text,
+    })
+}
+
+/// Compiles and validates a policy upload, and plans its deployment under
+/// this gateway's config. Nothing changes.
+pub fn compile_upload(
+    app: &App,
+    files: &BTreeMap<String, String>,
+) -> Result<(Policy, crate::sched::plan::Plan, Vec<String>), (StatusCode, serde_json::Value)> {
+    let mut sources = SourceMap::new();
+    for (name, text) in files {
+        sources.add(name.clone(), text.clone());
+    }
+    let compiled = compile::compile(sources);
+    if compiled.has_errors() {
+        return Err((StatusCode::UNPROCESSABLE_ENTITY, refusal_body(&compiled)));
+    }
+    let compile::Compiled { sources, graph, .. } = compiled;
+    let Some(graph) = graph else {
+        return Err((
+            StatusCode::UNPROCESSABLE_ENTITY,
+            json!({"error": {"message": "the policy produced no decision graph", "type": "invalid_policy"}}),
+        ));
+    };
+    let policy = Policy::new(graph, sources);
+    match super::build_plan(&policy.graph, &app.config, app.calibration.as_ref()) {
+        Ok((plan, notes)) => Ok((policy, plan, notes)),
+        Err(e) => Err((
+            StatusCode::UNPROCESSABLE_ENTITY,
+            json!({"error": {"message": format!("{e}; the active policy is unchanged"), "type": "invalid_policy"}}),
+        )),
     }
 }
 
@@ -248,60 +353,11 @@ pub async fn activate(
     app: &Arc<App>,
     files: BTreeMap<String, String>,
 ) -> Result<serde_json::Value, (StatusCode, serde_json::Value)> {
-    let mut sources = SourceMap::new();
-    for (name, text) in &files {
-        sources.add(name.clone(), text.clone());
-    }
-    let compiled = compile::compile(sources);
-    let refuse = |c: &compile::Compiled| {
-        let diags: Vec<_> = c
-            .diagnostics
-            .items
-            .iter()
-            .filter(|d| d.severity == crate::diag::Severity::Error)
-            .map(|d| crate::diag::to_json(d, &c.sources))
-            .collect();
-        let text: String = c
-            .diagnostics
-            .items
-            .iter()
-            .filter(|d| d.severity == crate::diag::Severity::Error)
-            .map(|d| crate::diag::render(d, &c.sources, false))
-            .collect();
-        json!({
-            "error": {
-                "message": "the policy does not compile; the active policy is unchanged",
-                "type": "invalid_policy",
-            },
-            "diagnostics": diags,
-            "rendered": text,
-        })
-    };
-    if compiled.has_errors() {
-        app.metrics.policy_swap(false);
-        return Err((StatusCode::UNPROCESSABLE_ENTITY, refuse(&compiled)));
-    }
-    let compile::Compiled { sources, graph, .. } = compiled;
-    let Some(graph) = graph else {
-        app.metrics.policy_swap(false);
-        return Err((
-            StatusCode::UNPROCESSABLE_ENTITY,
-            json!({"error": {"message": "the policy produced no decision graph", "type": "invalid_policy"}}),
-        ));
-    };
-    let policy = Policy::new(graph, sources);
-    let (plan, notes) = match super::build_plan(
-        &policy.graph,
-        &app.config,
-        app.calibration.as_ref(),
-    ) {
-        Ok(p) => p,
+    let (policy, plan, notes) = match compile_upload(app, &files) {
+        Ok(x) => x,
         Err(e) => {
             app.metrics.policy_swap(false);
-            return Err((
-                StatusCode::UNPROCESSABLE_ENTITY,
-                json!({"error": {"message": format!("{e}; the active policy is unchanged"), "type": "invalid_policy"}}),
-            ));
+            return Err(e);
         }
     };
     let _one_at_a_time = app.swap_lock.lock().await;

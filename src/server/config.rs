@@ -41,6 +41,15 @@ pub struct ServerConfig {
     pub log: Option<LogSection>,
     #[serde(default)]
     pub sim: SimSection,
+    /// Who may approve policy changes: `[[approvers]]`, each with a name,
+    /// groups (the approval rules' `from "group"`) and an ed25519 public key.
+    #[serde(default)]
+    pub approvers: Vec<ApproverConfig>,
+    #[serde(default)]
+    pub governance: GovernanceSection,
+    /// The hash-chained audit log of governance events.
+    #[serde(default)]
+    pub audit: Option<AuditSection>,
 }
 
 fn yes() -> bool {
@@ -54,6 +63,127 @@ pub struct AdminConfig {
     /// answer only when the gateway listens on loopback.
     #[serde(default)]
     pub token_sha256: Vec<String>,
+    /// Named admin tokens (`[[admin.tokens]] name = "alice" sha256 = "…"`):
+    /// the name is who proposed, rolled back or paused, in the audit log.
+    /// Tokens in `token_sha256` act as `admin`.
+    #[serde(default)]
+    pub tokens: Vec<NamedToken>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NamedToken {
+    pub name: String,
+    /// SHA-256 (hex) of the token.
+    pub sha256: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApproverConfig {
+    pub name: String,
+    /// Groups the approval rules name (`require 2 from "platform-leads"`).
+    #[serde(default)]
+    pub groups: Vec<String>,
+    /// ed25519 public key, 64 hex digits (`kiln keygen` prints it).
+    pub public_key: String,
+}
+
+/// When approvals are required.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GovernanceMode {
+    /// On when `[[approvers]]` are configured.
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GovernanceSection {
+    #[serde(default)]
+    pub mode: GovernanceMode,
+    /// The longest validity an approval may carry (`kiln approve
+    /// --valid-for`); expired approvals stop counting.
+    #[serde(default = "default_approval_ttl")]
+    pub approval_ttl: String,
+    /// How long a rollout's rollback conditions stay armed after its
+    /// version becomes active.
+    #[serde(default = "default_watch")]
+    pub watch: String,
+    /// The window live metrics (p95 TTFT, error rate, …) are computed over.
+    #[serde(default = "default_window")]
+    pub window: String,
+    /// Fewer requests than this in the window read as healthy.
+    #[serde(default = "default_min_samples")]
+    pub min_samples: u64,
+    /// How long a canary without a `duration` lasts.
+    #[serde(default = "default_canary")]
+    pub default_canary: String,
+    /// Most recent decision-log records a proposal's dry run replays.
+    #[serde(default = "default_dry_run")]
+    pub dry_run_records: usize,
+}
+
+fn default_approval_ttl() -> String {
+    "24h".into()
+}
+fn default_watch() -> String {
+    "30m".into()
+}
+fn default_window() -> String {
+    "1m".into()
+}
+fn default_min_samples() -> u64 {
+    20
+}
+fn default_canary() -> String {
+    "10m".into()
+}
+fn default_dry_run() -> usize {
+    2000
+}
+
+impl Default for GovernanceSection {
+    fn default() -> Self {
+        GovernanceSection {
+            mode: GovernanceMode::Auto,
+            approval_ttl: default_approval_ttl(),
+            watch: default_watch(),
+            window: default_window(),
+            min_samples: default_min_samples(),
+            default_canary: default_canary(),
+            dry_run_records: default_dry_run(),
+        }
+    }
+}
+
+impl GovernanceSection {
+    fn ms(text: &str, fallback: f64) -> f64 {
+        crate::governance::parse_duration_ms(text).unwrap_or(fallback)
+    }
+    pub fn approval_ttl_s(&self) -> u64 {
+        (Self::ms(&self.approval_ttl, 86_400_000.0) / 1000.0) as u64
+    }
+    pub fn watch_ms(&self) -> f64 {
+        Self::ms(&self.watch, 1_800_000.0)
+    }
+    pub fn window_ms(&self) -> f64 {
+        Self::ms(&self.window, 60_000.0)
+    }
+    pub fn default_canary_ms(&self) -> f64 {
+        Self::ms(&self.default_canary, 600_000.0)
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuditSection {
+    /// Appended to; verified when the gateway starts (a broken chain stops
+    /// it from starting).
+    pub path: PathBuf,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -251,6 +381,64 @@ impl ServerConfig {
                 });
             }
         }
+        let mut names = std::collections::BTreeSet::new();
+        for t in &self.admin.tokens {
+            if !is_hash(&t.sha256) {
+                return Err(ConfigError::Invalid {
+                    message: format!(
+                        "admin token `{}` is not a SHA-256 hash (64 hex digits)",
+                        t.name
+                    ),
+                    help: Some("`kiln hash-key YOUR-TOKEN` prints the value to store".into()),
+                });
+            }
+            if t.name.trim().is_empty() || !names.insert(t.name.as_str()) {
+                return Err(ConfigError::Invalid {
+                    message: format!("admin token name `{}` is empty or used twice", t.name),
+                    help: Some(
+                        "each [[admin.tokens]] needs its own name: it is who acts in the audit log"
+                            .into(),
+                    ),
+                });
+            }
+        }
+        let mut approvers = std::collections::BTreeSet::new();
+        for a in &self.approvers {
+            if a.name.trim().is_empty() || !approvers.insert(a.name.as_str()) {
+                return Err(ConfigError::Invalid {
+                    message: format!("approver name `{}` is empty or used twice", a.name),
+                    help: Some("each [[approvers]] entry needs its own name".into()),
+                });
+            }
+            if let Err(e) = crate::governance::keys::parse_public(&a.public_key) {
+                return Err(ConfigError::Invalid {
+                    message: format!("approver `{}`: {e}", a.name),
+                    help: Some(
+                        "`kiln keygen --out NAME` prints the public key to paste here".into(),
+                    ),
+                });
+            }
+        }
+        let g = &self.governance;
+        for (field, v) in [
+            ("approval_ttl", &g.approval_ttl),
+            ("watch", &g.watch),
+            ("window", &g.window),
+            ("default_canary", &g.default_canary),
+        ] {
+            if crate::governance::parse_duration_ms(v).is_none() {
+                return Err(ConfigError::Invalid {
+                    message: format!("governance.{field} = \"{v}\" is not a duration"),
+                    help: Some("write durations as kiln does: \"90s\", \"30m\", \"24h\"".into()),
+                });
+            }
+        }
+        if self.governance_enabled() && !self.has_admin_tokens() {
+            return Err(ConfigError::Invalid {
+                message: "approvals are required ([[approvers]] or governance.mode = \"on\") but no admin token is configured".into(),
+                help: Some("add [[admin.tokens]] with a name for each person who proposes changes: proposers must be known so they cannot approve their own".into()),
+            });
+        }
         for h in &self.admin.token_sha256 {
             if !is_hash(h) {
                 return Err(ConfigError::Invalid {
@@ -304,11 +492,36 @@ impl ServerConfig {
     }
 
     pub fn admin_token_ok(&self, token: &str) -> bool {
+        self.admin_identity(token).is_some()
+    }
+
+    /// Who an admin token is: its name, or `admin` for a token listed in
+    /// `token_sha256`.
+    pub fn admin_identity(&self, token: &str) -> Option<String> {
         let h = hash_secret(token);
+        let same = |t: &str| constant_time_eq(t.to_ascii_lowercase().as_bytes(), h.as_bytes());
+        if let Some(t) = self.admin.tokens.iter().find(|t| same(&t.sha256)) {
+            return Some(t.name.clone());
+        }
         self.admin
             .token_sha256
             .iter()
-            .any(|t| constant_time_eq(t.to_ascii_lowercase().as_bytes(), h.as_bytes()))
+            .any(|t| same(t))
+            .then(|| "admin".to_string())
+    }
+
+    pub fn has_admin_tokens(&self) -> bool {
+        !self.admin.token_sha256.is_empty() || !self.admin.tokens.is_empty()
+    }
+
+    /// Whether policy changes need approvals (and `POST /admin/policy` is
+    /// refused in favour of proposals).
+    pub fn governance_enabled(&self) -> bool {
+        match self.governance.mode {
+            GovernanceMode::On => true,
+            GovernanceMode::Off => false,
+            GovernanceMode::Auto => !self.approvers.is_empty(),
+        }
     }
 }
 
@@ -354,6 +567,48 @@ mod tests {
             ConfigError::Syntax { at, .. } => assert!(at.is_some()),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn named_tokens_identify_their_holder() {
+        let c = ServerConfig::parse(
+            "t",
+            &format!(
+                "[admin]\ntoken_sha256 = [\"{}\"]\n[[admin.tokens]]\nname = \"alice\"\nsha256 = \"{}\"\n",
+                hash_secret("legacy"),
+                hash_secret("a-token")
+            ),
+        )
+        .unwrap();
+        assert_eq!(c.admin_identity("a-token").as_deref(), Some("alice"));
+        assert_eq!(c.admin_identity("legacy").as_deref(), Some("admin"));
+        assert_eq!(c.admin_identity("nope"), None);
+        assert!(c.admin_token_ok("legacy") && c.has_admin_tokens());
+        assert!(!c.governance_enabled());
+    }
+
+    #[test]
+    fn approvers_turn_governance_on_and_need_tokens() {
+        let key = crate::governance::keys::public_hex(
+            &ed25519_dalek::SigningKey::from_bytes(&[1; 32]).verifying_key(),
+        );
+        let approver = format!(
+            "[[approvers]]\nname = \"bob\"\ngroups = [\"platform\"]\npublic_key = \"{key}\"\n"
+        );
+        let e = ServerConfig::parse("t", &approver).unwrap_err();
+        assert!(e.to_string().contains("no admin token"), "{e}");
+        let text = format!(
+            "{approver}[[admin.tokens]]\nname = \"alice\"\nsha256 = \"{}\"\n[governance]\nwatch = \"5m\"\n",
+            hash_secret("t")
+        );
+        let c = ServerConfig::parse("t", &text).unwrap();
+        assert!(c.governance_enabled());
+        assert_eq!(c.governance.watch_ms(), 300_000.0);
+        assert_eq!(c.governance.approval_ttl_s(), 86_400);
+        let bad = text.replace(&key, "abc");
+        assert!(ServerConfig::parse("t", &bad).is_err());
+        let bad = text.replace("\"5m\"", "\"soon\"");
+        assert!(ServerConfig::parse("t", &bad).is_err());
     }
 
     #[test]

@@ -11,6 +11,7 @@
 
 use super::upstream::Upstream;
 use crate::graph::{DecisionGraph, Signals, TenantId, TierId};
+use crate::sched::canary::Canary;
 use crate::sched::plan::Plan;
 use crate::sched::{Action, Arrival, Event, Micros, QueueRow, Reason, ReqId, Scheduler};
 use rustc_hash::FxHashMap as HashMap;
@@ -51,6 +52,9 @@ pub enum Progress {
         graph: Arc<DecisionGraph>,
         /// The live signals the decision saw (for explain).
         signals: Arc<Signals>,
+        /// Set when a canary version decided it (tier and tenant ids are
+        /// still the active graph's).
+        canary: Option<Arc<CanaryDecided>>,
     },
     Started {
         replica: usize,
@@ -77,6 +81,14 @@ pub enum Progress {
     },
 }
 
+/// A request a canary version decided: its version, graph, and the
+/// signals it saw in that graph's ids (for explain and the log).
+pub struct CanaryDecided {
+    pub version: Arc<str>,
+    pub graph: Arc<DecisionGraph>,
+    pub signals: Arc<Signals>,
+}
+
 pub enum Command {
     Submit {
         arrival: Arrival,
@@ -95,6 +107,13 @@ pub enum Command {
         done: oneshot::Sender<Vec<ReqId>>,
     },
     Snapshot(oneshot::Sender<Snapshot>),
+    /// Starts (with a canary and its version) or ends a canary.
+    SetCanary {
+        canary: Option<(Canary, Arc<str>)>,
+        done: oneshot::Sender<()>,
+    },
+    /// The active graph and the live signals as of the last arrival.
+    Signals(oneshot::Sender<(Arc<DecisionGraph>, Signals)>),
     /// An upstream just failed: fold breaker states in now, not at the
     /// next periodic check, so a resent request avoids it.
     CheckHealth,
@@ -146,6 +165,24 @@ impl ExecHandle {
         }
         rx.await.ok()
     }
+
+    /// The active graph and live signals, for rollback conditions.
+    pub async fn signals(&self) -> Option<(Arc<DecisionGraph>, Signals)> {
+        let (tx, rx) = oneshot::channel();
+        if !self.send(Command::Signals(tx)) {
+            return None;
+        }
+        rx.await.ok()
+    }
+
+    /// Starts or ends a canary; true once the executor applied it.
+    pub async fn set_canary(&self, canary: Option<(Canary, Arc<str>)>) -> bool {
+        let (tx, rx) = oneshot::channel();
+        if !self.send(Command::SetCanary { canary, done: tx }) {
+            return false;
+        }
+        rx.await.is_ok()
+    }
 }
 
 struct Entry {
@@ -177,6 +214,7 @@ pub struct Executor {
     /// simulator), so a breaker that opens takes the replica out of
     /// dispatch and one that closes puts it back.
     healthy: Vec<bool>,
+    canary_version: Option<Arc<str>>,
 }
 
 /// How often upstream health is folded into the scheduler.
@@ -207,6 +245,7 @@ impl Executor {
             reqs: HashMap::default(),
             buf: Vec::new(),
             healthy: Vec::new(),
+            canary_version: None,
         }
     }
 
@@ -309,11 +348,27 @@ impl Executor {
                         _ => None,
                     })
                     .collect();
-                self.apply(None);
+                self.apply(None, None);
                 let _ = done.send(redecide);
             }
             Command::Snapshot(reply) => {
                 let _ = reply.send(self.snapshot());
+            }
+            Command::SetCanary { canary, done } => {
+                match canary {
+                    Some((c, v)) => {
+                        self.sched.set_canary(Some(c));
+                        self.canary_version = Some(v);
+                    }
+                    None => {
+                        self.sched.set_canary(None);
+                        self.canary_version = None;
+                    }
+                }
+                let _ = done.send(());
+            }
+            Command::Signals(reply) => {
+                let _ = reply.send((self.graph.clone(), self.sched.signals().clone()));
             }
             Command::CheckHealth => self.check_health(),
         }
@@ -380,7 +435,19 @@ impl Executor {
         self.buf.clear();
         self.buf.extend_from_slice(self.sched.handle(now, event));
         let signals = decided_signals.then(|| Arc::new(self.sched.signals().clone()));
-        self.apply(signals);
+        let canary = if decided_signals && self.sched.last_arrival_canary() {
+            match (self.sched.canary(), &self.canary_version) {
+                (Some(c), Some(v)) => Some(Arc::new(CanaryDecided {
+                    version: v.clone(),
+                    graph: c.graph().clone(),
+                    signals: Arc::new(c.signals().clone()),
+                })),
+                _ => None,
+            }
+        } else {
+            None
+        };
+        self.apply(signals, canary);
         // Tokens produced by the step that just ended, for sequences that
         // keep running (finished ones were settled by their action).
         if let Some(r) = stepped {
@@ -397,7 +464,7 @@ impl Executor {
         }
     }
 
-    fn apply(&mut self, signals: Option<Arc<Signals>>) {
+    fn apply(&mut self, signals: Option<Arc<Signals>>, canary: Option<Arc<CanaryDecided>>) {
         let actions = std::mem::take(&mut self.buf);
         for a in &actions {
             match *a {
@@ -415,6 +482,7 @@ impl Executor {
                             version: self.version.clone(),
                             graph: self.graph.clone(),
                             signals: signals.clone().unwrap_or_default(),
+                            canary: canary.clone(),
                         });
                     }
                 }

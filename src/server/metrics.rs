@@ -100,6 +100,12 @@ struct Collectors {
     kv_capacity: GaugeVec,
     kv_usage: GaugeVec,
     busy: GaugeVec,
+    shadow: CounterVec,
+    shadow_diffs: CounterVec,
+    canary: CounterVec,
+    rollbacks: CounterVec,
+    override_refusals: CounterVec,
+    approvals: CounterVec,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -257,6 +263,42 @@ impl Collectors {
                 "kiln_replica_busy_ratio",
                 "Fraction of time the replicas spent running batch steps (0 to 1), averaged over the replicas.",
                 PM,
+            )?,
+            shadow: counter(
+                r,
+                "kiln_shadow_decisions_total",
+                "Requests a shadowed policy version also decided, by whether its decision was the same or differed.",
+                &["version", "result"],
+            )?,
+            shadow_diffs: counter(
+                r,
+                "kiln_shadow_differences_total",
+                "Decision fields (tier, tenant, route, admission) a shadowed version decided differently.",
+                &["version", "field"],
+            )?,
+            canary: counter(
+                r,
+                "kiln_canary_requests_total",
+                "Requests decided by a canary policy version.",
+                &["version"],
+            )?,
+            rollbacks: counter(
+                r,
+                "kiln_rollbacks_total",
+                "Rollouts rolled back, by trigger (automatic: a rollback condition tripped; manual).",
+                &["trigger"],
+            )?,
+            override_refusals: counter(
+                r,
+                "kiln_override_refusals_total",
+                "Requests refused by an operator's override (pause or throttle of a tier or tenant).",
+                &["action", "scope", "name"],
+            )?,
+            approvals: counter(
+                r,
+                "kiln_approvals_total",
+                "Signed approvals presented, by result (accepted or the refusal's code).",
+                &["result"],
             )?,
         })
     }
@@ -433,6 +475,41 @@ impl Metrics {
             };
             let mean = g.get();
             g.set(mean + (x - mean) / n);
+        }
+    }
+
+    /// A shadowed version decided a request too; `fields` are those it
+    /// decided differently.
+    pub fn shadow(&self, version: &str, fields: &[&str]) {
+        let Some(c) = &self.c else { return };
+        let result = if fields.is_empty() { "same" } else { "differs" };
+        add(&c.shadow, &[version, result], 1.0);
+        for f in fields {
+            add(&c.shadow_diffs, &[version, f], 1.0);
+        }
+    }
+
+    pub fn canary_request(&self, version: &str) {
+        if let Some(c) = &self.c {
+            add(&c.canary, &[version], 1.0);
+        }
+    }
+
+    pub fn rollback(&self, trigger: &str) {
+        if let Some(c) = &self.c {
+            add(&c.rollbacks, &[trigger], 1.0);
+        }
+    }
+
+    pub fn override_refusal(&self, action: &str, scope: &str, name: &str) {
+        if let Some(c) = &self.c {
+            add(&c.override_refusals, &[action, scope, name], 1.0);
+        }
+    }
+
+    pub fn approval(&self, result: &str) {
+        if let Some(c) = &self.c {
+            add(&c.approvals, &[result], 1.0);
         }
     }
 

@@ -13,6 +13,7 @@ pub mod config;
 pub mod decision_log;
 pub mod executor;
 pub mod explain;
+pub mod governance;
 pub mod metrics;
 pub mod openai;
 pub mod routes;
@@ -26,7 +27,6 @@ use crate::source::SourceMap;
 use arc_swap::ArcSwap;
 use config::{PoolBackend, ServerConfig};
 use executor::{Backend, ExecHandle, Executor};
-use sha2::{Digest, Sha256};
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
@@ -51,15 +51,8 @@ impl Policy {
 
 /// The version names the exact text: file names and contents, in order.
 pub fn version_of(sources: &SourceMap) -> String {
-    let mut h = Sha256::new();
-    for (_, f) in sources.files() {
-        h.update(f.name.as_bytes());
-        h.update([0]);
-        h.update(f.text.as_bytes());
-        h.update([0]);
-    }
-    let d = hex::encode(h.finalize());
-    format!("sha256:{}", &d[..12])
+    let d = crate::governance::policy_hash(sources);
+    format!("sha256:{}", d.get(..12).unwrap_or(&d))
 }
 
 /// Shared state of a running gateway.
@@ -82,6 +75,8 @@ pub struct App {
     pub boot_ms: u64,
     /// Recently active versions, for explaining requests they decided.
     pub versions: std::sync::Mutex<std::collections::VecDeque<Arc<Policy>>>,
+    /// Proposals, approvals, rollouts, overrides and the audit log.
+    pub gov: governance::Gov,
 }
 
 impl App {
@@ -289,6 +284,7 @@ pub struct Running {
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
     server: tokio::task::JoinHandle<()>,
     executor: tokio::task::JoinHandle<()>,
+    governance: tokio::task::JoinHandle<()>,
 }
 
 impl Running {
@@ -298,6 +294,7 @@ impl Running {
             let _ = tx.send(());
         }
         let _ = self.server.await;
+        self.governance.abort();
         self.app.log.flush().await;
         self.executor.abort();
     }
@@ -305,6 +302,7 @@ impl Running {
     /// Runs until the server ends (ctrl-c or SIGTERM, handled by the caller).
     pub async fn wait(self) {
         let _ = self.server.await;
+        self.governance.abort();
         self.app.log.flush().await;
     }
 
@@ -370,8 +368,13 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         addr: listen.clone(),
         message: e.to_string(),
     })?;
-    let admin_open = config.admin.token_sha256.is_empty() && addr.ip().is_loopback();
+    let admin_open = !config.has_admin_tokens() && addr.ip().is_loopback();
     let tokenizer = openai::Tokenizer::new().map_err(ServeError::Startup)?;
+    let gov = governance::Gov::new(&config, speed).map_err(|e| {
+        ServeError::Startup(format!(
+            "{e} (the audit log must verify before the gateway appends to it)"
+        ))
+    })?;
     let metrics = metrics::Metrics::new();
     metrics.set_policy_version(&policy.version);
     for b in backends.iter() {
@@ -396,8 +399,12 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         swap_lock: tokio::sync::Mutex::new(()),
         speed,
         boot_ms: unix_ms() as u64,
+        gov,
     });
-    let router = routes::router(app.clone()).merge(admin::router(app.clone()));
+    let router = routes::router(app.clone())
+        .merge(admin::router(app.clone()))
+        .merge(governance::router(app.clone()));
+    let driver = governance::spawn_driver(app.clone());
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(async move {
         let serve = axum::serve(listener, router).with_graceful_shutdown(async move {
@@ -413,6 +420,7 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         shutdown: Some(tx),
         server,
         executor: exec_task,
+        governance: driver,
     })
 }
 

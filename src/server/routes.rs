@@ -15,6 +15,7 @@ use super::metrics::{Labels, Outcome as MetricOutcome};
 use super::openai::{ApiError, Endpoint, GenerationRequest};
 use super::upstream::UpstreamError;
 use super::App;
+use crate::governance::overrides::Scope;
 use crate::graph::{DecisionGraph, Request, Signals, TenantId, TierId};
 use crate::sched::{Arrival, Reason, ReqId, SEC};
 use crate::traffic::{Decision as LogDecision, Record};
@@ -142,9 +143,14 @@ struct Decided {
     tier: TierId,
     tenant: Option<TenantId>,
     fallback_step: Option<u8>,
+    /// The version that decided (a canary's, when it did).
     version: Arc<str>,
+    /// The active graph: `tier` and `tenant` are its ids.
     graph: Arc<DecisionGraph>,
-    signals: Arc<Signals>,
+    /// The graph and signals that decided (a canary's, when it did).
+    policy_graph: Arc<DecisionGraph>,
+    policy_signals: Arc<Signals>,
+    canary: bool,
 }
 
 struct Ctx {
@@ -234,6 +240,15 @@ async fn generate_inner(
         prompt_tokens,
         max_tokens,
     };
+    // Incident controls: a paused or throttled tenant is refused here.
+    if let Some(r) = app.gov.check_override(Scope::Tenant, req.tenant.as_deref()) {
+        app.metrics.override_refusal(
+            r.action.name(),
+            "tenant",
+            req.tenant.as_deref().unwrap_or("none"),
+        );
+        return Err(override_error(&app, &r));
+    }
     let id = app.next_id.fetch_add(1, Ordering::Relaxed);
     let rid = format!("{:x}-{id}", app.boot_ms);
     let explain = app.explain.insert(explain::Entry {
@@ -309,17 +324,51 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
                     version,
                     graph,
                     signals,
+                    canary,
                 } => {
+                    let (dversion, pgraph, psignals) = match &canary {
+                        Some(c) => (c.version.clone(), c.graph.clone(), c.signals.clone()),
+                        None => (version.clone(), graph.clone(), signals.clone()),
+                    };
                     if let Ok(mut e) = ctx.explain.lock() {
-                        e.version = Some(version.clone());
-                        e.graph = Some(graph.clone());
-                        e.signals = Some(signals.clone());
+                        e.version = Some(dversion.clone());
+                        e.graph = Some(pgraph.clone());
+                        e.signals = Some(psignals.clone());
                     }
                     let tname = graph
                         .tiers
                         .get(tier as usize)
                         .map(|t| t.name.as_str())
                         .unwrap_or("?");
+                    if canary.is_some() {
+                        app.gov.count_canary();
+                        app.metrics.canary_request(&dversion);
+                        explain::note(
+                            &ctx.explain,
+                            ctx.ms(),
+                            format!("decided by the canary version {dversion}"),
+                            None,
+                        );
+                    } else if let Some(sh) = app.gov.shadow() {
+                        super::governance::shadow_compare(
+                            &app, &sh, &version, &ctx.req, &graph, &signals,
+                        );
+                    }
+                    // Incident controls: a paused or throttled tier.
+                    if let Some(r) = app.gov.check_override(Scope::Tier, Some(tname)) {
+                        app.metrics.override_refusal(r.action.name(), "tier", tname);
+                        explain::note(
+                            &ctx.explain,
+                            ctx.ms(),
+                            format!("refused with {}: {}", r.status, r.message),
+                            Some(r.code),
+                        );
+                        if let Ok(mut e) = ctx.explain.lock() {
+                            e.outcome = Some(format!("refused by an override {}", r.status));
+                        }
+                        // The guard cancels it in the scheduler.
+                        return Err(override_error(&app, &r));
+                    }
                     explain::note(
                         &ctx.explain,
                         ctx.ms(),
@@ -334,9 +383,11 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
                         tier,
                         tenant,
                         fallback_step,
-                        version,
+                        version: dversion,
                         graph,
-                        signals,
+                        policy_graph: pgraph,
+                        policy_signals: psignals,
+                        canary: canary.is_some(),
                     });
                 }
                 Progress::Rejected {
@@ -445,6 +496,60 @@ fn tenant_name(g: &DecisionGraph, t: Option<TenantId>) -> String {
         .unwrap_or_else(|| "none".into())
 }
 
+/// The answer to a request an operator's override refuses.
+fn override_error(app: &App, r: &crate::governance::overrides::Refused) -> ApiError {
+    let secs = ((r.retry_after_ms / 1000.0 / app.speed).ceil() as u64).max(1);
+    ApiError::new(r.status, r.message.clone())
+        .code(r.code)
+        .retry_after(Some(secs))
+}
+
+/// One finished request for the rollback conditions' live metrics.
+fn record_live(
+    ctx: &Ctx,
+    d: Option<&Decided>,
+    ttft_s: Option<f64>,
+    e2e_s: f64,
+    error: bool,
+    served: bool,
+) {
+    let app = &ctx.app;
+    let gov = &app.gov;
+    let (tier, tenant, canary) = match d {
+        Some(d) => (
+            d.graph.tiers.get(d.tier as usize),
+            d.tenant
+                .and_then(|t| d.graph.tenants.get(t as usize))
+                .map(|t| t.name.clone()),
+            d.canary,
+        ),
+        None => (None, None, false),
+    };
+    let ttft_ms = ttft_s.map(|t| gov.policy_ms(t));
+    let e2e_ms = gov.policy_ms(e2e_s);
+    let met = served
+        && !error
+        && tier.is_none_or(|t| {
+            t.slo.ttft.is_none_or(|s| ttft_ms.unwrap_or(e2e_ms) <= s)
+                && t.slo.e2e_p95.is_none_or(|s| e2e_ms <= s)
+                && t.slo.window.is_none_or(|s| e2e_ms <= s)
+        });
+    let miss = tier
+        .and_then(|t| t.slo.window)
+        .is_some_and(|w| served && e2e_ms > w);
+    gov.record(crate::governance::live::Sample {
+        at_ms: gov.now_ms(),
+        tier: tier.map_or_else(|| "none".to_string(), |t| t.name.clone()),
+        tenant,
+        ttft_ms: if served { ttft_ms } else { None },
+        e2e_ms: served.then_some(e2e_ms),
+        error,
+        met_slo: met,
+        deadline_miss: miss,
+        canary,
+    });
+}
+
 fn secs_ceil(app: &App, micros: crate::sched::Micros) -> u64 {
     ((micros as f64 / SEC as f64 / app.speed).ceil() as u64).max(1)
 }
@@ -471,8 +576,8 @@ fn refusal(
         None => (String::new(), "none".into()),
     };
     let policy_msg = d.and_then(|d| {
-        let dec = d.graph.decide(&ctx.req, &d.signals);
-        d.graph.view(&dec).message
+        let dec = d.policy_graph.decide(&ctx.req, &d.policy_signals);
+        d.policy_graph.view(&dec).message
     });
     let msg = match reason {
         Reason::Policy => policy_msg.unwrap_or_else(|| {
@@ -544,6 +649,14 @@ fn finish_rejected(ctx: &Ctx, d: Option<&Decided>, reason: Reason, err: &ApiErro
     }
     rec.e2e_ms = Some(round3(ctx.ms()));
     app.log.write(rec);
+    record_live(
+        ctx,
+        d,
+        None,
+        ctx.received.elapsed().as_secs_f64(),
+        err.status >= 500,
+        false,
+    );
 }
 
 fn round3(x: f64) -> f64 {
@@ -657,6 +770,13 @@ fn finish_served(
     rec.e2e_ms = Some(round3(e2e * 1000.0));
     rec.queue_ms = Some(round3(s.queue_s * 1000.0));
     app.log.write(rec);
+    if outcome != MetricOutcome::Cancelled {
+        let error = matches!(
+            outcome,
+            MetricOutcome::UpstreamError | MetricOutcome::Timeout
+        );
+        record_live(ctx, Some(&s.d), ttft_s, e2e, error, true);
+    }
 }
 
 fn kiln_headers(ctx: &Ctx, s: &Started, backend: &str) -> Vec<(&'static str, String)> {
@@ -679,6 +799,9 @@ fn kiln_headers(ctx: &Ctx, s: &Started, backend: &str) -> Vec<(&'static str, Str
     ];
     if let Some(w) = s.waited_for {
         h.push(("x-kiln-waited-for", w.name().to_string()));
+    }
+    if s.d.canary {
+        h.push(("x-kiln-canary", "true".to_string()));
     }
     if let Some(f) = s.d.fallback_step {
         h.push(("x-kiln-fallback-step", (u32::from(f) + 1).to_string()));

@@ -1,0 +1,603 @@
+//! Which approvals a change needs, and whether an approval counts.
+//!
+//! The requirement comes from the approval rules of the policy **in
+//! force**, never from the proposal: a proposal that rewrites or removes the
+//! approval block is judged by the rules it would replace.
+//!
+//! * A rule applies when it lists `any`, or a change kind the semantic diff
+//!   (active → proposed) found. Every applicable rule must be met on its
+//!   own: `count` distinct approvers of its group. One approver in two
+//!   groups counts for both.
+//! * No approval block in force: one approval from any configured approver
+//!   (kiln's default).
+//! * Escalations (a priority, quota or preemption right raised, as the
+//!   semantic diff marks them) and approval-rule changes that no rule names
+//!   explicitly need two distinct approvers from any group (kiln's floor),
+//!   on top of the `any` rules. So an escalation never passes with the
+//!   ordinary approvals alone.
+//! * A rollback (`kiln rollback`) is the change kind `rollback`; rules that
+//!   list it, or `any`, apply.
+//!
+//! An approval counts when its signature verifies under the named
+//! approver's configured key, for this proposal id and this exact hash,
+//! within its validity window (not expired, not issued in the future, not
+//! valid for longer than the server allows), from an approver who is not
+//! the proposer and has not approved this proposal already, and the
+//! signature was never presented before.
+
+use super::keys::{self, SignedApproval};
+use crate::diff::semantic::SemanticDiff;
+use crate::graph::{ApprovalRule, ChangeKind};
+use ed25519_dalek::VerifyingKey;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeSet, HashSet};
+
+/// Clock difference tolerated between an approver and the server.
+pub const CLOCK_SKEW_S: u64 = 300;
+
+/// Any configured approver, whatever their groups.
+pub const ANY_GROUP: &str = "*";
+
+/// A configured approver.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Approver {
+    pub name: String,
+    pub groups: Vec<String>,
+    pub key: VerifyingKey,
+}
+
+impl Approver {
+    pub fn in_group(&self, group: &str) -> bool {
+        group == ANY_GROUP || self.groups.iter().any(|g| g == group)
+    }
+}
+
+/// The change kinds of a proposal, and those of them that escalate.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Changes {
+    pub kinds: BTreeSet<ChangeKind>,
+    pub escalations: BTreeSet<ChangeKind>,
+}
+
+impl Changes {
+    pub fn of(diff: &SemanticDiff) -> Changes {
+        let mut c = Changes::default();
+        for ch in &diff.changes {
+            c.kinds.insert(ch.change_kind);
+            if ch.escalation {
+                c.escalations.insert(ch.change_kind);
+            }
+        }
+        c
+    }
+
+    pub fn rollback() -> Changes {
+        Changes {
+            kinds: BTreeSet::from([ChangeKind::Rollback]),
+            escalations: BTreeSet::new(),
+        }
+    }
+
+    pub fn names(set: &BTreeSet<ChangeKind>) -> Vec<String> {
+        set.iter().map(|k| k.name().to_string()).collect()
+    }
+}
+
+/// One requirement: `count` distinct approvers from `group`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Need {
+    pub count: u32,
+    /// The approvers' group; `*` is any configured approver.
+    pub group: String,
+    /// The change kinds of this proposal the requirement covers.
+    pub kinds: Vec<String>,
+    /// The rule as the policy in force writes it, or kiln's default.
+    pub rule: String,
+    /// `policy` (a rule of the policy in force) or `default` (kiln's).
+    pub source: String,
+}
+
+fn rule_text(r: &ApprovalRule) -> String {
+    let kinds: Vec<&str> = r.kinds.iter().map(|k| k.name()).collect();
+    format!(
+        "require {} from \"{}\" for [{}]",
+        r.count,
+        r.group,
+        kinds.join(", ")
+    )
+}
+
+/// The approvals a change needs under the rules of the policy in force.
+pub fn needs(rules: &[ApprovalRule], changes: &Changes) -> Vec<Need> {
+    let mut out = Vec::new();
+    let all: Vec<String> = if changes.kinds.is_empty() {
+        vec![ChangeKind::Any.name().to_string()]
+    } else {
+        Changes::names(&changes.kinds)
+    };
+    if rules.is_empty() {
+        out.push(Need {
+            count: 1,
+            group: ANY_GROUP.into(),
+            kinds: all.clone(),
+            rule: "require 1 from any approver (kiln's default: the policy in force has no approval block)".into(),
+            source: "default".into(),
+        });
+    }
+    for r in rules {
+        let covered: Vec<String> = if r.kinds.contains(&ChangeKind::Any) {
+            all.clone()
+        } else {
+            changes
+                .kinds
+                .iter()
+                .filter(|k| r.kinds.contains(k))
+                .map(|k| k.name().to_string())
+                .collect()
+        };
+        if covered.is_empty() {
+            continue;
+        }
+        out.push(Need {
+            count: r.count,
+            group: r.group.clone(),
+            kinds: covered,
+            rule: rule_text(r),
+            source: "policy".into(),
+        });
+    }
+    let mut sensitive = changes.escalations.clone();
+    if changes.kinds.contains(&ChangeKind::ApprovalChange) {
+        sensitive.insert(ChangeKind::ApprovalChange);
+    }
+    let unnamed: BTreeSet<ChangeKind> = sensitive
+        .into_iter()
+        .filter(|k| !rules.iter().any(|r| r.kinds.contains(k)))
+        .collect();
+    if !unnamed.is_empty() {
+        out.push(Need {
+            count: 2,
+            group: ANY_GROUP.into(),
+            kinds: Changes::names(&unnamed),
+            rule: "require 2 from any approvers (kiln's floor for escalations and approval changes no rule names)".into(),
+            source: "default".into(),
+        });
+    }
+    out
+}
+
+/// An approval the server accepted.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Accepted {
+    pub approver: String,
+    pub groups: Vec<String>,
+    pub issued: u64,
+    pub expires: u64,
+    pub signature: String,
+}
+
+/// How far one requirement is met.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NeedStatus {
+    #[serde(flatten)]
+    pub need: Need,
+    /// Approvers counted (valid now).
+    pub have: Vec<String>,
+    pub missing: u32,
+}
+
+/// Each requirement against the approvals still valid at `now_s`.
+pub fn evaluate(needs: &[Need], approvals: &[Accepted], now_s: u64) -> Vec<NeedStatus> {
+    needs
+        .iter()
+        .map(|n| {
+            let have: Vec<String> = approvals
+                .iter()
+                .filter(|a| a.expires > now_s)
+                .filter(|a| n.group == ANY_GROUP || a.groups.contains(&n.group))
+                .map(|a| a.approver.clone())
+                .collect::<BTreeSet<_>>()
+                .into_iter()
+                .collect();
+            let missing = n.count.saturating_sub(have.len() as u32);
+            NeedStatus {
+                need: n.clone(),
+                have,
+                missing,
+            }
+        })
+        .collect()
+}
+
+pub fn satisfied(s: &[NeedStatus]) -> bool {
+    s.iter().all(|n| n.missing == 0)
+}
+
+/// Why an approval was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, miette::Diagnostic)]
+pub enum Refusal {
+    #[error("`{0}` is not a configured approver")]
+    #[diagnostic(
+        code(kiln::approval::unknown_approver),
+        help("approvers and their public keys are listed under [[approvers]] in the server's kiln.toml")
+    )]
+    UnknownApprover(String),
+    #[error("the signature does not verify for approver `{approver}` and proposal {proposal}")]
+    #[diagnostic(
+        code(kiln::approval::bad_signature),
+        help("sign with the key whose public half the server lists for this approver, for this proposal id; an approval signed for another proposal cannot be moved")
+    )]
+    BadSignature { approver: String, proposal: String },
+    #[error("this signature was already presented")]
+    #[diagnostic(
+        code(kiln::approval::replayed),
+        help("an approval is used once; sign a new one with `kiln approve`")
+    )]
+    Replayed,
+    #[error("the approval is for policy {approved}, but proposal {proposal} is {current}")]
+    #[diagnostic(
+        code(kiln::approval::wrong_hash),
+        help("the proposal changed after it was reviewed (editing voids approvals): review the current text and approve its hash")
+    )]
+    WrongHash {
+        proposal: String,
+        approved: String,
+        current: String,
+    },
+    #[error("`{0}` proposed this change and cannot approve it")]
+    #[diagnostic(
+        code(kiln::approval::self_approval),
+        help("approvals must come from someone other than the proposer")
+    )]
+    SelfApproval(String),
+    #[error("the approval expired at {expires} (Unix seconds; now {now})")]
+    #[diagnostic(
+        code(kiln::approval::expired),
+        help("approvals are valid for a limited time; sign a new one with `kiln approve`")
+    )]
+    Expired { expires: u64, now: u64 },
+    #[error("the approval is issued at {issued}, in the future (now {now})")]
+    #[diagnostic(
+        code(kiln::approval::not_yet_valid),
+        help("check the approver's clock")
+    )]
+    NotYetValid { issued: u64, now: u64 },
+    #[error("the approval is valid for {valid_s} s; this server accepts at most {max_s} s")]
+    #[diagnostic(
+        code(kiln::approval::too_long),
+        help("sign with a shorter validity (`kiln approve --valid-for`)")
+    )]
+    TooLong { valid_s: u64, max_s: u64 },
+    #[error("`{0}` already approved this proposal")]
+    #[diagnostic(
+        code(kiln::approval::duplicate),
+        help("approvals must come from distinct approvers")
+    )]
+    Duplicate(String),
+    #[error("proposal {proposal} is {state}, not waiting for approvals")]
+    #[diagnostic(
+        code(kiln::approval::not_pending),
+        help("`kiln status` lists proposals that wait for approvals")
+    )]
+    NotPending { proposal: String, state: String },
+}
+
+impl Refusal {
+    /// The HTTP status the refusal answers with.
+    pub fn status(&self) -> u16 {
+        match self {
+            Refusal::UnknownApprover(_)
+            | Refusal::BadSignature { .. }
+            | Refusal::SelfApproval(_)
+            | Refusal::Expired { .. } => 403,
+            Refusal::Replayed
+            | Refusal::WrongHash { .. }
+            | Refusal::Duplicate(_)
+            | Refusal::NotPending { .. } => 409,
+            Refusal::NotYetValid { .. } | Refusal::TooLong { .. } => 400,
+        }
+    }
+
+    /// A short machine code (the error's `code`).
+    pub fn code(&self) -> &'static str {
+        match self {
+            Refusal::UnknownApprover(_) => "unknown_approver",
+            Refusal::BadSignature { .. } => "bad_signature",
+            Refusal::Replayed => "replayed",
+            Refusal::WrongHash { .. } => "wrong_hash",
+            Refusal::SelfApproval(_) => "self_approval",
+            Refusal::Expired { .. } => "expired",
+            Refusal::NotYetValid { .. } => "not_yet_valid",
+            Refusal::TooLong { .. } => "too_long",
+            Refusal::Duplicate(_) => "duplicate",
+            Refusal::NotPending { .. } => "not_pending",
+        }
+    }
+}
+
+/// What an approval is checked against.
+pub struct Subject<'a> {
+    pub proposal: &'a str,
+    pub hash: &'a str,
+    pub proposer: &'a str,
+    pub approvals: &'a [Accepted],
+    pub now_s: u64,
+    pub max_valid_s: u64,
+}
+
+/// Checks one approval; on success, what to record.
+pub fn check(
+    approvers: &[Approver],
+    used: &HashSet<String>,
+    s: &Subject,
+    a: &SignedApproval,
+) -> Result<Accepted, Refusal> {
+    let Some(who) = approvers.iter().find(|x| x.name == a.approver) else {
+        return Err(Refusal::UnknownApprover(a.approver.clone()));
+    };
+    if !keys::verify(&who.key, s.proposal, a) {
+        return Err(Refusal::BadSignature {
+            approver: a.approver.clone(),
+            proposal: s.proposal.to_string(),
+        });
+    }
+    let sig = a.signature.trim().to_ascii_lowercase();
+    if used.contains(&sig) {
+        return Err(Refusal::Replayed);
+    }
+    if a.hash != s.hash {
+        return Err(Refusal::WrongHash {
+            proposal: s.proposal.to_string(),
+            approved: a.hash.clone(),
+            current: s.hash.to_string(),
+        });
+    }
+    if a.approver == s.proposer {
+        return Err(Refusal::SelfApproval(a.approver.clone()));
+    }
+    if a.expires <= s.now_s {
+        return Err(Refusal::Expired {
+            expires: a.expires,
+            now: s.now_s,
+        });
+    }
+    if a.issued > s.now_s + CLOCK_SKEW_S {
+        return Err(Refusal::NotYetValid {
+            issued: a.issued,
+            now: s.now_s,
+        });
+    }
+    let valid = a.expires.saturating_sub(a.issued);
+    if valid > s.max_valid_s {
+        return Err(Refusal::TooLong {
+            valid_s: valid,
+            max_s: s.max_valid_s,
+        });
+    }
+    if s.approvals.iter().any(|x| x.approver == a.approver) {
+        return Err(Refusal::Duplicate(a.approver.clone()));
+    }
+    Ok(Accepted {
+        approver: a.approver.clone(),
+        groups: who.groups.clone(),
+        issued: a.issued,
+        expires: a.expires,
+        signature: sig,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::governance::keys::sign;
+    use ed25519_dalek::SigningKey;
+
+    fn rule(count: u32, group: &str, kinds: &[ChangeKind]) -> ApprovalRule {
+        ApprovalRule {
+            count,
+            group: group.into(),
+            kinds: kinds.to_vec(),
+        }
+    }
+
+    fn changes(kinds: &[ChangeKind], esc: &[ChangeKind]) -> Changes {
+        Changes {
+            kinds: kinds.iter().copied().collect(),
+            escalations: esc.iter().copied().collect(),
+        }
+    }
+
+    /// platform.kiln's block.
+    fn platform() -> Vec<ApprovalRule> {
+        use ChangeKind::*;
+        vec![
+            rule(
+                2,
+                "platform-leads",
+                &[PriorityIncrease, QuotaIncrease, PreemptionChange],
+            ),
+            rule(1, "platform", &[Any]),
+        ]
+    }
+
+    fn key(n: u8) -> SigningKey {
+        SigningKey::from_bytes(&[n; 32])
+    }
+
+    fn approvers() -> Vec<Approver> {
+        vec![
+            Approver {
+                name: "alice".into(),
+                groups: vec!["platform".into()],
+                key: key(1).verifying_key(),
+            },
+            Approver {
+                name: "bob".into(),
+                groups: vec!["platform".into(), "platform-leads".into()],
+                key: key(2).verifying_key(),
+            },
+            Approver {
+                name: "carol".into(),
+                groups: vec!["platform-leads".into()],
+                key: key(3).verifying_key(),
+            },
+        ]
+    }
+
+    fn accepted(name: &str, groups: &[&str], expires: u64) -> Accepted {
+        Accepted {
+            approver: name.into(),
+            groups: groups.iter().map(|g| g.to_string()).collect(),
+            issued: 0,
+            expires,
+            signature: name.into(),
+        }
+    }
+
+    #[test]
+    fn ordinary_changes_need_the_any_rule_escalations_the_strict_one() {
+        use ChangeKind::*;
+        let n = needs(&platform(), &changes(&[RouteChange], &[]));
+        assert_eq!(n.len(), 1);
+        assert_eq!((n[0].count, n[0].group.as_str()), (1, "platform"));
+        let n = needs(
+            &platform(),
+            &changes(&[PriorityIncrease, RouteChange], &[PriorityIncrease]),
+        );
+        assert_eq!(n.len(), 2);
+        assert_eq!((n[0].count, n[0].group.as_str()), (2, "platform-leads"));
+        assert_eq!(n[0].kinds, vec!["priority_increase".to_string()]);
+        assert!(n.iter().all(|x| x.source == "policy"));
+        // The ordinary approval alone does not meet it.
+        let s = evaluate(&n, &[accepted("alice", &["platform"], 100)], 10);
+        assert!(!satisfied(&s));
+        assert_eq!(s[0].missing, 2);
+        let s = evaluate(
+            &n,
+            &[
+                accepted("alice", &["platform"], 100),
+                accepted("bob", &["platform", "platform-leads"], 100),
+                accepted("carol", &["platform-leads"], 100),
+            ],
+            10,
+        );
+        assert!(satisfied(&s), "{s:?}");
+    }
+
+    #[test]
+    fn without_an_approval_block_one_approver_and_the_floor_for_escalations() {
+        use ChangeKind::*;
+        let n = needs(&[], &changes(&[TierChange], &[]));
+        assert_eq!(n.len(), 1);
+        assert_eq!(
+            (n[0].count, n[0].group.as_str(), n[0].source.as_str()),
+            (1, "*", "default")
+        );
+        let n = needs(&[], &changes(&[QuotaIncrease], &[QuotaIncrease]));
+        assert_eq!(n.len(), 2);
+        assert_eq!((n[1].count, n[1].group.as_str()), (2, "*"));
+    }
+
+    #[test]
+    fn an_escalation_no_rule_names_needs_two_approvers() {
+        use ChangeKind::*;
+        let rules = vec![rule(1, "platform", &[Any])];
+        let n = needs(&rules, &changes(&[PriorityIncrease], &[PriorityIncrease]));
+        assert_eq!(n.len(), 2);
+        let s = evaluate(&n, &[accepted("alice", &["platform"], 100)], 10);
+        assert!(!satisfied(&s));
+        assert_eq!(s[1].missing, 1);
+        // A preemption change that only removes targets is no escalation.
+        let n = needs(&rules, &changes(&[PreemptionChange], &[]));
+        assert_eq!(n.len(), 1);
+    }
+
+    #[test]
+    fn lowering_the_approval_rules_is_judged_by_the_rules_in_force() {
+        use ChangeKind::*;
+        // The proposal removes its approval block: the active rules and the
+        // floor for approval changes still apply.
+        let n = needs(&platform(), &changes(&[ApprovalChange], &[]));
+        assert_eq!(n.len(), 2);
+        assert!(n.iter().any(|x| x.group == "platform"));
+        assert!(n.iter().any(|x| x.group == "*" && x.count == 2));
+    }
+
+    #[test]
+    fn rollback_follows_rules_that_list_it_or_any() {
+        use ChangeKind::*;
+        let only_esc = vec![rule(2, "leads", &[PriorityIncrease])];
+        assert!(needs(&only_esc, &Changes::rollback()).is_empty());
+        let n = needs(&platform(), &Changes::rollback());
+        assert_eq!(n.len(), 1);
+        assert_eq!(n[0].kinds, vec!["rollback".to_string()]);
+        let n = needs(&[rule(1, "oncall", &[Rollback])], &Changes::rollback());
+        assert_eq!(n[0].group, "oncall");
+    }
+
+    #[test]
+    fn expired_approvals_stop_counting() {
+        let n = needs(&[], &changes(&[ChangeKind::TierChange], &[]));
+        let a = [accepted("alice", &["platform"], 50)];
+        assert!(satisfied(&evaluate(&n, &a, 49)));
+        assert!(!satisfied(&evaluate(&n, &a, 50)));
+    }
+
+    fn subject<'a>(approvals: &'a [Accepted], hash: &'a str) -> Subject<'a> {
+        Subject {
+            proposal: "p-1",
+            hash,
+            proposer: "alice",
+            approvals,
+            now_s: 1000,
+            max_valid_s: 3600,
+        }
+    }
+
+    #[test]
+    fn each_attack_is_refused_with_its_reason() {
+        let h = "a".repeat(64);
+        let used = HashSet::new();
+        let ok = sign(&key(2), "p-1", &h, "bob", 990, 2000);
+        let got = check(&approvers(), &used, &subject(&[], &h), &ok).unwrap();
+        assert_eq!(got.approver, "bob");
+        let refuse = |a: &SignedApproval, approvals: &[Accepted], used: &HashSet<String>| {
+            check(&approvers(), used, &subject(approvals, &h), a).unwrap_err()
+        };
+        // Unknown approver; a key that is not the approver's.
+        let r = refuse(&sign(&key(9), "p-1", &h, "mallory", 990, 2000), &[], &used);
+        assert_eq!(r.status(), 403);
+        assert!(matches!(r, Refusal::UnknownApprover(_)));
+        let r = refuse(&sign(&key(9), "p-1", &h, "bob", 990, 2000), &[], &used);
+        assert!(matches!(r, Refusal::BadSignature { .. }));
+        // Signed for another proposal.
+        let r = refuse(&sign(&key(2), "p-2", &h, "bob", 990, 2000), &[], &used);
+        assert!(matches!(r, Refusal::BadSignature { .. }));
+        // Another hash.
+        let r = refuse(
+            &sign(&key(2), "p-1", &"b".repeat(64), "bob", 990, 2000),
+            &[],
+            &used,
+        );
+        assert!(matches!(r, Refusal::WrongHash { .. }));
+        assert_eq!(r.status(), 409);
+        // Self-approval.
+        let r = refuse(&sign(&key(1), "p-1", &h, "alice", 990, 2000), &[], &used);
+        assert!(matches!(r, Refusal::SelfApproval(_)));
+        // Expired, from the future, valid too long.
+        let r = refuse(&sign(&key(2), "p-1", &h, "bob", 100, 1000), &[], &used);
+        assert!(matches!(r, Refusal::Expired { .. }));
+        let r = refuse(&sign(&key(2), "p-1", &h, "bob", 1400, 2000), &[], &used);
+        assert!(matches!(r, Refusal::NotYetValid { .. }));
+        let r = refuse(&sign(&key(2), "p-1", &h, "bob", 990, 9000), &[], &used);
+        assert!(matches!(r, Refusal::TooLong { .. }));
+        // Replay of a signature already presented; a second approval by the
+        // same approver.
+        let used: HashSet<String> = [got.signature.clone()].into();
+        let r = refuse(&ok, &[], &used);
+        assert!(matches!(r, Refusal::Replayed));
+        let again = sign(&key(2), "p-1", &h, "bob", 991, 2000);
+        let r = refuse(&again, std::slice::from_ref(&got), &HashSet::new());
+        assert!(matches!(r, Refusal::Duplicate(_)));
+    }
+}

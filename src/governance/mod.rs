@@ -1,0 +1,92 @@
+//! Governance: scheduling policy changes go through proposals, signed
+//! approvals and a staged rollout with rollback criteria declared before
+//! it begins; incidents get time-boxed overrides; and every one of these
+//! events lands in a hash-chained audit log.
+//!
+//! Everything here is pure and unit-tested without HTTP; the gateway wires
+//! it up in [`crate::server::governance`]:
+//!
+//! * [`approval`]: which approvals a change needs (from the rules of the
+//!   policy in force) and whether a signed approval counts;
+//! * [`keys`]: ed25519 keys, key files, the signed approval message;
+//! * [`proposal`]: a proposal and its states;
+//! * [`rollout`]: the shadow → canary → enforce → watch state machine and
+//!   its rollback holds;
+//! * [`live`]: the rolling window of request outcomes that rollback
+//!   conditions read;
+//! * [`overrides`]: pause and throttle a tier or tenant for a while;
+//! * [`audit`]: the append-only, hash-chained JSONL audit log;
+//! * [`view`]: the admin API's answers and their human rendering.
+
+pub mod approval;
+pub mod audit;
+pub mod keys;
+pub mod live;
+pub mod overrides;
+pub mod proposal;
+pub mod rollout;
+pub mod view;
+
+use crate::source::SourceMap;
+use sha2::{Digest, Sha256};
+
+/// The full SHA-256 (hex) of a policy's text: file names and contents, in
+/// order. The gateway's version name is `sha256:` and its first 12 digits.
+pub fn policy_hash(sources: &SourceMap) -> String {
+    let mut h = Sha256::new();
+    for (_, f) in sources.files() {
+        h.update(f.name.as_bytes());
+        h.update([0]);
+        h.update(f.text.as_bytes());
+        h.update([0]);
+    }
+    hex::encode(h.finalize())
+}
+
+/// A duration as kiln writes it (`30m`, `1h`, `90s`, `500ms`) in ms.
+pub fn parse_duration_ms(text: &str) -> Option<f64> {
+    let v = crate::lang::parser::parse_value_text(text)?;
+    match crate::compile::units::literal(&v) {
+        Some(Ok(t)) if t.ty == crate::compile::units::Ty::Duration && t.value >= 0.0 => {
+            Some(t.value)
+        }
+        _ => None,
+    }
+}
+
+/// A percentage as kiln writes it (`10%`) in percent.
+pub fn parse_percent(text: &str) -> Option<f64> {
+    let v = crate::lang::parser::parse_value_text(text)?;
+    match crate::compile::units::literal(&v) {
+        Some(Ok(t)) if t.ty == crate::compile::units::Ty::Percent => Some(t.value),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_and_percentages_parse_in_kiln_units() {
+        assert_eq!(parse_duration_ms("30m"), Some(1_800_000.0));
+        assert_eq!(parse_duration_ms("1h"), Some(3_600_000.0));
+        assert_eq!(parse_duration_ms("250ms"), Some(250.0));
+        assert_eq!(parse_duration_ms("10%"), None);
+        assert_eq!(parse_duration_ms("soon"), None);
+        assert_eq!(parse_percent("10%"), Some(10.0));
+        assert_eq!(parse_percent("10"), None);
+    }
+
+    #[test]
+    fn the_hash_extends_the_gateway_version() {
+        let mut s = SourceMap::new();
+        s.add("a.kiln", "pool p {}");
+        let h = policy_hash(&s);
+        assert_eq!(h.len(), 64);
+        assert_eq!(
+            crate::server::version_of(&s),
+            format!("sha256:{}", &h[..12])
+        );
+    }
+}
