@@ -1,14 +1,25 @@
 //! clap commands, one file a command.
 
+mod calibrate;
 mod check;
 mod diff;
 pub(crate) mod explain;
 mod fmt;
+mod gpus;
 mod lint;
 mod serve;
 mod simulate;
 mod test;
 mod traffic;
+// Governance: propose, approve, roll out, incident controls, audit.
+mod admin_client;
+mod approve;
+mod audit;
+mod keygen;
+mod overrides;
+mod propose;
+mod rollback;
+mod status;
 
 use crate::compile::{self, Compiled};
 use crate::diag::{self, Diagnostics};
@@ -59,6 +70,31 @@ pub enum Command {
     Serve(serve::Args),
     /// Print the SHA-256 of an API key or admin token, as kiln.toml stores it.
     HashKey(serve::HashKeyArgs),
+    /// List the GPUs the CUDA driver sees (name, compute capability, SMs,
+    /// memory); with --policy and --pool, check the pool fits them.
+    Gpus(gpus::Args),
+    /// Measure step times (on a GPU, or the simulator itself), fit the
+    /// simulator's roofline to them and write a calibration TOML.
+    Calibrate(calibrate::Args),
+    /// Make an approver's ed25519 key pair (NAME.key, NAME.pub).
+    Keygen(keygen::Args),
+    /// Upload a policy to a gateway as a proposal: its semantic diff, dry
+    /// run on recent traffic and the approvals it needs.
+    Propose(propose::Args),
+    /// Sign a proposal's hash with your key: an approval.
+    Approve(approve::Args),
+    /// A gateway's active version, rollout, open proposals and overrides.
+    Status(status::Args),
+    /// Abort the rollout in progress, or return to the previous version.
+    Rollback(rollback::Args),
+    /// Pause a tier or tenant for a while (503 `paused`).
+    Pause(overrides::PauseArgs),
+    /// Admit only a share of a tier's or tenant's requests for a while.
+    Throttle(overrides::ThrottleArgs),
+    /// Lift a pause or throttle early.
+    Resume(overrides::ResumeArgs),
+    /// Verify an audit log's hash chain.
+    Audit(audit::Args),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
@@ -92,6 +128,17 @@ pub fn main() -> i32 {
         Command::Traffic(a) => traffic::run(a),
         Command::Serve(a) => serve::run(a),
         Command::HashKey(a) => serve::hash_key(a),
+        Command::Gpus(a) => gpus::run(a),
+        Command::Calibrate(a) => calibrate::run(a),
+        Command::Keygen(a) => keygen::run(a),
+        Command::Propose(a) => propose::run(a),
+        Command::Approve(a) => approve::run(a),
+        Command::Status(a) => status::run(a),
+        Command::Rollback(a) => rollback::run(a),
+        Command::Pause(a) => overrides::pause(a),
+        Command::Throttle(a) => overrides::throttle(a),
+        Command::Resume(a) => overrides::resume(a),
+        Command::Audit(a) => audit::run(a),
     }
 }
 

@@ -1,0 +1,286 @@
+//! Calibration without a GPU: the fit recovers known roofline parameters
+//! from synthetic measurements (exact and noisy), `kiln calibrate --backend
+//! sim` runs the whole command path and writes a file `kiln simulate`
+//! accepts, and the CUDA commands fail with a clear error (never a panic)
+//! on a machine without a driver, or without the `cuda` feature.
+
+use kiln::backend::calibrate::{
+    self, fit, grid, holdout_error, measure_sim, split_holdout, with_efficiency, GridLimits,
+    StepShape,
+};
+use kiln::backend::sim::{
+    Calibration, CostModel, Efficiency, GpuSpec, ReplicaInputs, ReplicaModel,
+};
+use kiln::graph::Precision;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn kiln(args: &[&str]) -> (i32, String, String) {
+    let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("NO_COLOR", "1")
+        .output()
+        .expect("run kiln");
+    (
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kiln-calibrate-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+/// An 8B bf16 replica on an H100 whose true factors are not the defaults.
+fn truth(tp: u32) -> ReplicaModel {
+    ReplicaModel::new(ReplicaInputs {
+        model: 0,
+        variant: 0,
+        pool: 0,
+        model_name: "m".into(),
+        variant_name: "v".into(),
+        pool_name: "p".into(),
+        gpu: GpuSpec::builtin("H100-80GB").unwrap(),
+        gpu_memory: 80e9,
+        precision: Precision::Bf16,
+        tp,
+        params: 8e9,
+        kv_bytes_per_token: 131_072.0,
+        attention_flops_per_pair: 1_048_576.0,
+        efficiency: Efficiency {
+            mbu: 0.72,
+            mfu: 0.61,
+            step_overhead: 0.0004,
+            ..Efficiency::default()
+        },
+        time_factor: 1.0,
+        max_batch: 256,
+        max_batch_tokens: 8192,
+    })
+}
+
+#[test]
+fn fit_recovers_known_parameters() {
+    for tp in [1, 2] {
+        let r = truth(tp);
+        let points = grid(&GridLimits::of(&r));
+        assert!(points.len() >= 20, "{}", points.len());
+        let ms = measure_sim(&r, &points, 0.0, 0);
+        let (train, held) = split_holdout(&ms);
+        let f = fit(&StepShape::of(&r), &train).unwrap();
+        assert!(
+            (f.bandwidth / r.effective_bandwidth - 1.0).abs() < 1e-6,
+            "{f:?}"
+        );
+        assert!((f.flops / r.effective_flops - 1.0).abs() < 1e-6, "{f:?}");
+        assert!((f.overhead - 0.0004).abs() < 1e-9, "{f:?}");
+        let (eff, notes) = f.efficiency(&r.gpu, r.precision, r.tp, Efficiency::default());
+        assert!(notes.is_empty(), "{notes:?}");
+        assert!(
+            (eff.mbu - 0.72).abs() < 1e-5 && (eff.mfu - 0.61).abs() < 1e-5,
+            "{eff:?}"
+        );
+        let e = holdout_error(&with_efficiency(&r, eff), &held);
+        assert!(e.points >= 6 && e.max < 1e-4, "{e:?}");
+    }
+}
+
+#[test]
+fn noisy_measurements_stay_within_target() {
+    let r = truth(1);
+    let points = grid(&GridLimits::of(&r));
+    for seed in 0..8 {
+        let ms = measure_sim(&r, &points, 0.05, seed);
+        let cal = calibrate::calibrate("sim", None, "test".into(), &r, &ms, Vec::new()).unwrap();
+        let rep = &cal.report;
+        assert!(rep.meets_target(), "seed {seed}: {:?}", rep.held_back);
+        assert!(
+            rep.held_back.median < 0.08,
+            "seed {seed}: {:?}",
+            rep.held_back
+        );
+        // 5% noise moves the fitted factors by a few percent at most; the
+        // 0.4 ms overhead is within noise of the smallest step (~5 ms).
+        let e = rep.efficiency;
+        eprintln!("seed {seed}: {e:?} {:?}", rep.held_back);
+        assert!((e.mbu / 0.72 - 1.0).abs() < 0.06, "seed {seed}: {e:?}");
+        assert!((e.mfu / 0.61 - 1.0).abs() < 0.10, "seed {seed}: {e:?}");
+        assert!(e.step_overhead < 0.0015, "seed {seed}: {e:?}");
+    }
+}
+
+#[test]
+fn wrong_factors_show_in_the_held_back_error() {
+    // The built-in factors (mbu 0.8, mfu 0.5, 1 ms) are off for this
+    // replica; the report shows them worse than the fitted ones.
+    let r = truth(1);
+    let ms = measure_sim(&r, &grid(&GridLimits::of(&r)), 0.0, 0);
+    let cal = calibrate::calibrate("sim", None, "test".into(), &r, &ms, Vec::new()).unwrap();
+    assert!(
+        cal.report.defaults.median > 0.05,
+        "{:?}",
+        cal.report.defaults
+    );
+    assert!(cal.report.held_back.median < 1e-4);
+    // And the file it writes is a calibration the simulator accepts.
+    let c = Calibration::from_toml_str(&cal.toml).unwrap();
+    let eff = c.variant_efficiency("m", "v");
+    assert!((eff.mbu - 0.72).abs() < 1e-5 && (eff.step_overhead - 0.0004).abs() < 1e-9);
+}
+
+fn diff_old() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/diff/old/enterprise.kiln")
+}
+
+#[test]
+fn calibrate_sim_report() {
+    let (code, out, err) = kiln(&[
+        "calibrate",
+        "--backend",
+        "sim",
+        "--policy",
+        "policies/enterprise",
+        "--model",
+        "llama-8b",
+        "--variant",
+        "fp16",
+        "--noise",
+        "0.03",
+        "--seed",
+        "1",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    insta::assert_snapshot!("calibrate_sim_report", out);
+}
+
+#[test]
+fn calibrate_sim_recovers_a_calibration_and_simulate_accepts_it() {
+    let truth = tmp("truth.toml");
+    std::fs::write(
+        &truth,
+        "[model.llama-70b.variant.fp16]\nmbu = 0.7\nmfu = 0.62\nstep_overhead_ms = 2.5\n",
+    )
+    .unwrap();
+    let out = tmp("fitted.toml");
+    let (code, stdout, err) = kiln(&[
+        "calibrate",
+        "--backend",
+        "sim",
+        "--policy",
+        "examples/diff/old",
+        "--model",
+        "llama-70b",
+        "--variant",
+        "fp16",
+        "--pool",
+        "h100",
+        "--calibration",
+        truth.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(stdout.contains("target: median ≤ 10%): met"), "{stdout}");
+    assert!(err.contains("wrote"), "{err}");
+    let c = Calibration::load(&out).unwrap();
+    let g = kiln::compile::compile(kiln::compile::load(&[diff_old()]).unwrap())
+        .graph
+        .unwrap();
+    let cost = CostModel::from_graph(&g, Some(&c)).unwrap();
+    let m = g.model_id("llama-70b").unwrap();
+    let r = cost.replica(m, 0, g.pool_id("h100").unwrap()).unwrap();
+    assert!((r.efficiency.mbu - 0.7).abs() < 1e-5, "{:?}", r.efficiency);
+    assert!((r.efficiency.mfu - 0.62).abs() < 1e-5, "{:?}", r.efficiency);
+    assert!((r.efficiency.step_overhead - 0.0025).abs() < 1e-8);
+    let (code, _, err) = kiln(&[
+        "simulate",
+        "--policy",
+        "examples/diff/old",
+        "--traffic",
+        "examples/diff/traffic.jsonl",
+        "--calibration",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+}
+
+#[test]
+fn calibrate_names_what_is_unknown() {
+    let (code, _, err) = kiln(&[
+        "calibrate",
+        "--backend",
+        "sim",
+        "--policy",
+        "policies/enterprise",
+        "--model",
+        "llama-9b",
+        "--variant",
+        "fp16",
+    ]);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("no model `llama-9b`") && err.contains("llama-8b"),
+        "{err}"
+    );
+    let (code, _, err) = kiln(&[
+        "calibrate",
+        "--backend",
+        "sim",
+        "--policy",
+        "policies/enterprise",
+        "--model",
+        "llama-70b",
+        "--variant",
+        "fp16",
+        "--pool",
+        "shared",
+    ]);
+    assert_eq!(code, 2);
+    assert!(err.contains("does not run on pool `shared`"), "{err}");
+}
+
+/// Without the driver (this machine, CI) `kiln gpus` and `kiln calibrate
+/// --backend cuda` exit 2 with the clear error; without the feature they
+/// say so. On a GPU machine `kiln gpus` lists the devices.
+#[test]
+fn cuda_commands_fail_cleanly_without_a_gpu() {
+    let (code, out, err) = kiln(&["gpus"]);
+    assert!(!err.contains("panicked"), "{err}");
+    let (ccode, _, cerr) = kiln(&[
+        "calibrate",
+        "--backend",
+        "cuda",
+        "--policy",
+        "policies/enterprise",
+        "--model",
+        "llama-8b",
+        "--variant",
+        "fp16",
+    ]);
+    assert!(!cerr.contains("panicked"), "{cerr}");
+    if cfg!(feature = "cuda") {
+        if code == 0 {
+            assert!(out.starts_with("GPU 0"), "{out}");
+            return;
+        }
+        assert_eq!(code, 2, "{err}");
+        assert!(
+            err.contains("no CUDA driver found; use the sim or http backend")
+                || err.contains("the CUDA driver sees no GPU"),
+            "{err}"
+        );
+        if err.contains("no CUDA driver found") {
+            assert_eq!(ccode, 2, "{cerr}");
+            assert!(cerr.contains("no CUDA driver found"), "{cerr}");
+        }
+    } else {
+        assert_eq!(code, 2);
+        assert!(err.contains("built without `--features cuda`"), "{err}");
+        assert_eq!(ccode, 2);
+        assert!(cerr.contains("built without `--features cuda`"), "{cerr}");
+    }
+}
