@@ -126,10 +126,89 @@ for mv in llama-8b:bf16 llama-70b:int8; do
   grep -h '^calibration:\|^note: scaled' "$work/$m.report" 2>/dev/null | sed 's/^/                 /' || true
 done
 
-# 5. The gateway under load on the GPU.
-# TODO(cuda-gateway): once `kiln serve` can bind a pool to `backend = "cuda"`,
-# run it here with two tiers contending (interactive preempting batch) and
-# report TTFT and throughput per tier against `kiln simulate` with the
-# calibration just written.
+# 5. The gateway under load on the GPU: two tiers contending on one
+# replica of the 8B model, batch work flooding, interactive work arriving
+# one at a time; TTFT per tier as clients see it (curl, streaming).
+step "kiln serve --backend cuda: two tiers contending"
+cat >"$work/gw.kiln" <<'KILN'
+pool gpu {
+  gpus 1
+  kind "H200"
+  memory 141GB
+}
+
+model llama-8b {
+  params 8B
+  kv_per_token 128KB
+  variant bf16 { precision bf16 memory 20GB pools [gpu] max_batch 64 }
+}
+
+tier interactive {
+  priority 100
+  slo { ttft 2s }
+  preempts [batch]
+}
+
+tier batch {
+  priority 10
+  slo { window 1h }
+  preemptible
+}
+
+tenant chat {
+  owner "gpu-check@example.com"
+  tiers [interactive]
+  api_keys ["key-chat"]
+}
+
+tenant bulk {
+  owner "gpu-check@example.com"
+  tiers [batch]
+  api_keys ["key-bulk"]
+}
+
+classify {
+  when tenant == chat => tier interactive
+  default => tier batch
+}
+
+route [interactive, batch] llama-8b {
+  default => bf16 on gpu
+}
+KILN
+cal_arg=()
+[ -f "$work/llama-8b.toml" ] && cal_arg=(--config "$work/gw.toml") && printf '[sim]\ncalibration = "%s"\n' "$work/llama-8b.toml" >"$work/gw.toml"
+port=18193
+"$kiln" serve --policy "$work/gw.kiln" --backend cuda --listen "127.0.0.1:$port" "${cal_arg[@]}" \
+  >"$work/serve.log" 2>&1 &
+serve_pid=$!
+for _ in $(seq 1 240); do
+  curl -sf "http://127.0.0.1:$port/healthz" >/dev/null 2>&1 && break
+  kill -0 "$serve_pid" 2>/dev/null || break
+  sleep 0.5
+done
+if ! curl -sf "http://127.0.0.1:$port/healthz" >/dev/null 2>&1; then
+  echo "kiln serve did not start:"; cat "$work/serve.log"; status=1
+else
+  ask() { # tenant-key max_tokens -> "ttft_s total_s"
+    curl -s -o /dev/null -m 120 -w '%{time_starttransfer} %{time_total}\n' \
+      "http://127.0.0.1:$port/v1/chat/completions" -H "Authorization: Bearer $1" \
+      -H 'content-type: application/json' \
+      -d "{\"model\":\"llama-8b\",\"stream\":true,\"max_tokens\":$2,\"messages\":[{\"role\":\"user\",\"content\":\"$(printf 'lorem ipsum %.0s' $(seq 1 200))\"}]}"
+  }
+  : >"$work/batch.t"; : >"$work/chat.t"
+  for _ in $(seq 1 96); do ask key-bulk 256 >>"$work/batch.t" & done
+  sleep 1
+  for _ in $(seq 1 16); do ask key-chat 32 >>"$work/chat.t"; done
+  wait_deadline=$((SECONDS + 180))
+  while [ "$(wc -l <"$work/batch.t")" -lt 96 ] && [ "$SECONDS" -lt "$wait_deadline" ]; do sleep 1; done
+  summary() { sort -n "$1" | awk -v t="$2" '{a[NR]=$1; s+=$2} END {if (NR==0) {print t": no answers"; exit}
+    printf "%-12s %4d requests   TTFT p50 %7.3f s   p95 %7.3f s   mean e2e %7.3f s\n", t, NR, a[int((NR+1)/2)], a[int(NR*0.95+0.999)], s/NR}'; }
+  summary "$work/chat.t" interactive
+  summary "$work/batch.t" batch
+  curl -s "http://127.0.0.1:$port/metrics" | grep -E '^kiln_preemptions_total|^kiln_requests_total' | head -20
+  kill -TERM "$serve_pid" 2>/dev/null || true
+  wait "$serve_pid" 2>/dev/null || true
+fi
 
 exit "$status"

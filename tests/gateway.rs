@@ -761,3 +761,28 @@ async fn cancellation_reaches_the_upstream() {
     srv.stop().await;
     mock.abort();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cuda_pool_without_a_gpu_is_a_clear_startup_error() {
+    let cfg = ServerConfig::parse("kiln.toml", "[pools.gpu]\nbackend = \"cuda\"\n").unwrap();
+    let err = match start(ServeOptions {
+        policy: policy("small.kiln", SMALL),
+        config: cfg,
+        listen: "127.0.0.1:0".into(),
+    })
+    .await
+    {
+        Ok(_) => {
+            // A machine with a GPU and the feature: nothing to check here.
+            if cfg!(feature = "cuda") {
+                return;
+            }
+            panic!("a CUDA pool started without the cuda feature");
+        }
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains("no CUDA driver found") || err.contains("built without the `cuda` feature"),
+        "{err}"
+    );
+}

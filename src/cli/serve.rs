@@ -22,6 +22,16 @@ pub struct Args {
     /// Write the decision log here (overrides the config's `[log] path`).
     #[arg(long)]
     pub log: Option<PathBuf>,
+    /// Run every pool the config does not bind on this backend: `sim` (the
+    /// default) or `cuda` (this machine's GPUs; needs `--features cuda`).
+    #[arg(long, value_enum, default_value_t = PoolKind::Sim)]
+    pub backend: PoolKind,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PoolKind {
+    Sim,
+    Cuda,
 }
 
 #[derive(clap::Args, Debug)]
@@ -86,6 +96,14 @@ pub fn run(a: Args) -> i32 {
         .clone()
         .or_else(|| config.listen.clone())
         .unwrap_or_else(|| "127.0.0.1:8080".into());
+    if a.backend == PoolKind::Cuda {
+        for p in &g.pools {
+            config
+                .pools
+                .entry(p.name.clone())
+                .or_insert(server::config::PoolBackend::Cuda { scale: None });
+        }
+    }
     let policy = Policy::new(g, c.sources);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

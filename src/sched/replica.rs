@@ -67,6 +67,9 @@ pub struct Replica {
     pub busy_seconds: f64,
     /// Duration of the step in flight (or the last one), seconds.
     pub last_step: f64,
+    /// The step in flight as (prefill tokens, decoding sequences, context
+    /// tokens): what a real GPU backend runs for it.
+    pub step_shape: (u32, u32, u64),
     /// When the step in flight ends: a completion reported earlier belongs
     /// to a step lost when the replica went down, and is ignored.
     pub step_until: Micros,
@@ -113,6 +116,7 @@ impl Replica {
             prefix_set: Default::default(),
             busy_seconds: 0.0,
             last_step: 0.0,
+            step_shape: (0, 0, 0),
             step_until: 0,
             rate,
         }
@@ -263,6 +267,7 @@ impl Replica {
         self.busy_seconds += secs;
         self.last_step = secs;
         self.step_until = now.saturating_add(((secs * SEC as f64).ceil() as Micros).max(1));
+        self.step_shape = (prefill, decodes, context);
         Some(self.step_until)
     }
 

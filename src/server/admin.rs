@@ -339,7 +339,13 @@ pub fn compile_upload(
         ));
     };
     let policy = Policy::new(graph, sources);
-    match super::build_plan(&policy.graph, &app.config, app.calibration.as_ref()) {
+    let built = super::build_plan(&policy.graph, &app.config, app.calibration.as_ref()).and_then(
+        |(mut plan, notes)| {
+            super::cuda::retag(&policy.graph, &app.config, &mut plan, &app.backends)?;
+            Ok((plan, notes))
+        },
+    );
+    match built {
         Ok((plan, notes)) => Ok((policy, plan, notes)),
         Err(e) => Err((
             StatusCode::UNPROCESSABLE_ENTITY,

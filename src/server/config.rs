@@ -206,6 +206,15 @@ pub enum PoolBackend {
     Sim,
     /// OpenAI-compatible upstreams (vLLM, SGLang, TGI, llama.cpp server).
     Http { upstreams: Vec<UpstreamEntry> },
+    /// This machine's GPUs through kiln's CUDA executor (cargo feature
+    /// `cuda`): the policy's replicas of this pool run as real GPU work.
+    Cuda {
+        /// Scale the model's layers down by this factor (0–1] so a large
+        /// variant fits for a capacity test; by default only what does not
+        /// fit is scaled, and kiln says so.
+        #[serde(default)]
+        scale: Option<f64>,
+    },
 }
 
 /// One upstream replica: which of the policy's variants it serves.

@@ -22,6 +22,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
+/// A CUDA replica (feature `cuda`); without the feature the type has no
+/// values, so no replica can be on a GPU.
+#[cfg(feature = "cuda")]
+pub type CudaHandle = Arc<super::cuda::CudaSlot>;
+#[cfg(not(feature = "cuda"))]
+pub type CudaHandle = std::convert::Infallible;
+
 /// Where a replica's work runs.
 #[derive(Clone)]
 pub enum Backend {
@@ -30,6 +37,9 @@ pub enum Backend {
     /// An OpenAI-compatible upstream: the handler sends the request and
     /// reports completion.
     Http(Arc<Upstream>),
+    /// A replica on this machine's GPU: the executor runs each step there
+    /// and produces tokens as steps end, as for the simulator.
+    Cuda(CudaHandle),
 }
 
 impl Backend {
@@ -37,6 +47,10 @@ impl Backend {
         match self {
             Backend::Sim => "sim".into(),
             Backend::Http(u) => format!("http:{}", u.name()),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => format!("cuda:{}", c.name),
+            #[cfg(not(feature = "cuda"))]
+            Backend::Cuda(never) => match *never {},
         }
     }
 }
@@ -117,6 +131,20 @@ pub enum Command {
     /// An upstream just failed: fold breaker states in now, not at the
     /// next periodic check, so a resent request avoids it.
     CheckHealth,
+    /// A CUDA replica finished the step that was to end at `until`.
+    StepRan {
+        replica: usize,
+        until: Micros,
+        result: Result<Duration, String>,
+    },
+}
+
+/// KV-cache changes for a CUDA replica, applied before its next step (the
+/// replica is busy on a blocking thread while a step runs).
+#[cfg(feature = "cuda")]
+enum KvOp {
+    Reserve(ReqId, u64),
+    Release(ReqId),
 }
 
 /// The scheduler's state, for `/admin/queues`, `/readyz` and the gauges.
@@ -215,6 +243,20 @@ pub struct Executor {
     /// dispatch and one that closes puts it back.
     healthy: Vec<bool>,
     canary_version: Option<Arc<str>>,
+    /// The executor's own channel, for results of work it hands to
+    /// blocking threads (CUDA steps).
+    self_tx: Option<mpsc::UnboundedSender<Command>>,
+    #[cfg(feature = "cuda")]
+    cuda: CudaState,
+}
+
+#[cfg(feature = "cuda")]
+#[derive(Default)]
+struct CudaState {
+    /// Pending KV changes per replica index.
+    ops: HashMap<usize, Vec<KvOp>>,
+    /// Which CUDA replica holds each sequence.
+    seq: HashMap<ReqId, usize>,
 }
 
 /// How often upstream health is folded into the scheduler.
@@ -246,12 +288,16 @@ impl Executor {
             buf: Vec::new(),
             healthy: Vec::new(),
             canary_version: None,
+            self_tx: None,
+            #[cfg(feature = "cuda")]
+            cuda: CudaState::default(),
         }
     }
 
     /// Starts the executor on the current tokio runtime.
-    pub fn spawn(self) -> (ExecHandle, tokio::task::JoinHandle<()>) {
+    pub fn spawn(mut self) -> (ExecHandle, tokio::task::JoinHandle<()>) {
         let (tx, rx) = mpsc::unbounded_channel();
+        self.self_tx = Some(tx.clone());
         let task = tokio::spawn(self.run(rx));
         (ExecHandle { tx }, task)
     }
@@ -371,6 +417,25 @@ impl Executor {
                 let _ = reply.send((self.graph.clone(), self.sched.signals().clone()));
             }
             Command::CheckHealth => self.check_health(),
+            Command::StepRan {
+                replica,
+                until,
+                result,
+            } => match result {
+                // The scheduler ignores a completion before the step's
+                // planned end: a GPU faster than the cost model waits it out.
+                Ok(_) if now < until => {
+                    self.timers.push(Reverse((until, Timer::StepDone(replica))));
+                }
+                Ok(_) => self.feed(now, Event::StepDone { replica }),
+                Err(e) => {
+                    tracing::error!(
+                        replica,
+                        "GPU step failed: {e}; replica taken out of service"
+                    );
+                    self.feed(now, Event::ReplicaDown { replica });
+                }
+            },
         }
     }
 
@@ -487,7 +552,9 @@ impl Executor {
                     }
                 }
                 Action::Step { replica, until } => {
-                    self.timers.push(Reverse((until, Timer::StepDone(replica))));
+                    if !self.run_on_gpu(replica, until) {
+                        self.timers.push(Reverse((until, Timer::StepDone(replica))));
+                    }
                 }
                 Action::WakeAt(t) => {
                     if self.ticks.insert(t) {
@@ -521,6 +588,19 @@ impl Executor {
                     let target = rep
                         .and_then(|r| r.running.iter().find(|s| s.w.id == id))
                         .map(|s| s.w.output_tokens);
+                    #[cfg(feature = "cuda")]
+                    if matches!(backend, Backend::Cuda(_)) {
+                        let tokens = rep
+                            .and_then(|r| r.running.iter().find(|s| s.w.id == id))
+                            .map(|s| u64::from(s.w.prompt_tokens) + u64::from(s.w.output_tokens))
+                            .unwrap_or(0);
+                        self.cuda.seq.insert(id, replica);
+                        self.cuda
+                            .ops
+                            .entry(replica)
+                            .or_default()
+                            .push(KvOp::Reserve(id, tokens));
+                    }
                     let at = self.sched.now();
                     let route = rep
                         .map(|r| {
@@ -554,6 +634,7 @@ impl Executor {
                     }
                 }
                 Action::Finished { id, gpu_seconds } => {
+                    self.release_gpu_kv(id);
                     if let Some(e) = self.reqs.remove(&id) {
                         if e.target > e.sent {
                             let _ = e.events.send(Progress::Tokens(e.target - e.sent));
@@ -562,17 +643,80 @@ impl Executor {
                     }
                 }
                 Action::Preempted { id, by, .. } => {
+                    self.release_gpu_kv(id);
                     if let Some(e) = self.reqs.get(&id) {
                         let _ = e.events.send(Progress::Preempted { by });
                     }
                 }
                 Action::Cancelled { id } => {
+                    self.release_gpu_kv(id);
                     self.reqs.remove(&id);
                 }
             }
         }
         self.buf = actions;
         self.buf.clear();
+    }
+
+    /// Frees a sequence's KV blocks on its CUDA replica (at its next step).
+    fn release_gpu_kv(&mut self, id: ReqId) {
+        #[cfg(feature = "cuda")]
+        if let Some(r) = self.cuda.seq.remove(&id) {
+            self.cuda.ops.entry(r).or_default().push(KvOp::Release(id));
+        }
+        let _ = id;
+    }
+
+    /// Runs the step the scheduler just started on replica `r` on its GPU,
+    /// if it is a CUDA replica; its end comes back as `StepRan`.
+    fn run_on_gpu(&mut self, r: usize, until: Micros) -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            let Some(rep) = self.sched.replicas().get(r) else {
+                return false;
+            };
+            let Some(Backend::Cuda(slot)) = self.backends.get(rep.spec.tag as usize).cloned()
+            else {
+                return false;
+            };
+            let Some(tx) = self.self_tx.clone() else {
+                return false;
+            };
+            let (prefill, decodes, context) = rep.step_shape;
+            let ops = self.cuda.ops.remove(&r).unwrap_or_default();
+            tokio::task::spawn_blocking(move || {
+                let result = match slot.replica.lock() {
+                    Ok(mut gpu) => {
+                        for op in ops {
+                            match op {
+                                KvOp::Reserve(id, tokens) => {
+                                    if let Err(e) = gpu.reserve(id, tokens) {
+                                        tracing::warn!("KV arena: {e}");
+                                    }
+                                }
+                                KvOp::Release(id) => {
+                                    gpu.release(id);
+                                }
+                            }
+                        }
+                        gpu.run_step(prefill, decodes, context)
+                            .map_err(|e| e.to_string())
+                    }
+                    Err(_) => Err("the replica's lock was poisoned by an earlier failure".into()),
+                };
+                let _ = tx.send(Command::StepRan {
+                    replica: r,
+                    until,
+                    result,
+                });
+            });
+            true
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (r, until);
+            false
+        }
     }
 
     fn snapshot(&self) -> Snapshot {

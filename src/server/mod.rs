@@ -10,6 +10,7 @@
 
 pub mod admin;
 pub mod config;
+pub mod cuda;
 pub mod decision_log;
 pub mod executor;
 pub mod explain;
@@ -333,7 +334,14 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
             "no replica fits any pool: nothing could serve a request".into(),
         ));
     }
-    let backends = Arc::new(backends(&config)?);
+    let mut backends = backends(&config)?;
+    let mut plan = plan;
+    if !cuda::cuda_pools(&policy.graph, &config).is_empty() {
+        let cost = CostModel::from_graph(&policy.graph, calibration.as_ref())
+            .map_err(|e| ServeError::Sim(e.to_string()))?;
+        cuda::attach(&policy.graph, &config, &cost, &mut plan, &mut backends)?;
+    }
+    let backends = Arc::new(backends);
     let mut sched_cfg = SchedConfig::default();
     let (minute, weekday) = wall_clock_minute();
     sched_cfg.start_minute_of_day = minute;

@@ -453,7 +453,10 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
                         preempted,
                     };
                     match backend {
-                        Backend::Sim => return Ok(serve_sim(ctx, guard, rx, started).await),
+                        Backend::Sim | Backend::Cuda(_) => {
+                            let name = backend.name();
+                            return Ok(serve_sim(ctx, guard, rx, started, &name).await);
+                        }
                         Backend::Http(u) => {
                             let retry = resent < RESEND_UNSENT;
                             match serve_http(ctx, guard, rx, started, u, retry).await {
@@ -943,8 +946,9 @@ async fn serve_sim(
     mut guard: CancelGuard,
     mut rx: mpsc::UnboundedReceiver<Progress>,
     s: Started,
+    backend: &str,
 ) -> Response {
-    let headers = kiln_headers(&ctx, &s, "sim");
+    let headers = kiln_headers(&ctx, &s, backend);
     if !ctx.stream {
         let mut produced = 0u64;
         let mut ttft = None;
