@@ -105,7 +105,9 @@ impl GenerationRequest {
                 None,
             ));
         }
-        let req: GenerationRequest = serde_json::from_value(raw.clone())
+        // Deserialized from the parsed value by reference: no second parse,
+        // no copy of the body.
+        let req = GenerationRequest::deserialize(&raw)
             .map_err(|e| ApiError::bad_request(format!("invalid request: {e}"), None))?;
         if req.model.trim().is_empty() {
             return Err(ApiError::bad_request(

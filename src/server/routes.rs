@@ -755,24 +755,27 @@ fn finish_served(
     if let Ok(mut e) = ctx.explain.lock() {
         e.outcome = Some(label.into());
     }
-    let mut rec = base_record(ctx, Some(&s.d));
-    rec.output_tokens = output_tokens;
-    if let Some(dec) = rec.decision.as_mut() {
-        dec.route = Some(s.route.clone());
-        dec.admission = Some(
-            if s.waited_for.is_some() {
-                "queue"
-            } else {
-                "accept"
-            }
-            .into(),
-        );
-        dec.waited_for = s.waited_for.map(|r| r.name().to_string());
+    // The record is built only when someone will read it.
+    if app.log.is_enabled() {
+        let mut rec = base_record(ctx, Some(&s.d));
+        rec.output_tokens = output_tokens;
+        if let Some(dec) = rec.decision.as_mut() {
+            dec.route = Some(s.route.clone());
+            dec.admission = Some(
+                if s.waited_for.is_some() {
+                    "queue"
+                } else {
+                    "accept"
+                }
+                .into(),
+            );
+            dec.waited_for = s.waited_for.map(|r| r.name().to_string());
+        }
+        rec.ttft_ms = ttft_s.map(|t| round3(t * 1000.0));
+        rec.e2e_ms = Some(round3(e2e * 1000.0));
+        rec.queue_ms = Some(round3(s.queue_s * 1000.0));
+        app.log.write(rec);
     }
-    rec.ttft_ms = ttft_s.map(|t| round3(t * 1000.0));
-    rec.e2e_ms = Some(round3(e2e * 1000.0));
-    rec.queue_ms = Some(round3(s.queue_s * 1000.0));
-    app.log.write(rec);
     if outcome != MetricOutcome::Cancelled {
         let error = matches!(
             outcome,
