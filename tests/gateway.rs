@@ -70,6 +70,16 @@ fn client() -> reqwest::Client {
         .unwrap()
 }
 
+/// POST /v1/chat/completions with a key.
+async fn send_chat(c: &reqwest::Client, base: &str, key: &str, body: &Value) -> reqwest::Response {
+    c.post(format!("{base}/v1/chat/completions"))
+        .bearer_auth(key)
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+}
+
 fn chat_body(model: &str, text: &str, max_tokens: u64) -> Value {
     json!({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens})
 }
@@ -79,13 +89,13 @@ async fn chat_is_decided_served_and_explained() {
     let srv = serve(enterprise(), ServerConfig::default_embedded(), 50.0).await;
     let base = format!("http://{}", srv.addr);
     let c = client();
-    let r = c
-        .post(format!("{base}/v1/chat/completions"))
-        .bearer_auth("key-support-prod")
-        .json(&chat_body("llama-70b", "Where is my parcel?", 12))
-        .send()
-        .await
-        .unwrap();
+    let r = send_chat(
+        &c,
+        &base,
+        "key-support-prod",
+        &chat_body("llama-70b", "Where is my parcel?", 12),
+    )
+    .await;
     assert_eq!(r.status(), 200);
     let h = r.headers().clone();
     assert_eq!(h["x-kiln-tier"], "interactive");
@@ -142,13 +152,7 @@ async fn streaming_sends_tokens_usage_and_done() {
     let mut body = chat_body("llama-70b", "hi", 5);
     body["stream"] = json!(true);
     body["stream_options"] = json!({"include_usage": true});
-    let r = client()
-        .post(format!("{base}/v1/chat/completions"))
-        .bearer_auth("key-support-prod")
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let r = send_chat(&client(), &base, "key-support-prod", &body).await;
     assert_eq!(r.status(), 200);
     assert_eq!(r.headers()["content-type"], "text/event-stream");
     let text = r.text().await.unwrap();
@@ -333,13 +337,7 @@ async fn a_disconnected_client_frees_its_slot_at_once() {
     let c = client();
     let mut body = chat_body("tiny", "write a long story", 2000);
     body["stream"] = json!(true);
-    let r = c
-        .post(format!("{base}/v1/chat/completions"))
-        .bearer_auth("k-alpha")
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let r = send_chat(&c, &base, "k-alpha", &body).await;
     assert_eq!(r.status(), 200);
     let q: Value = c
         .get(format!("{base}/admin/queues"))
@@ -396,13 +394,7 @@ async fn a_bad_policy_is_refused_and_the_old_one_stays() {
     let v: Value = r.json().await.unwrap();
     assert!(v["rendered"].as_str().unwrap().contains("hihg"), "{v}");
     assert_eq!(srv.app.policy.load().version, before);
-    let r = c
-        .post(format!("{base}/v1/chat/completions"))
-        .bearer_auth("k-alpha")
-        .json(&chat_body("tiny", "x", 1))
-        .send()
-        .await
-        .unwrap();
+    let r = send_chat(&c, &base, "k-alpha", &chat_body("tiny", "x", 1)).await;
     assert_eq!(
         r.headers()["x-kiln-policy-version"].to_str().unwrap(),
         before.as_ref()
@@ -509,12 +501,13 @@ async fn metrics_health_and_readiness() {
     let srv = serve(enterprise(), ServerConfig::default_embedded(), 50.0).await;
     let base = format!("http://{}", srv.addr);
     let c = client();
-    c.post(format!("{base}/v1/chat/completions"))
-        .bearer_auth("key-support-prod")
-        .json(&chat_body("llama-70b", "hi", 3))
-        .send()
-        .await
-        .unwrap();
+    send_chat(
+        &c,
+        &base,
+        "key-support-prod",
+        &chat_body("llama-70b", "hi", 3),
+    )
+    .await;
     let m = c
         .get(format!("{base}/metrics"))
         .send()
@@ -663,13 +656,7 @@ async fn http_backend_forwards_rewrites_and_streams() {
     let srv = serve(policy("small.kiln", SMALL), http_config(&[&url]), 1.0).await;
     let base = format!("http://{}", srv.addr);
     let c = client();
-    let r = c
-        .post(format!("{base}/v1/chat/completions"))
-        .bearer_auth("k-alpha")
-        .json(&chat_body("tiny", "hello", 4))
-        .send()
-        .await
-        .unwrap();
+    let r = send_chat(&c, &base, "k-alpha", &chat_body("tiny", "hello", 4)).await;
     assert_eq!(r.status(), 200);
     assert!(r.headers()["x-kiln-backend"]
         .to_str()
@@ -683,13 +670,8 @@ async fn http_backend_forwards_rewrites_and_streams() {
     // upstream for is not passed on.
     let mut body = chat_body("tiny", "hello", 3);
     body["stream"] = json!(true);
-    let text = c
-        .post(format!("{base}/v1/chat/completions"))
-        .bearer_auth("k-alpha")
-        .json(&body)
-        .send()
+    let text = send_chat(&c, &base, "k-alpha", &body)
         .await
-        .unwrap()
         .text()
         .await
         .unwrap();
@@ -714,13 +696,7 @@ async fn a_dead_upstream_is_routed_around() {
     let base = format!("http://{}", srv.addr);
     let c = client();
     for _ in 0..8 {
-        let r = c
-            .post(format!("{base}/v1/chat/completions"))
-            .bearer_auth("k-alpha")
-            .json(&chat_body("tiny", "hello", 4))
-            .send()
-            .await
-            .unwrap();
+        let r = send_chat(&c, &base, "k-alpha", &chat_body("tiny", "hello", 4)).await;
         assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
     }
     assert_eq!(seen.requests.load(std::sync::atomic::Ordering::SeqCst), 8);
@@ -735,13 +711,7 @@ async fn cancellation_reaches_the_upstream() {
     let base = format!("http://{}", srv.addr);
     let mut body = chat_body("tiny", "a long answer please", 500);
     body["stream"] = json!(true);
-    let mut r = client()
-        .post(format!("{base}/v1/chat/completions"))
-        .bearer_auth("k-alpha")
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let mut r = send_chat(&client(), &base, "k-alpha", &body).await;
     assert_eq!(r.status(), 200);
     let first = r.chunk().await.unwrap();
     assert!(first.is_some());

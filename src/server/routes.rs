@@ -567,17 +567,7 @@ fn refusal(
     retry_after: Option<crate::sched::Micros>,
 ) -> ApiError {
     let app = &ctx.app;
-    let (tier, tenant) = match d {
-        Some(d) => (
-            d.graph
-                .tiers
-                .get(d.tier as usize)
-                .map(|t| t.name.clone())
-                .unwrap_or_default(),
-            tenant_name(&d.graph, d.tenant),
-        ),
-        None => (String::new(), "none".into()),
-    };
+    let (tier, tenant) = decided_names(d);
     let policy_msg = d.and_then(|d| {
         let dec = d.policy_graph.decide(&ctx.req, &d.policy_signals);
         d.policy_graph.view(&dec).message
@@ -620,19 +610,24 @@ fn refusal(
     ApiError::new(status, msg).code(code).retry_after(retry)
 }
 
-fn finish_rejected(ctx: &Ctx, d: Option<&Decided>, reason: Reason, err: &ApiError) {
-    let app = &ctx.app;
-    let (tier, tenant) = match d {
+/// The tier and tenant a decision named (`none` where it named none).
+fn decided_names(d: Option<&Decided>) -> (String, String) {
+    match d {
         Some(d) => (
             d.graph
                 .tiers
                 .get(d.tier as usize)
                 .map(|t| t.name.clone())
-                .unwrap_or_default(),
+                .unwrap_or_else(|| "none".into()),
             tenant_name(&d.graph, d.tenant),
         ),
         None => ("none".into(), "none".into()),
-    };
+    }
+}
+
+fn finish_rejected(ctx: &Ctx, d: Option<&Decided>, reason: Reason, err: &ApiError) {
+    let app = &ctx.app;
+    let (tier, tenant) = decided_names(d);
     app.metrics
         .rejected(&tier, &tenant, reason.name(), err.status);
     explain::note(
