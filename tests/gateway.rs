@@ -756,3 +756,14 @@ async fn a_cuda_pool_without_a_gpu_is_a_clear_startup_error() {
         "{err}"
     );
 }
+
+#[test]
+fn the_example_config_parses_and_fits_the_enterprise_policy() {
+    let cfg = ServerConfig::load(std::path::Path::new("examples/kiln.toml")).unwrap();
+    let p = enterprise();
+    let (plan, _) = kiln::server::build_plan(&p.graph, &cfg, None).unwrap();
+    assert!(
+        plan.replicas.iter().any(|r| r.external),
+        "the shared pool is served over http"
+    );
+}
