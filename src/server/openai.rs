@@ -164,25 +164,27 @@ impl GenerationRequest {
     }
 }
 
-/// Counts prompt tokens with cl100k_base. Chat follows OpenAI's accounting:
-/// each message costs its content and name plus 3 tokens of framing, and
-/// the reply is primed with 3 more.
+/// Counts prompt tokens with cl100k_base (GitHub's linear-time BPE, exact
+/// to tiktoken's counts and several times faster, which matters because
+/// every request is counted on the request path). Chat follows OpenAI's
+/// accounting: each message costs its content and name plus 3 tokens of
+/// framing, and the reply is primed with 3 more.
 pub struct Tokenizer {
-    bpe: tiktoken_rs::CoreBPE,
+    bpe: &'static bpe_openai::Tokenizer,
 }
 
 impl Tokenizer {
     pub fn new() -> Result<Tokenizer, String> {
-        tiktoken_rs::cl100k_base()
-            .map(|bpe| Tokenizer { bpe })
-            .map_err(|e| format!("cannot load the cl100k_base tokenizer: {e}"))
+        Ok(Tokenizer {
+            bpe: bpe_openai::cl100k_base(),
+        })
     }
 
     pub fn count(&self, text: &str) -> u64 {
         if text.is_empty() {
             return 0;
         }
-        self.bpe.encode_ordinary(text).len() as u64
+        self.bpe.count(text) as u64
     }
 
     pub fn prompt_tokens(&self, req: &GenerationRequest) -> u64 {
