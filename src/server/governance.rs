@@ -1523,6 +1523,9 @@ async fn status(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     if let Err(e) = identify(&app, &headers) {
         return e.into_response();
     }
+    // A governance step in flight (an activation, say) is seen whole or
+    // not at all: never the new version with the old history.
+    let _consistent = app.gov.step.lock().await;
     axum::Json(status_view(&app)).into_response()
 }
 
