@@ -371,6 +371,7 @@ impl ServerConfig {
             src: NamedSource::new(name, text.to_string()),
             at: e.span().map(|r| SourceSpan::from(r.start..r.end)),
         })?;
+        check_upstream_keys(name, text)?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -534,6 +535,63 @@ impl ServerConfig {
     }
 }
 
+/// Settings an upstream entry may carry. The entry flattens
+/// [`UpstreamConfig`] into itself, and serde cannot refuse unknown keys
+/// through a flatten, so a misspelt `timout` would silently fall back to
+/// the default: this check refuses it instead.
+const UPSTREAM_KEYS: [&str; 12] = [
+    "model",
+    "variant",
+    "url",
+    "api_key",
+    "served_model",
+    "concurrency",
+    "timeout",
+    "connect_timeout",
+    "health_path",
+    "health_interval",
+    "failure_threshold",
+    "open_for",
+];
+
+fn check_upstream_keys(name: &str, text: &str) -> Result<(), ConfigError> {
+    let Ok(doc) = text.parse::<toml::Table>() else {
+        return Ok(()); // syntax errors are reported by the typed parse
+    };
+    let Some(pools) = doc.get("pools").and_then(|p| p.as_table()) else {
+        return Ok(());
+    };
+    for (pool, b) in pools {
+        let Some(ups) = b.get("upstreams").and_then(|u| u.as_array()) else {
+            continue;
+        };
+        for u in ups.iter().filter_map(|u| u.as_table()) {
+            for key in u.keys() {
+                if UPSTREAM_KEYS.contains(&key.as_str()) {
+                    continue;
+                }
+                let near = UPSTREAM_KEYS
+                    .iter()
+                    .map(|k| (strsim::levenshtein(k, key), *k))
+                    .min()
+                    .filter(|(d, _)| *d <= 2)
+                    .map(|(_, k)| format!("did you mean `{k}`? "))
+                    .unwrap_or_default();
+                return Err(ConfigError::Invalid {
+                    message: format!(
+                        "{name}: pools.{pool}.upstreams has an unknown setting `{key}`"
+                    ),
+                    help: Some(format!(
+                        "{near}an upstream takes {}",
+                        UPSTREAM_KEYS.join(", ")
+                    )),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Comparison that does not stop at the first differing byte.
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
@@ -618,6 +676,23 @@ mod tests {
         assert!(ServerConfig::parse("t", &bad).is_err());
         let bad = text.replace("\"5m\"", "\"soon\"");
         assert!(ServerConfig::parse("t", &bad).is_err());
+    }
+
+    #[test]
+    fn a_misspelt_upstream_setting_is_refused_with_a_suggestion() {
+        let e = ServerConfig::parse(
+            "kiln.toml",
+            "[pools.p]\nbackend = \"http\"\n[[pools.p.upstreams]]\nmodel = \"m\"\nvariant = \"v\"\nurl = \"http://127.0.0.1:1\"\ntimout = \"3s\"\n",
+        )
+        .unwrap_err();
+        let text = format!(
+            "{e} {:?}",
+            miette::Diagnostic::help(&e).map(|h| h.to_string())
+        );
+        assert!(
+            text.contains("`timout`") && text.contains("did you mean `timeout`"),
+            "{text}"
+        );
     }
 
     #[test]
