@@ -1408,3 +1408,164 @@ fn status_for_people() {
     .unwrap();
     insta::assert_snapshot!(render_status(&s));
 }
+
+// --- governance state across restarts --------------------------------
+
+fn state_file(d: &Path) -> PathBuf {
+    d.join("audit.jsonl.state.json")
+}
+
+fn find_proposal<'a>(st: &'a Value, id: &str) -> Option<&'a Value> {
+    st["proposals"]
+        .as_array()
+        .and_then(|ps| ps.iter().find(|p| p["id"] == id))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_proposals_and_their_approvals_survive_a_restart() {
+    let d = dir("persist");
+    let srv = serve(&v1(), config(&d)).await;
+    let base = format!("http://{}", srv.addr);
+    let c = client();
+    let v1_version = status(&c, &base).await["active"].clone();
+    // An escalation: bob (platform, platform-leads) and carol needed.
+    let (s, p) = propose(&c, &base, "tok-alice", &pol(APPROVALS, false, 50)).await;
+    assert_eq!(s, 201, "{p}");
+    let id = p["id"].as_str().unwrap().to_string();
+    let hash = p["hash"].as_str().unwrap().to_string();
+    let (s, v) = approve(&c, &base, &id, "bob", BOB, &hash).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["state"], "pending");
+    srv.stop().await;
+    assert!(state_file(&d).exists());
+
+    let srv = serve(&v1(), config(&d)).await;
+    let base = format!("http://{}", srv.addr);
+    let st = status(&c, &base).await;
+    let p = find_proposal(&st, &id).unwrap_or_else(|| panic!("{st:#}"));
+    assert_eq!(p["state"], "pending");
+    assert_eq!(p["hash"], json!(hash));
+    assert_eq!(p["approvals"][0]["approver"], "bob");
+    assert!(p["needs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|n| n["group"] == "platform-leads" && n["have"] == json!(["bob"])));
+    let view: StatusView = serde_json::from_value(st.clone()).unwrap();
+    assert!(render_status(&view).contains(&id));
+    // The same signature again is still refused.
+    let (s, _) = approve(&c, &base, &id, "bob", BOB, &hash).await;
+    assert_ne!(s, 200);
+    // The second approval activates it.
+    let (s, v) = approve(&c, &base, &id, "carol", CAROL, &hash).await;
+    assert_eq!(s, 200, "{v}");
+    let st = wait_for(&c, &base, 10, "activation after restart", |s| {
+        s["active"] != v1_version
+    })
+    .await;
+    assert_eq!(st["previous"], v1_version);
+    srv.stop().await;
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edited_state_file_does_not_smuggle_a_proposal_in() {
+    let d = dir("tampered-state");
+    let srv = serve(&v1(), config(&d)).await;
+    let base = format!("http://{}", srv.addr);
+    let c = client();
+    let v1_version = status(&c, &base).await["active"].clone();
+    let (s, p) = propose(&c, &base, "tok-alice", &pol(APPROVALS, false, 50)).await;
+    assert_eq!(s, 201, "{p}");
+    let id = p["id"].as_str().unwrap().to_string();
+    let hash = p["hash"].as_str().unwrap().to_string();
+    let (s, _) = approve(&c, &base, &id, "bob", BOB, &hash).await;
+    assert_eq!(s, 200);
+    srv.stop().await;
+    // Someone swaps the text under the recorded hash and approvals.
+    let mut state: Value =
+        serde_json::from_str(&std::fs::read_to_string(state_file(&d)).unwrap()).unwrap();
+    state["proposals"][0]["files"]["policy.kiln"] = json!(pol(APPROVALS, false, 99));
+    std::fs::write(state_file(&d), state.to_string()).unwrap();
+
+    let srv = serve(&v1(), config(&d)).await;
+    let base = format!("http://{}", srv.addr);
+    let st = status(&c, &base).await;
+    assert!(find_proposal(&st, &id).is_none(), "{st:#}");
+    let (s, _) = approve(&c, &base, &id, "carol", CAROL, &hash).await;
+    assert_eq!(s, 404);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(status(&c, &base).await["active"], v1_version);
+    srv.stop().await;
+    assert!(audit_kinds(&d).iter().any(|k| k == "proposal_dropped"));
+    assert!(audit::verify_file(&d.join("audit.jsonl")).is_ok());
+
+    // A file that is not state at all stops the gateway from starting.
+    std::fs::write(state_file(&d), "{ not json").unwrap();
+    let err = start(ServeOptions {
+        policy: policy(&v1()),
+        config: config(&d),
+        listen: "127.0.0.1:0".into(),
+    })
+    .await
+    .err()
+    .expect("a corrupt state file is a startup error");
+    assert!(err.to_string().contains("move it aside"), "{err}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rollback_history_survives_a_restart() {
+    let d = dir("persist-history");
+    let srv = serve(&v1(), config(&d)).await;
+    let base = format!("http://{}", srv.addr);
+    let c = client();
+    let v1_version = status(&c, &base).await["active"].clone();
+    let good = pol(APPROVALS, true, 10);
+    let (s, p) = propose(&c, &base, "tok-alice", &good).await;
+    assert_eq!(s, 201, "{p}");
+    let (s, _) = approve(
+        &c,
+        &base,
+        p["id"].as_str().unwrap(),
+        "bob",
+        BOB,
+        p["hash"].as_str().unwrap(),
+    )
+    .await;
+    assert_eq!(s, 200);
+    let st = wait_for(&c, &base, 10, "activation", |s| s["active"] != v1_version).await;
+    let good_version = st["active"].clone();
+    srv.stop().await;
+
+    // Restarted on the version it ran: v1 is still the one to return to.
+    let srv = serve(&good, config(&d)).await;
+    let base = format!("http://{}", srv.addr);
+    let st = status(&c, &base).await;
+    assert_eq!(st["active"], good_version);
+    assert_eq!(st["previous"], v1_version, "{st:#}");
+    let (s, r) = call(
+        &c,
+        reqwest::Method::POST,
+        format!("{base}/admin/rollback"),
+        Some("tok-ops"),
+        Some(json!({"reason": "after restart"})),
+    )
+    .await;
+    assert_eq!(s, 202, "{r}");
+    // The id counter survived too: no id is reused.
+    assert_eq!(r["proposal"]["id"], "p-2");
+    let (s, _) = approve(
+        &c,
+        &base,
+        r["proposal"]["id"].as_str().unwrap(),
+        "bob",
+        BOB,
+        r["proposal"]["hash"].as_str().unwrap(),
+    )
+    .await;
+    assert_eq!(s, 200);
+    wait_for(&c, &base, 10, "the rollback", |s| s["active"] == v1_version).await;
+    srv.stop().await;
+    let _ = std::fs::remove_dir_all(&d);
+}

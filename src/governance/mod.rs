@@ -16,6 +16,7 @@
 //!   conditions read;
 //! * [`overrides`]: pause and throttle a tier or tenant for a while;
 //! * [`audit`]: the append-only, hash-chained JSONL audit log;
+//! * [`state`]: proposals and rollback history kept across restarts;
 //! * [`view`]: the admin API's answers and their human rendering.
 
 pub mod approval;
@@ -25,6 +26,7 @@ pub mod live;
 pub mod overrides;
 pub mod proposal;
 pub mod rollout;
+pub mod state;
 pub mod view;
 
 use crate::source::SourceMap;

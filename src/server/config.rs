@@ -125,6 +125,11 @@ pub struct GovernanceSection {
     /// Most recent decision-log records a proposal's dry run replays.
     #[serde(default = "default_dry_run")]
     pub dry_run_records: usize,
+    /// Where proposals, approvals and the rollback history are kept across
+    /// restarts; by default `<audit path>.state.json`, none (memory only)
+    /// without `[audit] path`.
+    #[serde(default)]
+    pub state: Option<PathBuf>,
 }
 
 fn default_approval_ttl() -> String {
@@ -156,6 +161,7 @@ impl Default for GovernanceSection {
             min_samples: default_min_samples(),
             default_canary: default_canary(),
             dry_run_records: default_dry_run(),
+            state: None,
         }
     }
 }

@@ -34,6 +34,7 @@ use crate::governance::live::{Sample, Window};
 use crate::governance::overrides::{Action as OverrideAction, Overrides, Refused, Scope};
 use crate::governance::proposal::{Kind, Proposal, State as PState};
 use crate::governance::rollout::{Plan, Rollout, Stage, Step};
+use crate::governance::state::{self as stored, Previous, Snapshot, StateError, StoredProposal};
 use crate::governance::view::{
     AuditHead, ConditionView, DryRunView, ImpactLine, OverrideView, ProposalView, RollbackView,
     RolloutView, ShadowCounts, ShadowSample, StatusView, TransitionLine,
@@ -52,6 +53,7 @@ use axum::Router;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -108,7 +110,7 @@ struct GovState {
     next: u64,
     rollout: Option<Active>,
     /// Versions that were active before, most recent last.
-    history: Vec<Arc<Policy>>,
+    history: Vec<Previous>,
     /// Signatures of accepted approvals: never accepted twice.
     used: HashSet<String>,
     last_rollback: Option<RollbackView>,
@@ -136,6 +138,23 @@ pub struct Gov {
     watch_ms: f64,
     default_canary_ms: f64,
     dry_run_records: usize,
+    /// The state file (`[governance] state`), if any.
+    state_path: Option<PathBuf>,
+    /// The bytes last written there (unchanged state is not rewritten).
+    written: Mutex<Option<Vec<u8>>>,
+    /// The active version the state file recorded, until the driver starts.
+    restored_active: Mutex<Option<Previous>>,
+}
+
+/// Why the governance state could not be set up at startup.
+#[derive(Debug, thiserror::Error, miette::Diagnostic)]
+pub enum GovError {
+    #[error(transparent)]
+    #[diagnostic(transparent)]
+    Audit(#[from] AuditError),
+    #[error(transparent)]
+    #[diagnostic(transparent)]
+    State(#[from] StateError),
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -150,9 +169,148 @@ fn api(status: u16, msg: impl Into<String>, code: &str) -> Response {
     ApiError::new(status, msg).code(code).into_response()
 }
 
+/// The governance state a state file holds, checked: proposals whose text
+/// does not hash to their recorded hash, and approvals that no longer
+/// verify under the configured approvers, are dropped (logged and audited).
+fn restore(
+    path: &std::path::Path,
+    snap: &Snapshot,
+    approvers: &[Approver],
+    audit: &mut AuditLog,
+) -> Result<(GovState, Option<Previous>), AuditError> {
+    let (proposals, dropped) = snap.verify(approvers);
+    let at = super::unix_ms() as u64;
+    for d in &dropped {
+        let (kind, details) = match d {
+            stored::Dropped::Proposal { id, stored, actual } => {
+                tracing::warn!(proposal = %id, state = %path.display(), "the stored proposal's text does not match its hash: dropped");
+                (
+                    "proposal_dropped",
+                    json!({"id": id, "reason": "hash_mismatch", "stored_hash": stored, "hash": actual}),
+                )
+            }
+            stored::Dropped::Unreadable { id, why } => {
+                tracing::warn!(proposal = %id, state = %path.display(), "the stored proposal cannot be read ({why}): dropped");
+                (
+                    "proposal_dropped",
+                    json!({"id": id, "reason": "unreadable", "error": why}),
+                )
+            }
+            stored::Dropped::Approval { id, approver } => {
+                tracing::warn!(proposal = %id, approver = %approver, "a stored approval no longer verifies under the configured approvers: dropped");
+                (
+                    "approval_dropped",
+                    json!({"id": id, "approver": approver, "reason": "signature_no_longer_verifies"}),
+                )
+            }
+        };
+        audit.append(at, kind, "kiln", details)?;
+    }
+    // Ids are never reused, even those of dropped proposals.
+    let highest = snap
+        .proposals
+        .iter()
+        .filter_map(|p| p.id().strip_prefix("p-")?.parse::<u64>().ok())
+        .max()
+        .unwrap_or(0);
+    let mut used: HashSet<String> = snap.used.iter().cloned().collect();
+    for p in &proposals {
+        used.extend(p.approvals.iter().map(|a| a.signature.clone()));
+    }
+    let mut history = snap.history.clone();
+    if history.len() > HISTORY {
+        history.drain(..history.len() - HISTORY);
+    }
+    let st = GovState {
+        proposals,
+        next: snap.next.max(highest.saturating_add(1)),
+        rollout: None,
+        history,
+        used,
+        last_rollback: snap.last_rollback.clone(),
+    };
+    tracing::info!(
+        state = %path.display(),
+        proposals = st.proposals.len(),
+        history = st.history.len(),
+        "governance state restored"
+    );
+    Ok((st, snap.active.clone()))
+}
+
+/// Writes the governance state file (when one is configured and the state
+/// changed since the last write). A write error is logged: the gateway
+/// keeps governing from memory.
+fn persist(app: &App) {
+    let Some(path) = &app.gov.state_path else {
+        return;
+    };
+    // Held across snapshot and write: writes land in the order of states.
+    let mut written = lock(&app.gov.written);
+    let active = app.policy.load_full();
+    let snap = {
+        let st = lock(&app.gov.state);
+        let mut used: Vec<String> = st.used.iter().cloned().collect();
+        used.sort();
+        Snapshot {
+            format: stored::FORMAT,
+            next: st.next,
+            proposals: st
+                .proposals
+                .iter()
+                .filter(|p| stored::kept(p))
+                .map(StoredProposal::of)
+                .collect(),
+            history: st.history.clone(),
+            active: Some(previous_of(&active)),
+            used,
+            last_rollback: st.last_rollback.clone(),
+        }
+    };
+    let bytes = snap.to_bytes();
+    if written.as_deref() == Some(&bytes[..]) {
+        return;
+    }
+    match stored::write_atomic(path, &bytes) {
+        Ok(()) => *written = Some(bytes),
+        Err(e) => tracing::error!(error = %e, "cannot write the governance state file"),
+    }
+}
+
+fn previous_of(p: &Policy) -> Previous {
+    Previous {
+        version: p.version.to_string(),
+        files: files_of(p),
+    }
+}
+
+/// Once, before the driver's first step: the version active before the
+/// restart (when `--policy` differs from it) becomes the one `kiln
+/// rollback` returns to, and the active version is not its own previous.
+fn settle_restored(app: &App) {
+    let Some(before) = lock(&app.gov.restored_active).take() else {
+        return;
+    };
+    let active = app.policy.load().version.to_string();
+    {
+        let mut st = lock(&app.gov.state);
+        if before.version != active && st.history.last() != Some(&before) {
+            tracing::info!(previous = %before.version, active = %active, "the gateway restarted on another version: the one it ran before is kept for rollback");
+            st.history.push(before);
+            if st.history.len() > HISTORY {
+                st.history.remove(0);
+            }
+        }
+        while st.history.last().is_some_and(|p| p.version == active) {
+            st.history.pop();
+        }
+    }
+    persist(app);
+}
+
 impl Gov {
-    pub fn new(cfg: &super::config::ServerConfig, speed: f64) -> Result<Gov, AuditError> {
-        let approvers = cfg
+    pub fn new(cfg: &super::config::ServerConfig, speed: f64) -> Result<Gov, GovError> {
+        let approvers: Vec<Approver> = cfg
             .approvers
             .iter()
             .filter_map(|a| {
@@ -165,18 +323,29 @@ impl Gov {
                     })
             })
             .collect();
-        let audit = match &cfg.audit {
+        let mut audit = match &cfg.audit {
             Some(a) => AuditLog::open(&a.path)?,
             None => AuditLog::memory(),
         };
         let g = &cfg.governance;
+        let state_path = g
+            .state
+            .clone()
+            .or_else(|| cfg.audit.as_ref().map(|a| stored::default_path(&a.path)));
+        let (state, restored_active) = match &state_path {
+            Some(path) => match Snapshot::load(path)? {
+                Some(snap) => restore(path, &snap, &approvers, &mut audit)?,
+                None => (GovState::default(), None),
+            },
+            None => (GovState::default(), None),
+        };
         Ok(Gov {
             enabled: cfg.governance_enabled(),
             approvers,
             audit: Mutex::new(audit),
             state: Mutex::new(GovState {
-                next: 1,
-                ..GovState::default()
+                next: state.next.max(1),
+                ..state
             }),
             step: tokio::sync::Mutex::new(()),
             shadow: ArcSwapOption::empty(),
@@ -196,6 +365,9 @@ impl Gov {
             watch_ms: g.watch_ms(),
             default_canary_ms: g.default_canary_ms(),
             dry_run_records: g.dry_run_records,
+            state_path,
+            written: Mutex::new(None),
+            restored_active: Mutex::new(restored_active),
         })
     }
 
@@ -371,8 +543,9 @@ pub fn shadow_compare(
 // --- activation ------------------------------------------------------
 
 fn remember_previous(app: &App, before: Arc<Policy>) {
+    let prev = previous_of(&before);
     let mut st = lock(&app.gov.state);
-    st.history.push(before);
+    st.history.push(prev);
     if st.history.len() > HISTORY {
         st.history.remove(0);
     }
@@ -405,6 +578,7 @@ pub async fn activate_direct(
             json!({"status": status.as_u16(), "error": v["error"]["message"], "direct": true}),
         ),
     }
+    persist(app);
     r
 }
 
@@ -437,6 +611,7 @@ fn end_shadow(app: &App) -> Option<ShadowCounts> {
 /// Starts the driver: every [`TICK`], expire overrides, advance the
 /// rollout, and start the next approved proposal.
 pub fn spawn_driver(app: Arc<App>) -> tokio::task::JoinHandle<()> {
+    settle_restored(&app);
     tokio::spawn(async move {
         let mut t = tokio::time::interval(TICK);
         t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -585,6 +760,7 @@ pub async fn advance(app: &Arc<App>) {
         }
     }
     start_next(app, now).await;
+    persist(app);
 }
 
 /// Performs one step of the rollout in progress.
@@ -790,13 +966,13 @@ async fn rollback_to_previous(app: &Arc<App>) -> Result<String, String> {
     let Some(prev) = lock(&app.gov.state).history.last().cloned() else {
         return Err("no previous version to return to".into());
     };
-    match admin::activate(app, files_of(&prev)).await {
+    match admin::activate(app, prev.files.clone()).await {
         Ok(_) => {
             let mut st = lock(&app.gov.state);
             st.history.pop();
             drop(st);
             mark_stale(app);
-            Ok(prev.version.to_string())
+            Ok(prev.version.clone())
         }
         Err((_, v)) => Err(format!(
             "the previous version {} could not be activated: {}",
@@ -815,7 +991,7 @@ async fn start_next(app: &Arc<App>, now: f64) {
     let pick = {
         let mut st = lock(&gov.state);
         let watching = st.rollout.as_ref().map(|a| a.machine.stage);
-        let prev = st.history.last().map(|p| p.version.to_string());
+        let prev = st.history.last().map(|p| p.version.clone());
         let mut pick = None;
         for p in st.proposals.iter_mut() {
             if !p.state.open() {
@@ -1358,7 +1534,10 @@ async fn withdraw(
     }
     p.state = PState::Withdrawn;
     p.note = Some(format!("withdrawn by {who}"));
-    axum::Json(p.view(unix_s(), false)).into_response()
+    let view = p.view(unix_s(), false);
+    drop(st);
+    persist(&app);
+    axum::Json(view).into_response()
 }
 
 async fn approve(
@@ -1503,7 +1682,7 @@ pub fn status_view(app: &App) -> StatusView {
     });
     StatusView {
         active: app.policy.load().version.to_string(),
-        previous: st.history.last().map(|p| p.version.to_string()),
+        previous: st.history.last().map(|p| p.version.clone()),
         governance: gov.enabled,
         approvers: gov.approvers.iter().map(|a| a.name.clone()).collect(),
         audit: gov.audit_head(),
@@ -1605,6 +1784,7 @@ async fn rollback(
             }
             st.last_rollback = Some(view.clone());
         }
+        persist(&app);
         app.metrics.rollback("manual");
         return axum::Json(
             json!({"rolled_back": true, "aborted": id, "stage": stage.name(), "rollback": view}),
@@ -1646,6 +1826,7 @@ async fn rollback(
                     }
                     st.last_rollback = Some(view.clone());
                 }
+                persist(&app);
                 app.metrics.rollback("manual");
                 app.gov.audit_anyway(
                     "rollback",
@@ -1669,15 +1850,15 @@ async fn rollback(
         };
     }
     // The rules of the policy in force want approvals: a rollback proposal.
-    let files = files_of(&prev);
-    let hash = crate::governance::policy_hash(&prev.sources);
+    let files = prev.files.clone();
+    let hash = stored::files_hash(&files);
     let view = {
         let mut st = lock(&app.gov.state);
         let id = format!("p-{}", st.next);
         if let Err(e) = app.gov.audit(
             "proposal",
             &who,
-            json!({"id": id, "kind": "rollback", "hash": hash, "version": prev.version.as_ref(),
+            json!({"id": id, "kind": "rollback", "hash": hash, "version": prev.version,
                    "base": active.version.as_ref(), "kinds": ["rollback"], "needs": needs, "reason": req.reason}),
         ) {
             return audit_failed(&e);
@@ -1689,7 +1870,7 @@ async fn rollback(
             state: PState::Pending,
             files,
             hash,
-            version: prev.version.to_string(),
+            version: prev.version.clone(),
             base: active.version.to_string(),
             proposer: who,
             created_unix_ms: super::unix_ms() as u64,
@@ -1706,6 +1887,7 @@ async fn rollback(
         st.proposals.push(p);
         v
     };
+    persist(&app);
     drop(step_guard);
     (
         StatusCode::ACCEPTED,

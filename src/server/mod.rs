@@ -123,6 +123,11 @@ pub enum ServeError {
     #[error("{0}")]
     #[diagnostic(code(kiln::serve::startup))]
     Startup(String),
+    /// The audit log or the governance state could not be loaded; its own
+    /// diagnostic (with its help line) says what to do.
+    #[error(transparent)]
+    #[diagnostic(transparent)]
+    Governance(governance::GovError),
 }
 
 /// The backend table: index 0 is the simulator, then one entry per
@@ -378,11 +383,7 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
     })?;
     let admin_open = !config.has_admin_tokens() && addr.ip().is_loopback();
     let tokenizer = openai::Tokenizer::new().map_err(ServeError::Startup)?;
-    let gov = governance::Gov::new(&config, speed).map_err(|e| {
-        ServeError::Startup(format!(
-            "{e} (the audit log must verify before the gateway appends to it)"
-        ))
-    })?;
+    let gov = governance::Gov::new(&config, speed).map_err(ServeError::Governance)?;
     let metrics = metrics::Metrics::new();
     metrics.set_policy_version(&policy.version);
     for b in backends.iter() {
