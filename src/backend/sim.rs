@@ -86,6 +86,18 @@ impl CostModel {
         graph: &DecisionGraph,
         calibration: Option<&Calibration>,
     ) -> Result<CostModel, SimError> {
+        CostModel::from_graph_sizing(graph, calibration, |_| false)
+    }
+
+    /// As [`CostModel::from_graph`], except that a pool for which
+    /// `optional` holds is sized only if it can be: when its GPU kind is
+    /// unknown or a variant does not fit it, it simply has no replica
+    /// models (a pool served by an HTTP upstream needs none to run).
+    pub fn from_graph_sizing(
+        graph: &DecisionGraph,
+        calibration: Option<&Calibration>,
+        optional: impl Fn(PoolId) -> bool,
+    ) -> Result<CostModel, SimError> {
         let default = Calibration::default();
         let cal = calibration.unwrap_or(&default);
         check_names(graph, cal)?;
@@ -150,11 +162,14 @@ impl CostModel {
                     };
                     let spec = match &gpus[usize::from(pi)] {
                         Some(s) => s.clone(),
-                        None => {
-                            let s = cal.gpu_spec(&pool.name, &pool.kind)?;
-                            gpus[usize::from(pi)] = Some(s.clone());
-                            s
-                        }
+                        None => match cal.gpu_spec(&pool.name, &pool.kind) {
+                            Ok(s) => {
+                                gpus[usize::from(pi)] = Some(s.clone());
+                                s
+                            }
+                            Err(_) if optional(pi) => continue,
+                            Err(e) => return Err(e),
+                        },
                     };
                     let gpu_memory = if pool.gpu_memory > 0.0 {
                         pool.gpu_memory
@@ -180,7 +195,11 @@ impl CostModel {
                         max_batch: variant.max_batch,
                         max_batch_tokens: variant.max_batch_tokens,
                     });
-                    r.kv_capacity_tokens()?;
+                    match r.kv_capacity_tokens() {
+                        Ok(_) => {}
+                        Err(_) if optional(pi) => continue,
+                        Err(e) => return Err(e),
+                    }
                     slots[(offsets[mi] + vi) * pools + usize::from(pi)] = Some(r);
                 }
             }

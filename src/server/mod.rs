@@ -179,27 +179,10 @@ pub fn build_plan(
             .is_some_and(|b| matches!(b, PoolBackend::Http { .. }))
     };
     // Pools served over HTTP need no GPU kind kiln knows (a llama.cpp CPU
-    // server, say): if the cost model cannot size them, it is built with a
-    // stand-in kind there, and their replicas estimate waits with FlatCost.
-    let (cost, http_sized) = match CostModel::from_graph(g, calibration) {
-        Ok(c) => (c, true),
-        Err(e) => {
-            let mut stand_in = g.clone();
-            let mut any = false;
-            for (i, p) in stand_in.pools.iter_mut().enumerate() {
-                if http_pool(i as crate::graph::PoolId) {
-                    p.kind = "H100-80GB".into();
-                    any = true;
-                }
-            }
-            if !any {
-                return Err(ServeError::Sim(e.to_string()));
-            }
-            let c = CostModel::from_graph(&stand_in, calibration)
-                .map_err(|_| ServeError::Sim(e.to_string()))?;
-            (c, false)
-        }
-    };
+    // server, say): where the cost model cannot size them, their replicas
+    // estimate waits with FlatCost.
+    let cost = CostModel::from_graph_sizing(g, calibration, http_pool)
+        .map_err(|e| ServeError::Sim(e.to_string()))?;
     let mut plan = Plan::from_graph(g, |m, v, p| {
         if http_pool(p) {
             return None;
@@ -240,8 +223,8 @@ pub fn build_plan(
             };
             let var = &model.variants[v];
             let step: Arc<dyn StepCost> = match cost.replica(m, v as u16, pool) {
-                Some(r) if http_sized => Arc::new(r.clone()),
-                _ => Arc::new(FlatCost),
+                Some(r) => Arc::new(r.clone()),
+                None => Arc::new(FlatCost),
             };
             plan.replicas.push(ReplicaSpec {
                 pool,
