@@ -116,6 +116,32 @@ struct GovState {
     last_rollback: Option<RollbackView>,
 }
 
+impl GovState {
+    fn proposal_mut(&mut self, id: &str) -> Option<&mut Proposal> {
+        self.proposals.iter_mut().find(|p| p.id == id)
+    }
+
+    /// The proposal `id` if it may still change (`what` says how, for the
+    /// refusal): 404 when unknown, 409 when closed.
+    fn open_proposal(&mut self, id: &str, what: &str) -> Result<&mut Proposal, Box<Response>> {
+        let Some(p) = self.proposal_mut(id) else {
+            return Err(Box::new(api(
+                404,
+                format!("no proposal `{id}`"),
+                "not_found",
+            )));
+        };
+        if !p.state.open() {
+            return Err(Box::new(api(
+                409,
+                format!("{id} is {}, {what}", p.state.name()),
+                "not_pending",
+            )));
+        }
+        Ok(p)
+    }
+}
+
 pub struct Gov {
     /// Approvals required (`POST /admin/policy` refused).
     pub enabled: bool,
@@ -846,7 +872,7 @@ async fn perform(app: &Arc<App>, step: Step, now: f64, observed: Vec<String>) {
                                 a.shadow = shadow.clone();
                             }
                         }
-                        if let Some(p) = st.proposals.iter_mut().find(|p| p.id == id) {
+                        if let Some(p) = st.proposal_mut(&id) {
                             p.state = PState::Rolling;
                         }
                     }
@@ -873,7 +899,7 @@ async fn perform(app: &Arc<App>, step: Step, now: f64, observed: Vec<String>) {
                         if let Some(a) = st.rollout.as_mut() {
                             a.machine.end(now);
                         }
-                        if let Some(p) = st.proposals.iter_mut().find(|p| p.id == id) {
+                        if let Some(p) = st.proposal_mut(&id) {
                             p.state = PState::Refused;
                             p.note = Some(format!(
                                 "activation refused ({}): {}; the last good policy keeps serving",
@@ -921,7 +947,7 @@ async fn perform(app: &Arc<App>, step: Step, now: f64, observed: Vec<String>) {
             };
             {
                 let mut st = lock(&gov.state);
-                if let Some(p) = st.proposals.iter_mut().find(|p| p.id == id) {
+                if let Some(p) = st.proposal_mut(&id) {
                     p.state = PState::RolledBack;
                     p.note = Some(format!(
                         "rolled back automatically in {}: {text}",
@@ -946,7 +972,7 @@ fn finish_rollout(app: &App, id: &str, now: f64) {
     if let Some(a) = st.rollout.as_mut() {
         a.machine.end(now);
     }
-    if let Some(p) = st.proposals.iter_mut().find(|p| p.id == id) {
+    if let Some(p) = st.proposal_mut(id) {
         p.state = PState::Enforced;
     }
     drop(st);
@@ -1050,7 +1076,7 @@ async fn start_next(app: &Arc<App>, now: f64) {
                     .find(|p| p.id == id)
                     .map(|p| p.proposer.clone())
                     .unwrap_or_default();
-                if let Some(p) = st.proposals.iter_mut().find(|p| p.id == id) {
+                if let Some(p) = st.proposal_mut(&id) {
                     match &r {
                         Ok(_) => p.state = PState::Enforced,
                         Err(e) => {
@@ -1095,7 +1121,7 @@ async fn start_next(app: &Arc<App>, now: f64) {
                 Err((status, v)) => {
                     {
                         let mut st = lock(&gov.state);
-                        if let Some(p) = st.proposals.iter_mut().find(|p| p.id == id) {
+                        if let Some(p) = st.proposal_mut(&id) {
                             p.state = PState::Refused;
                             p.note = Some(format!(
                                 "no longer fits this gateway ({}): {}",
@@ -1116,7 +1142,7 @@ async fn start_next(app: &Arc<App>, now: f64) {
             let (machine, step) = Rollout::start(plan.clone(), now);
             {
                 let mut st = lock(&gov.state);
-                if let Some(p) = st.proposals.iter_mut().find(|p| p.id == id) {
+                if let Some(p) = st.proposal_mut(&id) {
                     p.state = PState::Rolling;
                 }
                 st.rollout = Some(Active {
@@ -1461,16 +1487,10 @@ async fn revise(
     let plan = Plan::of(&policy.graph, app.gov.default_canary_ms, app.gov.watch_ms);
     {
         let mut st = lock(&app.gov.state);
-        let Some(p) = st.proposals.iter_mut().find(|p| p.id == id) else {
-            return api(404, format!("no proposal `{id}`"), "not_found");
+        let p = match st.open_proposal(&id, "it can no longer be revised") {
+            Ok(p) => p,
+            Err(r) => return *r,
         };
-        if !p.state.open() {
-            return api(
-                409,
-                format!("{id} is {}, it can no longer be revised", p.state.name()),
-                "not_pending",
-            );
-        }
         if let Err(e) = app.gov.audit(
             "proposal_revised",
             &who,
@@ -1515,16 +1535,10 @@ async fn withdraw(
         Err(e) => return e.into_response(),
     };
     let mut st = lock(&app.gov.state);
-    let Some(p) = st.proposals.iter_mut().find(|p| p.id == id) else {
-        return api(404, format!("no proposal `{id}`"), "not_found");
+    let p = match st.open_proposal(&id, "not open") {
+        Ok(p) => p,
+        Err(r) => return *r,
     };
-    if !p.state.open() {
-        return api(
-            409,
-            format!("{id} is {}, not open", p.state.name()),
-            "not_pending",
-        );
-    }
     if let Err(e) = app.gov.audit(
         "proposal_withdrawn",
         &who,
@@ -1778,7 +1792,7 @@ async fn rollback(
                 a.machine.end(now);
             }
             st.rollout = None;
-            if let Some(p) = st.proposals.iter_mut().find(|p| p.id == id) {
+            if let Some(p) = st.proposal_mut(&id) {
                 p.state = PState::RolledBack;
                 p.note = Some(format!("rollout aborted in {} by {who}", stage.name()));
             }
