@@ -585,13 +585,11 @@ impl Executor {
                         .and_then(|r| self.backends.get(r.spec.tag as usize))
                         .cloned()
                         .unwrap_or(Backend::Sim);
-                    let target = rep
-                        .and_then(|r| r.running.iter().find(|s| s.w.id == id))
-                        .map(|s| s.w.output_tokens);
+                    let seq = rep.and_then(|r| r.running.iter().find(|s| s.w.id == id));
+                    let target = seq.map(|s| s.w.output_tokens);
                     #[cfg(feature = "cuda")]
                     if matches!(backend, Backend::Cuda(_)) {
-                        let tokens = rep
-                            .and_then(|r| r.running.iter().find(|s| s.w.id == id))
+                        let tokens = seq
                             .map(|s| u64::from(s.w.prompt_tokens) + u64::from(s.w.output_tokens))
                             .unwrap_or(0);
                         self.cuda.seq.insert(id, replica);
