@@ -1,11 +1,13 @@
 //! The gateway end to end: `kiln::server::start` on 127.0.0.1:0, real HTTP
 //! from reqwest, the simulated backend and an in-test mock upstream.
 
-use kiln::compile::compile_str;
+mod support;
+
 use kiln::server::config::{hash_secret, ServerConfig};
 use kiln::server::{start, Policy, Running, ServeOptions};
 use serde_json::{json, Value};
 use std::time::Duration;
+use support::{policy, serve_on_loopback};
 
 /// One GPU, one small model whose replica runs ONE sequence at a time, so
 /// queueing and cancellation are visible; `alpha` is high tier, `beta` low.
@@ -32,20 +34,6 @@ classify {
 route [high, low] tiny { default => fp16 }
 "#;
 
-fn policy(name: &str, text: &str) -> Policy {
-    let c = compile_str(name, text);
-    let errs: Vec<String> = c
-        .diagnostics
-        .items
-        .iter()
-        .map(|d| d.message.clone())
-        .collect();
-    let g = c
-        .graph
-        .unwrap_or_else(|| panic!("policy does not compile: {errs:?}"));
-    Policy::new(g, c.sources)
-}
-
 fn enterprise() -> Policy {
     let text = std::fs::read_to_string("policies/enterprise/enterprise.kiln").unwrap();
     policy("enterprise.kiln", &text)
@@ -53,21 +41,11 @@ fn enterprise() -> Policy {
 
 async fn serve(p: Policy, mut cfg: ServerConfig, speed: f64) -> Running {
     cfg.sim.speed = speed;
-    start(ServeOptions {
-        policy: p,
-        config: cfg,
-        listen: "127.0.0.1:0".into(),
-    })
-    .await
-    .unwrap()
+    serve_on_loopback(p, cfg).await
 }
 
 fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .no_proxy()
-        .timeout(Duration::from_secs(60))
-        .build()
-        .unwrap()
+    support::client(Duration::from_secs(60))
 }
 
 /// POST /v1/chat/completions with a key.
@@ -766,4 +744,17 @@ fn the_example_config_parses_and_fits_the_enterprise_policy() {
         plan.replicas.iter().any(|r| r.external),
         "the shared pool is served over http"
     );
+}
+
+#[test]
+fn an_http_pool_needs_no_gpu_kind_the_cost_model_knows() {
+    let text = SMALL.replace("kind \"H100-80GB\"", "kind \"llama.cpp CPU\"");
+    let p = policy("cpu.kiln", &text);
+    // On the simulator the unknown kind is an error …
+    assert!(kiln::server::build_plan(&p.graph, &ServerConfig::default_embedded(), None).is_err());
+    // … served over HTTP it needs no sizing.
+    let (plan, _) =
+        kiln::server::build_plan(&p.graph, &http_config(&["http://127.0.0.1:9"]), None).unwrap();
+    assert_eq!(plan.replicas.len(), 1);
+    assert!(plan.replicas[0].external);
 }

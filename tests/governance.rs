@@ -4,8 +4,9 @@
 //! a declared condition trips, manual rollback under approval rules,
 //! incident overrides that expire, and an audit log that catches tampering.
 
+mod support;
+
 use ed25519_dalek::SigningKey;
-use kiln::compile::compile_str;
 use kiln::governance::audit;
 use kiln::governance::keys::{public_hex, sign};
 use kiln::governance::view::{render_proposal, render_status, ProposalView, StatusView};
@@ -62,17 +63,7 @@ fn v1() -> String {
 }
 
 fn policy(text: &str) -> Policy {
-    let c = compile_str("policy.kiln", text);
-    let errs: Vec<String> = c
-        .diagnostics
-        .items
-        .iter()
-        .map(|d| d.message.clone())
-        .collect();
-    let g = c
-        .graph
-        .unwrap_or_else(|| panic!("policy does not compile: {errs:?}"));
-    Policy::new(g, c.sources)
+    support::policy("policy.kiln", text)
 }
 
 fn key(n: u8) -> SigningKey {
@@ -121,21 +112,11 @@ fn config(d: &Path) -> ServerConfig {
 }
 
 async fn serve(text: &str, cfg: ServerConfig) -> Running {
-    start(ServeOptions {
-        policy: policy(text),
-        config: cfg,
-        listen: "127.0.0.1:0".into(),
-    })
-    .await
-    .unwrap()
+    support::serve_on_loopback(policy(text), cfg).await
 }
 
 fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .no_proxy()
-        .timeout(Duration::from_secs(30))
-        .build()
-        .unwrap()
+    support::client(Duration::from_secs(30))
 }
 
 async fn chat(c: &reqwest::Client, base: &str, key: &str) -> reqwest::Response {

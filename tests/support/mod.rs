@@ -1,0 +1,42 @@
+//! What the gateway's integration tests share: compiling a policy,
+//! starting a gateway on 127.0.0.1:0, and a loopback HTTP client.
+
+use kiln::compile::compile_str;
+use kiln::server::config::ServerConfig;
+use kiln::server::{start, Policy, Running, ServeOptions};
+use std::time::Duration;
+
+/// Compiles `text` (as file `name`), failing the test with its errors.
+pub fn policy(name: &str, text: &str) -> Policy {
+    let c = compile_str(name, text);
+    let errs: Vec<String> = c
+        .diagnostics
+        .items
+        .iter()
+        .map(|d| d.message.clone())
+        .collect();
+    let g = c
+        .graph
+        .unwrap_or_else(|| panic!("policy does not compile: {errs:?}"));
+    Policy::new(g, c.sources)
+}
+
+/// A gateway on a free loopback port.
+pub async fn serve_on_loopback(p: Policy, cfg: ServerConfig) -> Running {
+    start(ServeOptions {
+        policy: p,
+        config: cfg,
+        listen: "127.0.0.1:0".into(),
+    })
+    .await
+    .unwrap()
+}
+
+/// A client that never uses a proxy, with a bounded timeout.
+pub fn client(timeout: Duration) -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .timeout(timeout)
+        .build()
+        .unwrap()
+}
