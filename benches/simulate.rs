@@ -4,9 +4,9 @@
 //! of kiln against the fifo baseline at several loads.
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use kiln::backend::sim::CostModel;
+use kiln::backend::cost::CostModel;
+use kiln::replay::{self, report};
 use kiln::sched::{Config, Mode, Scheduler};
-use kiln::sim::{self, report};
 use kiln::traffic::{self, import::Mapping};
 use std::path::Path;
 use std::sync::Arc;
@@ -43,12 +43,12 @@ fn simulate(
         mode,
         ..Config::default()
     };
-    let mut plan = sim::plan(g, cost);
+    let mut plan = replay::plan(g, cost);
     if mode == Mode::Static {
         plan.partition_by_tier(g);
     }
     let mut s = Scheduler::new(g.clone(), plan, cfg);
-    let (outcomes, gap) = sim::run_measured(&mut s, sim::arrivals(records), |_, _| {});
+    let (outcomes, gap) = replay::run_measured(&mut s, replay::arrivals(records), |_, _| {});
     let busy: f64 = s
         .replicas()
         .iter()

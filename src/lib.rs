@@ -6,6 +6,7 @@
 
 pub mod backend;
 pub mod cli;
+pub mod clock;
 pub mod compile;
 pub mod diag;
 pub mod diff;
@@ -13,14 +14,11 @@ pub mod governance;
 pub mod graph;
 pub mod lang;
 pub mod policy_test;
+pub mod replay;
 pub mod sched;
 pub mod server;
-pub mod sim;
 pub mod source;
 pub mod traffic;
+pub mod units;
 
 pub use lang::ast;
-
-/// The policy the gateway decides with: swapped atomically when a new
-/// version is activated; each request is decided wholly by one version.
-pub type ActivePolicy = arc_swap::ArcSwap<graph::DecisionGraph>;

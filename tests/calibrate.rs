@@ -4,11 +4,11 @@
 //! accepts, and the CUDA commands fail with a clear error (never a panic)
 //! on a machine without a driver, or without the `cuda` feature.
 
-use kiln::backend::calibrate::{
+use kiln::backend::cost::calibrate::{
     self, fit, grid, holdout_error, measure_sim, split_holdout, with_efficiency, GridLimits,
     StepShape,
 };
-use kiln::backend::sim::{
+use kiln::backend::cost::{
     Calibration, CostModel, Efficiency, GpuSpec, ReplicaInputs, ReplicaModel,
 };
 use kiln::graph::Precision;

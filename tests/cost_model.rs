@@ -2,7 +2,7 @@
 //! of step times kept as a snapshot, so any change to the model's figures
 //! shows up in review, and a property test of monotonicity.
 
-use kiln::backend::sim::{CostModel, ReplicaModel};
+use kiln::backend::cost::{CostModel, ReplicaModel};
 use kiln::graph::DecisionGraph;
 use proptest::prelude::*;
 use std::fmt::Write;

@@ -3,9 +3,9 @@
 
 use kiln::compile::compile_str;
 use kiln::graph::{DecisionGraph, Request};
+use kiln::replay::{run, Outcome};
 use kiln::sched::plan::{Costing, Plan, StepCost};
 use kiln::sched::{Arrival, Config, Micros, Mode, Reason, Scheduler, MS, SEC};
-use kiln::sim::{run, Outcome};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -853,7 +853,7 @@ tenant light { owner "o" tiers [t] }
     };
     let gap = |mode| {
         let mut s = sched(&g, mode, 1_000_000);
-        kiln::sim::run_measured(&mut s, arrivals(list()), |_, _| {}).1
+        kiln::replay::run_measured(&mut s, arrivals(list()), |_, _| {}).1
     };
     let (k, f) = (gap(Mode::Kiln), gap(Mode::Fifo));
     // One request's weighted service is 200 + 2 x 20 = 240: VTC keeps the

@@ -68,7 +68,7 @@ pub fn run(a: Args) -> i32 {
             p.hash
         }
     };
-    let issued = crate::server::governance::unix_s();
+    let issued = crate::clock::unix_s();
     let expires = issued + (valid_ms / 1000.0) as u64;
     let signed = keys::sign(&key, &a.id, &hash, &name, issued, expires);
     let body = match serde_json::to_value(&signed) {

@@ -3,8 +3,8 @@
 //! simulator's error on held-back steps, and write a calibration TOML.
 
 use super::*;
-use crate::backend::calibrate::{self, CalibrateError, Calibrated, GridLimits};
-use crate::backend::sim::ReplicaModel;
+use crate::backend::cost::calibrate::{self, CalibrateError, Calibrated, GridLimits};
+use crate::backend::cost::ReplicaModel;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum CalBackend {
@@ -171,10 +171,10 @@ fn run_cuda(a: &Args, r: &ReplicaModel) -> Result<Result<Calibrated, CalibrateEr
 /// `--backend cuda`: the transformer-shaped workload on a GPU.
 #[cfg(feature = "cuda")]
 fn run_cuda(a: &Args, r: &ReplicaModel) -> Result<Result<Calibrated, CalibrateError>, i32> {
-    use crate::backend::calibrate::TransformerShape;
+    use crate::backend::cost::calibrate::TransformerShape;
+    use crate::backend::cost::{kv_scale, GpuSpec};
+    use crate::backend::cuda::device::describe;
     use crate::backend::cuda::{CudaReplica, CudaReplicaConfig};
-    use crate::backend::device::describe;
-    use crate::backend::sim::{kv_scale, GpuSpec};
     let fail = |e: crate::backend::cuda::CudaError| {
         eprintln!("{:?}", miette::Report::new(e));
         EXIT_USAGE

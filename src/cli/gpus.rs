@@ -32,7 +32,7 @@ pub fn run(a: Args) -> i32 {
 
 #[cfg(feature = "cuda")]
 pub fn run(a: Args) -> i32 {
-    use crate::backend::device::{check_pool, describe};
+    use crate::backend::cuda::device::{check_pool, describe};
     let devices = match crate::backend::cuda::devices() {
         Ok(d) => d,
         Err(e) => {

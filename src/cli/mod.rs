@@ -315,9 +315,9 @@ pub fn load_traffic(
 pub fn cost_model(
     g: &crate::graph::DecisionGraph,
     calibration: Option<&PathBuf>,
-) -> Result<crate::backend::sim::CostModel, i32> {
+) -> Result<crate::backend::cost::CostModel, i32> {
     let cal = match calibration {
-        Some(p) => match crate::backend::sim::Calibration::load(p) {
+        Some(p) => match crate::backend::cost::Calibration::load(p) {
             Ok(c) => Some(c),
             Err(e) => {
                 eprintln!("{:?}", miette::Report::new(e));
@@ -326,7 +326,7 @@ pub fn cost_model(
         },
         None => None,
     };
-    let cost = crate::backend::sim::CostModel::from_graph(g, cal.as_ref()).map_err(|e| {
+    let cost = crate::backend::cost::CostModel::from_graph(g, cal.as_ref()).map_err(|e| {
         eprintln!("{:?}", miette::Report::new(e));
         EXIT_FINDINGS
     })?;

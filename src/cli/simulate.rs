@@ -1,8 +1,8 @@
 //! `kiln simulate`
 
 use super::*;
+use crate::replay::{self, report};
 use crate::sched::{Config, Mode, Scheduler};
-use crate::sim::{self, report};
 use std::sync::Arc;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -60,7 +60,7 @@ pub fn run(a: Args) -> i32 {
     let gpus: u32 = g.pools.iter().map(|p| p.gpus).sum();
     let mut reports = Vec::new();
     for mode in modes {
-        let mut plan = sim::plan(&g, &cost);
+        let mut plan = replay::plan(&g, &cost);
         if mode == Mode::Static {
             plan.partition_by_tier(&g);
         }
@@ -72,7 +72,7 @@ pub fn run(a: Args) -> i32 {
         let show = std::io::IsTerminal::is_terminal(&std::io::stderr());
         let name = format!("{mode:?}").to_lowercase();
         let (outcomes, gap) =
-            sim::run_measured(&mut sched, sim::arrivals(&records), |done, total| {
+            replay::run_measured(&mut sched, replay::arrivals(&records), |done, total| {
                 if show {
                     eprint!("\r{}", progress_bar(&name, done, total));
                     if done == total {

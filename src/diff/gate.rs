@@ -147,8 +147,8 @@ pub fn evaluate(g: &Gate, decisions: Option<&DecisionDiff>, impact: Option<&Impa
     };
     let groups: Vec<(
         String,
-        Option<&crate::sim::report::Group>,
-        Option<&crate::sim::report::Group>,
+        Option<&crate::replay::report::Group>,
+        Option<&crate::replay::report::Group>,
     )> = match &g.scope {
         Scope::Tier(n) => vec![(
             format!("tier {n}"),

@@ -9,7 +9,7 @@ pub mod plot;
 pub mod semantic;
 pub mod traffic;
 
-use crate::sim::report::Report;
+use crate::replay::report::Report;
 use serde::Serialize;
 
 /// Everything `kiln diff` reports (the JSON schema; see README).
@@ -45,16 +45,16 @@ pub struct DryRun {
 /// One replay of the traffic under one policy.
 pub fn replay(
     g: &std::sync::Arc<crate::graph::DecisionGraph>,
-    cost: &crate::backend::sim::CostModel,
+    cost: &crate::backend::cost::CostModel,
     records: &[crate::traffic::Record],
     label: &str,
     mut progress: impl FnMut(usize, usize),
-) -> (Report, Vec<crate::sim::Outcome>) {
+) -> (Report, Vec<crate::replay::Outcome>) {
     use crate::sched::{Config, Scheduler};
     let cfg = Config::default();
-    let mut sched = Scheduler::new(g.clone(), crate::sim::plan(g, cost), cfg);
+    let mut sched = Scheduler::new(g.clone(), crate::replay::plan(g, cost), cfg);
     let (outcomes, gap) =
-        crate::sim::run_measured(&mut sched, crate::sim::arrivals(records), &mut progress);
+        crate::replay::run_measured(&mut sched, crate::replay::arrivals(records), &mut progress);
     let busy: f64 = sched
         .replicas()
         .iter()
@@ -62,7 +62,7 @@ pub fn replay(
         .sum();
     let gpus: u32 = g.pools.iter().map(|p| p.gpus).sum();
     (
-        crate::sim::report::build(g, label, &outcomes, busy, gpus, gap),
+        crate::replay::report::build(g, label, &outcomes, busy, gpus, gap),
         outcomes,
     )
 }
@@ -73,8 +73,8 @@ pub fn dry_run(
     old: &std::sync::Arc<crate::graph::DecisionGraph>,
     new: &std::sync::Arc<crate::graph::DecisionGraph>,
     costs: (
-        &crate::backend::sim::CostModel,
-        &crate::backend::sim::CostModel,
+        &crate::backend::cost::CostModel,
+        &crate::backend::cost::CostModel,
     ),
     records: &[crate::traffic::Record],
     progress: impl FnMut(usize, usize) + Send,

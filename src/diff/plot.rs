@@ -2,7 +2,7 @@
 //! dashed and new solid, one panel a tier, so a reviewer can look rather
 //! than read. Plain SVG, no dependencies; same inputs, same bytes.
 
-use crate::sim::Outcome;
+use crate::replay::Outcome;
 use std::fmt::Write as _;
 
 const W: f64 = 420.0;

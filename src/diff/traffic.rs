@@ -3,8 +3,8 @@
 //! (impact), compared per tier and per tenant.
 
 use crate::graph::{DecisionGraph, DecisionView, Signals};
+use crate::replay::report::{Group, Report};
 use crate::sched::{Micros, SEC};
-use crate::sim::report::{Group, Report};
 use crate::traffic::Record;
 use serde::Serialize;
 use std::collections::BTreeMap;

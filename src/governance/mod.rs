@@ -45,22 +45,25 @@ pub fn policy_hash(sources: &SourceMap) -> String {
     hex::encode(h.finalize())
 }
 
+/// The version the gateway names a policy by: `sha256:` and the first 12
+/// hex digits of [`policy_hash`].
+pub fn policy_version(sources: &SourceMap) -> String {
+    let d = policy_hash(sources);
+    format!("sha256:{}", d.get(..12).unwrap_or(&d))
+}
+
 /// A duration as kiln writes it (`30m`, `1h`, `90s`, `500ms`) in ms.
 pub fn parse_duration_ms(text: &str) -> Option<f64> {
-    let v = crate::lang::parser::parse_value_text(text)?;
-    match crate::compile::units::literal(&v) {
-        Some(Ok(t)) if t.ty == crate::compile::units::Ty::Duration && t.value >= 0.0 => {
-            Some(t.value)
-        }
+    match crate::units::parse_literal(text) {
+        Some(Ok(t)) if t.ty == crate::units::Ty::Duration && t.value >= 0.0 => Some(t.value),
         _ => None,
     }
 }
 
 /// A percentage as kiln writes it (`10%`) in percent.
 pub fn parse_percent(text: &str) -> Option<f64> {
-    let v = crate::lang::parser::parse_value_text(text)?;
-    match crate::compile::units::literal(&v) {
-        Some(Ok(t)) if t.ty == crate::compile::units::Ty::Percent => Some(t.value),
+    match crate::units::parse_literal(text) {
+        Some(Ok(t)) if t.ty == crate::units::Ty::Percent => Some(t.value),
         _ => None,
     }
 }
@@ -86,9 +89,6 @@ mod tests {
         s.add("a.kiln", "pool p {}");
         let h = policy_hash(&s);
         assert_eq!(h.len(), 64);
-        assert_eq!(
-            crate::server::version_of(&s),
-            format!("sha256:{}", &h[..12])
-        );
+        assert_eq!(policy_version(&s), format!("sha256:{}", &h[..12]));
     }
 }

@@ -5,8 +5,7 @@
 use super::input::{Request, Signals};
 use super::trace::Tracer;
 use super::{ModelId, PoolId, TenantId, TierId};
-use crate::ast::CmpOp;
-use crate::compile::units::{show, Ty};
+use crate::units::{show, CmpOp, Ty};
 
 /// What a test reads.
 #[derive(Debug, Clone, PartialEq)]

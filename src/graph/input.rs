@@ -4,7 +4,7 @@
 //! a graph once into dense vectors so evaluation does no name lookups.
 
 use super::{DecisionGraph, PoolId, TenantId, TierId};
-use crate::compile::units::{self, Ty};
+use crate::units::{self, Ty};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -178,17 +178,13 @@ pub struct SignalError(pub String);
 fn quant(q: &Quant, ty: Ty, what: &str) -> Result<f64, SignalError> {
     match q {
         Quant::Num(n) => Ok(*n),
-        Quant::Text(s) => {
-            let parsed = crate::lang::parser::parse_value_text(s)
-                .ok_or_else(|| SignalError(format!("{what}: `{s}` is not {}", ty.describe())))?;
-            match units::literal(&parsed) {
-                Some(Ok(t)) if t.ty == ty => Ok(t.value),
-                _ => Err(SignalError(format!(
-                    "{what}: `{s}` is not {}",
-                    ty.describe()
-                ))),
-            }
-        }
+        Quant::Text(s) => match units::parse_literal(s) {
+            Some(Ok(t)) if t.ty == ty => Ok(t.value),
+            _ => Err(SignalError(format!(
+                "{what}: `{s}` is not {}",
+                ty.describe()
+            ))),
+        },
     }
 }
 

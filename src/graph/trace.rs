@@ -2,6 +2,7 @@
 //! tried, each condition with the value it saw. The evaluator is generic over
 //! [`Tracer`]; the hot path uses [`NoTrace`], which compiles to nothing.
 
+use crate::units::{show, Ty};
 use serde::Serialize;
 
 pub trait Tracer {
@@ -86,4 +87,86 @@ impl Tracer for Trace {
             s.notes.push(note);
         }
     }
+}
+
+/// The human explanation of one decision: the request, each stage's rules
+/// with the value every condition saw and where the rule is written, and
+/// the decision. `kiln explain` and `/admin/explain?format=text` print it.
+pub fn render(
+    g: &super::DecisionGraph,
+    sources: &crate::source::SourceMap,
+    req: &super::Request,
+    v: &super::DecisionView,
+    t: &Trace,
+) -> String {
+    let mut s = String::new();
+    s.push_str(&format!(
+        "request: tenant={} model={} prompt_tokens={} max_tokens={}",
+        req.tenant
+            .as_deref()
+            .or(req.api_key.as_deref())
+            .unwrap_or("(none)"),
+        req.model,
+        req.prompt_tokens,
+        req.max_tokens
+    ));
+    for (k, val) in &req.headers {
+        s.push_str(&format!(" {k}={val}"));
+    }
+    s.push('\n');
+    for st in &t.stages {
+        s.push_str(&format!("\n{}  [{}]\n", st.stage, st.block));
+        for r in &st.rules {
+            let info = g.rules.get(r.rule as usize);
+            let (text, at) = match info {
+                Some(i) => (i.text.clone(), sources.describe(i.span)),
+                None => ("?".into(), String::new()),
+            };
+            let mark = if r.matched { "✓" } else { "✗" };
+            s.push_str(&format!(
+                "  {mark} #{} {text}   ({at})\n",
+                info.map(|i| i.index).unwrap_or(0)
+            ));
+            for tt in &r.tests {
+                s.push_str(&format!(
+                    "      {} {:<40} saw {}\n",
+                    if tt.result { "true " } else { "false" },
+                    tt.condition,
+                    tt.observed
+                ));
+            }
+        }
+        for n in &st.notes {
+            s.push_str(&format!("  · {n}\n"));
+        }
+    }
+    s.push_str("\ndecision: ");
+    let mut parts = vec![];
+    if let Some(tn) = &v.tenant {
+        parts.push(format!("tenant {tn}"));
+    }
+    parts.push(format!("tier {}", v.tier));
+    if let Some(r) = &v.route {
+        parts.push(format!("route {r}"));
+    }
+    let mut adm = v.admission.clone();
+    if let Some(w) = v.max_wait_ms {
+        adm.push_str(&format!(" (max wait {})", show(Ty::Duration, w)));
+    }
+    if let Some(u) = &v.delay_until {
+        adm.push_str(&format!(" until {u}"));
+    }
+    if let Some(st) = v.status {
+        adm.push_str(&format!(" {st} \"{}\"", v.message.as_deref().unwrap_or("")));
+        if let Some(ra) = v.retry_after_ms {
+            adm.push_str(&format!(" retry after {}", show(Ty::Duration, ra)));
+        }
+    }
+    parts.push(adm);
+    if let Some(fs) = v.fallback_step {
+        parts.push(format!("fallback step {fs}"));
+    }
+    s.push_str(&parts.join(" · "));
+    s.push('\n');
+    s
 }

@@ -1107,26 +1107,6 @@ pub fn escape(s: &str) -> String {
     out
 }
 
-/// Parses a standalone value (`"85%"`, `"2s"`, `"09:30"`), for signals and
-/// test files that carry kiln literals inside JSON or TOML strings.
-pub fn parse_value_text(s: &str) -> Option<Value> {
-    let t = s.trim();
-    let mut pairs = KilnParser::parse(Rule::value, t).ok()?;
-    let p = pairs.next()?;
-    if p.as_str().len() != t.len() {
-        return None;
-    }
-    let content_end = content_ends(t);
-    Some(
-        Builder {
-            file: FileId(0),
-            offset: 0,
-            content_end: &content_end,
-        }
-        .value(p),
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

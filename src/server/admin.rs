@@ -155,7 +155,7 @@ async fn explain(
         );
         if let (Some(g), Some(v), Some(t)) = (&e.graph, &decision, &trace) {
             let sources = app.policy_sources(e.version.as_deref()).unwrap_or_default();
-            out.push_str(&crate::cli::explain::render(g, &sources, &e.request, v, t));
+            out.push_str(&crate::graph::trace::render(g, &sources, &e.request, v, t));
         }
         out.push_str("\nscheduler:\n");
         for ev in &e.events {
@@ -339,11 +339,11 @@ pub fn compile_upload(
         ));
     };
     let policy = Policy::new(graph, sources);
-    let built = super::build_plan(&policy.graph, &app.config, app.calibration.as_ref()).and_then(
-        |(mut plan, notes)| {
-            super::cuda::retag(&policy.graph, &app.config, &mut plan, &app.backends)?;
-            Ok((plan, notes))
-        },
+    let built = crate::backend::deploy::replan(
+        &policy.graph,
+        &app.config.pools,
+        app.calibration.as_ref(),
+        &app.backends,
     );
     match built {
         Ok((plan, notes)) => Ok((policy, plan, notes)),

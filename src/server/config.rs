@@ -6,7 +6,7 @@
 //! Secrets are stored hashed (SHA-256, hex): `kiln hash-key KEY` prints the
 //! hash to paste here, so the file can be reviewed and committed.
 
-use super::upstream::UpstreamConfig;
+pub use crate::backend::deploy::{PoolBackend, UpstreamEntry};
 use miette::{NamedSource, SourceSpan};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
@@ -202,34 +202,6 @@ pub struct KeyConfig {
     /// A label for logs (never the key).
     #[serde(default)]
     pub name: Option<String>,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(tag = "backend", rename_all = "lowercase", deny_unknown_fields)]
-pub enum PoolBackend {
-    /// The roofline simulator, producing placeholder tokens at the
-    /// simulated speed.
-    Sim,
-    /// OpenAI-compatible upstreams (vLLM, SGLang, TGI, llama.cpp server).
-    Http { upstreams: Vec<UpstreamEntry> },
-    /// This machine's GPUs through kiln's CUDA executor (cargo feature
-    /// `cuda`): the policy's replicas of this pool run as real GPU work.
-    Cuda {
-        /// Scale the model's layers down by this factor (0–1] so a large
-        /// variant fits for a capacity test; by default only what does not
-        /// fit is scaled, and kiln says so.
-        #[serde(default)]
-        scale: Option<f64>,
-    },
-}
-
-/// One upstream replica: which of the policy's variants it serves.
-#[derive(Debug, Clone, Deserialize)]
-pub struct UpstreamEntry {
-    pub model: String,
-    pub variant: String,
-    #[serde(flatten)]
-    pub upstream: UpstreamConfig,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -542,7 +514,7 @@ impl ServerConfig {
 }
 
 /// Settings an upstream entry may carry. The entry flattens
-/// [`UpstreamConfig`] into itself, and serde cannot refuse unknown keys
+/// [`crate::backend::http::UpstreamConfig`] into itself, and serde cannot refuse unknown keys
 /// through a flatten, so a misspelt `timout` would silently fall back to
 /// the default: this check refuses it instead.
 const UPSTREAM_KEYS: [&str; 12] = [

@@ -9,7 +9,7 @@
 //! methods; serialising events through a channel keeps it lock-free and
 //! makes the live gateway run exactly the code the replay simulator runs.
 
-use super::upstream::Upstream;
+use crate::backend::Backend;
 use crate::graph::{DecisionGraph, Signals, TenantId, TierId};
 use crate::sched::canary::Canary;
 use crate::sched::plan::Plan;
@@ -21,39 +21,6 @@ use std::collections::{BTreeSet, BinaryHeap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
-
-/// A CUDA replica (feature `cuda`); without the feature the type has no
-/// values, so no replica can be on a GPU.
-#[cfg(feature = "cuda")]
-pub type CudaHandle = Arc<super::cuda::CudaSlot>;
-#[cfg(not(feature = "cuda"))]
-pub type CudaHandle = std::convert::Infallible;
-
-/// Where a replica's work runs.
-#[derive(Clone)]
-pub enum Backend {
-    /// The roofline simulator: the executor produces tokens at step ends.
-    Sim,
-    /// An OpenAI-compatible upstream: the handler sends the request and
-    /// reports completion.
-    Http(Arc<Upstream>),
-    /// A replica on this machine's GPU: the executor runs each step there
-    /// and produces tokens as steps end, as for the simulator.
-    Cuda(CudaHandle),
-}
-
-impl Backend {
-    pub fn name(&self) -> String {
-        match self {
-            Backend::Sim => "sim".into(),
-            Backend::Http(u) => format!("http:{}", u.name()),
-            #[cfg(feature = "cuda")]
-            Backend::Cuda(c) => format!("cuda:{}", c.name),
-            #[cfg(not(feature = "cuda"))]
-            Backend::Cuda(never) => match *never {},
-        }
-    }
-}
 
 /// What a handler hears about its request.
 #[derive(Clone)]

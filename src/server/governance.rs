@@ -187,10 +187,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-pub fn unix_s() -> u64 {
-    (super::unix_ms() / 1000.0) as u64
-}
-
 fn api(status: u16, msg: impl Into<String>, code: &str) -> Response {
     ApiError::new(status, msg).code(code).into_response()
 }
@@ -205,7 +201,7 @@ fn restore(
     audit: &mut AuditLog,
 ) -> Result<(GovState, Option<Previous>), AuditError> {
     let (proposals, dropped) = snap.verify(approvers);
-    let at = super::unix_ms() as u64;
+    let at = crate::clock::unix_ms() as u64;
     for d in &dropped {
         let (kind, details) = match d {
             stored::Dropped::Proposal { id, stored, actual } => {
@@ -406,7 +402,7 @@ impl Gov {
 
     /// Appends to the audit log; an error is logged and returned.
     fn audit(&self, kind: &str, actor: &str, details: Value) -> Result<(), AuditError> {
-        let r = lock(&self.audit).append(super::unix_ms() as u64, kind, actor, details);
+        let r = lock(&self.audit).append(crate::clock::unix_ms() as u64, kind, actor, details);
         match r {
             Ok(_) => Ok(()),
             Err(e) => {
@@ -937,7 +933,7 @@ async fn perform(app: &Arc<App>, step: Step, now: f64, observed: Vec<String>) {
             };
             app.metrics.rollback("automatic");
             let view = RollbackView {
-                at_unix_ms: super::unix_ms() as u64,
+                at_unix_ms: crate::clock::unix_ms() as u64,
                 from: from.clone(),
                 to: to.clone(),
                 trigger: "automatic".into(),
@@ -1012,7 +1008,7 @@ async fn rollback_to_previous(app: &Arc<App>) -> Result<String, String> {
 /// proposal also ends a watch).
 async fn start_next(app: &Arc<App>, now: f64) {
     let gov = &app.gov;
-    let now_s = unix_s();
+    let now_s = crate::clock::unix_s();
     let active = app.policy.load_full();
     let pick = {
         let mut st = lock(&gov.state);
@@ -1087,7 +1083,7 @@ async fn start_next(app: &Arc<App>, now: f64) {
                 }
                 if let Ok(to) = &r {
                     st.last_rollback = Some(RollbackView {
-                        at_unix_ms: super::unix_ms() as u64,
+                        at_unix_ms: crate::clock::unix_ms() as u64,
                         from: from.clone(),
                         to: to.clone(),
                         trigger: "manual".into(),
@@ -1268,8 +1264,8 @@ async fn dry_run(app: &Arc<App>, old: Arc<Policy>, new: Arc<Policy>) -> DryRunVi
             return view;
         }
         let costs = (
-            crate::backend::sim::CostModel::from_graph(&old.graph, cal.as_ref()),
-            crate::backend::sim::CostModel::from_graph(&new.graph, cal.as_ref()),
+            crate::backend::cost::CostModel::from_graph(&old.graph, cal.as_ref()),
+            crate::backend::cost::CostModel::from_graph(&new.graph, cal.as_ref()),
         );
         let (co, cn) = match costs {
             (Ok(a), Ok(b)) => (a, b),
@@ -1366,7 +1362,7 @@ async fn propose(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) ->
     let (semantic, changes, dry) = assess(&app, policy.clone()).await;
     let needs = needs_for(&app, &active.graph, &changes);
     let plan = Plan::of(&policy.graph, app.gov.default_canary_ms, app.gov.watch_ms);
-    let now_s = unix_s();
+    let now_s = crate::clock::unix_s();
     let view = {
         let mut st = lock(&app.gov.state);
         let id = format!("p-{}", st.next);
@@ -1383,7 +1379,7 @@ async fn propose(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) ->
             version: policy.version.to_string(),
             base: active.version.to_string(),
             proposer: who.clone(),
-            created_unix_ms: super::unix_ms() as u64,
+            created_unix_ms: crate::clock::unix_ms() as u64,
             revision: 1,
             changes: changes.clone(),
             semantic,
@@ -1417,14 +1413,14 @@ fn current_view(app: &App, id: &str) -> Option<ProposalView> {
     st.proposals
         .iter()
         .find(|p| p.id == id)
-        .map(|p| p.view(unix_s(), true))
+        .map(|p| p.view(crate::clock::unix_s(), true))
 }
 
 async fn list(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     if let Err(e) = identify(&app, &headers) {
         return e.into_response();
     }
-    let now_s = unix_s();
+    let now_s = crate::clock::unix_s();
     let st = lock(&app.gov.state);
     let v: Vec<ProposalView> = st.proposals.iter().map(|p| p.view(now_s, false)).collect();
     axum::Json(v).into_response()
@@ -1548,7 +1544,7 @@ async fn withdraw(
     }
     p.state = PState::Withdrawn;
     p.note = Some(format!("withdrawn by {who}"));
-    let view = p.view(unix_s(), false);
+    let view = p.view(crate::clock::unix_s(), false);
     drop(st);
     persist(&app);
     axum::Json(view).into_response()
@@ -1576,7 +1572,7 @@ async fn approve(
             .into_response()
         }
     };
-    let now_s = unix_s();
+    let now_s = crate::clock::unix_s();
     let result = {
         let mut st = lock(&app.gov.state);
         let GovState {
@@ -1661,7 +1657,7 @@ async fn approve(
 pub fn status_view(app: &App) -> StatusView {
     let gov = &app.gov;
     let now = gov.now_ms();
-    let now_s = unix_s();
+    let now_s = crate::clock::unix_s();
     let shadow_now = gov.shadow().map(|s| s.counts());
     let st = lock(&gov.state);
     let rollout = st.rollout.as_ref().filter(|a| !a.machine.done()).map(|a| {
@@ -1778,7 +1774,7 @@ async fn rollback(
         end_shadow(&app);
         set_canary(&app, None).await;
         let view = RollbackView {
-            at_unix_ms: super::unix_ms() as u64,
+            at_unix_ms: crate::clock::unix_ms() as u64,
             from: version.clone(),
             to: app.policy.load().version.to_string(),
             trigger: "manual".into(),
@@ -1822,7 +1818,7 @@ async fn rollback(
         return match r {
             Ok(to) => {
                 let view = RollbackView {
-                    at_unix_ms: super::unix_ms() as u64,
+                    at_unix_ms: crate::clock::unix_ms() as u64,
                     from: active.version.to_string(),
                     to: to.clone(),
                     trigger: "manual".into(),
@@ -1887,7 +1883,7 @@ async fn rollback(
             version: prev.version.clone(),
             base: active.version.to_string(),
             proposer: who,
-            created_unix_ms: super::unix_ms() as u64,
+            created_unix_ms: crate::clock::unix_ms() as u64,
             revision: 1,
             changes: Changes::rollback(),
             semantic: crate::diff::semantic::SemanticDiff::default(),
@@ -1897,7 +1893,7 @@ async fn rollback(
             rollout: None,
             note: req.reason.map(|r| format!("reason: {r}")),
         };
-        let v = p.view(unix_s(), true);
+        let v = p.view(crate::clock::unix_s(), true);
         st.proposals.push(p);
         v
     };

@@ -10,7 +10,6 @@
 
 pub mod admin;
 pub mod config;
-pub mod cuda;
 pub mod decision_log;
 pub mod executor;
 pub mod explain;
@@ -18,16 +17,16 @@ pub mod governance;
 pub mod metrics;
 pub mod openai;
 pub mod routes;
-pub mod upstream;
 
-use crate::backend::sim::{Calibration, CostModel};
+use crate::backend::cost::Calibration;
+use crate::backend::{deploy, Backend};
 use crate::graph::DecisionGraph;
-use crate::sched::plan::{Plan, ReplicaSpec, StepCost};
+use crate::sched::plan::Plan;
 use crate::sched::{Config as SchedConfig, Scheduler};
 use crate::source::SourceMap;
 use arc_swap::ArcSwap;
-use config::{PoolBackend, ServerConfig};
-use executor::{Backend, ExecHandle, Executor};
+use config::ServerConfig;
+use executor::{ExecHandle, Executor};
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
@@ -52,8 +51,7 @@ impl Policy {
 
 /// The version names the exact text: file names and contents, in order.
 pub fn version_of(sources: &SourceMap) -> String {
-    let d = crate::governance::policy_hash(sources);
-    format!("sha256:{}", d.get(..12).unwrap_or(&d))
+    crate::governance::policy_version(sources)
 }
 
 /// Shared state of a running gateway.
@@ -102,12 +100,6 @@ impl App {
 
 #[derive(Debug, thiserror::Error, miette::Diagnostic)]
 pub enum ServeError {
-    #[error("the server config does not fit the policy: {0}")]
-    #[diagnostic(
-        code(kiln::serve::config),
-        help("pool, model and variant names in kiln.toml must be the policy's; `kiln check` lists them")
-    )]
-    Mismatch(String),
     #[error("cannot build the simulated GPU pools: {0}")]
     #[diagnostic(
         code(kiln::serve::sim),
@@ -123,6 +115,10 @@ pub enum ServeError {
     #[error("{0}")]
     #[diagnostic(code(kiln::serve::startup))]
     Startup(String),
+    /// The policy does not fit the configured backends.
+    #[error(transparent)]
+    #[diagnostic(transparent)]
+    Deploy(#[from] deploy::DeployError),
     /// The audit log or the governance state could not be loaded; its own
     /// diagnostic (with its help line) says what to do.
     #[error(transparent)]
@@ -130,134 +126,14 @@ pub enum ServeError {
     Governance(governance::GovError),
 }
 
-/// The backend table: index 0 is the simulator, then one entry per
-/// configured upstream, in config order (`ReplicaSpec::tag` indexes it).
-pub fn backends(cfg: &ServerConfig) -> Result<Vec<Backend>, ServeError> {
-    let mut out = vec![Backend::Sim];
-    for (pool, b) in &cfg.pools {
-        if let PoolBackend::Http { upstreams } = b {
-            for (i, u) in upstreams.iter().enumerate() {
-                let name = format!("{pool}/{}.{}#{i}", u.model, u.variant);
-                let up = upstream::Upstream::new(name, u.upstream.clone())
-                    .map_err(|e| ServeError::Startup(e.to_string()))?;
-                out.push(Backend::Http(Arc::new(up)));
-            }
-        }
-    }
-    Ok(out)
-}
-
-/// A step cost for upstream replicas the roofline model cannot size: used
-/// only for wait estimates, since the upstream owns its batches.
-#[derive(Debug)]
-struct FlatCost;
-
-impl StepCost for FlatCost {
-    fn step_time(&self, prefill_tokens: u32, decode_seqs: u32, _context: u64) -> f64 {
-        0.005 + f64::from(prefill_tokens) * 0.0002 + f64::from(decode_seqs.min(1)) * 0.02
-    }
-}
-
-/// The deployment for a policy under this config: simulated replicas for
-/// pools on the simulator, one external replica per configured upstream.
+/// The deployment for a policy under this config (see
+/// [`crate::backend::deploy::plan`]).
 pub fn build_plan(
     g: &DecisionGraph,
     cfg: &ServerConfig,
     calibration: Option<&Calibration>,
 ) -> Result<(Plan, Vec<String>), ServeError> {
-    for name in cfg.pools.keys() {
-        if g.pool_id(name).is_none() {
-            return Err(ServeError::Mismatch(format!(
-                "kiln.toml configures pool `{name}`, which the policy does not declare"
-            )));
-        }
-    }
-    let http_pool = |p: crate::graph::PoolId| {
-        g.pools
-            .get(p as usize)
-            .and_then(|pool| cfg.pools.get(&pool.name))
-            .is_some_and(|b| matches!(b, PoolBackend::Http { .. }))
-    };
-    // Pools served over HTTP need no GPU kind kiln knows (a llama.cpp CPU
-    // server, say): where the cost model cannot size them, their replicas
-    // estimate waits with FlatCost.
-    let cost = CostModel::from_graph_sizing(g, calibration, http_pool)
-        .map_err(|e| ServeError::Sim(e.to_string()))?;
-    let mut plan = Plan::from_graph(g, |m, v, p| {
-        if http_pool(p) {
-            return None;
-        }
-        let r = cost.replica(m, v, p)?;
-        let kv = r.kv_capacity_tokens().ok()?;
-        Some(crate::sched::plan::Costing {
-            cost: Arc::new(r.clone()),
-            kv_capacity: kv,
-        })
-    });
-    // Variants left unplaced only because their pool is served over HTTP
-    // are not a problem.
-    plan.unplaced.retain(|(_, _, p, _)| !http_pool(*p));
-    let mut tag = 1u32;
-    for (pool_name, b) in &cfg.pools {
-        let PoolBackend::Http { upstreams } = b else {
-            continue;
-        };
-        let Some(pool) = g.pool_id(pool_name) else {
-            continue;
-        };
-        for u in upstreams {
-            let this = tag;
-            tag += 1;
-            let Some(m) = g.model_id(&u.model) else {
-                return Err(ServeError::Mismatch(format!(
-                    "pool `{pool_name}`: the policy has no model `{}`",
-                    u.model
-                )));
-            };
-            let model = &g.models[m as usize];
-            let Some(v) = model.variants.iter().position(|v| v.name == u.variant) else {
-                return Err(ServeError::Mismatch(format!(
-                    "pool `{pool_name}`: model `{}` has no variant `{}`",
-                    u.model, u.variant
-                )));
-            };
-            let var = &model.variants[v];
-            let step: Arc<dyn StepCost> = match cost.replica(m, v as u16, pool) {
-                Some(r) => Arc::new(r.clone()),
-                None => Arc::new(FlatCost),
-            };
-            plan.replicas.push(ReplicaSpec {
-                pool,
-                model: m,
-                variant: v as u16,
-                gpus: var.gpus_per_replica,
-                // The upstream manages its own KV memory.
-                kv_capacity: u64::MAX / 8,
-                max_batch: u.upstream.concurrency.max(1),
-                max_batch_tokens: var.max_batch_tokens,
-                cost: step,
-                only_tier: None,
-                external: true,
-                tag: this,
-            });
-        }
-    }
-    let notes = plan
-        .unplaced
-        .iter()
-        .map(|(m, v, p, why)| {
-            format!(
-                "{} on {}: {why}",
-                g.variant_name(*m, *v),
-                g.pools
-                    .get(*p as usize)
-                    .map(|p| p.name.as_str())
-                    .unwrap_or("?")
-            )
-        })
-        .chain(cost.warnings.iter().cloned())
-        .collect();
-    Ok((plan, notes))
+    Ok(deploy::plan(g, &cfg.pools, calibration)?)
 }
 
 pub struct ServeOptions {
@@ -313,7 +189,11 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         Some(p) => Some(Calibration::load(p).map_err(|e| ServeError::Sim(e.to_string()))?),
         None => None,
     };
-    let (plan, notes) = build_plan(&policy.graph, &config, calibration.as_ref())?;
+    let deploy::Deployment {
+        plan,
+        backends,
+        notes,
+    } = deploy::deploy(&policy.graph, &config.pools, calibration.as_ref())?;
     for n in &notes {
         tracing::warn!("{n}");
     }
@@ -322,16 +202,9 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
             "no replica fits any pool: nothing could serve a request".into(),
         ));
     }
-    let mut backends = backends(&config)?;
-    let mut plan = plan;
-    if !cuda::cuda_pools(&policy.graph, &config).is_empty() {
-        let cost = CostModel::from_graph(&policy.graph, calibration.as_ref())
-            .map_err(|e| ServeError::Sim(e.to_string()))?;
-        cuda::attach(&policy.graph, &config, &cost, &mut plan, &mut backends)?;
-    }
     let backends = Arc::new(backends);
     let mut sched_cfg = SchedConfig::default();
-    let (minute, weekday) = wall_clock_minute();
+    let (minute, weekday) = crate::clock::minute_and_weekday();
     sched_cfg.start_minute_of_day = minute;
     sched_cfg.start_weekday = weekday;
     let sched = Scheduler::new(policy.graph.clone(), plan, sched_cfg);
@@ -390,7 +263,7 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         admin_open,
         swap_lock: tokio::sync::Mutex::new(()),
         speed,
-        boot_ms: unix_ms() as u64,
+        boot_ms: crate::clock::unix_ms() as u64,
         gov,
     });
     let router = routes::router(app.clone())
@@ -414,20 +287,4 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         executor: exec_task,
         governance: driver,
     })
-}
-
-pub fn unix_ms() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs_f64() * 1000.0)
-        .unwrap_or(0.0)
-}
-
-/// UTC minute of day and weekday (0 = Monday) now, for time-of-day rules.
-fn wall_clock_minute() -> (u32, u8) {
-    let secs = (unix_ms() / 1000.0) as u64;
-    let minute = ((secs / 60) % 1440) as u32;
-    // 1970-01-01 was a Thursday (3 when Monday is 0).
-    let weekday = ((secs / 86_400 + 3) % 7) as u8;
-    (minute, weekday)
 }

@@ -9,12 +9,13 @@
 //! the scheduler if the client goes away at any point, so its capacity is
 //! freed at once. At the end one decision-log line and the metrics.
 
-use super::executor::{Backend, Command, Progress};
+use super::executor::{Command, Progress};
 use super::explain::{self, Shared};
 use super::metrics::{Labels, Outcome as MetricOutcome};
 use super::openai::{ApiError, Endpoint, GenerationRequest};
-use super::upstream::UpstreamError;
 use super::App;
+use crate::backend::http::UpstreamError;
+use crate::backend::Backend;
 use crate::governance::overrides::Scope;
 use crate::graph::{DecisionGraph, Request, Signals, TenantId, TierId};
 use crate::sched::{Arrival, Reason, ReqId, SEC};
@@ -188,7 +189,7 @@ async fn generate_inner(
     body: Body,
 ) -> Result<Response, ApiError> {
     let received = Instant::now();
-    let received_ms = super::unix_ms();
+    let received_ms = crate::clock::unix_ms();
     // Who is asking comes first: an unauthenticated caller learns nothing
     // about the body it sent.
     let policy = app.policy.load_full();
@@ -845,7 +846,7 @@ fn completion_id(ctx: &Ctx) -> String {
 }
 
 fn created() -> i64 {
-    (super::unix_ms() / 1000.0) as i64
+    (crate::clock::unix_ms() / 1000.0) as i64
 }
 
 fn full_body(
@@ -1144,7 +1145,7 @@ async fn serve_http(
     mut guard: CancelGuard,
     rx: mpsc::UnboundedReceiver<Progress>,
     s: Started,
-    up: Arc<super::upstream::Upstream>,
+    up: Arc<crate::backend::http::Upstream>,
     may_resend: bool,
 ) -> Result<Response, HttpFail> {
     drop(rx);

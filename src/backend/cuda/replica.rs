@@ -20,7 +20,7 @@
 //!
 //! So every step reads all weights once and `C × kv_bytes_per_token` of
 //! KV, and does `2 × params × n` plus the attention FLOPs: the roofline's
-//! own accounting ([`crate::backend::calibrate::StepShape`]). Outputs are
+//! own accounting ([`crate::backend::cost::calibrate::StepShape`]). Outputs are
 //! placeholders (never read back). Steps are timed with CUDA events.
 //!
 //! **Memory.** Weights, activation buffers for the largest step, and an
@@ -33,12 +33,12 @@
 //! sequence's blocks lie does not change the bytes moved.
 
 use super::{ensure_cublas, ensure_driver, guarded, info_of, CudaError};
-use crate::backend::calibrate::{
+use crate::backend::cost::calibrate::{
     Measurement, MemoryPlan, StepPoint, TransformerShape, KV_BLOCK_TOKENS, MAX_GRID_PREFILL,
     WORKLOAD_ELEMENT_BYTES,
 };
-use crate::backend::device::{DeviceInfo, KvBlocks};
-use crate::backend::sim::{kv_scale, ReplicaModel};
+use crate::backend::cost::{kv_scale, ReplicaModel};
+use crate::backend::cuda::device::{DeviceInfo, KvBlocks};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr};

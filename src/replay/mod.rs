@@ -185,31 +185,14 @@ pub fn run_measured(
     (outcomes, gap)
 }
 
-impl crate::sched::plan::StepCost for crate::backend::sim::ReplicaModel {
-    fn step_time(&self, prefill_tokens: u32, decode_seqs: u32, context_tokens: u64) -> f64 {
-        crate::backend::sim::ReplicaModel::step_time(
-            self,
-            prefill_tokens,
-            decode_seqs,
-            context_tokens,
-        )
-    }
-}
-
-/// The deployment the simulator runs: replicas placed by the policy's
-/// routes, each with the roofline cost model of its GPU kind.
+/// The deployment the replay runs: replicas placed by the policy's routes,
+/// each with the roofline cost model of its GPU kind (the planner the
+/// gateway uses, with every pool simulated).
 pub fn plan(
     g: &crate::graph::DecisionGraph,
-    cost: &crate::backend::sim::CostModel,
+    cost: &crate::backend::cost::CostModel,
 ) -> crate::sched::plan::Plan {
-    crate::sched::plan::Plan::from_graph(g, |m, v, p| {
-        let r = cost.replica(m, v, p)?;
-        let kv = r.kv_capacity_tokens().ok()?;
-        Some(crate::sched::plan::Costing {
-            cost: std::sync::Arc::new(r.clone()),
-            kv_capacity: kv,
-        })
-    })
+    crate::backend::deploy::simulated(g, cost)
 }
 
 /// Turns recorded traffic into arrivals (ids are positions in the trace).

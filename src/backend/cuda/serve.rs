@@ -10,18 +10,17 @@
 //! swap reuses the replicas it has and cannot add new ones (that would
 //! allocate GPU memory while serving): restart to grow a CUDA pool.
 
-use super::config::{PoolBackend, ServerConfig};
-use super::executor::Backend;
-use super::ServeError;
+use crate::backend::deploy::{DeployError, PoolBackend, PoolBackends};
+use crate::backend::Backend;
 use crate::graph::DecisionGraph;
 use crate::sched::plan::Plan;
 
 /// Pools the config runs on CUDA, in the policy's order.
-pub fn cuda_pools(g: &DecisionGraph, cfg: &ServerConfig) -> Vec<crate::graph::PoolId> {
+pub fn cuda_pools(g: &DecisionGraph, pools: &PoolBackends) -> Vec<crate::graph::PoolId> {
     g.pools
         .iter()
         .enumerate()
-        .filter(|(_, p)| matches!(cfg.pools.get(&p.name), Some(PoolBackend::Cuda { .. })))
+        .filter(|(_, p)| matches!(pools.get(&p.name), Some(PoolBackend::Cuda { .. })))
         .map(|(i, _)| i as crate::graph::PoolId)
         .collect()
 }
@@ -38,9 +37,9 @@ fn key(g: &DecisionGraph, pool: u16, model: u16, variant: u16) -> (String, Strin
 #[cfg(feature = "cuda")]
 mod real {
     use super::*;
+    use crate::backend::cost::CostModel;
+    use crate::backend::cuda::device;
     use crate::backend::cuda::{self, CudaReplica};
-    use crate::backend::device;
-    use crate::backend::sim::CostModel;
     use std::sync::{Arc, Mutex};
 
     /// One replica on one device.
@@ -55,22 +54,22 @@ mod real {
     /// appends them to the backend table and points the plan at them.
     pub fn attach(
         g: &DecisionGraph,
-        cfg: &ServerConfig,
+        pools_cfg: &PoolBackends,
         cost: &CostModel,
         plan: &mut Plan,
         backends: &mut Vec<Backend>,
-    ) -> Result<(), ServeError> {
-        let pools = cuda_pools(g, cfg);
+    ) -> Result<(), DeployError> {
+        let pools = cuda_pools(g, pools_cfg);
         if pools.is_empty() {
             return Ok(());
         }
-        let devices = cuda::devices().map_err(|e| ServeError::Startup(e.to_string()))?;
+        let devices = cuda::devices().map_err(|e| DeployError::Startup(e.to_string()))?;
         let decl: Vec<&crate::graph::Pool> = pools
             .iter()
             .filter_map(|&p| g.pools.get(p as usize))
             .collect();
         let ranges = device::assign_pools(&decl, &devices)
-            .map_err(|e| ServeError::Startup(e.to_string()))?;
+            .map_err(|e| DeployError::Startup(e.to_string()))?;
         for (k, &pool) in pools.iter().enumerate() {
             let Some(range) = ranges.get(k).cloned() else {
                 continue;
@@ -78,7 +77,7 @@ mod real {
             let scale = match g
                 .pools
                 .get(pool as usize)
-                .and_then(|p| cfg.pools.get(&p.name))
+                .and_then(|p| pools_cfg.get(&p.name))
             {
                 Some(PoolBackend::Cuda { scale }) => *scale,
                 _ => None,
@@ -89,19 +88,19 @@ mod real {
                 let dev = next;
                 next += spec.gpus.max(1) as usize;
                 if dev >= range.end {
-                    return Err(ServeError::Startup(format!(
+                    return Err(DeployError::Startup(format!(
                         "pool `{}` has more replicas than devices",
                         key(g, pool, spec.model, spec.variant).0
                     )));
                 }
                 let Some(model) = cost.replica(spec.model, spec.variant, pool) else {
-                    return Err(ServeError::Sim(format!(
+                    return Err(DeployError::Sim(format!(
                         "no cost model for {}",
                         key(g, pool, spec.model, spec.variant).1
                     )));
                 };
                 let rep = CudaReplica::for_variant(model, dev, scale)
-                    .map_err(|e| ServeError::Startup(e.to_string()))?;
+                    .map_err(|e| DeployError::Startup(e.to_string()))?;
                 spec.kv_capacity = spec.kv_capacity.min(rep.kv_capacity_tokens());
                 let k = key(g, pool, spec.model, spec.variant);
                 spec.tag = backends.len() as u32;
@@ -123,14 +122,14 @@ pub use real::{attach, CudaSlot};
 #[cfg(not(feature = "cuda"))]
 pub fn attach(
     g: &DecisionGraph,
-    cfg: &ServerConfig,
-    _cost: &crate::backend::sim::CostModel,
+    pools_cfg: &PoolBackends,
+    _cost: &crate::backend::cost::CostModel,
     _plan: &mut Plan,
     _backends: &mut Vec<Backend>,
-) -> Result<(), ServeError> {
-    match cuda_pools(g, cfg).first() {
+) -> Result<(), DeployError> {
+    match cuda_pools(g, pools_cfg).first() {
         None => Ok(()),
-        Some(&p) => Err(ServeError::Startup(format!(
+        Some(&p) => Err(DeployError::Startup(format!(
             "pool `{}` uses backend \"cuda\", but this kiln was built without the `cuda` feature; rebuild with `cargo build --release --features cuda`, or use the sim or http backend",
             g.pools.get(p as usize).map(|p| p.name.as_str()).unwrap_or("?")
         ))),
@@ -141,11 +140,11 @@ pub fn attach(
 /// at startup, by pool and variant; a plan needing more is refused.
 pub fn retag(
     g: &DecisionGraph,
-    cfg: &ServerConfig,
+    pools_cfg: &PoolBackends,
     plan: &mut Plan,
     backends: &[Backend],
-) -> Result<(), ServeError> {
-    let pools = cuda_pools(g, cfg);
+) -> Result<(), DeployError> {
+    let pools = cuda_pools(g, pools_cfg);
     if pools.is_empty() {
         return Ok(());
     }
@@ -157,7 +156,7 @@ pub fn retag(
             .enumerate()
             .find(|(i, b)| !used[*i] && matches!(b, Backend::Cuda(s) if cuda_key(s) == &want));
         let Some((i, _)) = found else {
-            return Err(ServeError::Mismatch(format!(
+            return Err(DeployError::Mismatch(format!(
                 "{} on CUDA pool `{}` has no GPU replica allocated at startup; restart the gateway to change a CUDA pool's variants",
                 want.1, want.0
             )));

@@ -13,7 +13,7 @@
 //!
 //! ```no_run
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! use kiln::backend::sim::CostModel;
+//! use kiln::backend::cost::CostModel;
 //! # let graph: kiln::graph::DecisionGraph = unimplemented!();
 //! let cost = CostModel::from_graph(&graph, None)?;
 //! if let Some(r) = cost.replica(0, 0, 0) {
@@ -24,6 +24,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod calibrate;
 pub mod calibration;
 pub mod error;
 pub mod gpu;
@@ -268,3 +269,11 @@ fn check_names(graph: &DecisionGraph, cal: &Calibration) -> Result<(), SimError>
 
 #[cfg(test)]
 mod tests;
+
+/// The scheduler sizes steps through its own trait; the roofline model is
+/// one implementation of it.
+impl crate::sched::plan::StepCost for ReplicaModel {
+    fn step_time(&self, prefill_tokens: u32, decode_seqs: u32, context_tokens: u64) -> f64 {
+        ReplicaModel::step_time(self, prefill_tokens, decode_seqs, context_tokens)
+    }
+}

@@ -7,7 +7,7 @@ use miette::{Diagnostic, NamedSource, SourceSpan};
 pub enum SimError {
     #[error("pool `{pool}` has GPU kind \"{kind}\", which the cost model does not know")]
     #[diagnostic(
-        code(kiln::sim::unknown_gpu_kind),
+        code(kiln::replay::unknown_gpu_kind),
         help(
             "known GPU kinds (matched case-insensitively inside the kind string): {known}; \
              or describe this GPU in a calibration file's [gpu.\"{kind}\"] table \
@@ -22,14 +22,14 @@ pub enum SimError {
 
     #[error("model `{model}` has no parameter count, which the cost model needs")]
     #[diagnostic(
-        code(kiln::sim::missing_params),
+        code(kiln::replay::missing_params),
         help("add `params 70B` (the model's parameter count) to model `{model}`")
     )]
     MissingParams { model: String },
 
     #[error("model `{model}` has no KV-cache size per token, which the cost model needs")]
     #[diagnostic(
-        code(kiln::sim::missing_kv_per_token),
+        code(kiln::replay::missing_kv_per_token),
         help(
             "add `kv_per_token 320KB` to model `{model}`: 2 (K and V) × layers × KV heads × \
              head dim × 2 bytes; Llama-3-70B is 80 × 8 × 128 × 4 = 320KB"
@@ -42,7 +42,7 @@ pub enum SimError {
          {usable_gb:.1} GB usable on {tp} GPU(s) after the activation reserve"
     )]
     #[diagnostic(
-        code(kiln::sim::weights_do_not_fit),
+        code(kiln::replay::weights_do_not_fit),
         help(
             "raise `gpus_per_replica`, pick a lower precision, or correct `params`; \
              usable memory is gpus × memory × (1 − activation_reserve)"
@@ -63,7 +63,7 @@ pub enum SimError {
 
     #[error("cannot read calibration file {path}: {source}")]
     #[diagnostic(
-        code(kiln::sim::io),
+        code(kiln::replay::io),
         help("check the path; a calibration file is TOML, see examples/calibration.toml")
     )]
     Io {
@@ -76,7 +76,7 @@ pub enum SimError {
 /// A problem in a calibration file, pointing at its place in the file.
 #[derive(Debug, thiserror::Error, Diagnostic)]
 #[error("{name}:{line}: {message}")]
-#[diagnostic(code(kiln::sim::calibration))]
+#[diagnostic(code(kiln::replay::calibration))]
 pub struct CalibrationError {
     /// The file name as given.
     pub name: String,

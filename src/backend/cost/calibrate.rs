@@ -7,7 +7,7 @@
 //! [`fit`]s the three figures the roofline has per replica, and reports the
 //! simulator's error on held-back grid points ([`holdout_error`]).
 //!
-//! **The model fitted** is the simulator's own ([`super::sim::replica`]):
+//! **The model fitted** is the simulator's own ([`super::replica`]):
 //!
 //! ```text
 //! t = max(bytes / B, flops / F) + o
@@ -33,7 +33,7 @@
 //! model's parameter count and KV bytes per token, since a policy gives no
 //! layer count or width; see [`TransformerShape::for_model`] for the rule.
 
-use super::sim::{compute_rate, Efficiency, GpuSpec, ReplicaInputs, ReplicaModel};
+use super::{compute_rate, Efficiency, GpuSpec, ReplicaInputs, ReplicaModel};
 use crate::graph::Precision;
 use miette::Diagnostic;
 use rand::SeedableRng;
