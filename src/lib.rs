@@ -10,6 +10,7 @@ pub mod clock;
 pub mod compile;
 pub mod diag;
 pub mod diff;
+pub mod driver;
 pub mod governance;
 pub mod graph;
 pub mod lang;

@@ -717,6 +717,7 @@ async fn a_cuda_pool_without_a_gpu_is_a_clear_startup_error() {
         policy: policy("small.kiln", SMALL),
         config: cfg,
         listen: "127.0.0.1:0".into(),
+        clock: None,
     })
     .await
     {

@@ -1487,6 +1487,7 @@ async fn an_edited_state_file_does_not_smuggle_a_proposal_in() {
         policy: policy(&v1()),
         config: config(&d),
         listen: "127.0.0.1:0".into(),
+        clock: None,
     })
     .await
     .err()

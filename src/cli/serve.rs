@@ -119,6 +119,7 @@ pub fn run(a: Args) -> i32 {
             policy,
             config,
             listen,
+            clock: None,
         })
         .await
         {

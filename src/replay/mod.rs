@@ -5,10 +5,10 @@
 
 pub mod report;
 
+use crate::driver::{Driver, Sink};
 use crate::graph::{TenantId, TierId};
 use crate::sched::{Action, Arrival, Event, Micros, ReqId, Scheduler};
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::HashMap;
 
 /// What happened to one request.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -32,13 +32,6 @@ pub struct Outcome {
     pub gpu_seconds: f64,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-enum Kind {
-    Arrive(usize),
-    StepDone(usize),
-    Tick,
-}
-
 /// Runs every arrival (sorted by time) to completion or rejection.
 /// `progress` is told how many arrivals have been fed so far.
 pub fn run(
@@ -49,6 +42,76 @@ pub fn run(
     run_inner(sched, arrivals, progress, &mut |_: &Scheduler, _: u64| {})
 }
 
+/// The replay's [`Sink`]: each action written into its request's outcome.
+struct Outcomes {
+    outcomes: Vec<Outcome>,
+    index: HashMap<ReqId, usize>,
+}
+
+impl Outcomes {
+    fn get(&mut self, id: ReqId) -> Option<&mut Outcome> {
+        let i = *self.index.get(&id)?;
+        self.outcomes.get_mut(i)
+    }
+}
+
+impl Sink for Outcomes {
+    fn act(&mut self, t: Micros, action: &Action, _: &Scheduler) {
+        match *action {
+            Action::Decided {
+                id,
+                tier,
+                tenant,
+                fallback_step,
+            } => {
+                if let Some(o) = self.get(id) {
+                    o.tier = Some(tier);
+                    o.tenant = tenant;
+                    o.fallback_step = fallback_step;
+                }
+            }
+            Action::Reject {
+                id, reason, status, ..
+            } => {
+                if let Some(o) = self.get(id) {
+                    o.rejected = Some((reason, status));
+                }
+            }
+            Action::Started {
+                id,
+                replica,
+                waited_for,
+            } => {
+                if let Some(o) = self.get(id) {
+                    if o.started.is_none() {
+                        o.started = Some(t);
+                        o.waited_for = waited_for;
+                    }
+                    o.replica = Some(replica);
+                }
+            }
+            Action::FirstToken { id } => {
+                if let Some(o) = self.get(id) {
+                    o.first_token = Some(t);
+                }
+            }
+            Action::Finished { id, gpu_seconds } => {
+                if let Some(o) = self.get(id) {
+                    o.finished = Some(t);
+                    o.gpu_seconds = gpu_seconds;
+                }
+            }
+            Action::Preempted { id, .. } => {
+                if let Some(o) = self.get(id) {
+                    o.preemptions += 1;
+                }
+            }
+            // Timers are the driver's; the replay never cancels.
+            Action::Step { .. } | Action::WakeAt(_) | Action::Cancelled { .. } => {}
+        }
+    }
+}
+
 fn run_inner(
     sched: &mut Scheduler,
     arrivals: Vec<(Micros, Arrival)>,
@@ -56,116 +119,47 @@ fn run_inner(
     observe: &mut dyn FnMut(&Scheduler, u64),
 ) -> Vec<Outcome> {
     let n = arrivals.len();
-    let mut outcomes: Vec<Outcome> = Vec::with_capacity(n);
-    let mut index: HashMap<ReqId, usize> = HashMap::with_capacity(n);
-    let mut heap: BinaryHeap<Reverse<(Micros, u64, Kind)>> = BinaryHeap::new();
-    let mut seq = 0u64;
-    let mut pending: Vec<Option<Arrival>> = Vec::with_capacity(n);
-    for (i, (t, a)) in arrivals.into_iter().enumerate() {
-        index.insert(a.id, i);
-        outcomes.push(Outcome {
+    let mut sink = Outcomes {
+        outcomes: Vec::with_capacity(n),
+        index: HashMap::with_capacity(n),
+    };
+    for (i, (t, a)) in arrivals.iter().enumerate() {
+        sink.index.insert(a.id, i);
+        sink.outcomes.push(Outcome {
             id: a.id,
-            arrival: t,
+            arrival: *t,
             prompt_tokens: a.request.prompt_tokens.min(u64::from(u32::MAX)) as u32,
             output_tokens: a.output_tokens,
             ..Outcome::default()
         });
-        heap.push(Reverse((t, seq, Kind::Arrive(i))));
-        seq += 1;
-        pending.push(Some(a));
     }
-    let mut ticks: std::collections::BTreeSet<Micros> = Default::default();
+    let mut driver = Driver::new(&mut *sched);
+    let mut pending = arrivals.into_iter().peekable();
     let mut fed = 0usize;
-    let mut events = 0u64;
-    while let Some(Reverse((t, _, kind))) = heap.pop() {
-        let event = match kind {
-            Kind::Arrive(i) => {
-                fed += 1;
-                if fed % 4096 == 0 {
-                    progress(fed, n);
-                }
-                match pending.get_mut(i).and_then(Option::take) {
-                    Some(a) => Event::Arrive(a),
-                    None => continue,
-                }
-            }
-            Kind::StepDone(r) => Event::StepDone { replica: r },
-            Kind::Tick => {
-                ticks.remove(&t);
-                Event::Tick
-            }
+    loop {
+        // At equal times arrivals go first: a timer fires once the clock
+        // has passed its time (see the driver's order).
+        let arrival_next = match (pending.peek(), driver.next_timer()) {
+            (Some((at, _)), Some(t)) => *at <= t,
+            (Some(_), None) => true,
+            (None, Some(_)) => false,
+            (None, None) => break,
         };
-        events += 1;
         // Observed before the event: the state the previous one left.
-        observe(sched, events);
-        let actions = sched.handle(t, event);
-        for a in actions {
-            match *a {
-                Action::Step { replica, until } => {
-                    heap.push(Reverse((until, seq, Kind::StepDone(replica))));
-                    seq += 1;
-                }
-                Action::WakeAt(w) => {
-                    if ticks.insert(w) {
-                        heap.push(Reverse((w, seq, Kind::Tick)));
-                        seq += 1;
-                    }
-                }
-                Action::Decided {
-                    id,
-                    tier,
-                    tenant,
-                    fallback_step,
-                } => {
-                    if let Some(o) = index.get(&id).and_then(|&i| outcomes.get_mut(i)) {
-                        o.tier = Some(tier);
-                        o.tenant = tenant;
-                        o.fallback_step = fallback_step;
-                    }
-                }
-                Action::Reject {
-                    id, reason, status, ..
-                } => {
-                    if let Some(o) = index.get(&id).and_then(|&i| outcomes.get_mut(i)) {
-                        o.rejected = Some((reason, status));
-                    }
-                }
-                Action::Started {
-                    id,
-                    replica,
-                    waited_for,
-                } => {
-                    if let Some(o) = index.get(&id).and_then(|&i| outcomes.get_mut(i)) {
-                        if o.started.is_none() {
-                            o.started = Some(t);
-                            o.waited_for = waited_for;
-                        }
-                        o.replica = Some(replica);
-                    }
-                }
-                Action::FirstToken { id } => {
-                    if let Some(o) = index.get(&id).and_then(|&i| outcomes.get_mut(i)) {
-                        o.first_token = Some(t);
-                    }
-                }
-                Action::Finished { id, gpu_seconds } => {
-                    if let Some(o) = index.get(&id).and_then(|&i| outcomes.get_mut(i)) {
-                        o.finished = Some(t);
-                        o.gpu_seconds = gpu_seconds;
-                    }
-                }
-                Action::Preempted { id, .. } => {
-                    if let Some(o) = index.get(&id).and_then(|&i| outcomes.get_mut(i)) {
-                        o.preemptions += 1;
-                    }
-                }
-                // The replay never cancels.
-                Action::Cancelled { .. } => {}
+        observe(driver.sched(), driver.events() + 1);
+        if arrival_next {
+            let Some((at, a)) = pending.next() else { break };
+            fed += 1;
+            if fed % 4096 == 0 {
+                progress(fed, n);
             }
+            driver.feed(at, Event::Arrive(a), &mut sink);
+        } else {
+            driver.fire_next(&mut sink);
         }
     }
     progress(n, n);
-    outcomes
+    sink.outcomes
 }
 
 /// Like [`run`], also sampling the VTC fairness measure (the largest gap in

@@ -181,6 +181,7 @@ async fn explain(
             "events": e.events,
             "replica": e.replica,
             "outcome": e.outcome,
+            "clock": e.clock,
         },
     }))
     .into_response()

@@ -6,20 +6,21 @@
 //! request is decided wholly by one version.
 //!
 //! Why one task: the scheduler is a pure state machine with `&mut self`
-//! methods; serialising events through a channel keeps it lock-free and
-//! makes the live gateway run exactly the code the replay simulator runs.
+//! methods; serialising events through a channel keeps it lock-free. The
+//! timers and the order of events are the [`crate::driver`]'s, the same
+//! code the replay runs; the executor adds only the clock (wall or
+//! virtual) and a [`Sink`] that turns actions into progress messages.
 
 use crate::backend::Backend;
+use crate::driver::{Clock, Driver, Sink};
 use crate::graph::{DecisionGraph, Signals, TenantId, TierId};
 use crate::sched::canary::Canary;
 use crate::sched::plan::Plan;
 use crate::sched::{Action, Arrival, Event, Micros, QueueRow, Reason, ReqId, Scheduler};
 use rustc_hash::FxHashMap as HashMap;
 use serde::Serialize;
-use std::cmp::Reverse;
-use std::collections::{BTreeSet, BinaryHeap};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 
 /// What a handler hears about its request.
@@ -36,6 +37,8 @@ pub enum Progress {
         /// Set when a canary version decided it (tier and tenant ids are
         /// still the active graph's).
         canary: Option<Arc<CanaryDecided>>,
+        /// Scheduler time of the arrival.
+        at: Micros,
     },
     Started {
         replica: usize,
@@ -51,6 +54,8 @@ pub enum Progress {
     FirstToken,
     Finished {
         gpu_seconds: f64,
+        /// Scheduler time of the end.
+        at: Micros,
     },
     Rejected {
         reason: Reason,
@@ -121,6 +126,8 @@ pub struct Snapshot {
     pub queues: Vec<QueueRow>,
     pub replicas: Vec<ReplicaRow>,
     pub in_flight: usize,
+    /// Arrivals the scheduler has been given since the start.
+    pub arrivals: u64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -187,29 +194,18 @@ struct Entry {
     target: u32,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-enum Timer {
-    StepDone(usize),
-    Tick,
-}
-
-pub struct Executor {
-    sched: Scheduler,
+/// The gateway's [`Sink`]: actions become progress messages for the
+/// handler that submitted each request.
+struct Handlers {
+    reqs: HashMap<ReqId, Entry>,
     graph: Arc<DecisionGraph>,
     version: Arc<str>,
+    canary_version: Option<Arc<str>>,
     /// Backends by `ReplicaSpec::tag`.
     backends: Arc<Vec<Backend>>,
-    start: Instant,
-    speed: f64,
-    timers: BinaryHeap<Reverse<(Micros, Timer)>>,
-    ticks: BTreeSet<Micros>,
-    reqs: HashMap<ReqId, Entry>,
-    buf: Vec<Action>,
-    /// Last known health of each replica's HTTP upstream (true for the
-    /// simulator), so a breaker that opens takes the replica out of
-    /// dispatch and one that closes puts it back.
-    healthy: Vec<bool>,
-    canary_version: Option<Arc<str>>,
+    /// Set while an arrival is fed: its decision carries the live signals
+    /// it saw (for explain), copied once.
+    arriving: bool,
     /// The executor's own channel, for results of work it hands to
     /// blocking threads (CUDA steps).
     self_tx: Option<mpsc::UnboundedSender<Command>>,
@@ -226,249 +222,22 @@ struct CudaState {
     seq: HashMap<ReqId, usize>,
 }
 
-/// How often upstream health is folded into the scheduler.
-const HEALTH_EVERY: Duration = Duration::from_millis(200);
-
-impl Executor {
-    /// `speed`: simulated time runs this many times faster than the clock.
-    pub fn new(
-        sched: Scheduler,
-        graph: Arc<DecisionGraph>,
-        version: Arc<str>,
-        backends: Arc<Vec<Backend>>,
-        speed: f64,
-    ) -> Executor {
-        Executor {
-            sched,
-            graph,
-            version,
-            backends,
-            start: Instant::now(),
-            speed: if speed.is_finite() && speed > 0.0 {
-                speed
-            } else {
-                1.0
-            },
-            timers: BinaryHeap::new(),
-            ticks: BTreeSet::new(),
-            reqs: HashMap::default(),
-            buf: Vec::new(),
-            healthy: Vec::new(),
-            canary_version: None,
-            self_tx: None,
-            #[cfg(feature = "cuda")]
-            cuda: CudaState::default(),
+impl Handlers {
+    fn send(&self, id: ReqId, p: Progress) {
+        if let Some(e) = self.reqs.get(&id) {
+            let _ = e.events.send(p);
         }
     }
 
-    /// Starts the executor on the current tokio runtime.
-    pub fn spawn(mut self) -> (ExecHandle, tokio::task::JoinHandle<()>) {
-        let (tx, rx) = mpsc::unbounded_channel();
-        self.self_tx = Some(tx.clone());
-        let task = tokio::spawn(self.run(rx));
-        (ExecHandle { tx }, task)
-    }
-
-    fn now(&self) -> Micros {
-        (self.start.elapsed().as_secs_f64() * self.speed * 1e6) as Micros
-    }
-
-    fn instant_of(&self, t: Micros) -> Instant {
-        self.start + Duration::from_secs_f64(t as f64 / 1e6 / self.speed)
-    }
-
-    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Command>) {
-        let has_http = self.backends.iter().any(|b| matches!(b, Backend::Http(_)));
-        let mut health = tokio::time::interval(HEALTH_EVERY);
-        health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            let next = self
-                .timers
-                .peek()
-                .map(|Reverse((t, _))| self.instant_of(*t));
-            // Far enough away to never fire when nothing is pending.
-            let at = next.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
-            let cmd = tokio::select! {
-                biased;
-                c = rx.recv() => Some(c),
-                _ = tokio::time::sleep_until(at.into()), if next.is_some() => None,
-                _ = health.tick(), if has_http => {
-                    self.check_health();
-                    None
-                }
-            };
-            match cmd {
-                Some(None) => break,
-                Some(Some(c)) => {
-                    self.command(c);
-                    // Drain what queued meanwhile before sleeping again.
-                    for _ in 0..256 {
-                        match rx.try_recv() {
-                            Ok(c) => self.command(c),
-                            Err(_) => break,
-                        }
-                    }
-                }
-                None => {}
-            }
-            self.fire_due();
+    /// What a decision saw: the live signals, and the canary's view when a
+    /// canary version decided.
+    fn decided_context(&self, sched: &Scheduler) -> (Arc<Signals>, Option<Arc<CanaryDecided>>) {
+        if !self.arriving {
+            return (Arc::default(), None);
         }
-    }
-
-    fn command(&mut self, c: Command) {
-        let now = self.now();
-        match c {
-            Command::Submit { arrival, events } => {
-                let id = arrival.id;
-                self.reqs.insert(
-                    id,
-                    Entry {
-                        events,
-                        sent: 0,
-                        target: 0,
-                    },
-                );
-                self.feed(now, Event::Arrive(arrival));
-            }
-            Command::Cancel(id) => {
-                if self.reqs.remove(&id).is_some() {
-                    self.feed(now, Event::Cancel { id });
-                }
-            }
-            Command::Complete { id, output_tokens } => {
-                self.feed(now, Event::Complete { id, output_tokens });
-            }
-            Command::Swap {
-                graph,
-                plan,
-                version,
-                done,
-            } => {
-                self.graph = graph.clone();
-                self.version = version;
-                self.buf.clear();
-                self.buf
-                    .extend_from_slice(self.sched.swap(now, graph, plan));
-                let redecide: Vec<ReqId> = self
-                    .buf
-                    .iter()
-                    .filter_map(|a| match a {
-                        Action::Reject {
-                            id,
-                            reason: Reason::PolicyChanged,
-                            ..
-                        } => Some(*id),
-                        _ => None,
-                    })
-                    .collect();
-                self.apply(None, None);
-                let _ = done.send(redecide);
-            }
-            Command::Snapshot(reply) => {
-                let _ = reply.send(self.snapshot());
-            }
-            Command::SetCanary { canary, done } => {
-                match canary {
-                    Some((c, v)) => {
-                        self.sched.set_canary(Some(c));
-                        self.canary_version = Some(v);
-                    }
-                    None => {
-                        self.sched.set_canary(None);
-                        self.canary_version = None;
-                    }
-                }
-                let _ = done.send(());
-            }
-            Command::Signals(reply) => {
-                let _ = reply.send((self.graph.clone(), self.sched.signals().clone()));
-            }
-            Command::CheckHealth => self.check_health(),
-            Command::StepRan {
-                replica,
-                until,
-                result,
-            } => match result {
-                // The scheduler ignores a completion before the step's
-                // planned end: a GPU faster than the cost model waits it out.
-                Ok(_) if now < until => {
-                    self.timers.push(Reverse((until, Timer::StepDone(replica))));
-                }
-                Ok(_) => self.feed(now, Event::StepDone { replica }),
-                Err(e) => {
-                    tracing::error!(
-                        replica,
-                        "GPU step failed: {e}; replica taken out of service"
-                    );
-                    self.feed(now, Event::ReplicaDown { replica });
-                }
-            },
-        }
-    }
-
-    /// Folds upstream breakers into the scheduler: a replica whose upstream
-    /// cannot take requests goes down (its queue waits for others), and
-    /// comes back up when the breaker lets requests through again.
-    fn check_health(&mut self) {
-        let now = self.now();
-        let states: Vec<bool> = self
-            .sched
-            .replicas()
-            .iter()
-            .map(|r| match self.backends.get(r.spec.tag as usize) {
-                Some(Backend::Http(u)) => u.ready(),
-                _ => true,
-            })
-            .collect();
-        self.healthy.resize(states.len(), true);
-        for (r, ok) in states.into_iter().enumerate() {
-            if self.healthy[r] == ok {
-                continue;
-            }
-            self.healthy[r] = ok;
-            let event = if ok {
-                tracing::info!(replica = r, "upstream available again");
-                Event::ReplicaUp { replica: r }
-            } else {
-                tracing::warn!(replica = r, "upstream unavailable: taken out of dispatch");
-                Event::ReplicaDown { replica: r }
-            };
-            self.feed(now, event);
-        }
-    }
-
-    fn fire_due(&mut self) {
-        loop {
-            let now = self.now();
-            let Some(&Reverse((t, timer))) = self.timers.peek() else {
-                return;
-            };
-            if t > now {
-                return;
-            }
-            self.timers.pop();
-            match timer {
-                Timer::StepDone(r) => self.feed(t, Event::StepDone { replica: r }),
-                Timer::Tick => {
-                    self.ticks.remove(&t);
-                    self.feed(t, Event::Tick);
-                }
-            }
-        }
-    }
-
-    /// Feeds one event and routes the actions it caused.
-    fn feed(&mut self, now: Micros, event: Event) {
-        let stepped = match event {
-            Event::StepDone { replica } => Some(replica),
-            _ => None,
-        };
-        let decided_signals = matches!(event, Event::Arrive(_));
-        self.buf.clear();
-        self.buf.extend_from_slice(self.sched.handle(now, event));
-        let signals = decided_signals.then(|| Arc::new(self.sched.signals().clone()));
-        let canary = if decided_signals && self.sched.last_arrival_canary() {
-            match (self.sched.canary(), &self.canary_version) {
+        let signals = Arc::new(sched.signals().clone());
+        let canary = if sched.last_arrival_canary() {
+            match (sched.canary(), &self.canary_version) {
                 (Some(c), Some(v)) => Some(Arc::new(CanaryDecided {
                     version: v.clone(),
                     graph: c.graph().clone(),
@@ -479,148 +248,7 @@ impl Executor {
         } else {
             None
         };
-        self.apply(signals, canary);
-        // Tokens produced by the step that just ended, for sequences that
-        // keep running (finished ones were settled by their action).
-        if let Some(r) = stepped {
-            if let Some(rep) = self.sched.replicas().get(r) {
-                for s in &rep.running {
-                    if let Some(e) = self.reqs.get_mut(&s.w.id) {
-                        if s.generated > e.sent {
-                            let _ = e.events.send(Progress::Tokens(s.generated - e.sent));
-                            e.sent = s.generated;
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    fn apply(&mut self, signals: Option<Arc<Signals>>, canary: Option<Arc<CanaryDecided>>) {
-        let actions = std::mem::take(&mut self.buf);
-        for a in &actions {
-            match *a {
-                Action::Decided {
-                    id,
-                    tier,
-                    tenant,
-                    fallback_step,
-                } => {
-                    if let Some(e) = self.reqs.get(&id) {
-                        let _ = e.events.send(Progress::Decided {
-                            tier,
-                            tenant,
-                            fallback_step,
-                            version: self.version.clone(),
-                            graph: self.graph.clone(),
-                            signals: signals.clone().unwrap_or_default(),
-                            canary: canary.clone(),
-                        });
-                    }
-                }
-                Action::Step { replica, until } => {
-                    if !self.run_on_gpu(replica, until) {
-                        self.timers.push(Reverse((until, Timer::StepDone(replica))));
-                    }
-                }
-                Action::WakeAt(t) => {
-                    if self.ticks.insert(t) {
-                        self.timers.push(Reverse((t, Timer::Tick)));
-                    }
-                }
-                Action::Reject {
-                    id,
-                    reason,
-                    status,
-                    retry_after,
-                } => {
-                    if let Some(e) = self.reqs.remove(&id) {
-                        let _ = e.events.send(Progress::Rejected {
-                            reason,
-                            status,
-                            retry_after,
-                        });
-                    }
-                }
-                Action::Started {
-                    id,
-                    replica,
-                    waited_for,
-                } => {
-                    let rep = self.sched.replicas().get(replica);
-                    let backend = rep
-                        .and_then(|r| self.backends.get(r.spec.tag as usize))
-                        .cloned()
-                        .unwrap_or(Backend::Sim);
-                    let seq = rep.and_then(|r| r.running.iter().find(|s| s.w.id == id));
-                    let target = seq.map(|s| s.w.output_tokens);
-                    #[cfg(feature = "cuda")]
-                    if matches!(backend, Backend::Cuda(_)) {
-                        let tokens = seq
-                            .map(|s| u64::from(s.w.prompt_tokens) + u64::from(s.w.output_tokens))
-                            .unwrap_or(0);
-                        self.cuda.seq.insert(id, replica);
-                        self.cuda
-                            .ops
-                            .entry(replica)
-                            .or_default()
-                            .push(KvOp::Reserve(id, tokens));
-                    }
-                    let at = self.sched.now();
-                    let route = rep
-                        .map(|r| {
-                            let g = &self.graph;
-                            format!(
-                                "{} on {}",
-                                g.variant_name(r.spec.model, r.spec.variant),
-                                g.pools
-                                    .get(r.spec.pool as usize)
-                                    .map(|p| p.name.as_str())
-                                    .unwrap_or("?")
-                            )
-                        })
-                        .unwrap_or_default();
-                    if let Some(e) = self.reqs.get_mut(&id) {
-                        if let Some(t) = target {
-                            e.target = t;
-                        }
-                        let _ = e.events.send(Progress::Started {
-                            replica,
-                            route,
-                            backend,
-                            waited_for,
-                            at,
-                        });
-                    }
-                }
-                Action::FirstToken { id } => {
-                    if let Some(e) = self.reqs.get(&id) {
-                        let _ = e.events.send(Progress::FirstToken);
-                    }
-                }
-                Action::Finished { id, gpu_seconds } => {
-                    self.release_gpu_kv(id);
-                    if let Some(e) = self.reqs.remove(&id) {
-                        if e.target > e.sent {
-                            let _ = e.events.send(Progress::Tokens(e.target - e.sent));
-                        }
-                        let _ = e.events.send(Progress::Finished { gpu_seconds });
-                    }
-                }
-                Action::Preempted { id, by, .. } => {
-                    self.release_gpu_kv(id);
-                    if let Some(e) = self.reqs.get(&id) {
-                        let _ = e.events.send(Progress::Preempted { by });
-                    }
-                }
-                Action::Cancelled { id } => {
-                    self.release_gpu_kv(id);
-                    self.reqs.remove(&id);
-                }
-            }
-        }
-        self.buf = actions;
-        self.buf.clear();
+        (signals, canary)
     }
 
     /// Frees a sequence's KV blocks on its CUDA replica (at its next step).
@@ -631,13 +259,146 @@ impl Executor {
         }
         let _ = id;
     }
+}
 
-    /// Runs the step the scheduler just started on replica `r` on its GPU,
-    /// if it is a CUDA replica; its end comes back as `StepRan`.
-    fn run_on_gpu(&mut self, r: usize, until: Micros) -> bool {
+impl Sink for Handlers {
+    fn act(&mut self, now: Micros, action: &Action, sched: &Scheduler) {
+        match *action {
+            Action::Decided {
+                id,
+                tier,
+                tenant,
+                fallback_step,
+            } => {
+                if self.reqs.contains_key(&id) {
+                    let (signals, canary) = self.decided_context(sched);
+                    self.send(
+                        id,
+                        Progress::Decided {
+                            tier,
+                            tenant,
+                            fallback_step,
+                            version: self.version.clone(),
+                            graph: self.graph.clone(),
+                            signals,
+                            canary,
+                            at: now,
+                        },
+                    );
+                }
+            }
+            // Timers are the driver's.
+            Action::Step { .. } | Action::WakeAt(_) => {}
+            Action::Reject {
+                id,
+                reason,
+                status,
+                retry_after,
+            } => {
+                if let Some(e) = self.reqs.remove(&id) {
+                    let _ = e.events.send(Progress::Rejected {
+                        reason,
+                        status,
+                        retry_after,
+                    });
+                }
+            }
+            Action::Started {
+                id,
+                replica,
+                waited_for,
+            } => {
+                let rep = sched.replicas().get(replica);
+                let backend = rep
+                    .and_then(|r| self.backends.get(r.spec.tag as usize))
+                    .cloned()
+                    .unwrap_or(Backend::Sim);
+                let seq = rep.and_then(|r| r.running.iter().find(|s| s.w.id == id));
+                let target = seq.map(|s| s.w.output_tokens);
+                #[cfg(feature = "cuda")]
+                if matches!(backend, Backend::Cuda(_)) {
+                    let tokens = seq
+                        .map(|s| u64::from(s.w.prompt_tokens) + u64::from(s.w.output_tokens))
+                        .unwrap_or(0);
+                    self.cuda.seq.insert(id, replica);
+                    self.cuda
+                        .ops
+                        .entry(replica)
+                        .or_default()
+                        .push(KvOp::Reserve(id, tokens));
+                }
+                let route = rep
+                    .map(|r| {
+                        let g = &self.graph;
+                        format!(
+                            "{} on {}",
+                            g.variant_name(r.spec.model, r.spec.variant),
+                            g.pools
+                                .get(r.spec.pool as usize)
+                                .map(|p| p.name.as_str())
+                                .unwrap_or("?")
+                        )
+                    })
+                    .unwrap_or_default();
+                if let Some(e) = self.reqs.get_mut(&id) {
+                    if let Some(t) = target {
+                        e.target = t;
+                    }
+                    let _ = e.events.send(Progress::Started {
+                        replica,
+                        route,
+                        backend,
+                        waited_for,
+                        at: now,
+                    });
+                }
+            }
+            Action::FirstToken { id } => self.send(id, Progress::FirstToken),
+            Action::Finished { id, gpu_seconds } => {
+                self.release_gpu_kv(id);
+                if let Some(e) = self.reqs.remove(&id) {
+                    if e.target > e.sent {
+                        let _ = e.events.send(Progress::Tokens(e.target - e.sent));
+                    }
+                    let _ = e.events.send(Progress::Finished {
+                        gpu_seconds,
+                        at: now,
+                    });
+                }
+            }
+            Action::Preempted { id, by, .. } => {
+                self.release_gpu_kv(id);
+                self.send(id, Progress::Preempted { by });
+            }
+            Action::Cancelled { id } => {
+                self.release_gpu_kv(id);
+                self.reqs.remove(&id);
+            }
+        }
+    }
+
+    /// Tokens produced by the step that just ended, for sequences that
+    /// keep running (finished ones were settled by their action).
+    fn stepped(&mut self, replica: usize, sched: &Scheduler) {
+        let Some(rep) = sched.replicas().get(replica) else {
+            return;
+        };
+        for s in &rep.running {
+            if let Some(e) = self.reqs.get_mut(&s.w.id) {
+                if s.generated > e.sent {
+                    let _ = e.events.send(Progress::Tokens(s.generated - e.sent));
+                    e.sent = s.generated;
+                }
+            }
+        }
+    }
+
+    /// Runs the step the scheduler just started on a CUDA replica on its
+    /// GPU; its end comes back as `StepRan`.
+    fn run_step(&mut self, r: usize, until: Micros, sched: &Scheduler) -> bool {
         #[cfg(feature = "cuda")]
         {
-            let Some(rep) = self.sched.replicas().get(r) else {
+            let Some(rep) = sched.replicas().get(r) else {
                 return false;
             };
             let Some(Backend::Cuda(slot)) = self.backends.get(rep.spec.tag as usize).cloned()
@@ -679,21 +440,239 @@ impl Executor {
         }
         #[cfg(not(feature = "cuda"))]
         {
-            let _ = (r, until);
+            let _ = (r, until, sched, &self.self_tx);
             false
+        }
+    }
+}
+
+pub struct Executor<C: Clock> {
+    driver: Driver,
+    handlers: Handlers,
+    clock: C,
+    /// Last known health of each replica's HTTP upstream (true for the
+    /// simulator), so a breaker that opens takes the replica out of
+    /// dispatch and one that closes puts it back.
+    healthy: Vec<bool>,
+    arrivals: u64,
+}
+
+/// How often upstream health is folded into the scheduler.
+const HEALTH_EVERY: Duration = Duration::from_millis(200);
+
+impl<C: Clock> Executor<C> {
+    pub fn new(
+        sched: Scheduler,
+        graph: Arc<DecisionGraph>,
+        version: Arc<str>,
+        backends: Arc<Vec<Backend>>,
+        clock: C,
+    ) -> Executor<C> {
+        Executor {
+            driver: Driver::new(sched),
+            handlers: Handlers {
+                reqs: HashMap::default(),
+                graph,
+                version,
+                canary_version: None,
+                backends,
+                arriving: false,
+                self_tx: None,
+                #[cfg(feature = "cuda")]
+                cuda: CudaState::default(),
+            },
+            clock,
+            healthy: Vec::new(),
+            arrivals: 0,
+        }
+    }
+
+    /// Starts the executor on the current tokio runtime.
+    pub fn spawn(mut self) -> (ExecHandle, tokio::task::JoinHandle<()>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.handlers.self_tx = Some(tx.clone());
+        let task = tokio::spawn(self.run(rx));
+        (ExecHandle { tx }, task)
+    }
+
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Command>) {
+        let has_http = self
+            .handlers
+            .backends
+            .iter()
+            .any(|b| matches!(b, Backend::Http(_)));
+        let mut health = tokio::time::interval(HEALTH_EVERY);
+        health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let next = self.driver.next_timer();
+            let cmd = tokio::select! {
+                biased;
+                c = rx.recv() => Some(c),
+                _ = self.clock.passed(next.unwrap_or(Micros::MAX)), if next.is_some() => None,
+                _ = health.tick(), if has_http => {
+                    self.check_health();
+                    None
+                }
+            };
+            match cmd {
+                Some(None) => break,
+                Some(Some(c)) => {
+                    self.command(c);
+                    // Drain what queued meanwhile before sleeping again.
+                    for _ in 0..256 {
+                        match rx.try_recv() {
+                            Ok(c) => self.command(c),
+                            Err(_) => break,
+                        }
+                    }
+                }
+                None => {}
+            }
+            let now = self.clock.now();
+            self.driver.fire_due(now, &mut self.handlers);
+        }
+    }
+
+    /// Feeds one event at `now`, after every timer the clock has passed.
+    fn feed(&mut self, now: Micros, event: Event) {
+        self.driver.fire_due(now, &mut self.handlers);
+        self.handlers.arriving = matches!(event, Event::Arrive(_));
+        self.driver.feed(now, event, &mut self.handlers);
+        self.handlers.arriving = false;
+    }
+
+    fn command(&mut self, c: Command) {
+        let now = self.clock.now();
+        match c {
+            Command::Submit { arrival, events } => {
+                let id = arrival.id;
+                self.arrivals += 1;
+                self.handlers.reqs.insert(
+                    id,
+                    Entry {
+                        events,
+                        sent: 0,
+                        target: 0,
+                    },
+                );
+                self.feed(now, Event::Arrive(arrival));
+            }
+            Command::Cancel(id) => {
+                if self.handlers.reqs.remove(&id).is_some() {
+                    self.feed(now, Event::Cancel { id });
+                }
+            }
+            Command::Complete { id, output_tokens } => {
+                self.feed(now, Event::Complete { id, output_tokens });
+            }
+            Command::Swap {
+                graph,
+                plan,
+                version,
+                done,
+            } => {
+                self.driver.fire_due(now, &mut self.handlers);
+                self.handlers.graph = graph.clone();
+                self.handlers.version = version;
+                let actions = self.driver.swap(now, graph, plan, &mut self.handlers);
+                let redecide: Vec<ReqId> = actions
+                    .iter()
+                    .filter_map(|a| match a {
+                        Action::Reject {
+                            id,
+                            reason: Reason::PolicyChanged,
+                            ..
+                        } => Some(*id),
+                        _ => None,
+                    })
+                    .collect();
+                let _ = done.send(redecide);
+            }
+            Command::Snapshot(reply) => {
+                let _ = reply.send(self.snapshot());
+            }
+            Command::SetCanary { canary, done } => {
+                match canary {
+                    Some((c, v)) => {
+                        self.driver.sched_mut().set_canary(Some(c));
+                        self.handlers.canary_version = Some(v);
+                    }
+                    None => {
+                        self.driver.sched_mut().set_canary(None);
+                        self.handlers.canary_version = None;
+                    }
+                }
+                let _ = done.send(());
+            }
+            Command::Signals(reply) => {
+                let _ = reply.send((
+                    self.handlers.graph.clone(),
+                    self.driver.sched().signals().clone(),
+                ));
+            }
+            Command::CheckHealth => self.check_health(),
+            Command::StepRan {
+                replica,
+                until,
+                result,
+            } => {
+                if let Err(e) = &result {
+                    tracing::error!(
+                        replica,
+                        "GPU step failed: {e}; replica taken out of service"
+                    );
+                }
+                self.driver.fire_due(now, &mut self.handlers);
+                self.driver
+                    .step_ran(now, replica, until, result.is_ok(), &mut self.handlers);
+            }
+        }
+    }
+
+    /// Folds upstream breakers into the scheduler: a replica whose upstream
+    /// cannot take requests goes down (its queue waits for others), and
+    /// comes back up when the breaker lets requests through again.
+    fn check_health(&mut self) {
+        let now = self.clock.now();
+        let states: Vec<bool> = self
+            .driver
+            .sched()
+            .replicas()
+            .iter()
+            .map(|r| {
+                self.handlers
+                    .backends
+                    .get(r.spec.tag as usize)
+                    .is_none_or(Backend::ready)
+            })
+            .collect();
+        self.healthy.resize(states.len(), true);
+        for (r, ok) in states.into_iter().enumerate() {
+            if self.healthy[r] == ok {
+                continue;
+            }
+            self.healthy[r] = ok;
+            let event = if ok {
+                tracing::info!(replica = r, "upstream available again");
+                Event::ReplicaUp { replica: r }
+            } else {
+                tracing::warn!(replica = r, "upstream unavailable: taken out of dispatch");
+                Event::ReplicaDown { replica: r }
+            };
+            self.feed(now, event);
         }
     }
 
     fn snapshot(&self) -> Snapshot {
-        let g = &self.graph;
-        let elapsed = (self.now() as f64 / 1e6).max(1e-9);
-        let replicas = self
-            .sched
+        let g = &self.handlers.graph;
+        let sched = self.driver.sched();
+        let elapsed = (self.clock.now() as f64 / 1e6).max(1e-9);
+        let replicas = sched
             .replicas()
             .iter()
             .enumerate()
             .map(|(i, r)| {
-                let backend = self.backends.get(r.spec.tag as usize);
+                let backend = self.handlers.backends.get(r.spec.tag as usize);
                 let model = g.models.get(r.spec.model as usize);
                 ReplicaRow {
                     index: i,
@@ -711,7 +690,7 @@ impl Executor {
                     up: r.up,
                     draining: r.draining,
                     available: match backend {
-                        Some(Backend::Http(u)) => u.ready(),
+                        Some(b @ Backend::Http(_)) => b.ready(),
                         _ => r.up,
                     },
                     running: r.running.len(),
@@ -727,10 +706,11 @@ impl Executor {
             })
             .collect();
         Snapshot {
-            version: self.version.to_string(),
-            queues: self.sched.queue_snapshot(),
+            version: self.handlers.version.to_string(),
+            queues: sched.queue_snapshot(),
             replicas,
-            in_flight: self.reqs.len(),
+            in_flight: self.handlers.reqs.len(),
+            arrivals: self.arrivals,
         }
     }
 }

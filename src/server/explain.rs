@@ -17,6 +17,16 @@ pub struct SchedEvent {
     pub reason: Option<String>,
 }
 
+/// When the scheduler saw the request, in microseconds on its own clock
+/// (the replay's time base: `kiln simulate` reports the same numbers for
+/// the same trace on a virtual clock).
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct ClockTimes {
+    pub arrived_us: Option<u64>,
+    pub started_us: Option<u64>,
+    pub finished_us: Option<u64>,
+}
+
 #[derive(Clone)]
 pub struct Entry {
     pub id: String,
@@ -29,6 +39,7 @@ pub struct Entry {
     pub events: Vec<SchedEvent>,
     pub outcome: Option<String>,
     pub replica: Option<String>,
+    pub clock: ClockTimes,
 }
 
 pub type Shared = Arc<Mutex<Entry>>;
@@ -72,6 +83,13 @@ impl ExplainStore {
     }
 }
 
+/// Records a scheduler-clock time on an entry.
+pub fn clock(e: &Shared, set: impl FnOnce(&mut ClockTimes)) {
+    if let Ok(mut g) = e.lock() {
+        set(&mut g.clock);
+    }
+}
+
 /// Appends a scheduler event to an entry (ignoring a poisoned lock: the
 /// explanation is best effort, the request is not).
 pub fn note(e: &Shared, at_ms: f64, event: impl Into<String>, reason: Option<&str>) {
@@ -100,6 +118,7 @@ mod tests {
             events: vec![],
             outcome: None,
             replica: None,
+            clock: ClockTimes::default(),
         }
     }
 

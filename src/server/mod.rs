@@ -140,6 +140,12 @@ pub struct ServeOptions {
     pub policy: Policy,
     pub config: ServerConfig,
     pub listen: String,
+    /// Run the scheduler on this virtual clock instead of the wall clock
+    /// (scheduler time then moves only when the clock is advanced, and
+    /// time-of-day rules start at the replay's Monday noon): for running
+    /// the gateway against a recorded trace exactly as `kiln simulate`
+    /// replays it.
+    pub clock: Option<crate::driver::VirtualClock>,
 }
 
 /// A gateway bound to its address and running on the current runtime.
@@ -184,6 +190,7 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         policy,
         config,
         listen,
+        clock,
     } = opts;
     let calibration = match &config.sim.calibration {
         Some(p) => Some(Calibration::load(p).map_err(|e| ServeError::Sim(e.to_string()))?),
@@ -204,19 +211,21 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
     }
     let backends = Arc::new(backends);
     let mut sched_cfg = SchedConfig::default();
-    let (minute, weekday) = crate::clock::minute_and_weekday();
-    sched_cfg.start_minute_of_day = minute;
-    sched_cfg.start_weekday = weekday;
+    if clock.is_none() {
+        let (minute, weekday) = crate::clock::minute_and_weekday();
+        sched_cfg.start_minute_of_day = minute;
+        sched_cfg.start_weekday = weekday;
+    }
     let sched = Scheduler::new(policy.graph.clone(), plan, sched_cfg);
     let speed = config.sim.speed;
-    let exec = Executor::new(
-        sched,
-        policy.graph.clone(),
-        policy.version.clone(),
-        backends.clone(),
-        speed,
-    );
-    let (exec_handle, exec_task) = exec.spawn();
+    let (graph, version) = (policy.graph.clone(), policy.version.clone());
+    let (exec_handle, exec_task) = match clock {
+        Some(c) => Executor::new(sched, graph, version, backends.clone(), c).spawn(),
+        None => {
+            let wall = crate::driver::WallClock::new(speed);
+            Executor::new(sched, graph, version, backends.clone(), wall).spawn()
+        }
+    };
     let log = match &config.log {
         Some(l) => decision_log::DecisionLog::open(decision_log::LogConfig {
             path: l.path.clone(),

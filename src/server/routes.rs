@@ -263,6 +263,7 @@ async fn generate_inner(
         events: Vec::new(),
         outcome: None,
         replica: None,
+        clock: explain::ClockTimes::default(),
     });
     let ctx = Ctx {
         app: app.clone(),
@@ -326,7 +327,9 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
                     graph,
                     signals,
                     canary,
+                    at,
                 } => {
+                    explain::clock(&ctx.explain, |c| c.arrived_us = Some(at));
                     let (dversion, pgraph, psignals) = match &canary {
                         Some(c) => (c.version.clone(), c.graph.clone(), c.signals.clone()),
                         None => (version.clone(), graph.clone(), signals.clone()),
@@ -429,9 +432,10 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
                     route,
                     backend,
                     waited_for: w,
-                    ..
+                    at,
                 } => {
                     waited_for = w;
+                    explain::clock(&ctx.explain, |c| c.started_us = Some(at));
                     let Some(d) = decided.take() else {
                         guard.armed = false;
                         return Err(ApiError::new(500, "started before a decision"));
@@ -960,7 +964,8 @@ async fn serve_sim(
                     }
                     produced += u64::from(n);
                 }
-                Some(Progress::Finished { gpu_seconds }) => {
+                Some(Progress::Finished { gpu_seconds, at }) => {
+                    explain::clock(&ctx.explain, |c| c.finished_us = Some(at));
                     gpu = gpu_seconds;
                     break;
                 }
@@ -1048,7 +1053,8 @@ async fn serve_sim(
                     }
                     st.produced += u64::from(n);
                 }
-                Poll::Ready(Some(Progress::Finished { gpu_seconds })) => {
+                Poll::Ready(Some(Progress::Finished { gpu_seconds, at })) => {
+                    explain::clock(&st.ctx.explain, |c| c.finished_us = Some(at));
                     st.guard.armed = false;
                     st.done = true;
                     st.pending.push_back(sse(&chunk(

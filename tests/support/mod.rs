@@ -1,5 +1,7 @@
 //! What the gateway's integration tests share: compiling a policy,
 //! starting a gateway on 127.0.0.1:0, and a loopback HTTP client.
+// Each test binary uses some of these helpers.
+#![allow(dead_code)]
 
 use kiln::compile::compile_str;
 use kiln::server::config::ServerConfig;
@@ -27,6 +29,7 @@ pub async fn serve_on_loopback(p: Policy, cfg: ServerConfig) -> Running {
         policy: p,
         config: cfg,
         listen: "127.0.0.1:0".into(),
+        clock: None,
     })
     .await
     .unwrap()
