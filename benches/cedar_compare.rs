@@ -21,6 +21,7 @@
 //! admit. Two kiln figures are therefore given: the full decision, and the
 //! same request for a model the policy does not serve, where `decide` stops
 //! after classify and the quota check (classify-only, the like-for-like one).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test and bench code may panic
 
 #[path = "common/mod.rs"]
 mod common;

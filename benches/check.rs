@@ -3,6 +3,7 @@
 //! Target: < 200 ms.
 //!
 //! cargo bench --bench check
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test and bench code may panic
 
 #[path = "common/mod.rs"]
 mod common;

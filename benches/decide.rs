@@ -3,6 +3,7 @@
 //! Target: ≤ 0.5 µs median per decision.
 //!
 //! cargo bench --bench decide
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test and bench code may panic
 
 #[path = "common/mod.rs"]
 mod common;

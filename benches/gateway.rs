@@ -41,6 +41,7 @@
 //! turns kiln's decision log on (a temporary file),
 //! `GATEWAY_BENCH_PROMPT_BYTES=N` makes the user message about N bytes,
 //! `GATEWAY_BENCH_SKIP_LITELLM=1` skips phase 3.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test and bench code may panic
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read};

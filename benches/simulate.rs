@@ -2,6 +2,7 @@
 //! 8 simulated H100s: target < 1 s wall. Reads the trace from
 //! ../shared/traces at run time. Also prints, once, the quality comparison
 //! of kiln against the fifo baseline at several loads.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test and bench code may panic
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use kiln::backend::cost::CostModel;

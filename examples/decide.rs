@@ -2,6 +2,7 @@
 //! the way the gateway will: compile once, then decide per request.
 //!
 //! `cargo run --example decide`
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test and bench code may panic
 
 use kiln::compile;
 use kiln::graph::{Request, Signals, SignalsInput};

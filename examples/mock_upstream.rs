@@ -14,6 +14,7 @@
 //! `max_tokens` asks), after `D` ms and then `T` ms per token. Response
 //! bodies are serialized once at start; a request costs a scan of its JSON
 //! for three fields. Exits on SIGTERM or Ctrl-C.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test and bench code may panic
 
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, State};

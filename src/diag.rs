@@ -47,6 +47,7 @@ pub enum Code {
     PreemptsHigherPriority,
     UnusedDefinition,
     TierNotGranted,
+    UnknownLint,
 }
 
 impl Code {
@@ -77,6 +78,7 @@ impl Code {
         Code::PreemptsHigherPriority,
         Code::UnusedDefinition,
         Code::TierNotGranted,
+        Code::UnknownLint,
     ];
 
     /// The stable short name.
@@ -108,6 +110,7 @@ impl Code {
             Code::PreemptsHigherPriority => "preempts-higher-priority",
             Code::UnusedDefinition => "unused-definition",
             Code::TierNotGranted => "tier-not-granted",
+            Code::UnknownLint => "unknown-lint",
         }
     }
 
@@ -119,7 +122,7 @@ impl Code {
         self >= Code::ShadowedRule
     }
 
-    /// The one-line rationale shown in SARIF rule metadata and `kiln lint --explain`.
+    /// The one-line rationale shown in SARIF rule metadata.
     pub fn rationale(self) -> &'static str {
         match self {
             Code::Io => "a policy file could not be read",
@@ -161,6 +164,9 @@ impl Code {
             }
             Code::TierNotGranted => {
                 "classify sends a tenant to a tier its definition does not grant"
+            }
+            Code::UnknownLint => {
+                "a `kiln:allow` naming no lint silences nothing, so the warning it meant to silence still shows, or a typo hides that it never did"
             }
         }
     }

@@ -3,6 +3,7 @@
 //! sim` runs the whole command path and writes a file `kiln simulate`
 //! accepts, and the CUDA commands fail with a clear error (never a panic)
 //! on a machine without a driver, or without the `cuda` feature.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test and bench code may panic
 
 use kiln::backend::cost::calibrate::{
     self, fit, grid, holdout_error, measure_sim, split_holdout, with_efficiency, GridLimits,

@@ -1,6 +1,7 @@
 //! The simulated backend's roofline cost model on a shipped policy: a table
 //! of step times kept as a snapshot, so any change to the model's figures
 //! shows up in review, and a property test of monotonicity.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test and bench code may panic
 
 use kiln::backend::cost::{CostModel, ReplicaModel};
 use kiln::graph::DecisionGraph;

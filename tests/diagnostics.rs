@@ -1,6 +1,7 @@
 //! Every diagnostic code, shown as the user sees it: one small policy per
 //! code, its rendered output kept as an insta snapshot. A meta test fails
 //! when a code is added without a case here.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test and bench code may panic
 
 use kiln::compile::{compile_str, lint};
 use kiln::diag::{render, Code, Diagnostics};
@@ -119,6 +120,11 @@ fn cases() -> Vec<(&'static str, String, Code)> {
             "tier_not_granted",
             with("tiers [chat, bulk]", "tiers [bulk]").replacen("default => tier bulk", "default => tier bulk\n", 1),
             Code::TierNotGranted,
+        ),
+        (
+            "unknown_lint",
+            plus("# kiln:allow(unused-defintion)\npool spare { gpus 2 kind \"L4\" memory 24GB }"),
+            Code::UnknownLint,
         ),
     ]
 }

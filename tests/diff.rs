@@ -2,6 +2,7 @@
 //! 2023 trace, CC-BY-4.0, see examples/diff/): reports in every format,
 //! gates and their exit codes, and decision changes that agree with
 //! deciding the same requests directly under each policy.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test and bench code may panic
 
 use kiln::graph::{Signals, SignalsInput};
 use std::process::Command;

@@ -1,6 +1,7 @@
 //! The semantic half of `kiln diff`: changes compared by name, escalations,
 //! rule blocks as ordered lists, and witness requests whose decisions
 //! differ, checked against deciding them directly under each policy.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test and bench code may panic
 
 use kiln::diff::semantic::{
     decision_fields, describe_request, render_human, render_markdown, semantic, witnesses, Change,

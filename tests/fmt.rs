@@ -1,6 +1,7 @@
 //! `kiln fmt`: golden output, idempotence, comments kept, and the compiled
 //! graph unchanged by formatting, on shipped policies and on thousands of
 //! mutated variants of them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test and bench code may panic
 
 use kiln::compile::compile_str;
 use kiln::lang::{comments, format::format_file, parse};

@@ -1,5 +1,6 @@
 //! The gateway end to end: `kiln::server::start` on 127.0.0.1:0, real HTTP
 //! from reqwest, the simulated backend and an in-test mock upstream.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test and bench code may panic
 
 mod support;
 

@@ -3,6 +3,7 @@
 //! shadow → canary → enforce with traffic flowing, automatic rollback when
 //! a declared condition trips, manual rollback under approval rules,
 //! incident overrides that expire, and an audit log that catches tampering.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test and bench code may panic
 
 mod support;
 

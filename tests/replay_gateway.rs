@@ -8,6 +8,7 @@
 //! The trace is the committed Azure 2023 slice (`examples/diff/traffic.jsonl`,
 //! CC-BY-4.0, see `examples/diff/README.md`) under the policy it was
 //! recorded for.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test and bench code may panic
 
 mod support;
 

@@ -1,5 +1,6 @@
 //! Snapshots of every report a user reads: explain (human and JSON), the
 //! policy test report, check's JSON and lint's SARIF.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test and bench code may panic
 
 use std::process::Command;
 

@@ -1,6 +1,7 @@
 //! Nothing a user can type makes kiln panic: random bytes, soups of the
 //! language's own tokens, and mutated shipped policies all go through
 //! parse, compile, lint, format and (when they compile) a decision.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test and bench code may panic
 
 use kiln::compile::{compile_str, lint};
 use kiln::graph::{Request, Signals};

@@ -1,6 +1,7 @@
 //! `kiln simulate` on real recorded traffic (a slice of the Azure 2023
 //! trace from ../shared/traces): reports in every format, baselines in the
 //! same run, every request accounted for, byte-identical reruns.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test and bench code may panic
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

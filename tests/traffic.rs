@@ -1,5 +1,6 @@
 //! Recorded traffic: importers over the real traces in `../shared/traces`,
 //! the format's round trip, errors, merging and the `kiln traffic` CLI.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test and bench code may panic
 
 use kiln::traffic::{
     self,

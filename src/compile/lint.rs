@@ -287,12 +287,34 @@ fn subsets_lookup(atoms: &[&str], seen: &HashMap<Vec<&str>, usize>) -> Option<us
 fn suppress(c: &Compiled, diags: Diagnostics) -> Diagnostics {
     let mut allowed: HashMap<(u32, usize), Vec<String>> = HashMap::new();
     let mut comment_lines: HashMap<u32, HashSet<usize>> = HashMap::new();
+    let mut unknown = Vec::new();
     for (id, f) in c.sources.files() {
         for cm in comments::scan(&f.text) {
             if cm.own_line {
                 comment_lines.entry(id.0).or_default().insert(cm.line);
             }
             let ids = comments::allowed_ids(&cm.text);
+            for name in &ids {
+                if name == "all" || Code::from_name(name).is_some_and(Code::is_lint) {
+                    continue;
+                }
+                let at = cm.text.find(name.as_str()).unwrap_or(0);
+                let span = Span::new(id, cm.start + at, cm.start + at + name.len());
+                let lints: Vec<&str> = Code::ALL
+                    .iter()
+                    .filter(|c| c.is_lint() && **c != Code::UnknownLint)
+                    .map(|c| c.name())
+                    .collect();
+                let help = match crate::diag::suggest(name, lints.iter().copied()) {
+                    Some(s) => s,
+                    None => format!("the lint ids are {}, or `all`", lints.join(", ")),
+                };
+                unknown.push(
+                    Diagnostic::error(Code::UnknownLint, format!("`{name}` is not a lint id"))
+                        .at(span, "this silences nothing")
+                        .help(help),
+                );
+            }
             if !ids.is_empty() {
                 allowed.entry((id.0, cm.line)).or_default().extend(ids);
             }
@@ -326,6 +348,9 @@ fn suppress(c: &Compiled, diags: Diagnostics) -> Diagnostics {
         if silenced.is_none() {
             out.push(d);
         }
+    }
+    for d in unknown {
+        out.push(d);
     }
     out
 }

@@ -187,14 +187,13 @@ struct Out {
 }
 
 impl Out {
-    #[allow(clippy::too_many_arguments)]
+    /// One change, with its (old, new) values.
     fn push(
         &mut self,
         kind: ChangeOp,
         subject: &str,
         field: Option<&str>,
-        old: Option<String>,
-        new: Option<String>,
+        (old, new): (Option<String>, Option<String>),
         change_kind: ChangeKind,
         escalation: bool,
     ) {
@@ -216,8 +215,7 @@ impl Out {
                 ChangeOp::Changed,
                 subject,
                 Some(field),
-                Some(old),
-                Some(new),
+                (Some(old), Some(new)),
                 kind,
                 false,
             );
@@ -226,13 +224,11 @@ impl Out {
 
     /// A field with an escalation direction: `up` says whether the change
     /// escalates; escalations take `up_kind`, the rest `kind`.
-    #[allow(clippy::too_many_arguments)]
     fn directed(
         &mut self,
         subject: &str,
         field: &str,
-        old: String,
-        new: String,
+        (old, new): (String, String),
         up: bool,
         up_kind: ChangeKind,
         kind: ChangeKind,
@@ -243,8 +239,7 @@ impl Out {
                 ChangeOp::Changed,
                 subject,
                 Some(field),
-                Some(old),
-                Some(new),
+                (Some(old), Some(new)),
                 k,
                 up,
             );
@@ -256,8 +251,7 @@ impl Out {
             ChangeOp::Added,
             subject,
             None,
-            None,
-            Some(summary),
+            (None, Some(summary)),
             kind,
             false,
         );
@@ -268,8 +262,7 @@ impl Out {
             ChangeOp::Removed,
             subject,
             None,
-            Some(summary),
-            None,
+            (Some(summary), None),
             kind,
             false,
         );
@@ -644,8 +637,7 @@ fn tiers(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
                     out.directed(
                         &subject,
                         "priority",
-                        a.priority.to_string(),
-                        b.priority.to_string(),
+                        (a.priority.to_string(), b.priority.to_string()),
                         b.priority > a.priority,
                         pi,
                         tc,
@@ -681,8 +673,7 @@ fn tiers(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
                     out.directed(
                         &subject,
                         "preemptible",
-                        flag(a.preemptible),
-                        flag(b.preemptible),
+                        (flag(a.preemptible), flag(b.preemptible)),
                         a.preemptible && !b.preemptible,
                         pc,
                         pc,
@@ -692,12 +683,11 @@ fn tiers(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
                     let gained = pb.difference(&pa).next().is_some();
                     let pa: Vec<String> = pa.into_iter().collect();
                     let pb: Vec<String> = pb.into_iter().collect();
-                    out.directed(&subject, "preempts", list(&pa), list(&pb), gained, pc, pc);
+                    out.directed(&subject, "preempts", (list(&pa), list(&pb)), gained, pc, pc);
                     out.directed(
                         &subject,
                         "backfill_only",
-                        flag(a.backfill_only),
-                        flag(b.backfill_only),
+                        (flag(a.backfill_only), flag(b.backfill_only)),
                         a.backfill_only && !b.backfill_only,
                         pi,
                         tc,
@@ -705,8 +695,10 @@ fn tiers(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
                     out.directed(
                         &subject,
                         "aging",
-                        opt(a.aging, dur, "default (1m)"),
-                        opt(b.aging, dur, "default (1m)"),
+                        (
+                            opt(a.aging, dur, "default (1m)"),
+                            opt(b.aging, dur, "default (1m)"),
+                        ),
                         !b.may_starve && aging_interval(b) < aging_interval(a) && !a.may_starve,
                         pi,
                         tc,
@@ -714,8 +706,7 @@ fn tiers(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
                     out.directed(
                         &subject,
                         "may_starve",
-                        flag(a.may_starve),
-                        flag(b.may_starve),
+                        (flag(a.may_starve), flag(b.may_starve)),
                         a.may_starve && !b.may_starve,
                         pi,
                         tc,
@@ -765,8 +756,7 @@ fn limit(
     out.directed(
         subject,
         field,
-        opt(a, &render, "unlimited"),
-        opt(b, &render, "unlimited"),
+        (opt(a, &render, "unlimited"), opt(b, &render, "unlimited")),
         up,
         ChangeKind::QuotaIncrease,
         ChangeKind::TenantChange,
@@ -816,8 +806,7 @@ fn tenants(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
                     out.directed(
                         &subject,
                         "tiers",
-                        list(&ta),
-                        list(&tb),
+                        (list(&ta), list(&tb)),
                         raised,
                         ChangeKind::PriorityIncrease,
                         tc,
@@ -863,8 +852,7 @@ fn tenants(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
                     out.directed(
                         &subject,
                         "weight",
-                        num(a.weight),
-                        num(b.weight),
+                        (num(a.weight), num(b.weight)),
                         b.weight > a.weight,
                         qi,
                         tc,
@@ -872,8 +860,7 @@ fn tenants(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
                     out.directed(
                         &subject,
                         "borrow",
-                        pct(a.borrow),
-                        pct(b.borrow),
+                        (pct(a.borrow), pct(b.borrow)),
                         b.borrow > a.borrow,
                         qi,
                         tc,
@@ -1131,8 +1118,7 @@ fn compare_blocks(
                             ChangeOp::Changed,
                             subject,
                             Some("default"),
-                            x.clone(),
-                            y.clone(),
+                            (x.clone(), y.clone()),
                             kind,
                             false,
                         );
@@ -1172,13 +1158,12 @@ fn route_blocks(g: &DecisionGraph) -> BTreeMap<(String, String), Block> {
 /// Compares per-tier blocks and reports tiers whose changes are identical
 /// together (`route [interactive, agentic] llama-70b`), tiers in priority
 /// order (highest first), then by name.
-#[allow(clippy::too_many_arguments)]
+/// `blocks` are the old and the new policy's blocks.
 fn per_tier(
     out: &mut Out,
     old: &DecisionGraph,
     new: &DecisionGraph,
-    a: &BTreeMap<String, Block>,
-    b: &BTreeMap<String, Block>,
+    (a, b): (&BTreeMap<String, Block>, &BTreeMap<String, Block>),
     subject: impl Fn(&[String]) -> String,
     field: &str,
     kind: ChangeKind,
@@ -1228,8 +1213,7 @@ fn routes(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
             out,
             old,
             new,
-            a,
-            b,
+            (a, b),
             |tiers| format!("route {} {model}", list(tiers)),
             "rule",
             ChangeKind::RouteChange,
@@ -1260,8 +1244,7 @@ fn admits(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
         out,
         old,
         new,
-        &admit_blocks(old),
-        &admit_blocks(new),
+        (&admit_blocks(old), &admit_blocks(new)),
         |tiers| format!("admit {}", tier_set(tiers)),
         "rule",
         ChangeKind::TierChange,
@@ -1291,8 +1274,7 @@ fn fallbacks(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
         out,
         old,
         new,
-        &fallback_blocks(old),
-        &fallback_blocks(new),
+        (&fallback_blocks(old), &fallback_blocks(new)),
         |tiers| format!("fallback {}", tier_set(tiers)),
         "step",
         ChangeKind::RouteChange,
@@ -1359,8 +1341,7 @@ fn rollout(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
                     ChangeOp::Removed,
                     s,
                     Some("rollback"),
-                    Some(r.clone()),
-                    None,
+                    (Some(r.clone()), None),
                     k,
                     false,
                 );
@@ -1370,8 +1351,7 @@ fn rollout(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
                     ChangeOp::Added,
                     s,
                     Some("rollback"),
-                    None,
-                    Some(r.clone()),
+                    (None, Some(r.clone())),
                     k,
                     false,
                 );
@@ -1401,8 +1381,7 @@ fn approvals(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
             ChangeOp::Removed,
             "approval",
             Some("require"),
-            Some(r.clone()),
-            None,
+            (Some(r.clone()), None),
             k,
             false,
         );
@@ -1412,8 +1391,7 @@ fn approvals(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
             ChangeOp::Added,
             "approval",
             Some("require"),
-            None,
-            Some(r.clone()),
+            (None, Some(r.clone())),
             k,
             false,
         );

@@ -91,6 +91,18 @@ pub struct Refused {
     pub message: String,
 }
 
+/// What an operator asks for: an action on a tier or tenant, for how
+/// long, by whom and why.
+#[derive(Debug, Clone)]
+pub struct NewOverride<'a> {
+    pub scope: Scope,
+    pub name: &'a str,
+    pub action: Action,
+    pub for_ms: f64,
+    pub by: &'a str,
+    pub reason: Option<String>,
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct Overrides {
     list: Vec<Override>,
@@ -100,17 +112,15 @@ pub struct Overrides {
 impl Overrides {
     /// Adds an override lasting `for_ms` from `now`. A new override on the
     /// same target replaces the old one (which is returned).
-    #[allow(clippy::too_many_arguments)]
-    pub fn add(
-        &mut self,
-        now: f64,
-        scope: Scope,
-        name: &str,
-        action: Action,
-        for_ms: f64,
-        by: &str,
-        reason: Option<String>,
-    ) -> (Override, Option<Override>) {
+    pub fn add(&mut self, now: f64, req: NewOverride<'_>) -> (Override, Option<Override>) {
+        let NewOverride {
+            scope,
+            name,
+            action,
+            for_ms,
+            by,
+            reason,
+        } = req;
         let replaced = self
             .list
             .iter()
@@ -232,12 +242,14 @@ mod tests {
         let mut o = Overrides::default();
         let (p, _) = o.add(
             0.0,
-            Scope::Tier,
-            "background",
-            Action::Pause,
-            1000.0,
-            "ops",
-            None,
+            NewOverride {
+                scope: Scope::Tier,
+                name: "background",
+                action: Action::Pause,
+                for_ms: 1000.0,
+                by: "ops",
+                reason: None,
+            },
         );
         assert_eq!(p.id, 1);
         let r = o.check(10.0, Scope::Tier, Some("background")).unwrap();
@@ -259,12 +271,14 @@ mod tests {
         let mut o = Overrides::default();
         o.add(
             0.0,
-            Scope::Tenant,
-            "x",
-            Action::Throttle { percent: 25.0 },
-            60_000.0,
-            "ops",
-            Some("incident 7".into()),
+            NewOverride {
+                scope: Scope::Tenant,
+                name: "x",
+                action: Action::Throttle { percent: 25.0 },
+                for_ms: 60_000.0,
+                by: "ops",
+                reason: Some("incident 7".into()),
+            },
         );
         let admitted: Vec<bool> = (0..12)
             .map(|_| o.check(1.0, Scope::Tenant, Some("x")).is_none())
@@ -280,8 +294,28 @@ mod tests {
     #[test]
     fn a_new_override_replaces_the_old_and_lift_ends_it() {
         let mut o = Overrides::default();
-        o.add(0.0, Scope::Tenant, "x", Action::Pause, 1000.0, "a", None);
-        let (_, old) = o.add(0.0, Scope::Tenant, "x", Action::Pause, 5000.0, "b", None);
+        o.add(
+            0.0,
+            NewOverride {
+                scope: Scope::Tenant,
+                name: "x",
+                action: Action::Pause,
+                for_ms: 1000.0,
+                by: "a",
+                reason: None,
+            },
+        );
+        let (_, old) = o.add(
+            0.0,
+            NewOverride {
+                scope: Scope::Tenant,
+                name: "x",
+                action: Action::Pause,
+                for_ms: 5000.0,
+                by: "b",
+                reason: None,
+            },
+        );
         assert_eq!(old.map(|x| x.by), Some("a".into()));
         assert_eq!(o.active(0.0).len(), 1);
         assert_eq!(o.lift(Scope::Tenant, "x").len(), 1);

@@ -8,9 +8,11 @@
 //! What decides what:
 //! - the [`DecisionGraph`] says which tier, tenant, variant and pool a
 //!   request is entitled to (fed live signals from this scheduler);
-//! - [`quota`] reserves tokens, requests and concurrency at admission;
-//! - admission compares the estimated wait with the tier's SLO and refuses
-//!   early, with a reason and a Retry-After;
+//! - [`admit`] passes each arrival through an ordered list of gates
+//!   (session and retry budgets, the policy's refusals, capacity, quota —
+//!   [`quota`] reserves tokens, requests and concurrency — and the
+//!   estimated wait against the tier's SLO), refusing early with a reason
+//!   and a Retry-After;
 //! - [`queue`] orders waiting work: tiers by priority plus aging, tenants
 //!   within a tier by weighted service (VTC), requests within a tenant by
 //!   arrival, or by deadline for completion-window tiers;
@@ -22,6 +24,7 @@
 //! - [`swap`] moves queues, running work, quotas and fair share to a new
 //!   policy version by name while requests wait and run.
 
+mod admit;
 pub mod canary;
 pub mod plan;
 pub mod queue;
@@ -31,7 +34,7 @@ pub mod swap;
 #[cfg(test)]
 mod testkit;
 
-use crate::graph::{Admission, DecisionGraph, PoolId, Request, Signals, TenantId, TierId};
+use crate::graph::{DecisionGraph, PoolId, Request, Signals, TenantId, TierId};
 use plan::Plan;
 use queue::{Queues, Waiting};
 use quota::Quotas;
@@ -633,278 +636,6 @@ impl Scheduler {
             status,
             retry_after,
         });
-    }
-
-    fn arrive(&mut self, a: Arrival) {
-        self.refresh_signals();
-        let graph = self.graph.clone();
-        let mut req = a.request.clone();
-        // Agentic sessions keep the tier of their first step.
-        let session_tier = req
-            .session
-            .as_ref()
-            .and_then(|s| self.sessions.get(s))
-            .map(|(t, _)| *t);
-        let estimate = self.estimate_wait(&req);
-        self.signals.estimated_wait = estimate as f64 / 1000.0;
-        let baseline = self.cfg.mode != Mode::Kiln;
-        let canary_graph = match &self.canary {
-            Some(c) if !baseline && c.selects(a.id, &req) => Some(c.graph().clone()),
-            _ => None,
-        };
-        let canary_d = match (&canary_graph, self.canary.as_mut()) {
-            (Some(cg), Some(c)) => c.decide(cg, &req, &self.signals),
-            _ => None,
-        };
-        self.last_canary = canary_d.is_some();
-        let d = match canary_d {
-            Some(d) => d,
-            None => graph.decide(&req, if baseline { &self.idle } else { &self.signals }),
-        };
-        let mut tier = d.tier;
-        if let Some(t) = session_tier {
-            tier = t;
-        }
-        let tenant = d.tenant;
-        self.out.push(Action::Decided {
-            id: a.id,
-            tier,
-            tenant,
-            fallback_step: d.fallback_step,
-        });
-        // Session step budget.
-        if let (Some(s), Some(tn)) = (req.session.clone(), tenant) {
-            let budget = graph.tenants[tn as usize].session_steps;
-            let entry = self.sessions.entry(s).or_insert((tier, 0));
-            entry.1 += 1;
-            if budget.is_some_and(|b| entry.1 > b) {
-                self.out.push(Action::Reject {
-                    id: a.id,
-                    reason: Reason::SessionBudget,
-                    status: 429,
-                    retry_after: None,
-                });
-                return;
-            }
-        }
-        let target = match d.admission {
-            // A baseline has no admission control: only "no such model"
-            // stops it.
-            Admission::Reject(r) if baseline && d.target.is_some() => {
-                let _ = r;
-                d.target
-            }
-            Admission::Reject(r) => {
-                let reason = match r.reason {
-                    "quota" => Reason::Quota,
-                    "concurrency" => Reason::Concurrency,
-                    _ => Reason::Policy,
-                };
-                self.out.push(Action::Reject {
-                    id: a.id,
-                    reason,
-                    status: r.status,
-                    retry_after: r.retry_after.map(|ms| (ms * 1000.0) as Micros),
-                });
-                return;
-            }
-            _ => d.target,
-        };
-        let Some(target) = target else {
-            self.out.push(Action::Reject {
-                id: a.id,
-                reason: Reason::Policy,
-                status: 404,
-                retry_after: None,
-            });
-            return;
-        };
-        req.max_tokens = d.max_tokens;
-        let output = a
-            .output_tokens
-            .min(d.max_tokens.clamp(1, u64::from(u32::MAX)) as u32)
-            .max(1);
-        // Replicas of the routed variant, preferring the routed pool.
-        let candidates: Vec<usize> = self
-            .by_variant
-            .get(&(target.model, target.variant))
-            .map(|v| {
-                v.iter()
-                    .copied()
-                    .filter(|&r| target.pool.is_none_or(|p| self.replicas[r].spec.pool == p))
-                    .collect()
-            })
-            .unwrap_or_default();
-        if candidates.is_empty() {
-            let gpus = graph.models[target.model as usize].variants[target.variant as usize]
-                .gpus_per_replica;
-            let reason = if gpus > 1 {
-                Reason::Gang
-            } else {
-                Reason::Saturation
-            };
-            self.out.push(Action::Reject {
-                id: a.id,
-                reason,
-                status: 503,
-                retry_after: Some(10 * SEC),
-            });
-            return;
-        }
-        // A request larger than any replica's KV memory could never start.
-        let kv_need = req.prompt_tokens.saturating_add(u64::from(output));
-        let kv_max = candidates
-            .iter()
-            .map(|&r| self.replicas[r].spec.kv_capacity)
-            .max()
-            .unwrap_or(0);
-        if kv_need > kv_max {
-            self.out.push(Action::Reject {
-                id: a.id,
-                reason: Reason::Saturation,
-                status: 413,
-                retry_after: None,
-            });
-            return;
-        }
-        // Retries draw on the tenant's retry budget.
-        if let Some(t) = tenant {
-            let retry = req.header("x-kiln-retry").is_some();
-            if self.cfg.mode == Mode::Kiln && !self.quotas.note_request(&graph, t, retry, self.now)
-            {
-                self.out.push(Action::Reject {
-                    id: a.id,
-                    reason: Reason::RetryBudget,
-                    status: 429,
-                    retry_after: Some(10 * SEC),
-                });
-                return;
-            }
-        }
-        // Quota: reserve at admission, not after the fact.
-        let need = f64::from(output) + req.prompt_tokens as f64;
-        let mut borrowed = false;
-        let reserved = match tenant {
-            Some(t) if self.cfg.mode == Mode::Kiln => {
-                match self.quotas.reserve(&graph, t, need, self.now) {
-                    Ok(b) => {
-                        borrowed = b;
-                        need
-                    }
-                    Err((reason, retry)) => {
-                        self.out.push(Action::Reject {
-                            id: a.id,
-                            reason,
-                            status: 429,
-                            retry_after: Some(retry),
-                        });
-                        return;
-                    }
-                }
-            }
-            Some(t) => {
-                self.quotas.track(t);
-                0.0
-            }
-            None => 0.0,
-        };
-        // Early, honest refusal instead of a timeout.
-        if self.cfg.mode == Mode::Kiln {
-            if let Some(limit) = self.wait_limit(tier) {
-                let est = self.estimate_wait_for(tier, &candidates);
-                if est > limit {
-                    if let Some(t) = tenant {
-                        self.quotas.release(t, reserved, 0.0);
-                    }
-                    let reason = if graph.tiers[tier as usize].slo.window.is_some() {
-                        Reason::Deadline
-                    } else {
-                        Reason::Overload
-                    };
-                    self.out.push(Action::Reject {
-                        id: a.id,
-                        reason,
-                        status: 429,
-                        retry_after: Some(est.saturating_sub(limit).max(SEC)),
-                    });
-                    return;
-                }
-            }
-        }
-        self.held.insert(
-            a.id,
-            Held {
-                tenant,
-                reserved_tokens: reserved,
-            },
-        );
-        let window = graph.tiers[tier as usize]
-            .slo
-            .window
-            .map(|w| self.now.saturating_add((w * 1000.0) as Micros));
-        let max_wait = match d.admission {
-            Admission::Queue { max_wait } if !baseline => {
-                Some(self.now.saturating_add((max_wait * 1000.0) as Micros))
-            }
-            _ => None,
-        };
-        let w = Waiting {
-            id: a.id,
-            tier,
-            tenant,
-            arrival: self.now,
-            deadline: window,
-            expires: max_wait,
-            // kv_need <= a replica's KV capacity bounds this; clamp anyway.
-            prompt_tokens: req.prompt_tokens.min(u64::from(u32::MAX)) as u32,
-            output_tokens: output,
-            generated: 0,
-            model: target.model,
-            variant: target.variant,
-            pool: target.pool,
-            affinity: self.affinity(tier, &candidates, &a.prefix_blocks),
-            prefix_blocks: a.prefix_blocks,
-            preemptions: 0,
-            backfill: graph.tiers[tier as usize].backfill_only,
-            borrowed,
-            waiting_for: None,
-            gpu_seconds: 0.0,
-            started: false,
-            orphan: false,
-        };
-        let mut w = w;
-        if let (Admission::Delay { until }, false) = (d.admission, baseline) {
-            w.waiting_for = Some(Reason::Delay);
-            let at = self.time_at_minute(u32::from(until));
-            self.timers.push((at, a.id));
-            self.queues.park(w);
-            return;
-        }
-        if let Some(hold) = graph.tiers[tier as usize].batch_max_wait {
-            // Batch-eligible work may wait briefly for a batch to form; it
-            // never does when a replica could start it with others already.
-            if hold > 0.0 && self.cfg.mode == Mode::Kiln && self.all_idle(&candidates) {
-                let at = self.now.saturating_add((hold * 1000.0) as Micros);
-                self.timers.push((at, a.id));
-                w.waiting_for = Some(Reason::Batching);
-                self.queues.park(w);
-                return;
-            }
-        }
-        // Why it will wait, if it does: no room on any replica of its route,
-        // or (backfill) capacity reserved for others.
-        if w.backfill {
-            w.waiting_for = Some(Reason::Backfill);
-        } else if candidates.iter().all(|&r| {
-            self.replicas[r].free_seq_slots() == 0 || self.replicas[r].kv_free() < kv_need
-        }) {
-            w.waiting_for = Some(Reason::Saturation);
-        } else if self.queues.tokens_above(&graph, tier) > 0 {
-            w.waiting_for = Some(Reason::Priority);
-        } else if self.queues.others_queued(tier, tenant) {
-            w.waiting_for = Some(Reason::Fairness);
-        }
-        self.queues.push(w, &self.cfg);
     }
 
     /// With prefix affinity, the replica that already holds the longest

@@ -72,11 +72,13 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
             app.metrics.set_replica(
                 &r.pool,
                 &format!("{}.{}", r.model, r.variant),
-                r.running,
-                r.slots as usize,
-                r.kv_used_tokens,
-                r.kv_capacity_tokens,
-                r.busy_fraction,
+                super::metrics::ReplicaLoad {
+                    running: r.running,
+                    slots: r.slots as usize,
+                    kv_used: r.kv_used_tokens,
+                    kv_capacity: r.kv_capacity_tokens,
+                    busy_fraction: r.busy_fraction,
+                },
             );
         }
     }

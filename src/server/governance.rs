@@ -2000,8 +2000,17 @@ async fn add_override(
     ) {
         return audit_failed(&e);
     }
-    let (o, replaced) =
-        lock(&app.gov.overrides).add(now, scope, &req.name, action, for_ms, &who, req.reason);
+    let (o, replaced) = lock(&app.gov.overrides).add(
+        now,
+        crate::governance::overrides::NewOverride {
+            scope,
+            name: &req.name,
+            action,
+            for_ms,
+            by: &who,
+            reason: req.reason,
+        },
+    );
     app.gov.any_override.store(true, Ordering::Relaxed);
     tracing::warn!(scope = scope.name(), name = %o.name, action = action.name(), by = %who, "override in force");
     let view = app.gov.override_views().into_iter().find(|v| v.id == o.id);

@@ -304,6 +304,19 @@ impl Collectors {
     }
 }
 
+/// One replica's load, as `/admin/queues` shows it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ReplicaLoad {
+    /// Sequences running, and the batch slots there are.
+    pub running: usize,
+    pub slots: usize,
+    /// KV cache tokens in use, and its capacity.
+    pub kv_used: u64,
+    pub kv_capacity: u64,
+    /// Share of time spent running steps.
+    pub busy_fraction: f64,
+}
+
 impl Metrics {
     pub fn new() -> Metrics {
         let registry = Registry::new();
@@ -441,17 +454,14 @@ impl Metrics {
     /// replicas, slots and KV cache add up, the KV usage ratio is
     /// recomputed and the busy fraction averaged. Call it once per replica
     /// (or once per pair with totals) after [`Metrics::reset_gauges`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn set_replica(
-        &self,
-        pool: &str,
-        model: &str,
-        running: usize,
-        slots: usize,
-        kv_used: u64,
-        kv_capacity: u64,
-        busy_fraction: f64,
-    ) {
+    pub fn set_replica(&self, pool: &str, model: &str, load: ReplicaLoad) {
+        let ReplicaLoad {
+            running,
+            slots,
+            kv_used,
+            kv_capacity,
+            busy_fraction,
+        } = load;
         let Some(c) = &self.c else { return };
         let v = [pool, model];
         let n = add_gauge(&c.replicas, &v, 1.0).max(1.0);
@@ -675,9 +685,39 @@ mod tests {
         m.set_policy_version("3f2a9c1");
         m.set_queue("interactive", "support-bot", 3, 0.5);
         m.set_queue("batch", "none", 120, 42.25);
-        m.set_replica("h100", "llama-70b", 12, 64, 300_000, 1_000_000, 0.75);
-        m.set_replica("h100", "llama-70b", 4, 64, 100_000, 1_000_000, 0.25);
-        m.set_replica("l4", "llama-8b", 0, 32, 0, 200_000, 0.0);
+        m.set_replica(
+            "h100",
+            "llama-70b",
+            ReplicaLoad {
+                running: 12,
+                slots: 64,
+                kv_used: 300_000,
+                kv_capacity: 1_000_000,
+                busy_fraction: 0.75,
+            },
+        );
+        m.set_replica(
+            "h100",
+            "llama-70b",
+            ReplicaLoad {
+                running: 4,
+                slots: 64,
+                kv_used: 100_000,
+                kv_capacity: 1_000_000,
+                busy_fraction: 0.25,
+            },
+        );
+        m.set_replica(
+            "l4",
+            "llama-8b",
+            ReplicaLoad {
+                running: 0,
+                slots: 32,
+                kv_used: 0,
+                kv_capacity: 200_000,
+                busy_fraction: 0.0,
+            },
+        );
         m
     }
 
@@ -769,7 +809,17 @@ mod tests {
         let m = populated();
         m.reset_gauges();
         m.set_queue("interactive", "support-bot", 1, 0.125);
-        m.set_replica("l4", "llama-8b", 2, 32, 50_000, 200_000, 0.5);
+        m.set_replica(
+            "l4",
+            "llama-8b",
+            ReplicaLoad {
+                running: 2,
+                slots: 32,
+                kv_used: 50_000,
+                kv_capacity: 200_000,
+                busy_fraction: 0.5,
+            },
+        );
         let text = m.render();
         assert!(!text.contains("tenant=\"none\"}"), "{text}");
         assert!(!text.contains("model=\"llama-70b\",pool=\"h100\"}"));
@@ -805,7 +855,17 @@ mod tests {
         m.ttft(&L, f64::NAN);
         m.queue_wait(&L, -0.5);
         m.set_queue("t", "x", 0, f64::NAN);
-        m.set_replica("p", "m", 0, 0, 5, 0, f64::NAN);
+        m.set_replica(
+            "p",
+            "m",
+            ReplicaLoad {
+                running: 0,
+                slots: 0,
+                kv_used: 5,
+                kv_capacity: 0,
+                busy_fraction: f64::NAN,
+            },
+        );
         let text = m.render();
         assert!(!text.contains("kiln_gpu_seconds_total"));
         assert!(!text.contains("kiln_cost_usd_total"));

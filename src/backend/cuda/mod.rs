@@ -8,7 +8,10 @@
 //!   reusing them across a policy swap.
 
 pub mod device;
+// The CUDA FFI is the one place kiln needs unsafe code; each block says
+// why it is sound.
 #[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
 mod gpu;
 pub mod serve;
 

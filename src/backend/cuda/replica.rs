@@ -434,24 +434,31 @@ impl CudaReplica {
             let w_gu = w_o + d * q * el;
             let w_down = w_gu + 2 * ffn * d * el;
             // 1. QKV projection: [q+2kv × d] · [d × n].
-            self.gemm(false, qkv_w, n, d, w, qkv_w, h0, d, ptr.qkv, qkv_w)?;
+            self.gemm(
+                false,
+                [qkv_w, n, d],
+                Mat::at(w, qkv_w),
+                Mat::at(h0, d),
+                Mat::at(ptr.qkv, qkv_w),
+            )?;
             // 2. Causal attention over a prefill chunk: p keys, `cols`
             //    query columns (K and V from the QKV output).
             if p > 0 {
                 let k_new = ptr.qkv + q * el;
                 let v_new = ptr.qkv + (q + kv) * el;
-                self.gemm(true, p, cols, kv, k_new, qkv_w, ptr.q_in, kv, ptr.scores, p)?;
+                self.gemm(
+                    true,
+                    [p, cols, kv],
+                    Mat::at(k_new, qkv_w),
+                    Mat::at(ptr.q_in, kv),
+                    Mat::at(ptr.scores, p),
+                )?;
                 self.gemm(
                     false,
-                    kv,
-                    cols,
-                    p,
-                    v_new,
-                    qkv_w,
-                    ptr.scores,
-                    p,
-                    ptr.attn_out,
-                    kv,
+                    [kv, cols, p],
+                    Mat::at(v_new, qkv_w),
+                    Mat::at(ptr.scores, p),
+                    Mat::at(ptr.attn_out, kv),
                 )?;
             }
             // 3. Decode attention: the K and V of `ctx_tokens` cached
@@ -460,24 +467,43 @@ impl CudaReplica {
                 let k_cache = cache;
                 let v_cache = cache + cap * kv * el;
                 let c = ctx_tokens;
-                self.gemm(true, c, g, kv, k_cache, kv, ptr.q_in, kv, ptr.scores, c)?;
+                self.gemm(
+                    true,
+                    [c, g, kv],
+                    Mat::at(k_cache, kv),
+                    Mat::at(ptr.q_in, kv),
+                    Mat::at(ptr.scores, c),
+                )?;
                 self.gemm(
                     false,
-                    kv,
-                    g,
-                    c,
-                    v_cache,
-                    kv,
-                    ptr.scores,
-                    c,
-                    ptr.attn_out,
-                    kv,
+                    [kv, g, c],
+                    Mat::at(v_cache, kv),
+                    Mat::at(ptr.scores, c),
+                    Mat::at(ptr.attn_out, kv),
                 )?;
             }
             // 4. Output projection [d × q] · [q × n], then the MLP.
-            self.gemm(false, d, n, q, w_o, d, h1, q, h0, d)?;
-            self.gemm(false, 2 * ffn, n, d, w_gu, 2 * ffn, h0, d, ptr.mlp, 2 * ffn)?;
-            self.gemm(false, d, n, ffn, w_down, d, ptr.mlp, 2 * ffn, h0, d)?;
+            self.gemm(
+                false,
+                [d, n, q],
+                Mat::at(w_o, d),
+                Mat::at(h1, q),
+                Mat::at(h0, d),
+            )?;
+            self.gemm(
+                false,
+                [2 * ffn, n, d],
+                Mat::at(w_gu, 2 * ffn),
+                Mat::at(h0, d),
+                Mat::at(ptr.mlp, 2 * ffn),
+            )?;
+            self.gemm(
+                false,
+                [d, n, ffn],
+                Mat::at(w_down, d),
+                Mat::at(ptr.mlp, 2 * ffn),
+                Mat::at(h0, d),
+            )?;
         }
         self.end
             .record(&self.stream)
@@ -494,22 +520,10 @@ impl CudaReplica {
 
     /// `C = op(A) · B` in bf16 with fp32 accumulation, column-major: `A`
     /// is `m × k` (stored `k × m` when `ta`), `B` is `k × n`, `C` is
-    /// `m × n`. Every caller's extents lie inside the buffers the memory
+    /// `m × n`, each at a device address with its leading dimension. Every caller's extents lie inside the buffers the memory
     /// plan sized (see the module docs and `step`).
-    #[allow(clippy::too_many_arguments)]
-    fn gemm(
-        &self,
-        ta: bool,
-        m: u64,
-        n: u64,
-        k: u64,
-        a: u64,
-        lda: u64,
-        b: u64,
-        ldb: u64,
-        c: u64,
-        ldc: u64,
-    ) -> Result<(), CudaError> {
+    fn gemm(&self, ta: bool, [m, n, k]: [u64; 3], a: Mat, b: Mat, c: Mat) -> Result<(), CudaError> {
+        let (Mat { ptr: a, ld: lda }, Mat { ptr: b, ld: ldb }, Mat { ptr: c, ld: ldc }) = (a, b, c);
         let alpha = 1.0f32;
         let beta = 0.0f32;
         let op_a = if ta {
@@ -613,6 +627,19 @@ fn fill(stream: &CudaStream, ptr: u64, len: usize, host: &[u16]) -> Result<(), C
         done += n;
     }
     Ok(())
+}
+
+/// A matrix operand of a GEMM: its device address and leading dimension.
+#[derive(Debug, Clone, Copy)]
+struct Mat {
+    ptr: u64,
+    ld: u64,
+}
+
+impl Mat {
+    fn at(ptr: u64, ld: u64) -> Mat {
+        Mat { ptr, ld }
+    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,373 @@
+//! Admission: an arrival, once the policy has decided it, passes an ordered
+//! list of small gates ([`GATES`]). Each gate either lets it through
+//! (possibly noting what it found, like the replicas that can serve it) or
+//! refuses it with a [`Reason`], a status and a Retry-After. The first
+//! refusal wins, so the order is part of the semantics: cheap checks of
+//! the request itself first, then capacity, then the tenant's budgets
+//! (reserved only once everything before has passed), then the wait
+//! estimate against the tier's SLO.
+//!
+//! This is the shape of the Gateway API Inference Extension's filters and
+//! vLLM's request-queue policies: adding a rule of admission is adding a
+//! gate, and every refusal names the gate that made it.
+
+use super::queue::Waiting;
+use super::{Arrival, Micros, Mode, Reason, ReqId, Scheduler, SEC};
+use crate::graph::{Admission, DecisionGraph, Request, Target, TenantId, TierId};
+
+/// A refusal: why, with which HTTP status, and when to retry.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct Refusal {
+    pub reason: Reason,
+    pub status: u16,
+    pub retry_after: Option<Micros>,
+}
+
+impl Refusal {
+    fn new(reason: Reason, status: u16, retry_after: Option<Micros>) -> Refusal {
+        Refusal {
+            reason,
+            status,
+            retry_after,
+        }
+    }
+}
+
+/// An arrival on its way through the gates: what the policy decided and
+/// what the gates so far have found.
+pub(super) struct Admitting<'g> {
+    pub id: ReqId,
+    pub req: Request,
+    pub graph: &'g DecisionGraph,
+    pub tier: TierId,
+    pub tenant: Option<TenantId>,
+    pub admission: Admission<'g>,
+    /// The decided route (a baseline ignores the policy's refusals).
+    pub target: Option<Target>,
+    /// `max_tokens` after any degrade.
+    pub max_tokens: u64,
+    /// The output length the request will be charged and scheduled for.
+    pub output: u32,
+    /// Replicas of the routed variant (on the routed pool, if any).
+    pub candidates: Vec<usize>,
+    /// KV tokens the sequence needs (prompt plus output).
+    pub kv_need: u64,
+    /// Quota tokens reserved, and whether they were borrowed from a cohort.
+    pub reserved: f64,
+    pub borrowed: bool,
+    /// Comparison baselines skip admission control.
+    pub baseline: bool,
+}
+
+type Gate = fn(&mut Scheduler, &mut Admitting<'_>) -> Result<(), Refusal>;
+
+/// The gates, in order (see the module docs).
+pub(super) const GATES: &[(&str, Gate)] = &[
+    ("session budget", session_budget),
+    ("policy admission", policy_admission),
+    ("route", route),
+    ("replicas", replicas),
+    ("fits in KV memory", fits_kv),
+    ("retry budget", retry_budget),
+    ("quota", quota),
+    ("wait within SLO", wait_within_slo),
+];
+
+/// Agentic sessions may take at most the tenant's `session_steps`.
+fn session_budget(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal> {
+    let (Some(session), Some(tn)) = (a.req.session.clone(), a.tenant) else {
+        return Ok(());
+    };
+    let budget = a.graph.tenants[tn as usize].session_steps;
+    let entry = s.sessions.entry(session).or_insert((a.tier, 0));
+    entry.1 += 1;
+    if budget.is_some_and(|b| entry.1 > b) {
+        return Err(Refusal::new(Reason::SessionBudget, 429, None));
+    }
+    Ok(())
+}
+
+/// The policy's own `admit` refusals (a baseline has none: only "no such
+/// model" stops it).
+fn policy_admission(_: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal> {
+    match a.admission {
+        Admission::Reject(_) if a.baseline && a.target.is_some() => Ok(()),
+        Admission::Reject(r) => {
+            let reason = match r.reason {
+                "quota" => Reason::Quota,
+                "concurrency" => Reason::Concurrency,
+                _ => Reason::Policy,
+            };
+            Err(Refusal::new(
+                reason,
+                r.status,
+                r.retry_after.map(|ms| (ms * 1000.0) as Micros),
+            ))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// A model the tier may not use, or that does not exist: 404.
+fn route(_: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal> {
+    if a.target.is_none() {
+        return Err(Refusal::new(Reason::Policy, 404, None));
+    }
+    a.req.max_tokens = a.max_tokens;
+    Ok(())
+}
+
+/// Some replica must serve the routed variant; none means the gang could
+/// not be placed (multi-GPU variants) or the pool has no room for it.
+fn replicas(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal> {
+    let Some(target) = a.target else {
+        return Err(Refusal::new(Reason::Policy, 404, None));
+    };
+    a.candidates = s
+        .by_variant
+        .get(&(target.model, target.variant))
+        .map(|v| {
+            v.iter()
+                .copied()
+                .filter(|&r| target.pool.is_none_or(|p| s.replicas[r].spec.pool == p))
+                .collect()
+        })
+        .unwrap_or_default();
+    if a.candidates.is_empty() {
+        let gpus = a.graph.models[target.model as usize].variants[target.variant as usize]
+            .gpus_per_replica;
+        let reason = if gpus > 1 {
+            Reason::Gang
+        } else {
+            Reason::Saturation
+        };
+        return Err(Refusal::new(reason, 503, Some(10 * SEC)));
+    }
+    Ok(())
+}
+
+/// A request larger than any replica's KV memory could never start: 413.
+fn fits_kv(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal> {
+    a.kv_need = a.req.prompt_tokens.saturating_add(u64::from(a.output));
+    let kv_max = a
+        .candidates
+        .iter()
+        .map(|&r| s.replicas[r].spec.kv_capacity)
+        .max()
+        .unwrap_or(0);
+    if a.kv_need > kv_max {
+        return Err(Refusal::new(Reason::Saturation, 413, None));
+    }
+    Ok(())
+}
+
+/// Retries (`x-kiln-retry`) draw on the tenant's retry budget.
+fn retry_budget(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal> {
+    let Some(t) = a.tenant else { return Ok(()) };
+    let retry = a.req.header("x-kiln-retry").is_some();
+    if s.cfg.mode == Mode::Kiln && !s.quotas.note_request(a.graph, t, retry, s.now) {
+        return Err(Refusal::new(Reason::RetryBudget, 429, Some(10 * SEC)));
+    }
+    Ok(())
+}
+
+/// Quota is reserved at admission, not charged after the fact.
+fn quota(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal> {
+    let need = f64::from(a.output) + a.req.prompt_tokens as f64;
+    match a.tenant {
+        Some(t) if s.cfg.mode == Mode::Kiln => match s.quotas.reserve(a.graph, t, need, s.now) {
+            Ok(borrowed) => {
+                a.borrowed = borrowed;
+                a.reserved = need;
+                Ok(())
+            }
+            Err((reason, retry)) => Err(Refusal::new(reason, 429, Some(retry))),
+        },
+        Some(t) => {
+            s.quotas.track(t);
+            Ok(())
+        }
+        None => Ok(()),
+    }
+}
+
+/// An early, honest refusal instead of a timeout: the estimated wait
+/// against the tier's TTFT SLO (or completion window). Gives back the
+/// quota the previous gate reserved.
+fn wait_within_slo(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal> {
+    if s.cfg.mode != Mode::Kiln {
+        return Ok(());
+    }
+    let Some(limit) = s.wait_limit(a.tier) else {
+        return Ok(());
+    };
+    let est = s.estimate_wait_for(a.tier, &a.candidates);
+    if est <= limit {
+        return Ok(());
+    }
+    if let Some(t) = a.tenant {
+        s.quotas.release(t, a.reserved, 0.0);
+    }
+    let reason = if a.graph.tiers[a.tier as usize].slo.window.is_some() {
+        Reason::Deadline
+    } else {
+        Reason::Overload
+    };
+    Err(Refusal::new(
+        reason,
+        429,
+        Some(est.saturating_sub(limit).max(SEC)),
+    ))
+}
+
+impl Scheduler {
+    /// An arrival: the policy decides it, the gates admit or refuse it,
+    /// and an admitted request is queued (or parked until its time).
+    pub(super) fn arrive(&mut self, arrival: Arrival) {
+        self.refresh_signals();
+        let graph = self.graph.clone();
+        let req = arrival.request.clone();
+        // Agentic sessions keep the tier of their first step.
+        let session_tier = req
+            .session
+            .as_ref()
+            .and_then(|s| self.sessions.get(s))
+            .map(|(t, _)| *t);
+        let estimate = self.estimate_wait(&req);
+        self.signals.estimated_wait = estimate as f64 / 1000.0;
+        let baseline = self.cfg.mode != Mode::Kiln;
+        let canary_graph = match &self.canary {
+            Some(c) if !baseline && c.selects(arrival.id, &req) => Some(c.graph().clone()),
+            _ => None,
+        };
+        let canary_d = match (&canary_graph, self.canary.as_mut()) {
+            (Some(cg), Some(c)) => c.decide(cg, &req, &self.signals),
+            _ => None,
+        };
+        self.last_canary = canary_d.is_some();
+        let d = match canary_d {
+            Some(d) => d,
+            None => graph.decide(&req, if baseline { &self.idle } else { &self.signals }),
+        };
+        let tier = session_tier.unwrap_or(d.tier);
+        self.out.push(super::Action::Decided {
+            id: arrival.id,
+            tier,
+            tenant: d.tenant,
+            fallback_step: d.fallback_step,
+        });
+        let output = arrival
+            .output_tokens
+            .min(d.max_tokens.clamp(1, u64::from(u32::MAX)) as u32)
+            .max(1);
+        let mut a = Admitting {
+            id: arrival.id,
+            req,
+            graph: &graph,
+            tier,
+            tenant: d.tenant,
+            admission: d.admission,
+            target: d.target,
+            max_tokens: d.max_tokens,
+            output,
+            candidates: Vec::new(),
+            kv_need: 0,
+            reserved: 0.0,
+            borrowed: false,
+            baseline,
+        };
+        for (_, gate) in GATES {
+            if let Err(r) = gate(self, &mut a) {
+                self.out.push(super::Action::Reject {
+                    id: a.id,
+                    reason: r.reason,
+                    status: r.status,
+                    retry_after: r.retry_after,
+                });
+                return;
+            }
+        }
+        self.enqueue(a, arrival.prefix_blocks);
+    }
+
+    /// Holds an admitted request: parked until its `delay` time or while a
+    /// batch forms, else queued, noting why it will wait if it does.
+    fn enqueue(&mut self, a: Admitting<'_>, prefix_blocks: Vec<u64>) {
+        let graph = a.graph;
+        let Some(target) = a.target else { return };
+        let tier = &graph.tiers[a.tier as usize];
+        self.held.insert(
+            a.id,
+            super::Held {
+                tenant: a.tenant,
+                reserved_tokens: a.reserved,
+            },
+        );
+        let window = tier
+            .slo
+            .window
+            .map(|w| self.now.saturating_add((w * 1000.0) as Micros));
+        let max_wait = match a.admission {
+            Admission::Queue { max_wait } if !a.baseline => {
+                Some(self.now.saturating_add((max_wait * 1000.0) as Micros))
+            }
+            _ => None,
+        };
+        let mut w = Waiting {
+            id: a.id,
+            tier: a.tier,
+            tenant: a.tenant,
+            arrival: self.now,
+            deadline: window,
+            expires: max_wait,
+            // kv_need <= a replica's KV capacity bounds this; clamp anyway.
+            prompt_tokens: a.req.prompt_tokens.min(u64::from(u32::MAX)) as u32,
+            output_tokens: a.output,
+            generated: 0,
+            model: target.model,
+            variant: target.variant,
+            pool: target.pool,
+            affinity: self.affinity(a.tier, &a.candidates, &prefix_blocks),
+            prefix_blocks,
+            preemptions: 0,
+            backfill: tier.backfill_only,
+            borrowed: a.borrowed,
+            waiting_for: None,
+            gpu_seconds: 0.0,
+            started: false,
+            orphan: false,
+        };
+        if let (Admission::Delay { until }, false) = (a.admission, a.baseline) {
+            w.waiting_for = Some(Reason::Delay);
+            let at = self.time_at_minute(u32::from(until));
+            self.timers.push((at, a.id));
+            self.queues.park(w);
+            return;
+        }
+        if let Some(hold) = tier.batch_max_wait {
+            // Batch-eligible work may wait briefly for a batch to form; it
+            // never does when a replica could start it with others already.
+            if hold > 0.0 && self.cfg.mode == Mode::Kiln && self.all_idle(&a.candidates) {
+                let at = self.now.saturating_add((hold * 1000.0) as Micros);
+                self.timers.push((at, a.id));
+                w.waiting_for = Some(Reason::Batching);
+                self.queues.park(w);
+                return;
+            }
+        }
+        // Why it will wait, if it does: no room on any replica of its route,
+        // or (backfill) capacity reserved for others.
+        if w.backfill {
+            w.waiting_for = Some(Reason::Backfill);
+        } else if a.candidates.iter().all(|&r| {
+            self.replicas[r].free_seq_slots() == 0 || self.replicas[r].kv_free() < a.kv_need
+        }) {
+            w.waiting_for = Some(Reason::Saturation);
+        } else if self.queues.tokens_above(graph, a.tier) > 0 {
+            w.waiting_for = Some(Reason::Priority);
+        } else if self.queues.others_queued(a.tier, a.tenant) {
+            w.waiting_for = Some(Reason::Fairness);
+        }
+        self.queues.push(w, &self.cfg);
+    }
+}
