@@ -1,0 +1,140 @@
+//! Everything that can go wrong calling an upstream.
+
+use crate::units::duration;
+use std::time::Duration;
+
+/// Everything that can go wrong calling an upstream.
+#[derive(Debug, thiserror::Error, miette::Diagnostic)]
+pub enum UpstreamError {
+    /// The configuration cannot work (bad URL, zero concurrency, ...).
+    #[error("upstream `{upstream}`: {reason}")]
+    #[diagnostic(
+        code(kiln::upstream::config),
+        help("fix this backend's entry in the server configuration")
+    )]
+    Config { upstream: String, reason: String },
+
+    /// The request was not sent: the circuit breaker is open, or the
+    /// replica refused or did not accept the connection.
+    #[error("upstream `{upstream}` is unavailable: {reason}")]
+    #[diagnostic(
+        code(kiln::upstream::unavailable),
+        help("the replica is down or failing; the request never reached it and may go to another replica")
+    )]
+    Unavailable { upstream: String, reason: String },
+
+    /// No answer (or no next chunk) in time.
+    #[error("upstream `{upstream}` timed out: no {waiting_for} within {}", duration::format(*.after))]
+    #[diagnostic(
+        code(kiln::upstream::timeout),
+        help("the replica is overloaded or stuck; raise `timeout` for long generations")
+    )]
+    Timeout {
+        upstream: String,
+        waiting_for: &'static str,
+        after: Duration,
+    },
+
+    /// The upstream answered with an HTTP error status; `body` is the start
+    /// of its answer (an OpenAI error object, usually).
+    #[error("upstream answered HTTP {status}: {}", snippet(.body))]
+    #[diagnostic(
+        code(kiln::upstream::status),
+        help("4xx: the request was refused as it is; 5xx: the replica failed")
+    )]
+    Status { status: u16, body: String },
+
+    /// The upstream's answer is not what the OpenAI protocol says (bad
+    /// JSON, a stream cut before `data: [DONE]`).
+    #[error("upstream `{upstream}` broke the protocol: {reason}")]
+    #[diagnostic(
+        code(kiln::upstream::protocol),
+        help("check that `url` points at an OpenAI-compatible server and the endpoint supports this request")
+    )]
+    Protocol { upstream: String, reason: String },
+
+    /// The connection failed after the request was sent (reset, closed
+    /// mid-answer).
+    #[error("upstream `{upstream}`: connection failed: {reason}")]
+    #[diagnostic(
+        code(kiln::upstream::transport),
+        help("the replica closed or reset the connection; it may have crashed or restarted")
+    )]
+    Transport { upstream: String, reason: String },
+
+    /// The request body cannot be forwarded (not a JSON object).
+    #[error("cannot forward the request: {reason}")]
+    #[diagnostic(
+        code(kiln::upstream::bad_request),
+        help("the request body must be a JSON object")
+    )]
+    BadRequest { reason: String },
+}
+
+impl UpstreamError {
+    /// The HTTP status to answer the gateway's client with: timeout 504,
+    /// unavailable 503, upstream 4xx as is, upstream 5xx and protocol or
+    /// connection failures 502, a body that cannot be forwarded 400.
+    pub fn http_status(&self) -> u16 {
+        match self {
+            UpstreamError::Timeout { .. } => 504,
+            UpstreamError::Unavailable { .. } => 503,
+            UpstreamError::Status { status, .. } if (400..500).contains(status) => *status,
+            UpstreamError::Status { .. } => 502,
+            UpstreamError::Protocol { .. } | UpstreamError::Transport { .. } => 502,
+            UpstreamError::BadRequest { .. } => 400,
+            UpstreamError::Config { .. } => 500,
+        }
+    }
+
+    /// True when the request certainly never reached the upstream (circuit
+    /// open, connection refused), so it may be retried on another replica.
+    pub fn is_unsent(&self) -> bool {
+        matches!(
+            self,
+            UpstreamError::Unavailable { .. } | UpstreamError::BadRequest { .. }
+        )
+    }
+
+    /// Whether this error counts against the upstream's circuit breaker:
+    /// connect errors, timeouts, broken connections and 5xx do; 4xx (the
+    /// client's fault) and protocol errors do not.
+    pub fn is_upstream_failure(&self) -> bool {
+        match self {
+            UpstreamError::Unavailable { .. }
+            | UpstreamError::Timeout { .. }
+            | UpstreamError::Transport { .. } => true,
+            UpstreamError::Status { status, .. } => *status >= 500,
+            _ => false,
+        }
+    }
+}
+
+/// The start of a long error body, for messages.
+pub(super) fn snippet(body: &str) -> &str {
+    const MAX: usize = 300;
+    if body.len() <= MAX {
+        return body;
+    }
+    let mut end = MAX;
+    while !body.is_char_boundary(end) {
+        end -= 1;
+    }
+    &body[..end]
+}
+
+/// An error and its causes on one line (reqwest's own message names only
+/// the URL; the cause is in the source chain).
+pub(super) fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let part = s.to_string();
+        if !text.contains(&part) {
+            text.push_str(": ");
+            text.push_str(&part);
+        }
+        source = s.source();
+    }
+    text
+}
