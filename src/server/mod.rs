@@ -13,6 +13,7 @@ pub mod config;
 pub mod decision_log;
 pub mod executor;
 pub mod explain;
+mod generation;
 pub mod governance;
 pub mod metrics;
 pub mod openai;

@@ -11,22 +11,21 @@
 
 use super::executor::{Command, Progress};
 use super::explain::{self, Shared};
+use super::generation::{serve_scheduled, serve_upstream, HttpFail, RESEND_UNSENT};
 use super::metrics::{Labels, Outcome as MetricOutcome};
 use super::openai::{ApiError, Endpoint, GenerationRequest};
 use super::App;
-use crate::backend::http::UpstreamError;
 use crate::backend::Backend;
 use crate::governance::overrides::Scope;
 use crate::graph::{DecisionGraph, Request, Signals, TenantId, TierId};
 use crate::sched::{Arrival, Reason, ReqId, SEC};
 use crate::traffic::{Decision as LogDecision, Record};
-use axum::body::{Body, Bytes};
+use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use futures_util::StreamExt;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
@@ -64,10 +63,10 @@ async fn models(State(app): State<Arc<App>>) -> Response {
 
 /// Cancels the request in the scheduler unless disarmed: dropped with the
 /// handler or the response stream when the client disconnects.
-struct CancelGuard {
+pub(super) struct CancelGuard {
     id: ReqId,
     app: Arc<App>,
-    armed: bool,
+    pub(super) armed: bool,
 }
 
 impl Drop for CancelGuard {
@@ -140,7 +139,7 @@ fn authenticate(
     }
 }
 
-struct Decided {
+pub(super) struct Decided {
     tier: TierId,
     tenant: Option<TenantId>,
     fallback_step: Option<u8>,
@@ -154,23 +153,23 @@ struct Decided {
     canary: bool,
 }
 
-struct Ctx {
-    app: Arc<App>,
-    endpoint: Endpoint,
-    id: ReqId,
-    rid: String,
-    req: Request,
-    body: Value,
-    client_model: String,
-    stream: bool,
-    include_usage: bool,
-    received: Instant,
-    received_ms: f64,
-    explain: Shared,
+pub(super) struct Ctx {
+    pub(super) app: Arc<App>,
+    pub(super) endpoint: Endpoint,
+    pub(super) id: ReqId,
+    pub(super) rid: String,
+    pub(super) req: Request,
+    pub(super) body: Value,
+    pub(super) client_model: String,
+    pub(super) stream: bool,
+    pub(super) include_usage: bool,
+    pub(super) received: Instant,
+    pub(super) received_ms: f64,
+    pub(super) explain: Shared,
 }
 
 impl Ctx {
-    fn ms(&self) -> f64 {
+    pub(super) fn ms(&self) -> f64 {
         self.received.elapsed().as_secs_f64() * 1000.0
     }
 }
@@ -460,11 +459,11 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
                     match backend {
                         Backend::Sim | Backend::Cuda(_) => {
                             let name = backend.name();
-                            return Ok(serve_sim(ctx, guard, rx, started, &name).await);
+                            return Ok(serve_scheduled(ctx, guard, rx, started, &name).await);
                         }
                         Backend::Http(u) => {
                             let retry = resent < RESEND_UNSENT;
-                            match serve_http(ctx, guard, rx, started, u, retry).await {
+                            match serve_upstream(ctx, guard, rx, started, u, retry).await {
                                 Ok(r) => return Ok(r),
                                 Err(HttpFail::Fatal(e)) => return Err(e),
                                 Err(HttpFail::Unsent(back)) => {
@@ -490,12 +489,12 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
     }
 }
 
-struct Started {
-    d: Decided,
-    route: String,
-    waited_for: Option<Reason>,
-    queue_s: f64,
-    preempted: u32,
+pub(super) struct Started {
+    pub(super) d: Decided,
+    pub(super) route: String,
+    pub(super) waited_for: Option<Reason>,
+    pub(super) queue_s: f64,
+    pub(super) preempted: u32,
 }
 
 fn tenant_name(g: &DecisionGraph, t: Option<TenantId>) -> String {
@@ -689,7 +688,7 @@ fn base_record(ctx: &Ctx, d: Option<&Decided>) -> Record {
 }
 
 /// What one served request adds to the log, metrics and explain store.
-fn finish_served(
+pub(super) fn finish_served(
     ctx: &Ctx,
     s: &Started,
     output_tokens: u64,
@@ -785,7 +784,7 @@ fn finish_served(
     }
 }
 
-fn kiln_headers(ctx: &Ctx, s: &Started, backend: &str) -> Vec<(&'static str, String)> {
+pub(super) fn kiln_headers(ctx: &Ctx, s: &Started, backend: &str) -> Vec<(&'static str, String)> {
     let g = &s.d.graph;
     let mut h = vec![
         ("x-kiln-request-id", ctx.rid.clone()),
@@ -815,502 +814,11 @@ fn kiln_headers(ctx: &Ctx, s: &Started, backend: &str) -> Vec<(&'static str, Str
     h
 }
 
-fn with_headers(mut resp: Response, h: Vec<(&'static str, String)>) -> Response {
+pub(super) fn with_headers(mut resp: Response, h: Vec<(&'static str, String)>) -> Response {
     for (k, v) in h {
         if let Ok(v) = HeaderValue::from_str(&v) {
             resp.headers_mut().insert(k, v);
         }
     }
     resp
-}
-
-/// Placeholder text for simulated output: it says what it is.
-const SIM_WORDS: [&str; 8] = [
-    " simulated",
-    " output",
-    " from",
-    " kiln's",
-    " roofline",
-    " GPU",
-    " model",
-    ".",
-];
-
-fn sim_text(from: u64, n: u64) -> String {
-    (from..from + n)
-        .map(|i| SIM_WORDS[(i % 8) as usize])
-        .collect()
-}
-
-fn completion_id(ctx: &Ctx) -> String {
-    match ctx.endpoint {
-        Endpoint::Chat => format!("chatcmpl-{}", ctx.rid),
-        Endpoint::Completions => format!("cmpl-{}", ctx.rid),
-    }
-}
-
-fn created() -> i64 {
-    (crate::clock::unix_ms() / 1000.0) as i64
-}
-
-fn full_body(
-    ctx: &Ctx,
-    text: &str,
-    prompt: u64,
-    completion: u64,
-    finish: &str,
-    fingerprint: &str,
-) -> Value {
-    let choice = match ctx.endpoint {
-        Endpoint::Chat => json!({
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": null,
-            "finish_reason": finish,
-        }),
-        Endpoint::Completions => json!({
-            "index": 0, "text": text, "logprobs": null, "finish_reason": finish,
-        }),
-    };
-    json!({
-        "id": completion_id(ctx),
-        "object": ctx.endpoint.object(false),
-        "created": created(),
-        "model": ctx.client_model,
-        "system_fingerprint": fingerprint,
-        "choices": [choice],
-        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
-    })
-}
-
-fn chunk(ctx: &Ctx, created: i64, text: Option<&str>, first: bool, finish: Option<&str>) -> Value {
-    let choice = match ctx.endpoint {
-        Endpoint::Chat => {
-            let mut delta = serde_json::Map::new();
-            if first {
-                delta.insert("role".into(), json!("assistant"));
-            }
-            if let Some(t) = text {
-                delta.insert("content".into(), json!(t));
-            }
-            json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
-        }
-        Endpoint::Completions => {
-            json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish})
-        }
-    };
-    json!({
-        "id": completion_id(ctx),
-        "object": ctx.endpoint.object(true),
-        "created": created,
-        "model": ctx.client_model,
-        "system_fingerprint": "kiln-sim",
-        "choices": [choice],
-    })
-}
-
-fn usage_chunk(ctx: &Ctx, created: i64, prompt: u64, completion: u64) -> Value {
-    json!({
-        "id": completion_id(ctx),
-        "object": ctx.endpoint.object(true),
-        "created": created,
-        "model": ctx.client_model,
-        "choices": [],
-        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
-    })
-}
-
-fn sse(v: &Value) -> Bytes {
-    let mut s = String::with_capacity(256);
-    s.push_str("data: ");
-    s.push_str(&v.to_string());
-    s.push_str("\n\n");
-    Bytes::from(s)
-}
-
-fn sse_done() -> Bytes {
-    Bytes::from_static(b"data: [DONE]\n\n")
-}
-
-fn sse_response(body: Body, h: Vec<(&'static str, String)>) -> Response {
-    let mut resp = Response::new(body);
-    let hs = resp.headers_mut();
-    hs.insert(
-        "content-type",
-        HeaderValue::from_static("text/event-stream"),
-    );
-    hs.insert("cache-control", HeaderValue::from_static("no-cache"));
-    with_headers(resp, h)
-}
-
-/// The simulator's tokens arrive as the executor's steps end.
-async fn serve_sim(
-    ctx: Ctx,
-    mut guard: CancelGuard,
-    mut rx: mpsc::UnboundedReceiver<Progress>,
-    s: Started,
-    backend: &str,
-) -> Response {
-    let headers = kiln_headers(&ctx, &s, backend);
-    if !ctx.stream {
-        let mut produced = 0u64;
-        let mut ttft = None;
-        let mut gpu = 0.0;
-        loop {
-            match rx.recv().await {
-                Some(Progress::Tokens(n)) => {
-                    if produced == 0 && n > 0 {
-                        ttft = Some(ctx.received.elapsed().as_secs_f64());
-                    }
-                    produced += u64::from(n);
-                }
-                Some(Progress::Finished { gpu_seconds, at }) => {
-                    explain::clock(&ctx.explain, |c| c.finished_us = Some(at));
-                    gpu = gpu_seconds;
-                    break;
-                }
-                Some(Progress::Preempted { by }) => {
-                    explain::note(
-                        &ctx.explain,
-                        ctx.ms(),
-                        format!("preempted by request {by}"),
-                        Some(Reason::Preempted.name()),
-                    );
-                }
-                Some(_) => {}
-                None => {
-                    guard.armed = false;
-                    finish_served(&ctx, &s, produced, ttft, MetricOutcome::UpstreamError, gpu);
-                    return ApiError::new(503, "the scheduler stopped").into_response();
-                }
-            }
-        }
-        guard.armed = false;
-        let finish = "length";
-        let text = sim_text(0, produced);
-        finish_served(&ctx, &s, produced, ttft, MetricOutcome::Ok, gpu);
-        let body = full_body(
-            &ctx,
-            &text,
-            ctx.req.prompt_tokens,
-            produced,
-            finish,
-            "kiln-sim",
-        );
-        return with_headers(axum::Json(body).into_response(), headers);
-    }
-    // Streaming: one SSE chunk per token, as the steps produce them.
-    struct St {
-        ctx: Ctx,
-        guard: CancelGuard,
-        rx: mpsc::UnboundedReceiver<Progress>,
-        s: Started,
-        produced: u64,
-        ttft: Option<f64>,
-        created: i64,
-        done: bool,
-        pending: std::collections::VecDeque<Bytes>,
-    }
-    let created = created();
-    let first = sse(&chunk(&ctx, created, Some(""), true, None));
-    let mut st = St {
-        ctx,
-        guard,
-        rx,
-        s,
-        produced: 0,
-        ttft: None,
-        created,
-        done: false,
-        pending: std::collections::VecDeque::from([first]),
-    };
-    let stream = futures_util::stream::poll_fn(move |cx| {
-        // Capture the whole state (its guard included), not its fields.
-        let st = &mut st;
-        use std::task::Poll;
-        loop {
-            if let Some(b) = st.pending.pop_front() {
-                return Poll::Ready(Some(Ok::<Bytes, std::convert::Infallible>(b)));
-            }
-            if st.done {
-                return Poll::Ready(None);
-            }
-            match st.rx.poll_recv(cx) {
-                Poll::Pending => return Poll::Pending,
-                Poll::Ready(Some(Progress::Tokens(n))) => {
-                    if st.produced == 0 && n > 0 {
-                        st.ttft = Some(st.ctx.received.elapsed().as_secs_f64());
-                    }
-                    for i in 0..u64::from(n) {
-                        let t = sim_text(st.produced + i, 1);
-                        st.pending.push_back(sse(&chunk(
-                            &st.ctx,
-                            st.created,
-                            Some(&t),
-                            false,
-                            None,
-                        )));
-                    }
-                    st.produced += u64::from(n);
-                }
-                Poll::Ready(Some(Progress::Finished { gpu_seconds, at })) => {
-                    explain::clock(&st.ctx.explain, |c| c.finished_us = Some(at));
-                    st.guard.armed = false;
-                    st.done = true;
-                    st.pending.push_back(sse(&chunk(
-                        &st.ctx,
-                        st.created,
-                        None,
-                        false,
-                        Some("length"),
-                    )));
-                    if st.ctx.include_usage {
-                        st.pending.push_back(sse(&usage_chunk(
-                            &st.ctx,
-                            st.created,
-                            st.ctx.req.prompt_tokens,
-                            st.produced,
-                        )));
-                    }
-                    st.pending.push_back(sse_done());
-                    finish_served(
-                        &st.ctx,
-                        &st.s,
-                        st.produced,
-                        st.ttft,
-                        MetricOutcome::Ok,
-                        gpu_seconds,
-                    );
-                }
-                Poll::Ready(Some(_)) => {}
-                Poll::Ready(None) => {
-                    st.guard.armed = false;
-                    st.done = true;
-                    let e = ApiError::new(503, "the scheduler stopped");
-                    st.pending.push_back(sse(&e.body()));
-                    finish_served(
-                        &st.ctx,
-                        &st.s,
-                        st.produced,
-                        st.ttft,
-                        MetricOutcome::UpstreamError,
-                        0.0,
-                    );
-                }
-            }
-        }
-    });
-    sse_response(Body::from_stream(stream), headers)
-}
-
-/// The body sent upstream: the client's, with the upstream's model name.
-fn upstream_body(ctx: &Ctx, served_model: Option<&str>, stream: bool) -> Value {
-    let mut b = ctx.body.clone();
-    if let Some(obj) = b.as_object_mut() {
-        if let Some(m) = served_model {
-            obj.insert("model".into(), json!(m));
-        }
-        obj.insert("stream".into(), json!(stream));
-        if stream {
-            obj.insert("stream_options".into(), json!({"include_usage": true}));
-        } else {
-            obj.remove("stream_options");
-        }
-    }
-    b
-}
-
-fn upstream_error(ctx: &Ctx, e: &UpstreamError) -> ApiError {
-    let status = e.http_status();
-    let mut err = ApiError::new(status, format!("upstream {}: {e}", ctx.rid));
-    if status == 503 {
-        err = err.retry_after(Some(5));
-    }
-    err
-}
-
-/// How many times a request no upstream received is queued again.
-/// Enough for a dead upstream's breaker to open (5 failures by default)
-/// and the request to reach a live one; refused connections fail at once.
-const RESEND_UNSENT: u32 = 8;
-
-enum HttpFail {
-    Fatal(ApiError),
-    /// The upstream never saw the request: it may go to another replica.
-    Unsent(Box<Ctx>),
-}
-
-impl From<ApiError> for HttpFail {
-    fn from(e: ApiError) -> Self {
-        HttpFail::Fatal(e)
-    }
-}
-
-async fn serve_http(
-    ctx: Ctx,
-    mut guard: CancelGuard,
-    rx: mpsc::UnboundedReceiver<Progress>,
-    s: Started,
-    up: Arc<crate::backend::http::Upstream>,
-    may_resend: bool,
-) -> Result<Response, HttpFail> {
-    drop(rx);
-    let headers = kiln_headers(&ctx, &s, &format!("http:{}", up.name()));
-    let served_model = up.served_model().map(str::to_string);
-    let path = ctx.endpoint.path();
-    if !ctx.stream {
-        let body = upstream_body(&ctx, served_model.as_deref(), false);
-        let result = up.complete(path, body).await;
-        // From here the request is settled either way.
-        guard.armed = false;
-        return match result {
-            Ok(mut v) => {
-                let completion = v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
-                ctx.app.exec.send(Command::Complete {
-                    id: ctx.id,
-                    output_tokens: completion.min(u64::from(u32::MAX)) as u32,
-                });
-                if let Some(obj) = v.as_object_mut() {
-                    obj.insert("model".into(), json!(ctx.client_model));
-                }
-                let e2e = ctx.received.elapsed().as_secs_f64();
-                finish_served(&ctx, &s, completion, Some(e2e), MetricOutcome::Ok, 0.0);
-                Ok(with_headers(axum::Json(v).into_response(), headers))
-            }
-            Err(e) => {
-                ctx.app.exec.send(Command::Complete {
-                    id: ctx.id,
-                    output_tokens: 0,
-                });
-                if may_resend && e.is_unsent() {
-                    return Err(HttpFail::Unsent(Box::new(ctx)));
-                }
-                let outcome = if e.http_status() == 504 {
-                    MetricOutcome::Timeout
-                } else {
-                    MetricOutcome::UpstreamError
-                };
-                finish_served(&ctx, &s, 0, None, outcome, 0.0);
-                Err(upstream_error(&ctx, &e).into())
-            }
-        };
-    }
-    let body = upstream_body(&ctx, served_model.as_deref(), true);
-    let upstream = match up.stream(path, body).await {
-        Ok(st) => st,
-        Err(e) => {
-            guard.armed = false;
-            ctx.app.exec.send(Command::Complete {
-                id: ctx.id,
-                output_tokens: 0,
-            });
-            if may_resend && e.is_unsent() {
-                return Err(HttpFail::Unsent(Box::new(ctx)));
-            }
-            finish_served(&ctx, &s, 0, None, MetricOutcome::UpstreamError, 0.0);
-            return Err(upstream_error(&ctx, &e).into());
-        }
-    };
-    struct St<S> {
-        ctx: Ctx,
-        guard: CancelGuard,
-        s: Started,
-        up: std::pin::Pin<Box<S>>,
-        produced: u64,
-        usage_completion: Option<u64>,
-        ttft: Option<f64>,
-        done: bool,
-    }
-    let mut st = St {
-        ctx,
-        guard,
-        s,
-        up: Box::pin(upstream),
-        produced: 0,
-        usage_completion: None,
-        ttft: None,
-        done: false,
-    };
-    let stream = futures_util::stream::poll_fn(move |cx| {
-        // Capture the whole state (its guard included), not its fields.
-        let st = &mut st;
-        use std::task::Poll;
-        loop {
-            if st.done {
-                return Poll::Ready(None);
-            }
-            match st.up.poll_next_unpin(cx) {
-                Poll::Pending => return Poll::Pending,
-                Poll::Ready(Some(Ok(mut v))) => {
-                    if let Some(u) = v
-                        .get("usage")
-                        .and_then(|u| u.get("completion_tokens"))
-                        .and_then(Value::as_u64)
-                    {
-                        st.usage_completion = Some(u);
-                    }
-                    let choices_empty = v["choices"].as_array().is_none_or(|c| c.is_empty());
-                    let has_text = v["choices"][0]["delta"]["content"]
-                        .as_str()
-                        .is_some_and(|t| !t.is_empty())
-                        || v["choices"][0]["text"]
-                            .as_str()
-                            .is_some_and(|t| !t.is_empty());
-                    if has_text {
-                        if st.ttft.is_none() {
-                            st.ttft = Some(st.ctx.received.elapsed().as_secs_f64());
-                        }
-                        st.produced += 1;
-                    }
-                    if choices_empty && !st.ctx.include_usage {
-                        continue; // the usage chunk kiln asked for, not the client
-                    }
-                    if let Some(obj) = v.as_object_mut() {
-                        obj.insert("model".into(), json!(st.ctx.client_model));
-                        if !st.ctx.include_usage {
-                            obj.remove("usage");
-                        }
-                    }
-                    return Poll::Ready(Some(Ok::<Bytes, std::convert::Infallible>(sse(&v))));
-                }
-                Poll::Ready(Some(Err(e))) => {
-                    st.done = true;
-                    st.guard.armed = false;
-                    let out = st.usage_completion.unwrap_or(st.produced);
-                    st.ctx.app.exec.send(Command::Complete {
-                        id: st.ctx.id,
-                        output_tokens: out.min(u64::from(u32::MAX)) as u32,
-                    });
-                    let outcome = if e.http_status() == 504 {
-                        MetricOutcome::Timeout
-                    } else {
-                        MetricOutcome::UpstreamError
-                    };
-                    finish_served(&st.ctx, &st.s, out, st.ttft, outcome, 0.0);
-                    let err = upstream_error(&st.ctx, &e);
-                    return Poll::Ready(Some(Ok(sse(&err.body()))));
-                }
-                Poll::Ready(None) => {
-                    st.done = true;
-                    st.guard.armed = false;
-                    let out = st.usage_completion.unwrap_or(st.produced);
-                    st.ctx.app.exec.send(Command::Complete {
-                        id: st.ctx.id,
-                        output_tokens: out.min(u64::from(u32::MAX)) as u32,
-                    });
-                    finish_served(&st.ctx, &st.s, out, st.ttft, MetricOutcome::Ok, 0.0);
-                    if st.ctx.include_usage && st.usage_completion.is_none() {
-                        // The upstream ignored stream_options (llama.cpp
-                        // does): the usage chunk comes from kiln's counts.
-                        let usage = usage_chunk(&st.ctx, created(), st.ctx.req.prompt_tokens, out);
-                        let mut b = sse(&usage).to_vec();
-                        b.extend_from_slice(&sse_done());
-                        return Poll::Ready(Some(Ok(Bytes::from(b))));
-                    }
-                    return Poll::Ready(Some(Ok(sse_done())));
-                }
-            }
-        }
-    });
-    Ok(sse_response(Body::from_stream(stream), headers))
 }

@@ -1,0 +1,578 @@
+//! The one path from a backend's output to the client. Whatever produces
+//! a request's tokens (the scheduler's steps on a simulated or GPU
+//! replica, or an OpenAI-compatible upstream), it is turned into a stream
+//! of [`Piece`]s, and one function answers from them: a whole JSON body or
+//! server-sent events, with the same finish handling, usage chunk,
+//! time-to-first-token, accounting and cancellation for every backend.
+
+use super::executor::{Command, Progress};
+use super::explain;
+use super::metrics::Outcome as MetricOutcome;
+use super::openai::{ApiError, Endpoint};
+use super::routes::{finish_served, kiln_headers, with_headers, CancelGuard, Ctx, Started};
+use crate::backend::http::{Upstream, UpstreamError};
+use crate::sched::{Micros, Reason, ReqId};
+use axum::body::{Body, Bytes};
+use axum::http::HeaderValue;
+use axum::response::{IntoResponse, Response};
+use futures_util::stream::{self, BoxStream};
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+use std::sync::Arc;
+use tokio::sync::mpsc;
+
+/// One step of a generation, from whichever backend produced it.
+enum Piece {
+    /// `n` more tokens the scheduler produced; kiln renders their text.
+    Tokens(u32),
+    /// A streaming chunk an upstream sent, in OpenAI's shape.
+    Chunk(Value),
+    /// A non-streaming upstream's whole answer.
+    Whole(Value),
+    /// The scheduler preempted the sequence (it will resume).
+    Preempted(ReqId),
+    /// The end: GPU time and the scheduler-clock finish, where known.
+    End {
+        gpu_seconds: f64,
+        at: Option<Micros>,
+    },
+    /// A failure; nothing follows.
+    Failed {
+        err: ApiError,
+        outcome: MetricOutcome,
+    },
+}
+
+/// Who produced the pieces, which says who renders text and who must be
+/// told the request ended.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Producer {
+    /// The scheduler's own steps: kiln writes the text, the role and the
+    /// finish chunks, and the scheduler already knows the request ended.
+    Scheduler,
+    /// An upstream: its chunks pass through (model name rewritten), and
+    /// the scheduler is told how many tokens it produced.
+    Upstream,
+}
+
+/// Serves a request started on a simulated or GPU replica.
+pub(super) async fn serve_scheduled(
+    ctx: Ctx,
+    guard: CancelGuard,
+    rx: mpsc::UnboundedReceiver<Progress>,
+    s: Started,
+    backend: &str,
+) -> Response {
+    let headers = kiln_headers(&ctx, &s, backend);
+    let pieces = tokio_stream::wrappers::UnboundedReceiverStream::new(rx)
+        .filter_map(|p| async move {
+            match p {
+                Progress::Tokens(n) => Some(Piece::Tokens(n)),
+                Progress::Finished { gpu_seconds, at } => Some(Piece::End {
+                    gpu_seconds,
+                    at: Some(at),
+                }),
+                Progress::Preempted { by } => Some(Piece::Preempted(by)),
+                _ => None,
+            }
+        })
+        // The channel closing before the end means the scheduler stopped.
+        .chain(stream::once(async {
+            Piece::Failed {
+                err: ApiError::new(503, "the scheduler stopped"),
+                outcome: MetricOutcome::UpstreamError,
+            }
+        }))
+        .boxed();
+    respond(ctx, guard, s, headers, pieces, Producer::Scheduler)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+/// How many times a request no upstream received is queued again.
+/// Enough for a dead upstream's breaker to open (5 failures by default)
+/// and the request to reach a live one; refused connections fail at once.
+pub(super) const RESEND_UNSENT: u32 = 8;
+
+pub(super) enum HttpFail {
+    Fatal(ApiError),
+    /// The upstream never saw the request: it may go to another replica.
+    Unsent(Box<Ctx>),
+}
+
+/// Serves a request started on an HTTP upstream. Until the upstream has
+/// received it, a failure may send it back to the queue (`may_resend`).
+pub(super) async fn serve_upstream(
+    ctx: Ctx,
+    mut guard: CancelGuard,
+    rx: mpsc::UnboundedReceiver<Progress>,
+    s: Started,
+    up: Arc<Upstream>,
+    may_resend: bool,
+) -> Result<Response, HttpFail> {
+    drop(rx);
+    let headers = kiln_headers(&ctx, &s, &format!("http:{}", up.name()));
+    let served_model = up.served_model().map(str::to_string);
+    let path = ctx.endpoint.path();
+    let body = upstream_body(&ctx, served_model.as_deref(), ctx.stream);
+    let rid = ctx.rid.clone();
+    let pieces = if ctx.stream {
+        match up.stream(path, body).await {
+            Ok(chunks) => chunks
+                .map(move |c| match c {
+                    Ok(v) => Piece::Chunk(v),
+                    Err(e) => upstream_failure(&rid, &e),
+                })
+                .chain(stream::once(async {
+                    Piece::End {
+                        gpu_seconds: 0.0,
+                        at: None,
+                    }
+                }))
+                .boxed(),
+            Err(e) => {
+                // Nothing was sent to the client yet: an error status, not
+                // an event stream.
+                guard.armed = false;
+                report_output(&ctx, 0);
+                if may_resend && e.is_unsent() {
+                    return Err(HttpFail::Unsent(Box::new(ctx)));
+                }
+                finish_served(&ctx, &s, 0, None, MetricOutcome::UpstreamError, 0.0);
+                return Err(HttpFail::Fatal(upstream_error(&ctx.rid, &e)));
+            }
+        }
+    } else {
+        match up.complete(path, body).await {
+            Ok(v) => stream::iter([
+                Piece::Whole(v),
+                Piece::End {
+                    gpu_seconds: 0.0,
+                    at: None,
+                },
+            ])
+            .boxed(),
+            Err(e) if may_resend && e.is_unsent() => {
+                guard.armed = false;
+                report_output(&ctx, 0);
+                return Err(HttpFail::Unsent(Box::new(ctx)));
+            }
+            Err(e) => stream::iter([upstream_failure(&rid, &e)]).boxed(),
+        }
+    };
+    respond(ctx, guard, s, headers, pieces, Producer::Upstream)
+        .await
+        .map_err(HttpFail::Fatal)
+}
+
+fn upstream_failure(rid: &str, e: &UpstreamError) -> Piece {
+    let outcome = if e.http_status() == 504 {
+        MetricOutcome::Timeout
+    } else {
+        MetricOutcome::UpstreamError
+    };
+    Piece::Failed {
+        err: upstream_error(rid, e),
+        outcome,
+    }
+}
+
+/// Tells the scheduler how many tokens an upstream produced (it ends the
+/// request there).
+fn report_output(ctx: &Ctx, tokens: u64) {
+    ctx.app.exec.send(Command::Complete {
+        id: ctx.id,
+        output_tokens: tokens.min(u64::from(u32::MAX)) as u32,
+    });
+}
+
+/// What has been produced so far, for the usage and the accounting.
+struct Tally {
+    /// Tokens produced (scheduler tokens, or upstream chunks with text).
+    produced: u64,
+    /// What the upstream's usage said it produced, when it did.
+    usage_completion: Option<u64>,
+    /// Seconds from receipt to the first token.
+    ttft: Option<f64>,
+}
+
+impl Tally {
+    fn output(&self) -> u64 {
+        self.usage_completion.unwrap_or(self.produced)
+    }
+
+    fn first_token(&mut self, ctx: &Ctx) {
+        if self.ttft.is_none() {
+            self.ttft = Some(ctx.received.elapsed().as_secs_f64());
+        }
+    }
+
+    /// Takes what an upstream's chunk or answer says it produced.
+    fn usage(&mut self, v: &Value) {
+        if let Some(u) = v
+            .get("usage")
+            .and_then(|u| u.get("completion_tokens"))
+            .and_then(Value::as_u64)
+        {
+            self.usage_completion = Some(u);
+        }
+    }
+}
+
+/// Answers from the pieces: a whole body, or server-sent events. Pieces
+/// after the first `End` or `Failed` are not read.
+async fn respond(
+    ctx: Ctx,
+    guard: CancelGuard,
+    s: Started,
+    headers: Vec<(&'static str, String)>,
+    pieces: BoxStream<'static, Piece>,
+    producer: Producer,
+) -> Result<Response, ApiError> {
+    let pieces = pieces
+        .scan(false, |ended, p| {
+            let next = (!*ended).then(|| {
+                *ended = matches!(p, Piece::End { .. } | Piece::Failed { .. });
+                p
+            });
+            std::future::ready(next)
+        })
+        .boxed();
+    let gen = Generation {
+        ctx,
+        guard,
+        s,
+        producer,
+        tally: Tally {
+            produced: 0,
+            usage_completion: None,
+            ttft: None,
+        },
+        created: created(),
+    };
+    if gen.ctx.stream {
+        Ok(gen.stream(headers, pieces))
+    } else {
+        gen.whole(headers, pieces).await
+    }
+}
+
+/// One request's answer in the making.
+struct Generation {
+    ctx: Ctx,
+    /// Cancels the request in the scheduler if the answer is dropped
+    /// before it ends (the client went away).
+    guard: CancelGuard,
+    s: Started,
+    producer: Producer,
+    tally: Tally,
+    created: i64,
+}
+
+impl Generation {
+    /// The request ended (served or failed): the guard stands down, the
+    /// scheduler hears about an upstream's output, and the request is
+    /// measured, logged and explained.
+    fn settle(&mut self, outcome: MetricOutcome, gpu_seconds: f64, at: Option<Micros>) {
+        self.guard.armed = false;
+        if let Some(at) = at {
+            explain::clock(&self.ctx.explain, |c| c.finished_us = Some(at));
+        }
+        if self.producer == Producer::Upstream {
+            report_output(&self.ctx, self.tally.output());
+        }
+        let (out, ttft) = (self.tally.output(), self.tally.ttft);
+        finish_served(&self.ctx, &self.s, out, ttft, outcome, gpu_seconds);
+    }
+
+    fn preempted(&self, by: ReqId) {
+        explain::note(
+            &self.ctx.explain,
+            self.ctx.ms(),
+            format!("preempted by request {by}"),
+            Some(Reason::Preempted.name()),
+        );
+    }
+
+    fn tokens(&mut self, n: u32) {
+        if n > 0 {
+            self.tally.first_token(&self.ctx);
+        }
+        self.tally.produced += u64::from(n);
+    }
+
+    async fn whole(
+        mut self,
+        headers: Vec<(&'static str, String)>,
+        mut pieces: BoxStream<'static, Piece>,
+    ) -> Result<Response, ApiError> {
+        let mut answer: Option<Value> = None;
+        while let Some(p) = pieces.next().await {
+            match p {
+                Piece::Tokens(n) => self.tokens(n),
+                Piece::Chunk(_) => {}
+                Piece::Whole(mut v) => {
+                    // A whole answer's first token is its last.
+                    self.tally.first_token(&self.ctx);
+                    self.tally.usage_completion =
+                        Some(v["usage"]["completion_tokens"].as_u64().unwrap_or(0));
+                    if let Some(obj) = v.as_object_mut() {
+                        obj.insert("model".into(), json!(self.ctx.client_model));
+                    }
+                    answer = Some(v);
+                }
+                Piece::Preempted(by) => self.preempted(by),
+                Piece::End { gpu_seconds, at } => {
+                    self.settle(MetricOutcome::Ok, gpu_seconds, at);
+                    let body = answer.unwrap_or_else(|| {
+                        let n = self.tally.produced;
+                        let prompt = self.ctx.req.prompt_tokens;
+                        full_body(&self.ctx, &sim_text(0, n), prompt, n, "length", "kiln-sim")
+                    });
+                    return Ok(with_headers(axum::Json(body).into_response(), headers));
+                }
+                Piece::Failed { err, outcome } => {
+                    self.settle(outcome, 0.0, None);
+                    return Err(err);
+                }
+            }
+        }
+        // Every source ends with `End` or `Failed`.
+        self.settle(MetricOutcome::UpstreamError, 0.0, None);
+        Err(ApiError::new(503, "the scheduler stopped"))
+    }
+
+    fn stream(
+        mut self,
+        headers: Vec<(&'static str, String)>,
+        pieces: BoxStream<'static, Piece>,
+    ) -> Response {
+        // Kiln writes the role chunk for the text it renders itself.
+        let opening = match self.producer {
+            Producer::Scheduler => {
+                let c = chunk(&self.ctx, self.created, Some(""), true, None);
+                Some(Ok::<Bytes, std::convert::Infallible>(sse(&c)))
+            }
+            Producer::Upstream => None,
+        };
+        // The generation (its guard included) moves into the stream, so a
+        // client that goes away drops the guard and cancels the request.
+        let events = pieces.filter_map(move |p| std::future::ready(self.frame(p).map(Ok)));
+        let body = stream::iter(opening).chain(events);
+        sse_response(Body::from_stream(body), headers)
+    }
+
+    /// The bytes one piece adds to the event stream, if any.
+    fn frame(&mut self, p: Piece) -> Option<Bytes> {
+        match p {
+            Piece::Tokens(0) => None,
+            Piece::Tokens(n) => {
+                let mut b = Vec::new();
+                for i in 0..u64::from(n) {
+                    let t = sim_text(self.tally.produced + i, 1);
+                    let c = chunk(&self.ctx, self.created, Some(&t), false, None);
+                    b.extend_from_slice(&sse(&c));
+                }
+                self.tokens(n);
+                Some(Bytes::from(b))
+            }
+            Piece::Chunk(mut v) => {
+                self.tally.usage(&v);
+                let has_text = v["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .is_some_and(|t| !t.is_empty())
+                    || v["choices"][0]["text"]
+                        .as_str()
+                        .is_some_and(|t| !t.is_empty());
+                if has_text {
+                    self.tally.first_token(&self.ctx);
+                    self.tally.produced += 1;
+                }
+                let choices_empty = v["choices"].as_array().is_none_or(|c| c.is_empty());
+                let include_usage = self.ctx.include_usage;
+                if choices_empty && !include_usage {
+                    return None; // the usage chunk kiln asked for, not the client
+                }
+                if let Some(obj) = v.as_object_mut() {
+                    obj.insert("model".into(), json!(self.ctx.client_model));
+                    if !include_usage {
+                        obj.remove("usage");
+                    }
+                }
+                Some(sse(&v))
+            }
+            // Only non-streaming calls give whole answers.
+            Piece::Whole(v) => Some(sse(&v)),
+            Piece::Preempted(by) => {
+                self.preempted(by);
+                None
+            }
+            Piece::End { gpu_seconds, at } => {
+                self.settle(MetricOutcome::Ok, gpu_seconds, at);
+                let mut b = Vec::new();
+                if self.producer == Producer::Scheduler {
+                    let c = chunk(&self.ctx, self.created, None, false, Some("length"));
+                    b.extend_from_slice(&sse(&c));
+                }
+                // Upstreams that ignore stream_options (llama.cpp does)
+                // send no usage: kiln writes it from its own counts.
+                if self.ctx.include_usage && self.tally.usage_completion.is_none() {
+                    let prompt = self.ctx.req.prompt_tokens;
+                    let u = usage_chunk(&self.ctx, self.created, prompt, self.tally.output());
+                    b.extend_from_slice(&sse(&u));
+                }
+                b.extend_from_slice(&sse_done());
+                Some(Bytes::from(b))
+            }
+            Piece::Failed { err, outcome } => {
+                self.settle(outcome, 0.0, None);
+                Some(sse(&err.body()))
+            }
+        }
+    }
+}
+
+/// The body sent upstream: the client's, with the upstream's model name.
+fn upstream_body(ctx: &Ctx, served_model: Option<&str>, stream: bool) -> Value {
+    let mut b = ctx.body.clone();
+    if let Some(obj) = b.as_object_mut() {
+        if let Some(m) = served_model {
+            obj.insert("model".into(), json!(m));
+        }
+        obj.insert("stream".into(), json!(stream));
+        if stream {
+            obj.insert("stream_options".into(), json!({"include_usage": true}));
+        } else {
+            obj.remove("stream_options");
+        }
+    }
+    b
+}
+
+fn upstream_error(rid: &str, e: &UpstreamError) -> ApiError {
+    let status = e.http_status();
+    let mut err = ApiError::new(status, format!("upstream {rid}: {e}"));
+    if status == 503 {
+        err = err.retry_after(Some(5));
+    }
+    err
+}
+
+/// Placeholder text for simulated output: it says what it is.
+const SIM_WORDS: [&str; 8] = [
+    " simulated",
+    " output",
+    " from",
+    " kiln's",
+    " roofline",
+    " GPU",
+    " model",
+    ".",
+];
+
+fn sim_text(from: u64, n: u64) -> String {
+    (from..from + n)
+        .map(|i| SIM_WORDS[(i % 8) as usize])
+        .collect()
+}
+
+fn completion_id(ctx: &Ctx) -> String {
+    match ctx.endpoint {
+        Endpoint::Chat => format!("chatcmpl-{}", ctx.rid),
+        Endpoint::Completions => format!("cmpl-{}", ctx.rid),
+    }
+}
+
+fn created() -> i64 {
+    (crate::clock::unix_ms() / 1000.0) as i64
+}
+
+fn full_body(
+    ctx: &Ctx,
+    text: &str,
+    prompt: u64,
+    completion: u64,
+    finish: &str,
+    fingerprint: &str,
+) -> Value {
+    let choice = match ctx.endpoint {
+        Endpoint::Chat => json!({
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": null,
+            "finish_reason": finish,
+        }),
+        Endpoint::Completions => json!({
+            "index": 0, "text": text, "logprobs": null, "finish_reason": finish,
+        }),
+    };
+    json!({
+        "id": completion_id(ctx),
+        "object": ctx.endpoint.object(false),
+        "created": created(),
+        "model": ctx.client_model,
+        "system_fingerprint": fingerprint,
+        "choices": [choice],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+    })
+}
+
+fn chunk(ctx: &Ctx, created: i64, text: Option<&str>, first: bool, finish: Option<&str>) -> Value {
+    let choice = match ctx.endpoint {
+        Endpoint::Chat => {
+            let mut delta = serde_json::Map::new();
+            if first {
+                delta.insert("role".into(), json!("assistant"));
+            }
+            if let Some(t) = text {
+                delta.insert("content".into(), json!(t));
+            }
+            json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+        }
+        Endpoint::Completions => {
+            json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish})
+        }
+    };
+    json!({
+        "id": completion_id(ctx),
+        "object": ctx.endpoint.object(true),
+        "created": created,
+        "model": ctx.client_model,
+        "system_fingerprint": "kiln-sim",
+        "choices": [choice],
+    })
+}
+
+fn usage_chunk(ctx: &Ctx, created: i64, prompt: u64, completion: u64) -> Value {
+    json!({
+        "id": completion_id(ctx),
+        "object": ctx.endpoint.object(true),
+        "created": created,
+        "model": ctx.client_model,
+        "choices": [],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+    })
+}
+
+fn sse(v: &Value) -> Bytes {
+    let mut s = String::with_capacity(256);
+    s.push_str("data: ");
+    s.push_str(&v.to_string());
+    s.push_str("\n\n");
+    Bytes::from(s)
+}
+
+fn sse_done() -> Bytes {
+    Bytes::from_static(b"data: [DONE]\n\n")
+}
+
+fn sse_response(body: Body, h: Vec<(&'static str, String)>) -> Response {
+    let mut resp = Response::new(body);
+    let hs = resp.headers_mut();
+    hs.insert(
+        "content-type",
+        HeaderValue::from_static("text/event-stream"),
+    );
+    hs.insert("cache-control", HeaderValue::from_static("no-cache"));
+    with_headers(resp, h)
+}
