@@ -230,6 +230,27 @@ impl DecisionGraph {
         model: ModelId,
         t: &mut T,
     ) -> Flow {
+        let need_fallback = match self.route(d, cx, model, t) {
+            Some(need) => need || self.admit(d, cx, t),
+            None => return Flow::Done,
+        };
+        if need_fallback {
+            self.fall_back(d, cx, model, t)
+        } else {
+            Flow::Done
+        }
+    }
+
+    /// The tier's route for the model: sets the target, or refuses.
+    /// `Some(true)` when the route (or its pool) sends the request down the
+    /// fallback chain, `None` when the decision is already made.
+    fn route<'g, T: Tracer>(
+        &'g self,
+        d: &mut Decision<'g>,
+        cx: &mut Ctx,
+        model: ModelId,
+        t: &mut T,
+    ) -> Option<bool> {
         let tier = d.tier;
         if !self.tier_allows_model(tier, model) {
             if t.enabled() {
@@ -237,12 +258,12 @@ impl DecisionGraph {
                 t.note("the tier may not use this model".into());
             }
             d.admission = Admission::Reject(&self.builtin.model_not_allowed);
-            return Flow::Done;
+            return None;
         }
         let Some(rs) = self.route_set(tier, model) else {
             // Validation guarantees a route for every usable (tier, model).
             d.admission = Admission::Reject(&self.builtin.model_not_allowed);
-            return Flow::Done;
+            return None;
         };
         if t.enabled() {
             t.stage(
@@ -255,121 +276,140 @@ impl DecisionGraph {
         }
         let (rid, out) = first_match(rs, cx, t);
         d.route_rule = Some(rid);
-        let mut need_fallback = false;
         match out {
             RouteOutcome::Target(target) => {
                 let target = self.place(*target, tier, d.tenant, cx.signals);
                 d.target = Some(target);
-                if let Some(p) = target.pool {
-                    // A pool named by the route may still fence this tenant out.
-                    if !self.pools[p as usize].admits(tier, d.tenant) {
-                        if t.enabled() {
-                            t.note(format!(
-                                "pool `{}` is fenced against this tenant",
-                                self.pools[p as usize].name
-                            ));
-                        }
-                        if self.fallbacks[tier as usize].is_none() {
-                            d.admission = Admission::Reject(&self.builtin.pool_fenced);
-                            return Flow::Done;
-                        }
-                        need_fallback = true;
-                    } else if cx.signals.saturated(p) && self.fallbacks[tier as usize].is_some() {
-                        if t.enabled() {
-                            t.note(format!(
-                                "pool `{}` is saturated ({}% utilized)",
-                                self.pools[p as usize].name,
-                                cx.signals.pool_utilization(p)
-                            ));
-                        }
-                        need_fallback = true;
+                let Some(p) = target.pool else {
+                    return Some(false);
+                };
+                // A pool named by the route may still fence this tenant out.
+                if !self.pools[p as usize].admits(tier, d.tenant) {
+                    if t.enabled() {
+                        t.note(format!(
+                            "pool `{}` is fenced against this tenant",
+                            self.pools[p as usize].name
+                        ));
                     }
+                    if self.fallbacks[tier as usize].is_none() {
+                        d.admission = Admission::Reject(&self.builtin.pool_fenced);
+                        return None;
+                    }
+                    return Some(true);
                 }
+                if cx.signals.saturated(p) && self.fallbacks[tier as usize].is_some() {
+                    if t.enabled() {
+                        t.note(format!(
+                            "pool `{}` is saturated ({}% utilized)",
+                            self.pools[p as usize].name,
+                            cx.signals.pool_utilization(p)
+                        ));
+                    }
+                    return Some(true);
+                }
+                Some(false)
             }
-            RouteOutcome::Fallback => need_fallback = true,
+            RouteOutcome::Fallback => Some(true),
             RouteOutcome::Reject(r) => {
                 d.admission = Admission::Reject(r);
-                return Flow::Done;
+                None
             }
         }
+    }
 
-        if !need_fallback {
-            if let Some(rs) = &self.admits[tier as usize] {
-                if t.enabled() {
-                    t.stage("admit", format!("admit {}", self.tiers[tier as usize].name));
+    /// The tier's admission rules; true when they send the request down
+    /// the fallback chain.
+    fn admit<'g, T: Tracer>(&'g self, d: &mut Decision<'g>, cx: &mut Ctx, t: &mut T) -> bool {
+        let tier = d.tier;
+        let Some(rs) = &self.admits[tier as usize] else {
+            d.admission = Admission::Accept;
+            return false;
+        };
+        if t.enabled() {
+            t.stage("admit", format!("admit {}", self.tiers[tier as usize].name));
+        }
+        let (rid, out) = first_match(rs, cx, t);
+        d.admit_rule = Some(rid);
+        match out {
+            AdmitOutcome::Accept => d.admission = Admission::Accept,
+            AdmitOutcome::Queue { max_wait } => {
+                d.admission = Admission::Queue {
+                    max_wait: *max_wait,
                 }
-                let (rid, out) = first_match(rs, cx, t);
-                d.admit_rule = Some(rid);
-                match out {
-                    AdmitOutcome::Accept => d.admission = Admission::Accept,
-                    AdmitOutcome::Queue { max_wait } => {
-                        d.admission = Admission::Queue {
-                            max_wait: *max_wait,
-                        }
-                    }
-                    AdmitOutcome::Delay { until } => {
-                        d.admission = Admission::Delay { until: *until }
-                    }
-                    AdmitOutcome::Degrade {
-                        variant,
-                        max_tokens,
-                    } => {
-                        let before = d.target;
-                        if let (Some(v), Some(tg)) = (variant, d.target) {
-                            let name = self.degrade_names.get(*v as usize);
-                            let found = self.models.get(tg.model as usize).and_then(|m| {
-                                m.variants.iter().position(|x| Some(&x.name) == name)
-                            });
-                            match found {
-                                Some(vi) => {
-                                    d.target = Some(self.place(
-                                        Target {
-                                            model: tg.model,
-                                            variant: vi as u16,
-                                            pool: None,
-                                        },
-                                        tier,
-                                        d.tenant,
-                                        cx.signals,
-                                    ));
-                                }
-                                None => {
-                                    if t.enabled() {
-                                        t.note(format!(
-                                            "model `{}` has no variant `{}`; variant kept",
-                                            self.models[tg.model as usize].name,
-                                            name.map(String::as_str).unwrap_or("?")
-                                        ));
-                                    }
-                                }
-                            }
-                        }
-                        let mut changed = false;
-                        if let (Some(_), Some(before), Some(after)) = (variant, before, d.target) {
-                            changed |= before.variant != after.variant;
-                        }
-                        if let Some(m) = max_tokens {
-                            changed |= *m < d.max_tokens;
-                            d.max_tokens = d.max_tokens.min(*m);
-                        }
-                        // A degrade that changes nothing is an accept, and says so.
-                        d.admission = if changed {
-                            Admission::Degrade
-                        } else {
-                            Admission::Accept
-                        };
-                    }
-                    AdmitOutcome::Reject(r) => d.admission = Admission::Reject(r),
-                    AdmitOutcome::Fallback => need_fallback = true,
+            }
+            AdmitOutcome::Delay { until } => d.admission = Admission::Delay { until: *until },
+            AdmitOutcome::Degrade {
+                variant,
+                max_tokens,
+            } => self.degrade(d, cx, *variant, *max_tokens, t),
+            AdmitOutcome::Reject(r) => d.admission = Admission::Reject(r),
+            AdmitOutcome::Fallback => return true,
+        }
+        false
+    }
+
+    /// A degrade: another variant of the same model and/or fewer output
+    /// tokens. One that changes nothing is an accept, and says so.
+    fn degrade<T: Tracer>(
+        &self,
+        d: &mut Decision<'_>,
+        cx: &mut Ctx,
+        variant: Option<u16>,
+        max_tokens: Option<u64>,
+        t: &mut T,
+    ) {
+        let before = d.target;
+        if let (Some(v), Some(tg)) = (variant, d.target) {
+            let name = self.degrade_names.get(v as usize);
+            let found = self
+                .models
+                .get(tg.model as usize)
+                .and_then(|m| m.variants.iter().position(|x| Some(&x.name) == name));
+            match found {
+                Some(vi) => {
+                    let to = Target {
+                        model: tg.model,
+                        variant: vi as u16,
+                        pool: None,
+                    };
+                    d.target = Some(self.place(to, d.tier, d.tenant, cx.signals));
                 }
-            } else {
-                d.admission = Admission::Accept;
+                None => {
+                    if t.enabled() {
+                        t.note(format!(
+                            "model `{}` has no variant `{}`; variant kept",
+                            self.models[tg.model as usize].name,
+                            name.map(String::as_str).unwrap_or("?")
+                        ));
+                    }
+                }
             }
         }
-        if !need_fallback {
-            return Flow::Done;
+        let mut changed = false;
+        if let (Some(_), Some(before), Some(after)) = (variant, before, d.target) {
+            changed |= before.variant != after.variant;
         }
+        if let Some(m) = max_tokens {
+            changed |= m < d.max_tokens;
+            d.max_tokens = d.max_tokens.min(m);
+        }
+        d.admission = if changed {
+            Admission::Degrade
+        } else {
+            Admission::Accept
+        };
+    }
 
+    /// Walks the tier's fallback chain: the first step that can be taken
+    /// decides (or demotes to another tier).
+    fn fall_back<'g, T: Tracer>(
+        &'g self,
+        d: &mut Decision<'g>,
+        cx: &mut Ctx,
+        model: ModelId,
+        t: &mut T,
+    ) -> Flow {
+        let tier = d.tier;
         let Some(chain) = &self.fallbacks[tier as usize] else {
             // Saturation without a chain: the scheduler queues it.
             d.admission = Admission::Accept;
@@ -383,44 +423,7 @@ impl DecisionGraph {
         }
         for (i, (rid, step)) in chain.steps.iter().enumerate() {
             let taken = match step {
-                Step::Route(target) => {
-                    if target.model != model {
-                        if t.enabled() {
-                            t.note(format!(
-                                "step {}: skipped, it routes model `{}`",
-                                i + 1,
-                                self.models[target.model as usize].name
-                            ));
-                        }
-                        false
-                    } else {
-                        let placed = self.place(*target, tier, d.tenant, cx.signals);
-                        let ok = match placed.pool {
-                            Some(p) => {
-                                !cx.signals.saturated(p)
-                                    && self.pools[p as usize].admits(tier, d.tenant)
-                            }
-                            None => false,
-                        };
-                        if t.enabled() {
-                            t.note(format!(
-                                "step {}: route {} {}",
-                                i + 1,
-                                self.variant_name(target.model, target.variant),
-                                if ok {
-                                    "has capacity: taken"
-                                } else {
-                                    "is saturated or fenced off: skipped"
-                                }
-                            ));
-                        }
-                        if ok {
-                            d.target = Some(placed);
-                            d.admission = Admission::Accept;
-                        }
-                        ok
-                    }
-                }
+                Step::Route(target) => self.fallback_route(d, cx, model, target, i, t),
                 Step::Queue { max_wait } => {
                     d.admission = Admission::Queue {
                         max_wait: *max_wait,
@@ -457,6 +460,51 @@ impl DecisionGraph {
             }
         }
         Flow::Done
+    }
+
+    /// A fallback step routing elsewhere: taken when it routes this model
+    /// to a pool with room that admits the tenant.
+    fn fallback_route<T: Tracer>(
+        &self,
+        d: &mut Decision<'_>,
+        cx: &mut Ctx,
+        model: ModelId,
+        target: &Target,
+        i: usize,
+        t: &mut T,
+    ) -> bool {
+        if target.model != model {
+            if t.enabled() {
+                t.note(format!(
+                    "step {}: skipped, it routes model `{}`",
+                    i + 1,
+                    self.models[target.model as usize].name
+                ));
+            }
+            return false;
+        }
+        let placed = self.place(*target, d.tier, d.tenant, cx.signals);
+        let ok = match placed.pool {
+            Some(p) => !cx.signals.saturated(p) && self.pools[p as usize].admits(d.tier, d.tenant),
+            None => false,
+        };
+        if t.enabled() {
+            t.note(format!(
+                "step {}: route {} {}",
+                i + 1,
+                self.variant_name(target.model, target.variant),
+                if ok {
+                    "has capacity: taken"
+                } else {
+                    "is saturated or fenced off: skipped"
+                }
+            ));
+        }
+        if ok {
+            d.target = Some(placed);
+            d.admission = Admission::Accept;
+        }
+        ok
     }
 
     /// Chooses a pool for a target that names none: the first allowed pool,
