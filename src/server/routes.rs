@@ -282,211 +282,278 @@ async fn generate_inner(
 }
 
 /// Submits (and, after a policy swap that removed its tier, re-submits)
-/// until the request starts or is refused.
+/// until the request starts or is refused, then serves it on the backend
+/// it started on.
 async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
     let app = ctx.app.clone();
-    let mut attempts = 0u32;
+    let mut redecided = 0u32;
     // Requests an upstream never received (its breaker opened, or the
     // connection was refused) are queued again for another replica.
     let mut resent = 0u32;
     loop {
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        let arrival = Arrival {
-            id: ctx.id,
-            request: ctx.req.clone(),
-            output_tokens: max_tokens.min(u64::from(u32::MAX)) as u32,
-            prefix_blocks: Vec::new(),
-        };
-        let mut guard = CancelGuard {
-            id: ctx.id,
-            app: app.clone(),
-            armed: true,
-        };
-        if !app.exec.send(Command::Submit {
-            arrival,
-            events: tx,
-        }) {
-            guard.armed = false;
-            return Err(ApiError::new(503, "the gateway is shutting down").retry_after(Some(1)));
-        }
-        let mut decided: Option<Decided> = None;
-        let mut waited_for = None;
-        let mut preempted = 0u32;
-        loop {
-            let Some(p) = rx.recv().await else {
-                guard.armed = false;
-                return Err(ApiError::new(503, "the scheduler stopped").retry_after(Some(1)));
-            };
-            match p {
-                Progress::Decided {
-                    tier,
-                    tenant,
-                    fallback_step,
-                    version,
-                    graph,
-                    signals,
-                    canary,
-                    at,
-                } => {
-                    explain::clock(&ctx.explain, |c| c.arrived_us = Some(at));
-                    let (dversion, pgraph, psignals) = match &canary {
-                        Some(c) => (c.version.clone(), c.graph.clone(), c.signals.clone()),
-                        None => (version.clone(), graph.clone(), signals.clone()),
-                    };
-                    if let Ok(mut e) = ctx.explain.lock() {
-                        e.version = Some(dversion.clone());
-                        e.graph = Some(pgraph.clone());
-                        e.signals = Some(psignals.clone());
-                    }
-                    let tname = graph
-                        .tiers
-                        .get(tier as usize)
-                        .map(|t| t.name.as_str())
-                        .unwrap_or("?");
-                    if canary.is_some() {
-                        app.gov.count_canary();
-                        app.metrics.canary_request(&dversion);
-                        explain::note(
-                            &ctx.explain,
-                            ctx.ms(),
-                            format!("decided by the canary version {dversion}"),
-                            None,
-                        );
-                    } else if let Some(sh) = app.gov.shadow() {
-                        super::governance::shadow_compare(
-                            &app, &sh, &version, &ctx.req, &graph, &signals,
-                        );
-                    }
-                    // Incident controls: a paused or throttled tier.
-                    if let Some(r) = app.gov.check_override(Scope::Tier, Some(tname)) {
-                        app.metrics.override_refusal(r.action.name(), "tier", tname);
-                        explain::note(
-                            &ctx.explain,
-                            ctx.ms(),
-                            format!("refused with {}: {}", r.status, r.message),
-                            Some(r.code),
-                        );
-                        if let Ok(mut e) = ctx.explain.lock() {
-                            e.outcome = Some(format!("refused by an override {}", r.status));
-                        }
-                        // The guard cancels it in the scheduler.
-                        return Err(override_error(&app, &r));
-                    }
-                    explain::note(
-                        &ctx.explain,
-                        ctx.ms(),
-                        format!("decided: tier {tname}"),
-                        None,
-                    );
-                    if let Some(step) = fallback_step {
-                        let tn = tenant_name(&graph, tenant);
-                        app.metrics.fallback(tname, &tn, step.saturating_add(1));
-                    }
-                    decided = Some(Decided {
-                        tier,
-                        tenant,
-                        fallback_step,
-                        version: dversion,
-                        graph,
-                        policy_graph: pgraph,
-                        policy_signals: psignals,
-                        canary: canary.is_some(),
-                    });
-                }
-                Progress::Rejected {
-                    reason: Reason::PolicyChanged,
-                    ..
-                } if attempts < app.config.limits.max_redecide => {
-                    guard.armed = false;
-                    attempts += 1;
+        let (rx, guard) = submit(&ctx, max_tokens)?;
+        let may_redecide = redecided < app.config.limits.max_redecide;
+        let (started, backend, rx, guard) =
+            match wait_for_start(&ctx, rx, guard, may_redecide).await? {
+                Waited::Started {
+                    started,
+                    backend,
+                    rx,
+                    guard,
+                } => (started, backend, rx, guard),
+                Waited::PolicyChanged => {
+                    redecided += 1;
                     explain::note(
                         &ctx.explain,
                         ctx.ms(),
                         "re-decided under the new policy version",
                         Some(Reason::PolicyChanged.name()),
                     );
-                    break;
+                    continue;
                 }
-                Progress::Rejected {
-                    reason,
-                    status,
-                    retry_after,
-                } => {
-                    guard.armed = false;
-                    let err = refusal(&ctx, decided.as_ref(), reason, status, retry_after);
-                    finish_rejected(&ctx, decided.as_ref(), reason, &err);
-                    return Err(err);
-                }
-                Progress::Preempted { by } => {
-                    preempted += 1;
-                    explain::note(
-                        &ctx.explain,
-                        ctx.ms(),
-                        format!("preempted by request {by}; queued again at the head"),
-                        Some(Reason::Preempted.name()),
-                    );
-                }
-                Progress::Started {
-                    replica,
-                    route,
-                    backend,
-                    waited_for: w,
-                    at,
-                } => {
-                    waited_for = w;
-                    explain::clock(&ctx.explain, |c| c.started_us = Some(at));
-                    let Some(d) = decided.take() else {
-                        guard.armed = false;
-                        return Err(ApiError::new(500, "started before a decision"));
-                    };
-                    explain::note(
-                        &ctx.explain,
-                        ctx.ms(),
-                        format!("started on replica {replica} ({route})"),
-                        waited_for.map(Reason::name),
-                    );
-                    if let Ok(mut e) = ctx.explain.lock() {
-                        e.replica = Some(route.clone());
-                    }
-                    let queue_s = ctx.received.elapsed().as_secs_f64();
-                    let started = Started {
-                        d,
-                        route,
-                        waited_for,
-                        queue_s,
-                        preempted,
-                    };
-                    match backend {
-                        Backend::Sim | Backend::Cuda(_) => {
-                            let name = backend.name();
-                            return Ok(serve_scheduled(ctx, guard, rx, started, &name).await);
-                        }
-                        Backend::Http(u) => {
-                            let retry = resent < RESEND_UNSENT;
-                            match serve_upstream(ctx, guard, rx, started, u, retry).await {
-                                Ok(r) => return Ok(r),
-                                Err(HttpFail::Fatal(e)) => return Err(e),
-                                Err(HttpFail::Unsent(back)) => {
-                                    ctx = *back;
-                                    resent += 1;
-                                    app.exec.send(Command::CheckHealth);
-                                    explain::note(
-                                        &ctx.explain,
-                                        ctx.ms(),
-                                        "the upstream never received it; queued again",
-                                        Some(Reason::Saturation.name()),
-                                    );
-                                    break;
-                                }
-                            }
-                        }
+            };
+        match backend {
+            Backend::Sim | Backend::Cuda(_) => {
+                let name = backend.name();
+                return Ok(serve_scheduled(ctx, guard, rx, started, &name).await);
+            }
+            Backend::Http(u) => {
+                let retry = resent < RESEND_UNSENT;
+                match serve_upstream(ctx, guard, rx, started, u, retry).await {
+                    Ok(r) => return Ok(r),
+                    Err(HttpFail::Fatal(e)) => return Err(e),
+                    Err(HttpFail::Unsent(back)) => {
+                        ctx = *back;
+                        resent += 1;
+                        app.exec.send(Command::CheckHealth);
+                        explain::note(
+                            &ctx.explain,
+                            ctx.ms(),
+                            "the upstream never received it; queued again",
+                            Some(Reason::Saturation.name()),
+                        );
                     }
                 }
-                Progress::Tokens(_) | Progress::FirstToken | Progress::Finished { .. } => {}
             }
         }
-        let _ = waited_for;
     }
+}
+
+/// Hands the request to the scheduler; its progress comes back on the
+/// channel, and the guard cancels it there if the handler goes away.
+fn submit(
+    ctx: &Ctx,
+    max_tokens: u64,
+) -> Result<(mpsc::UnboundedReceiver<Progress>, CancelGuard), ApiError> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let arrival = Arrival {
+        id: ctx.id,
+        request: ctx.req.clone(),
+        output_tokens: max_tokens.min(u64::from(u32::MAX)) as u32,
+        prefix_blocks: Vec::new(),
+    };
+    let mut guard = CancelGuard {
+        id: ctx.id,
+        app: ctx.app.clone(),
+        armed: true,
+    };
+    if !ctx.app.exec.send(Command::Submit {
+        arrival,
+        events: tx,
+    }) {
+        guard.armed = false;
+        return Err(ApiError::new(503, "the gateway is shutting down").retry_after(Some(1)));
+    }
+    Ok((rx, guard))
+}
+
+/// How waiting in the scheduler ended, short of a refusal.
+enum Waited {
+    Started {
+        started: Started,
+        backend: Backend,
+        rx: mpsc::UnboundedReceiver<Progress>,
+        guard: CancelGuard,
+    },
+    /// A policy swap removed what it was decided for: decide it again
+    /// (when `may_redecide`; otherwise that is a refusal like any other).
+    PolicyChanged,
+}
+
+/// Follows the request through the scheduler until it starts on a replica
+/// (or is refused, or must be decided again).
+async fn wait_for_start(
+    ctx: &Ctx,
+    mut rx: mpsc::UnboundedReceiver<Progress>,
+    mut guard: CancelGuard,
+    may_redecide: bool,
+) -> Result<Waited, ApiError> {
+    let mut decided: Option<Decided> = None;
+    let mut preempted = 0u32;
+    loop {
+        let Some(p) = rx.recv().await else {
+            guard.armed = false;
+            return Err(ApiError::new(503, "the scheduler stopped").retry_after(Some(1)));
+        };
+        match p {
+            Progress::Decided {
+                tier,
+                tenant,
+                fallback_step,
+                version,
+                graph,
+                signals,
+                canary,
+                at,
+            } => {
+                explain::clock(&ctx.explain, |c| c.arrived_us = Some(at));
+                let (dversion, pgraph, psignals) = match &canary {
+                    Some(c) => (c.version.clone(), c.graph.clone(), c.signals.clone()),
+                    None => (version, graph.clone(), signals),
+                };
+                let d = Decided {
+                    tier,
+                    tenant,
+                    fallback_step,
+                    version: dversion,
+                    graph,
+                    policy_graph: pgraph,
+                    policy_signals: psignals,
+                    canary: canary.is_some(),
+                };
+                // An override refusal returns here; the guard cancels the
+                // request in the scheduler.
+                note_decided(ctx, &d)?;
+                decided = Some(d);
+            }
+            Progress::Rejected {
+                reason: Reason::PolicyChanged,
+                ..
+            } if may_redecide => {
+                guard.armed = false;
+                return Ok(Waited::PolicyChanged);
+            }
+            Progress::Rejected {
+                reason,
+                status,
+                retry_after,
+            } => {
+                guard.armed = false;
+                let err = refusal(ctx, decided.as_ref(), reason, status, retry_after);
+                finish_rejected(ctx, decided.as_ref(), reason, &err);
+                return Err(err);
+            }
+            Progress::Preempted { by } => {
+                preempted += 1;
+                explain::note(
+                    &ctx.explain,
+                    ctx.ms(),
+                    format!("preempted by request {by}; queued again at the head"),
+                    Some(Reason::Preempted.name()),
+                );
+            }
+            Progress::Started {
+                replica,
+                route,
+                backend,
+                waited_for,
+                at,
+            } => {
+                explain::clock(&ctx.explain, |c| c.started_us = Some(at));
+                let Some(d) = decided.take() else {
+                    guard.armed = false;
+                    return Err(ApiError::new(500, "started before a decision"));
+                };
+                explain::note(
+                    &ctx.explain,
+                    ctx.ms(),
+                    format!("started on replica {replica} ({route})"),
+                    waited_for.map(Reason::name),
+                );
+                if let Ok(mut e) = ctx.explain.lock() {
+                    e.replica = Some(route.clone());
+                }
+                let started = Started {
+                    d,
+                    route,
+                    waited_for,
+                    queue_s: ctx.received.elapsed().as_secs_f64(),
+                    preempted,
+                };
+                return Ok(Waited::Started {
+                    started,
+                    backend,
+                    rx,
+                    guard,
+                });
+            }
+            Progress::Tokens(_) | Progress::FirstToken | Progress::Finished { .. } => {}
+        }
+    }
+}
+
+/// What a decision means before the request starts: explain records the
+/// version that decided, a canary or shadow version counts it, and an
+/// operator's override on its tier refuses it.
+fn note_decided(ctx: &Ctx, d: &Decided) -> Result<(), ApiError> {
+    let app = &ctx.app;
+    if let Ok(mut e) = ctx.explain.lock() {
+        e.version = Some(d.version.clone());
+        e.graph = Some(d.policy_graph.clone());
+        e.signals = Some(d.policy_signals.clone());
+    }
+    let tname = d
+        .graph
+        .tiers
+        .get(d.tier as usize)
+        .map(|t| t.name.as_str())
+        .unwrap_or("?");
+    if d.canary {
+        app.gov.count_canary();
+        app.metrics.canary_request(&d.version);
+        explain::note(
+            &ctx.explain,
+            ctx.ms(),
+            format!("decided by the canary version {}", d.version),
+            None,
+        );
+    } else if let Some(sh) = app.gov.shadow() {
+        // Without a canary the deciding version and signals are the
+        // active ones.
+        super::governance::shadow_compare(
+            app,
+            &sh,
+            &d.version,
+            &ctx.req,
+            &d.graph,
+            &d.policy_signals,
+        );
+    }
+    // Incident controls: a paused or throttled tier.
+    if let Some(r) = app.gov.check_override(Scope::Tier, Some(tname)) {
+        app.metrics.override_refusal(r.action.name(), "tier", tname);
+        explain::note(
+            &ctx.explain,
+            ctx.ms(),
+            format!("refused with {}: {}", r.status, r.message),
+            Some(r.code),
+        );
+        if let Ok(mut e) = ctx.explain.lock() {
+            e.outcome = Some(format!("refused by an override {}", r.status));
+        }
+        return Err(override_error(app, &r));
+    }
+    explain::note(
+        &ctx.explain,
+        ctx.ms(),
+        format!("decided: tier {tname}"),
+        None,
+    );
+    if let Some(step) = d.fallback_step {
+        let tn = tenant_name(&d.graph, d.tenant);
+        app.metrics.fallback(tname, &tn, step.saturating_add(1));
+    }
+    Ok(())
 }
 
 pub(super) struct Started {
