@@ -30,7 +30,9 @@
 //!    via kiln.
 //! 3. LiteLLM, when `LITELLM_BIN` names its `litellm` executable or
 //!    `/tmp/litellm-venv/bin/litellm` exists (skipped with a note otherwise):
-//!    one worker, telemetry and spend logs off, no database, no master key.
+//!    one worker, telemetry and spend logs off, no database, a random
+//!    master key for the run (current releases refuse to start without
+//!    one), readiness read from `/health/liveliness`.
 //!    Latency open loop at a rate it sustains (default 20 req/s per
 //!    target), slots alternating direct / kiln / LiteLLM, 500 each; then its
 //!    throughput at 64 workers (2,000 requests).
@@ -45,7 +47,7 @@
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read};
-use std::net::TcpListener;
+use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -176,6 +178,30 @@ impl Proc {
         }
     }
 
+    /// Waits (at most `limit`) until `GET url` answers 200, while the
+    /// process runs: readiness that does not depend on what it logs.
+    fn wait_ready(&mut self, addr: SocketAddr, path: &str, limit: Duration) -> Res<()> {
+        let deadline = Instant::now() + limit;
+        loop {
+            // Keep the output drained (and kept for the error message).
+            while self.lines.try_recv().is_ok() {}
+            if let Some(e) = self.exited() {
+                return Err(e);
+            }
+            if http_ok(addr, path) {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(format!(
+                    "{} did not answer {path} on {addr} within {limit:?}; its last lines:\n{}",
+                    self.name,
+                    self.tail()
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+
     /// Waits (at most `limit`) for an output line containing `marker`, and
     /// returns the `http://ADDR` it names.
     fn wait_addr(&mut self, marker: &str, limit: Duration) -> Res<String> {
@@ -248,6 +274,23 @@ fn binary(var: &str, rel: &str, build: &str) -> Res<PathBuf> {
             p.display()
         ))
     }
+}
+
+/// Whether `GET path` on `addr` answers 200 (HTTP/1.0, two-second limits).
+fn http_ok(addr: SocketAddr, path: &str) -> bool {
+    use std::io::Write;
+    let Ok(mut s) = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    let _ = s.set_write_timeout(Some(Duration::from_secs(2)));
+    if s.write_all(format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())
+        .is_err()
+    {
+        return false;
+    }
+    let mut head = [0u8; 12];
+    s.read_exact(&mut head).is_ok() && head.starts_with(b"HTTP/1.") && &head[9..12] == b"200"
 }
 
 fn free_port() -> Res<u16> {
@@ -329,7 +372,23 @@ fn litellm_bin() -> Option<PathBuf> {
     }
 }
 
-fn start_litellm(bin: &Path, config: &Path, dir: &Path) -> Res<(Proc, String)> {
+/// A master key for LiteLLM: current releases refuse to start without one
+/// (or with a weak one), and with one it authenticates every request, as
+/// kiln does.
+fn litellm_master_key() -> String {
+    let mut bytes = [0u8; 32];
+    // The key only guards a loopback proxy for the run's length; a clock
+    // mix is enough if the OS generator is unavailable.
+    if getrandom::fill(&mut bytes).is_err() {
+        let t = Instant::now().elapsed().as_nanos() ^ u128::from(std::process::id());
+        for (i, b) in bytes.iter_mut().enumerate() {
+            *b = (t >> ((i % 16) * 8)) as u8 ^ (i as u8).wrapping_mul(151);
+        }
+    }
+    format!("sk-{}", hex::encode(bytes))
+}
+
+fn start_litellm(bin: &Path, config: &Path, dir: &Path, master_key: &str) -> Res<(Proc, String)> {
     let port = free_port()?;
     let mut cmd = Command::new(bin);
     cmd.arg("--config")
@@ -349,6 +408,7 @@ fn start_litellm(bin: &Path, config: &Path, dir: &Path) -> Res<(Proc, String)> {
         .env("LITELLM_TELEMETRY", "False")
         .env("LITELLM_LOG", "ERROR")
         .env("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+        .env("LITELLM_MASTER_KEY", master_key)
         .env("DISABLE_ADMIN_UI", "True")
         .env("NO_DOCS", "True")
         .env("NO_PROXY", "*")
@@ -356,11 +416,13 @@ fn start_litellm(bin: &Path, config: &Path, dir: &Path) -> Res<(Proc, String)> {
         .env_remove("HTTP_PROXY")
         .env_remove("HTTPS_PROXY")
         .env_remove("http_proxy")
-        .env_remove("https_proxy")
-        .env_remove("LITELLM_MASTER_KEY");
+        .env_remove("https_proxy");
     let mut p = Proc::spawn("litellm", &mut cmd)?;
-    let url = p.wait_addr("Uvicorn running on", Duration::from_secs(180))?;
-    Ok((p, url))
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    // LITELLM_LOG=ERROR hides uvicorn's "running on" line: ask its
+    // liveness endpoint instead.
+    p.wait_ready(addr, "/health/liveliness", Duration::from_secs(180))?;
+    Ok((p, format!("http://{addr}")))
 }
 
 // ---------------------------------------------------------------------------
@@ -438,6 +500,8 @@ struct Target {
     url: String,
     client: reqwest::Client,
     body: bytes::Bytes,
+    /// The `authorization` header it is sent.
+    auth: String,
 }
 
 impl Target {
@@ -456,7 +520,14 @@ impl Target {
             url: format!("{base}/v1/chat/completions"),
             client,
             body: body.clone(),
+            auth: KEY.to_string(),
         })
+    }
+
+    /// The same target, authenticating with `key` instead.
+    fn with_key(mut self, key: &str) -> Target {
+        self.auth = format!("Bearer {key}");
+        self
     }
 }
 
@@ -466,7 +537,7 @@ async fn one(t: &Target) -> Result<Duration, String> {
     let resp = t
         .client
         .post(&t.url)
-        .header("authorization", KEY)
+        .header("authorization", &t.auth)
         .header("content-type", "application/json")
         .body(t.body.clone())
         .send()
@@ -769,8 +840,9 @@ fn bench() -> Res<usize> {
         Some(bin) => {
             let ll_config = template("litellm.yaml", &mock_url, &scratch.0)?;
             println!("\n3. LiteLLM ({}): starting", bin.display());
-            let (mut ll_proc, ll_url) = start_litellm(&bin, &ll_config, &scratch.0)?;
-            let ll = Arc::new(Target::new("litellm", &ll_url, &body)?);
+            let master_key = litellm_master_key();
+            let (mut ll_proc, ll_url) = start_litellm(&bin, &ll_config, &scratch.0, &master_key)?;
+            let ll = Arc::new(Target::new("litellm", &ll_url, &body)?.with_key(&master_key));
             let n_low = scaled(500, scale);
             println!(
                 "   {ll_url}; latency, open loop at {ll_rate:.0} req/s per target, slots alternating direct / kiln / LiteLLM, {n_low} each"
