@@ -6,6 +6,7 @@
 //! Everything here is pure and unit-tested without HTTP; the gateway wires
 //! it up in [`crate::server::governance`]:
 //!
+//! * [`activation`]: a compiled policy and what activating it answers;
 //! * [`approval`]: which approvals a change needs (from the rules of the
 //!   policy in force) and whether a signed approval counts;
 //! * [`keys`]: ed25519 keys, key files, the signed approval message;
@@ -19,6 +20,7 @@
 //! * [`state`]: proposals and rollback history kept across restarts;
 //! * [`view`]: the admin API's answers and their human rendering.
 
+pub mod activation;
 pub mod approval;
 pub mod audit;
 pub mod keys;
@@ -28,6 +30,8 @@ pub mod proposal;
 pub mod rollout;
 pub mod state;
 pub mod view;
+
+pub use activation::Policy;
 
 use crate::source::SourceMap;
 use sha2::{Digest, Sha256};

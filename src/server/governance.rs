@@ -27,6 +27,7 @@
 use super::admin::{self, identify};
 use super::openai::ApiError;
 use super::{App, Policy};
+use crate::governance::activation::{Activation, ActivationError};
 use crate::governance::approval::{self, Approver, Changes, Subject};
 use crate::governance::audit::{AuditError, AuditLog};
 use crate::governance::keys::SignedApproval;
@@ -579,25 +580,25 @@ pub async fn activate_direct(
     app: &Arc<App>,
     files: BTreeMap<String, String>,
     who: &str,
-) -> Result<Value, (StatusCode, Value)> {
+) -> Result<Activation, ActivationError> {
     let _one = app.gov.step.lock().await;
     let before = app.policy.load_full();
     let r = admin::activate(app, files).await;
     match &r {
-        Ok(v) if v["changed"] == json!(true) => {
+        Ok(a) if a.changed => {
             remember_previous(app, before.clone());
             mark_stale(app);
             app.gov.audit_anyway(
                 "activation",
                 who,
-                json!({"version": v["version"], "previous": before.version.as_ref(), "direct": true}),
+                json!({"version": a.version, "previous": before.version.as_ref(), "direct": true}),
             );
         }
         Ok(_) => {}
-        Err((status, v)) => app.gov.audit_anyway(
+        Err(e) => app.gov.audit_anyway(
             "activation_refused",
             who,
-            json!({"status": status.as_u16(), "error": v["error"]["message"], "direct": true}),
+            json!({"status": e.status(), "error": e.to_string(), "direct": true}),
         ),
     }
     persist(app);
@@ -857,8 +858,8 @@ async fn perform(app: &Arc<App>, step: Step, now: f64, observed: Vec<String>) {
             lock(&gov.live).clear();
             gov.recording.store(true, Ordering::Relaxed);
             match r {
-                Ok(v) => {
-                    if v["changed"] == json!(true) {
+                Ok(a) => {
+                    if a.changed {
                         remember_previous(app, before.clone());
                     }
                     {
@@ -889,7 +890,7 @@ async fn perform(app: &Arc<App>, step: Step, now: f64, observed: Vec<String>) {
                         finish_rollout(app, &id, now);
                     }
                 }
-                Err((status, v)) => {
+                Err(e) => {
                     {
                         let mut st = lock(&gov.state);
                         if let Some(a) = st.rollout.as_mut() {
@@ -898,16 +899,15 @@ async fn perform(app: &Arc<App>, step: Step, now: f64, observed: Vec<String>) {
                         if let Some(p) = st.proposal_mut(&id) {
                             p.state = PState::Refused;
                             p.note = Some(format!(
-                                "activation refused ({}): {}; the last good policy keeps serving",
-                                status.as_u16(),
-                                v["error"]["message"].as_str().unwrap_or("")
+                                "activation refused ({}): {e}; the last good policy keeps serving",
+                                e.status(),
                             ));
                         }
                     }
                     gov.audit_anyway(
                         "activation_refused",
                         "kiln",
-                        json!({"id": id, "version": policy.version.as_ref(), "status": status.as_u16(), "error": v["error"]["message"]}),
+                        json!({"id": id, "version": policy.version.as_ref(), "status": e.status(), "error": e.to_string()}),
                     );
                 }
             }
@@ -996,10 +996,9 @@ async fn rollback_to_previous(app: &Arc<App>) -> Result<String, String> {
             mark_stale(app);
             Ok(prev.version.clone())
         }
-        Err((_, v)) => Err(format!(
-            "the previous version {} could not be activated: {}",
+        Err(e) => Err(format!(
+            "the previous version {} could not be activated: {e}",
             prev.version,
-            v["error"]["message"].as_str().unwrap_or("")
         )),
     }
 }
@@ -1114,22 +1113,19 @@ async fn start_next(app: &Arc<App>, now: f64) {
             let compiled = admin::compile_upload(app, &files);
             let policy = match compiled {
                 Ok((p, _, _)) => Arc::new(p),
-                Err((status, v)) => {
+                Err(e) => {
                     {
                         let mut st = lock(&gov.state);
                         if let Some(p) = st.proposal_mut(&id) {
                             p.state = PState::Refused;
-                            p.note = Some(format!(
-                                "no longer fits this gateway ({}): {}",
-                                status.as_u16(),
-                                v["error"]["message"].as_str().unwrap_or("")
-                            ));
+                            p.note =
+                                Some(format!("no longer fits this gateway ({}): {e}", e.status(),));
                         }
                     }
                     gov.audit_anyway(
                         "activation_refused",
                         "kiln",
-                        json!({"id": id, "status": status.as_u16(), "error": v["error"]["message"]}),
+                        json!({"id": id, "status": e.status(), "error": e.to_string()}),
                     );
                     return;
                 }
@@ -1347,7 +1343,7 @@ async fn propose(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) ->
     };
     let (policy, _, _) = match admin::compile_upload(&app, &files) {
         Ok(x) => x,
-        Err((status, v)) => return (status, axum::Json(v)).into_response(),
+        Err(e) => return admin::activation_refused(&e),
     };
     let active = app.policy.load_full();
     if policy.version == active.version {
@@ -1473,7 +1469,7 @@ async fn revise(
     }
     let (policy, _, _) = match admin::compile_upload(&app, &files) {
         Ok(x) => x,
-        Err((status, v)) => return (status, axum::Json(v)).into_response(),
+        Err(e) => return admin::activation_refused(&e),
     };
     let active = app.policy.load_full();
     let hash = crate::governance::policy_hash(&policy.sources);
