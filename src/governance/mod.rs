@@ -13,6 +13,7 @@
 //! * [`proposal`]: a proposal and its states;
 //! * [`rollout`]: the shadow → canary → enforce → watch state machine and
 //!   its rollback holds;
+//! * [`shadow`]: a proposed version deciding beside the active one;
 //! * [`live`]: the rolling window of request outcomes that rollback
 //!   conditions read;
 //! * [`overrides`]: pause and throttle a tier or tenant for a while;
@@ -28,6 +29,7 @@ pub mod live;
 pub mod overrides;
 pub mod proposal;
 pub mod rollout;
+pub mod shadow;
 pub mod state;
 pub mod view;
 
@@ -35,6 +37,13 @@ pub use activation::Policy;
 
 use crate::source::SourceMap;
 use sha2::{Digest, Sha256};
+use std::sync::{Mutex, MutexGuard};
+
+/// A poisoned lock still guards consistent data here (every critical
+/// section leaves it whole), so governance keeps going.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// The full SHA-256 (hex) of a policy's text: file names and contents, in
 /// order. The gateway's version name is `sha256:` and its first 12 digits.

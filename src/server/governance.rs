@@ -35,13 +35,14 @@ use crate::governance::live::{Sample, Window};
 use crate::governance::overrides::{Action as OverrideAction, Overrides, Refused, Scope};
 use crate::governance::proposal::{Kind, Proposal, State as PState};
 use crate::governance::rollout::{Plan, Rollout, Stage, Step};
+use crate::governance::shadow::Shadow;
 use crate::governance::state::{self as stored, Previous, Snapshot, StateError, StoredProposal};
 use crate::governance::view::{
     AuditHead, ConditionView, DryRunView, ImpactLine, OverrideView, ProposalView, RollbackView,
-    RolloutView, ShadowCounts, ShadowSample, StatusView, TransitionLine,
+    RolloutView, ShadowCounts, StatusView, TransitionLine,
 };
 use crate::graph::trace::Tracer;
-use crate::graph::{DecisionGraph, Request, Signals};
+use crate::graph::{DecisionGraph, Signals};
 use crate::sched::canary::{map_signals, Canary};
 use crate::sched::swap::Remap;
 use arc_swap::ArcSwapOption;
@@ -53,7 +54,7 @@ use axum::routing::{delete, get, post};
 use axum::Router;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -65,34 +66,6 @@ pub const TICK: Duration = Duration::from_millis(100);
 const HISTORY: usize = 16;
 /// Finished proposals kept for `GET /admin/proposals`.
 const KEEP_CLOSED: usize = 200;
-/// Shadow differences kept as samples.
-const SHADOW_SAMPLES: usize = 20;
-
-/// A version deciding every request in parallel, enforcing nothing.
-pub struct Shadow {
-    pub version: Arc<str>,
-    graph: Arc<DecisionGraph>,
-    /// The active version `map` was built against.
-    active: Arc<str>,
-    map: Remap,
-    /// Idle signals for `graph`, cloned per request (names shared).
-    idle: Signals,
-    decided: AtomicU64,
-    differ: AtomicU64,
-    by_field: Mutex<BTreeMap<String, u64>>,
-    samples: Mutex<VecDeque<ShadowSample>>,
-}
-
-impl Shadow {
-    fn counts(&self) -> ShadowCounts {
-        ShadowCounts {
-            decided: self.decided.load(Ordering::Relaxed),
-            differ: self.differ.load(Ordering::Relaxed),
-            by_field: lock(&self.by_field).clone(),
-            samples: lock(&self.samples).iter().cloned().collect(),
-        }
-    }
-}
 
 /// The rollout in progress.
 struct Active {
@@ -487,82 +460,6 @@ impl Gov {
     }
 }
 
-/// Decides `req` with the shadow version too and counts what differs.
-/// `graph` and `signals` are what the active version decided with.
-pub fn shadow_compare(
-    app: &App,
-    sh: &Shadow,
-    version: &str,
-    req: &Request,
-    graph: &DecisionGraph,
-    signals: &Signals,
-) {
-    if sh.active.as_ref() != version {
-        return; // the active version changed under the shadow
-    }
-    let a = graph.decide(req, signals);
-    let mut mapped = sh.idle.clone();
-    map_signals(&sh.map, signals, &mut mapped);
-    let b = sh.graph.decide(req, &mapped);
-    let tier = |g: &DecisionGraph, t: u16| {
-        g.tiers
-            .get(t as usize)
-            .map(|x| x.name.clone())
-            .unwrap_or_default()
-    };
-    let tenant = |g: &DecisionGraph, t: Option<u32>| {
-        t.and_then(|t| g.tenants.get(t as usize))
-            .map(|x| x.name.clone())
-            .unwrap_or_else(|| "(none)".into())
-    };
-    let route = |g: &DecisionGraph, t: Option<crate::graph::Target>| {
-        t.map(|t| g.target_name(&t))
-            .unwrap_or_else(|| "(none)".into())
-    };
-    let fields = [
-        ("tier", tier(graph, a.tier), tier(&sh.graph, b.tier)),
-        (
-            "tenant",
-            tenant(graph, a.tenant),
-            tenant(&sh.graph, b.tenant),
-        ),
-        ("route", route(graph, a.target), route(&sh.graph, b.target)),
-        (
-            "admission",
-            a.admission.kind().to_string(),
-            b.admission.kind().to_string(),
-        ),
-    ];
-    let differ: Vec<&(&str, String, String)> = fields.iter().filter(|(_, x, y)| x != y).collect();
-    sh.decided.fetch_add(1, Ordering::Relaxed);
-    let names: Vec<&str> = differ.iter().map(|(f, _, _)| *f).collect();
-    app.metrics.shadow(&sh.version, &names);
-    if differ.is_empty() {
-        return;
-    }
-    sh.differ.fetch_add(1, Ordering::Relaxed);
-    {
-        let mut m = lock(&sh.by_field);
-        for f in &names {
-            *m.entry((*f).to_string()).or_default() += 1;
-        }
-    }
-    let request = crate::diff::traffic::describe(req);
-    let mut s = lock(&sh.samples);
-    for (f, x, y) in differ {
-        tracing::debug!(version = %sh.version, field = f, active = %x, proposed = %y, request = %request, "shadow decision differs");
-        if s.len() >= SHADOW_SAMPLES {
-            s.pop_front();
-        }
-        s.push_back(ShadowSample {
-            request: request.clone(),
-            field: (*f).to_string(),
-            active: x.clone(),
-            proposed: y.clone(),
-        });
-    }
-}
-
 // --- activation ------------------------------------------------------
 
 fn remember_previous(app: &App, before: Arc<Policy>) {
@@ -801,17 +698,8 @@ async fn perform(app: &Arc<App>, step: Step, now: f64, observed: Vec<String>) {
             // Explain finds the sources of versions it remembers.
             app.remember(policy.clone());
             let active = app.policy.load_full();
-            gov.shadow.store(Some(Arc::new(Shadow {
-                version: policy.version.clone(),
-                graph: policy.graph.clone(),
-                active: active.version.clone(),
-                map: Remap::new(&policy.graph, &active.graph),
-                idle: Signals::idle(&policy.graph),
-                decided: AtomicU64::new(0),
-                differ: AtomicU64::new(0),
-                by_field: Mutex::new(BTreeMap::new()),
-                samples: Mutex::new(VecDeque::new()),
-            })));
+            gov.shadow
+                .store(Some(Arc::new(Shadow::new(&policy, &active))));
             gov.audit_anyway(
                 "rollout",
                 "kiln",

@@ -354,9 +354,12 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
                             None,
                         );
                     } else if let Some(sh) = app.gov.shadow() {
-                        super::governance::shadow_compare(
-                            &app, &sh, &version, &ctx.req, &graph, &signals,
+                        let differ = crate::governance::shadow::shadow_compare(
+                            &sh, &version, &ctx.req, &graph, &signals,
                         );
+                        if let Some(fields) = differ {
+                            app.metrics.shadow(&sh.version, &fields);
+                        }
                     }
                     // Incident controls: a paused or throttled tier.
                     if let Some(r) = app.gov.check_override(Scope::Tier, Some(tname)) {
