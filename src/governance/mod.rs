@@ -3,9 +3,16 @@
 //! it begins; incidents get time-boxed overrides; and every one of these
 //! events lands in a hash-chained audit log.
 //!
-//! Everything here is pure and unit-tested without HTTP; the gateway wires
-//! it up in [`crate::server::governance`]:
+//! Nothing here knows HTTP: what governance needs from the gateway goes
+//! through [`gateway::Gateway`], which the server implements; the admin API
+//! over it is [`crate::server::governance`].
 //!
+//! * [`gov`]: the state a gateway keeps, restored from and persisted to
+//!   its state file;
+//! * [`driver`]: the rollout driver (one tick: expire overrides, advance
+//!   the rollout, start the next approved proposal);
+//! * [`actions`]: propose, revise, withdraw, approve, roll back, overrides,
+//!   each with a typed error that knows its HTTP status;
 //! * [`activation`]: a compiled policy and what activating it answers;
 //! * [`approval`]: which approvals a change needs (from the rules of the
 //!   policy in force) and whether a signed approval counts;
@@ -21,9 +28,13 @@
 //! * [`state`]: proposals and rollback history kept across restarts;
 //! * [`view`]: the admin API's answers and their human rendering.
 
+pub mod actions;
 pub mod activation;
 pub mod approval;
 pub mod audit;
+pub mod driver;
+pub mod gateway;
+pub mod gov;
 pub mod keys;
 pub mod live;
 pub mod overrides;

@@ -284,7 +284,7 @@ async fn swap_policy(State(app): State<Arc<App>>, headers: HeaderMap, body: Body
         Ok(f) => f,
         Err(r) => return r,
     };
-    match super::governance::activate_direct(&app, files, &who).await {
+    match app.gov.activate_direct(app.as_ref(), files, &who).await {
         Ok(a) => (StatusCode::OK, axum::Json(a)).into_response(),
         Err(e) => activation_refused(&e),
     }

@@ -234,7 +234,8 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
     })?;
     let admin_open = !config.has_admin_tokens() && addr.ip().is_loopback();
     let tokenizer = openai::Tokenizer::new().map_err(ServeError::Startup)?;
-    let gov = governance::Gov::new(&config, speed).map_err(ServeError::Governance)?;
+    let gov = governance::Gov::new(governance::gov_config(&config, speed))
+        .map_err(ServeError::Governance)?;
     let metrics = metrics::Metrics::new();
     metrics.set_policy_version(&policy.version);
     for b in backends.iter() {
