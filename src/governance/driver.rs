@@ -661,3 +661,108 @@ pub(super) async fn set_canary(gw: &impl Gateway, c: Option<(Canary, Arc<str>)>)
     }
 }
 
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::governance::gov::GovConfig;
+    use crate::source::SourceMap;
+
+    const POLICY: &str = r#"
+pool gpu { gpus 1 kind "H100-80GB" memory 80GB }
+model tiny {
+  params 1B
+  kv_per_token 32KB
+  variant fp16 { memory 4GB pools [gpu] }
+}
+tier low { priority 1 slo { p95 600s } }
+classify { default => tier low }
+route [low] tiny { default => fp16 }
+"#;
+
+    /// A gateway whose scheduler is gone: every activation is refused.
+    struct Down {
+        active: Arc<Policy>,
+    }
+
+    impl Gateway for Down {
+        fn active(&self) -> Arc<Policy> {
+            self.active.clone()
+        }
+        fn compile(&self, _: &BTreeMap<String, String>) -> Result<Policy, ActivationError> {
+            Err(ActivationError::NoGraph)
+        }
+        async fn activate(
+            &self,
+            _: BTreeMap<String, String>,
+        ) -> Result<Activation, ActivationError> {
+            Err(ActivationError::SchedulerDown)
+        }
+        async fn set_canary(&self, _: Option<(Canary, Arc<str>)>) -> bool {
+            false
+        }
+        async fn signals(&self) -> Option<(Arc<crate::graph::DecisionGraph>, Signals)> {
+            None
+        }
+        fn remember(&self, _: Arc<Policy>) {}
+        async fn decision_log(&self) -> Option<std::path::PathBuf> {
+            None
+        }
+        fn calibration(&self) -> Option<crate::backend::cost::Calibration> {
+            None
+        }
+        fn count_rollback(&self, _: &str) {}
+        fn count_approval(&self, _: &str) {}
+    }
+
+    fn gov() -> Gov {
+        Gov::new(GovConfig {
+            enabled: false,
+            approvers: Vec::new(),
+            audit: None,
+            state: None,
+            speed: 1.0,
+            window_ms: 60_000.0,
+            min_samples: 1,
+            approval_ttl_s: 3600,
+            watch_ms: 0.0,
+            default_canary_ms: 0.0,
+            dry_run_records: 10,
+        })
+        .unwrap()
+    }
+
+    fn active() -> Arc<Policy> {
+        let mut s = SourceMap::new();
+        s.add("p.kiln", POLICY);
+        let c = crate::compile::compile(s);
+        let crate::compile::Compiled { sources, graph, .. } = c;
+        Arc::new(Policy::new(graph.unwrap(), sources))
+    }
+
+    #[tokio::test]
+    async fn a_refused_direct_activation_is_audited_with_its_status() {
+        let (g, gw) = (gov(), Down { active: active() });
+        let r = g.activate_direct(&gw, BTreeMap::new(), "alice").await;
+        assert!(matches!(r, Err(ActivationError::SchedulerDown)));
+        let log = g.audit_recent(10);
+        assert_eq!(log["entries"], 1);
+        assert_eq!(log["recent"][0]["kind"], "activation_refused");
+        assert_eq!(log["recent"][0]["details"]["status"], 503);
+        assert_eq!(
+            log["recent"][0]["details"]["error"],
+            "the scheduler is not running"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_proposal_that_does_not_compile_changes_nothing() {
+        let (g, gw) = (gov(), Down { active: active() });
+        let e = g.propose(&gw, "alice", BTreeMap::new()).await.unwrap_err();
+        assert_eq!(e.status(), 422);
+        assert!(g.proposal_views().is_empty());
+        assert_eq!(g.audit_head().entries, 0);
+        // Nor is there anything to roll back to.
+        let e = g.rollback(&gw, "alice", None).await.err().unwrap();
+        assert_eq!((e.status(), e.code()), (409, Some("no_previous")));
+    }
+}
