@@ -3,15 +3,24 @@
 //! it begins; incidents get time-boxed overrides; and every one of these
 //! events lands in a hash-chained audit log.
 //!
-//! Everything here is pure and unit-tested without HTTP; the gateway wires
-//! it up in [`crate::server::governance`]:
+//! Nothing here knows HTTP: what governance needs from the gateway goes
+//! through [`gateway::Gateway`], which the server implements; the admin API
+//! over it is [`crate::server::governance`].
 //!
+//! * [`gov`]: the state a gateway keeps, restored from and persisted to
+//!   its state file;
+//! * [`driver`]: the rollout driver (one tick: expire overrides, advance
+//!   the rollout, start the next approved proposal);
+//! * [`actions`]: propose, revise, withdraw, approve, roll back, overrides,
+//!   each with a typed error that knows its HTTP status;
+//! * [`activation`]: a compiled policy and what activating it answers;
 //! * [`approval`]: which approvals a change needs (from the rules of the
 //!   policy in force) and whether a signed approval counts;
 //! * [`keys`]: ed25519 keys, key files, the signed approval message;
 //! * [`proposal`]: a proposal and its states;
 //! * [`rollout`]: the shadow → canary → enforce → watch state machine and
 //!   its rollback holds;
+//! * [`shadow`]: a proposed version deciding beside the active one;
 //! * [`live`]: the rolling window of request outcomes that rollback
 //!   conditions read;
 //! * [`overrides`]: pause and throttle a tier or tenant for a while;
@@ -19,18 +28,33 @@
 //! * [`state`]: proposals and rollback history kept across restarts;
 //! * [`view`]: the admin API's answers and their human rendering.
 
+pub mod actions;
+pub mod activation;
 pub mod approval;
 pub mod audit;
+pub mod driver;
+pub mod gateway;
+pub mod gov;
 pub mod keys;
 pub mod live;
 pub mod overrides;
 pub mod proposal;
 pub mod rollout;
+pub mod shadow;
 pub mod state;
 pub mod view;
 
+pub use activation::Policy;
+
 use crate::source::SourceMap;
 use sha2::{Digest, Sha256};
+use std::sync::{Mutex, MutexGuard};
+
+/// A poisoned lock still guards consistent data here (every critical
+/// section leaves it whole), so governance keeps going.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// The full SHA-256 (hex) of a policy's text: file names and contents, in
 /// order. The gateway's version name is `sha256:` and its first 12 digits.

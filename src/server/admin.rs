@@ -7,6 +7,7 @@
 use super::openai::ApiError;
 use super::{App, Policy};
 use crate::compile;
+use crate::governance::activation::{Activation, ActivationError};
 use crate::source::SourceMap;
 use axum::body::Body;
 use axum::extract::{Path, Query, State};
@@ -212,12 +213,7 @@ async fn show_policy(State(app): State<Arc<App>>, headers: HeaderMap) -> Respons
         return e.into_response();
     }
     let p = app.policy.load();
-    let files: BTreeMap<String, String> = p
-        .sources
-        .files()
-        .map(|(_, f)| (f.name.clone(), f.text.to_string()))
-        .collect();
-    axum::Json(json!({"version": p.version.as_ref(), "files": files})).into_response()
+    axum::Json(json!({"version": p.version.as_ref(), "files": p.files()})).into_response()
 }
 
 /// `{"files": {"name.kiln": "text", ...}}`, or one file as the raw body.
@@ -288,36 +284,28 @@ async fn swap_policy(State(app): State<Arc<App>>, headers: HeaderMap, body: Body
         Ok(f) => f,
         Err(r) => return r,
     };
-    match super::governance::activate_direct(&app, files, &who).await {
-        Ok(v) => (StatusCode::OK, axum::Json(v)).into_response(),
-        Err((status, v)) => (status, axum::Json(v)).into_response(),
+    match app.gov.activate_direct(app.as_ref(), files, &who).await {
+        Ok(a) => (StatusCode::OK, axum::Json(a)).into_response(),
+        Err(e) => activation_refused(&e),
     }
 }
 
-/// The diagnostics answer for a policy that does not compile.
-fn refusal_body(c: &compile::Compiled) -> serde_json::Value {
-    let diags: Vec<_> = c
-        .diagnostics
-        .items
-        .iter()
-        .filter(|d| d.severity == crate::diag::Severity::Error)
-        .map(|d| crate::diag::to_json(d, &c.sources))
-        .collect();
-    let text: String = c
-        .diagnostics
-        .items
-        .iter()
-        .filter(|d| d.severity == crate::diag::Severity::Error)
-        .map(|d| crate::diag::render(d, &c.sources, false))
-        .collect();
-    json!({
-        "error": {
-            "message": "the policy does not compile; the active policy is unchanged",
-            "type": "invalid_policy",
-        },
-        "diagnostics": diags,
-        "rendered": text,
-    })
+/// The compiler's errors, for the answer to a policy that does not compile.
+fn refusal(c: &compile::Compiled) -> ActivationError {
+    let errors = || {
+        c.diagnostics
+            .items
+            .iter()
+            .filter(|d| d.severity == crate::diag::Severity::Error)
+    };
+    ActivationError::Invalid {
+        diagnostics: errors()
+            .map(|d| crate::diag::to_json(d, &c.sources))
+            .collect(),
+        rendered: errors()
+            .map(|d| crate::diag::render(d, &c.sources, false))
+            .collect(),
+    }
 }
 
 /// Compiles and validates a policy upload, and plans its deployment under
@@ -325,43 +313,35 @@ fn refusal_body(c: &compile::Compiled) -> serde_json::Value {
 pub fn compile_upload(
     app: &App,
     files: &BTreeMap<String, String>,
-) -> Result<(Policy, crate::sched::plan::Plan, Vec<String>), (StatusCode, serde_json::Value)> {
+) -> Result<(Policy, crate::sched::plan::Plan, Vec<String>), ActivationError> {
     let mut sources = SourceMap::new();
     for (name, text) in files {
         sources.add(name.clone(), text.clone());
     }
     let compiled = compile::compile(sources);
     if compiled.has_errors() {
-        return Err((StatusCode::UNPROCESSABLE_ENTITY, refusal_body(&compiled)));
+        return Err(refusal(&compiled));
     }
     let compile::Compiled { sources, graph, .. } = compiled;
     let Some(graph) = graph else {
-        return Err((
-            StatusCode::UNPROCESSABLE_ENTITY,
-            json!({"error": {"message": "the policy produced no decision graph", "type": "invalid_policy"}}),
-        ));
+        return Err(ActivationError::NoGraph);
     };
     let policy = Policy::new(graph, sources);
-    let built = crate::backend::deploy::replan(
+    let (plan, notes) = crate::backend::deploy::replan(
         &policy.graph,
         &app.config.pools,
         app.calibration.as_ref(),
         &app.backends,
-    );
-    match built {
-        Ok((plan, notes)) => Ok((policy, plan, notes)),
-        Err(e) => Err((
-            StatusCode::UNPROCESSABLE_ENTITY,
-            json!({"error": {"message": format!("{e}; the active policy is unchanged"), "type": "invalid_policy"}}),
-        )),
-    }
+    )
+    .map_err(ActivationError::Deploy)?;
+    Ok((policy, plan, notes))
 }
 
 /// Compiles, validates and swaps in a policy. On failure nothing changes.
 pub async fn activate(
-    app: &Arc<App>,
+    app: &App,
     files: BTreeMap<String, String>,
-) -> Result<serde_json::Value, (StatusCode, serde_json::Value)> {
+) -> Result<Activation, ActivationError> {
     let (policy, plan, notes) = match compile_upload(app, &files) {
         Ok(x) => x,
         Err(e) => {
@@ -372,9 +352,13 @@ pub async fn activate(
     let _one_at_a_time = app.swap_lock.lock().await;
     let previous = app.policy.load().version.clone();
     if previous == policy.version {
-        return Ok(
-            json!({"version": policy.version.as_ref(), "previous": previous.as_ref(), "changed": false}),
-        );
+        return Ok(Activation {
+            version: policy.version.to_string(),
+            previous: previous.to_string(),
+            changed: false,
+            redecided: 0,
+            notes: Vec::new(),
+        });
     }
     let (tx, rx) = tokio::sync::oneshot::channel();
     let policy = Arc::new(policy);
@@ -385,10 +369,7 @@ pub async fn activate(
         done: tx,
     }) {
         app.metrics.policy_swap(false);
-        return Err((
-            StatusCode::SERVICE_UNAVAILABLE,
-            json!({"error": {"message": "the scheduler is not running", "type": "service_unavailable"}}),
-        ));
+        return Err(ActivationError::SchedulerDown);
     }
     let redecided = rx.await.unwrap_or_default();
     app.remember(policy.clone());
@@ -396,11 +377,17 @@ pub async fn activate(
     app.metrics.policy_swap(true);
     app.metrics.set_policy_version(&policy.version);
     tracing::info!(version = %policy.version, previous = %previous, "policy activated");
-    Ok(json!({
-        "version": policy.version.as_ref(),
-        "previous": previous.as_ref(),
-        "changed": true,
-        "redecided": redecided.len(),
-        "notes": notes,
-    }))
+    Ok(Activation {
+        version: policy.version.to_string(),
+        previous: previous.to_string(),
+        changed: true,
+        redecided: redecided.len(),
+        notes,
+    })
+}
+
+/// The answer to a refused activation, as `POST /admin/policy` gives it.
+pub fn activation_refused(e: &ActivationError) -> Response {
+    let status = StatusCode::from_u16(e.status()).unwrap_or(StatusCode::UNPROCESSABLE_ENTITY);
+    (status, axum::Json(e.body())).into_response()
 }

@@ -32,23 +32,9 @@ use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
-/// One compiled policy version.
-pub struct Policy {
-    pub graph: Arc<DecisionGraph>,
-    /// `sha256:` and the first 12 hex digits of the sources' hash.
-    pub version: Arc<str>,
-    pub sources: SourceMap,
-}
-
-impl Policy {
-    pub fn new(graph: DecisionGraph, sources: SourceMap) -> Policy {
-        Policy {
-            version: version_of(&sources).into(),
-            graph: Arc::new(graph),
-            sources,
-        }
-    }
-}
+/// One compiled policy version (governance names it too, so it lives
+/// below the server).
+pub use crate::governance::Policy;
 
 /// The version names the exact text: file names and contents, in order.
 pub fn version_of(sources: &SourceMap) -> String {
@@ -249,7 +235,8 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
     })?;
     let admin_open = !config.has_admin_tokens() && addr.ip().is_loopback();
     let tokenizer = openai::Tokenizer::new().map_err(ServeError::Startup)?;
-    let gov = governance::Gov::new(&config, speed).map_err(ServeError::Governance)?;
+    let gov = governance::Gov::new(governance::gov_config(&config, speed))
+        .map_err(ServeError::Governance)?;
     let metrics = metrics::Metrics::new();
     metrics.set_policy_version(&policy.version);
     for b in backends.iter() {

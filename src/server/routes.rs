@@ -520,14 +520,16 @@ fn note_decided(ctx: &Ctx, d: &Decided) -> Result<(), ApiError> {
     } else if let Some(sh) = app.gov.shadow() {
         // Without a canary the deciding version and signals are the
         // active ones.
-        super::governance::shadow_compare(
-            app,
+        let differ = crate::governance::shadow::shadow_compare(
             &sh,
             &d.version,
             &ctx.req,
             &d.graph,
             &d.policy_signals,
         );
+        if let Some(fields) = differ {
+            app.metrics.shadow(&sh.version, &fields);
+        }
     }
     // Incident controls: a paused or throttled tier.
     if let Some(r) = app.gov.check_override(Scope::Tier, Some(tname)) {

@@ -1,0 +1,503 @@
+//! The governance a gateway keeps: proposals, the rollout in progress,
+//! version history, overrides, the live window and the audit log, with
+//! the state file that carries them across restarts. What acts on it is
+//! in [`super::driver`] (the rollout driver) and [`super::actions`] (the
+//! admin operations).
+
+use super::approval::Approver;
+use super::audit::{AuditError, AuditLog};
+use super::gateway::Gateway;
+use super::live::{Sample, Window};
+use super::lock;
+use super::overrides::{Action as OverrideAction, Overrides, Refused, Scope};
+use super::proposal::Proposal;
+use super::rollout::{Rollout, Stage};
+use super::shadow::Shadow;
+use super::state::{self as stored, Previous, Snapshot, StateError, StoredProposal};
+use super::view::{
+    AuditHead, ConditionView, OverrideView, RollbackView, RolloutView, ShadowCounts, StatusView,
+};
+use super::Policy;
+use arc_swap::ArcSwapOption;
+use serde_json::{json, Value};
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// Previous versions kept for `kiln rollback`.
+pub(super) const HISTORY: usize = 16;
+/// Finished proposals kept for `GET /admin/proposals`.
+pub(super) const KEEP_CLOSED: usize = 200;
+
+/// What governance is configured with (the server reads it from
+/// `kiln.toml`).
+pub struct GovConfig {
+    /// Approvals required (`POST /admin/policy` refused).
+    pub enabled: bool,
+    pub approvers: Vec<Approver>,
+    /// The audit log's file; in memory when none.
+    pub audit: Option<PathBuf>,
+    /// The state file, if any.
+    pub state: Option<PathBuf>,
+    /// The simulator's speed: the gateway's clock runs this much faster.
+    pub speed: f64,
+    pub window_ms: f64,
+    pub min_samples: u64,
+    pub approval_ttl_s: u64,
+    pub watch_ms: f64,
+    pub default_canary_ms: f64,
+    pub dry_run_records: usize,
+}
+
+/// The rollout in progress.
+pub(super) struct Active {
+    pub(super) proposal: String,
+    pub(super) policy: Arc<Policy>,
+    pub(super) machine: Rollout,
+    pub(super) conditions: Vec<ConditionView>,
+    /// What shadowing found, once it ended.
+    pub(super) shadow: Option<ShadowCounts>,
+    pub(super) canary_from: u64,
+}
+
+#[derive(Default)]
+pub(super) struct GovState {
+    pub(super) proposals: Vec<Proposal>,
+    pub(super) next: u64,
+    pub(super) rollout: Option<Active>,
+    /// Versions that were active before, most recent last.
+    pub(super) history: Vec<Previous>,
+    /// Signatures of accepted approvals: never accepted twice.
+    pub(super) used: HashSet<String>,
+    pub(super) last_rollback: Option<RollbackView>,
+}
+
+impl GovState {
+    pub(super) fn proposal_mut(&mut self, id: &str) -> Option<&mut Proposal> {
+        self.proposals.iter_mut().find(|p| p.id == id)
+    }
+
+    /// Keeps `prev` as the version `kiln rollback` returns to.
+    pub(super) fn push_history(&mut self, prev: Previous) {
+        self.history.push(prev);
+        if self.history.len() > HISTORY {
+            self.history.remove(0);
+        }
+    }
+}
+
+pub struct Gov {
+    /// Approvals required (`POST /admin/policy` refused).
+    pub enabled: bool,
+    pub(super) approvers: Vec<Approver>,
+    pub(super) audit: Mutex<AuditLog>,
+    pub(super) state: Mutex<GovState>,
+    /// One governance step at a time (driver ticks and admin actions).
+    pub(super) step: tokio::sync::Mutex<()>,
+    pub(super) shadow: ArcSwapOption<Shadow>,
+    pub(super) live: Mutex<Window>,
+    pub(super) overrides: Mutex<Overrides>,
+    pub(super) any_override: AtomicBool,
+    /// Rollback conditions are armed: finished requests are recorded.
+    pub(super) recording: AtomicBool,
+    pub(super) canary_requests: AtomicU64,
+    clock: Instant,
+    speed: f64,
+    pub(super) min_samples: u64,
+    pub(super) approval_ttl_s: u64,
+    pub(super) watch_ms: f64,
+    pub(super) default_canary_ms: f64,
+    pub(super) dry_run_records: usize,
+    /// The state file, if any.
+    state_path: Option<PathBuf>,
+    /// The bytes last written there (unchanged state is not rewritten).
+    written: Mutex<Option<Vec<u8>>>,
+    /// The active version the state file recorded, until the driver starts.
+    restored_active: Mutex<Option<Previous>>,
+}
+
+/// Why the governance state could not be set up at startup.
+#[derive(Debug, thiserror::Error, miette::Diagnostic)]
+pub enum GovError {
+    #[error(transparent)]
+    #[diagnostic(transparent)]
+    Audit(#[from] AuditError),
+    #[error(transparent)]
+    #[diagnostic(transparent)]
+    State(#[from] StateError),
+}
+
+/// The governance state a state file holds, checked: proposals whose text
+/// does not hash to their recorded hash, and approvals that no longer
+/// verify under the configured approvers, are dropped (logged and audited).
+fn restore(
+    path: &std::path::Path,
+    snap: &Snapshot,
+    approvers: &[Approver],
+    audit: &mut AuditLog,
+) -> Result<(GovState, Option<Previous>), AuditError> {
+    let (proposals, dropped) = snap.verify(approvers);
+    let at = crate::clock::unix_ms() as u64;
+    for d in &dropped {
+        let (kind, details) = match d {
+            stored::Dropped::Proposal { id, stored, actual } => {
+                tracing::warn!(proposal = %id, state = %path.display(), "the stored proposal's text does not match its hash: dropped");
+                (
+                    "proposal_dropped",
+                    json!({"id": id, "reason": "hash_mismatch", "stored_hash": stored, "hash": actual}),
+                )
+            }
+            stored::Dropped::Unreadable { id, why } => {
+                tracing::warn!(proposal = %id, state = %path.display(), "the stored proposal cannot be read ({why}): dropped");
+                (
+                    "proposal_dropped",
+                    json!({"id": id, "reason": "unreadable", "error": why}),
+                )
+            }
+            stored::Dropped::Approval { id, approver } => {
+                tracing::warn!(proposal = %id, approver = %approver, "a stored approval no longer verifies under the configured approvers: dropped");
+                (
+                    "approval_dropped",
+                    json!({"id": id, "approver": approver, "reason": "signature_no_longer_verifies"}),
+                )
+            }
+        };
+        audit.append(at, kind, "kiln", details)?;
+    }
+    // Ids are never reused, even those of dropped proposals.
+    let highest = snap
+        .proposals
+        .iter()
+        .filter_map(|p| p.id().strip_prefix("p-")?.parse::<u64>().ok())
+        .max()
+        .unwrap_or(0);
+    let mut used: HashSet<String> = snap.used.iter().cloned().collect();
+    for p in &proposals {
+        used.extend(p.approvals.iter().map(|a| a.signature.clone()));
+    }
+    let mut history = snap.history.clone();
+    if history.len() > HISTORY {
+        history.drain(..history.len() - HISTORY);
+    }
+    let st = GovState {
+        proposals,
+        next: snap.next.max(highest.saturating_add(1)),
+        rollout: None,
+        history,
+        used,
+        last_rollback: snap.last_rollback.clone(),
+    };
+    tracing::info!(
+        state = %path.display(),
+        proposals = st.proposals.len(),
+        history = st.history.len(),
+        "governance state restored"
+    );
+    Ok((st, snap.active.clone()))
+}
+
+/// The version and files of `p`, as history keeps them.
+pub(super) fn previous_of(p: &Policy) -> Previous {
+    Previous {
+        version: p.version.to_string(),
+        files: p.files(),
+    }
+}
+
+impl Gov {
+    pub fn new(cfg: GovConfig) -> Result<Gov, GovError> {
+        let mut audit = match &cfg.audit {
+            Some(path) => AuditLog::open(path)?,
+            None => AuditLog::memory(),
+        };
+        let state_path = cfg
+            .state
+            .clone()
+            .or_else(|| cfg.audit.as_deref().map(stored::default_path));
+        let (state, restored_active) = match &state_path {
+            Some(path) => match Snapshot::load(path)? {
+                Some(snap) => restore(path, &snap, &cfg.approvers, &mut audit)?,
+                None => (GovState::default(), None),
+            },
+            None => (GovState::default(), None),
+        };
+        Ok(Gov {
+            enabled: cfg.enabled,
+            approvers: cfg.approvers,
+            audit: Mutex::new(audit),
+            state: Mutex::new(GovState {
+                next: state.next.max(1),
+                ..state
+            }),
+            step: tokio::sync::Mutex::new(()),
+            shadow: ArcSwapOption::empty(),
+            live: Mutex::new(Window::new(cfg.window_ms, 100_000)),
+            overrides: Mutex::new(Overrides::default()),
+            any_override: AtomicBool::new(false),
+            recording: AtomicBool::new(false),
+            canary_requests: AtomicU64::new(0),
+            clock: Instant::now(),
+            speed: if cfg.speed.is_finite() && cfg.speed > 0.0 {
+                cfg.speed
+            } else {
+                1.0
+            },
+            min_samples: cfg.min_samples,
+            approval_ttl_s: cfg.approval_ttl_s,
+            watch_ms: cfg.watch_ms,
+            default_canary_ms: cfg.default_canary_ms,
+            dry_run_records: cfg.dry_run_records,
+            state_path,
+            written: Mutex::new(None),
+            restored_active: Mutex::new(restored_active),
+        })
+    }
+
+    /// The gateway's clock in ms: wall time since start, times the
+    /// simulator's speed (rollout stages, holds, windows and overrides run
+    /// on it, like the policy's own durations).
+    pub fn now_ms(&self) -> f64 {
+        self.clock.elapsed().as_secs_f64() * 1000.0 * self.speed
+    }
+
+    /// Writes the governance state file (when one is configured and the
+    /// state changed since the last write). A write error is logged: the
+    /// gateway keeps governing from memory.
+    pub(super) fn persist(&self, gw: &impl Gateway) {
+        let Some(path) = &self.state_path else {
+            return;
+        };
+        // Held across snapshot and write: writes land in the order of states.
+        let mut written = lock(&self.written);
+        let active = gw.active();
+        let snap = {
+            let st = lock(&self.state);
+            let mut used: Vec<String> = st.used.iter().cloned().collect();
+            used.sort();
+            Snapshot {
+                format: stored::FORMAT,
+                next: st.next,
+                proposals: st
+                    .proposals
+                    .iter()
+                    .filter(|p| stored::kept(p))
+                    .map(StoredProposal::of)
+                    .collect(),
+                history: st.history.clone(),
+                active: Some(previous_of(&active)),
+                used,
+                last_rollback: st.last_rollback.clone(),
+            }
+        };
+        let bytes = snap.to_bytes();
+        if written.as_deref() == Some(&bytes[..]) {
+            return;
+        }
+        match stored::write_atomic(path, &bytes) {
+            Ok(()) => *written = Some(bytes),
+            Err(e) => tracing::error!(error = %e, "cannot write the governance state file"),
+        }
+    }
+
+    /// Once, before the driver's first step: the version active before the
+    /// restart (when `--policy` differs from it) becomes the one `kiln
+    /// rollback` returns to, and the active version is not its own
+    /// previous.
+    pub fn settle_restored(&self, gw: &impl Gateway) {
+        let Some(before) = lock(&self.restored_active).take() else {
+            return;
+        };
+        let version = gw.active().version.to_string();
+        {
+            let mut st = lock(&self.state);
+            if before.version != version && st.history.last() != Some(&before) {
+                tracing::info!(previous = %before.version, active = %version, "the gateway restarted on another version: the one it ran before is kept for rollback");
+                st.push_history(before);
+            }
+            while st.history.last().is_some_and(|p| p.version == version) {
+                st.history.pop();
+            }
+        }
+        self.persist(gw);
+    }
+
+    /// Appends to the audit log; an error is logged and returned.
+    pub(super) fn audit(&self, kind: &str, actor: &str, details: Value) -> Result<(), AuditError> {
+        let r = lock(&self.audit).append(crate::clock::unix_ms() as u64, kind, actor, details);
+        match r {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                tracing::error!(error = %e, kind, "cannot write the audit log");
+                Err(e)
+            }
+        }
+    }
+
+    /// Audits an event the gateway performs whatever happens (automatic
+    /// rollbacks, expiries): a write error is only logged.
+    pub(super) fn audit_anyway(&self, kind: &str, actor: &str, details: Value) {
+        let _ = self.audit(kind, actor, details);
+    }
+
+    pub fn audit_head(&self) -> AuditHead {
+        let a = lock(&self.audit);
+        AuditHead {
+            path: a.path().map(|p| p.display().to_string()),
+            entries: a.entries(),
+            head: a.head().to_string(),
+        }
+    }
+
+    /// The audit log's head and its most recent `n` entries, as `GET
+    /// /admin/audit` answers.
+    pub fn audit_recent(&self, n: usize) -> Value {
+        let a = lock(&self.audit);
+        let recent: Vec<&super::audit::Entry> = a.recent().collect();
+        let tail = recent.len().saturating_sub(n);
+        json!({
+            "path": a.path().map(|p| p.display().to_string()),
+            "entries": a.entries(),
+            "head": a.head(),
+            "recent": &recent[tail..],
+        })
+    }
+
+    // --- request path ------------------------------------------------
+
+    /// An override refusing this tier or tenant, if any (the request is
+    /// counted against it).
+    pub fn check_override(&self, scope: Scope, name: Option<&str>) -> Option<Refused> {
+        if !self.any_override.load(Ordering::Relaxed) {
+            return None;
+        }
+        let now = self.now_ms();
+        lock(&self.overrides).check(now, scope, name)
+    }
+
+    pub fn override_views(&self) -> Vec<OverrideView> {
+        let now = self.now_ms();
+        lock(&self.overrides)
+            .active(now)
+            .into_iter()
+            .map(|o| OverrideView {
+                id: o.id,
+                scope: o.scope.name().into(),
+                name: o.name.clone(),
+                action: o.action.name().into(),
+                percent: match o.action {
+                    OverrideAction::Throttle { percent } => Some(percent),
+                    OverrideAction::Pause => None,
+                },
+                remaining_s: ((o.until_ms - now) / 1000.0).max(0.0),
+                by: o.by.clone(),
+                reason: o.reason.clone(),
+                refused: o.refused,
+            })
+            .collect()
+    }
+
+    pub fn shadow(&self) -> Option<Arc<Shadow>> {
+        self.shadow.load_full()
+    }
+
+    /// A request the canary decided.
+    pub fn count_canary(&self) {
+        self.canary_requests.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// One finished request, for rollback conditions.
+    pub fn record(&self, s: Sample) {
+        if !self.recording.load(Ordering::Relaxed) {
+            return;
+        }
+        let mut w = lock(&self.live);
+        w.prune(s.at_ms);
+        w.push(s);
+    }
+
+    /// Latencies in the policy's time (ms), from wall seconds.
+    pub fn policy_ms(&self, wall_s: f64) -> f64 {
+        wall_s * 1000.0 * self.speed
+    }
+
+    // --- reading -----------------------------------------------------
+
+    /// `GET /admin/status` with `active` in force.
+    pub fn status_view(&self, active: &Policy) -> StatusView {
+        let now = self.now_ms();
+        let now_s = crate::clock::unix_s();
+        let shadow_now = self.shadow().map(|s| s.counts());
+        let st = lock(&self.state);
+        let rollout = st.rollout.as_ref().filter(|a| !a.machine.done()).map(|a| {
+            let canary = a
+                .machine
+                .plan
+                .canary
+                .clone()
+                .filter(|_| a.machine.stage == Stage::Canary);
+            RolloutView {
+                proposal: a.proposal.clone(),
+                version: a.policy.version.to_string(),
+                stage: a.machine.stage.name().into(),
+                elapsed_s: (now - a.machine.since) / 1000.0,
+                remaining_s: a.machine.until.map(|u| ((u - now) / 1000.0).max(0.0)),
+                canary,
+                canary_requests: self
+                    .canary_requests
+                    .load(Ordering::Relaxed)
+                    .saturating_sub(a.canary_from),
+                shadow: shadow_now
+                    .clone()
+                    .or_else(|| a.shadow.clone())
+                    .unwrap_or_default(),
+                conditions: a.conditions.clone(),
+                live: a
+                    .machine
+                    .armed()
+                    .then(|| lock(&self.live).summary(now, a.machine.stage == Stage::Canary)),
+                min_samples: self.min_samples,
+            }
+        });
+        StatusView {
+            active: active.version.to_string(),
+            previous: st.history.last().map(|p| p.version.clone()),
+            governance: self.enabled,
+            approvers: self.approvers.iter().map(|a| a.name.clone()).collect(),
+            audit: self.audit_head(),
+            rollout,
+            proposals: st
+                .proposals
+                .iter()
+                .filter(|p| p.state.open())
+                .map(|p| p.view(now_s, false))
+                .collect(),
+            overrides: self.override_views(),
+            last_rollback: st.last_rollback.clone(),
+        }
+    }
+
+    /// A governance step in flight (an activation, say) is seen whole or
+    /// not at all: never the new version with the old history.
+    pub async fn consistent_status(&self, gw: &impl Gateway) -> StatusView {
+        let _consistent = self.step.lock().await;
+        self.status_view(&gw.active())
+    }
+
+    /// Every proposal kept, briefly.
+    pub fn proposal_views(&self) -> Vec<super::view::ProposalView> {
+        let now_s = crate::clock::unix_s();
+        let st = lock(&self.state);
+        st.proposals.iter().map(|p| p.view(now_s, false)).collect()
+    }
+
+    /// The proposal `id` in full, if kept.
+    pub fn proposal_view(&self, id: &str) -> Option<super::view::ProposalView> {
+        let st = lock(&self.state);
+        st.proposals
+            .iter()
+            .find(|p| p.id == id)
+            .map(|p| p.view(crate::clock::unix_s(), true))
+    }
+}
