@@ -6,7 +6,6 @@
 use super::activation::{ActivationError, Policy};
 use super::approval::{self, Changes, Refusal, Subject};
 use super::audit::AuditError;
-use super::driver::set_canary;
 use super::gateway::Gateway;
 use super::gov::{Gov, GovState};
 use super::keys::SignedApproval;
@@ -14,6 +13,7 @@ use super::lock;
 use super::overrides::{Action as OverrideAction, NewOverride, Scope};
 use super::proposal::{Kind, Proposal, State as PState};
 use super::rollout::{Plan, Stage};
+use super::runner::set_canary;
 use super::state::{self as stored, Previous};
 use super::view::{
     DryRunView, ImpactLine, OverrideView, ProposalView, RollbackView, TransitionLine,
@@ -184,7 +184,7 @@ struct Assessment {
 }
 
 impl Gov {
-    /// A proposal for `files` by `who`; the driver starts it once approved.
+    /// A proposal for `files` by `who`; the rollout runner starts it once approved.
     pub async fn propose(
         &self,
         gw: &impl Gateway,
@@ -521,7 +521,7 @@ impl Gov {
     }
 
     /// The rules of the policy in force want approvals: a rollback
-    /// proposal, which the driver carries out once approved.
+    /// proposal, which the rollout runner carries out once approved.
     fn propose_rollback(
         &self,
         gw: &impl Gateway,

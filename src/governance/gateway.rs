@@ -1,6 +1,6 @@
 //! What governance needs from the gateway it governs. The server
 //! implements it; governance never names the server, its HTTP types or
-//! its metrics, so the driver and the admin operations run against any
+//! its metrics, so the rollout runner and the admin operations run against any
 //! implementation (a test double included).
 
 use super::activation::{Activation, ActivationError, Policy};

@@ -1,7 +1,7 @@
 //! The governance a gateway keeps: proposals, the rollout in progress,
 //! version history, overrides, the live window and the audit log, with
 //! the state file that carries them across restarts. What acts on it is
-//! in [`super::driver`] (the rollout driver) and [`super::actions`] (the
+//! in [`super::runner`] (the rollout runner) and [`super::actions`] (the
 //! admin operations).
 
 use super::approval::Approver;
@@ -114,7 +114,7 @@ pub struct Gov {
     state_path: Option<PathBuf>,
     /// The bytes last written there (unchanged state is not rewritten).
     written: Mutex<Option<Vec<u8>>>,
-    /// The active version the state file recorded, until the driver starts.
+    /// The active version the state file recorded, until the runner starts.
     restored_active: Mutex<Option<Previous>>,
 }
 
@@ -301,7 +301,7 @@ impl Gov {
         }
     }
 
-    /// Once, before the driver's first step: the version active before the
+    /// Once, before the runner's first step: the version active before the
     /// restart (when `--policy` differs from it) becomes the one `kiln
     /// rollback` returns to, and the active version is not its own
     /// previous.

@@ -9,7 +9,7 @@
 //!
 //! * [`gov`]: the state a gateway keeps, restored from and persisted to
 //!   its state file;
-//! * [`driver`]: the rollout driver (one tick: expire overrides, advance
+//! * [`runner`]: the rollout runner (one tick: expire overrides, advance
 //!   the rollout, start the next approved proposal);
 //! * [`actions`]: propose, revise, withdraw, approve, roll back, overrides,
 //!   each with a typed error that knows its HTTP status;
@@ -32,7 +32,6 @@ pub mod actions;
 pub mod activation;
 pub mod approval;
 pub mod audit;
-pub mod driver;
 pub mod gateway;
 pub mod gov;
 pub mod keys;
@@ -40,6 +39,7 @@ pub mod live;
 pub mod overrides;
 pub mod proposal;
 pub mod rollout;
+pub mod runner;
 pub mod shadow;
 pub mod state;
 pub mod view;

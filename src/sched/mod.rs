@@ -8,7 +8,7 @@
 //! What decides what:
 //! - the [`DecisionGraph`] says which tier, tenant, variant and pool a
 //!   request is entitled to (fed live signals from this scheduler);
-//! - [`admit`] passes each arrival through an ordered list of gates
+//! - `admit` passes each arrival through an ordered list of gates
 //!   (session and retry budgets, the policy's refusals, capacity, quota —
 //!   [`quota`] reserves tokens, requests and concurrency — and the
 //!   estimated wait against the tier's SLO), refusing early with a reason

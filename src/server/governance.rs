@@ -1,5 +1,5 @@
 //! The gateway's governance wiring: the admin API over
-//! [`crate::governance`], the driver task, and [`Gateway`] for [`App`] (how
+//! [`crate::governance`], the rollout runner task, and [`Gateway`] for [`App`] (how
 //! governance swaps policies, through [`super::admin::activate`] so a
 //! refused activation leaves the last good policy serving, and starts and
 //! ends canaries in the executor). Handlers authenticate, parse, call
@@ -28,9 +28,9 @@ use crate::backend::cost::Calibration;
 use crate::governance::actions::{ActionError, OverrideRequest, RollbackOutcome};
 use crate::governance::activation::{Activation, ActivationError};
 use crate::governance::approval::Approver;
-use crate::governance::driver::TICK;
 use crate::governance::gateway::Gateway;
 use crate::governance::keys::SignedApproval;
+use crate::governance::runner::TICK;
 use crate::graph::{DecisionGraph, Signals};
 use crate::sched::canary::Canary;
 use axum::body::Body;
@@ -125,9 +125,9 @@ impl Gateway for App {
     }
 }
 
-/// Starts the driver: every [`TICK`], expire overrides, advance the
+/// Starts the rollout runner: every [`TICK`], expire overrides, advance the
 /// rollout, and start the next approved proposal.
-pub fn spawn_driver(app: Arc<App>) -> tokio::task::JoinHandle<()> {
+pub fn spawn_runner(app: Arc<App>) -> tokio::task::JoinHandle<()> {
     app.gov.settle_restored(app.as_ref());
     tokio::spawn(async move {
         let mut t = tokio::time::interval(TICK);

@@ -266,7 +266,7 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
     let router = routes::router(app.clone())
         .merge(admin::router(app.clone()))
         .merge(governance::router(app.clone()));
-    let driver = governance::spawn_driver(app.clone());
+    let runner = governance::spawn_runner(app.clone());
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(async move {
         let serve = axum::serve(listener, router).with_graceful_shutdown(async move {
@@ -282,6 +282,6 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         shutdown: Some(tx),
         server,
         executor: exec_task,
-        governance: driver,
+        governance: runner,
     })
 }

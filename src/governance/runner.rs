@@ -1,4 +1,4 @@
-//! The rollout driver: every tick it expires overrides, advances the
+//! The rollout runner: every tick it expires overrides, advances the
 //! rollout in progress (shadow → canary → enforce → watch, or rollback
 //! when a declared condition holds long enough) and starts the next
 //! approved proposal. It acts on the gateway only through [`Gateway`], so
@@ -23,7 +23,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// How often the driver advances rollouts and expires overrides.
+/// How often the runner advances rollouts and expires overrides.
 pub const TICK: Duration = Duration::from_millis(100);
 
 /// Records observed values of a condition's tests.
