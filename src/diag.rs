@@ -194,7 +194,7 @@ pub struct Label {
 }
 
 /// One finding. Implements [`miette::Diagnostic`]; attach the source with
-/// [`Diagnostic::with_source`] (done by [`Diagnostics::render`]) to show it.
+/// [`Diagnostic::with_source`] (done by [`render`]) to show it.
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("{message}")]
 pub struct Diagnostic {

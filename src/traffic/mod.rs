@@ -4,7 +4,7 @@
 //! One [`Record`] a line, version 1 (README: "Recorded traffic"). Reading
 //! with [`read`] or [`read_with`] returns the records sorted by arrival
 //! time, stably (records with equal `at_ms` keep their order in the file);
-//! [`Reader`] streams them in file order. [`write`] produces the same bytes
+//! [`Reader`] streams them in file order. [`write()`] produces the same bytes
 //! for the same records: fields in a fixed order, numbers in serde_json's
 //! shortest round-tripping form.
 //!

@@ -3,7 +3,7 @@
 //! - [`device`]: the GPU-free parts (device inventory and pool checks, KV
 //!   block accounting), built without the feature.
 //! - With the `cuda` feature: the device code (the driver and cuBLAS loaded
-//!   at run time; see the re-exported [`CudaReplica`] and [`devices`]).
+//!   at run time; see the re-exported `CudaReplica` and `devices`).
 //! - [`serve`]: attaching planned replicas to GPUs for the gateway, and
 //!   reusing them across a policy swap.
 

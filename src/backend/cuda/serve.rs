@@ -5,7 +5,7 @@
 //! when the GPU says so, so batch-size effects and KV memory are real.
 //!
 //! At startup each planned replica on a CUDA pool gets its own
-//! [`CudaReplica`] (weights and KV arena allocated on its device); a pool
+//! `CudaReplica` (weights and KV arena allocated on its device); a pool
 //! declaring more GPUs or memory than the devices have is refused. A policy
 //! swap reuses the replicas it has and cannot add new ones (that would
 //! allocate GPU memory while serving): restart to grow a CUDA pool.
