@@ -216,6 +216,22 @@ pub struct Limits {
     /// Times a request whose tier vanished in a policy swap is re-decided.
     #[serde(default = "default_redecide")]
     pub max_redecide: u32,
+    /// The most time a request may take on HTTP upstreams, counted from
+    /// its first start on one: calls, retries on other replicas and the
+    /// waits in the queue between them. Past it the request ends with an
+    /// explicit error (504, or the last upstream error with its
+    /// Retry-After). Every accepted request thus ends within its queue
+    /// time plus this budget.
+    #[serde(
+        default = "default_upstream_budget",
+        deserialize_with = "crate::units::duration::deserialize"
+    )]
+    pub upstream_budget: std::time::Duration,
+    /// Times a request that failed on an upstream (5xx, 429, timeout,
+    /// broken connection, bad JSON) before any byte reached the client is
+    /// tried again on another replica.
+    #[serde(default = "default_upstream_retries")]
+    pub upstream_retries: u32,
 }
 
 fn default_body() -> usize {
@@ -227,6 +243,12 @@ fn default_max_tokens() -> u64 {
 fn default_redecide() -> u32 {
     3
 }
+fn default_upstream_budget() -> std::time::Duration {
+    std::time::Duration::from_secs(300)
+}
+fn default_upstream_retries() -> u32 {
+    2
+}
 
 impl Default for Limits {
     fn default() -> Self {
@@ -234,6 +256,8 @@ impl Default for Limits {
             max_body_bytes: default_body(),
             default_max_tokens: default_max_tokens(),
             max_redecide: default_redecide(),
+            upstream_budget: default_upstream_budget(),
+            upstream_retries: default_upstream_retries(),
         }
     }
 }
@@ -517,7 +541,7 @@ impl ServerConfig {
 /// [`crate::backend::http::UpstreamConfig`] into itself, and serde cannot refuse unknown keys
 /// through a flatten, so a misspelt `timout` would silently fall back to
 /// the default: this check refuses it instead.
-const UPSTREAM_KEYS: [&str; 12] = [
+const UPSTREAM_KEYS: [&str; 13] = [
     "model",
     "variant",
     "url",
@@ -530,6 +554,7 @@ const UPSTREAM_KEYS: [&str; 12] = [
     "health_interval",
     "failure_threshold",
     "open_for",
+    "max_retry_after",
 ];
 
 fn check_upstream_keys(name: &str, text: &str) -> Result<(), ConfigError> {

@@ -11,6 +11,7 @@ use super::metrics::Outcome as MetricOutcome;
 use super::openai::{ApiError, Endpoint};
 use super::routes::{finish_served, kiln_headers, with_headers, CancelGuard, Ctx, Started};
 use crate::backend::http::{Upstream, UpstreamError};
+use crate::backend::Backend;
 use crate::sched::{Micros, Reason, ReqId};
 use axum::body::{Body, Bytes};
 use axum::http::HeaderValue;
@@ -94,21 +95,46 @@ pub(super) async fn serve_scheduled(
 /// and the request to reach a live one; refused connections fail at once.
 pub(super) const RESEND_UNSENT: u32 = 8;
 
-pub(super) enum HttpFail {
-    Fatal(ApiError),
-    /// The upstream never saw the request: it may go to another replica.
-    Unsent(Box<Ctx>),
+/// What a call to an upstream may still do if it fails before any byte
+/// reached the client.
+pub(super) struct Attempt {
+    /// Go back to the queue if the upstream never received it.
+    pub(super) may_resend: bool,
+    /// Go back to the queue, for another replica, after an upstream
+    /// failure (5xx, 429, timeout, broken connection, protocol error).
+    pub(super) may_retry: bool,
+    /// When the request's upstream budget runs out.
+    pub(super) deadline: tokio::time::Instant,
+    /// The budget, for messages.
+    pub(super) budget: std::time::Duration,
 }
 
-/// Serves a request started on an HTTP upstream. Until the upstream has
-/// received it, a failure may send it back to the queue (`may_resend`).
+pub(super) enum HttpFail {
+    Fatal(ApiError),
+    /// The upstream never saw the request (`Unsent`), or failed before any
+    /// byte reached the client (`Failed`): it may go to another replica.
+    /// The error is what to answer if none serves it in time.
+    Unsent(Box<Ctx>, ApiError),
+    Failed(Box<Ctx>, ApiError),
+}
+
+/// How a call failed before the answer began.
+enum Before {
+    Upstream(UpstreamError),
+    /// The upstream budget ran out.
+    Budget,
+}
+
+/// Serves a request started on an HTTP upstream. Until the first byte of
+/// the answer, a failure may send it back to the queue (per `attempt`);
+/// the whole exchange ends by `attempt.deadline`.
 pub(super) async fn serve_upstream(
     ctx: Ctx,
-    mut guard: CancelGuard,
+    guard: CancelGuard,
     rx: mpsc::UnboundedReceiver<Progress>,
     s: Started,
     up: Arc<Upstream>,
-    may_resend: bool,
+    attempt: Attempt,
 ) -> Result<Response, HttpFail> {
     drop(rx);
     let headers = kiln_headers(&ctx, &s, &format!("http:{}", up.name()));
@@ -116,35 +142,58 @@ pub(super) async fn serve_upstream(
     let path = ctx.endpoint.path();
     let body = upstream_body(&ctx, served_model.as_deref(), ctx.stream);
     let rid = ctx.rid.clone();
+    let deadline = attempt.deadline;
+    let budget = attempt.budget;
     let pieces = if ctx.stream {
-        match up.stream(path, body).await {
-            Ok(chunks) => chunks
-                .map(move |c| match c {
-                    Ok(v) => Piece::Chunk(v),
-                    Err(e) => upstream_failure(&rid, &e),
-                })
-                .chain(stream::once(async {
-                    Piece::End {
-                        gpu_seconds: 0.0,
-                        at: None,
+        let opened = match tokio::time::timeout_at(deadline, up.stream(path, body)).await {
+            Ok(Ok(chunks)) => Ok(Box::pin(chunks)),
+            Ok(Err(e)) => Err(Before::Upstream(e)),
+            Err(_) => Err(Before::Budget),
+        };
+        // The first chunk is awaited before the answer begins, so a stream
+        // that fails at once can still go to another replica.
+        let first = match opened {
+            Ok(mut chunks) => match tokio::time::timeout_at(deadline, chunks.next()).await {
+                Ok(Some(Ok(v))) => Ok((Some(v), chunks)),
+                Ok(None) => Ok((None, chunks)),
+                Ok(Some(Err(e))) => Err(Before::Upstream(e)),
+                Err(_) => Err(Before::Budget),
+            },
+            Err(e) => Err(e),
+        };
+        match first {
+            Ok((first, chunks)) => {
+                let rest = stream::unfold(Some(chunks), move |chunks| {
+                    let rid = rid.clone();
+                    async move {
+                        let mut chunks = chunks?;
+                        match tokio::time::timeout_at(deadline, chunks.next()).await {
+                            Ok(Some(Ok(v))) => Some((Piece::Chunk(v), Some(chunks))),
+                            Ok(Some(Err(e))) => Some((upstream_failure(&rid, &e), None)),
+                            Ok(None) => Some((
+                                Piece::End {
+                                    gpu_seconds: 0.0,
+                                    at: None,
+                                },
+                                None,
+                            )),
+                            Err(_) => Some((
+                                Piece::Failed {
+                                    err: budget_error(&rid, budget),
+                                    outcome: MetricOutcome::Timeout,
+                                },
+                                None,
+                            )),
+                        }
                     }
-                }))
-                .boxed(),
-            Err(e) => {
-                // Nothing was sent to the client yet: an error status, not
-                // an event stream.
-                guard.armed = false;
-                report_output(&ctx, 0);
-                if may_resend && e.is_unsent() {
-                    return Err(HttpFail::Unsent(Box::new(ctx)));
-                }
-                finish_served(&ctx, &s, 0, None, MetricOutcome::UpstreamError, 0.0);
-                return Err(HttpFail::Fatal(upstream_error(&ctx.rid, &e)));
+                });
+                stream::iter(first.map(Piece::Chunk)).chain(rest).boxed()
             }
+            Err(e) => return Err(before_answer(ctx, guard, &s, &up, &attempt, e)),
         }
     } else {
-        match up.complete(path, body).await {
-            Ok(v) => stream::iter([
+        match tokio::time::timeout_at(deadline, up.complete(path, body)).await {
+            Ok(Ok(v)) => stream::iter([
                 Piece::Whole(v),
                 Piece::End {
                     gpu_seconds: 0.0,
@@ -152,17 +201,80 @@ pub(super) async fn serve_upstream(
                 },
             ])
             .boxed(),
-            Err(e) if may_resend && e.is_unsent() => {
-                guard.armed = false;
-                report_output(&ctx, 0);
-                return Err(HttpFail::Unsent(Box::new(ctx)));
+            Ok(Err(e)) => {
+                return Err(before_answer(
+                    ctx,
+                    guard,
+                    &s,
+                    &up,
+                    &attempt,
+                    Before::Upstream(e),
+                ))
             }
-            Err(e) => stream::iter([upstream_failure(&rid, &e)]).boxed(),
+            Err(_) => return Err(before_answer(ctx, guard, &s, &up, &attempt, Before::Budget)),
         }
     };
     respond(ctx, guard, s, headers, pieces, Producer::Upstream)
         .await
         .map_err(HttpFail::Fatal)
+}
+
+/// A call that failed before any byte reached the client: the request
+/// goes back to the queue when it may (never received; or failed while
+/// another upstream is ready), else it ends with an explicit error.
+fn before_answer(
+    ctx: Ctx,
+    mut guard: CancelGuard,
+    s: &Started,
+    up: &Arc<Upstream>,
+    attempt: &Attempt,
+    e: Before,
+) -> HttpFail {
+    guard.armed = false;
+    report_output(&ctx, 0);
+    let (err, outcome) = match &e {
+        Before::Upstream(e) => {
+            let err = upstream_error(&ctx.rid, e);
+            if attempt.may_resend && e.is_unsent() {
+                return HttpFail::Unsent(Box::new(ctx), err);
+            }
+            if attempt.may_retry && e.is_upstream_failure() && another_ready(&ctx, up) {
+                return HttpFail::Failed(Box::new(ctx), err);
+            }
+            let outcome = if e.http_status() == 504 {
+                MetricOutcome::Timeout
+            } else {
+                MetricOutcome::UpstreamError
+            };
+            (err, outcome)
+        }
+        Before::Budget => (
+            budget_error(&ctx.rid, attempt.budget),
+            MetricOutcome::Timeout,
+        ),
+    };
+    finish_served(&ctx, s, 0, None, outcome, 0.0);
+    HttpFail::Fatal(err)
+}
+
+/// Whether an upstream other than `up` would take a request now.
+fn another_ready(ctx: &Ctx, up: &Arc<Upstream>) -> bool {
+    ctx.app.backends.iter().any(|b| match b {
+        Backend::Http(other) => !Arc::ptr_eq(other, up) && other.ready(),
+        _ => false,
+    })
+}
+
+/// The answer when a request's upstream budget runs out.
+pub(super) fn budget_error(rid: &str, budget: std::time::Duration) -> ApiError {
+    ApiError::new(
+        504,
+        format!(
+            "request {rid}: no upstream answered within the upstream budget of {} (`[limits] upstream_budget`)",
+            crate::units::duration::format(budget)
+        ),
+    )
+    .code("upstream_budget_exceeded")
 }
 
 fn upstream_failure(rid: &str, e: &UpstreamError) -> Piece {
@@ -449,13 +561,21 @@ fn upstream_body(ctx: &Ctx, served_model: Option<&str>, stream: bool) -> Value {
     b
 }
 
+/// The client's answer for an upstream error: its status, and for 429
+/// and 503 a Retry-After (the upstream's own, or its open breaker's time
+/// left, else 1 s for 429 and 5 s for 503).
 fn upstream_error(rid: &str, e: &UpstreamError) -> ApiError {
     let status = e.http_status();
-    let mut err = ApiError::new(status, format!("upstream {rid}: {e}"));
-    if status == 503 {
-        err = err.retry_after(Some(5));
-    }
-    err
+    let err = ApiError::new(status, format!("upstream {rid}: {e}"));
+    let fallback = match status {
+        429 => 1,
+        503 => 5,
+        _ => return err,
+    };
+    let secs = e
+        .retry_after()
+        .map_or(fallback, |d| d.as_secs_f64().ceil().max(1.0) as u64);
+    err.retry_after(Some(secs))
 }
 
 /// Placeholder text for simulated output: it says what it is.

@@ -11,7 +11,9 @@
 
 use super::executor::{Command, Progress};
 use super::explain::{self, Shared};
-use super::generation::{serve_scheduled, serve_upstream, HttpFail, RESEND_UNSENT};
+use super::generation::{
+    budget_error, serve_scheduled, serve_upstream, Attempt, HttpFail, RESEND_UNSENT,
+};
 use super::metrics::{Labels, Outcome as MetricOutcome};
 use super::openai::{ApiError, Endpoint, GenerationRequest};
 use super::App;
@@ -166,6 +168,9 @@ pub(super) struct Ctx {
     pub(super) received: Instant,
     pub(super) received_ms: f64,
     pub(super) explain: Shared,
+    /// Times it went back to the queue after an upstream did not serve it
+    /// (`x-kiln-upstream-requeued`).
+    pub(super) requeued: u32,
 }
 
 impl Ctx {
@@ -277,6 +282,7 @@ async fn generate_inner(
         received,
         received_ms,
         explain,
+        requeued: 0,
     };
     run(ctx, max_tokens).await
 }
@@ -284,56 +290,108 @@ async fn generate_inner(
 /// Submits (and, after a policy swap that removed its tier, re-submits)
 /// until the request starts or is refused, then serves it on the backend
 /// it started on.
+///
+/// On an HTTP upstream the request may go back to the queue: when no
+/// upstream received it, and (`limits.upstream_retries` times) when one
+/// failed before any byte reached the client while another is ready.
+/// From its first start on an upstream, everything (calls, retries, the
+/// waits in the queue between them) ends within `limits.upstream_budget`.
 async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
     let app = ctx.app.clone();
+    let limits = &app.config.limits;
     let mut redecided = 0u32;
-    // Requests an upstream never received (its breaker opened, or the
-    // connection was refused) are queued again for another replica.
     let mut resent = 0u32;
+    let mut retried = 0u32;
+    // Set at the first start on an upstream; the error to answer if the
+    // budget runs out while the request waits for another replica.
+    let mut deadline: Option<tokio::time::Instant> = None;
+    let mut last_error: Option<ApiError> = None;
     loop {
         let (rx, guard) = submit(&ctx, max_tokens)?;
-        let may_redecide = redecided < app.config.limits.max_redecide;
-        let (started, backend, rx, guard) =
-            match wait_for_start(&ctx, rx, guard, may_redecide).await? {
-                Waited::Started {
-                    started,
-                    backend,
-                    rx,
-                    guard,
-                } => (started, backend, rx, guard),
-                Waited::PolicyChanged => {
-                    redecided += 1;
-                    explain::note(
-                        &ctx.explain,
-                        ctx.ms(),
-                        "re-decided under the new policy version",
-                        Some(Reason::PolicyChanged.name()),
-                    );
-                    continue;
+        let may_redecide = redecided < limits.max_redecide;
+        let waited = match deadline {
+            None => wait_for_start(&ctx, rx, guard, may_redecide).await?,
+            Some(at) => {
+                let wait = wait_for_start(&ctx, rx, guard, may_redecide);
+                match tokio::time::timeout_at(at, wait).await {
+                    Ok(waited) => waited?,
+                    // Dropping the wait cancels the request in the scheduler.
+                    Err(_) => {
+                        let err = last_error
+                            .take()
+                            .unwrap_or_else(|| budget_error(&ctx.rid, limits.upstream_budget));
+                        explain::note(
+                            &ctx.explain,
+                            ctx.ms(),
+                            "the upstream budget ran out while it waited for another replica",
+                            Some(Reason::Timeout.name()),
+                        );
+                        finish_rejected(&ctx, None, Reason::Timeout, &err);
+                        return Err(err);
+                    }
                 }
-            };
+            }
+        };
+        let (started, backend, rx, guard) = match waited {
+            Waited::Started {
+                started,
+                backend,
+                rx,
+                guard,
+            } => (started, backend, rx, guard),
+            Waited::PolicyChanged => {
+                redecided += 1;
+                explain::note(
+                    &ctx.explain,
+                    ctx.ms(),
+                    "re-decided under the new policy version",
+                    Some(Reason::PolicyChanged.name()),
+                );
+                continue;
+            }
+        };
         match backend {
             Backend::Sim | Backend::Cuda(_) => {
                 let name = backend.name();
                 return Ok(serve_scheduled(ctx, guard, rx, started, &name).await);
             }
             Backend::Http(u) => {
-                let retry = resent < RESEND_UNSENT;
-                match serve_upstream(ctx, guard, rx, started, u, retry).await {
+                let at = *deadline
+                    .get_or_insert_with(|| tokio::time::Instant::now() + limits.upstream_budget);
+                ctx.requeued = resent + retried;
+                let attempt = Attempt {
+                    may_resend: resent < RESEND_UNSENT,
+                    may_retry: retried < limits.upstream_retries,
+                    deadline: at,
+                    budget: limits.upstream_budget,
+                };
+                let (back, err, what) = match serve_upstream(ctx, guard, rx, started, u, attempt)
+                    .await
+                {
                     Ok(r) => return Ok(r),
                     Err(HttpFail::Fatal(e)) => return Err(e),
-                    Err(HttpFail::Unsent(back)) => {
-                        ctx = *back;
+                    Err(HttpFail::Unsent(back, err)) => {
                         resent += 1;
-                        app.exec.send(Command::CheckHealth);
-                        explain::note(
-                            &ctx.explain,
-                            ctx.ms(),
-                            "the upstream never received it; queued again",
-                            Some(Reason::Saturation.name()),
-                        );
+                        (back, err, "the upstream never received it; queued again")
                     }
-                }
+                    Err(HttpFail::Failed(back, err)) => {
+                        retried += 1;
+                        (
+                            back,
+                            err,
+                            "the upstream failed before answering; queued again for another replica",
+                        )
+                    }
+                };
+                ctx = *back;
+                app.exec.send(Command::CheckHealth);
+                explain::note(
+                    &ctx.explain,
+                    ctx.ms(),
+                    format!("{what} ({} {})", err.status, err.message),
+                    Some(Reason::Saturation.name()),
+                );
+                last_error = Some(err);
             }
         }
     }
@@ -873,6 +931,9 @@ pub(super) fn kiln_headers(ctx: &Ctx, s: &Started, backend: &str) -> Vec<(&'stat
     ];
     if let Some(w) = s.waited_for {
         h.push(("x-kiln-waited-for", w.name().to_string()));
+    }
+    if ctx.requeued > 0 {
+        h.push(("x-kiln-upstream-requeued", ctx.requeued.to_string()));
     }
     if s.d.canary {
         h.push(("x-kiln-canary", "true".to_string()));

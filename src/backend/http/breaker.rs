@@ -37,6 +37,15 @@ pub(super) fn serialize_until<S: serde::Serializer>(
 /// HalfOpen, which lets exactly one trial call through → its success
 /// closes, its failure opens again.
 ///
+/// Health checks count in every phase: a failed check while open keeps
+/// it open for another `open_for` from now (so a dead upstream whose
+/// checks keep failing never looks ready), and while half-open it opens
+/// again. A passed check closes the breaker only when no request failed
+/// since the last success: a replica whose `/health` answers while its
+/// requests fail (bad JSON, 429) must prove itself with the trial. An
+/// upstream's own `Retry-After` opens it at once for that long (bounded by
+/// the caller), and nothing but that period's end lets requests through.
+///
 /// The trial is taken either by [`Breaker::try_acquire`] (a reservation,
 /// used by the next call admitted) or directly by [`Breaker::admit`] at
 /// send time, so no matter how often or by whom availability is asked,
@@ -50,14 +59,39 @@ pub struct Breaker {
     open_for: Duration,
     trial_lease: Duration,
     failures: u32,
+    /// A request (not a health check) failed since the last success.
+    request_failed: bool,
     phase: Phase,
 }
 
 #[derive(Debug, Clone, Copy)]
 pub(super) enum Phase {
     Closed,
-    Open { until: Instant },
-    HalfOpen { trial: Trial },
+    /// `asked`: the upstream asked for this period (`Retry-After`); a
+    /// passing health check does not shorten it.
+    Open {
+        until: Instant,
+        asked: bool,
+    },
+    HalfOpen {
+        trial: Trial,
+    },
+}
+
+/// One outcome the breaker is told about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Outcome {
+    /// A request was answered.
+    Success,
+    /// A request failed.
+    Failure,
+    /// The upstream refused a request and asked to wait this long
+    /// (`Retry-After`, already bounded).
+    RetryAfter(Duration),
+    /// A health check passed.
+    HealthOk,
+    /// A health check failed.
+    HealthFailed,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -89,8 +123,16 @@ impl Breaker {
             open_for,
             trial_lease,
             failures: 0,
+            request_failed: false,
             phase: Phase::Closed,
         }
+    }
+
+    /// `now + d`, saturating at the longest configurable duration.
+    fn after(now: Instant, d: Duration) -> Instant {
+        now.checked_add(d)
+            .or_else(|| now.checked_add(MAX_DURATION))
+            .unwrap_or(now)
     }
 
     /// Whether the trial (if half-open) is free at `now`, its holder
@@ -108,7 +150,7 @@ impl Breaker {
     pub fn ready(&self, now: Instant) -> bool {
         match self.phase {
             Phase::Closed => true,
-            Phase::Open { until } => now >= until,
+            Phase::Open { until, .. } => now >= until,
             Phase::HalfOpen { trial } => self.trial_free(trial, now),
         }
     }
@@ -135,7 +177,7 @@ impl Breaker {
     pub fn admit(&mut self, now: Instant) -> Admission {
         let take = match self.phase {
             Phase::Closed => return Admission::Admitted,
-            Phase::Open { until } => now >= until,
+            Phase::Open { until, .. } => now >= until,
             Phase::HalfOpen {
                 trial: Trial::Reserved { .. },
             } => true,
@@ -150,31 +192,97 @@ impl Breaker {
         Admission::Trial
     }
 
-    /// The upstream answered (or a health check passed): close. Returns
-    /// whether the breaker was not closed before.
+    /// The upstream answered a request: close. Returns whether the
+    /// breaker was not closed before.
     pub fn on_success(&mut self) -> bool {
         self.failures = 0;
+        self.request_failed = false;
         let was_closed = matches!(self.phase, Phase::Closed);
         self.phase = Phase::Closed;
         !was_closed
     }
 
-    /// The upstream failed at `now`. Returns whether this opened the
+    /// A health check passed at `now`: closes, unless a request failed
+    /// since the last success (the trial decides then) or the upstream
+    /// asked for an open period that is not over. Returns whether this
+    /// closed the breaker.
+    pub fn on_health_ok(&mut self, now: Instant) -> bool {
+        if self.request_failed {
+            return false;
+        }
+        if let Phase::Open { until, asked: true } = self.phase {
+            if now < until {
+                return false;
+            }
+        }
+        self.on_success()
+    }
+
+    /// A request failed at `now`. Returns whether this opened the
     /// breaker. A failure while already open (a request sent before it
     /// opened) does not extend the open period.
     pub fn on_failure(&mut self, now: Instant) -> bool {
         self.failures = self.failures.saturating_add(1);
+        self.request_failed = true;
         match self.phase {
             Phase::Closed if self.failures < self.threshold => false,
             Phase::Closed | Phase::HalfOpen { .. } => {
-                let until = now
-                    .checked_add(self.open_for)
-                    .or_else(|| now.checked_add(MAX_DURATION))
-                    .unwrap_or(now);
-                self.phase = Phase::Open { until };
+                self.phase = Phase::Open {
+                    until: Self::after(now, self.open_for),
+                    asked: false,
+                };
                 true
             }
             Phase::Open { .. } => false,
+        }
+    }
+
+    /// A health check failed at `now`: counted in every phase. Closed, it
+    /// counts toward the threshold; half-open, it opens again; open (its
+    /// period over or not), it keeps the breaker open for `open_for` from
+    /// now. Returns whether this opened the breaker (from closed, half-open
+    /// or an open period that was over).
+    pub fn on_health_failed(&mut self, now: Instant) -> bool {
+        self.failures = self.failures.saturating_add(1);
+        let next = Self::after(now, self.open_for);
+        match self.phase {
+            Phase::Closed if self.failures < self.threshold => false,
+            Phase::Closed | Phase::HalfOpen { .. } => {
+                self.phase = Phase::Open {
+                    until: next,
+                    asked: false,
+                };
+                true
+            }
+            Phase::Open { until, asked } => {
+                self.phase = Phase::Open {
+                    until: until.max(next),
+                    asked,
+                };
+                now >= until
+            }
+        }
+    }
+
+    /// The upstream refused a request at `now` and asked to wait `wait`
+    /// (its `Retry-After`): open at once until then (never shortening an
+    /// open period). Returns whether this opened the breaker.
+    pub fn on_retry_after(&mut self, now: Instant, wait: Duration) -> bool {
+        self.failures = self.failures.saturating_add(1);
+        self.request_failed = true;
+        let until = Self::after(now, wait);
+        match self.phase {
+            Phase::Open { until: old, .. } if old > now => {
+                self.phase = Phase::Open {
+                    until: old.max(until),
+                    asked: true,
+                };
+                false
+            }
+            _ => {
+                self.phase = Phase::Open { until, asked: true };
+                true
+            }
         }
     }
 
@@ -193,7 +301,7 @@ impl Breaker {
     pub fn state(&self, now: Instant) -> BreakerState {
         match self.phase {
             Phase::Closed => BreakerState::Closed,
-            Phase::Open { until } if now < until => BreakerState::Open { until },
+            Phase::Open { until, .. } if now < until => BreakerState::Open { until },
             Phase::Open { .. } | Phase::HalfOpen { .. } => BreakerState::HalfOpen,
         }
     }
@@ -211,15 +319,26 @@ pub(super) fn lock(breaker: &Mutex<Breaker>) -> MutexGuard<'_, Breaker> {
 }
 
 /// Records an outcome in the shared breaker, logging state changes.
-pub(super) fn record(breaker: &Mutex<Breaker>, name: &str, failed: bool) {
-    if failed {
-        let mut b = lock(breaker);
-        if b.on_failure(Instant::now()) {
-            let failures = b.consecutive_failures();
-            drop(b);
-            tracing::warn!(upstream = name, failures, "circuit breaker opened");
-        }
-    } else if lock(breaker).on_success() {
+pub(super) fn record(breaker: &Mutex<Breaker>, name: &str, outcome: Outcome) {
+    let now = Instant::now();
+    let mut b = lock(breaker);
+    let (opened, closed) = match outcome {
+        Outcome::Success => (false, b.on_success()),
+        Outcome::HealthOk => (false, b.on_health_ok(now)),
+        Outcome::Failure => (b.on_failure(now), false),
+        Outcome::HealthFailed => (b.on_health_failed(now), false),
+        Outcome::RetryAfter(wait) => (b.on_retry_after(now, wait), false),
+    };
+    let failures = b.consecutive_failures();
+    drop(b);
+    if opened {
+        tracing::warn!(
+            upstream = name,
+            failures,
+            ?outcome,
+            "circuit breaker opened"
+        );
+    } else if closed {
         tracing::info!(upstream = name, "circuit breaker closed");
     }
 }

@@ -57,6 +57,13 @@ pub struct UpstreamConfig {
         deserialize_with = "duration::deserialize"
     )]
     pub open_for: Duration,
+    /// The longest an upstream's `Retry-After` (on a 429) keeps its
+    /// breaker open; a longer one is cut to this.
+    #[serde(
+        default = "default_max_retry_after",
+        deserialize_with = "duration::deserialize"
+    )]
+    pub max_retry_after: Duration,
 }
 
 pub(super) fn default_concurrency() -> u32 {
@@ -80,6 +87,9 @@ pub(super) fn default_failure_threshold() -> u32 {
 pub(super) fn default_open_for() -> Duration {
     Duration::from_secs(10)
 }
+pub(super) fn default_max_retry_after() -> Duration {
+    Duration::from_secs(60)
+}
 
 impl UpstreamConfig {
     /// A configuration for `url` with every other field at its default.
@@ -95,6 +105,7 @@ impl UpstreamConfig {
             health_interval: default_health_interval(),
             failure_threshold: default_failure_threshold(),
             open_for: default_open_for(),
+            max_retry_after: default_max_retry_after(),
         }
     }
 }
@@ -113,6 +124,7 @@ impl std::fmt::Debug for UpstreamConfig {
             .field("health_interval", &self.health_interval)
             .field("failure_threshold", &self.failure_threshold)
             .field("open_for", &self.open_for)
+            .field("max_retry_after", &self.max_retry_after)
             .finish()
     }
 }

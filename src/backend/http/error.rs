@@ -21,7 +21,12 @@ pub enum UpstreamError {
         code(kiln::upstream::unavailable),
         help("the replica is down or failing; the request never reached it and may go to another replica")
     )]
-    Unavailable { upstream: String, reason: String },
+    Unavailable {
+        upstream: String,
+        reason: String,
+        /// When the breaker lets the next request through, if it is open.
+        retry_after: Option<Duration>,
+    },
 
     /// No answer (or no next chunk) in time.
     #[error("upstream `{upstream}` timed out: no {waiting_for} within {}", duration::format(*.after))]
@@ -36,13 +41,18 @@ pub enum UpstreamError {
     },
 
     /// The upstream answered with an HTTP error status; `body` is the start
-    /// of its answer (an OpenAI error object, usually).
+    /// of its answer (an OpenAI error object, usually), `retry_after` its
+    /// `Retry-After` header in seconds, where it sent one.
     #[error("upstream answered HTTP {status}: {}", snippet(.body))]
     #[diagnostic(
         code(kiln::upstream::status),
-        help("4xx: the request was refused as it is; 5xx: the replica failed")
+        help("429: the replica is overloaded, retry after the time it gives; other 4xx: the request was refused as it is; 5xx: the replica failed")
     )]
-    Status { status: u16, body: String },
+    Status {
+        status: u16,
+        body: String,
+        retry_after: Option<Duration>,
+    },
 
     /// The upstream's answer is not what the OpenAI protocol says (bad
     /// JSON, a stream cut before `data: [DONE]`).
@@ -97,17 +107,37 @@ impl UpstreamError {
     }
 
     /// Whether this error counts against the upstream's circuit breaker:
-    /// connect errors, timeouts, broken connections and 5xx do; 4xx (the
-    /// client's fault) and protocol errors do not.
+    /// connect errors, timeouts, broken connections, protocol errors (bad
+    /// JSON, a JSON answer to a streaming request, a stream cut before its
+    /// end), 429 and 5xx do; other 4xx (the client's fault) do not.
     pub fn is_upstream_failure(&self) -> bool {
         match self {
             UpstreamError::Unavailable { .. }
             | UpstreamError::Timeout { .. }
-            | UpstreamError::Transport { .. } => true,
-            UpstreamError::Status { status, .. } => *status >= 500,
+            | UpstreamError::Transport { .. }
+            | UpstreamError::Protocol { .. } => true,
+            UpstreamError::Status { status, .. } => *status >= 500 || *status == 429,
             _ => false,
         }
     }
+
+    /// How long the upstream (its `Retry-After`) or its open breaker asks
+    /// to wait before trying again, where known.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            UpstreamError::Status { retry_after, .. }
+            | UpstreamError::Unavailable { retry_after, .. } => *retry_after,
+            _ => None,
+        }
+    }
+}
+
+/// A `Retry-After` header's delay: whole or decimal seconds (an HTTP date
+/// is not read; few model servers send one). `None` when absent, zero or
+/// not a number.
+pub(super) fn parse_retry_after(value: Option<&str>) -> Option<Duration> {
+    let secs: f64 = value?.trim().parse().ok()?;
+    (secs.is_finite() && secs > 0.0).then(|| Duration::from_secs_f64(secs.min(1e9)))
 }
 
 /// The start of a long error body, for messages.

@@ -19,16 +19,16 @@ mod config;
 mod error;
 mod sse;
 
-use breaker::{lock, record};
+use breaker::{lock, record, Outcome};
 pub use breaker::{Admission, Breaker, BreakerState};
 pub use config::UpstreamConfig;
-use error::error_chain;
 pub use error::UpstreamError;
+use error::{error_chain, parse_retry_after};
 use sse::SseStream;
 
 use crate::units::duration;
 use futures_util::Stream;
-use reqwest::header::{HeaderValue, ACCEPT, AUTHORIZATION, CONTENT_TYPE};
+use reqwest::header::{HeaderValue, ACCEPT, AUTHORIZATION, CONTENT_TYPE, RETRY_AFTER};
 use serde_json::Value;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -119,6 +119,7 @@ impl Upstream {
             ("connect_timeout", cfg.connect_timeout),
             ("health_interval", cfg.health_interval),
             ("open_for", cfg.open_for),
+            ("max_retry_after", cfg.max_retry_after),
         ] {
             if value > MAX_DURATION {
                 return Err(invalid(format!(
@@ -237,37 +238,37 @@ impl Upstream {
         let exchange = async {
             let resp = request.send().await.map_err(|e| self.send_error(e))?;
             let status = resp.status().as_u16();
+            let retry_after = retry_after_of(&resp);
             let cap = if status < 300 {
                 MAX_BODY
             } else {
                 MAX_ERROR_BODY
             };
             let (bytes, truncated) = read_body(resp, cap).await.map_err(|e| self.body_error(e))?;
-            Ok::<_, UpstreamError>((status, bytes, truncated))
+            Ok::<_, UpstreamError>((status, retry_after, bytes, truncated))
         };
         let outcome = match tokio::time::timeout(self.cfg.timeout, exchange).await {
             Ok(outcome) => outcome,
             Err(_) => Err(self.timeout("complete response", self.cfg.timeout)),
         };
-        let (status, bytes, truncated) = match outcome {
-            Ok(ok) => ok,
-            Err(e) => {
-                call.finish(e.is_upstream_failure());
-                return Err(e);
+        let answer = outcome.and_then(|(status, retry_after, bytes, truncated)| {
+            if !(200..300).contains(&status) {
+                return Err(UpstreamError::Status {
+                    status,
+                    body: String::from_utf8_lossy(&bytes).into_owned(),
+                    retry_after,
+                });
             }
-        };
-        call.finish(status >= 500);
-        if !(200..300).contains(&status) {
-            return Err(UpstreamError::Status {
-                status,
-                body: String::from_utf8_lossy(&bytes).into_owned(),
-            });
-        }
-        if truncated {
-            return Err(self.protocol(format!("the answer is larger than {} MiB", MAX_BODY >> 20)));
-        }
-        serde_json::from_slice(&bytes)
-            .map_err(|e| self.protocol(format!("the answer is not JSON: {e}")))
+            if truncated {
+                return Err(
+                    self.protocol(format!("the answer is larger than {} MiB", MAX_BODY >> 20))
+                );
+            }
+            serde_json::from_slice(&bytes)
+                .map_err(|e| self.protocol(format!("the answer is not JSON: {e}")))
+        });
+        call.finish(self.outcome(answer.as_ref().err()));
+        answer
     }
 
     /// Streaming call: `POST {url}{path}` with `body` (`model` rewritten as
@@ -293,24 +294,31 @@ impl Upstream {
             Ok(Ok(resp)) => resp,
             Ok(Err(e)) => {
                 let e = self.send_error(e);
-                call.finish(e.is_upstream_failure());
+                call.finish(self.outcome(Some(&e)));
                 return Err(e);
             }
             Err(_) => {
-                call.finish(true);
-                return Err(self.timeout("response headers", self.cfg.timeout));
+                let e = self.timeout("response headers", self.cfg.timeout);
+                call.finish(self.outcome(Some(&e)));
+                return Err(e);
             }
         };
         let status = resp.status().as_u16();
-        call.finish(status >= 500);
         if !(200..300).contains(&status) {
+            let retry_after = retry_after_of(&resp);
             let body = match tokio::time::timeout(self.cfg.timeout, read_body(resp, MAX_ERROR_BODY))
                 .await
             {
                 Ok(Ok((bytes, _))) => String::from_utf8_lossy(&bytes).into_owned(),
                 _ => String::new(),
             };
-            return Err(UpstreamError::Status { status, body });
+            let e = UpstreamError::Status {
+                status,
+                body,
+                retry_after,
+            };
+            call.finish(self.outcome(Some(&e)));
+            return Err(e);
         }
         let json = resp
             .headers()
@@ -318,10 +326,13 @@ impl Upstream {
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.trim_start().starts_with("application/json"));
         if json {
-            return Err(self.protocol(
+            let e = self.protocol(
                 "it answered a streaming request with plain JSON; does this endpoint support \"stream\": true?".into(),
-            ));
+            );
+            call.finish(self.outcome(Some(&e)));
+            return Err(e);
         }
+        call.finish(Outcome::Success);
         Ok(SseStream::new(
             resp,
             self.cfg.timeout,
@@ -351,6 +362,7 @@ impl Upstream {
             let resp = request.send().await.map_err(|e| self.send_error(e))?;
             let status = resp.status().as_u16();
             // Read the (small) body so the connection can be reused.
+            let retry_after = retry_after_of(&resp);
             let (bytes, _) = read_body(resp, MAX_ERROR_BODY)
                 .await
                 .map_err(|e| self.body_error(e))?;
@@ -360,6 +372,7 @@ impl Upstream {
                 Err(UpstreamError::Status {
                     status,
                     body: String::from_utf8_lossy(&bytes).into_owned(),
+                    retry_after,
                 })
             }
         };
@@ -370,7 +383,12 @@ impl Upstream {
         if let Err(e) = &outcome {
             tracing::debug!(upstream = &*self.name, error = %e, "health check failed");
         }
-        record(&self.breaker, &self.name, outcome.is_err());
+        let health = if outcome.is_ok() {
+            Outcome::HealthOk
+        } else {
+            Outcome::HealthFailed
+        };
+        record(&self.breaker, &self.name, health);
         outcome
     }
 
@@ -414,10 +432,16 @@ impl Upstream {
             Admission::Admitted => false,
             Admission::Trial => true,
             Admission::Refused => {
+                let now = Instant::now();
+                let retry_after = match breaker.state(now) {
+                    BreakerState::Open { until } => Some(until.saturating_duration_since(now)),
+                    _ => None,
+                };
                 return Err(UpstreamError::Unavailable {
                     upstream: self.name.to_string(),
                     reason: refusal(&breaker),
-                })
+                    retry_after,
+                });
             }
         };
         Ok(Call {
@@ -503,6 +527,7 @@ impl Upstream {
             UpstreamError::Unavailable {
                 upstream: self.name.to_string(),
                 reason: format!("cannot connect to {}: {}", self.base, error_chain(&e)),
+                retry_after: None,
             }
         } else if e.is_timeout() {
             self.timeout("response", self.cfg.timeout)
@@ -530,6 +555,22 @@ impl Upstream {
         }
     }
 
+    /// What a call's result tells the breaker: a 429 with `Retry-After`
+    /// opens it for that long (at most `max_retry_after`), other upstream
+    /// failures count, anything else (an answer, a 4xx) is a success.
+    fn outcome(&self, error: Option<&UpstreamError>) -> Outcome {
+        match error {
+            None => Outcome::Success,
+            Some(UpstreamError::Status {
+                status: 429,
+                retry_after: Some(wait),
+                ..
+            }) => Outcome::RetryAfter((*wait).min(self.cfg.max_retry_after)),
+            Some(e) if e.is_upstream_failure() => Outcome::Failure,
+            Some(_) => Outcome::Success,
+        }
+    }
+
     fn protocol(&self, reason: String) -> UpstreamError {
         UpstreamError::Protocol {
             upstream: self.name.to_string(),
@@ -548,10 +589,19 @@ struct Call<'a> {
 }
 
 impl Call<'_> {
-    fn finish(&mut self, failed: bool) {
+    fn finish(&mut self, outcome: Outcome) {
         self.settled = true;
-        record(&self.upstream.breaker, &self.upstream.name, failed);
+        record(&self.upstream.breaker, &self.upstream.name, outcome);
     }
+}
+
+/// A response's `Retry-After`, where it has a usable one.
+fn retry_after_of(resp: &reqwest::Response) -> Option<Duration> {
+    parse_retry_after(
+        resp.headers()
+            .get(RETRY_AFTER)
+            .and_then(|v| v.to_str().ok()),
+    )
 }
 
 impl Drop for Call<'_> {
@@ -764,8 +814,8 @@ mod tests {
             let e = up.complete("/v1/completions", json!({})).await.unwrap_err();
             assert!(matches!(e, UpstreamError::Protocol { .. }), "{e:?}");
             assert_eq!(e.http_status(), 502);
-            // The upstream did answer: not a breaker failure.
-            assert_eq!(up.consecutive_failures(), 0);
+            // An answer that is not JSON is a failure of the upstream.
+            assert_eq!(up.consecutive_failures(), 1);
         })
         .await;
     }
@@ -952,6 +1002,8 @@ mod tests {
                 Err(e) => panic!("unexpected error {e:?}"),
                 Ok(_) => panic!("a JSON answer to a streaming request must fail"),
             }
+            // Both count against the breaker: the cut and the JSON answer.
+            assert_eq!(up.consecutive_failures(), 2);
         })
         .await;
     }
@@ -976,7 +1028,7 @@ mod tests {
                 assert!(up.available(), "still closed before failure {i}");
                 let e = up.complete("/v1/completions", json!({})).await.unwrap_err();
                 match &e {
-                    UpstreamError::Status { status, body } => {
+                    UpstreamError::Status { status, body, .. } => {
                         assert_eq!(*status, 500);
                         assert_eq!(body, "CUDA out of memory");
                     }
@@ -1017,7 +1069,10 @@ mod tests {
                     .await
                     .unwrap_err();
                 assert_eq!(e.http_status(), 404);
-                let UpstreamError::Status { status: 404, body } = &e else {
+                let UpstreamError::Status {
+                    status: 404, body, ..
+                } = &e
+                else {
                     panic!("unexpected {e:?}");
                 };
                 let body: Value = serde_json::from_str(body).unwrap();
@@ -1154,6 +1209,88 @@ mod tests {
         .await;
     }
 
+    #[tokio::test]
+    async fn a_429_opens_the_breaker_for_its_bounded_retry_after() {
+        bounded(async {
+            let app = Router::new()
+                .route(
+                    "/busy",
+                    post(|| async {
+                        (
+                            StatusCode::TOO_MANY_REQUESTS,
+                            [("retry-after", "2")],
+                            Json(json!({"error": {"message": "queue full"}})),
+                        )
+                    }),
+                )
+                .route(
+                    "/very-busy",
+                    post(|| async {
+                        (StatusCode::TOO_MANY_REQUESTS, [("retry-after", "3600")], "")
+                    }),
+                )
+                .route(
+                    "/busy-no-hint",
+                    post(|| async { (StatusCode::TOO_MANY_REQUESTS, "") }),
+                );
+            let m = mock(app).await;
+            let up = upstream(&m.url, |c| c.failure_threshold = 5);
+            let e = up.complete("/busy", json!({})).await.unwrap_err();
+            assert_eq!(e.http_status(), 429);
+            assert_eq!(e.retry_after(), Some(Duration::from_secs(2)));
+            // Open at once, for the upstream's two seconds.
+            let BreakerState::Open { until } = up.state() else {
+                panic!(
+                    "a 429 with Retry-After must open the breaker: {:?}",
+                    up.state()
+                );
+            };
+            let left = until.saturating_duration_since(Instant::now());
+            assert!(
+                left > Duration::from_millis(1500) && left <= Duration::from_secs(2),
+                "{left:?}"
+            );
+            let refused = up.complete("/busy", json!({})).await.unwrap_err();
+            assert!(refused.is_unsent());
+            assert!(refused
+                .retry_after()
+                .is_some_and(|d| d <= Duration::from_secs(2)));
+            // A Retry-After longer than `max_retry_after` is cut to it.
+            let up = upstream(&m.url, |c| c.max_retry_after = Duration::from_secs(3));
+            let e = up.stream("/very-busy", json!({})).await.err().unwrap();
+            assert_eq!(e.retry_after(), Some(Duration::from_secs(3600)));
+            let BreakerState::Open { until } = up.state() else {
+                panic!("{:?}", up.state());
+            };
+            assert!(until.saturating_duration_since(Instant::now()) <= Duration::from_secs(3));
+            // Without a hint, a 429 counts toward the threshold.
+            let up = upstream(&m.url, |c| c.failure_threshold = 2);
+            up.complete("/busy-no-hint", json!({})).await.unwrap_err();
+            assert_eq!(up.state(), BreakerState::Closed);
+            assert_eq!(up.consecutive_failures(), 1);
+            up.complete("/busy-no-hint", json!({})).await.unwrap_err();
+            assert!(matches!(up.state(), BreakerState::Open { .. }));
+        })
+        .await;
+    }
+
+    #[test]
+    fn retry_after_values() {
+        use super::error::parse_retry_after;
+        assert_eq!(parse_retry_after(Some("3")), Some(Duration::from_secs(3)));
+        assert_eq!(
+            parse_retry_after(Some(" 0.5 ")),
+            Some(Duration::from_millis(500))
+        );
+        assert_eq!(parse_retry_after(Some("0")), None);
+        assert_eq!(parse_retry_after(Some("-1")), None);
+        assert_eq!(
+            parse_retry_after(Some("Wed, 21 Oct 2015 07:28:00 GMT")),
+            None
+        );
+        assert_eq!(parse_retry_after(None), None);
+    }
+
     // -- cancellation --------------------------------------------------------
 
     #[tokio::test]
@@ -1282,6 +1419,50 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn health_checks_keep_a_dead_upstream_out_after_its_first_open_period() {
+        bounded(async {
+            let up = Arc::new(upstream(&dead_url().await, |c| {
+                c.health_path = "/health".into();
+                c.health_interval = Duration::from_millis(20);
+                c.open_for = Duration::from_millis(100);
+                c.failure_threshold = 2;
+            }));
+            let task = up.spawn_health_checks().unwrap();
+            wait_until("the breaker opens", || {
+                matches!(up.state(), BreakerState::Open { .. })
+            })
+            .await;
+            // Several open periods later, the checks still fail: never ready.
+            for _ in 0..10 {
+                tokio::time::sleep(Duration::from_millis(40)).await;
+                assert!(!up.ready(), "{:?}", up.state());
+            }
+            task.abort();
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn a_passing_health_check_does_not_close_a_breaker_requests_opened() {
+        bounded(async {
+            let app = Router::new()
+                .route("/health", get(|| async { "ok" }))
+                .route("/v1/completions", post(|| async { "not json" }));
+            let m = mock(app).await;
+            let up = upstream(&m.url, |c| {
+                c.health_path = "/health".into();
+                c.failure_threshold = 1;
+                c.open_for = Duration::from_millis(100);
+            });
+            up.complete("/v1/completions", json!({})).await.unwrap_err();
+            assert!(matches!(up.state(), BreakerState::Open { .. }));
+            up.check_health().await.unwrap();
+            assert!(matches!(up.state(), BreakerState::Open { .. }));
+        })
+        .await;
+    }
+
+    #[tokio::test]
     async fn no_health_task_without_a_path() {
         let up = Arc::new(upstream("http://127.0.0.1:9", |c| {
             c.health_path = String::new()
@@ -1381,6 +1562,63 @@ mod tests {
         b.on_failure(t2);
         b.release_trial();
         assert!(matches!(b.state(t2), BreakerState::Open { .. }));
+    }
+
+    #[test]
+    fn health_checks_count_in_every_phase() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs(1);
+        let mut b = Breaker::new(2, 10 * s, 60 * s);
+        // Closed: toward the threshold.
+        assert!(!b.on_health_failed(t0));
+        assert!(b.on_health_failed(t0));
+        assert_eq!(b.state(t0), BreakerState::Open { until: t0 + 10 * s });
+        // Open: each failed check keeps it open for a period from now.
+        assert!(!b.on_health_failed(t0 + 5 * s));
+        assert_eq!(
+            b.state(t0 + 12 * s),
+            BreakerState::Open { until: t0 + 15 * s }
+        );
+        // Its period over (shown half-open, ready), a failed check reopens.
+        assert!(b.ready(t0 + 15 * s));
+        assert!(b.on_health_failed(t0 + 16 * s));
+        assert!(!b.ready(t0 + 16 * s));
+        // Half-open with the trial reserved or in flight: reopens.
+        assert!(b.try_acquire(t0 + 26 * s));
+        assert!(b.on_health_failed(t0 + 26 * s));
+        assert!(!b.ready(t0 + 27 * s));
+        assert_eq!(b.admit(t0 + 36 * s), Admission::Trial);
+        assert!(b.on_health_failed(t0 + 36 * s));
+        assert!(!b.ready(t0 + 36 * s));
+        // Only health checks failed: a passing one closes.
+        assert!(b.on_health_ok(t0 + 37 * s));
+        assert_eq!(b.state(t0 + 37 * s), BreakerState::Closed);
+        // A request failed: a passing check leaves the decision to the trial.
+        let mut b = Breaker::new(1, 10 * s, 60 * s);
+        assert!(b.on_failure(t0));
+        assert!(!b.on_health_ok(t0 + s));
+        assert!(matches!(b.state(t0 + s), BreakerState::Open { .. }));
+        assert_eq!(b.admit(t0 + 10 * s), Admission::Trial);
+        assert!(b.on_success());
+        assert_eq!(b.state(t0 + 10 * s), BreakerState::Closed);
+    }
+
+    #[test]
+    fn retry_after_opens_at_once_and_is_not_shortened() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs(1);
+        let mut b = Breaker::new(5, 10 * s, 60 * s);
+        assert!(b.on_retry_after(t0, 3 * s));
+        assert_eq!(b.state(t0), BreakerState::Open { until: t0 + 3 * s });
+        // A shorter hint while open does not shorten it; a longer extends.
+        assert!(!b.on_retry_after(t0 + s, s));
+        assert_eq!(b.state(t0 + s), BreakerState::Open { until: t0 + 3 * s });
+        assert!(!b.on_retry_after(t0 + s, 4 * s));
+        assert_eq!(b.state(t0 + s), BreakerState::Open { until: t0 + 5 * s });
+        // A passing health check does not end what the upstream asked for.
+        assert!(!b.on_health_ok(t0 + 2 * s));
+        assert!(!b.ready(t0 + 2 * s));
+        assert!(b.ready(t0 + 5 * s));
     }
 
     #[test]
@@ -1494,6 +1732,7 @@ mod tests {
         let status = |status| UpstreamError::Status {
             status,
             body: String::new(),
+            retry_after: None,
         };
         assert_eq!(status(400).http_status(), 400);
         assert_eq!(status(429).http_status(), 429);
@@ -1501,10 +1740,12 @@ mod tests {
         assert_eq!(status(503).http_status(), 502);
         assert_eq!(status(302).http_status(), 502);
         assert!(status(500).is_upstream_failure());
-        assert!(!status(429).is_upstream_failure());
+        assert!(status(429).is_upstream_failure());
+        assert!(!status(404).is_upstream_failure());
         let long = UpstreamError::Status {
             status: 500,
             body: "é".repeat(1000),
+            retry_after: None,
         };
         assert!(long.to_string().len() < 400);
     }

@@ -1,7 +1,7 @@
 //! Server-sent events: the stream of a streaming answer, parsed into
 //! JSON chunks with bounded lines and events.
 
-use super::breaker::{record, Breaker};
+use super::breaker::{record, Breaker, Outcome};
 use super::error::{error_chain, snippet};
 use super::{UpstreamError, MAX_ERROR_BODY};
 use bytes::Bytes;
@@ -55,7 +55,7 @@ impl SseStream {
 
     fn fail(&mut self, error: UpstreamError) -> Poll<Option<Result<Value, UpstreamError>>> {
         if error.is_upstream_failure() {
-            record(&self.breaker, &self.name, true);
+            record(&self.breaker, &self.name, Outcome::Failure);
         }
         self.body = None;
         Poll::Ready(Some(Err(error)))
