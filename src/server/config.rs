@@ -216,6 +216,34 @@ pub struct Limits {
     /// Times a request whose tier vanished in a policy swap is re-decided.
     #[serde(default = "default_redecide")]
     pub max_redecide: u32,
+    /// Most request headers one request may carry (431 above).
+    #[serde(default = "default_header_count")]
+    pub max_header_count: usize,
+    /// Longest value of one request header, bytes (431 above).
+    #[serde(default = "default_header_value")]
+    pub max_header_value_bytes: usize,
+    /// All request header names and values together, bytes (431 above).
+    #[serde(default = "default_header_bytes")]
+    pub max_header_bytes: usize,
+    /// Memory the explain store may hold (its entries' estimated size);
+    /// the oldest entries go first.
+    #[serde(default = "default_explain_bytes")]
+    pub explain_max_bytes: usize,
+    /// Open client connections at most. At the limit the oldest idle
+    /// connection is closed for a new one; with none idle the new one is
+    /// refused with 503. Clamped below the process's open-file limit.
+    #[serde(default = "default_connections")]
+    pub max_connections: usize,
+    /// A client must send a request's headers within this time.
+    #[serde(default = "default_header_timeout")]
+    pub header_read_timeout: String,
+    /// And its body within this time after the headers (408 after).
+    #[serde(default = "default_body_timeout")]
+    pub body_read_timeout: String,
+    /// Prompts larger than this many bytes are counted on a blocking
+    /// thread, so that large prompts do not stall the async workers.
+    #[serde(default = "default_blocking_tokenize")]
+    pub blocking_tokenize_bytes: usize,
 }
 
 fn default_body() -> usize {
@@ -227,6 +255,49 @@ fn default_max_tokens() -> u64 {
 fn default_redecide() -> u32 {
     3
 }
+fn default_header_count() -> usize {
+    64
+}
+fn default_header_value() -> usize {
+    16 * 1024
+}
+fn default_header_bytes() -> usize {
+    64 * 1024
+}
+fn default_explain_bytes() -> usize {
+    64 * 1024 * 1024
+}
+fn default_connections() -> usize {
+    1024
+}
+fn default_header_timeout() -> String {
+    "10s".into()
+}
+fn default_body_timeout() -> String {
+    "30s".into()
+}
+fn default_blocking_tokenize() -> usize {
+    64 * 1024
+}
+
+impl Limits {
+    /// `header_read_timeout` (validated at load; 10 s if unparsable).
+    pub fn header_timeout(&self) -> std::time::Duration {
+        duration(&self.header_read_timeout, 10_000.0)
+    }
+
+    /// `body_read_timeout` (validated at load; 30 s if unparsable).
+    pub fn body_timeout(&self) -> std::time::Duration {
+        duration(&self.body_read_timeout, 30_000.0)
+    }
+}
+
+fn duration(text: &str, fallback_ms: f64) -> std::time::Duration {
+    let ms = crate::governance::parse_duration_ms(text)
+        .filter(|m| m.is_finite() && *m > 0.0)
+        .unwrap_or(fallback_ms);
+    std::time::Duration::from_secs_f64(ms / 1000.0)
+}
 
 impl Default for Limits {
     fn default() -> Self {
@@ -234,6 +305,14 @@ impl Default for Limits {
             max_body_bytes: default_body(),
             default_max_tokens: default_max_tokens(),
             max_redecide: default_redecide(),
+            max_header_count: default_header_count(),
+            max_header_value_bytes: default_header_value(),
+            max_header_bytes: default_header_bytes(),
+            explain_max_bytes: default_explain_bytes(),
+            max_connections: default_connections(),
+            header_read_timeout: default_header_timeout(),
+            body_read_timeout: default_body_timeout(),
+            blocking_tokenize_bytes: default_blocking_tokenize(),
         }
     }
 }
@@ -451,6 +530,31 @@ impl ServerConfig {
                 message: "limits.max_body_bytes must be above 0".into(),
                 help: None,
             });
+        }
+        for (field, v) in [
+            ("max_header_count", self.limits.max_header_count),
+            ("max_header_value_bytes", self.limits.max_header_value_bytes),
+            ("max_header_bytes", self.limits.max_header_bytes),
+            ("explain_max_bytes", self.limits.explain_max_bytes),
+            ("max_connections", self.limits.max_connections),
+        ] {
+            if v == 0 {
+                return Err(ConfigError::Invalid {
+                    message: format!("limits.{field} must be above 0"),
+                    help: None,
+                });
+            }
+        }
+        for (field, v) in [
+            ("header_read_timeout", &self.limits.header_read_timeout),
+            ("body_read_timeout", &self.limits.body_read_timeout),
+        ] {
+            if !crate::governance::parse_duration_ms(v).is_some_and(|m| m.is_finite() && m > 0.0) {
+                return Err(ConfigError::Invalid {
+                    message: format!("limits.{field} = \"{v}\" is not a positive duration"),
+                    help: Some("write durations as kiln does: \"10s\", \"500ms\", \"2m\"".into()),
+                });
+            }
         }
         for (pool, b) in &self.pools {
             if let PoolBackend::Http { upstreams } = b {
