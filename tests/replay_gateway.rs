@@ -130,7 +130,7 @@ async fn a_trace_through_the_gateway_on_a_virtual_clock_matches_the_replay() {
         clock.advance_to(*at);
         let mut req = http
             .post(format!("{base}/v1/completions"))
-            .header("x-replay-index", i.to_string())
+            .header("x-kiln-replay-index", i.to_string())
             .json(&json!({
                 "model": r.model,
                 "prompt": vec![0u32; r.prompt_tokens as usize],
@@ -164,7 +164,7 @@ async fn a_trace_through_the_gateway_on_a_virtual_clock_matches_the_replay() {
     let mut got: BTreeMap<usize, Seen> = BTreeMap::new();
     for line in std::fs::read_to_string(&log).unwrap().lines() {
         let rec: Record = serde_json::from_str(line).unwrap();
-        let i: usize = rec.headers["x-replay-index"].parse().unwrap();
+        let i: usize = rec.headers["x-kiln-replay-index"].parse().unwrap();
         let d = rec.decision.unwrap_or_default();
         let id = rec.id.unwrap();
         let ex: Value = http

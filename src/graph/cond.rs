@@ -117,6 +117,21 @@ impl Cond {
         }
     }
 
+    /// The request headers this condition reads (`header("…")`), as
+    /// written, appended to `out`.
+    pub fn headers_read<'a>(&'a self, out: &mut Vec<&'a str>) {
+        match self {
+            Cond::True => {}
+            Cond::Test(t) => {
+                if let Sig::Header(h) = &t.sig {
+                    out.push(h);
+                }
+            }
+            Cond::Not(c) => c.headers_read(out),
+            Cond::And(cs) | Cond::Or(cs) => cs.iter().for_each(|c| c.headers_read(out)),
+        }
+    }
+
     /// Evaluates a condition that reads only live signals (a rollout's
     /// rollback conditions), with no request.
     pub fn eval_signals<T: Tracer>(&self, signals: &Signals, t: &mut T) -> bool {

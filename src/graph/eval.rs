@@ -686,6 +686,17 @@ fallback hi [route m.int4 on small, demote lo]
     }
 
     #[test]
+    fn headers_read_lists_the_header_names_conditions_use() {
+        assert_eq!(graph().headers_read(), ["x-tier"]);
+        let text = POLICY.replace(
+            "when time in 08:00..20:00",
+            "when header(\"X-Batch\") == \"y\" or not header(\"x-tier\") == \"a\" and time in 08:00..20:00",
+        );
+        let g = compile_str("t.kiln", &text).graph.unwrap();
+        assert_eq!(g.headers_read(), ["x-batch", "x-tier"]);
+    }
+
+    #[test]
     fn a_header_cannot_raise_a_tenant_beyond_its_grant() {
         let g = graph();
         let mut r = req(Some("guest"), "m");

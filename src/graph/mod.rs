@@ -498,6 +498,30 @@ impl Default for Builtin {
 }
 
 impl DecisionGraph {
+    /// The request headers the policy's classify, route and admit rules
+    /// read (`header("…")`), lowercased, sorted, each once: what a request
+    /// record needs to be decided again the same way.
+    pub fn headers_read(&self) -> Vec<String> {
+        let mut names = Vec::new();
+        for (_, c, _) in &self.classify.rules {
+            c.headers_read(&mut names);
+        }
+        for rs in self.routes.iter().flatten() {
+            for (_, c, _) in &rs.rules {
+                c.headers_read(&mut names);
+            }
+        }
+        for rs in self.admits.iter().flatten() {
+            for (_, c, _) in &rs.rules {
+                c.headers_read(&mut names);
+            }
+        }
+        let mut out: Vec<String> = names.iter().map(|n| n.to_ascii_lowercase()).collect();
+        out.sort();
+        out.dedup();
+        out
+    }
+
     pub(crate) fn empty() -> Self {
         DecisionGraph {
             pools: Vec::new(),

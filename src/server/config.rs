@@ -232,6 +232,40 @@ pub struct Limits {
     /// tried again on another replica.
     #[serde(default = "default_upstream_retries")]
     pub upstream_retries: u32,
+    /// Most request headers one request may carry (431 above).
+    #[serde(default = "default_header_count")]
+    pub max_header_count: usize,
+    /// Longest value of one request header, bytes (431 above).
+    #[serde(default = "default_header_value")]
+    pub max_header_value_bytes: usize,
+    /// All request header names and values together, bytes (431 above).
+    #[serde(default = "default_header_bytes")]
+    pub max_header_bytes: usize,
+    /// Memory the explain store may hold (its entries' estimated size);
+    /// the oldest entries go first.
+    #[serde(default = "default_explain_bytes")]
+    pub explain_max_bytes: usize,
+    /// Open client connections at most. At the limit the oldest idle
+    /// connection is closed for a new one; with none idle the new one is
+    /// refused with 503. Clamped below the process's open-file limit.
+    #[serde(default = "default_connections")]
+    pub max_connections: usize,
+    /// A client must send a request's headers within this time.
+    #[serde(
+        default = "default_header_timeout",
+        deserialize_with = "crate::units::duration::deserialize"
+    )]
+    pub header_read_timeout: std::time::Duration,
+    /// And its body within this time after the headers (408 after).
+    #[serde(
+        default = "default_body_timeout",
+        deserialize_with = "crate::units::duration::deserialize"
+    )]
+    pub body_read_timeout: std::time::Duration,
+    /// Prompts larger than this many bytes are counted on a blocking
+    /// thread, so that large prompts do not stall the async workers.
+    #[serde(default = "default_blocking_tokenize")]
+    pub blocking_tokenize_bytes: usize,
 }
 
 fn default_body() -> usize {
@@ -249,6 +283,40 @@ fn default_upstream_budget() -> std::time::Duration {
 fn default_upstream_retries() -> u32 {
     2
 }
+fn default_header_count() -> usize {
+    64
+}
+fn default_header_value() -> usize {
+    16 * 1024
+}
+fn default_header_bytes() -> usize {
+    64 * 1024
+}
+fn default_explain_bytes() -> usize {
+    64 * 1024 * 1024
+}
+fn default_connections() -> usize {
+    1024
+}
+fn default_header_timeout() -> std::time::Duration {
+    std::time::Duration::from_secs(10)
+}
+fn default_body_timeout() -> std::time::Duration {
+    std::time::Duration::from_secs(30)
+}
+fn default_blocking_tokenize() -> usize {
+    64 * 1024
+}
+
+impl Limits {
+    pub fn header_timeout(&self) -> std::time::Duration {
+        self.header_read_timeout
+    }
+
+    pub fn body_timeout(&self) -> std::time::Duration {
+        self.body_read_timeout
+    }
+}
 
 impl Default for Limits {
     fn default() -> Self {
@@ -258,6 +326,14 @@ impl Default for Limits {
             max_redecide: default_redecide(),
             upstream_budget: default_upstream_budget(),
             upstream_retries: default_upstream_retries(),
+            max_header_count: default_header_count(),
+            max_header_value_bytes: default_header_value(),
+            max_header_bytes: default_header_bytes(),
+            explain_max_bytes: default_explain_bytes(),
+            max_connections: default_connections(),
+            header_read_timeout: default_header_timeout(),
+            body_read_timeout: default_body_timeout(),
+            blocking_tokenize_bytes: default_blocking_tokenize(),
         }
     }
 }
@@ -475,6 +551,31 @@ impl ServerConfig {
                 message: "limits.max_body_bytes must be above 0".into(),
                 help: None,
             });
+        }
+        for (field, v) in [
+            ("max_header_count", self.limits.max_header_count),
+            ("max_header_value_bytes", self.limits.max_header_value_bytes),
+            ("max_header_bytes", self.limits.max_header_bytes),
+            ("explain_max_bytes", self.limits.explain_max_bytes),
+            ("max_connections", self.limits.max_connections),
+        ] {
+            if v == 0 {
+                return Err(ConfigError::Invalid {
+                    message: format!("limits.{field} must be above 0"),
+                    help: None,
+                });
+            }
+        }
+        for (field, v) in [
+            ("header_read_timeout", self.limits.header_read_timeout),
+            ("body_read_timeout", self.limits.body_read_timeout),
+        ] {
+            if v.is_zero() {
+                return Err(ConfigError::Invalid {
+                    message: format!("limits.{field} must be above 0"),
+                    help: Some("write durations as kiln does: \"10s\", \"500ms\", \"2m\"".into()),
+                });
+            }
         }
         for (pool, b) in &self.pools {
             if let PoolBackend::Http { upstreams } = b {

@@ -36,14 +36,33 @@ pub const CHANNEL_CAPACITY: usize = 16 * 1024;
 /// Buffered lines reach the file at least this often.
 pub const FLUSH_EVERY: Duration = Duration::from_millis(200);
 
-/// Request headers that carry credentials: never written.
+/// Request headers that carry credentials: never written, whatever the
+/// caller passes. The gateway records headers by allow-list already (what
+/// the policy reads and `x-kiln-*`); this is the last line of defence.
 const SECRET_HEADERS: &[&str] = &[
     "authorization",
     "proxy-authorization",
     "x-api-key",
     "api-key",
     "cookie",
+    "set-cookie",
+    "x-auth-token",
+    "x-goog-api-key",
+    "openai-api-key",
+    "x-amz-security-token",
 ];
+
+/// Whether a header name carries credentials: listed in
+/// [`SECRET_HEADERS`], or named like one (`…-token`, `…-secret`,
+/// `…-password`, `…-api-key`, `…credential…`).
+pub fn secret_header(name: &str) -> bool {
+    let n = name.to_ascii_lowercase();
+    SECRET_HEADERS.contains(&n.as_str())
+        || ["-token", "-secret", "-password", "-api-key", "-apikey"]
+            .iter()
+            .any(|w| n.ends_with(w))
+        || n.contains("credential")
+}
 
 /// Where and how much to log.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -236,11 +255,34 @@ fn open_file(path: &Path) -> Result<File, LogError> {
         }
     }
     let open = |path: &Path| -> io::Result<File> {
-        let mut f = OpenOptions::new()
-            .read(true)
-            .append(true)
-            .create(true)
-            .open(path)?;
+        let mut opts = OpenOptions::new();
+        opts.read(true).append(true).create(true);
+        // Requests are private: owner only (rotation renames the file, so
+        // rotated files keep this mode).
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+            opts.mode(0o600);
+            let mut f = opts.open(path)?;
+            f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+            end_torn_line(&mut f)?;
+            Ok(f)
+        }
+        #[cfg(not(unix))]
+        {
+            let mut f = opts.open(path)?;
+            end_torn_line(&mut f)?;
+            Ok(f)
+        }
+    };
+    open(path).map_err(|source| LogError::Open {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+fn end_torn_line(f: &mut File) -> io::Result<()> {
+    {
         let len = f.metadata()?.len();
         if len > 0 {
             let mut last = [0u8; 1];
@@ -250,12 +292,8 @@ fn open_file(path: &Path) -> Result<File, LogError> {
                 f.write_all(b"\n")?;
             }
         }
-        Ok(f)
-    };
-    open(path).map_err(|source| LogError::Open {
-        path: path.to_path_buf(),
-        source,
-    })
+        Ok(())
+    }
 }
 
 /// `path.N`.
@@ -489,8 +527,7 @@ fn scrub(rec: &mut Record) {
         rec.tenant = rec.decision.as_ref().and_then(|d| d.tenant.clone());
     }
     if !rec.headers.is_empty() {
-        rec.headers
-            .retain(|k, _| !SECRET_HEADERS.iter().any(|s| k.eq_ignore_ascii_case(s)));
+        rec.headers.retain(|k, _| !secret_header(k));
     }
 }
 
@@ -724,6 +761,47 @@ mod tests {
         assert_eq!(got[0].headers.keys().collect::<Vec<_>>(), ["x-kiln-tier"]);
         assert_eq!(got[1].tenant.as_deref(), Some("explicit"));
         assert_eq!(got[1].api_key, None);
+    }
+
+    #[cfg(unix)]
+    #[tokio::test]
+    async fn the_log_and_its_rotated_files_are_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = TempDir::new("mode");
+        // An existing world-readable file is made private on open.
+        std::fs::write(dir.log(), "").unwrap();
+        std::fs::set_permissions(dir.log(), std::fs::Permissions::from_mode(0o644)).unwrap();
+        let log = DecisionLog::open(cfg(dir.log(), 300, 3)).unwrap();
+        for i in 0..10 {
+            log.write(rec(i));
+        }
+        log.flush().await;
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&dir.log()), 0o600);
+        assert!(rotated(&dir.log(), 1).exists(), "the test must rotate");
+        for n in 1..=3 {
+            let p = rotated(&dir.log(), n);
+            if p.exists() {
+                assert_eq!(mode(&p), 0o600, "{}", p.display());
+            }
+        }
+    }
+
+    #[test]
+    fn provider_credentials_are_secret_headers() {
+        for h in [
+            "x-auth-token",
+            "X-Goog-Api-Key",
+            "openai-api-key",
+            "x-amz-security-token",
+            "x-my-secret",
+            "authorization",
+        ] {
+            assert!(secret_header(h), "{h}");
+        }
+        for h in ["x-kiln-tier", "x-tier", "x-max-tokens"] {
+            assert!(!secret_header(h), "{h}");
+        }
     }
 
     #[tokio::test]

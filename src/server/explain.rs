@@ -44,39 +44,88 @@ pub struct Entry {
 
 pub type Shared = Arc<Mutex<Entry>>;
 
-/// A bounded map: the oldest entries go first.
+/// What an entry holds besides its strings: the struct, the map slot, and
+/// room for the scheduler events appended after it is stored.
+const ENTRY_OVERHEAD: usize = 1024;
+
+impl Entry {
+    /// An estimate of the memory this entry holds, in bytes: its strings
+    /// (the request's headers, tags, session, model) plus a fixed overhead.
+    /// The graph and signals are shared with the executor, not counted.
+    pub fn estimated_bytes(&self) -> usize {
+        let r = &self.request;
+        let headers: usize = r.headers.iter().map(|(k, v)| k.len() + v.len() + 48).sum();
+        let tags: usize = r.tags.iter().map(|t| t.len() + 24).sum();
+        ENTRY_OVERHEAD
+            + self.id.len()
+            + headers
+            + tags
+            + r.session.as_ref().map_or(0, String::len)
+            + r.tenant.as_ref().map_or(0, String::len)
+            + r.model.len()
+    }
+}
+
+#[derive(Default)]
+struct Inner {
+    /// Ids oldest first, with the size each was stored at.
+    order: VecDeque<(String, usize)>,
+    map: HashMap<String, Shared>,
+    bytes: usize,
+}
+
+/// A map bounded in entries and in (estimated) bytes: the oldest entries
+/// go first.
 pub struct ExplainStore {
     cap: usize,
-    inner: Mutex<(VecDeque<String>, HashMap<String, Shared>)>,
+    max_bytes: usize,
+    inner: Mutex<Inner>,
 }
 
 impl ExplainStore {
-    pub fn new(cap: usize) -> ExplainStore {
+    pub fn new(cap: usize, max_bytes: usize) -> ExplainStore {
         ExplainStore {
             cap: cap.max(1),
-            inner: Mutex::new((VecDeque::new(), HashMap::new())),
+            max_bytes: max_bytes.max(1),
+            inner: Mutex::new(Inner::default()),
         }
     }
 
     pub fn insert(&self, e: Entry) -> Shared {
         let id = e.id.clone();
+        let size = e.estimated_bytes();
         let shared = Arc::new(Mutex::new(e));
         if let Ok(mut g) = self.inner.lock() {
-            let (order, map) = &mut *g;
-            while order.len() >= self.cap {
-                if let Some(old) = order.pop_front() {
-                    map.remove(&old);
+            let inner = &mut *g;
+            while !inner.order.is_empty()
+                && (inner.order.len() >= self.cap || inner.bytes + size > self.max_bytes)
+            {
+                if let Some((old, n)) = inner.order.pop_front() {
+                    inner.map.remove(&old);
+                    inner.bytes = inner.bytes.saturating_sub(n);
                 }
             }
-            order.push_back(id.clone());
-            map.insert(id, shared.clone());
+            // One entry larger than the whole budget is not kept.
+            if size <= self.max_bytes {
+                inner.order.push_back((id.clone(), size));
+                inner.map.insert(id, shared.clone());
+                inner.bytes += size;
+            }
         }
         shared
     }
 
+    /// Entries held and their estimated bytes.
+    pub fn usage(&self) -> (usize, usize) {
+        self.inner
+            .lock()
+            .map(|g| (g.order.len(), g.bytes))
+            .unwrap_or((0, 0))
+    }
+
     pub fn get(&self, id: &str) -> Option<Entry> {
         let g = self.inner.lock().ok()?;
-        let e = g.1.get(id)?.clone();
+        let e = g.map.get(id)?.clone();
         drop(g);
         let e = e.lock().ok()?.clone();
         Some(e)
@@ -124,7 +173,7 @@ mod tests {
 
     #[test]
     fn bounded_and_oldest_first_out() {
-        let s = ExplainStore::new(2);
+        let s = ExplainStore::new(2, usize::MAX);
         let a = s.insert(entry("a"));
         s.insert(entry("b"));
         note(&a, 1.0, "queued", Some("priority"));
@@ -132,5 +181,29 @@ mod tests {
         s.insert(entry("c"));
         assert!(s.get("a").is_none());
         assert!(s.get("b").is_some() && s.get("c").is_some());
+    }
+
+    #[test]
+    fn bounded_in_bytes_not_only_entries() {
+        // Entries with 200 KB of headers each: a 1 MB budget keeps at most
+        // five, however many entries the count allows.
+        let s = ExplainStore::new(10_000, 1_000_000);
+        for i in 0..50 {
+            let mut e = entry(&format!("e{i}"));
+            e.request
+                .headers
+                .insert("x-big".into(), "v".repeat(200_000));
+            s.insert(e);
+        }
+        let (n, bytes) = s.usage();
+        assert!((1..=5).contains(&n), "{n} entries");
+        assert!(bytes <= 1_000_000, "{bytes} bytes");
+        assert!(s.get("e49").is_some() && s.get("e0").is_none());
+        // An entry larger than the budget is not kept (and evicts nothing
+        // it need not).
+        let mut e = entry("huge");
+        e.request.headers.insert("x".into(), "v".repeat(2_000_000));
+        s.insert(e);
+        assert!(s.get("huge").is_none());
     }
 }

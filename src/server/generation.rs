@@ -253,7 +253,7 @@ fn before_answer(
             MetricOutcome::Timeout,
         ),
     };
-    finish_served(&ctx, s, 0, None, outcome, 0.0);
+    finish_served(&ctx, s, 0, None, outcome, 0.0, err.status);
     HttpFail::Fatal(err)
 }
 
@@ -385,7 +385,15 @@ impl Generation {
     /// The request ended (served or failed): the guard stands down, the
     /// scheduler hears about an upstream's output, and the request is
     /// measured, logged and explained.
-    fn settle(&mut self, outcome: MetricOutcome, gpu_seconds: f64, at: Option<Micros>) {
+    /// `status` is the one the client got: an error's, or 200 once an
+    /// answer (or an event stream's headers) went out.
+    fn settle(
+        &mut self,
+        outcome: MetricOutcome,
+        gpu_seconds: f64,
+        at: Option<Micros>,
+        status: u16,
+    ) {
         self.guard.armed = false;
         if let Some(at) = at {
             explain::clock(&self.ctx.explain, |c| c.finished_us = Some(at));
@@ -394,7 +402,7 @@ impl Generation {
             report_output(&self.ctx, self.tally.output());
         }
         let (out, ttft) = (self.tally.output(), self.tally.ttft);
-        finish_served(&self.ctx, &self.s, out, ttft, outcome, gpu_seconds);
+        finish_served(&self.ctx, &self.s, out, ttft, outcome, gpu_seconds, status);
     }
 
     fn preempted(&self, by: ReqId) {
@@ -435,7 +443,7 @@ impl Generation {
                 }
                 Piece::Preempted(by) => self.preempted(by),
                 Piece::End { gpu_seconds, at } => {
-                    self.settle(MetricOutcome::Ok, gpu_seconds, at);
+                    self.settle(MetricOutcome::Ok, gpu_seconds, at, 200);
                     let body = answer.unwrap_or_else(|| {
                         let n = self.tally.produced;
                         let prompt = self.ctx.req.prompt_tokens;
@@ -444,13 +452,13 @@ impl Generation {
                     return Ok(with_headers(axum::Json(body).into_response(), headers));
                 }
                 Piece::Failed { err, outcome } => {
-                    self.settle(outcome, 0.0, None);
+                    self.settle(outcome, 0.0, None, err.status);
                     return Err(err);
                 }
             }
         }
         // Every source ends with `End` or `Failed`.
-        self.settle(MetricOutcome::UpstreamError, 0.0, None);
+        self.settle(MetricOutcome::UpstreamError, 0.0, None, 503);
         Err(ApiError::new(503, "the scheduler stopped"))
     }
 
@@ -520,7 +528,7 @@ impl Generation {
                 None
             }
             Piece::End { gpu_seconds, at } => {
-                self.settle(MetricOutcome::Ok, gpu_seconds, at);
+                self.settle(MetricOutcome::Ok, gpu_seconds, at, 200);
                 let mut b = Vec::new();
                 if self.producer == Producer::Scheduler {
                     let c = chunk(&self.ctx, self.created, None, false, Some("length"));
@@ -537,7 +545,8 @@ impl Generation {
                 Some(Bytes::from(b))
             }
             Piece::Failed { err, outcome } => {
-                self.settle(outcome, 0.0, None);
+                // The stream's 200 went out with its headers.
+                self.settle(outcome, 0.0, None, 200);
                 Some(sse(&err.body()))
             }
         }

@@ -15,6 +15,8 @@ pub mod executor;
 pub mod explain;
 mod generation;
 pub mod governance;
+pub mod limits;
+pub mod listen;
 pub mod metrics;
 pub mod openai;
 pub mod routes;
@@ -171,6 +173,16 @@ impl Running {
     }
 }
 
+/// Unknown paths and methods answer in OpenAI's error shape too.
+async fn not_found(uri: axum::http::Uri) -> openai::ApiError {
+    openai::ApiError::new(404, format!("no such endpoint: {}", uri.path())).code("not_found")
+}
+
+async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> openai::ApiError {
+    openai::ApiError::new(405, format!("{} does not accept {method}", uri.path()))
+        .code("method_not_allowed")
+}
+
 /// Builds everything and starts serving on `opts.listen`.
 pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
     let ServeOptions {
@@ -245,6 +257,8 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         }
     }
     let policy = Arc::new(policy);
+    let explain = explain::ExplainStore::new(10_000, config.limits.explain_max_bytes);
+    let conn_limits = listen::ConnLimits::from_config(&config.limits);
     let app = Arc::new(App {
         exec: exec_handle,
         policy: ArcSwap::new(policy.clone()),
@@ -253,7 +267,7 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         tokenizer,
         metrics,
         log,
-        explain: explain::ExplainStore::new(10_000),
+        explain,
         next_id: AtomicU64::new(1),
         backends,
         calibration,
@@ -265,17 +279,16 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
     });
     let router = routes::router(app.clone())
         .merge(admin::router(app.clone()))
-        .merge(governance::router(app.clone()));
+        .merge(governance::router(app.clone()))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(
+            app.clone(),
+            limits::guard,
+        ));
     let runner = governance::spawn_runner(app.clone());
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(async move {
-        let serve = axum::serve(listener, router).with_graceful_shutdown(async move {
-            let _ = rx.await;
-        });
-        if let Err(e) = serve.await {
-            tracing::error!("server error: {e}");
-        }
-    });
+    let server = tokio::spawn(listen::serve(listener, router, conn_limits, rx));
     Ok(Running {
         addr,
         app,

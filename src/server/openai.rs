@@ -169,6 +169,7 @@ impl GenerationRequest {
 /// every request is counted on the request path). Chat follows OpenAI's
 /// accounting: each message costs its content and name plus 3 tokens of
 /// framing, and the reply is primed with 3 more.
+#[derive(Clone, Copy)]
 pub struct Tokenizer {
     bpe: &'static bpe_openai::Tokenizer,
 }
@@ -238,7 +239,7 @@ pub struct ApiError {
 impl ApiError {
     pub fn new(status: u16, message: impl Into<String>) -> ApiError {
         let kind = match status {
-            400 | 404 | 413 | 422 => "invalid_request_error",
+            400 | 404 | 405 | 408 | 411 | 413 | 415 | 422 | 431 => "invalid_request_error",
             401 | 403 => "authentication_error",
             429 => "rate_limit_exceeded",
             503 => "service_unavailable",

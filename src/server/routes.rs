@@ -97,6 +97,38 @@ fn private_header(name: &str) -> bool {
     ) || name.starts_with("x-stainless")
 }
 
+/// The headers a record of this request keeps (the decision log and
+/// explain): those the deciding policies read (`header("…")` in their
+/// classify, route and admit rules) and `x-kiln-*`, never a credential.
+/// Everything else (tokens, cookies, provider keys under any name) stays
+/// out: recorded by allow-list, not by a list of secrets.
+pub(super) fn recorded_headers(
+    headers: &BTreeMap<String, String>,
+    graphs: &[&DecisionGraph],
+) -> BTreeMap<String, String> {
+    if headers.is_empty() {
+        return BTreeMap::new();
+    }
+    let read: Vec<String> = graphs.iter().flat_map(|g| g.headers_read()).collect();
+    headers
+        .iter()
+        .filter(|(k, _)| {
+            let k = k.to_ascii_lowercase();
+            (k.starts_with("x-kiln-") || read.contains(&k))
+                && !super::decision_log::secret_header(&k)
+        })
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
+}
+
+/// The request as records keep it: only [`recorded_headers`].
+fn recorded_request(req: &Request, graphs: &[&DecisionGraph]) -> Request {
+    Request {
+        headers: recorded_headers(&req.headers, graphs),
+        ..req.clone()
+    }
+}
+
 /// The key from `Authorization: Bearer` (or `x-api-key`).
 fn bearer(headers: &HeaderMap) -> Option<&str> {
     if let Some(v) = headers.get("authorization").and_then(|v| v.to_str().ok()) {
@@ -198,16 +230,31 @@ async fn generate_inner(
     // about the body it sent.
     let policy = app.policy.load_full();
     let tenant = authenticate(&app, &policy.graph, &headers)?;
-    let limit = app.config.limits.max_body_bytes;
-    let bytes = axum::body::to_bytes(body, limit).await.map_err(|_| {
-        ApiError::new(
-            413,
-            format!("the request body is larger than this gateway accepts ({limit} bytes)"),
-        )
-        .code("request_too_large")
-    })?;
+    let limits = &app.config.limits;
+    let limit = limits.max_body_bytes;
+    let timeout = limits.body_timeout();
+    let bytes = match tokio::time::timeout(timeout, axum::body::to_bytes(body, limit)).await {
+        Ok(Ok(b)) => b,
+        Ok(Err(e)) => return Err(super::limits::body_error(&e, limit, timeout)),
+        Err(_) => return Err(super::limits::body_timeout_error(timeout)),
+    };
     let (greq, raw) = GenerationRequest::parse(endpoint, &bytes)?;
-    let prompt_tokens = app.tokenizer.prompt_tokens(&greq);
+    // Counting a large prompt takes milliseconds: on a blocking thread, so
+    // that a few large prompts do not stall every other request (and the
+    // health checks) on the async workers.
+    let (greq, prompt_tokens) = if bytes.len() > limits.blocking_tokenize_bytes {
+        let tok = app.tokenizer;
+        tokio::task::spawn_blocking(move || {
+            let n = tok.prompt_tokens(&greq);
+            (greq, n)
+        })
+        .await
+        .map_err(|e| ApiError::new(500, format!("counting prompt tokens failed: {e}")))?
+    } else {
+        let n = app.tokenizer.prompt_tokens(&greq);
+        (greq, n)
+    };
+    drop(bytes);
     let max_tokens = greq
         .requested_max_tokens()
         .unwrap_or(app.config.limits.default_max_tokens);
@@ -260,7 +307,7 @@ async fn generate_inner(
         id: rid.clone(),
         endpoint: endpoint.path(),
         received_unix_ms: received_ms,
-        request: req.clone(),
+        request: recorded_request(&req, &[&policy.graph]),
         version: None,
         graph: None,
         signals: None,
@@ -438,15 +485,71 @@ enum Waited {
     PolicyChanged,
 }
 
+/// Logs and explains a request whose client went away while it waited in
+/// the scheduler: the handler (and this guard with it) is dropped
+/// mid-wait. Disarmed once waiting ends any other way.
+struct LeftWhileQueued<'a> {
+    ctx: &'a Ctx,
+    decided: Option<Decided>,
+    armed: bool,
+}
+
+impl Drop for LeftWhileQueued<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            finish_left(self.ctx, self.decided.as_ref());
+        }
+    }
+}
+
+fn finish_left(ctx: &Ctx, d: Option<&Decided>) {
+    let reason = "client_disconnected";
+    explain::note(
+        &ctx.explain,
+        ctx.ms(),
+        "the client went away while the request waited: cancelled",
+        Some(reason),
+    );
+    if let Ok(mut e) = ctx.explain.lock() {
+        e.outcome = Some("cancelled while queued".into());
+    }
+    if ctx.app.log.is_enabled() {
+        let mut rec = base_record(ctx, d);
+        let dec = rec.decision.get_or_insert_with(LogDecision::default);
+        dec.admission = Some("cancel".into());
+        // No answer went out: no status.
+        dec.status = None;
+        dec.reason = Some(reason.into());
+        rec.e2e_ms = Some(round3(ctx.ms()));
+        ctx.app.log.write(rec);
+    }
+}
+
 /// Follows the request through the scheduler until it starts on a replica
 /// (or is refused, or must be decided again).
 async fn wait_for_start(
     ctx: &Ctx,
+    rx: mpsc::UnboundedReceiver<Progress>,
+    guard: CancelGuard,
+    may_redecide: bool,
+) -> Result<Waited, ApiError> {
+    let mut left = LeftWhileQueued {
+        ctx,
+        decided: None,
+        armed: true,
+    };
+    let r = wait_inner(ctx, rx, guard, may_redecide, &mut left.decided).await;
+    left.armed = false;
+    r
+}
+
+async fn wait_inner(
+    ctx: &Ctx,
     mut rx: mpsc::UnboundedReceiver<Progress>,
     mut guard: CancelGuard,
     may_redecide: bool,
+    decided: &mut Option<Decided>,
 ) -> Result<Waited, ApiError> {
-    let mut decided: Option<Decided> = None;
     let mut preempted = 0u32;
     loop {
         let Some(p) = rx.recv().await else {
@@ -482,7 +585,7 @@ async fn wait_for_start(
                 // An override refusal returns here; the guard cancels the
                 // request in the scheduler.
                 note_decided(ctx, &d)?;
-                decided = Some(d);
+                *decided = Some(d);
             }
             Progress::Rejected {
                 reason: Reason::PolicyChanged,
@@ -555,10 +658,12 @@ async fn wait_for_start(
 /// operator's override on its tier refuses it.
 fn note_decided(ctx: &Ctx, d: &Decided) -> Result<(), ApiError> {
     let app = &ctx.app;
+    let recorded = recorded_headers(&ctx.req.headers, &[&d.graph, &d.policy_graph]);
     if let Ok(mut e) = ctx.explain.lock() {
         e.version = Some(d.version.clone());
         e.graph = Some(d.policy_graph.clone());
         e.signals = Some(d.policy_signals.clone());
+        e.request.headers = recorded;
     }
     let tname = d
         .graph
@@ -793,7 +898,11 @@ fn round3(x: f64) -> f64 {
 }
 
 fn base_record(ctx: &Ctx, d: Option<&Decided>) -> Record {
-    let mut r = Record::new(ctx.received_ms.round(), ctx.req.clone(), 0);
+    let req = match d {
+        Some(d) => recorded_request(&ctx.req, &[&d.graph, &d.policy_graph]),
+        None => recorded_request(&ctx.req, &[&ctx.app.policy.load().graph]),
+    };
+    let mut r = Record::new(ctx.received_ms.round(), req, 0);
     r.id = Some(ctx.rid.clone());
     r.api_key = None;
     if let Some(d) = d {
@@ -822,6 +931,7 @@ pub(super) fn finish_served(
     ttft_s: Option<f64>,
     outcome: MetricOutcome,
     gpu_seconds: f64,
+    status: u16,
 ) {
     let app = &ctx.app;
     let g = &s.d.graph;
@@ -896,6 +1006,15 @@ pub(super) fn finish_served(
                 .into(),
             );
             dec.waited_for = s.waited_for.map(|r| r.name().to_string());
+            // The status the client got (an upstream's 502 is not a 200),
+            // and why an admitted request did not end as served.
+            dec.status = Some(status);
+            dec.reason = match outcome {
+                MetricOutcome::Ok | MetricOutcome::Rejected => None,
+                MetricOutcome::Cancelled => Some("client_disconnected".into()),
+                MetricOutcome::UpstreamError => Some("upstream_error".into()),
+                MetricOutcome::Timeout => Some("upstream_timeout".into()),
+            };
         }
         rec.ttft_ms = ttft_s.map(|t| round3(t * 1000.0));
         rec.e2e_ms = Some(round3(e2e * 1000.0));
