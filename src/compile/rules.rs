@@ -1336,16 +1336,23 @@ pub(crate) fn dnf(e: &Expr) -> Option<Vec<Vec<String>>> {
             let mut acc: Vec<Vec<String>> = vec![Vec::new()];
             for p in parts {
                 let d = dnf(p)?;
-                let mut next = Vec::new();
-                for a in &acc {
-                    for b in &d {
-                        let mut c = a.clone();
-                        c.extend(b.iter().cloned());
-                        next.push(c);
-                    }
-                }
-                if next.len() > 64 {
+                if acc.len().saturating_mul(d.len()) > 64 {
                     return None;
+                }
+                // Each conjunction so far grows in place with the last of
+                // the new ones, so a long `and` chain (one conjunction) is
+                // linear, not a copy of everything so far per term.
+                let mut next = Vec::with_capacity(acc.len() * d.len());
+                for mut a in acc {
+                    if let Some((last, rest)) = d.split_last() {
+                        for b in rest {
+                            let mut c = a.clone();
+                            c.extend(b.iter().cloned());
+                            next.push(c);
+                        }
+                        a.extend(last.iter().cloned());
+                        next.push(a);
+                    }
                 }
                 acc = next;
             }

@@ -1526,10 +1526,17 @@ fn dnf(c: &Cond, neg: bool) -> Vec<Vec<(&Test, bool)>> {
                 for part in cs {
                     let p = dnf(part, neg);
                     let mut next = Vec::new();
-                    'outer: for a in &acc {
-                        for b in &p {
+                    // The last extension of each conjunction reuses it, so
+                    // a long `and` chain is linear, not quadratic.
+                    'outer: for mut a in acc {
+                        for (i, b) in p.iter().enumerate() {
                             if next.len() >= MAX_CONJUNCTIONS {
                                 break 'outer;
+                            }
+                            if i + 1 == p.len() {
+                                a.extend(b.iter().copied());
+                                next.push(a);
+                                break;
                             }
                             let mut x = a.clone();
                             x.extend(b.iter().copied());
