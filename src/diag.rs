@@ -28,6 +28,7 @@ pub enum Code {
     MissingField,
     UnitMismatch,
     InvalidValue,
+    OutOfRange,
     InvalidOutcome,
     MissingDefault,
     RuleAfterDefault,
@@ -60,6 +61,7 @@ impl Code {
         Code::MissingField,
         Code::UnitMismatch,
         Code::InvalidValue,
+        Code::OutOfRange,
         Code::InvalidOutcome,
         Code::MissingDefault,
         Code::RuleAfterDefault,
@@ -92,6 +94,7 @@ impl Code {
             Code::MissingField => "missing-field",
             Code::UnitMismatch => "unit-mismatch",
             Code::InvalidValue => "invalid-value",
+            Code::OutOfRange => "out-of-range",
             Code::InvalidOutcome => "invalid-outcome",
             Code::MissingDefault => "missing-default",
             Code::RuleAfterDefault => "rule-after-default",
@@ -137,6 +140,9 @@ impl Code {
                 "values carry units; comparing or assigning different units is a mistake"
             }
             Code::InvalidValue => "the value is outside what the field allows",
+            Code::OutOfRange => {
+                "every number in a policy has a range no real fleet reaches, so no policy can make kiln allocate in proportion to a number it contains"
+            }
             Code::InvalidOutcome => "a rule's outcome must be one its block can act on",
             Code::MissingDefault => "rule blocks are first-match-wins and need an explicit default",
             Code::RuleAfterDefault => "a rule after the default can never match",

@@ -67,6 +67,7 @@ fn cases() -> Vec<(&'static str, String, Code)> {
             Code::UnitMismatch,
         ),
         ("invalid_value", with("memory 80GB }", "memory 80GB }\npool small { gpus 0 kind \"L4\" memory 24GB }"), Code::InvalidValue),
+        ("out_of_range", with("gpus 4 kind", "gpus 99999999999999999999999999 kind"), Code::OutOfRange),
         ("invalid_outcome", with("when tenant == app => tier chat", "when tenant == app => accept"), Code::InvalidOutcome),
         ("missing_default", with("  default => tier bulk\n", ""), Code::MissingDefault),
         ("rule_after_default", with("  default => tier bulk\n", "  default => tier bulk\n  when tenant == app => tier bulk\n"), Code::RuleAfterDefault),

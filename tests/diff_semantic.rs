@@ -771,3 +771,164 @@ approval
 "
     );
 }
+
+/// The escalations the diff found by deciding witnesses (subject
+/// `decisions`), as (field, old, new, kind).
+fn decided(d: &SemanticDiff) -> Vec<(&str, &str, &str, ChangeKind)> {
+    d.changes
+        .iter()
+        .filter(|c| c.subject == "decisions")
+        .map(|c| {
+            assert!(c.escalation, "{c:?}");
+            (
+                c.field.as_deref().unwrap_or(""),
+                c.old.as_deref().unwrap_or(""),
+                c.new.as_deref().unwrap_or(""),
+                c.change_kind,
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn a_classify_rule_raising_a_tenants_tier_is_a_priority_escalation() {
+    // analytics' plain traffic moves from batch (40) to evaluation (50), a
+    // tier it is granted: no tier or tenant definition changed.
+    let old = enterprise_text();
+    let new = edit(
+        &old,
+        "  when tenant == analytics => tier batch\n",
+        "  when tenant == analytics => tier evaluation\n",
+    );
+    let (a, b) = (policy_text(&old), policy_text(&new));
+    let d = semantic(&a, &b);
+    let rule = d
+        .changes
+        .iter()
+        .find(|c| c.subject == "classify")
+        .expect("the classify rule change");
+    assert_eq!(rule.change_kind, ChangeKind::TierChange);
+    let esc = decided(&d);
+    assert_eq!(
+        esc,
+        vec![(
+            "tier of tenant=analytics model=llama-70b",
+            "batch (priority 40)",
+            "evaluation (priority 50)",
+            ChangeKind::PriorityIncrease
+        )],
+        "{}",
+        render_human(&d)
+    );
+    let changes = kiln::governance::approval::Changes::of(&d);
+    assert!(changes.escalations.contains(&ChangeKind::PriorityIncrease));
+    check_decisions(&a, &b, &d);
+    insta::assert_snapshot!("classify_priority_escalation", render_human(&d));
+
+    // The reverse sends traffic down: no escalation.
+    let d = semantic(&b, &a);
+    assert!(decided(&d).is_empty(), "{}", render_human(&d));
+    assert_eq!(d.escalations(), 0);
+}
+
+#[test]
+fn a_classify_rule_granting_preemption_is_a_preemption_escalation() {
+    // copilot's session traffic moves from agentic (90, preempts batch and
+    // background) to interactive (100, also preempts experimentation).
+    let old = enterprise_text();
+    let new = edit(
+        &old,
+        "when tenant == copilot and has_session => tier agentic",
+        "when tenant == copilot and has_session => tier interactive",
+    );
+    let d = semantic(&policy_text(&old), &policy_text(&new));
+    let kinds: BTreeMap<ChangeKind, usize> =
+        decided(&d).into_iter().fold(BTreeMap::new(), |mut m, e| {
+            *m.entry(e.3).or_default() += 1;
+            m
+        });
+    assert_eq!(
+        kinds,
+        BTreeMap::from([
+            (ChangeKind::PriorityIncrease, 1),
+            (ChangeKind::PreemptionChange, 1)
+        ]),
+        "{}",
+        render_human(&d)
+    );
+    let text = render_human(&d);
+    assert!(
+        text.contains("agentic (preempts [background, batch]) → interactive (preempts [background, batch, experimentation])"),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_classify_rule_moving_traffic_to_a_larger_quota_is_a_quota_escalation() {
+    let base = r#"pool gpu { gpus 4 kind "H100-80GB" memory 80GB }
+model m { variant fp16 { memory 40GB pools [gpu] } }
+tier chat { priority 100 slo { ttft 500ms } }
+tenant small { owner "a@example.com" tiers [chat] quota { tokens 1M/min } }
+tenant big { owner "b@example.com" tiers [chat] quota { tokens 5M/min } }
+classify {
+  when header("x-team") == "a" => tenant small tier chat
+  default => tier chat
+}
+route chat m { default => fp16 }
+"#;
+    let new = edit(base, "=> tenant small tier chat", "=> tenant big tier chat");
+    let d = semantic(&policy_text(base), &policy_text(&new));
+    let esc = decided(&d);
+    assert!(
+        esc.iter()
+            .any(|e| e.1 == "small" && e.2 == "big" && e.3 == ChangeKind::QuotaIncrease),
+        "{}",
+        render_human(&d)
+    );
+    // Towards the smaller quota: no escalation.
+    let d = semantic(&policy_text(&new), &policy_text(base));
+    assert!(decided(&d).is_empty(), "{}", render_human(&d));
+}
+
+#[test]
+fn an_escalating_classify_rule_needs_the_escalation_approvals() {
+    // The split policy requires two platform leads for a priority increase.
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("policies/split");
+    let dir = std::env::temp_dir().join(format!("kiln-escalation-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    for e in std::fs::read_dir(&src).expect("read split") {
+        let p = e.expect("entry").path();
+        if p.extension().is_some_and(|x| x == "kiln") {
+            let text = std::fs::read_to_string(&p).expect("read");
+            let text = if p.file_name().is_some_and(|n| n == "platform.kiln") {
+                edit(
+                    &text,
+                    "  when tenant == query-rewrite and header(\"x-search-mode\") == \"offline\" => tier batch\n",
+                    "  when tenant == query-rewrite and header(\"x-search-mode\") == \"offline\" => tier interactive\n",
+                )
+            } else {
+                text
+            };
+            std::fs::write(dir.join(p.file_name().expect("name")), text).expect("write");
+        }
+    }
+    let old = policy_dir("split");
+    let c = kiln::compile::compile(kiln::compile::load(std::slice::from_ref(&dir)).expect("load"));
+    assert!(!c.has_errors(), "{:?}", c.diagnostics);
+    let new = c.graph.expect("graph");
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = semantic(&old, &new);
+    let changes = kiln::governance::approval::Changes::of(&d);
+    assert!(
+        changes.escalations.contains(&ChangeKind::PriorityIncrease),
+        "{}",
+        render_human(&d)
+    );
+    let needs = kiln::governance::approval::needs(&old.approvals, &changes);
+    assert!(
+        needs
+            .iter()
+            .any(|n| n.count == 2 && n.group == "platform-leads"),
+        "{needs:?}"
+    );
+}

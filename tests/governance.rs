@@ -677,6 +677,10 @@ async fn shadow_canary_enforce_while_traffic_flows() {
     );
     assert!(p["dry_run"]["by_kind"]["tier"].as_u64().unwrap() >= 3);
     assert_eq!(p["rollout"]["canary"]["tenants"], json!(["beta"]));
+    // beta's traffic moves from low (10) to high (100): a priority
+    // increase, so two platform leads approve.
+    let (s, v) = approve(&c, &base, &id, "carol", CAROL, p["hash"].as_str().unwrap()).await;
+    assert_eq!(s, 200, "{v}");
     let (s, v) = approve(&c, &base, &id, "bob", BOB, p["hash"].as_str().unwrap()).await;
     assert_eq!(s, 200, "{v}");
     assert_eq!(v["state"], "rolling");
@@ -929,9 +933,10 @@ async fn rollback_after_activation_automatic_and_under_approval_rules() {
     assert_eq!(st["last_rollback"]["trigger"], "automatic");
     assert_eq!(chat(&c, &base, "k-gamma").await.status(), 200);
 
-    // A good change, then a manual rollback: the rules in force (`any`)
-    // want one platform approval for it.
-    let good = pol(APPROVALS, true, 10);
+    // A good change (the low tier's priority lowered, no escalation),
+    // then a manual rollback: the rules in force (`any`) want one platform
+    // approval for it.
+    let good = pol(APPROVALS, false, 5);
     let (s, p) = propose(&c, &base, "tok-alice", &good).await;
     assert_eq!(s, 201, "{p}");
     approve(
@@ -1187,7 +1192,8 @@ async fn the_cli_proposes_approves_and_reports() {
     cfg.approvers.extend(extra.approvers);
     let srv = serve(&v1(), cfg).await;
     let base = format!("http://{}", srv.addr);
-    std::fs::write(d.join("policy.kiln"), pol(APPROVALS, true, 10)).unwrap();
+    // The low tier's priority lowered: no escalation, one platform approval.
+    std::fs::write(d.join("policy.kiln"), pol(APPROVALS, false, 5)).unwrap();
     let run = |args: Vec<String>, token: &str| {
         let token = token.to_string();
         let base = base.clone();
@@ -1504,7 +1510,8 @@ async fn the_rollback_history_survives_a_restart() {
     let base = format!("http://{}", srv.addr);
     let c = client();
     let v1_version = status(&c, &base).await["active"].clone();
-    let good = pol(APPROVALS, true, 10);
+    // No escalation: bob's one platform approval enforces it.
+    let good = pol(APPROVALS, false, 5);
     let (s, p) = propose(&c, &base, "tok-alice", &good).await;
     assert_eq!(s, 201, "{p}");
     let (s, _) = approve(

@@ -4,6 +4,7 @@
 use super::units::{self, Ty};
 use super::Compiler;
 use crate::diag::{suggest, Code, Diagnostic};
+use crate::graph::limits;
 use crate::graph::*;
 use crate::lang::ast::{self, Body, DeclKind, Item, PropArgs, Property, Value, ValueKind};
 use crate::lang::format;
@@ -162,8 +163,14 @@ impl Compiler<'_> {
         }
     }
 
-    /// A quantity of one type, in base units.
+    /// A quantity of one type, in base units, within its type's range.
     pub(crate) fn quantity(&mut self, v: &Value, ty: Ty, what: &str) -> Option<f64> {
+        let x = self.quantity_of_type(v, ty, what)?;
+        self.in_type_range(v, x, ty, what)
+    }
+
+    /// A quantity of one type, in base units, its range not yet checked.
+    fn quantity_of_type(&mut self, v: &Value, ty: Ty, what: &str) -> Option<f64> {
         match units::literal(v) {
             Some(Ok(t)) if t.ty == ty => Some(t.value),
             Some(Ok(t)) => {
@@ -204,6 +211,65 @@ impl Compiler<'_> {
         }
     }
 
+    /// Every quantity of type `ty` is at most its type's limit
+    /// ([`limits`]); a larger one is reported (`out-of-range`) and dropped.
+    pub(crate) fn in_type_range(
+        &mut self,
+        v: &Value,
+        value: f64,
+        ty: Ty,
+        what: &str,
+    ) -> Option<f64> {
+        let (max, shown) = match ty {
+            Ty::Count => (limits::MAX_COUNT, "10^15".to_string()),
+            Ty::Duration => (limits::MAX_DURATION_MS, "366 days (`366d`)".to_string()),
+            Ty::Size => (limits::MAX_SIZE_BYTES, "1 PB (`1000TB`)".to_string()),
+            Ty::Rate => (limits::MAX_RATE_PER_S, "10^12 a second".to_string()),
+            Ty::Percent => (limits::MAX_PERCENT, "100%".to_string()),
+            _ => return Some(value),
+        };
+        if value.is_finite() && (0.0..=max).contains(&value) {
+            return Some(value);
+        }
+        self.out_of_range(v.span, what, &format!("{what} is at most {shown}"));
+        None
+    }
+
+    /// Reports a number outside its field's range; `limit` is the help line.
+    pub(crate) fn out_of_range(&mut self, span: crate::source::Span, what: &str, limit: &str) {
+        self.err(
+            Diagnostic::error(Code::OutOfRange, format!("{what} is out of range"))
+                .at(span, "too large")
+                .help(format!(
+                    "{limit}: kiln's limits keep every allocation a policy causes small"
+                )),
+        );
+    }
+
+    /// A quantity of `ty` at most `max` (a field's own limit, below its
+    /// type's); `Err` when it was reported out of range.
+    fn prop_bounded(
+        &mut self,
+        p: Option<&Property>,
+        ty: Ty,
+        what: &str,
+        max: f64,
+        limit: &str,
+    ) -> Result<Option<f64>, ()> {
+        let Some(p) = p else { return Ok(None) };
+        let Some(v) = self.one(p, ty.short()) else {
+            return Ok(None);
+        };
+        let Some(x) = self.quantity_of_type(v, ty, what) else {
+            return Ok(None);
+        };
+        if !x.is_finite() || x > max {
+            self.out_of_range(v.span, what, limit);
+            return Err(());
+        }
+        Ok(Some(x))
+    }
+
     fn prop_quantity(&mut self, p: Option<&Property>, ty: Ty, what: &str) -> Option<f64> {
         let p = p?;
         let v = self.one(p, ty.short())?;
@@ -211,9 +277,18 @@ impl Compiler<'_> {
     }
 
     /// A whole number of at least 1 (batch sizes, GPU counts).
-    fn positive_count(&mut self, p: Option<&Property>, what: &str) -> Option<u32> {
-        let v = self.prop_quantity(p, Ty::Count, what)?;
-        if v < 1.0 || v.fract() != 0.0 || v > f64::from(u32::MAX) {
+    fn positive_count(&mut self, p: Option<&Property>, what: &str, max: u32) -> Option<u32> {
+        let v = self
+            .prop_bounded(
+                p,
+                Ty::Count,
+                what,
+                f64::from(max),
+                &format!("{what} is at most {max}"),
+            )
+            .ok()
+            .flatten()?;
+        if v < 1.0 || v.fract() != 0.0 {
             if let Some(p) = p {
                 self.err(
                     Diagnostic::error(
@@ -392,8 +467,21 @@ impl Compiler<'_> {
         let what = format!("pool `{}`", d.name.name);
         let f = self.fields(&d.body, POOL_FIELDS, &what, &[]);
         let gpus = self.require(&f, "gpus", &d.name, "8");
-        let gpus = self.prop_quantity(gpus, Ty::Count, "`gpus`").unwrap_or(0.0);
-        if gpus < 1.0 || gpus.fract() != 0.0 {
+        let gpus = self
+            .prop_bounded(
+                gpus,
+                Ty::Count,
+                "`gpus`",
+                f64::from(limits::MAX_POOL_GPUS),
+                &format!(
+                    "a pool has at most {} GPUs, and a policy {} over all its pools; split a larger fleet into pools",
+                    limits::MAX_POOL_GPUS,
+                    limits::MAX_TOTAL_GPUS
+                ),
+            );
+        let too_many = gpus.is_err();
+        let gpus = gpus.ok().flatten().unwrap_or(0.0);
+        if !too_many && (gpus < 1.0 || gpus.fract() != 0.0) {
             if let Some(p) = f.get("gpus") {
                 self.err(
                     Diagnostic::error(
@@ -445,9 +533,27 @@ impl Compiler<'_> {
             .get("allow_tenants")
             .map(|p| self.prop_names(Some(p), DeclKind::Tenant));
         let deny_tenants = self.prop_names(f.get("deny_tenants"), DeclKind::Tenant);
+        let mut gpus = gpus.max(0.0) as u32;
+        let before: u32 = self.g.pools.iter().map(|p| p.gpus).sum();
+        if before.saturating_add(gpus) > limits::MAX_TOTAL_GPUS {
+            if let Some(p) = f.get("gpus") {
+                self.out_of_range(
+                    p.span,
+                    &format!(
+                        "the GPUs of all pools, {} with this one,",
+                        before.saturating_add(gpus)
+                    ),
+                    &format!(
+                        "a policy has at most {} GPUs over all its pools",
+                        limits::MAX_TOTAL_GPUS
+                    ),
+                );
+            }
+            gpus = 0;
+        }
         self.g.pools.push(Pool {
             name: d.name.name.clone(),
-            gpus: gpus.max(0.0) as u32,
+            gpus,
             kind,
             gpu_memory,
             labels,
@@ -476,7 +582,15 @@ impl Compiler<'_> {
         let f = self.fields(&d.body, TIER_FIELDS, &what, &[]);
         let prio = self.require(&f, "priority", &d.name, "50");
         let priority = self
-            .prop_quantity(prio, Ty::Count, "`priority`")
+            .prop_bounded(
+                prio,
+                Ty::Count,
+                "`priority`",
+                limits::MAX_PRIORITY,
+                "`priority` is from 0 to 1000000",
+            )
+            .ok()
+            .flatten()
             .unwrap_or(0.0);
         let mut slo = Slo::default();
         if let Some(b) = self.sub_body(f.get("slo")) {
@@ -615,7 +729,18 @@ impl Compiler<'_> {
             let mem = self.require(&vf, "memory", &name, "40GB");
             let memory = self.prop_quantity(mem, Ty::Size, "`memory`").unwrap_or(0.0);
             let gpus = self
-                .prop_quantity(vf.get("gpus_per_replica"), Ty::Count, "`gpus_per_replica`")
+                .prop_bounded(
+                    vf.get("gpus_per_replica"),
+                    Ty::Count,
+                    "`gpus_per_replica`",
+                    f64::from(limits::MAX_POOL_GPUS),
+                    &format!(
+                        "`gpus_per_replica` is at most {}, the most GPUs a pool has",
+                        limits::MAX_POOL_GPUS
+                    ),
+                )
+                .ok()
+                .flatten()
                 .unwrap_or(1.0);
             if gpus < 1.0 || gpus.fract() != 0.0 {
                 if let Some(pp) = vf.get("gpus_per_replica") {
@@ -637,10 +762,14 @@ impl Compiler<'_> {
                 .collect();
             let quality = self.prop_string(vf.get("quality"));
             let max_batch = self
-                .positive_count(vf.get("max_batch"), "`max_batch`")
+                .positive_count(vf.get("max_batch"), "`max_batch`", limits::MAX_BATCH)
                 .unwrap_or(256);
             let max_batch_tokens = self
-                .positive_count(vf.get("max_batch_tokens"), "`max_batch_tokens`")
+                .positive_count(
+                    vf.get("max_batch_tokens"),
+                    "`max_batch_tokens`",
+                    limits::MAX_TOKENS,
+                )
                 .unwrap_or(8192);
             self.facts
                 .variant_spans
@@ -845,6 +974,16 @@ impl Compiler<'_> {
 
     fn approval(&mut self, a: &ast::Approval) {
         for r in &a.rules {
+            if r.count > limits::MAX_APPROVERS {
+                self.out_of_range(
+                    r.count_span,
+                    "the number of approvers",
+                    &format!(
+                        "an approval rule requires at most {} approvers",
+                        limits::MAX_APPROVERS
+                    ),
+                );
+            }
             if r.count == 0 {
                 self.err(
                     Diagnostic::error(

@@ -5,6 +5,7 @@ use super::decls::ty_article;
 use super::units::{self, Ty};
 use super::{BlockFacts, Compiler};
 use crate::diag::{suggest, Code, Diagnostic};
+use crate::graph::limits;
 use crate::graph::*;
 use crate::lang::ast::{
     self, CallArg, CmpOp, DeclKind, Expr, ExprKind, Ident, Item, Operand, OutcomeItem, Reference,
@@ -555,7 +556,18 @@ impl Compiler<'_> {
                     None => None,
                 };
                 let m = match max_tokens {
-                    Some(mv) => Some(self.quantity(mv, Ty::Count, "`max_tokens`")? as u64),
+                    Some(mv) => {
+                        let n = self.quantity(mv, Ty::Count, "`max_tokens`")?;
+                        if n > f64::from(limits::MAX_TOKENS) {
+                            self.out_of_range(
+                                mv.span,
+                                "`max_tokens`",
+                                &format!("`max_tokens` is at most {}", limits::MAX_TOKENS),
+                            );
+                            return None;
+                        }
+                        Some(n as u64)
+                    }
                     None => None,
                 };
                 AdmitOutcome::Degrade {
@@ -1198,7 +1210,9 @@ impl Compiler<'_> {
             },
             _ => match o {
                 Operand::Lit(v) => match units::literal(v) {
-                    Some(Ok(t)) if t.ty == ty => Some(Const::Num(t.value)),
+                    Some(Ok(t)) if t.ty == ty => self
+                        .in_type_range(v, t.value, ty, "the compared value")
+                        .map(Const::Num),
                     Some(Ok(t)) => mismatch(
                         self,
                         format!("{} `{}`", ty_article(t.ty), format::value(v)),
@@ -1322,16 +1336,23 @@ pub(crate) fn dnf(e: &Expr) -> Option<Vec<Vec<String>>> {
             let mut acc: Vec<Vec<String>> = vec![Vec::new()];
             for p in parts {
                 let d = dnf(p)?;
-                let mut next = Vec::new();
-                for a in &acc {
-                    for b in &d {
-                        let mut c = a.clone();
-                        c.extend(b.iter().cloned());
-                        next.push(c);
-                    }
-                }
-                if next.len() > 64 {
+                if acc.len().saturating_mul(d.len()) > 64 {
                     return None;
+                }
+                // Each conjunction so far grows in place with the last of
+                // the new ones, so a long `and` chain (one conjunction) is
+                // linear, not a copy of everything so far per term.
+                let mut next = Vec::with_capacity(acc.len() * d.len());
+                for mut a in acc {
+                    if let Some((last, rest)) = d.split_last() {
+                        for b in rest {
+                            let mut c = a.clone();
+                            c.extend(b.iter().cloned());
+                            next.push(c);
+                        }
+                        a.extend(last.iter().cloned());
+                        next.push(a);
+                    }
                 }
                 acc = next;
             }

@@ -49,6 +49,18 @@
 //!   `preemptible`; an escalation when the tier gains a preemption target or
 //!   stops being `preemptible`, not when it only loses targets or becomes
 //!   preemptible.
+//! * Decided escalations: the witness requests (see *Decisions* above)
+//!   are decided under both graphs, and a request that now lands in
+//!   another tier of higher priority is a `priority_increase`, in another
+//!   tier that may preempt a tier the old one could not (or that is no
+//!   longer `preemptible`) a `preemption_change`, and with another tenant
+//!   whose quota is larger a `quota_increase`, each an escalation under
+//!   the subject `decisions`, whichever block made the decisions differ (a
+//!   classify rule such as `when tenant == evals => tier interactive`, a
+//!   route, an admit block's fallback, a tenant's tiers). Each distinct
+//!   old → new pair is reported once, with the first request showing it.
+//!   Requests of a tenant the old policy lacks are left out (a new tenant
+//!   is a `tenant_change`, below).
 //! * Everything else is not an escalation: `tier_change` (tiers added or
 //!   removed, other tier fields, classify and admit rules), `tenant_change`
 //!   (tenants and cohorts added or removed, limits tightened, other tenant
@@ -172,9 +184,11 @@ pub fn semantic(old: &DecisionGraph, new: &DecisionGraph) -> SemanticDiff {
     fallbacks(old, new, &mut out);
     rollout(old, new, &mut out);
     approvals(old, new, &mut out);
+    let (decisions, escalations) = decisions(old, new);
+    out.changes.extend(escalations);
     SemanticDiff {
         changes: out.changes,
-        decisions: decisions(old, new),
+        decisions,
     }
 }
 
@@ -1526,10 +1540,17 @@ fn dnf(c: &Cond, neg: bool) -> Vec<Vec<(&Test, bool)>> {
                 for part in cs {
                     let p = dnf(part, neg);
                     let mut next = Vec::new();
-                    'outer: for a in &acc {
-                        for b in &p {
+                    // The last extension of each conjunction reuses it, so
+                    // a long `and` chain is linear, not quadratic.
+                    'outer: for mut a in acc {
+                        for (i, b) in p.iter().enumerate() {
                             if next.len() >= MAX_CONJUNCTIONS {
                                 break 'outer;
+                            }
+                            if i + 1 == p.len() {
+                                a.extend(b.iter().copied());
+                                next.push(a);
+                                break;
                             }
                             let mut x = a.clone();
                             x.extend(b.iter().copied());
@@ -1788,18 +1809,23 @@ pub fn decision_fields(v: &DecisionView) -> [(&'static str, String); 5] {
     ]
 }
 
-fn decisions(old: &DecisionGraph, new: &DecisionGraph) -> Vec<DecisionChange> {
+/// Every witness decided under both graphs: the fields that differ (at
+/// most [`MAX_CHANGED_REQUESTS`] requests), and the escalations those
+/// decisions show (see [`decided_escalations`]).
+fn decisions(old: &DecisionGraph, new: &DecisionGraph) -> (Vec<DecisionChange>, Vec<Change>) {
     let so = Signals::idle(old);
     let sn = Signals::idle(new);
     let mut out = Vec::new();
+    let mut esc = Escalations::default();
     let mut changed = 0;
     for r in witnesses(old, new) {
-        if changed >= MAX_CHANGED_REQUESTS {
-            break;
-        }
         let a = old.view(&old.decide(&r, &so));
         let b = new.view(&new.decide(&r, &sn));
         let desc = describe_request(&r);
+        decided_escalations(old, new, &a, &b, &desc, &mut esc);
+        if changed >= MAX_CHANGED_REQUESTS {
+            continue;
+        }
         let before = out.len();
         for ((field, x), (_, y)) in decision_fields(&a).into_iter().zip(decision_fields(&b)) {
             if x != y {
@@ -1815,7 +1841,145 @@ fn decisions(old: &DecisionGraph, new: &DecisionGraph) -> Vec<DecisionChange> {
             changed += 1;
         }
     }
-    out
+    (out, esc.changes)
+}
+
+/// At most this many escalations found by deciding witnesses are reported
+/// (each distinct old → new pair once, with the first request showing it).
+const MAX_DECIDED_ESCALATIONS: usize = 50;
+
+#[derive(Default)]
+struct Escalations {
+    seen: BTreeSet<(String, String, String)>,
+    changes: Vec<Change>,
+}
+
+impl Escalations {
+    fn push(&mut self, request: &str, what: &str, (old, new): (String, String), kind: ChangeKind) {
+        if self.changes.len() >= MAX_DECIDED_ESCALATIONS
+            || !self
+                .seen
+                .insert((what.to_string(), old.clone(), new.clone()))
+        {
+            return;
+        }
+        self.changes.push(Change {
+            kind: ChangeOp::Changed,
+            subject: "decisions".to_string(),
+            field: Some(format!("{what} of {request}")),
+            old: Some(old),
+            new: Some(new),
+            change_kind: kind,
+            escalation: true,
+        });
+    }
+}
+
+/// What one request's decisions under the old and the new graph escalate,
+/// whichever block made them differ (a classify rule, a route, a fallback's
+/// demotion, a tier or tenant definition): the request now reaches a tier
+/// of higher priority (`priority_increase`), a tenant with a larger quota
+/// (`quota_increase`), or a tier that may preempt a tier its old one could
+/// not, or that is no longer preemptible (`preemption_change`). The same
+/// tier or tenant under both graphs is left to the field comparison, which
+/// already reports its own changes, and so is a request that lands with a
+/// tenant the old graph does not define.
+fn decided_escalations(
+    old: &DecisionGraph,
+    new: &DecisionGraph,
+    a: &DecisionView,
+    b: &DecisionView,
+    request: &str,
+    out: &mut Escalations,
+) {
+    fn tier<'g>(g: &'g DecisionGraph, name: &str) -> Option<&'g Tier> {
+        g.tiers.iter().find(|t| t.name == name)
+    }
+    fn tenant<'g>(g: &'g DecisionGraph, name: &Option<String>) -> Option<&'g Tenant> {
+        let name = name.as_deref()?;
+        g.tenants.iter().find(|t| t.name == name)
+    }
+    // A tenant the old graph lacks has no previous grant to exceed: its
+    // definition is a `tenant_change`, as the field comparison says.
+    if tenant(new, &b.tenant).is_some() && tenant(old, &b.tenant).is_none() {
+        return;
+    }
+    if a.tier != b.tier {
+        if let (Some(x), Some(y)) = (tier(old, &a.tier), tier(new, &b.tier)) {
+            if y.priority > x.priority {
+                out.push(
+                    request,
+                    "tier",
+                    (
+                        format!("{} (priority {})", x.name, x.priority),
+                        format!("{} (priority {})", y.name, y.priority),
+                    ),
+                    ChangeKind::PriorityIncrease,
+                );
+            }
+            let before: BTreeSet<String> = tier_names(old, &x.preempts).into_iter().collect();
+            let gained: Vec<String> = tier_names(new, &y.preempts)
+                .into_iter()
+                .filter(|n| !before.contains(n))
+                .collect();
+            if !gained.is_empty() || (x.preemptible && !y.preemptible) {
+                let show = |t: &Tier, g: &DecisionGraph| {
+                    format!(
+                        "{} (preempts {}{})",
+                        t.name,
+                        sorted_list(&tier_names(g, &t.preempts)),
+                        if t.preemptible { ", preemptible" } else { "" }
+                    )
+                };
+                out.push(
+                    request,
+                    "tier",
+                    (show(x, old), show(y, new)),
+                    ChangeKind::PreemptionChange,
+                );
+            }
+        }
+    }
+    if a.tenant != b.tenant {
+        if let (Some(x), Some(y)) = (tenant(old, &a.tenant), tenant(new, &b.tenant)) {
+            if quota_larger(x, y) {
+                out.push(
+                    request,
+                    "tenant",
+                    (x.name.clone(), y.name.clone()),
+                    ChangeKind::QuotaIncrease,
+                );
+            }
+        }
+    }
+}
+
+/// Whether tenant `b` may use more than tenant `a` in some respect: a quota
+/// component larger or unlimited where `a`'s is limited, or a larger
+/// weight, borrow share, retry budget or session step budget.
+fn quota_larger(a: &Tenant, b: &Tenant) -> bool {
+    fn more(x: Option<f64>, y: Option<f64>) -> bool {
+        match (x, y) {
+            (Some(x), Some(y)) => y > x,
+            (Some(_), None) => true,
+            _ => false,
+        }
+    }
+    let (qa, qb) = (&a.quota, &b.quota);
+    more(qa.tokens, qb.tokens)
+        || more(qa.requests, qb.requests)
+        || more(
+            qa.concurrent.map(|x| x as f64),
+            qb.concurrent.map(|x| x as f64),
+        )
+        || more(qa.gpu_seconds, qb.gpu_seconds)
+        || more(a.retry_budget, b.retry_budget)
+        || more(
+            a.session_steps.map(|x| x as f64),
+            b.session_steps.map(|x| x as f64),
+        )
+        || b.weight > a.weight
+        || b.borrow > a.borrow
 }
 
 // ---------------------------------------------------------------------------

@@ -6,6 +6,7 @@
 mod cond;
 mod eval;
 mod input;
+pub mod limits;
 pub mod trace;
 mod view;
 

@@ -3,6 +3,7 @@
 //! placement); GPUs that cannot hold a whole replica stay idle and are
 //! reported, never partially reserved.
 
+use crate::graph::limits;
 use crate::graph::{DecisionGraph, PoolId, RouteOutcome, Step, TierId};
 use std::sync::Arc;
 
@@ -92,7 +93,9 @@ impl Plan {
         let mut plan = Plan::default();
         for (pi, pool) in g.pools.iter().enumerate() {
             let pi = pi as PoolId;
-            let mut free = pool.gpus;
+            // `kiln check` bounds a pool's GPUs; a graph built otherwise
+            // still never plans more than the limits allow.
+            let mut free = pool.gpus.min(limits::MAX_POOL_GPUS);
             let mut wanted: Vec<(u16, u16, u32, Costing)> = Vec::new();
             for &((m, v, p), _) in &demand {
                 if p != pi {
@@ -113,7 +116,12 @@ impl Plan {
             while placed_any {
                 placed_any = false;
                 for (i, (m, v, gpus, c)) in wanted.iter().enumerate() {
-                    if *gpus <= free {
+                    if plan.replicas.len() >= limits::MAX_REPLICAS {
+                        break;
+                    }
+                    // A variant needs at least one GPU a replica: a zero
+                    // would place replicas without end.
+                    if *gpus >= 1 && *gpus <= free {
                         free -= gpus;
                         counts[i] += 1;
                         placed_any = true;
