@@ -9,7 +9,7 @@ mod support;
 
 use ed25519_dalek::SigningKey;
 use kiln::governance::audit;
-use kiln::governance::keys::{public_hex, sign};
+use kiln::governance::keys::{public_hex, Target};
 use kiln::governance::view::{render_proposal, render_status, ProposalView, StatusView};
 use kiln::server::config::{hash_secret, ServerConfig};
 use kiln::server::{start, Policy, Running, ServeOptions};
@@ -163,6 +163,52 @@ async fn propose(c: &reqwest::Client, base: &str, token: &str, text: &str) -> (u
     .await
 }
 
+/// The gateway's identity and proposal `id`'s nonce: what approvals sign
+/// besides the hash.
+async fn target_of(c: &reqwest::Client, base: &str, id: &str) -> (String, String) {
+    let (s, v) = call(
+        c,
+        reqwest::Method::GET,
+        format!("{base}/admin/proposals/{id}"),
+        Some("tok-ops"),
+        None,
+    )
+    .await;
+    // No such proposal: sign for nothing in particular (the gateway answers
+    // 404 anyway).
+    let field = |k: &str| {
+        v[k].as_str()
+            .filter(|_| s == 200)
+            .unwrap_or_default()
+            .to_string()
+    };
+    (field("gateway"), field("nonce"))
+}
+
+/// Signs as `kiln approve` does, for proposal `id` of the gateway at `base`
+/// (its identity and the proposal's nonce fetched), or, with `as_id`, for
+/// another id under the same nonce.
+#[allow(clippy::too_many_arguments)]
+async fn sign_for(
+    c: &reqwest::Client,
+    base: &str,
+    id: &str,
+    as_id: Option<&str>,
+    k: &SigningKey,
+    hash: &str,
+    name: &str,
+    issued: u64,
+    expires: u64,
+) -> kiln::governance::keys::SignedApproval {
+    let (gateway, nonce) = target_of(c, base, id).await;
+    let t = Target {
+        gateway: &gateway,
+        proposal: as_id.unwrap_or(id),
+        nonce: &nonce,
+    };
+    kiln::governance::keys::sign(k, &t, hash, name, issued, expires)
+}
+
 /// An approval by approver `name` (key `k`) of `hash` for `id`, valid
 /// from `issued` for `valid` seconds, presented with `ops`'s token.
 #[allow(clippy::too_many_arguments)]
@@ -176,7 +222,18 @@ async fn approve_with(
     issued: u64,
     valid: u64,
 ) -> (u16, Value) {
-    let a = sign(&key(k), id, hash, name, issued, issued + valid);
+    let a = sign_for(
+        c,
+        base,
+        id,
+        None,
+        &key(k),
+        hash,
+        name,
+        issued,
+        issued + valid,
+    )
+    .await;
     call(
         c,
         reqwest::Method::POST,
@@ -422,7 +479,18 @@ async fn approvals_are_bound_to_hash_proposal_and_approver() {
         "{v}"
     );
     // Signed for another proposal, presented here.
-    let moved = sign(&key(BOB), "p-999", &hash, "bob", now_s(), now_s() + 600);
+    let moved = sign_for(
+        &c,
+        &base,
+        &id,
+        Some("p-999"),
+        &key(BOB),
+        &hash,
+        "bob",
+        now_s(),
+        now_s() + 600,
+    )
+    .await;
     let (s, v) = call(
         &c,
         reqwest::Method::POST,
@@ -455,7 +523,18 @@ async fn approvals_are_bound_to_hash_proposal_and_approver() {
     assert_eq!(s, 200, "{v}");
     assert_eq!(v["state"], "pending");
     // Replayed, and a second approval by the same approver.
-    let first = sign(&key(BOB), &id, &hash, "bob", now_s() - 1, now_s() + 599);
+    let first = sign_for(
+        &c,
+        &base,
+        &id,
+        None,
+        &key(BOB),
+        &hash,
+        "bob",
+        now_s() - 1,
+        now_s() + 599,
+    )
+    .await;
     let body = serde_json::to_value(&first).unwrap();
     let url = format!("{base}/admin/proposals/{id}/approvals");
     let (s, _) = call(
@@ -1149,7 +1228,11 @@ async fn without_approvers_the_direct_swap_stays_and_is_audited() {
     );
     srv.stop().await;
     let kinds = audit_kinds(&d);
-    assert_eq!(kinds, ["activation", "activation_refused", "rollback"]);
+    // The first entry records the gateway's identity (approvals sign it).
+    assert_eq!(
+        kinds,
+        ["gateway", "activation", "activation_refused", "rollback"]
+    );
     let _ = std::fs::remove_dir_all(&d);
 }
 

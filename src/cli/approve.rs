@@ -42,35 +42,42 @@ pub fn run(a: Args) -> i32 {
     else {
         return usage_error("--valid-for must be a duration of a second or more (30m, 1h)");
     };
+    // The proposal's view carries what the signature binds besides the
+    // hash: the gateway's identity and the proposal's nonce.
+    let (status, v) = match admin_client::call(
+        &a.server,
+        Method::Get,
+        &format!("/admin/proposals/{}", a.id),
+        None,
+    ) {
+        Ok(x) => x,
+        Err(c) => return c,
+    };
+    if status != 200 {
+        return admin_client::report_error(status, &v);
+    }
+    let p: ProposalView = match admin_client::parse(v) {
+        Ok(p) => p,
+        Err(c) => return c,
+    };
     let hash = match &a.hash {
         Some(h) => h.trim().to_ascii_lowercase(),
         None => {
-            let (status, v) = match admin_client::call(
-                &a.server,
-                Method::Get,
-                &format!("/admin/proposals/{}", a.id),
-                None,
-            ) {
-                Ok(x) => x,
-                Err(c) => return c,
-            };
-            if status != 200 {
-                return admin_client::report_error(status, &v);
-            }
-            let p: ProposalView = match admin_client::parse(v) {
-                Ok(p) => p,
-                Err(c) => return c,
-            };
             eprintln!(
                 "approving {} by {} as {name}: {} (hash {})",
                 p.id, p.proposer, p.version, p.hash
             );
-            p.hash
+            p.hash.clone()
         }
     };
     let issued = crate::clock::unix_s();
     let expires = issued + (valid_ms / 1000.0) as u64;
-    let signed = keys::sign(&key, &a.id, &hash, &name, issued, expires);
+    let target = keys::Target {
+        gateway: &p.gateway,
+        proposal: &a.id,
+        nonce: &p.nonce,
+    };
+    let signed = keys::sign(&key, &target, &hash, &name, issued, expires);
     let body = match serde_json::to_value(&signed) {
         Ok(v) => v,
         Err(e) => return usage_error(&e.to_string()),

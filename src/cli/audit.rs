@@ -11,8 +11,9 @@ pub struct Args {
 
 #[derive(clap::Subcommand, Debug)]
 pub enum AuditCommand {
-    /// Verify every entry's hash and link; print the head hash (exit 0), or
-    /// name the first line that does not verify (exit 1).
+    /// Verify every entry's hash and link, and that the log holds the head
+    /// its `FILE.head` file recorded; print the head hash (exit 0), or name
+    /// the first line that does not verify (exit 1).
     Verify {
         file: PathBuf,
         /// The head hash expected (from `kiln status`): also catches
@@ -25,7 +26,12 @@ pub enum AuditCommand {
 pub fn run(a: Args) -> i32 {
     match a.command {
         AuditCommand::Verify { file, head } => {
-            let v = match audit::verify_file(&file) {
+            let checked = if head.is_some() {
+                audit::verify_file(&file).map(|v| (v, false))
+            } else {
+                audit::verify_file_and_head(&file)
+            };
+            let (v, with_head) = match checked {
                 Ok(v) => v,
                 Err(e @ audit::AuditError::Io { .. }) => {
                     eprintln!("{:?}", miette::Report::new(e));
@@ -47,7 +53,16 @@ pub fn run(a: Args) -> i32 {
                     return EXIT_FINDINGS;
                 }
             }
-            eprintln!("{}: {} entries, chain intact", file.display(), v.entries);
+            let note = if with_head {
+                ", and it holds the head its .head file recorded"
+            } else {
+                ""
+            };
+            eprintln!(
+                "{}: {} entries, chain intact{note}",
+                file.display(),
+                v.entries
+            );
             println!("{}", v.head);
             EXIT_OK
         }

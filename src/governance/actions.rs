@@ -71,6 +71,17 @@ pub enum ActionError {
     #[error("no override on {scope} {name}")]
     #[diagnostic(code(kiln::governance::not_found))]
     NoOverride { scope: String, name: String },
+    /// An override asked for longer than `[governance] max_override`.
+    #[error("an override for `{asked}` is longer than this gateway allows ({max})")]
+    #[diagnostic(
+        code(kiln::governance::override_too_long),
+        help("overrides are incident controls: ask for at most [governance] max_override (renew it when it ends), or change the policy through `kiln propose` for anything lasting")
+    )]
+    OverrideTooLong { asked: String, max: String },
+    /// The system's random number generator failed (a proposal's nonce).
+    #[error("cannot draw a random nonce for the proposal ({0}); nothing was changed")]
+    #[diagnostic(code(kiln::governance::unavailable), help("try again"))]
+    Random(super::keys::KeyError),
     /// A request field out of range; `param` names it.
     #[error("{message}")]
     #[diagnostic(code(kiln::governance::bad_request))]
@@ -90,8 +101,8 @@ impl ActionError {
             ActionError::NotOpen { .. }
             | ActionError::Unchanged(_)
             | ActionError::NoPrevious(_) => 409,
-            ActionError::NotProposer { .. } => 403,
-            ActionError::AuditUnavailable(_) => 503,
+            ActionError::NotProposer { .. } | ActionError::OverrideTooLong { .. } => 403,
+            ActionError::AuditUnavailable(_) | ActionError::Random(_) => 503,
             ActionError::Invalid(e) => e.status(),
             ActionError::Approval(r) => r.status(),
             ActionError::RollbackFailed(_) => 422,
@@ -109,6 +120,8 @@ impl ActionError {
             ActionError::NotProposer { .. } => "forbidden",
             ActionError::Unchanged(_) => "unchanged",
             ActionError::AuditUnavailable(_) => "audit_unavailable",
+            ActionError::OverrideTooLong { .. } => "override_too_long",
+            ActionError::Random(_) => "unavailable",
             ActionError::Approval(r) => r.code(),
             ActionError::NoPrevious(_) => "no_previous",
             ActionError::RollbackFailed(_) => "rollback_failed",
@@ -200,18 +213,20 @@ impl Gov {
         let policy = Arc::new(policy);
         let a = self.assess(gw, &active, policy.clone()).await;
         let now_s = crate::clock::unix_s();
+        let nonce = super::keys::random_id().map_err(ActionError::Random)?;
         let view = {
             let mut st = lock(&self.state);
             let id = format!("p-{}", st.next);
             audited(self.audit(
                 "proposal",
                 who,
-                json!({"id": id, "hash": hash, "version": policy.version.as_ref(), "base": active.version.as_ref(),
+                json!({"id": id, "nonce": nonce, "gateway": self.gateway, "hash": hash, "version": policy.version.as_ref(), "base": active.version.as_ref(),
                        "kinds": Changes::names(&a.changes.kinds), "escalations": Changes::names(&a.changes.escalations),
                        "needs": a.needs}),
             ))?;
             let p = Proposal {
                 id,
+                nonce,
                 kind: Kind::Change,
                 state: if a.needs.is_empty() {
                     PState::Approved
@@ -234,7 +249,7 @@ impl Gov {
                 note: None,
             };
             st.next += 1;
-            let v = p.view(now_s, true);
+            let v = self.view_of(&p, now_s, true);
             st.proposals.push(p);
             v
         };
@@ -321,7 +336,7 @@ impl Gov {
         audited(self.audit("proposal_withdrawn", who, json!({"id": id, "hash": p.hash})))?;
         p.state = PState::Withdrawn;
         p.note = Some(format!("withdrawn by {who}"));
-        let view = p.view(crate::clock::unix_s(), false);
+        let view = self.view_of(p, crate::clock::unix_s(), false);
         drop(st);
         self.persist(gw);
         Ok(view)
@@ -349,7 +364,7 @@ impl Gov {
                     &self.approvers,
                     used,
                     &Subject {
-                        proposal: &p.id,
+                        target: p.target(&self.gateway),
                         hash: &p.hash,
                         proposer: &p.proposer,
                         approvals: &p.approvals,
@@ -533,18 +548,20 @@ impl Gov {
     ) -> Result<RollbackOutcome, ActionError> {
         let files = prev.files;
         let hash = stored::files_hash(&files);
+        let nonce = super::keys::random_id().map_err(ActionError::Random)?;
         let view = {
             let mut st = lock(&self.state);
             let id = format!("p-{}", st.next);
             audited(self.audit(
                 "proposal",
                 who,
-                json!({"id": id, "kind": "rollback", "hash": hash, "version": prev.version,
+                json!({"id": id, "nonce": nonce, "gateway": self.gateway, "kind": "rollback", "hash": hash, "version": prev.version,
                        "base": active.version.as_ref(), "kinds": ["rollback"], "needs": needs, "reason": reason}),
             ))?;
             st.next += 1;
             let p = Proposal {
                 id,
+                nonce,
                 kind: Kind::Rollback,
                 state: PState::Pending,
                 files,
@@ -562,7 +579,7 @@ impl Gov {
                 rollout: None,
                 note: reason.map(|r| format!("reason: {r}")),
             };
-            let v = p.view(crate::clock::unix_s(), true);
+            let v = self.view_of(&p, crate::clock::unix_s(), true);
             st.proposals.push(p);
             v
         };
@@ -622,6 +639,12 @@ impl Gov {
                 "for",
             ));
         };
+        if for_ms > self.max_override_ms {
+            return Err(ActionError::OverrideTooLong {
+                asked: req.duration,
+                max: super::view::secs(self.max_override_ms / 1000.0),
+            });
+        }
         let now = self.now_ms();
         audited(self.audit(
             "override",

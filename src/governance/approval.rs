@@ -42,6 +42,10 @@ pub const ANY_GROUP: &str = "*";
 #[derive(Debug, Clone, PartialEq)]
 pub struct Approver {
     pub name: String,
+    /// The person the key belongs to (`person` in `[[approvers]]`, by
+    /// default the name): never counted as an approver of their own
+    /// proposal, whatever token they proposed with.
+    pub person: String,
     pub groups: Vec<String>,
     pub key: VerifyingKey,
 }
@@ -247,7 +251,7 @@ pub enum Refusal {
     #[error("`{0}` proposed this change and cannot approve it")]
     #[diagnostic(
         code(kiln::approval::self_approval),
-        help("approvals must come from someone other than the proposer")
+        help("approvals must come from someone other than the proposer: the person behind the proposing admin token (`person` in [[admin.tokens]]) never counts as an approver, whichever key they sign with")
     )]
     SelfApproval(String),
     #[error("the approval expired at {expires} (Unix seconds; now {now})")]
@@ -317,8 +321,10 @@ impl Refusal {
 
 /// What an approval is checked against.
 pub struct Subject<'a> {
-    pub proposal: &'a str,
+    /// The gateway, the proposal id and its nonce: what the signature binds.
+    pub target: keys::Target<'a>,
     pub hash: &'a str,
+    /// The person who proposed (an admin token's person).
     pub proposer: &'a str,
     pub approvals: &'a [Accepted],
     pub now_s: u64,
@@ -335,10 +341,11 @@ pub fn check(
     let Some(who) = approvers.iter().find(|x| x.name == a.approver) else {
         return Err(Refusal::UnknownApprover(a.approver.clone()));
     };
-    if !keys::verify(&who.key, s.proposal, a) {
+    let proposal = s.target.proposal;
+    if !keys::verify(&who.key, &s.target, a) {
         return Err(Refusal::BadSignature {
             approver: a.approver.clone(),
-            proposal: s.proposal.to_string(),
+            proposal: proposal.to_string(),
         });
     }
     let sig = a.signature.trim().to_ascii_lowercase();
@@ -347,13 +354,15 @@ pub fn check(
     }
     if a.hash != s.hash {
         return Err(Refusal::WrongHash {
-            proposal: s.proposal.to_string(),
+            proposal: proposal.to_string(),
             approved: a.hash.clone(),
             current: s.hash.to_string(),
         });
     }
-    if a.approver == s.proposer {
-        return Err(Refusal::SelfApproval(a.approver.clone()));
+    // People, not names: the approver's person against the proposer's,
+    // whichever token proposed and whichever approver entry signs.
+    if who.person == s.proposer || a.approver == s.proposer {
+        return Err(Refusal::SelfApproval(who.person.clone()));
     }
     if a.expires <= s.now_s {
         return Err(Refusal::Expired {
@@ -389,7 +398,6 @@ pub fn check(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::governance::keys::sign;
     use ed25519_dalek::SigningKey;
 
     fn rule(count: u32, group: &str, kinds: &[ChangeKind]) -> ApprovalRule {
@@ -428,16 +436,19 @@ mod tests {
         vec![
             Approver {
                 name: "alice".into(),
+                person: "alice".into(),
                 groups: vec!["platform".into()],
                 key: key(1).verifying_key(),
             },
             Approver {
                 name: "bob".into(),
+                person: "bob".into(),
                 groups: vec!["platform".into(), "platform-leads".into()],
                 key: key(2).verifying_key(),
             },
             Approver {
                 name: "carol".into(),
+                person: "carol".into(),
                 groups: vec!["platform-leads".into()],
                 key: key(3).verifying_key(),
             },
@@ -545,13 +556,23 @@ mod tests {
 
     fn subject<'a>(approvals: &'a [Accepted], hash: &'a str) -> Subject<'a> {
         Subject {
-            proposal: "p-1",
+            target: T1,
             hash,
             proposer: "alice",
             approvals,
             now_s: 1000,
             max_valid_s: 3600,
         }
+    }
+
+    const T1: keys::Target<'static> = keys::Target {
+        gateway: "g",
+        proposal: "p-1",
+        nonce: "n1",
+    };
+
+    fn sign(k: &SigningKey, p: &str, h: &str, who: &str, i: u64, e: u64) -> SignedApproval {
+        crate::governance::keys::sign(k, &keys::Target { proposal: p, ..T1 }, h, who, i, e)
     }
 
     #[test]
@@ -584,6 +605,12 @@ mod tests {
         // Self-approval.
         let r = refuse(&sign(&key(1), "p-1", &h, "alice", 990, 2000), &[], &used);
         assert!(matches!(r, Refusal::SelfApproval(_)));
+        // The same person under another approver name (the proposer is a
+        // person, whatever the token or approver entry is called).
+        let mut people = approvers();
+        people[1].person = "alice".into();
+        let r = check(&people, &used, &subject(&[], &h), &ok).unwrap_err();
+        assert_eq!(r, Refusal::SelfApproval("alice".into()));
         // Expired, from the future, valid too long.
         let r = refuse(&sign(&key(2), "p-1", &h, "bob", 100, 1000), &[], &used);
         assert!(matches!(r, Refusal::Expired { .. }));

@@ -127,7 +127,7 @@ pub enum AuditError {
     #[error("the audit log's head is {found}, not the expected {expected}")]
     #[diagnostic(
         code(kiln::audit::head),
-        help("entries were removed from the end (or appended): compare with the head hash `kiln status` shows")
+        help("the log does not hold the head recorded for it (its `.head` file, or `--head`): entries were rewritten with recomputed hashes or removed from the end; keep both files as evidence and restore the log from a copy")
     )]
     Head { expected: String, found: String },
 }
@@ -140,60 +140,152 @@ pub struct Verified {
     pub head: String,
 }
 
-/// Verifies a chain line by line; the first line that does not verify is
-/// named: not an entry, out of sequence (a line deleted or moved), chained
-/// to the wrong hash (the same), or hashing differently (edited).
-pub fn verify_lines<R: BufRead>(path: &str, r: R) -> Result<Verified, AuditError> {
+/// A last line cut short by an interrupted write: no newline at its end,
+/// and not an entry that verifies.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Torn {
+    /// 1-based line.
+    pub line: usize,
+    /// Where it starts (the file is good up to here).
+    pub offset: u64,
+    pub bytes: u64,
+    pub what: String,
+}
+
+/// What a scan of a chain found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Scanned {
+    pub verified: Verified,
+    /// A torn last line, not counted in `verified`.
+    pub torn: Option<Torn>,
+    /// The last entry verifies but its newline is missing.
+    pub unterminated: bool,
+}
+
+/// Scans a chain line by line, calling `visit` with every entry that
+/// verifies; the first line that does not verify is named: not an entry,
+/// out of sequence (a line deleted or moved), chained to the wrong hash
+/// (the same), or hashing differently (edited). A last line without its
+/// newline that does not verify is reported as [`Torn`], not as an error.
+pub fn scan<R: BufRead>(
+    path: &str,
+    mut r: R,
+    mut visit: impl FnMut(&Entry),
+) -> Result<Scanned, AuditError> {
     let mut prev = GENESIS.to_string();
     let mut seq = 0u64;
-    for (i, line) in r.lines().enumerate() {
-        let n = i + 1;
-        let line = line.map_err(|e| AuditError::Io {
+    let mut offset = 0u64;
+    let mut buf = Vec::new();
+    let mut n = 0usize;
+    let mut unterminated = false;
+    loop {
+        buf.clear();
+        let got = r.read_until(b'\n', &mut buf).map_err(|e| AuditError::Io {
             path: path.to_string(),
             message: e.to_string(),
         })?;
-        if line.trim().is_empty() {
-            continue;
+        if got == 0 {
+            break;
         }
-        let broken = |what: String| AuditError::Broken {
-            path: path.to_string(),
-            line: n,
-            what,
+        n += 1;
+        let start = offset;
+        offset += got as u64;
+        let terminated = buf.last() == Some(&b'\n');
+        let checked = check_line(&buf, seq, &prev);
+        let e = match checked {
+            Ok(None) => continue,
+            Ok(Some(e)) => e,
+            Err(what) if !terminated => {
+                return Ok(Scanned {
+                    verified: Verified {
+                        entries: seq,
+                        head: prev,
+                    },
+                    torn: Some(Torn {
+                        line: n,
+                        offset: start,
+                        bytes: got as u64,
+                        what,
+                    }),
+                    unterminated: false,
+                });
+            }
+            Err(what) => {
+                return Err(AuditError::Broken {
+                    path: path.to_string(),
+                    line: n,
+                    what,
+                })
+            }
         };
-        let v: Value = serde_json::from_str(&line)
-            .map_err(|e| broken(format!("not a JSON entry ({e}): the line was edited")))?;
-        let e: Entry = serde_json::from_value(v.clone())
-            .map_err(|e| broken(format!("not an audit entry ({e}): the line was edited")))?;
-        if e.seq != seq + 1 {
-            return Err(broken(format!(
-                "entry {} where {} was expected: entries were deleted or reordered",
-                e.seq,
-                seq + 1
-            )));
-        }
-        if e.prev_hash != prev {
-            return Err(broken(format!(
-                "chained to {} but the previous entry is {}: entries were deleted, reordered or edited",
-                short(&e.prev_hash),
-                short(&prev)
-            )));
-        }
-        let h = entry_hash(&v);
-        if h != e.hash {
-            return Err(broken(format!(
-                "entry {} hashes to {} but records {}: the entry was edited",
-                e.seq,
-                short(&h),
-                short(&e.hash)
-            )));
-        }
+        unterminated = !terminated;
+        visit(&e);
         prev = e.hash;
         seq = e.seq;
     }
-    Ok(Verified {
-        entries: seq,
-        head: prev,
+    Ok(Scanned {
+        verified: Verified {
+            entries: seq,
+            head: prev,
+        },
+        torn: None,
+        unterminated,
     })
+}
+
+/// One line against the chain so far: `None` for a blank line, the entry,
+/// or what is wrong with it.
+fn check_line(bytes: &[u8], seq: u64, prev: &str) -> Result<Option<Entry>, String> {
+    let line = std::str::from_utf8(bytes)
+        .map_err(|_| "not UTF-8 text: the line was edited".to_string())?;
+    if line.trim().is_empty() {
+        return Ok(None);
+    }
+    let v: Value = serde_json::from_str(line)
+        .map_err(|e| format!("not a JSON entry ({e}): the line was edited"))?;
+    let e: Entry = serde_json::from_value(v.clone())
+        .map_err(|e| format!("not an audit entry ({e}): the line was edited"))?;
+    if e.seq != seq + 1 {
+        return Err(format!(
+            "entry {} where {} was expected: entries were deleted or reordered",
+            e.seq,
+            seq + 1
+        ));
+    }
+    if e.prev_hash != prev {
+        return Err(format!(
+            "chained to {} but the previous entry is {}: entries were deleted, reordered or edited",
+            short(&e.prev_hash),
+            short(prev)
+        ));
+    }
+    let h = entry_hash(&v);
+    if h != e.hash {
+        return Err(format!(
+            "entry {} hashes to {} but records {}: the entry was edited",
+            e.seq,
+            short(&h),
+            short(&e.hash)
+        ));
+    }
+    Ok(Some(e))
+}
+
+/// Verifies a chain line by line (see [`scan`]); a torn last line is an
+/// error here too (the gateway truncates it when it starts).
+pub fn verify_lines<R: BufRead>(path: &str, r: R) -> Result<Verified, AuditError> {
+    let s = scan(path, r, |_| {})?;
+    match s.torn {
+        Some(t) => Err(AuditError::Broken {
+            path: path.to_string(),
+            line: t.line,
+            what: format!(
+                "a torn last line, cut short by an interrupted write ({}); the gateway truncates it when it starts",
+                t.what
+            ),
+        }),
+        None => Ok(s.verified),
+    }
 }
 
 pub fn verify_file(path: &Path) -> Result<Verified, AuditError> {
@@ -202,6 +294,148 @@ pub fn verify_file(path: &Path) -> Result<Verified, AuditError> {
         message: e.to_string(),
     })?;
     verify_lines(&path.display().to_string(), std::io::BufReader::new(f))
+}
+
+/// The head file of an audit log at `audit`: `<audit>.head`, rewritten
+/// (atomically) after every append with the number of entries and the
+/// head hash, so that a log rewritten with recomputed hashes, or cut
+/// short, is caught on restart and by `kiln audit verify`.
+pub fn head_path(audit: &Path) -> PathBuf {
+    let mut s = audit.as_os_str().to_owned();
+    s.push(".head");
+    PathBuf::from(s)
+}
+
+/// The head an audit log recorded beside itself.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RecordedHead {
+    pub entries: u64,
+    pub head: String,
+}
+
+/// The head file of the audit log at `audit`, if there is one.
+pub fn read_head(audit: &Path) -> Result<Option<RecordedHead>, AuditError> {
+    let p = head_path(audit);
+    let io = |message: String| AuditError::Io {
+        path: p.display().to_string(),
+        message,
+    };
+    match std::fs::read_to_string(&p) {
+        Ok(text) => serde_json::from_str(&text)
+            .map(Some)
+            .map_err(|e| io(format!("not a head file ({e})"))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(io(e.to_string())),
+    }
+}
+
+/// Checks a chain against the head recorded for it: the entry at the
+/// recorded position must carry the recorded hash (entries appended after
+/// it, the head file not yet rewritten, are fine).
+pub fn check_head(
+    recorded: &RecordedHead,
+    verified: &Verified,
+    hash_at: Option<&str>,
+) -> Result<(), AuditError> {
+    if recorded.entries == 0 {
+        return Ok(());
+    }
+    if verified.entries < recorded.entries {
+        return Err(AuditError::Head {
+            expected: format!("{} (entry {})", recorded.head, recorded.entries),
+            found: format!("{} after only {} entries", verified.head, verified.entries),
+        });
+    }
+    match hash_at {
+        Some(h) if h == recorded.head => Ok(()),
+        found => Err(AuditError::Head {
+            expected: format!("{} (entry {})", recorded.head, recorded.entries),
+            found: format!(
+                "{} at entry {}",
+                found.unwrap_or("nothing"),
+                recorded.entries
+            ),
+        }),
+    }
+}
+
+/// Verifies the file and compares it with its head file, when it has one:
+/// what `kiln audit verify` checks without `--head`. Also answers whether
+/// a head file was found.
+pub fn verify_file_and_head(path: &Path) -> Result<(Verified, bool), AuditError> {
+    let recorded = read_head(path)?;
+    let f = std::fs::File::open(path).map_err(|e| AuditError::Io {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    })?;
+    let want = recorded.as_ref().map(|r| r.entries);
+    let mut hash_at = None;
+    let v = verify_lines_visiting(path, f, |e| {
+        if Some(e.seq) == want {
+            hash_at = Some(e.hash.clone());
+        }
+    })?;
+    if let Some(r) = &recorded {
+        check_head(r, &v, hash_at.as_deref())?;
+    }
+    Ok((v, recorded.is_some()))
+}
+
+fn verify_lines_visiting(
+    path: &Path,
+    f: std::fs::File,
+    visit: impl FnMut(&Entry),
+) -> Result<Verified, AuditError> {
+    let name = path.display().to_string();
+    let s = scan(&name, std::io::BufReader::new(f), visit)?;
+    match s.torn {
+        Some(t) => Err(AuditError::Broken {
+            path: name,
+            line: t.line,
+            what: format!(
+                "a torn last line, cut short by an interrupted write ({}); the gateway truncates it when it starts",
+                t.what
+            ),
+        }),
+        None => Ok(s.verified),
+    }
+}
+
+/// What the gateway learns from its audit log when it opens it: facts that
+/// a lost or replaced state file cannot take away.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Facts {
+    /// The gateway's identity, from the first `gateway` entry.
+    pub gateway: Option<String>,
+    /// The highest `p-N` a `proposal` entry names.
+    pub highest_proposal: u64,
+    /// The signatures of every accepted approval (`approval` entries).
+    pub signatures: std::collections::HashSet<String>,
+}
+
+impl Facts {
+    fn learn(&mut self, e: &Entry) {
+        match e.kind.as_str() {
+            "gateway" if self.gateway.is_none() => {
+                self.gateway = e.details["gateway"].as_str().map(str::to_string);
+            }
+            "proposal" => {
+                let n = e.details["id"]
+                    .as_str()
+                    .and_then(|id| id.strip_prefix("p-"))
+                    .and_then(|n| n.parse::<u64>().ok())
+                    .unwrap_or(0);
+                self.highest_proposal = self.highest_proposal.max(n);
+            }
+            "approval" => {
+                if let Some(sig) = e.details["signature"].as_str() {
+                    self.signatures.insert(sig.trim().to_ascii_lowercase());
+                }
+            }
+            _ => {}
+        }
+    }
 }
 
 fn short(h: &str) -> &str {
@@ -217,6 +451,7 @@ pub struct AuditLog {
     seq: u64,
     head: String,
     recent: std::collections::VecDeque<Entry>,
+    facts: Facts,
 }
 
 impl AuditLog {
@@ -229,34 +464,110 @@ impl AuditLog {
             seq: 0,
             head: GENESIS.to_string(),
             recent: std::collections::VecDeque::new(),
+            facts: Facts::default(),
         }
     }
 
     /// Opens (or creates) the file and verifies what it holds: a broken
     /// chain is an error, so nothing is ever appended after a tampered
-    /// entry.
+    /// entry, and so is a chain that does not hold the head its head file
+    /// recorded (rewritten with recomputed hashes, or cut short). A torn
+    /// last line (an append interrupted by a crash) is truncated, and an
+    /// `audit_recovered` entry says so.
     pub fn open(path: &Path) -> Result<AuditLog, AuditError> {
-        let v = if path.exists() {
-            verify_file(path)?
+        let io = |e: std::io::Error| AuditError::Io {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        };
+        let recorded = read_head(path)?;
+        let want = recorded.as_ref().map(|r| r.entries);
+        let mut facts = Facts::default();
+        let mut hash_at = None;
+        let scanned = if path.exists() {
+            let f = std::fs::File::open(path).map_err(io)?;
+            scan(
+                &path.display().to_string(),
+                std::io::BufReader::new(f),
+                |e| {
+                    facts.learn(e);
+                    if Some(e.seq) == want {
+                        hash_at = Some(e.hash.clone());
+                    }
+                },
+            )?
         } else {
             std::fs::OpenOptions::new()
                 .create(true)
                 .append(true)
                 .open(path)
-                .map_err(|e| AuditError::Io {
-                    path: path.display().to_string(),
-                    message: e.to_string(),
-                })?;
-            Verified {
-                entries: 0,
-                head: GENESIS.to_string(),
+                .map_err(io)?;
+            Scanned {
+                verified: Verified {
+                    entries: 0,
+                    head: GENESIS.to_string(),
+                },
+                torn: None,
+                unterminated: false,
             }
         };
-        Ok(AuditLog {
+        if let Some(r) = &recorded {
+            check_head(r, &scanned.verified, hash_at.as_deref())?;
+        }
+        if scanned.torn.is_some() || scanned.unterminated {
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .open(path)
+                .map_err(io)?;
+            if let Some(t) = &scanned.torn {
+                f.set_len(t.offset).map_err(io)?;
+            } else {
+                use std::io::Seek;
+                f.seek(std::io::SeekFrom::End(0)).map_err(io)?;
+                f.write_all(b"\n").map_err(io)?;
+            }
+            f.sync_all().map_err(io)?;
+        }
+        let mut log = AuditLog {
             path: Some(path.to_path_buf()),
-            seq: v.entries,
-            head: v.head,
+            seq: scanned.verified.entries,
+            head: scanned.verified.head,
             recent: std::collections::VecDeque::new(),
+            facts,
+        };
+        if let Some(t) = scanned.torn {
+            tracing::warn!(audit = %path.display(), line = t.line, bytes = t.bytes, "the audit log's last line was torn by an interrupted write: truncated");
+            log.append(
+                crate::clock::unix_ms() as u64,
+                "audit_recovered",
+                "kiln",
+                serde_json::json!({"reason": "torn_last_line", "line": t.line, "offset": t.offset,
+                                   "truncated_bytes": t.bytes, "error": t.what}),
+            )?;
+        } else if recorded.is_none() || want != Some(log.seq) {
+            log.write_head()?;
+        }
+        Ok(log)
+    }
+
+    /// What the log told about the gateway when it was opened (once: the
+    /// log keeps no copy).
+    pub fn take_facts(&mut self) -> Facts {
+        std::mem::take(&mut self.facts)
+    }
+
+    /// Rewrites the head file (when the log has a file).
+    fn write_head(&self) -> Result<(), AuditError> {
+        let Some(p) = &self.path else {
+            return Ok(());
+        };
+        let rec = RecordedHead {
+            entries: self.seq,
+            head: self.head.clone(),
+        };
+        let bytes = serde_json::to_vec(&rec).unwrap_or_default();
+        super::state::write_atomic(&head_path(p), &bytes).map_err(|e| AuditError::Io {
+            path: head_path(p).display().to_string(),
+            message: e.to_string(),
         })
     }
 
@@ -309,9 +620,16 @@ impl AuditLog {
             line.push('\n');
             f.write_all(line.as_bytes()).map_err(io)?;
             f.flush().map_err(io)?;
+            // On disk before anyone is told it happened.
+            f.sync_data().map_err(io)?;
         }
         self.seq = e.seq;
         self.head = e.hash.clone();
+        if let Err(err) = self.write_head() {
+            // The entry is in the log; a stale head file only means a
+            // restart checks an earlier entry.
+            tracing::error!(error = %err, "cannot write the audit log's head file");
+        }
         if self.recent.len() >= Self::KEEP {
             self.recent.pop_front();
         }
@@ -414,6 +732,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let p = dir.join("audit.jsonl");
         let _ = std::fs::remove_file(&p);
+        let _ = std::fs::remove_file(head_path(&p));
         let mut log = AuditLog::open(&p).unwrap();
         log.append(1, "a", "x", json!({})).unwrap();
         log.append(2, "b", "x", json!({})).unwrap();
@@ -430,6 +749,34 @@ mod tests {
         assert!(matches!(
             AuditLog::open(&p),
             Err(AuditError::Broken { line: 3, .. })
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_torn_tail_is_cut_and_a_short_or_rewritten_log_fails_its_head() {
+        let dir = std::env::temp_dir().join(format!("kiln-audit-torn-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("audit.jsonl");
+        let mut log = AuditLog::open(&p).unwrap();
+        log.append(1, "a", "x", json!({})).unwrap();
+        log.append(2, "b", "x", json!({})).unwrap();
+        let good = std::fs::read_to_string(&p).unwrap();
+        let mut torn = good.clone();
+        torn.push_str("{\"seq\":3,\"ki");
+        std::fs::write(&p, &torn).unwrap();
+        assert!(verify_file(&p).is_err());
+        let log = AuditLog::open(&p).unwrap();
+        assert_eq!(log.entries(), 3);
+        assert_eq!(log.recent().last().unwrap().kind, "audit_recovered");
+        assert_eq!(verify_file_and_head(&p).unwrap().0.entries, 3);
+        // The first two entries only: the head file knows there were three.
+        std::fs::write(&p, &good).unwrap();
+        assert!(matches!(AuditLog::open(&p), Err(AuditError::Head { .. })));
+        assert!(matches!(
+            verify_file_and_head(&p),
+            Err(AuditError::Head { .. })
         ));
         let _ = std::fs::remove_dir_all(&dir);
     }

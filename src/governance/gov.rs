@@ -10,7 +10,7 @@ use super::gateway::Gateway;
 use super::live::{Sample, Window};
 use super::lock;
 use super::overrides::{Action as OverrideAction, Overrides, Refused, Scope};
-use super::proposal::Proposal;
+use super::proposal::{Proposal, State as PState};
 use super::rollout::{Rollout, Stage};
 use super::shadow::Shadow;
 use super::state::{self as stored, Previous, Snapshot, StateError, StoredProposal};
@@ -49,6 +49,9 @@ pub struct GovConfig {
     pub watch_ms: f64,
     pub default_canary_ms: f64,
     pub dry_run_records: usize,
+    /// The longest pause or throttle an operator may set
+    /// (`[governance] max_override`).
+    pub max_override_ms: f64,
 }
 
 /// The rollout in progress.
@@ -110,6 +113,10 @@ pub struct Gov {
     pub(super) watch_ms: f64,
     pub(super) default_canary_ms: f64,
     pub(super) dry_run_records: usize,
+    pub(super) max_override_ms: f64,
+    /// The gateway's identity (random, kept in the audit log's first
+    /// `gateway` entry): approvals sign it.
+    pub(super) gateway: String,
     /// The state file, if any.
     state_path: Option<PathBuf>,
     /// The bytes last written there (unchanged state is not rewritten).
@@ -127,6 +134,9 @@ pub enum GovError {
     #[error(transparent)]
     #[diagnostic(transparent)]
     State(#[from] StateError),
+    #[error(transparent)]
+    #[diagnostic(transparent)]
+    Key(#[from] super::keys::KeyError),
 }
 
 /// The governance state a state file holds, checked: proposals whose text
@@ -136,9 +146,15 @@ fn restore(
     path: &std::path::Path,
     snap: &Snapshot,
     approvers: &[Approver],
+    gateway: &str,
     audit: &mut AuditLog,
-) -> Result<(GovState, Option<Previous>), AuditError> {
-    let (proposals, dropped) = snap.verify(approvers);
+) -> Result<(GovState, Option<Previous>), GovError> {
+    let (mut proposals, dropped) = snap.verify(approvers, gateway);
+    // A proposal stored before nonces existed gets one now (its approvals,
+    // signed without one, were dropped above).
+    for p in proposals.iter_mut().filter(|p| p.nonce.is_empty()) {
+        p.nonce = super::keys::random_id()?;
+    }
     let at = crate::clock::unix_ms() as u64;
     for d in &dropped {
         let (kind, details) = match d {
@@ -216,21 +232,42 @@ impl Gov {
             .state
             .clone()
             .or_else(|| cfg.audit.as_deref().map(stored::default_path));
-        let (state, restored_active) = match &state_path {
+        let facts = audit.take_facts();
+        let gateway = match facts.gateway.clone() {
+            Some(g) => g,
+            // A log kept in memory only: an identity for this run.
+            None if audit.path().is_none() => super::keys::random_id()?,
+            None => {
+                let g = super::keys::random_id()?;
+                audit.append(
+                    crate::clock::unix_ms() as u64,
+                    "gateway",
+                    "kiln",
+                    json!({"gateway": g, "note": "this gateway's identity: approvals sign it"}),
+                )?;
+                g
+            }
+        };
+        let (mut state, restored_active) = match &state_path {
             Some(path) => match Snapshot::load(path)? {
-                Some(snap) => restore(path, &snap, &cfg.approvers, &mut audit)?,
+                Some(snap) => restore(path, &snap, &cfg.approvers, &gateway, &mut audit)?,
                 None => (GovState::default(), None),
             },
             None => (GovState::default(), None),
         };
+        // What the audit log recorded outlives any state file: ids are
+        // never handed out twice and accepted signatures never count again,
+        // even after the state file was moved aside.
+        state.next = state
+            .next
+            .max(facts.highest_proposal.saturating_add(1))
+            .max(1);
+        state.used.extend(facts.signatures);
         Ok(Gov {
             enabled: cfg.enabled,
             approvers: cfg.approvers,
             audit: Mutex::new(audit),
-            state: Mutex::new(GovState {
-                next: state.next.max(1),
-                ..state
-            }),
+            state: Mutex::new(state),
             step: tokio::sync::Mutex::new(()),
             shadow: ArcSwapOption::empty(),
             live: Mutex::new(Window::new(cfg.window_ms, 100_000)),
@@ -249,6 +286,8 @@ impl Gov {
             watch_ms: cfg.watch_ms,
             default_canary_ms: cfg.default_canary_ms,
             dry_run_records: cfg.dry_run_records,
+            max_override_ms: cfg.max_override_ms,
+            gateway,
             state_path,
             written: Mutex::new(None),
             restored_active: Mutex::new(restored_active),
@@ -306,10 +345,12 @@ impl Gov {
     /// rollback` returns to, and the active version is not its own
     /// previous.
     pub fn settle_restored(&self, gw: &impl Gateway) {
+        let version = gw.active().version.to_string();
+        self.settle_interrupted(&version);
         let Some(before) = lock(&self.restored_active).take() else {
+            self.persist(gw);
             return;
         };
-        let version = gw.active().version.to_string();
         {
             let mut st = lock(&self.state);
             if before.version != version && st.history.last() != Some(&before) {
@@ -321,6 +362,72 @@ impl Gov {
             }
         }
         self.persist(gw);
+    }
+
+    /// A proposal the state file recorded as rolling out: the gateway
+    /// stopped (a crash, `kill -9`) during its rollout. What becomes of it
+    /// is audited (`rollout_interrupted`): still the active version, it
+    /// stays enforced (its watch is not resumed); otherwise it starts again
+    /// from its first stage if it still may (its base is active and its
+    /// approvals hold), or goes stale or pending.
+    fn settle_interrupted(&self, active: &str) {
+        let now_s = crate::clock::unix_s();
+        let mut events = Vec::new();
+        {
+            let mut st = lock(&self.state);
+            for p in st
+                .proposals
+                .iter_mut()
+                .filter(|p| p.state == PState::Rolling)
+            {
+                let (state, outcome, note) = if p.version == active {
+                    (
+                        PState::Enforced,
+                        "enforced",
+                        "the gateway restarted during this rollout, on this version: it stays active (its watch is not resumed)",
+                    )
+                } else if p.base != active {
+                    (
+                        PState::Stale,
+                        "stale",
+                        "the gateway restarted during this rollout on another version: propose again",
+                    )
+                } else if p.approved(now_s) {
+                    (
+                        PState::Approved,
+                        "restarted",
+                        "the gateway restarted during this rollout: it starts again from its first stage",
+                    )
+                } else {
+                    (
+                        PState::Pending,
+                        "pending",
+                        "the gateway restarted during this rollout and its approvals expired: approve again",
+                    )
+                };
+                tracing::warn!(proposal = %p.id, outcome, "{note}");
+                p.state = state;
+                p.note = Some(note.into());
+                events.push(json!({"id": p.id, "version": p.version, "base": p.base,
+                                   "active": active, "outcome": outcome, "note": note}));
+            }
+        }
+        for e in events {
+            self.audit_anyway("rollout_interrupted", "kiln", e);
+        }
+    }
+
+    /// A proposal's view, with this gateway's identity (which approvals
+    /// sign).
+    pub(super) fn view_of(
+        &self,
+        p: &Proposal,
+        now_s: u64,
+        full: bool,
+    ) -> super::view::ProposalView {
+        let mut v = p.view(now_s, full);
+        v.gateway = self.gateway.clone();
+        v
     }
 
     /// Appends to the audit log; an error is logged and returned.
@@ -471,7 +578,7 @@ impl Gov {
                 .proposals
                 .iter()
                 .filter(|p| p.state.open())
-                .map(|p| p.view(now_s, false))
+                .map(|p| self.view_of(p, now_s, false))
                 .collect(),
             overrides: self.override_views(),
             last_rollback: st.last_rollback.clone(),
@@ -489,7 +596,10 @@ impl Gov {
     pub fn proposal_views(&self) -> Vec<super::view::ProposalView> {
         let now_s = crate::clock::unix_s();
         let st = lock(&self.state);
-        st.proposals.iter().map(|p| p.view(now_s, false)).collect()
+        st.proposals
+            .iter()
+            .map(|p| self.view_of(p, now_s, false))
+            .collect()
     }
 
     /// The proposal `id` in full, if kept.
@@ -498,6 +608,6 @@ impl Gov {
         st.proposals
             .iter()
             .find(|p| p.id == id)
-            .map(|p| p.view(crate::clock::unix_s(), true))
+            .map(|p| self.view_of(p, crate::clock::unix_s(), true))
     }
 }

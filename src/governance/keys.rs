@@ -1,20 +1,26 @@
 //! Approvers' keys and signed approvals (ed25519).
 //!
 //! An approval is a signature over a canonical message that binds the
-//! proposal id, the policy's full SHA-256, the approver's name and the
-//! validity window, so it cannot be moved onto another proposal, another
-//! text, another approver's name, or used after it expires:
+//! gateway, the proposal (its id and a random nonce the gateway drew for
+//! it), the policy's full SHA-256, the approver's name and the validity
+//! window, so it cannot be moved onto another gateway, another proposal
+//! (even one that later gets the same id), another text, another
+//! approver's name, or used after it expires:
 //!
 //! ```text
-//! kiln approval v1
+//! kiln approval v2
+//! gateway 9c0d…(32 hex)
 //! proposal p-3
+//! nonce 4b1e…(32 hex)
 //! hash 3f5c…(64 hex)
 //! approver alice
 //! issued 1767225600
 //! expires 1767229200
 //! ```
 //!
-//! `issued` and `expires` are Unix seconds. Keys are hex: a public key is
+//! `issued` and `expires` are Unix seconds. The gateway's identity and the
+//! nonce are random; the proposal's view (`GET /admin/proposals/ID`)
+//! carries both. Keys are hex: a public key is
 //! 64 hex digits (32 bytes), a signature 128.
 //!
 //! A key file (`kiln keygen`) is TOML, kept private (mode 0600):
@@ -56,11 +62,30 @@ pub struct SignedApproval {
     pub signature: String,
 }
 
+/// What an approval is for: a gateway's proposal, under the nonce that
+/// gateway drew for it (so a signature never fits a later proposal that
+/// gets the same id).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Target<'a> {
+    pub gateway: &'a str,
+    pub proposal: &'a str,
+    pub nonce: &'a str,
+}
+
 /// The exact bytes an approval signs.
-pub fn message(proposal: &str, hash: &str, approver: &str, issued: u64, expires: u64) -> String {
+pub fn message(t: &Target, hash: &str, approver: &str, issued: u64, expires: u64) -> String {
     format!(
-        "kiln approval v1\nproposal {proposal}\nhash {hash}\napprover {approver}\nissued {issued}\nexpires {expires}\n"
+        "kiln approval v2\ngateway {}\nproposal {}\nnonce {}\nhash {hash}\napprover {approver}\nissued {issued}\nexpires {expires}\n",
+        t.gateway, t.proposal, t.nonce
     )
+}
+
+/// 16 random bytes as 32 hex digits: a proposal's nonce, a gateway's
+/// identity.
+pub fn random_id() -> Result<String, KeyError> {
+    let mut b = [0u8; 16];
+    getrandom::fill(&mut b).map_err(|e| KeyError::Random(e.to_string()))?;
+    Ok(hex::encode(b))
 }
 
 /// A fresh key from the operating system's random number generator.
@@ -117,16 +142,16 @@ pub fn parse_key_file(text: &str) -> Result<(String, SigningKey), KeyError> {
     Ok((f.name, SigningKey::from_bytes(&seed)))
 }
 
-/// Signs an approval of `hash` for proposal `proposal`.
+/// Signs an approval of `hash` for the proposal `t`.
 pub fn sign(
     k: &SigningKey,
-    proposal: &str,
+    t: &Target,
     hash: &str,
     approver: &str,
     issued: u64,
     expires: u64,
 ) -> SignedApproval {
-    let sig = k.sign(message(proposal, hash, approver, issued, expires).as_bytes());
+    let sig = k.sign(message(t, hash, approver, issued, expires).as_bytes());
     SignedApproval {
         approver: approver.to_string(),
         hash: hash.to_string(),
@@ -136,8 +161,8 @@ pub fn sign(
     }
 }
 
-/// Checks an approval's signature for proposal `proposal` under `key`.
-pub fn verify(key: &VerifyingKey, proposal: &str, a: &SignedApproval) -> bool {
+/// Checks an approval's signature for the proposal `t` under `key`.
+pub fn verify(key: &VerifyingKey, t: &Target, a: &SignedApproval) -> bool {
     let Some(bytes) = hex::decode(a.signature.trim())
         .ok()
         .and_then(|b| <[u8; 64]>::try_from(b).ok())
@@ -145,7 +170,7 @@ pub fn verify(key: &VerifyingKey, proposal: &str, a: &SignedApproval) -> bool {
         return false;
     };
     let sig = Signature::from_bytes(&bytes);
-    let msg = message(proposal, &a.hash, &a.approver, a.issued, a.expires);
+    let msg = message(t, &a.hash, &a.approver, a.issued, a.expires);
     key.verify_strict(msg.as_bytes(), &sig).is_ok() && key.verify(msg.as_bytes(), &sig).is_ok()
 }
 
@@ -157,11 +182,27 @@ mod tests {
     fn a_signature_verifies_only_for_what_it_signed() {
         let k = SigningKey::from_bytes(&[7; 32]);
         let other = SigningKey::from_bytes(&[8; 32]);
-        let a = sign(&k, "p-1", &"a".repeat(64), "alice", 100, 200);
-        assert!(verify(&k.verifying_key(), "p-1", &a));
-        // Another proposal, another key, or any field changed: refused.
-        assert!(!verify(&k.verifying_key(), "p-2", &a));
-        assert!(!verify(&other.verifying_key(), "p-1", &a));
+        let t = Target {
+            gateway: "g1",
+            proposal: "p-1",
+            nonce: "n1",
+        };
+        let a = sign(&k, &t, &"a".repeat(64), "alice", 100, 200);
+        assert!(verify(&k.verifying_key(), &t, &a));
+        // Another proposal, the same id with another nonce (a proposal
+        // that got the id again), another gateway, another key, or any
+        // field changed: refused.
+        for other_t in [
+            Target {
+                proposal: "p-2",
+                ..t
+            },
+            Target { nonce: "n2", ..t },
+            Target { gateway: "g2", ..t },
+        ] {
+            assert!(!verify(&k.verifying_key(), &other_t, &a));
+        }
+        assert!(!verify(&other.verifying_key(), &t, &a));
         for f in [
             |a: &mut SignedApproval| a.hash = "b".repeat(64),
             |a: &mut SignedApproval| a.approver = "bob".into(),
@@ -171,7 +212,7 @@ mod tests {
         ] {
             let mut b = a.clone();
             f(&mut b);
-            assert!(!verify(&k.verifying_key(), "p-1", &b));
+            assert!(!verify(&k.verifying_key(), &t, &b));
         }
     }
 

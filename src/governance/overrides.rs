@@ -137,7 +137,11 @@ impl Overrides {
             by: by.to_string(),
             reason,
             refused: 0,
-            credit: 1.0,
+            // The first request passes, unless nothing may (a 0% throttle).
+            credit: match action {
+                Action::Throttle { percent } if percent <= 0.0 => 0.0,
+                _ => 1.0,
+            },
         };
         self.list.push(o.clone());
         (o, replaced)
@@ -289,6 +293,26 @@ mod tests {
         let r = o.check(1.0, Scope::Tenant, Some("x")).unwrap();
         assert_eq!((r.status, r.code), (429, "throttled"));
         assert!(r.message.contains("incident 7"));
+    }
+
+    #[test]
+    fn a_zero_throttle_admits_nothing_not_even_the_first() {
+        let mut o = Overrides::default();
+        o.add(
+            0.0,
+            NewOverride {
+                scope: Scope::Tier,
+                name: "t",
+                action: Action::Throttle { percent: 0.0 },
+                for_ms: 60_000.0,
+                by: "ops",
+                reason: None,
+            },
+        );
+        for _ in 0..5 {
+            let r = o.check(1.0, Scope::Tier, Some("t")).unwrap();
+            assert_eq!((r.status, r.code), (429, "throttled"));
+        }
     }
 
     #[test]

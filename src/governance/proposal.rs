@@ -60,6 +60,8 @@ pub enum Kind {
 #[derive(Debug, Clone)]
 pub struct Proposal {
     pub id: String,
+    /// Random, drawn when proposed: approvals sign it with the id.
+    pub nonce: String,
     pub kind: Kind,
     pub state: State,
     pub files: BTreeMap<String, String>,
@@ -82,6 +84,15 @@ pub struct Proposal {
 }
 
 impl Proposal {
+    /// What approvals of this proposal sign, on the gateway `gateway`.
+    pub fn target<'a>(&'a self, gateway: &'a str) -> super::keys::Target<'a> {
+        super::keys::Target {
+            gateway,
+            proposal: &self.id,
+            nonce: &self.nonce,
+        }
+    }
+
     pub fn status(&self, now_s: u64) -> Vec<NeedStatus> {
         approval::evaluate(&self.needs, &self.approvals, now_s)
     }
@@ -107,6 +118,8 @@ impl Proposal {
             .collect();
         ProposalView {
             id: self.id.clone(),
+            gateway: String::new(),
+            nonce: self.nonce.clone(),
             kind: match self.kind {
                 Kind::Change => "change".into(),
                 Kind::Rollback => "rollback".into(),

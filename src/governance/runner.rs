@@ -727,6 +727,7 @@ route [low] tiny { default => fp16 }
             watch_ms: 0.0,
             default_canary_ms: 0.0,
             dry_run_records: 10,
+            max_override_ms: 86_400_000.0,
         })
         .unwrap()
     }

@@ -77,6 +77,10 @@ struct StoredDecision {
 #[serde(deny_unknown_fields)]
 pub struct StoredProposal {
     id: String,
+    /// The random nonce approvals sign (empty in files written before it
+    /// existed: such a proposal's approvals no longer verify).
+    #[serde(default)]
+    nonce: String,
     kind: Kind,
     state: State,
     files: BTreeMap<String, String>,
@@ -177,6 +181,7 @@ impl StoredProposal {
     pub fn of(p: &Proposal) -> StoredProposal {
         StoredProposal {
             id: p.id.clone(),
+            nonce: p.nonce.clone(),
             kind: p.kind,
             state: p.state,
             files: p.files.clone(),
@@ -251,6 +256,7 @@ impl StoredProposal {
             .collect();
         Ok(Proposal {
             id: self.id.clone(),
+            nonce: self.nonce.clone(),
             kind: self.kind,
             state: self.state,
             files: self.files.clone(),
@@ -274,16 +280,17 @@ impl StoredProposal {
     }
 }
 
-/// Proposals worth keeping across a restart: open or stale ones.
+/// Proposals worth keeping across a restart: open or stale ones, and the
+/// one rolling out (a restart records what became of it).
 pub fn kept(p: &Proposal) -> bool {
-    p.state.open() || p.state == State::Stale
+    p.state.open() || matches!(p.state, State::Stale | State::Rolling)
 }
 
 impl Snapshot {
     /// The stored proposals that still hold, with their approvals checked
-    /// again under `approvers` (groups as configured now), and what was
-    /// dropped.
-    pub fn verify(&self, approvers: &[Approver]) -> (Vec<Proposal>, Vec<Dropped>) {
+    /// again under `approvers` (groups as configured now) for the gateway
+    /// `gateway`, and what was dropped.
+    pub fn verify(&self, approvers: &[Approver], gateway: &str) -> (Vec<Proposal>, Vec<Dropped>) {
         let mut out = Vec::new();
         let mut dropped = Vec::new();
         for s in &self.proposals {
@@ -306,7 +313,12 @@ impl Snapshot {
                     continue;
                 }
             };
-            let (id, hash) = (p.id.clone(), p.hash.clone());
+            let (id, hash, nonce) = (p.id.clone(), p.hash.clone(), p.nonce.clone());
+            let target = keys::Target {
+                gateway,
+                proposal: &id,
+                nonce: &nonce,
+            };
             p.approvals.retain_mut(|a| {
                 let signed = SignedApproval {
                     approver: a.approver.clone(),
@@ -316,7 +328,7 @@ impl Snapshot {
                     signature: a.signature.clone(),
                 };
                 match approvers.iter().find(|r| r.name == a.approver) {
-                    Some(r) if keys::verify(&r.key, &id, &signed) => {
+                    Some(r) if keys::verify(&r.key, &target, &signed) => {
                         a.groups = r.groups.clone();
                         true
                     }
@@ -399,11 +411,14 @@ mod tests {
     use crate::governance::approval::Approver;
     use ed25519_dalek::SigningKey;
 
+    const GW: &str = "gw";
+
     fn approver(name: &str, seed: u8) -> (Approver, SigningKey) {
         let k = SigningKey::from_bytes(&[seed; 32]);
         (
             Approver {
                 name: name.into(),
+                person: name.into(),
                 groups: vec!["platform".into()],
                 key: k.verifying_key(),
             },
@@ -416,6 +431,7 @@ mod tests {
         let hash = files_hash(&files);
         Proposal {
             id: "p-3".into(),
+            nonce: "n3".into(),
             kind: Kind::Change,
             state: State::Pending,
             files,
@@ -456,7 +472,12 @@ mod tests {
             approvals: approvals
                 .iter()
                 .map(|(name, k)| {
-                    let s = keys::sign(k, "p-3", &hash, name, 100, 4_000_000_000);
+                    let t = keys::Target {
+                        gateway: GW,
+                        proposal: "p-3",
+                        nonce: "n3",
+                    };
+                    let s = keys::sign(k, &t, &hash, name, 100, 4_000_000_000);
                     Accepted {
                         approver: s.approver,
                         groups: vec!["platform".into()],
@@ -495,7 +516,7 @@ mod tests {
         let path = Path::new("state.json");
         let back = Snapshot::parse(path, &String::from_utf8(s.to_bytes()).unwrap()).unwrap();
         assert_eq!(back, s);
-        let (ps, dropped) = back.verify(&[alice]);
+        let (ps, dropped) = back.verify(&[alice], GW);
         assert!(dropped.is_empty(), "{dropped:?}");
         assert_eq!(ps.len(), 1);
         let q = &ps[0];
@@ -513,7 +534,7 @@ mod tests {
         s.proposals[0]
             .files
             .insert("p.kiln".into(), "pool q {}".into());
-        let (ps, dropped) = s.verify(&[alice]);
+        let (ps, dropped) = s.verify(&[alice], GW);
         assert!(ps.is_empty());
         assert!(matches!(&dropped[..], [Dropped::Proposal { id, .. }] if id == "p-3"));
     }
@@ -525,14 +546,14 @@ mod tests {
         let s = snapshot(&proposal(&[("alice", &ka), ("bob", &kb)]));
         // bob removed; alice's key replaced.
         let (alice2, _) = approver("alice", 7);
-        let (ps, dropped) = s.verify(&[alice2]);
+        let (ps, dropped) = s.verify(&[alice2], GW);
         assert_eq!(ps.len(), 1);
         assert!(ps[0].approvals.is_empty());
         assert_eq!(dropped.len(), 2);
-        let (ps, dropped) = s.verify(&[alice, bob.clone()]);
+        let (ps, dropped) = s.verify(&[alice, bob.clone()], GW);
         assert!(dropped.is_empty());
         assert_eq!(ps[0].approvals.len(), 2);
-        let (ps, _) = s.verify(&[bob]);
+        let (ps, _) = s.verify(&[bob], GW);
         assert_eq!(ps[0].approvals.len(), 1);
         assert_eq!(ps[0].approvals[0].approver, "bob");
     }
@@ -554,7 +575,7 @@ mod tests {
         }
         let mut s = snapshot(&proposal(&[]));
         s.proposals[0].change_kinds = vec!["made_up".into()];
-        let (ps, dropped) = s.verify(&[]);
+        let (ps, dropped) = s.verify(&[], GW);
         assert!(ps.is_empty());
         assert!(matches!(&dropped[..], [Dropped::Unreadable { .. }]));
     }

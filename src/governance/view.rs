@@ -73,6 +73,13 @@ pub struct ApprovalLine {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ProposalView {
     pub id: String,
+    /// The gateway's identity, which approvals sign.
+    #[serde(default)]
+    pub gateway: String,
+    /// The random nonce the gateway drew for this proposal, which
+    /// approvals sign (so they never fit another proposal with this id).
+    #[serde(default)]
+    pub nonce: String,
     /// change or rollback
     pub kind: String,
     /// pending, approved, rolling, enforced, rolled_back, refused, stale, withdrawn

@@ -63,9 +63,12 @@ pub struct AdminConfig {
     /// answer only when the gateway listens on loopback.
     #[serde(default)]
     pub token_sha256: Vec<String>,
-    /// Named admin tokens (`[[admin.tokens]] name = "alice" sha256 = "…"`):
-    /// the name is who proposed, rolled back or paused, in the audit log.
-    /// Tokens in `token_sha256` act as `admin`.
+    /// Named admin tokens (`[[admin.tokens]] name = "alice" sha256 = "…"`,
+    /// optionally `person = "alice"`): the person (by default the name) is
+    /// who proposed, rolled back or paused, in the audit log, and never
+    /// counts as an approver of their own proposal. Tokens in
+    /// `token_sha256` act as `admin`, a person nobody is: with approvals
+    /// required they may read but not act on governance.
     #[serde(default)]
     pub tokens: Vec<NamedToken>,
 }
@@ -76,17 +79,39 @@ pub struct NamedToken {
     pub name: String,
     /// SHA-256 (hex) of the token.
     pub sha256: String,
+    /// The person who holds it (by default the name): the same person as
+    /// an approver with this `person` (or this name), so one person with
+    /// several tokens, or a token named otherwise than their approver
+    /// entry, is still one person.
+    #[serde(default)]
+    pub person: Option<String>,
+}
+
+impl NamedToken {
+    pub fn person(&self) -> &str {
+        self.person.as_deref().unwrap_or(&self.name)
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ApproverConfig {
     pub name: String,
+    /// The person the key belongs to (by default the name): they never
+    /// approve what they proposed, with whichever admin token.
+    #[serde(default)]
+    pub person: Option<String>,
     /// Groups the approval rules name (`require 2 from "platform-leads"`).
     #[serde(default)]
     pub groups: Vec<String>,
     /// ed25519 public key, 64 hex digits (`kiln keygen` prints it).
     pub public_key: String,
+}
+
+impl ApproverConfig {
+    pub fn person(&self) -> &str {
+        self.person.as_deref().unwrap_or(&self.name)
+    }
 }
 
 /// When approvals are required.
@@ -130,8 +155,15 @@ pub struct GovernanceSection {
     /// without `[audit] path`.
     #[serde(default)]
     pub state: Option<PathBuf>,
+    /// The longest pause or throttle an admin may set (`kiln pause --for`);
+    /// longer is refused: change the policy through a proposal instead.
+    #[serde(default = "default_max_override")]
+    pub max_override: String,
 }
 
+fn default_max_override() -> String {
+    "24h".into()
+}
 fn default_approval_ttl() -> String {
     "24h".into()
 }
@@ -162,6 +194,7 @@ impl Default for GovernanceSection {
             default_canary: default_canary(),
             dry_run_records: default_dry_run(),
             state: None,
+            max_override: default_max_override(),
         }
     }
 }
@@ -181,6 +214,9 @@ impl GovernanceSection {
     }
     pub fn default_canary_ms(&self) -> f64 {
         Self::ms(&self.default_canary, 600_000.0)
+    }
+    pub fn max_override_ms(&self) -> f64 {
+        Self::ms(&self.max_override, 86_400_000.0)
     }
 }
 
@@ -491,7 +527,29 @@ impl ServerConfig {
             }
         }
         let mut approvers = std::collections::BTreeSet::new();
+        let mut people: BTreeMap<&str, &str> = BTreeMap::new();
+        let mut keys: BTreeMap<String, &str> = BTreeMap::new();
         for a in &self.approvers {
+            if let Some(other) = people.insert(a.person(), a.name.as_str()) {
+                return Err(ConfigError::Invalid {
+                    message: format!(
+                        "approvers `{other}` and `{}` are the same person (`{}`): one person would count twice",
+                        a.name,
+                        a.person()
+                    ),
+                    help: Some("give each person one [[approvers]] entry, with all their groups in it".into()),
+                });
+            }
+            let key = a.public_key.trim().to_ascii_lowercase();
+            if let Some(other) = keys.insert(key, a.name.as_str()) {
+                return Err(ConfigError::Invalid {
+                    message: format!(
+                        "approvers `{other}` and `{}` have the same public key: whoever holds it would count as two approvers",
+                        a.name
+                    ),
+                    help: Some("an approver key belongs to one person: give each approver their own key (`kiln keygen --out NAME`), or merge the entries into one with all their groups".into()),
+                });
+            }
             if a.name.trim().is_empty() || !approvers.insert(a.name.as_str()) {
                 return Err(ConfigError::Invalid {
                     message: format!("approver name `{}` is empty or used twice", a.name),
@@ -513,6 +571,7 @@ impl ServerConfig {
             ("watch", &g.watch),
             ("window", &g.window),
             ("default_canary", &g.default_canary),
+            ("max_override", &g.max_override),
         ] {
             if crate::governance::parse_duration_ms(v).is_none() {
                 return Err(ConfigError::Invalid {
@@ -521,9 +580,13 @@ impl ServerConfig {
                 });
             }
         }
-        if self.governance_enabled() && !self.has_admin_tokens() {
+        if self.governance_enabled() && self.admin.tokens.is_empty() {
             return Err(ConfigError::Invalid {
-                message: "approvals are required ([[approvers]] or governance.mode = \"on\") but no admin token is configured".into(),
+                message: if self.has_admin_tokens() {
+                    "approvals are required ([[approvers]] or governance.mode = \"on\") but the only admin tokens are unnamed ([admin] token_sha256): nobody could propose as a known person".into()
+                } else {
+                    "approvals are required ([[approvers]] or governance.mode = \"on\") but no admin token is configured".into()
+                },
                 help: Some("add [[admin.tokens]] with a name for each person who proposes changes: proposers must be known so they cannot approve their own".into()),
             });
         }
@@ -608,19 +671,31 @@ impl ServerConfig {
         self.admin_identity(token).is_some()
     }
 
-    /// Who an admin token is: its name, or `admin` for a token listed in
-    /// `token_sha256`.
+    /// Who an admin token is: its person (by default its name), or
+    /// `admin` for a token listed in `token_sha256`.
     pub fn admin_identity(&self, token: &str) -> Option<String> {
         let h = hash_secret(token);
         let same = |t: &str| constant_time_eq(t.to_ascii_lowercase().as_bytes(), h.as_bytes());
         if let Some(t) = self.admin.tokens.iter().find(|t| same(&t.sha256)) {
-            return Some(t.name.clone());
+            return Some(t.person().to_string());
         }
         self.admin
             .token_sha256
             .iter()
             .any(|t| same(t))
             .then(|| "admin".to_string())
+    }
+
+    /// Whether `token` is one of the unnamed `token_sha256` tokens (and no
+    /// named token): it names no person.
+    pub fn is_unnamed_token(&self, token: Option<&str>) -> bool {
+        let Some(token) = token else {
+            return false;
+        };
+        let h = hash_secret(token);
+        let same = |t: &str| constant_time_eq(t.to_ascii_lowercase().as_bytes(), h.as_bytes());
+        !self.admin.tokens.iter().any(|t| same(&t.sha256))
+            && self.admin.token_sha256.iter().any(|t| same(t))
     }
 
     pub fn has_admin_tokens(&self) -> bool {
@@ -780,6 +855,57 @@ mod tests {
         assert!(ServerConfig::parse("t", &bad).is_err());
         let bad = text.replace("\"5m\"", "\"soon\"");
         assert!(ServerConfig::parse("t", &bad).is_err());
+    }
+
+    #[test]
+    fn one_key_or_one_person_in_two_approver_entries_is_refused() {
+        let key = crate::governance::keys::public_hex(
+            &ed25519_dalek::SigningKey::from_bytes(&[1; 32]).verifying_key(),
+        );
+        let other = crate::governance::keys::public_hex(
+            &ed25519_dalek::SigningKey::from_bytes(&[2; 32]).verifying_key(),
+        );
+        let tokens = format!(
+            "[[admin.tokens]]\nname = \"ops\"\nsha256 = \"{}\"\n",
+            hash_secret("t")
+        );
+        let e = ServerConfig::parse(
+            "t",
+            &format!("{tokens}[[approvers]]\nname = \"bob\"\npublic_key = \"{key}\"\n[[approvers]]\nname = \"bob2\"\npublic_key = \"{}\"\n", key.to_uppercase()),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("same public key"), "{e}");
+        let help = miette::Diagnostic::help(&e).unwrap().to_string();
+        assert!(help.contains("their own key"), "{help}");
+        let e = ServerConfig::parse(
+            "t",
+            &format!("{tokens}[[approvers]]\nname = \"bob\"\npublic_key = \"{key}\"\n[[approvers]]\nname = \"robert\"\nperson = \"bob\"\npublic_key = \"{other}\"\n"),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("same person"), "{e}");
+        // Unnamed tokens only: nobody could propose as a person.
+        let e = ServerConfig::parse(
+            "t",
+            &format!("[admin]\ntoken_sha256 = [\"{}\"]\n[[approvers]]\nname = \"bob\"\npublic_key = \"{key}\"\n", hash_secret("x")),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("unnamed"), "{e}");
+    }
+
+    #[test]
+    fn a_token_speaks_for_its_person() {
+        let c = ServerConfig::parse(
+            "t",
+            &format!(
+                "[admin]\ntoken_sha256 = [\"{}\"]\n[[admin.tokens]]\nname = \"alice-laptop\"\nperson = \"alice\"\nsha256 = \"{}\"\n",
+                hash_secret("legacy"),
+                hash_secret("a-token")
+            ),
+        )
+        .unwrap();
+        assert_eq!(c.admin_identity("a-token").as_deref(), Some("alice"));
+        assert!(c.is_unnamed_token(Some("legacy")));
+        assert!(!c.is_unnamed_token(Some("a-token")) && !c.is_unnamed_token(None));
     }
 
     #[test]

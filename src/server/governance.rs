@@ -57,6 +57,7 @@ pub fn gov_config(cfg: &ServerConfig, speed: f64) -> GovConfig {
                 .ok()
                 .map(|key| Approver {
                     name: a.name.clone(),
+                    person: a.person().to_string(),
                     groups: a.groups.clone(),
                     key,
                 })
@@ -75,6 +76,7 @@ pub fn gov_config(cfg: &ServerConfig, speed: f64) -> GovConfig {
         watch_ms: g.watch_ms(),
         default_canary_ms: g.default_canary_ms(),
         dry_run_records: g.dry_run_records,
+        max_override_ms: g.max_override_ms(),
     }
 }
 
@@ -158,7 +160,9 @@ pub fn router(app: Arc<App>) -> Router {
 }
 
 /// The caller, for actions that change governance state: with approvals
-/// on, only a named admin token (never open loopback access).
+/// on, only a named admin token's person (never open loopback access, nor
+/// an unnamed `token_sha256` token: who proposes must be a known person, so
+/// that they never approve their own change).
 fn actor(app: &App, headers: &HeaderMap) -> Result<String, ApiError> {
     let who = identify(app, headers)?;
     if app.gov.enabled && who == "loopback" {
@@ -168,7 +172,21 @@ fn actor(app: &App, headers: &HeaderMap) -> Result<String, ApiError> {
         )
         .code("unauthorized"));
     }
+    if app.gov.enabled && app.config.is_unnamed_token(headers_token(headers)) {
+        return Err(ApiError::new(
+            403,
+            "this admin token names no person ([admin] token_sha256): with approvals required, governance actions need a token from [[admin.tokens]] with a name (and `person`), so that a proposer never approves their own change",
+        )
+        .code("unnamed_token"));
+    }
     Ok(who)
+}
+
+fn headers_token(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().strip_prefix("Bearer ").map(str::trim))
 }
 
 /// The answer to a refused governance action.
