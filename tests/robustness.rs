@@ -204,13 +204,15 @@ fn deeply_nested_conditions() {
     }
 }
 
-/// Check, lint and fmt of a policy whose one classify rule is an `and`
-/// chain of `n` distinct terms.
-fn and_chain_seconds(n: usize) -> f64 {
+/// A policy whose one classify rule is an `and` chain of `n` distinct
+/// terms (a 20k-term chain once took 8 s to compile: each term copied the
+/// conjunction so far; `cargo bench --bench check` measures 2k against
+/// 20k terms).
+fn and_chain(n: usize) -> String {
     let terms: Vec<String> = (0..n)
         .map(|i| format!("header(\"x-{i}\") == \"v\""))
         .collect();
-    let text = format!(
+    format!(
         r#"pool gpu {{ gpus 4 kind "H100-80GB" memory 80GB }}
 model m {{ variant fp16 {{ memory 40GB pools [gpu] }} }}
 tier chat {{ priority 100 slo {{ ttft 500ms }} }}
@@ -222,29 +224,16 @@ classify {{
 route chat m {{ default => fp16 }}
 "#,
         terms.join(" and ")
-    );
-    let started = std::time::Instant::now();
+    )
+}
+
+#[test]
+fn a_long_and_chain_compiles_lints_and_formats() {
+    let text = and_chain(20_000);
     let c = compile_str("chain.kiln", &text);
     assert!(!c.has_errors(), "{:?}", c.diagnostics.items.first());
     let _ = lint(&c);
     let f = parse(FileId(0), &text).expect("parses");
-    let _ = format_file(&f, &text);
-    started.elapsed().as_secs_f64()
-}
-
-/// A 20k-term `and` chain took 8 s (each term copied the conjunction so
-/// far): ten times the terms must take well under a hundred times as long.
-#[test]
-fn a_long_and_chain_compiles_in_linear_time() {
-    let small = (0..3)
-        .map(|_| and_chain_seconds(2_000))
-        .fold(f64::INFINITY, f64::min)
-        .max(0.002);
-    let large = (0..2)
-        .map(|_| and_chain_seconds(20_000))
-        .fold(f64::INFINITY, f64::min);
-    assert!(
-        large < 30.0 * small,
-        "2k terms: {small:.3}s, 20k terms: {large:.3}s"
-    );
+    let out = format_file(&f, &text);
+    assert!(out.contains("header(\"x-19999\") == \"v\""));
 }
