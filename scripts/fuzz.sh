@@ -3,6 +3,8 @@
 # own policies, traffic slices and request bodies.
 #
 #   scripts/fuzz.sh [SECONDS_PER_TARGET] [TARGET ...]
+#   FUZZ_SEED=1 FUZZ_RUNS=SCALE scripts/fuzz.sh 0   # reproducible: fixed seed,
+#                                                  # fixed runs (CI)
 #
 # Targets: policy (parse, compile, lint, fmt), policy_upload (compile and
 # plan an uploaded policy), traffic (JSONL reader, Azure and Mooncake
@@ -46,12 +48,30 @@ seed() {
   esac
 }
 
+# Runs per target for a reproducible run (FUZZ_RUNS scales them): about
+# ten seconds each on a 2-core machine.
+runs_of() {
+  local base
+  case $1 in
+    policy | traffic) base=10000 ;;
+    policy_upload) base=20000 ;;
+    *) base=500000 ;;
+  esac
+  echo $((base * ${FUZZ_RUNS:-1}))
+}
+
 status=0
 for t in "${targets[@]}"; do
   seed "$t"
-  echo "== fuzz $t for ${secs}s"
+  if [ -n "${FUZZ_SEED:-}" ]; then
+    bound=(-seed="$FUZZ_SEED" -runs="$(runs_of "$t")")
+    echo "== fuzz $t: seed $FUZZ_SEED, $(runs_of "$t") runs"
+  else
+    bound=(-max_total_time="$secs")
+    echo "== fuzz $t for ${secs}s"
+  fi
   if ! cargo fuzz run --sanitizer none "$t" "fuzz/corpus/$t" -- \
-    -max_total_time="$secs" -rss_limit_mb=2048 -timeout=10 -max_len=65536 \
+    "${bound[@]}" -rss_limit_mb=2048 -timeout=10 -max_len=65536 \
     -print_final_stats=1; then
     echo "fuzz target $t failed; the input is under fuzz/artifacts/$t/" >&2
     status=1
