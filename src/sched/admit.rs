@@ -201,15 +201,31 @@ fn wait_within_slo(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refus
     let Some(limit) = s.wait_limit(a.tier) else {
         return Ok(());
     };
-    let est = s.estimate_wait_for(a.tier, &a.candidates);
+    let Some(target) = a.target else {
+        return Ok(());
+    };
+    let q = super::Estimating {
+        key: (target.model, target.variant),
+        tier: a.tier,
+        tenant: a.tenant,
+        prompt: a.req.prompt_tokens,
+        output: a.output,
+    };
+    let (est, above_share) = s.estimate_for(&q, &a.candidates);
     if est <= limit {
         return Ok(());
     }
     if let Some(t) = a.tenant {
         s.quotas.release(t, a.reserved, 0.0);
     }
+    // Shed from those above their fair share first: when the tier is
+    // full, a tenant whose counter is above another backlogged tenant's
+    // is refused for fairness; one at the front is refused only when the
+    // tier itself is overloaded (and then every tenant behind it is too).
     let reason = if a.graph.tiers[a.tier as usize].slo.window.is_some() {
         Reason::Deadline
+    } else if above_share {
+        Reason::Fairness
     } else {
         Reason::Overload
     };
@@ -328,6 +344,7 @@ impl Scheduler {
             variant: target.variant,
             pool: target.pool,
             affinity: self.affinity(a.tier, &a.candidates, &prefix_blocks),
+            pin_until: self.now.saturating_add(super::queue::AFFINITY_HOLD),
             prefix_blocks,
             preemptions: 0,
             backfill: tier.backfill_only,
@@ -340,7 +357,7 @@ impl Scheduler {
         if let (Admission::Delay { until }, false) = (a.admission, a.baseline) {
             w.waiting_for = Some(Reason::Delay);
             let at = self.time_at_minute(u32::from(until));
-            self.timers.push((at, a.id));
+            self.timers.push(at, a.id);
             self.queues.park(w);
             return;
         }
@@ -349,7 +366,7 @@ impl Scheduler {
             // never does when a replica could start it with others already.
             if hold > 0.0 && self.cfg.mode == Mode::Kiln && self.all_idle(&a.candidates) {
                 let at = self.now.saturating_add((hold * 1000.0) as Micros);
-                self.timers.push((at, a.id));
+                self.timers.push(at, a.id);
                 w.waiting_for = Some(Reason::Batching);
                 self.queues.park(w);
                 return;

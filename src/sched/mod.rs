@@ -33,6 +33,7 @@ pub mod replica;
 pub mod swap;
 #[cfg(test)]
 mod testkit;
+mod timers;
 
 use crate::graph::{DecisionGraph, PoolId, Request, Signals, TenantId, TierId};
 use plan::Plan;
@@ -249,8 +250,9 @@ pub struct Config {
     pub mode: Mode,
     /// Aging for tiers that declare none and are not `may_starve`.
     pub default_aging: Micros,
-    /// Admission refuses when the estimated wait exceeds the tier's TTFT
-    /// SLO times this factor (or the completion window, for batch tiers).
+    /// Admission refuses when the estimated time to first token exceeds
+    /// the tier's TTFT SLO times this factor (or the estimated wait exceeds
+    /// the completion window, for batch tiers). 1 keeps the SLO's word.
     pub admission_slack: f64,
     /// Prefill tokens and generated tokens weigh this much in fair share.
     pub vtc_input_weight: f64,
@@ -270,7 +272,7 @@ impl Default for Config {
         Config {
             mode: Mode::Kiln,
             default_aging: 60 * SEC,
-            admission_slack: 4.0,
+            admission_slack: 1.0,
             vtc_input_weight: 1.0,
             vtc_output_weight: 2.0,
             fairness_window: Some(600 * SEC),
@@ -278,6 +280,43 @@ impl Default for Config {
             start_minute_of_day: 12 * 60,
             start_weekday: 0,
         }
+    }
+}
+
+/// The request an estimate is for.
+pub(crate) struct Estimating {
+    pub key: (u16, u16),
+    pub tier: TierId,
+    pub tenant: Option<TenantId>,
+    pub prompt: u64,
+    pub output: u32,
+}
+
+/// Queued work started recently is counted over about this long.
+pub const DRAIN_WINDOW: Micros = 10 * SEC;
+
+/// How fast queued work starts on a variant's replicas: tokens started,
+/// decayed exponentially, so the rate follows the load.
+#[derive(Debug, Clone, Copy, Default)]
+struct Drain {
+    tokens: f64,
+    at: Micros,
+}
+
+impl Drain {
+    fn decayed(&self, now: Micros) -> f64 {
+        let dt = now.saturating_sub(self.at) as f64 / DRAIN_WINDOW as f64;
+        self.tokens * (-dt).exp()
+    }
+
+    fn add(&mut self, now: Micros, tokens: f64) {
+        self.tokens = self.decayed(now) + tokens;
+        self.at = now;
+    }
+
+    /// Tokens per second.
+    fn rate(&self, now: Micros) -> f64 {
+        self.decayed(now) / (DRAIN_WINDOW as f64 / SEC as f64)
     }
 }
 
@@ -301,7 +340,7 @@ pub struct Scheduler {
     quotas: Quotas,
     held: HashMap<ReqId, Held>,
     /// Requests waiting for a delay window or a batching hold.
-    timers: Vec<(Micros, ReqId)>,
+    timers: timers::Timers,
     sessions: HashMap<String, (TierId, u64)>,
     /// Draining replicas whose variant a policy swap dropped, by the names
     /// they had, so a later version that has them again can take them.
@@ -315,6 +354,8 @@ pub struct Scheduler {
     /// Whether the canary decided the last arrival.
     last_canary: bool,
     out: Vec<Action>,
+    /// Queued work started per (model, variant), for wait estimates.
+    drain: HashMap<(u16, u16), Drain>,
     /// When a request of each tier last started (to tell a request that
     /// was overtaken by a higher tier from one that only lacked room).
     tier_started: Vec<Micros>,
@@ -351,7 +392,7 @@ impl Scheduler {
             queues,
             quotas,
             held: HashMap::default(),
-            timers: Vec::new(),
+            timers: timers::Timers::default(),
             sessions: HashMap::default(),
             gone: HashMap::default(),
             signals,
@@ -360,6 +401,7 @@ impl Scheduler {
             last_canary: false,
             out: Vec::new(),
             tier_started: vec![0; graph_tiers],
+            drain: HashMap::default(),
         }
     }
 
@@ -530,7 +572,7 @@ impl Scheduler {
         }
         let mut used = 0.0;
         if let Some(w) = self.queues.unpark(id) {
-            self.timers.retain(|&(_, t)| t != id);
+            self.timers.remove(id);
             used = swap::served_tokens(&w);
         } else if let Some(w) = self.queues.remove(id) {
             used = swap::served_tokens(&w);
@@ -666,7 +708,8 @@ impl Scheduler {
         self.now + delta * 60 * SEC - if delta > 0 { into_minute } else { 0 }
     }
 
-    /// The longest wait the tier's SLO tolerates before the first token.
+    /// The longest wait the tier's SLO tolerates before the first token
+    /// (for a completion-window tier, before the request starts).
     fn wait_limit(&self, tier: TierId) -> Option<Micros> {
         let slo = &self.graph.tiers[tier as usize].slo;
         if let Some(ttft) = slo.ttft {
@@ -675,25 +718,68 @@ impl Scheduler {
         slo.window.map(|w| (w * 1000.0) as Micros)
     }
 
-    /// Estimated wait before a request of `tier` starts on one of
-    /// `replicas`: queued work at the same or higher priority, at the
-    /// replicas' current token throughput.
-    fn estimate_wait_for(&self, tier: TierId, replicas: &[usize]) -> Micros {
-        let ahead = self.queues.tokens_at_or_above(&self.graph, tier);
-        let mut free_slots = 0u64;
-        let mut rate = 0.0; // tokens per second across replicas
+    /// Estimated time before request `q` gets its first token on one of
+    /// `replicas`, under the order the queues will actually use: the work
+    /// ordered ahead of it ([`Queues::ahead`]: higher-ranked tiers, its own
+    /// tenant's queue, and what fair share lets each other tenant of its
+    /// tier take first), drained at the rate these replicas have been
+    /// starting queued work (or their modelled throughput, if higher),
+    /// then its own prefill. With nothing ahead it starts as soon as a
+    /// batch slot is free. Also says whether its tenant is above its fair
+    /// share (so a refusal can say `fairness`).
+    fn estimate_for(&self, q: &Estimating, replicas: &[usize]) -> (Micros, bool) {
+        let cost = self.cfg.vtc_input_weight * q.prompt as f64
+            + self.cfg.vtc_output_weight * f64::from(q.output);
+        let ahead = self
+            .queues
+            .ahead(&self.graph, &self.cfg, q.key, q.tier, q.tenant, cost);
+        let (mut free_slots, mut rate, mut soonest) = (0u64, 0.0, Micros::MAX);
+        let mut prefill = Micros::MAX;
         for &r in replicas {
-            let rep = &self.replicas[r];
+            let Some(rep) = self.replicas.get(r) else {
+                continue;
+            };
+            if !rep.up || rep.draining {
+                continue;
+            }
             free_slots += u64::from(rep.free_seq_slots());
             rate += rep.throughput_tokens_per_s();
+            prefill = prefill.min(rep.prefill_time(q.prompt));
         }
-        if ahead == 0 && free_slots > 0 {
-            return 0;
+        if prefill == Micros::MAX {
+            return (u64::MAX / 4, ahead.above_share);
         }
-        if rate <= 0.0 {
-            return u64::MAX / 4;
-        }
-        ((ahead as f64 / rate) * SEC as f64) as Micros
+        let rate = rate.max(self.drain_rate(q.key));
+        let start = if ahead.tokens <= 0.0 {
+            if free_slots > 0 {
+                0
+            } else {
+                // The first slot to free, or at once where it may preempt.
+                for &r in replicas {
+                    let Some(rep) = self.replicas.get(r).filter(|x| x.up && !x.draining) else {
+                        continue;
+                    };
+                    let preempt = self.cfg.mode == Mode::Kiln
+                        && rep
+                            .running
+                            .iter()
+                            .any(|x| self.may_preempt(r, x, q.tier, q.tenant));
+                    soonest = soonest.min(if preempt { 0 } else { rep.time_to_free() });
+                }
+                soonest
+            }
+        } else if rate <= 0.0 {
+            u64::MAX / 4
+        } else {
+            ((ahead.tokens / rate) * SEC as f64) as Micros
+        };
+        (start.saturating_add(prefill), ahead.above_share)
+    }
+
+    /// Tokens per second the queues of (model, variant) have been starting
+    /// lately (decayed over [`DRAIN_WINDOW`]).
+    fn drain_rate(&self, key: (u16, u16)) -> f64 {
+        self.drain.get(&key).map_or(0.0, |d| d.rate(self.now))
     }
 
     /// The `estimated_wait` signal policies read: for the request's route
@@ -710,7 +796,14 @@ impl Scheduler {
                 if reps.is_empty() {
                     0
                 } else {
-                    self.estimate_wait_for(d.tier, &reps)
+                    let q = Estimating {
+                        key: (t.model, t.variant),
+                        tier: d.tier,
+                        tenant: d.tenant,
+                        prompt: req.prompt_tokens,
+                        output: d.max_tokens.min(u64::from(u32::MAX)) as u32,
+                    };
+                    self.estimate_for(&q, &reps).0
                 }
             }
             None => 0,
@@ -721,18 +814,7 @@ impl Scheduler {
         if self.timers.is_empty() {
             return;
         }
-        let now = self.now;
-        let mut due: Vec<ReqId> = Vec::new();
-        self.timers.retain(|&(t, id)| {
-            if t <= now {
-                due.push(id);
-                false
-            } else {
-                true
-            }
-        });
-        due.sort_unstable();
-        for id in due {
+        for id in self.timers.take_due(self.now) {
             if let Some(w) = self.queues.unpark(id) {
                 self.queues.push(w, &self.cfg);
             }
@@ -746,7 +828,7 @@ impl Scheduler {
     }
 
     fn next_wake(&self) -> Option<Micros> {
-        let timer = self.timers.iter().map(|(t, _)| *t).min();
+        let timer = self.timers.next();
         let expiry = self.queues.next_expiry();
         match (timer, expiry) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -889,6 +971,14 @@ impl Scheduler {
                 break;
             }
             self.queues.charge(&self.graph, &self.cfg, &w);
+            if w.arrival < self.now {
+                // It had queued: its start is the queue draining.
+                let now = self.now;
+                self.drain
+                    .entry((w.model, w.variant))
+                    .or_default()
+                    .add(now, w.tokens() as f64);
+            }
             let id = w.id;
             let waited_for = if self.now > w.arrival {
                 match w.waiting_for {
@@ -952,29 +1042,11 @@ impl Scheduler {
                 return false;
             }
         }
-        let cohort = w.tenant.and_then(|t| self.quotas.cohort(t));
         let victim = self.replicas[r]
             .running
             .iter()
             .enumerate()
-            .filter(|(_, s)| {
-                // Lower tiers this tier may preempt, or work a cohort member
-                // runs on borrowed quota, which the lender reclaims.
-                let reclaim = s.w.borrowed
-                    && cohort.is_some()
-                    && s.w.tenant != w.tenant
-                    && s.w.tenant.and_then(|t| self.quotas.cohort(t)) == cohort;
-                (tier.preempts.contains(&s.w.tier) || reclaim)
-                    && self
-                        .graph
-                        .tiers
-                        .get(s.w.tier as usize)
-                        .is_some_and(|t| t.preemptible)
-                    && !s.w.orphan
-                    && s.w.preemptions < self.cfg.max_preemptions_per_seq
-                    // it could come back here (a swap may shrink memory)
-                    && s.kv <= self.replicas[r].spec.kv_capacity
-            })
+            .filter(|(_, s)| self.may_preempt(r, s, w.tier, w.tenant))
             // lowest priority first, then the one that started last (least work lost)
             .min_by_key(|(_, s)| {
                 (
@@ -1003,6 +1075,33 @@ impl Scheduler {
         seq.w.waiting_for = Some(Reason::Preempted);
         self.queues.push_front(seq.w);
         true
+    }
+
+    /// Whether a request of `tier` and `tenant` may preempt sequence `s`
+    /// running on replica `r`: a lower tier it may preempt, or work a
+    /// cohort member runs on borrowed quota, which the lender reclaims;
+    /// preemptible, within its thrash budget, and able to come back here.
+    fn may_preempt(&self, r: usize, s: &Seq, tier: TierId, tenant: Option<TenantId>) -> bool {
+        let Some(t) = self.graph.tiers.get(tier as usize) else {
+            return false;
+        };
+        let cohort = tenant.and_then(|t| self.quotas.cohort(t));
+        let reclaim = s.w.borrowed
+            && cohort.is_some()
+            && s.w.tenant != tenant
+            && s.w.tenant.and_then(|t| self.quotas.cohort(t)) == cohort;
+        (t.preempts.contains(&s.w.tier) || reclaim)
+            && self
+                .graph
+                .tiers
+                .get(s.w.tier as usize)
+                .is_some_and(|t| t.preemptible)
+            && !s.w.orphan
+            && s.w.preemptions < self.cfg.max_preemptions_per_seq
+            && self
+                .replicas
+                .get(r)
+                .is_some_and(|x| !x.spec.external && s.kv <= x.spec.kv_capacity)
     }
 
     /// Whether a request of a higher-priority tier started after `w` arrived.
@@ -1230,7 +1329,14 @@ mod tests {
         assert!(r.throughput_tokens_per_s().is_finite());
         assert!(r.throughput_tokens_per_s() > 0.0);
         assert!(r.time_to_free() > 0);
-        let est = s.estimate_wait_for(1, &[ext]);
+        let q = Estimating {
+            key: (1, 0),
+            tier: 1,
+            tenant: Some(1),
+            prompt: 100,
+            output: 10,
+        };
+        let est = s.estimate_for(&q, &[ext]).0;
         assert!(est < u64::MAX / 4, "{est}");
     }
 

@@ -4,11 +4,22 @@
 //! per unit of weight, goes next); requests within a tenant by arrival, or
 //! earliest deadline first in tiers with a completion window. Baseline modes
 //! replace the first two with plain FIFO or strict priority.
+//!
+//! Aging raises a *tier* against other tiers (by the age of its oldest
+//! waiting request); it never reorders tenants inside a tier, where only
+//! the fair-share counter decides.
+//!
+//! Every structure is indexed so that the cost of an event does not grow
+//! with the backlog: each tenant's requests sit in ordered maps (one for
+//! work any replica may take, one per replica or pool it is pinned to),
+//! backlogged tenants in a set ordered by their counters, deadlines and
+//! expiries in ordered sets, and every request in an index by id. A pick
+//! costs O(tiers + tenants skipped + log n), never a scan of the queue.
 
 use super::{Config, Micros, Mode, ReqId};
 use crate::graph::{DecisionGraph, PoolId, TenantId, TierId};
 use rustc_hash::FxHashMap as HashMap;
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 
 /// A request waiting to start (or to resume, after a preemption).
 #[derive(Debug, Clone, PartialEq)]
@@ -29,8 +40,10 @@ pub struct Waiting {
     pub variant: u16,
     pub pool: Option<PoolId>,
     pub prefix_blocks: Vec<u64>,
-    /// The replica holding this prompt's prefix, preferred for a while.
+    /// The replica routing chose for it: until `pin_until` only that
+    /// replica may take it (`Micros::MAX`: only ever that one).
     pub affinity: Option<usize>,
+    pub pin_until: Micros,
     pub preemptions: u32,
     pub backfill: bool,
     /// Its reservation used tokens borrowed from the cohort: lenders may
@@ -74,7 +87,7 @@ pub struct Slot {
 }
 
 /// How long a request waits for the replica holding its prefix before any
-/// replica may take it.
+/// replica may take it (when routing gives no hold of its own).
 pub const AFFINITY_HOLD: Micros = 50_000;
 
 impl Waiting {
@@ -82,11 +95,63 @@ impl Waiting {
         u64::from(self.prompt_tokens)
             + u64::from(self.output_tokens - self.generated.min(self.output_tokens))
     }
+
+    /// Whether replica `slot` may take it now.
+    fn fits(&self, slot: &Slot, now: Micros) -> bool {
+        self.pool.is_none_or(|p| p == slot.pool)
+            && self
+                .affinity
+                .is_none_or(|r| r == slot.replica || now >= self.pin_until)
+    }
+}
+
+/// Where a request sits in its tenant's queue, lowest first: requests put
+/// back (after a preemption: the latest first), then by deadline in
+/// completion-window tiers or by arrival order elsewhere.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct Order {
+    band: u8,
+    key: u64,
+    /// Ties keep the order they were queued in.
+    seq: u64,
+    id: ReqId,
+}
+
+/// Which of a tenant's maps holds a request: work any replica (of its
+/// pool) may take, or work pinned to one replica for now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Home {
+    Free,
+    Pool(PoolId),
+    Replica(usize),
+}
+
+/// An f64 with a total order, for ordered sets of counters.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Ordered(f64);
+
+impl Eq for Ordered {}
+
+impl PartialOrd for Ordered {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Ordered {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.0.total_cmp(&other.0)
+    }
 }
 
 #[derive(Debug, Default)]
 struct TenantQueue {
-    q: VecDeque<Waiting>,
+    maps: HashMap<Home, BTreeMap<Order, Waiting>>,
+    len: usize,
+    tokens: u64,
+    /// Fair-share cost of what waits (weighted tokens, before dividing by
+    /// the tenant's weight), for position estimates.
+    cost: f64,
     /// Weighted service received (VTC counter), as of `at`.
     served: f64,
     at: Micros,
@@ -103,32 +168,92 @@ impl TenantQueue {
             _ => self.served,
         }
     }
+
+    /// A key that orders tenants as their counters do at any later time:
+    /// decay multiplies every counter by the same factor, so the order of
+    /// `ln(served) + at / window` never changes as time passes.
+    fn rank(&self, decay: Option<Micros>) -> Ordered {
+        match decay {
+            Some(w) if self.served > 0.0 => Ordered(self.served.ln() + self.at as f64 / w as f64),
+            Some(_) => Ordered(f64::NEG_INFINITY),
+            None => Ordered(self.served),
+        }
+    }
+
+    /// Its first request replica `slot` may take now.
+    fn head_for(&self, slot: &Slot, now: Micros) -> Option<(&Order, &Waiting)> {
+        [
+            Home::Free,
+            Home::Pool(slot.pool),
+            Home::Replica(slot.replica),
+        ]
+        .iter()
+        .filter_map(|h| self.maps.get(h))
+        .filter_map(|m| m.iter().find(|(_, w)| w.fits(slot, now)))
+        .min_by_key(|(o, _)| **o)
+    }
 }
 
 #[derive(Debug, Default)]
 struct TierQueue {
     /// Index 0 is "no tenant"; tenant `t` is at `t + 1`.
     tenants: Vec<TenantQueue>,
+    /// Tenants with work waiting, least served first.
+    backlog: BTreeSet<(Ordered, usize)>,
+    /// Every waiting request by arrival (aging, oldest wait).
+    arrivals: BTreeSet<(Micros, ReqId)>,
+    /// Requests with a completion deadline, earliest first.
+    deadlines: BTreeSet<(Micros, ReqId)>,
     len: usize,
     tokens: u64,
+}
+
+/// Where a queued request is, for removal by id.
+#[derive(Debug, Clone, Copy)]
+struct Loc {
+    key: (u16, u16),
+    tier: usize,
+    slot: usize,
+    home: Home,
+    order: Order,
+}
+
+/// What is ordered ahead of a new request, for its wait estimate.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Ahead {
+    /// Tokens (prompt plus output still to make) that will start first.
+    pub tokens: f64,
+    /// Whether its tenant is above its fair share of the tier: other
+    /// backlogged tenants have received less weighted service.
+    pub above_share: bool,
 }
 
 #[derive(Debug, Default)]
 pub struct Queues {
     /// Per routed (model, variant): per tier.
     by_variant: HashMap<(u16, u16), Vec<TierQueue>>,
+    index: HashMap<ReqId, Loc>,
     tiers: usize,
     tenants: usize,
     len: usize,
     non_backfill: HashMap<(u16, u16), usize>,
     tier_tokens: Vec<u64>,
     expiries: BTreeSet<(Micros, ReqId)>,
+    /// Soft pins to a replica, by when they lapse.
+    pins: BTreeSet<(Micros, ReqId)>,
     parked: HashMap<ReqId, Waiting>,
     aging: Vec<Option<Micros>>,
+    priority: Vec<i64>,
+    /// Backfill-only tiers (they take only capacity nothing else wants).
+    backfill: Vec<bool>,
     windowed: Vec<bool>,
     /// Completion window per tier, for deadline urgency.
     window_len: Vec<Option<Micros>>,
     decay: Option<Micros>,
+    vtc: (f64, f64),
+    /// Put-back and push counters for [`Order`].
+    fronts: u64,
+    backs: u64,
     now: Micros,
 }
 
@@ -153,6 +278,8 @@ impl Queues {
                     }
                 })
                 .collect(),
+            priority: g.tiers.iter().map(|t| t.priority).collect(),
+            backfill: g.tiers.iter().map(|t| t.backfill_only).collect(),
             windowed: g.tiers.iter().map(|t| t.slo.window.is_some()).collect(),
             window_len: g
                 .tiers
@@ -160,6 +287,7 @@ impl Queues {
                 .map(|t| t.slo.window.map(|ms| (ms * 1000.0) as Micros))
                 .collect(),
             decay: cfg.fairness_window,
+            vtc: (cfg.vtc_input_weight, cfg.vtc_output_weight),
             ..Queues::default()
         }
     }
@@ -178,37 +306,92 @@ impl Queues {
             (0..nt)
                 .map(|_| TierQueue {
                     tenants: (0..=nn).map(|_| TenantQueue::default()).collect(),
-                    len: 0,
-                    tokens: 0,
+                    ..TierQueue::default()
                 })
                 .collect()
         })
     }
 
-    /// Adds a new request at the back of its tenant's queue (or in deadline
-    /// order for windowed tiers).
-    /// Sets the clock used for fairness decay.
+    /// Sets the clock used for fairness decay and pin holds; soft pins
+    /// whose hold has lapsed are released to any replica.
     pub fn set_now(&mut self, now: Micros) {
         self.now = now;
+        while let Some(&(t, id)) = self.pins.first() {
+            if t > now {
+                break;
+            }
+            self.pins.pop_first();
+            let order = self.index.get(&id).map(|l| l.order);
+            if let (Some(order), Some(w)) = (order, self.take(id)) {
+                self.insert_ordered(w, order, false);
+            }
+        }
     }
 
+    /// Fair-share cost of a request's remaining work, before its weight.
+    fn cost_of(&self, w: &Waiting) -> f64 {
+        self.vtc.0 * f64::from(w.prompt_tokens)
+            + self.vtc.1 * f64::from(w.output_tokens.saturating_sub(w.generated))
+    }
+
+    /// Adds a new request at the back of its tenant's queue (or in deadline
+    /// order for windowed tiers).
     pub fn push(&mut self, w: Waiting, cfg: &Config) {
         let _ = cfg;
-        let windowed = self.windowed.get(w.tier as usize).copied().unwrap_or(false);
-        self.insert(w, false, windowed);
+        self.insert_at(w, false);
     }
 
     /// Puts a request back where it was: at the head of its tenant's queue.
     pub fn push_front(&mut self, w: Waiting) {
-        self.insert(w, true, false);
+        self.insert_at(w, true);
     }
 
-    fn insert(&mut self, w: Waiting, front: bool, by_deadline: bool) {
+    /// `front` puts it back at the head; otherwise it joins as new.
+    fn insert_at(&mut self, w: Waiting, front: bool) {
+        let order = if front {
+            self.fronts += 1;
+            Order {
+                band: 0,
+                key: u64::MAX - self.fronts,
+                seq: 0,
+                id: w.id,
+            }
+        } else {
+            let windowed = self.windowed.get(w.tier as usize).copied().unwrap_or(false);
+            self.backs += 1;
+            let key = if windowed {
+                w.deadline.unwrap_or(Micros::MAX)
+            } else {
+                self.backs
+            };
+            Order {
+                band: 1,
+                key,
+                seq: self.backs,
+                id: w.id,
+            }
+        };
+        self.insert_ordered(w, order, !front);
+    }
+
+    fn insert_ordered(&mut self, w: Waiting, order: Order, lift: bool) {
         let key = (w.model, w.variant);
         let (tier, slot) = (w.tier as usize, w.tenant.map_or(0, |t| t as usize + 1));
         let tokens = w.tokens();
+        let cost = self.cost_of(&w);
+        let home = match (w.affinity, w.pool) {
+            (Some(r), _) if self.now < w.pin_until => Home::Replica(r),
+            (_, Some(p)) => Home::Pool(p),
+            _ => Home::Free,
+        };
+        if tier >= self.tiers || slot > self.tenants {
+            return; // not of this graph; never happens after a remap
+        }
         if let Some(e) = w.expires {
             self.expiries.insert((e, w.id));
+        }
+        if let (Home::Replica(_), true) = (home, w.pin_until < Micros::MAX) {
+            self.pins.insert((w.pin_until, w.id));
         }
         if !w.backfill {
             *self.non_backfill.entry(key).or_default() += 1;
@@ -217,79 +400,94 @@ impl Queues {
         if let Some(t) = self.tier_tokens.get_mut(tier) {
             *t += tokens;
         }
+        self.index.insert(
+            w.id,
+            Loc {
+                key,
+                tier,
+                slot,
+                home,
+                order,
+            },
+        );
         let (now, decay) = (self.now, self.decay);
         let tiers = self.tiers_for(key);
         let Some(tq) = tiers.get_mut(tier) else {
             return;
         };
-        // VTC lift: a tenant that becomes backlogged starts no lower than
-        // the least-served backlogged tenant, so idling banks no credit.
-        // (Not when a request is put back: that tenant never left.)
-        if !front && tq.tenants.get(slot).is_some_and(|t| t.q.is_empty()) {
+        let was_idle = tq.tenants.get(slot).is_some_and(|t| t.len == 0);
+        if was_idle {
+            // VTC lift: a tenant that becomes backlogged starts no lower than
+            // the least-served backlogged tenant, so idling banks no credit.
+            // (Not when a request is put back: that tenant never left.)
             let floor = tq
-                .tenants
-                .iter()
-                .filter(|t| !t.q.is_empty())
-                .map(|t| t.served_at(now, decay))
-                .fold(f64::INFINITY, f64::min);
+                .backlog
+                .first()
+                .and_then(|&(_, s)| tq.tenants.get(s))
+                .map(|t| t.served_at(now, decay));
             if let Some(t) = tq.tenants.get_mut(slot) {
-                let mine = t.served_at(now, decay);
-                t.served = if floor.is_finite() {
-                    mine.max(floor)
-                } else {
-                    mine
-                };
-                t.at = now;
+                if lift {
+                    let mine = t.served_at(now, decay);
+                    t.served = floor.map_or(mine, |f| mine.max(f));
+                    t.at = now;
+                }
+                tq.backlog.insert((t.rank(decay), slot));
             }
         }
         tq.len += 1;
         tq.tokens += tokens;
-        let Some(t) = tq.tenants.get_mut(slot) else {
-            return;
-        };
-        if front {
-            t.q.push_front(w);
-        } else if by_deadline {
-            // Deadlines mostly arrive in order: check the back first.
-            let d = w.deadline.unwrap_or(Micros::MAX);
-            if t.q
-                .back()
-                .is_none_or(|x| x.deadline.unwrap_or(Micros::MAX) <= d)
-            {
-                t.q.push_back(w);
-            } else {
-                let pos =
-                    t.q.partition_point(|x| x.deadline.unwrap_or(Micros::MAX) <= d);
-                t.q.insert(pos, w);
-            }
-        } else {
-            t.q.push_back(w);
+        tq.arrivals.insert((w.arrival, w.id));
+        if let Some(d) = w.deadline {
+            tq.deadlines.insert((d, w.id));
+        }
+        if let Some(t) = tq.tenants.get_mut(slot) {
+            t.len += 1;
+            t.tokens += tokens;
+            t.cost += cost;
+            t.maps.entry(home).or_default().insert(order, w);
         }
     }
 
-    fn remove_at(
-        &mut self,
-        key: (u16, u16),
-        tier: usize,
-        slot: usize,
-        pos: usize,
-    ) -> Option<Waiting> {
-        let tq = self.by_variant.get_mut(&key)?.get_mut(tier)?;
-        let w = tq.tenants.get_mut(slot)?.q.remove(pos)?;
+    /// Takes request `id` out of the queues, wherever it waits.
+    fn take(&mut self, id: ReqId) -> Option<Waiting> {
+        let loc = self.index.remove(&id)?;
+        let decay = self.decay;
+        let tq = self.by_variant.get_mut(&loc.key)?.get_mut(loc.tier)?;
+        let t = tq.tenants.get_mut(loc.slot)?;
+        let map = t.maps.get_mut(&loc.home)?;
+        let w = map.remove(&loc.order)?;
+        if map.is_empty() {
+            t.maps.remove(&loc.home);
+        }
+        let tokens = w.tokens();
+        let cost = self.vtc.0 * f64::from(w.prompt_tokens)
+            + self.vtc.1 * f64::from(w.output_tokens.saturating_sub(w.generated));
+        let rank = t.rank(decay);
+        t.len -= 1;
+        t.tokens -= tokens;
+        t.cost = if t.len == 0 { 0.0 } else { t.cost - cost };
+        if t.len == 0 {
+            tq.backlog.remove(&(rank, loc.slot));
+        }
         tq.len -= 1;
-        tq.tokens -= w.tokens();
+        tq.tokens -= tokens;
+        tq.arrivals.remove(&(w.arrival, w.id));
+        if let Some(d) = w.deadline {
+            tq.deadlines.remove(&(d, w.id));
+        }
         self.len -= 1;
-        if let Some(t) = self.tier_tokens.get_mut(tier) {
-            *t -= w.tokens();
+        if let Some(t) = self.tier_tokens.get_mut(loc.tier) {
+            *t -= tokens;
         }
         if !w.backfill {
-            if let Some(n) = self.non_backfill.get_mut(&key) {
+            if let Some(n) = self.non_backfill.get_mut(&loc.key) {
                 *n -= 1;
             }
         }
         if let Some(e) = w.expires {
             self.expiries.remove(&(e, w.id));
         }
+        self.pins.remove(&(w.pin_until, w.id));
         Some(w)
     }
 
@@ -331,18 +529,12 @@ impl Queues {
     pub fn backlog_gap(&self) -> f64 {
         let mut gap: f64 = 0.0;
         for tiers in self.by_variant.values() {
-            for tq in tiers.iter().filter(|tq| tq.len > 1) {
-                let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
-                let mut n = 0;
-                for t in tq.tenants.iter().filter(|t| !t.q.is_empty()) {
-                    let s = t.served_at(self.now, self.decay);
-                    lo = lo.min(s);
-                    hi = hi.max(s);
-                    n += 1;
-                }
-                if n > 1 {
-                    gap = gap.max(hi - lo);
-                }
+            for tq in tiers.iter().filter(|tq| tq.backlog.len() > 1) {
+                let value = |e: Option<&(Ordered, usize)>| {
+                    e.and_then(|&(_, s)| tq.tenants.get(s))
+                        .map_or(0.0, |t| t.served_at(self.now, self.decay))
+                };
+                gap = gap.max(value(tq.backlog.last()) - value(tq.backlog.first()));
             }
         }
         gap
@@ -366,88 +558,86 @@ impl Queues {
         let slot = tenant.map_or(0, |t| t as usize + 1);
         self.by_variant.values().any(|tiers| {
             tiers.get(tier as usize).is_some_and(|tq| {
-                tq.tenants
-                    .iter()
-                    .enumerate()
-                    .any(|(i, t)| i != slot && !t.q.is_empty())
+                tq.backlog.len() > 1 || tq.backlog.first().is_some_and(|&(_, s)| s != slot)
             })
         })
     }
 
     /// How long the oldest queued request of a tier has waited.
     pub fn oldest_wait(&self, tier: TierId, now: Micros) -> Micros {
-        let mut oldest = now;
-        for tiers in self.by_variant.values() {
-            if let Some(tq) = tiers.get(tier as usize) {
-                for t in &tq.tenants {
-                    if let Some(w) = t.q.front() {
-                        oldest = oldest.min(w.arrival);
-                    }
-                }
-            }
-        }
-        now - oldest
+        let oldest = self
+            .by_variant
+            .values()
+            .filter_map(|tiers| tiers.get(tier as usize))
+            .filter_map(|tq| tq.arrivals.first().map(|(a, _)| *a))
+            .min()
+            .unwrap_or(now);
+        now.saturating_sub(oldest)
     }
 
     pub fn next_expiry(&self) -> Option<Micros> {
-        self.expiries.iter().next().map(|(t, _)| *t)
+        let expiry = self.expiries.first().map(|(t, _)| *t);
+        let pin = self.pins.first().map(|(t, _)| *t);
+        match (expiry, pin) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// Removes every request whose max wait has passed.
     pub fn take_expired(&mut self, now: Micros) -> Vec<Waiting> {
         let mut out = Vec::new();
-        while let Some(&(t, id)) = self.expiries.iter().next() {
+        while let Some(&(t, id)) = self.expiries.first() {
             if t > now {
                 break;
             }
-            self.expiries.remove(&(t, id));
-            if let Some(loc) = self.locate(id) {
-                if let Some(mut w) = self.remove_at(loc.0, loc.1, loc.2, loc.3) {
-                    w.expires = None;
-                    out.push(w);
-                }
+            self.expiries.pop_first();
+            if let Some(mut w) = self.take(id) {
+                w.expires = None;
+                out.push(w);
             }
         }
         out
     }
 
-    fn locate(&self, id: ReqId) -> Option<((u16, u16), usize, usize, usize)> {
-        for (key, tiers) in &self.by_variant {
-            for (ti, tq) in tiers.iter().enumerate() {
-                if tq.len == 0 {
-                    continue;
-                }
-                for (si, t) in tq.tenants.iter().enumerate() {
-                    if let Some(pos) = t.q.iter().position(|w| w.id == id) {
-                        return Some((*key, ti, si, pos));
-                    }
-                }
-            }
+    fn weight(g: &DecisionGraph, tenant: Option<TenantId>) -> f64 {
+        tenant
+            .and_then(|t| g.tenants.get(t as usize))
+            .map_or(1.0, |t| t.weight.max(1e-9))
+    }
+
+    /// Moves a tenant's counter to `served` (as of now), keeping the
+    /// backlog set in order.
+    fn set_served(&mut self, w: &Waiting, f: impl FnOnce(f64) -> f64) {
+        let slot = w.tenant.map_or(0, |t| t as usize + 1);
+        let (now, decay) = (self.now, self.decay);
+        let Some(tq) = self
+            .by_variant
+            .get_mut(&(w.model, w.variant))
+            .and_then(|tiers| tiers.get_mut(w.tier as usize))
+        else {
+            return;
+        };
+        let Some(t) = tq.tenants.get_mut(slot) else {
+            return;
+        };
+        let backlogged = tq.backlog.remove(&(t.rank(decay), slot));
+        t.served = f(t.served_at(now, decay));
+        t.at = now;
+        if backlogged {
+            tq.backlog.insert((t.rank(decay), slot));
         }
-        None
     }
 
     /// Charges a dispatched request's service to its tenant (weighted
     /// prompt and output tokens, divided by the tenant's fair-share weight).
     pub fn charge(&mut self, g: &DecisionGraph, cfg: &Config, w: &Waiting) {
-        let weight = w
-            .tenant
-            .and_then(|t| g.tenants.get(t as usize))
-            .map_or(1.0, |t| t.weight.max(1e-9));
+        let weight = Self::weight(g, w.tenant);
         let remaining_out = w.output_tokens.saturating_sub(w.generated);
         let cost = (cfg.vtc_input_weight * f64::from(w.prompt_tokens)
             + cfg.vtc_output_weight * f64::from(remaining_out))
             / weight;
-        let slot = w.tenant.map_or(0, |t| t as usize + 1);
-        if let Some(t) = self
-            .by_variant
-            .get_mut(&(w.model, w.variant))
-            .and_then(|tiers| tiers.get_mut(w.tier as usize))
-            .and_then(|tq| tq.tenants.get_mut(slot))
-        {
-            t.served = t.served_at(self.now, self.decay) + cost;
-            t.at = self.now;
-        }
+        self.set_served(w, |s| s + cost);
     }
 
     /// Weighted service a tenant has received in a tier (for the fairness
@@ -464,8 +654,7 @@ impl Queues {
 
     /// Takes a queued request out wherever it waits (a cancellation).
     pub fn remove(&mut self, id: ReqId) -> Option<Waiting> {
-        let (key, tier, slot, pos) = self.locate(id)?;
-        self.remove_at(key, tier, slot, pos)
+        self.take(id)
     }
 
     /// Gives back fair-share service charged for output tokens that were
@@ -475,30 +664,110 @@ impl Queues {
         if unused_output == 0 {
             return;
         }
-        let weight = w
-            .tenant
-            .and_then(|t| g.tenants.get(t as usize))
-            .map_or(1.0, |t| t.weight.max(1e-9));
-        let cost = cfg.vtc_output_weight * f64::from(unused_output) / weight;
-        let slot = w.tenant.map_or(0, |t| t as usize + 1);
-        let (now, decay) = (self.now, self.decay);
-        if let Some(t) = self
-            .by_variant
-            .get_mut(&(w.model, w.variant))
-            .and_then(|tiers| tiers.get_mut(w.tier as usize))
-            .and_then(|tq| tq.tenants.get_mut(slot))
-        {
-            t.served = (t.served_at(now, decay) - cost).max(0.0);
-            t.at = now;
+        let cost = cfg.vtc_output_weight * f64::from(unused_output) / Self::weight(g, w.tenant);
+        self.set_served(w, |s| (s - cost).max(0.0));
+    }
+
+    /// What would be served before a new request of `tier` and `tenant` on
+    /// (model, variant), costing `cost` in fair-share terms, if it were
+    /// queued now: queued work of tiers ranked ahead, all of its own
+    /// tenant's queue, and of each other backlogged tenant of its tier the
+    /// service it gets before this tenant's counter reaches the request
+    /// (VTC serves the least-served tenant first, so tenant B goes ahead
+    /// until its counter passes ours: `(ours - B's) x B's weight`, at most
+    /// what B has queued). Under a baseline mode, the order is arrival
+    /// (within the tiers the mode ranks ahead).
+    #[allow(clippy::too_many_arguments)]
+    pub fn ahead(
+        &self,
+        g: &DecisionGraph,
+        cfg: &Config,
+        key: (u16, u16),
+        tier: TierId,
+        tenant: Option<TenantId>,
+        cost: f64,
+    ) -> Ahead {
+        let Some(tiers) = self.by_variant.get(&key) else {
+            return Ahead::default();
+        };
+        let ti = tier as usize;
+        let rank = |i: usize| -> i64 {
+            let prio = self.priority.get(i).copied().unwrap_or(i64::MIN);
+            let boost = match (cfg.mode, self.aging.get(i).copied().flatten()) {
+                (Mode::Kiln, Some(a)) => tiers
+                    .get(i)
+                    .and_then(|tq| tq.arrivals.first())
+                    .map_or(0, |(at, _)| self.now.saturating_sub(*at) / a),
+                _ => 0,
+            };
+            prio.saturating_add(boost as i64)
+        };
+        let mine = rank(ti);
+        let mut out = Ahead::default();
+        for (i, tq) in tiers.iter().enumerate() {
+            if i == ti || tq.len == 0 {
+                continue;
+            }
+            let ahead = match cfg.mode {
+                Mode::Fifo | Mode::Static => true,
+                Mode::Priority => self.priority.get(i) >= self.priority.get(ti),
+                Mode::Kiln => rank(i) > mine || (rank(i) == mine && i < ti),
+            };
+            if ahead {
+                out.tokens += tq.tokens as f64;
+            }
         }
+        let Some(tq) = tiers.get(ti) else {
+            return out;
+        };
+        if cfg.mode != Mode::Kiln {
+            out.tokens += tq.tokens as f64;
+            return out;
+        }
+        let slot = tenant.map_or(0, |t| t as usize + 1);
+        let (now, decay) = (self.now, self.decay);
+        let Some(me) = tq.tenants.get(slot) else {
+            return out;
+        };
+        let floor = tq
+            .backlog
+            .first()
+            .and_then(|&(_, s)| tq.tenants.get(s))
+            .map(|t| t.served_at(now, decay));
+        let mut counter = me.served_at(now, decay);
+        if me.len == 0 {
+            counter = floor.map_or(counter, |f| counter.max(f));
+        }
+        out.above_share = floor.is_some_and(|f| counter > f * 1.0001 + 1e-9);
+        let reach = counter + (me.cost + cost) / Self::weight(g, tenant);
+        out.tokens += me.tokens as f64;
+        for &(_, s) in &tq.backlog {
+            if s == slot {
+                continue;
+            }
+            let Some(b) = tq.tenants.get(s) else { continue };
+            let w = Self::weight(g, s.checked_sub(1).map(|t| t as TenantId));
+            let gap = (reach - b.served_at(now, decay)).max(0.0) * w;
+            if gap <= 0.0 {
+                // Counters are in order: no later tenant goes ahead either.
+                break;
+            }
+            let share = if b.cost > 0.0 {
+                (gap / b.cost).min(1.0)
+            } else {
+                1.0
+            };
+            out.tokens += share * b.tokens as f64;
+        }
+        out
     }
 
     /// Per (tier, tenant): requests queued and parked, the earliest
     /// arrival queued, and weighted service (summed over routed variants).
     /// Only pairs with something waiting or some service are listed, in
-    /// tier order and then tenant order (no tenant first).
+    /// tier order and then tenant order (no tenant first). (A snapshot for
+    /// operators: it reads every queued request.)
     pub fn stats(&self) -> Vec<QueueStat> {
-        use std::collections::BTreeMap;
         fn row(
             rows: &mut BTreeMap<(usize, usize), QueueStat>,
             ti: usize,
@@ -518,13 +787,19 @@ impl Queues {
             for (ti, tq) in tiers.iter().enumerate() {
                 for (si, t) in tq.tenants.iter().enumerate() {
                     let served = t.served_at(self.now, self.decay);
-                    if t.q.is_empty() && served <= 0.0 {
+                    if t.len == 0 && served <= 0.0 {
                         continue;
                     }
                     let r = row(&mut rows, ti, si);
-                    r.depth += t.q.len();
+                    r.depth += t.len;
                     r.served += served;
-                    if let Some(a) = t.q.iter().map(|w| w.arrival).min() {
+                    let oldest = t
+                        .maps
+                        .values()
+                        .flat_map(|m| m.values())
+                        .map(|w| w.arrival)
+                        .min();
+                    if let Some(a) = oldest {
                         r.oldest = Some(r.oldest.map_or(a, |o| o.min(a)));
                     }
                 }
@@ -555,6 +830,8 @@ impl Queues {
     ) -> Vec<Waiting> {
         let mut next = Queues::new(g, cfg);
         next.now = self.now;
+        next.fronts = self.fronts;
+        next.backs = self.backs;
         let old = std::mem::take(self);
         let mut dropped = Vec::new();
         let mut keys: Vec<(u16, u16)> = old.by_variant.keys().copied().collect();
@@ -572,15 +849,7 @@ impl Queues {
                         None => Some(0),
                         Some(tn) => map.tenant(tn as TenantId).map(|x| x as usize + 1),
                     };
-                    // Back to front, each put at the head: order is kept
-                    // and no fair-share lift applies.
-                    for mut w in t.q.into_iter().rev() {
-                        if map.waiting(&mut w, g, false) && servable(&w) {
-                            next.push_front(w);
-                        } else {
-                            dropped.push(w);
-                        }
-                    }
+                    // Counters first, so re-filed work finds them.
                     if let (Some(k), Some(nt), Some(ns)) = (new_key, new_tier, new_slot) {
                         if let Some(c) = next
                             .tiers_for(k)
@@ -589,6 +858,17 @@ impl Queues {
                         {
                             c.served = t.served;
                             c.at = t.at;
+                        }
+                    }
+                    let mut items: Vec<(Order, Waiting)> =
+                        t.maps.into_values().flat_map(|m| m.into_iter()).collect();
+                    items.sort_by_key(|(o, _)| *o);
+                    // In order, each keeping its place: no fair-share lift.
+                    for (order, mut w) in items {
+                        if map.waiting(&mut w, g, false) && servable(&w) {
+                            next.insert_ordered(w, order, false);
+                        } else {
+                            dropped.push(w);
                         }
                     }
                 }
@@ -614,77 +894,102 @@ impl Queues {
         now: Micros,
         slot: Slot,
     ) -> Option<Waiting> {
-        let key = (slot.model, slot.variant);
-        let tiers = self.by_variant.get(&key)?;
-        let fits = |w: &Waiting| {
-            w.pool.is_none_or(|p| p == slot.pool)
-                && (slot.allow_backfill || !w.backfill)
-                && slot.only_tier.is_none_or(|t| t == w.tier)
-                && w.affinity.is_none_or(|r| {
-                    r == slot.replica || now.saturating_sub(w.arrival) >= AFFINITY_HOLD
-                })
+        let _ = g;
+        let id = self.choose(cfg, now, &slot)?;
+        self.take(id)
+    }
+
+    /// Whether tier `ti` may give work to `slot` at all.
+    fn tier_open(&self, ti: usize, slot: &Slot) -> bool {
+        slot.only_tier.is_none_or(|t| t as usize == ti)
+    }
+
+    fn choose(&self, cfg: &Config, now: Micros, slot: &Slot) -> Option<ReqId> {
+        let tiers = self.by_variant.get(&(slot.model, slot.variant))?;
+        let open = |ti: usize, tq: &TierQueue| {
+            tq.len > 0
+                && self.tier_open(ti, slot)
+                && (slot.allow_backfill || !self.backfill.get(ti).copied().unwrap_or(false))
         };
-        // (tier, slot, pos) of the chosen request
-        let mut best: Option<(PickKey, usize, usize, usize)> = None;
-        for (ti, tq) in tiers.iter().enumerate() {
-            if tq.len == 0 {
-                continue;
+        match cfg.mode {
+            Mode::Kiln => {
+                // Tiers by effective priority (priority plus aging of the
+                // oldest waiting request); the first with work for this
+                // replica serves it.
+                let mut order: Vec<(i64, usize)> = tiers
+                    .iter()
+                    .enumerate()
+                    .filter(|(ti, tq)| open(*ti, tq))
+                    .map(|(ti, tq)| {
+                        let prio = self.priority.get(ti).copied().unwrap_or(i64::MIN);
+                        let boost = self.aging.get(ti).copied().flatten().map_or(0, |a| {
+                            tq.arrivals
+                                .first()
+                                .map_or(0, |(at, _)| now.saturating_sub(*at) / a)
+                        });
+                        (-(prio.saturating_add(boost as i64)), ti)
+                    })
+                    .collect();
+                order.sort_unstable();
+                order.into_iter().find_map(|(_, ti)| {
+                    let tq = tiers.get(ti)?;
+                    self.choose_in_tier(tq, ti, now, slot)
+                })
             }
-            for (si, t) in tq.tenants.iter().enumerate() {
-                let Some(pos) = t.q.iter().position(fits) else {
-                    continue;
-                };
-                let w = &t.q[pos];
-                let prio = g.tiers.get(ti).map_or(i64::MIN, |t| t.priority);
-                let age = now.saturating_sub(w.arrival);
-                // Lower key wins.
-                let key = match cfg.mode {
-                    Mode::Fifo | Mode::Static => (0, 0, 0.0, w.arrival, w.id),
-                    Mode::Priority => (-prio, 0, 0.0, w.arrival, w.id),
-                    Mode::Kiln => {
-                        let boost =
-                            self.aging.get(ti).copied().flatten().map_or(0, |a| age / a) as i64;
-                        // Deadline work whose window is nearly spent (the
-                        // last tenth) goes earliest deadline first, ahead of
-                        // fair share; the rest of the tier shares by VTC.
-                        let urgent = match (w.deadline, self.window_len.get(ti).copied().flatten())
-                        {
-                            (Some(d), Some(len)) => d.saturating_sub(now) <= len / 10,
-                            _ => false,
-                        };
-                        (
-                            -(prio + boost),
-                            ti as u64 * 2 + u64::from(!urgent),
-                            if urgent {
-                                w.deadline.unwrap_or(w.arrival) as f64
-                            } else {
-                                t.served_at(now, self.decay)
-                            },
-                            w.deadline.unwrap_or(w.arrival),
-                            w.id,
-                        )
+            Mode::Fifo | Mode::Static | Mode::Priority => {
+                // The earliest arrival among each tenant's first request
+                // this replica may take (strict priority first).
+                let mut best: Option<((i64, Micros, ReqId), ReqId)> = None;
+                for (ti, tq) in tiers.iter().enumerate() {
+                    if !open(ti, tq) {
+                        continue;
                     }
-                };
-                if best.as_ref().is_none_or(|(k, ..)| lt(&key, k)) {
-                    best = Some((key, ti, si, pos));
+                    let prio = match cfg.mode {
+                        Mode::Priority => -self.priority.get(ti).copied().unwrap_or(i64::MIN),
+                        _ => 0,
+                    };
+                    for &(_, s) in &tq.backlog {
+                        let Some((_, w)) = tq.tenants.get(s).and_then(|t| t.head_for(slot, now))
+                        else {
+                            continue;
+                        };
+                        let k = (prio, w.arrival, w.id);
+                        if best.is_none_or(|(b, _)| k < b) {
+                            best = Some((k, w.id));
+                        }
+                    }
+                }
+                best.map(|(_, id)| id)
+            }
+        }
+    }
+
+    /// Within one tier: deadline work whose window is nearly spent (the
+    /// last tenth) earliest deadline first, ahead of fair share; then the
+    /// least-served backlogged tenant with work for this replica.
+    fn choose_in_tier(&self, tq: &TierQueue, ti: usize, now: Micros, slot: &Slot) -> Option<ReqId> {
+        if let Some(len) = self.window_len.get(ti).copied().flatten() {
+            for &(d, id) in &tq.deadlines {
+                if d.saturating_sub(now) > len / 10 {
+                    break;
+                }
+                let fits = self
+                    .index
+                    .get(&id)
+                    .and_then(|l| tq.tenants.get(l.slot)?.maps.get(&l.home)?.get(&l.order))
+                    .is_some_and(|w| w.fits(slot, now));
+                if fits {
+                    return Some(id);
                 }
             }
         }
-        let (_, ti, si, pos) = best?;
-        self.remove_at(key, ti, si, pos)
+        tq.backlog.iter().find_map(|&(_, s)| {
+            tq.tenants
+                .get(s)
+                .and_then(|t| t.head_for(slot, now))
+                .map(|(_, w)| w.id)
+        })
     }
-}
-
-/// Lower is served first: (negated effective priority, tier and urgency,
-/// weighted service or, when urgent, the deadline, deadline or arrival, id).
-type PickKey = (i64, u64, f64, Micros, Micros);
-
-fn lt(a: &PickKey, b: &PickKey) -> bool {
-    (a.0, a.1)
-        .cmp(&(b.0, b.1))
-        .then(a.2.total_cmp(&b.2))
-        .then((a.3, a.4).cmp(&(b.3, b.4)))
-        .is_lt()
 }
 
 #[cfg(test)]

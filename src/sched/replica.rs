@@ -176,6 +176,20 @@ impl Replica {
         (f64::from(steps) * step * SEC as f64) as Micros
     }
 
+    /// Estimated time to prefill a prompt of `tokens` alone, in chunks of
+    /// the step's token budget (finite whatever the cost model says).
+    pub fn prefill_time(&self, tokens: u64) -> Micros {
+        let chunk = u64::from(self.spec.max_batch_tokens.max(1));
+        let tokens = tokens.max(1);
+        let full = tokens / chunk;
+        let rest = (tokens % chunk) as u32;
+        let mut secs = full as f64 * sane_secs(self.spec.cost.step_time(chunk as u32, 0, 0));
+        if rest > 0 {
+            secs += sane_secs(self.spec.cost.step_time(rest, 0, 0));
+        }
+        (secs * SEC as f64) as Micros
+    }
+
     /// Leading prompt blocks this replica has seen, in tokens.
     pub fn cached_prefix_tokens(&self, blocks: &[u64]) -> u32 {
         let n = blocks

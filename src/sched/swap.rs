@@ -261,7 +261,7 @@ impl Scheduler {
             servable(by_variant, replicas, w)
         });
         for w in dropped {
-            self.timers.retain(|&(_, id)| id != w.id);
+            self.timers.remove(w.id);
             self.refuse_changed(w.id, served_tokens(&w));
         }
         self.settle();
