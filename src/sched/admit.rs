@@ -57,6 +57,8 @@ pub(super) struct Admitting<'g> {
     pub borrowed: bool,
     /// Comparison baselines skip admission control.
     pub baseline: bool,
+    /// When admission estimated it would start (uncorrected).
+    pub est_start: Option<Micros>,
 }
 
 type Gate = fn(&mut Scheduler, &mut Admitting<'_>) -> Result<(), Refusal>;
@@ -211,7 +213,9 @@ fn wait_within_slo(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refus
         prompt: a.req.prompt_tokens,
         output: a.output,
     };
-    let (est, above_share) = s.estimate_for(&q, &a.candidates);
+    let e = s.estimate_for(&q, &a.candidates);
+    a.est_start = Some(e.raw_start);
+    let (est, above_share) = (e.first_token, e.above_share);
     if est <= limit {
         return Ok(());
     }
@@ -291,6 +295,7 @@ impl Scheduler {
             reserved: 0.0,
             borrowed: false,
             baseline,
+            est_start: None,
         };
         for (_, gate) in GATES {
             if let Err(r) = gate(self, &mut a) {
@@ -345,6 +350,7 @@ impl Scheduler {
             pool: target.pool,
             affinity: self.affinity(a.tier, &a.candidates, &prefix_blocks),
             pin_until: self.now.saturating_add(super::queue::AFFINITY_HOLD),
+            est_start: a.est_start,
             prefix_blocks,
             preemptions: 0,
             backfill: tier.backfill_only,

@@ -292,6 +292,50 @@ pub(crate) struct Estimating {
     pub output: u32,
 }
 
+/// A wait estimate: when the request would start (as estimated from the
+/// queues, before correction), when its first token would come (corrected
+/// by the estimator's recent error), and whether its tenant is above its
+/// fair share.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Estimate {
+    pub raw_start: Micros,
+    pub first_token: Micros,
+    pub above_share: bool,
+}
+
+/// How far off wait estimates run: a running estimate of a high quantile
+/// of (actual wait / estimated wait) over requests that started, learnt
+/// by stochastic approximation in the log domain (no history kept, the
+/// same sequence of events gives the same value). Estimates are
+/// multiplied by it (never by less than 1), so admission under a TTFT SLO
+/// keeps its word for that share of requests whatever the workload's mix.
+#[derive(Debug, Clone, Copy, Default)]
+struct Misestimate {
+    /// ln of the quantile.
+    log_q: f64,
+}
+
+impl Misestimate {
+    /// The quantile learnt: 95% of recent requests started no later than
+    /// their estimate times this.
+    const QUANTILE: f64 = 0.95;
+    const STEP: f64 = 0.02;
+
+    fn note(&mut self, estimated: Micros, actual: Micros) {
+        // 10 ms either side keeps tiny waits from dominating.
+        let r = ((actual as f64 + 10_000.0) / (estimated as f64 + 10_000.0)).ln();
+        let below = if r <= self.log_q { 1.0 } else { 0.0 };
+        self.log_q = (self.log_q + Self::STEP * (Self::QUANTILE - below) / (1.0 - Self::QUANTILE))
+            .clamp(-3.0, 5.0);
+    }
+
+    fn factor(&self) -> f64 {
+        self.log_q.exp().max(1.0)
+    }
+}
+
+type MisKey = ((u16, u16), TierId, Option<TenantId>);
+
 /// Queued work started recently is counted over about this long.
 pub const DRAIN_WINDOW: Micros = 10 * SEC;
 
@@ -356,6 +400,10 @@ pub struct Scheduler {
     out: Vec<Action>,
     /// Queued work started per (model, variant), for wait estimates.
     drain: HashMap<(u16, u16), Drain>,
+    /// How far off wait estimates have run, per (model, variant, tier,
+    /// tenant): a tenant above its share is overtaken by later arrivals of
+    /// tenants below it, one below is not, so each learns its own error.
+    misestimate: HashMap<MisKey, Misestimate>,
     /// When a request of each tier last started (to tell a request that
     /// was overtaken by a higher tier from one that only lacked room).
     tier_started: Vec<Micros>,
@@ -402,6 +450,7 @@ impl Scheduler {
             out: Vec::new(),
             tier_started: vec![0; graph_tiers],
             drain: HashMap::default(),
+            misestimate: HashMap::default(),
         }
     }
 
@@ -727,34 +776,48 @@ impl Scheduler {
     /// then its own prefill. With nothing ahead it starts as soon as a
     /// batch slot is free. Also says whether its tenant is above its fair
     /// share (so a refusal can say `fairness`).
-    fn estimate_for(&self, q: &Estimating, replicas: &[usize]) -> (Micros, bool) {
+    fn estimate_for(&self, q: &Estimating, replicas: &[usize]) -> Estimate {
         let cost = self.cfg.vtc_input_weight * q.prompt as f64
             + self.cfg.vtc_output_weight * f64::from(q.output);
         let ahead = self
             .queues
             .ahead(&self.graph, &self.cfg, q.key, q.tier, q.tenant, cost);
-        let (mut free_slots, mut rate, mut soonest) = (0u64, 0.0, Micros::MAX);
-        let mut prefill = Micros::MAX;
+        // A replica takes new work at its next step boundary.
+        let (mut rate, mut prefill) = (0.0, Micros::MAX);
+        let (mut room_at, mut boundary) = (Micros::MAX, Micros::MAX);
         for &r in replicas {
-            let Some(rep) = self.replicas.get(r) else {
+            let Some(rep) = self.replicas.get(r).filter(|x| x.up && !x.draining) else {
                 continue;
             };
-            if !rep.up || rep.draining {
-                continue;
+            let step_left = if rep.busy && !rep.spec.external {
+                rep.step_until.saturating_sub(self.now)
+            } else {
+                0
+            };
+            boundary = boundary.min(step_left);
+            // A slot is only room if the memory for the request is free too.
+            if rep.free_seq_slots() > 0
+                && rep.kv_free() >= q.prompt.saturating_add(u64::from(q.output))
+            {
+                room_at = room_at.min(step_left);
             }
-            free_slots += u64::from(rep.free_seq_slots());
             rate += rep.throughput_tokens_per_s();
-            prefill = prefill.min(rep.prefill_time(q.prompt));
+            prefill = prefill.min(rep.first_token_time(q.prompt));
         }
         if prefill == Micros::MAX {
-            return (u64::MAX / 4, ahead.above_share);
+            return Estimate {
+                raw_start: u64::MAX / 4,
+                first_token: u64::MAX / 4,
+                above_share: ahead.above_share,
+            };
         }
         let rate = rate.max(self.drain_rate(q.key));
         let start = if ahead.tokens <= 0.0 {
-            if free_slots > 0 {
-                0
+            if room_at < Micros::MAX {
+                room_at
             } else {
                 // The first slot to free, or at once where it may preempt.
+                let mut soonest = Micros::MAX;
                 for &r in replicas {
                     let Some(rep) = self.replicas.get(r).filter(|x| x.up && !x.draining) else {
                         continue;
@@ -766,14 +829,24 @@ impl Scheduler {
                             .any(|x| self.may_preempt(r, x, q.tier, q.tenant));
                     soonest = soonest.min(if preempt { 0 } else { rep.time_to_free() });
                 }
-                soonest
+                soonest.saturating_add(boundary)
             }
         } else if rate <= 0.0 {
             u64::MAX / 4
         } else {
-            ((ahead.tokens / rate) * SEC as f64) as Micros
+            (((ahead.tokens / rate) * SEC as f64) as Micros).saturating_add(boundary)
         };
-        (start.saturating_add(prefill), ahead.above_share)
+        // Corrected by how far off such estimates have been lately.
+        let factor = self
+            .misestimate
+            .get(&(q.key, q.tier, q.tenant))
+            .map_or(1.0, |m| m.factor());
+        let corrected = (start as f64 * factor) as Micros;
+        Estimate {
+            raw_start: start,
+            first_token: corrected.saturating_add(prefill),
+            above_share: ahead.above_share,
+        }
     }
 
     /// Tokens per second the queues of (model, variant) have been starting
@@ -803,7 +876,7 @@ impl Scheduler {
                         prompt: req.prompt_tokens,
                         output: d.max_tokens.min(u64::from(u32::MAX)) as u32,
                     };
-                    self.estimate_for(&q, &reps).0
+                    self.estimate_for(&q, &reps).first_token
                 }
             }
             None => 0,
@@ -938,9 +1011,19 @@ impl Scheduler {
     fn fill(&mut self, r: usize) {
         let spec = self.replicas[r].spec.clone();
         loop {
+            // Work waits here, in fair order, not inside the batch: a new
+            // sequence starts only when the prefill already admitted would
+            // not fill the next step's token budget (as vLLM schedules new
+            // prefills within a step's budget). Otherwise a request that
+            // "started" could wait many steps behind others' prefill, where
+            // neither fair share nor its admission estimate can see it.
+            if !spec.external
+                && self.replicas[r].pending_prefill() >= u64::from(spec.max_batch_tokens.max(1))
+            {
+                break;
+            }
             let has_room = self.replicas[r].free_seq_slots() > 0;
             let kv_free = self.replicas[r].kv_free();
-            let _ = kv_free;
             // Backfill only when nothing else wants this replica.
             let others_waiting =
                 self.queues
@@ -978,6 +1061,18 @@ impl Scheduler {
                     .entry((w.model, w.variant))
                     .or_default()
                     .add(now, w.tokens() as f64);
+            }
+            // Only a first start after an ordinary wait says how good the
+            // estimate was (not a delay window, a batching hold or a
+            // resumption after preemption).
+            if let (Some(est), false) = (w.est_start, w.started) {
+                if !matches!(w.waiting_for, Some(Reason::Delay | Reason::Batching)) {
+                    let waited = self.now.saturating_sub(w.arrival);
+                    self.misestimate
+                        .entry(((w.model, w.variant), w.tier, w.tenant))
+                        .or_default()
+                        .note(est, waited);
+                }
             }
             let id = w.id;
             let waited_for = if self.now > w.arrival {
@@ -1336,7 +1431,7 @@ mod tests {
             prompt: 100,
             output: 10,
         };
-        let est = s.estimate_for(&q, &[ext]).0;
+        let est = s.estimate_for(&q, &[ext]).first_token;
         assert!(est < u64::MAX / 4, "{est}");
     }
 

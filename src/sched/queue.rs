@@ -44,6 +44,9 @@ pub struct Waiting {
     /// replica may take it (`Micros::MAX`: only ever that one).
     pub affinity: Option<usize>,
     pub pin_until: Micros,
+    /// The wait admission estimated for it (to learn how far off
+    /// estimates run), if it estimated one.
+    pub est_start: Option<Micros>,
     pub preemptions: u32,
     pub backfill: bool,
     /// Its reservation used tokens borrowed from the cohort: lenders may

@@ -176,18 +176,32 @@ impl Replica {
         (f64::from(steps) * step * SEC as f64) as Micros
     }
 
-    /// Estimated time to prefill a prompt of `tokens` alone, in chunks of
-    /// the step's token budget (finite whatever the cost model says).
-    pub fn prefill_time(&self, tokens: u64) -> Micros {
-        let chunk = u64::from(self.spec.max_batch_tokens.max(1));
-        let tokens = tokens.max(1);
-        let full = tokens / chunk;
-        let rest = (tokens % chunk) as u32;
-        let mut secs = full as f64 * sane_secs(self.spec.cost.step_time(chunk as u32, 0, 0));
-        if rest > 0 {
-            secs += sane_secs(self.spec.cost.step_time(rest, 0, 0));
+    /// Prompt tokens admitted here and not yet prefilled.
+    pub fn pending_prefill(&self) -> u64 {
+        self.running.iter().map(|s| u64::from(s.prefill_left)).sum()
+    }
+
+    /// Estimated time from starting here to the first token of a prompt of
+    /// `tokens`: the prefill already admitted goes first (chunked prefill
+    /// serves running sequences in order), in steps that also decode every
+    /// sequence past its prefill, so each step has the token budget less
+    /// the decodes for prefill. Finite whatever the cost model says.
+    pub fn first_token_time(&self, tokens: u64) -> Micros {
+        let (mut pending, mut decodes, mut context) = (0u64, 0u32, 0u64);
+        for s in &self.running {
+            if s.prefill_left > 0 {
+                pending += u64::from(s.prefill_left);
+            } else {
+                decodes += 1;
+                context += u64::from(s.w.prompt_tokens) + u64::from(s.generated);
+            }
         }
-        (secs * SEC as f64) as Micros
+        let budget = u64::from(self.spec.max_batch_tokens.saturating_sub(decodes).max(1));
+        let work = pending.saturating_add(tokens.max(1));
+        let steps = work.div_ceil(budget);
+        let chunk = work.min(budget) as u32;
+        let step = sane_secs(self.spec.cost.step_time(chunk, decodes, context));
+        (steps as f64 * step * SEC as f64) as Micros
     }
 
     /// Leading prompt blocks this replica has seen, in tokens.

@@ -89,6 +89,7 @@ pub fn waiting(id: ReqId, tier: u16, tenant: Option<u32>) -> Waiting {
         prefix_blocks: Vec::new(),
         affinity: None,
         pin_until: 0,
+        est_start: None,
         preemptions: 0,
         backfill: false,
         borrowed: false,

@@ -14,6 +14,7 @@ mod error;
 pub mod import;
 pub mod servegen;
 pub mod stats;
+pub mod synth;
 
 pub(crate) use error::{At, Kind};
 pub use error::{LineSource, MalformedLine, TrafficError};
