@@ -225,9 +225,23 @@ fn main() {
     let cap = capacity(&sizes);
     println!("capacity (fifo, saturated): {cap:.2} req/s; {duration} s per run, measured over the middle half\n");
 
-    // 1. Weights 1:1:2:4, all backlogged: equal offered load, 2x capacity.
+    // 1. Weights 1:1:2:4, all backlogged at 2x capacity: each tenant
+    //    offers twice its fair share; then equal demand (0.5x each), where
+    //    the weight-4 tenant asks exactly its share and the others more.
     let ws = [("a", 1.0), ("b", 1.0), ("c", 2.0), ("d", 4.0)];
     let g = policy(&ws);
+    let total_w: f64 = ws.iter().map(|(_, w)| w).sum();
+    let rpm: HashMap<String, f64> = ws
+        .iter()
+        .map(|(t, w)| (t.to_string(), cap * 60.0 * w / total_w))
+        .collect();
+    let twice: Vec<synth::Load> = ws
+        .iter()
+        .map(|(t, w)| synth::Load {
+            tenant: t.to_string(),
+            rate_per_s: 2.0 * cap * w / total_w,
+        })
+        .collect();
     let loads: Vec<synth::Load> = ws
         .iter()
         .map(|(t, _)| synth::Load {
@@ -235,30 +249,34 @@ fn main() {
             rate_per_s: 2.0 * cap / ws.len() as f64,
         })
         .collect();
-    let recs = synth::poisson(&sizes, "llama-8b", &loads, duration, 11);
-    let total_w: f64 = ws.iter().map(|(_, w)| w).sum();
-    let rpm: HashMap<String, f64> = ws
-        .iter()
-        .map(|(t, w)| (t.to_string(), cap * 60.0 * w / total_w))
-        .collect();
-    println!("### Weights 1:1:2:4, each tenant offered 0.5x capacity (2x in all)\n");
-    println!("| scheduler | tenant | weight | fair share | served share | off by |");
-    println!("|---|---|---|---|---|---|");
-    for (name, st) in three_ways(&g, &recs, &rpm, window) {
-        let total: f64 = ws
-            .iter()
-            .map(|(t, _)| st.get(*t).map_or(0.0, |s| s.served))
-            .sum();
-        for (t, w) in ws {
-            let served = st.get(t).map_or(0.0, |s| s.served) / total.max(1.0);
-            let share = w / total_w;
-            println!(
-                "| {name} | {t} | {w} | {:.1}% | {:.1}% | {:+.1}% |",
-                share * 100.0,
-                served * 100.0,
-                (served / share - 1.0) * 100.0
-            );
+    for (title, l) in [
+        (
+            "each tenant offered twice its fair share (2x capacity in all)",
+            &twice,
+        ),
+        ("each tenant offered 0.5x capacity (2x in all)", &loads),
+    ] {
+        let recs = synth::poisson(&sizes, "llama-8b", l, duration, 11);
+        println!("### Weights 1:1:2:4, {title}\n");
+        println!("| scheduler | tenant | weight | fair share | served share | off by |");
+        println!("|---|---|---|---|---|---|");
+        for (name, st) in three_ways(&g, &recs, &rpm, window) {
+            let total: f64 = ws
+                .iter()
+                .map(|(t, _)| st.get(*t).map_or(0.0, |s| s.served))
+                .sum();
+            for (t, w) in ws {
+                let served = st.get(t).map_or(0.0, |s| s.served) / total.max(1.0);
+                let share = w / total_w;
+                println!(
+                    "| {name} | {t} | {w} | {:.1}% | {:.1}% | {:+.1}% |",
+                    share * 100.0,
+                    served * 100.0,
+                    (served / share - 1.0) * 100.0
+                );
+            }
         }
+        println!();
     }
 
     // 2. A fifth tenant asking 20% of its share.

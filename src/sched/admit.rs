@@ -360,6 +360,14 @@ impl Scheduler {
             started: false,
             orphan: false,
         };
+        let cost = self.cfg.vtc_input_weight * f64::from(w.prompt_tokens)
+            + self.cfg.vtc_output_weight * f64::from(w.output_tokens);
+        let (c, t) = self
+            .incoming
+            .entry(((w.model, w.variant), w.tier, w.tenant))
+            .or_default();
+        c.add(self.now, cost);
+        t.add(self.now, w.tokens() as f64);
         if let (Admission::Delay { until }, false) = (a.admission, a.baseline) {
             w.waiting_for = Some(Reason::Delay);
             let at = self.time_at_minute(u32::from(until));

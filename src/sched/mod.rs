@@ -400,10 +400,11 @@ pub struct Scheduler {
     out: Vec<Action>,
     /// Queued work started per (model, variant), for wait estimates.
     drain: HashMap<(u16, u16), Drain>,
-    /// How far off wait estimates have run, per (model, variant, tier,
-    /// tenant): a tenant above its share is overtaken by later arrivals of
-    /// tenants below it, one below is not, so each learns its own error.
-    misestimate: HashMap<MisKey, Misestimate>,
+    /// How far off wait estimates have run, per (model, variant, tier).
+    misestimate: HashMap<((u16, u16), TierId), Misestimate>,
+    /// Work admitted lately per (model, variant, tier, tenant), as
+    /// (fair-share cost, tokens), for what will arrive while one waits.
+    incoming: HashMap<MisKey, (Drain, Drain)>,
     /// When a request of each tier last started (to tell a request that
     /// was overtaken by a higher tier from one that only lacked room).
     tier_started: Vec<Micros>,
@@ -451,6 +452,7 @@ impl Scheduler {
             tier_started: vec![0; graph_tiers],
             drain: HashMap::default(),
             misestimate: HashMap::default(),
+            incoming: HashMap::default(),
         }
     }
 
@@ -779,9 +781,26 @@ impl Scheduler {
     fn estimate_for(&self, q: &Estimating, replicas: &[usize]) -> Estimate {
         let cost = self.cfg.vtc_input_weight * q.prompt as f64
             + self.cfg.vtc_output_weight * f64::from(q.output);
-        let ahead = self
-            .queues
-            .ahead(&self.graph, &self.cfg, q.key, q.tier, q.tenant, cost);
+        // Later arrivals that fair share puts ahead: each tenant's recent
+        // admitted rate over the tier's wait limit.
+        let horizon = self.wait_limit(q.tier).unwrap_or(0) as f64 / SEC as f64;
+        let incoming = |slot: usize| -> (f64, f64) {
+            let tenant = slot.checked_sub(1).map(|t| t as TenantId);
+            self.incoming
+                .get(&(q.key, q.tier, tenant))
+                .map_or((0.0, 0.0), |(c, t)| {
+                    (c.rate(self.now) * horizon, t.rate(self.now) * horizon)
+                })
+        };
+        let ahead = self.queues.ahead(
+            &self.graph,
+            &self.cfg,
+            q.key,
+            q.tier,
+            q.tenant,
+            cost,
+            &incoming,
+        );
         // A replica takes new work at its next step boundary.
         let (mut rate, mut prefill) = (0.0, Micros::MAX);
         let (mut room_at, mut boundary) = (Micros::MAX, Micros::MAX);
@@ -836,17 +855,45 @@ impl Scheduler {
         } else {
             (((ahead.tokens / rate) * SEC as f64) as Micros).saturating_add(boundary)
         };
+        let above_share = self.above_share(q.key, q.tier, q.tenant);
         // Corrected by how far off such estimates have been lately.
         let factor = self
             .misestimate
-            .get(&(q.key, q.tier, q.tenant))
+            .get(&(q.key, q.tier))
             .map_or(1.0, |m| m.factor());
         let corrected = (start as f64 * factor) as Micros;
         Estimate {
             raw_start: start,
             first_token: corrected.saturating_add(prefill),
-            above_share: ahead.above_share,
+            above_share: above_share || ahead.above_share,
         }
+    }
+
+    /// Whether `tenant` has lately been admitted more of its tier's work
+    /// (in fair-share cost) than its weight's part among the tenants that
+    /// sent any (by more than 5%).
+    fn above_share(&self, key: (u16, u16), tier: TierId, tenant: Option<TenantId>) -> bool {
+        let mut mine = 0.0;
+        let (mut total, mut weights, mut my_w) = (0.0, 0.0, 1.0);
+        for slot in 0..=self.graph.tenants.len() {
+            let t = slot.checked_sub(1).map(|x| x as TenantId);
+            let rate = self
+                .incoming
+                .get(&(key, tier, t))
+                .map_or(0.0, |(c, _)| c.rate(self.now));
+            let w = t
+                .and_then(|t| self.graph.tenants.get(t as usize))
+                .map_or(1.0, |x| x.weight.max(1e-9));
+            if t == tenant {
+                mine = rate;
+                my_w = w;
+            }
+            if rate > 1e-9 || t == tenant {
+                total += rate;
+                weights += w;
+            }
+        }
+        total > 0.0 && weights > 0.0 && mine > 1.05 * total * my_w / weights
     }
 
     /// Tokens per second the queues of (model, variant) have been starting
@@ -1069,7 +1116,7 @@ impl Scheduler {
                 if !matches!(w.waiting_for, Some(Reason::Delay | Reason::Batching)) {
                     let waited = self.now.saturating_sub(w.arrival);
                     self.misestimate
-                        .entry(((w.model, w.variant), w.tier, w.tenant))
+                        .entry(((w.model, w.variant), w.tier))
                         .or_default()
                         .note(est, waited);
                 }

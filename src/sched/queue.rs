@@ -678,7 +678,9 @@ impl Queues {
     /// service it gets before this tenant's counter reaches the request
     /// (VTC serves the least-served tenant first, so tenant B goes ahead
     /// until its counter passes ours: `(ours - B's) x B's weight`, at most
-    /// what B has queued). Under a baseline mode, the order is arrival
+    /// what B has queued plus what `incoming` says B will send meanwhile,
+    /// as (fair-share cost, tokens), by tenant slot: 0 for no tenant,
+    /// `t + 1` for tenant `t`). Under a baseline mode, the order is arrival
     /// (within the tiers the mode ranks ahead).
     #[allow(clippy::too_many_arguments)]
     pub fn ahead(
@@ -689,6 +691,7 @@ impl Queues {
         tier: TierId,
         tenant: Option<TenantId>,
         cost: f64,
+        incoming: &dyn Fn(usize) -> (f64, f64),
     ) -> Ahead {
         let Some(tiers) = self.by_variant.get(&key) else {
             return Ahead::default();
@@ -741,26 +744,37 @@ impl Queues {
         if me.len == 0 {
             counter = floor.map_or(counter, |f| counter.max(f));
         }
-        out.above_share = floor.is_some_and(|f| counter > f * 1.0001 + 1e-9);
-        let reach = counter + (me.cost + cost) / Self::weight(g, tenant);
+        let mine = cost / Self::weight(g, tenant);
+        // Above its share: another backlogged tenant has received less by
+        // more than this one request would add.
+        out.above_share = floor.is_some_and(|f| counter > f + mine + 1e-9);
+        let reach = counter + me.cost / Self::weight(g, tenant) + mine;
         out.tokens += me.tokens as f64;
-        for &(_, s) in &tq.backlog {
+        for (s, b) in tq.tenants.iter().enumerate() {
             if s == slot {
                 continue;
             }
-            let Some(b) = tq.tenants.get(s) else { continue };
             let w = Self::weight(g, s.checked_sub(1).map(|t| t as TenantId));
-            let gap = (reach - b.served_at(now, decay)).max(0.0) * w;
-            if gap <= 0.0 {
-                // Counters are in order: no later tenant goes ahead either.
-                break;
+            let mut theirs = b.served_at(now, decay);
+            if b.len == 0 {
+                // Idle now: it is lifted to the floor when it comes back.
+                theirs = floor.map_or(theirs, |f| theirs.max(f));
             }
-            let share = if b.cost > 0.0 {
-                (gap / b.cost).min(1.0)
-            } else {
-                1.0
-            };
-            out.tokens += share * b.tokens as f64;
+            let gap = (reach - theirs).max(0.0) * w;
+            if gap <= 0.0 {
+                continue;
+            }
+            // What it has queued goes first, then what it will send while
+            // this request waits, up to the service fair share allows it.
+            let queued = gap.min(b.cost);
+            if b.cost > 0.0 {
+                out.tokens += queued / b.cost * b.tokens as f64;
+            }
+            let (fc, ft) = incoming(s);
+            let later = (gap - queued).min(fc).max(0.0);
+            if fc > 0.0 {
+                out.tokens += later / fc * ft;
+            }
         }
         out
     }

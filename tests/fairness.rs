@@ -1,0 +1,248 @@
+//! Fair share in what tenants are *served*, and admission that keeps its
+//! word, on the roofline model of one H100 running Llama-8B, with request
+//! sizes from the recorded Azure 2023 conversation slice in examples/diff
+//! (CC BY 4.0, see its LICENSE) and seeded Poisson arrivals per tenant at
+//! rates set against the pool's measured capacity. The figures at full
+//! length are in BENCHMARKS.md (`cargo bench --bench fairness`).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test and bench code may panic
+
+use kiln::backend::cost::CostModel;
+use kiln::graph::DecisionGraph;
+use kiln::replay::{self, Outcome};
+use kiln::sched::{Config, Mode, Reason, Scheduler, MS, SEC};
+use kiln::traffic::{self, synth, Record};
+use proptest::prelude::*;
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+fn policy(tenants: &[(&str, f64)], aging: &str) -> Arc<DecisionGraph> {
+    let mut text = format!(
+        r#"pool h100 {{ gpus 1 kind "H100-80GB" memory 80GB }}
+model llama-8b {{
+  params 8B
+  kv_per_token 128KB
+  variant fp16 {{ memory 18GB pools [h100] }}
+}}
+tier chat {{ priority 10 slo {{ ttft 2s }} {aging} }}
+classify {{ default => tier chat }}
+route chat llama-8b {{ default => fp16 }}
+"#
+    );
+    for (name, w) in tenants {
+        text.push_str(&format!(
+            "tenant {name} {{ owner \"o\" tiers [chat] weight {w} }}\n"
+        ));
+    }
+    let c = kiln::compile::compile_str("fair.kiln", &text);
+    Arc::new(c.graph.expect("policy compiles"))
+}
+
+fn sizes() -> &'static [Record] {
+    static S: std::sync::OnceLock<Vec<Record>> = std::sync::OnceLock::new();
+    S.get_or_init(|| {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/diff/traffic.jsonl");
+        traffic::read(path).expect("slice")
+    })
+}
+
+fn run(g: &Arc<DecisionGraph>, mode: Mode, records: &[Record]) -> Vec<Outcome> {
+    let cost = CostModel::from_graph(g, None).expect("cost model");
+    let cfg = Config {
+        mode,
+        ..Config::default()
+    };
+    let mut s = Scheduler::new(g.clone(), replay::plan(g, &cost), cfg);
+    replay::run(&mut s, replay::arrivals(records), |_, _| {})
+}
+
+/// Requests per second one replica finishes when it never runs dry.
+fn capacity() -> f64 {
+    static C: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    *C.get_or_init(|| {
+        let g = policy(&[("t", 1.0)], "");
+        let load = [synth::Load {
+            tenant: "t".into(),
+            rate_per_s: 1e6,
+        }];
+        let burst = synth::poisson(sizes(), "llama-8b", &load, 0.001, 1);
+        let o = run(&g, Mode::Fifo, &burst);
+        let end = o.iter().filter_map(|o| o.finished).max().unwrap() as f64 / SEC as f64;
+        burst.len() as f64 / end
+    })
+}
+
+/// Tokens (prompt + output) of each tenant's requests that started inside
+/// the window, whenever they arrived.
+fn served(records: &[Record], o: &[Outcome], from_ms: f64, to_ms: f64) -> HashMap<String, f64> {
+    let mut m = HashMap::new();
+    for (r, o) in records.iter().zip(o) {
+        let Some(t) = o.started.map(|t| t as f64 / MS as f64) else {
+            continue;
+        };
+        if t >= from_ms && t < to_ms {
+            *m.entry(r.tenant.clone().unwrap_or_default()).or_insert(0.0) +=
+                (r.prompt_tokens + r.output_tokens) as f64;
+        }
+    }
+    m
+}
+
+fn loads(names: &[&str], rate: f64) -> Vec<synth::Load> {
+    names
+        .iter()
+        .map(|t| synth::Load {
+            tenant: t.to_string(),
+            rate_per_s: rate,
+        })
+        .collect()
+}
+
+const SECS: f64 = 120.0;
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 6, ..ProptestConfig::default() })]
+
+    /// Three tenants, each offering the whole pool's capacity (so each is
+    /// backlogged whatever its weight): each is served in proportion to its
+    /// weight, within 15% over a two-minute run.
+    #[test]
+    fn backlogged_tenants_are_served_in_proportion_to_their_weights(
+        w in prop::collection::vec(1u32..=4, 3),
+        seed in 0u64..1000,
+    ) {
+        let names = ["a", "b", "c"];
+        let ws: Vec<(&str, f64)> = names.iter().copied().zip(w.iter().map(|&x| f64::from(x))).collect();
+        let g = policy(&ws, "");
+        let recs = synth::poisson(sizes(), "llama-8b", &loads(&names, capacity()), SECS, seed);
+        let o = run(&g, Mode::Kiln, &recs);
+        let s = served(&recs, &o, SECS * 250.0, SECS * 750.0);
+        let total: f64 = s.values().sum();
+        let wsum: f64 = ws.iter().map(|(_, w)| w).sum();
+        for (t, w) in &ws {
+            let got = s.get(*t).copied().unwrap_or(0.0) / total;
+            let share = w / wsum;
+            prop_assert!((got / share - 1.0).abs() <= 0.15, "{t}: served {got:.3}, share {share:.3} ({ws:?})");
+        }
+    }
+
+    /// Admission under a TTFT SLO keeps its word: whatever the overload,
+    /// nearly every request admitted gets its first token within the SLO.
+    #[test]
+    fn admitted_requests_meet_their_ttft_slo(load in 1.2f64..3.0, seed in 0u64..1000) {
+        let names = ["a", "b", "c", "d"];
+        let g = policy(&names.iter().map(|t| (*t, 1.0)).collect::<Vec<_>>(), "");
+        let recs = synth::poisson(sizes(), "llama-8b", &loads(&names, load * capacity() / 4.0), SECS, seed);
+        let o = run(&g, Mode::Kiln, &recs);
+        let admitted: Vec<&Outcome> = o.iter().filter(|o| o.rejected.is_none()).collect();
+        let met = admitted
+            .iter()
+            .filter(|o| o.first_token.is_some_and(|f| f - o.arrival <= 2 * SEC))
+            .count();
+        let share = met as f64 / admitted.len().max(1) as f64;
+        prop_assert!(share >= 0.93, "{met} of {} admitted met the SLO at {load:.2}x", admitted.len());
+        // Overloaded, it refuses early, with a reason: it does not admit all.
+        prop_assert!(admitted.len() < o.len());
+        for x in o.iter().filter_map(|o| o.rejected) {
+            prop_assert!(matches!(x, (Reason::Overload | Reason::Fairness, 429)), "{x:?}");
+        }
+    }
+}
+
+/// Beside four tenants flooding at twice capacity, a tenant asking a fifth
+/// of its share is served (almost) everything it asks, in time, and is
+/// never refused for fairness while the floods are.
+#[test]
+fn a_tenant_below_its_share_gets_what_it_asks() {
+    let ws = [("a", 1.0), ("b", 1.0), ("c", 2.0), ("d", 4.0), ("e", 1.0)];
+    let g = policy(&ws, "");
+    let cap = capacity();
+    let mut l = loads(&["a", "b", "c", "d"], cap / 2.0);
+    l.push(synth::Load {
+        tenant: "e".into(),
+        rate_per_s: 0.2 * cap / 9.0,
+    });
+    let recs = synth::poisson(sizes(), "llama-8b", &l, SECS, 3);
+    let o = run(&g, Mode::Kiln, &recs);
+    let of = |t: &str| {
+        recs.iter()
+            .zip(&o)
+            .filter(|(r, _)| r.tenant.as_deref() == Some(t))
+            .map(|(_, o)| o)
+            .collect::<Vec<_>>()
+    };
+    let e = of("e");
+    let refused = e.iter().filter(|o| o.rejected.is_some()).count();
+    assert!(e.len() >= 20, "{}", e.len());
+    // (BENCHMARKS.md: 97% of what it asks over ten minutes; a two-minute
+    // run has few of its requests, so the bound here is looser.)
+    assert!(refused * 8 <= e.len(), "{refused} of {} refused", e.len());
+    let late = e
+        .iter()
+        .filter(|o| o.first_token.is_some_and(|f| f - o.arrival > 2 * SEC))
+        .count();
+    assert!(late * 20 <= e.len(), "{late} late");
+    // The floods are shed, with a reason and a Retry-After.
+    let a = of("a");
+    assert!(a.iter().any(|o| o.rejected.is_some()));
+}
+
+/// A flooder at ten times its share beside three polite tenants is shed
+/// for fairness (it is above its share), the polite ones are served.
+#[test]
+fn a_flooder_is_shed_for_fairness() {
+    let ws = [("p1", 1.0), ("p2", 1.0), ("p3", 1.0), ("flood", 1.0)];
+    let g = policy(&ws, "");
+    let cap = capacity();
+    let mut l = loads(&["p1", "p2", "p3"], 0.2 * cap);
+    l.extend(loads(&["flood"], 10.0 * cap / 4.0));
+    let recs = synth::poisson(sizes(), "llama-8b", &l, SECS, 5);
+    let o = run(&g, Mode::Kiln, &recs);
+    let (mut fair, mut shed, mut polite, mut polite_refused) = (0, 0, 0, 0);
+    for (r, o) in recs.iter().zip(&o) {
+        if r.tenant.as_deref() == Some("flood") {
+            shed += usize::from(o.rejected.is_some());
+            fair += usize::from(matches!(o.rejected, Some((Reason::Fairness, 429))));
+        } else {
+            polite += 1;
+            polite_refused += usize::from(o.rejected.is_some());
+        }
+    }
+    assert!(fair * 2 >= shed, "{fair} of {shed} shed for fairness");
+    assert!(
+        polite_refused * 20 <= polite,
+        "{polite_refused} of {polite}"
+    );
+}
+
+/// Aging raises a tier against other tiers, never one tenant over another
+/// inside a tier: however long the over-served tenant's request has waited
+/// (aging here is 1 ms a priority level), the least-served tenant goes
+/// first, so fair share holds exactly as it does without aging.
+#[test]
+fn aging_never_reorders_tenants_within_a_tier() {
+    let ws = [("a", 1.0), ("b", 1.0)];
+    let cap = capacity();
+    let recs = {
+        let mut l = loads(&["a"], 2.0 * cap);
+        l.extend(loads(&["b"], 0.25 * cap));
+        synth::poisson(sizes(), "llama-8b", &l, 60.0, 9)
+    };
+    let aged = run(&policy(&ws, "aging 1ms"), Mode::Kiln, &recs);
+    let starve = run(&policy(&ws, "may_starve"), Mode::Kiln, &recs);
+    let key = |o: &[Outcome]| {
+        o.iter()
+            .map(|o| (o.started, o.rejected.map(|r| r.0)))
+            .collect::<Vec<_>>()
+    };
+    assert!(
+        key(&aged) == key(&starve),
+        "aging changed the order inside the tier"
+    );
+    // And b, below its share, is never refused for fairness.
+    assert!(recs
+        .iter()
+        .zip(&aged)
+        .filter(|(r, _)| r.tenant.as_deref() == Some("b"))
+        .all(|(_, o)| !matches!(o.rejected, Some((Reason::Fairness, _)))));
+}
