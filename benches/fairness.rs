@@ -332,6 +332,17 @@ fn main() {
     println!("\n### A flooder at 10x its share: the polite tenants' TTFT p95\n");
     println!("| scheduler | polite TTFT p95, flooder absent | with the flooder | ratio | polite served / asked | flooder served / asked |");
     println!("|---|---|---|---|---|---|");
+    if std::env::var_os("KILN_DEBUG").is_some() {
+        let o = run(&gf, Mode::Kiln, &storm);
+        let polite: Vec<Outcome> = storm
+            .iter()
+            .zip(&o)
+            .filter(|(r, _)| r.tenant.as_deref() != Some("flood"))
+            .map(|(_, o)| o.clone())
+            .collect();
+        eprint!("polite under the flood: ");
+        debug_admitted(&polite);
+    }
     let a = three_ways(&gf, &calm, &rpmf, window);
     let b = three_ways(&gf, &storm, &rpmf, window);
     for ((name, sa), (_, sb)) in a.iter().zip(b.iter()) {

@@ -1059,14 +1059,19 @@ impl Scheduler {
         let spec = self.replicas[r].spec.clone();
         loop {
             // Work waits here, in fair order, not inside the batch: a new
-            // sequence starts only when the prefill already admitted would
-            // not fill the next step's token budget (as vLLM schedules new
-            // prefills within a step's budget). Otherwise a request that
-            // "started" could wait many steps behind others' prefill, where
-            // neither fair share nor its admission estimate can see it.
-            if !spec.external
-                && self.replicas[r].pending_prefill() >= u64::from(spec.max_batch_tokens.max(1))
-            {
+            // sequence starts only when its prompt fits in the next step's
+            // token budget beside the prefill already admitted and the
+            // decodes (as vLLM schedules new prefills within a step's
+            // budget). Otherwise a request that "started" could wait many
+            // steps behind others' prefill, where neither fair share nor its
+            // admission estimate can see it.
+            let budget = u64::from(
+                spec.max_batch_tokens
+                    .saturating_sub(self.replicas[r].decoding())
+                    .max(1),
+            );
+            let pending = self.replicas[r].pending_prefill();
+            if !spec.external && pending >= budget {
                 break;
             }
             let has_room = self.replicas[r].free_seq_slots() > 0;
@@ -1091,6 +1096,13 @@ impl Scheduler {
             let Some(w) = pick else {
                 break;
             };
+            // Its prompt would not start in the next step: it waits in line
+            // (a long prompt alone still starts, chunked).
+            let prompt = u64::from(w.prompt_tokens) + u64::from(w.generated);
+            if !spec.external && pending > 0 && pending + prompt > budget {
+                self.queues.push_front(w);
+                break;
+            }
             if !has_room || u64::from(w.prompt_tokens) + u64::from(w.output_tokens) > kv_free {
                 // Make room by preempting lower, preemptible work, or stop.
                 if self.cfg.mode == Mode::Kiln && self.try_preempt(r, &w) {

@@ -176,6 +176,11 @@ impl Replica {
         (f64::from(steps) * step * SEC as f64) as Micros
     }
 
+    /// Sequences past their prefill (each decodes a token per step).
+    pub fn decoding(&self) -> u32 {
+        self.running.iter().filter(|s| s.prefill_left == 0).count() as u32
+    }
+
     /// Prompt tokens admitted here and not yet prefilled.
     pub fn pending_prefill(&self) -> u64 {
         self.running.iter().map(|s| u64::from(s.prefill_left)).sum()
