@@ -30,6 +30,7 @@ pub mod plan;
 pub mod queue;
 pub mod quota;
 pub mod replica;
+pub mod route;
 pub mod swap;
 #[cfg(test)]
 mod testkit;
@@ -263,6 +264,10 @@ pub struct Config {
     /// Minute of day at time 0 and weekday (0 = Monday), for time-of-day rules.
     pub start_minute_of_day: u32,
     pub start_weekday: u8,
+    /// How requests are sent to replicas ([`route`]).
+    pub routing: route::Routing,
+    /// Seeds everything random in the core (the `random` router).
+    pub seed: u64,
 }
 
 impl Default for Config {
@@ -277,6 +282,8 @@ impl Default for Config {
             max_preemptions_per_seq: 2,
             start_minute_of_day: 12 * 60,
             start_weekday: 0,
+            routing: route::Routing::Kiln,
+            seed: 0,
         }
     }
 }
@@ -318,6 +325,13 @@ pub struct Scheduler {
     /// When a request of each tier last started (to tell a request that
     /// was overtaken by a higher tier from one that only lacked room).
     tier_started: Vec<Micros>,
+    /// Chooses a replica for each queued request ([`route`]).
+    router: route::Router,
+    /// Per replica, tokens of queued (or parked) requests routed to it:
+    /// added when a routed request is held ([`Self::pin`]), taken off when
+    /// it leaves the queue ([`Self::unpin`]: it starts, expires, is
+    /// cancelled or refused by a swap). Kept here, not in the queues.
+    pinned: Vec<u64>,
 }
 
 impl Scheduler {
@@ -342,6 +356,8 @@ impl Scheduler {
         let idle = signals.clone();
         let quotas = Quotas::new(&graph);
         let queues = Queues::new(&graph, &cfg);
+        let router = route::Router::new(cfg.routing, cfg.seed);
+        let pinned = vec![0; replicas.len()];
         Scheduler {
             graph,
             cfg,
@@ -360,6 +376,8 @@ impl Scheduler {
             last_canary: false,
             out: Vec::new(),
             tier_started: vec![0; graph_tiers],
+            router,
+            pinned,
         }
     }
 
@@ -531,8 +549,10 @@ impl Scheduler {
         let mut used = 0.0;
         if let Some(w) = self.queues.unpark(id) {
             self.timers.retain(|&(_, t)| t != id);
+            self.unpin(&w);
             used = swap::served_tokens(&w);
         } else if let Some(w) = self.queues.remove(id) {
+            self.unpin(&w);
             used = swap::served_tokens(&w);
             // It was charged fair-share service for output it never made.
             if w.started {
@@ -638,18 +658,106 @@ impl Scheduler {
         });
     }
 
-    /// With prefix affinity, the replica that already holds the longest
-    /// prefix of this prompt.
-    fn affinity(&self, tier: TierId, candidates: &[usize], blocks: &[u64]) -> Option<usize> {
-        if blocks.is_empty() || !self.graph.tiers[tier as usize].prefix_affinity {
-            return None;
+    /// Routes a request being queued ([`route`]): the replica it is held
+    /// for and until when, or `(None, 0)` for the shared queue. Under
+    /// `kiln` routing only tiers with `prefix_affinity` are routed (by
+    /// prefix and load); the others go to whichever replica frees first.
+    /// The baselines route every request, strictly.
+    fn route(
+        &mut self,
+        tier: TierId,
+        candidates: &[usize],
+        blocks: &[u64],
+        prompt: u32,
+        kv_need: u64,
+    ) -> (Option<usize>, Micros) {
+        let by_prefix = self
+            .graph
+            .tiers
+            .get(tier as usize)
+            .is_some_and(|t| t.prefix_affinity);
+        if self.router.mode() == route::Routing::Kiln && (!by_prefix || blocks.is_empty()) {
+            return (None, 0);
         }
-        candidates
+        let cands: Vec<route::Candidate> = candidates
             .iter()
-            .map(|&r| (self.replicas[r].prefix_match(blocks), std::cmp::Reverse(r)))
-            .filter(|(n, _)| *n > 0)
-            .max()
-            .map(|(_, std::cmp::Reverse(r))| r)
+            .filter_map(|&r| {
+                let rep = self.replicas.get(r)?;
+                let usable = rep.up
+                    && !rep.draining
+                    && rep.spec.only_tier.is_none_or(|t| t == tier)
+                    && rep.spec.kv_capacity >= kv_need;
+                usable.then(|| self.candidate(r, blocks, prompt, kv_need))
+            })
+            .collect();
+        match self.router.choose(&cands) {
+            Some(c) if c.hold > 0 => (Some(c.replica), self.now.saturating_add(c.hold)),
+            _ => (None, 0),
+        }
+    }
+
+    /// How replica `r` looks to a request: prefill time its cached prefix
+    /// saves (from its cost model), expected queueing there (a full batch
+    /// waits for a slot, plus the tokens routed to it ahead, at its
+    /// throughput) and its outstanding tokens.
+    fn candidate(&self, r: usize, blocks: &[u64], prompt: u32, kv_need: u64) -> route::Candidate {
+        let rep = &self.replicas[r];
+        let cached = rep.cached_prefix_tokens(blocks).min(prompt);
+        let saved = if cached > 0 {
+            let secs = |p: u32| {
+                let t = rep.spec.cost.step_time(p, 0, 0);
+                if t.is_finite() {
+                    t.max(0.0)
+                } else {
+                    0.0
+                }
+            };
+            let d = (secs(prompt) - secs(prompt - cached)).max(0.0);
+            (d * SEC as f64) as Micros
+        } else {
+            0
+        };
+        let pinned = self.pinned.get(r).copied().unwrap_or(0);
+        let full = rep.free_seq_slots() == 0 || rep.kv_free() < kv_need;
+        let slot_wait = if full { rep.time_to_free() } else { 0 };
+        let queue_wait =
+            (pinned as f64 / rep.throughput_tokens_per_s() * SEC as f64) as Micros;
+        let running: u64 = rep
+            .running
+            .iter()
+            .map(|s| {
+                u64::from(s.prefill_left)
+                    + u64::from(s.w.output_tokens.saturating_sub(s.generated))
+            })
+            .sum();
+        route::Candidate {
+            replica: r,
+            saved,
+            wait: slot_wait.saturating_add(queue_wait),
+            load: pinned.saturating_add(running),
+        }
+    }
+
+    /// Counts a routed request's tokens against its replica.
+    fn pin(&mut self, w: &Waiting) {
+        if let Some(r) = w.affinity {
+            if self.pinned.len() <= r {
+                self.pinned.resize(r + 1, 0);
+            }
+            self.pinned[r] = self.pinned[r].saturating_add(w.tokens());
+        }
+    }
+
+    /// Takes a routed request's tokens off its replica (it left the queue).
+    fn unpin(&mut self, w: &Waiting) {
+        if let Some(p) = w.affinity.and_then(|r| self.pinned.get_mut(r)) {
+            *p = p.saturating_sub(w.tokens());
+        }
+    }
+
+    /// Tokens of queued requests routed to replica `r` (see `pinned`).
+    pub fn pinned_tokens(&self, r: usize) -> u64 {
+        self.pinned.get(r).copied().unwrap_or(0)
     }
 
     fn all_idle(&self, replicas: &[usize]) -> bool {
@@ -741,6 +849,7 @@ impl Scheduler {
 
     fn expire_queued(&mut self) {
         for w in self.queues.take_expired(self.now) {
+            self.unpin(&w);
             self.reject(w.id, Reason::Timeout, 503, Some(5 * SEC));
         }
     }
@@ -876,7 +985,7 @@ impl Scheduler {
                     allow_backfill: !others_waiting,
                 },
             );
-            let Some(w) = pick else {
+            let Some(mut w) = pick else {
                 break;
             };
             if !has_room || u64::from(w.prompt_tokens) + u64::from(w.output_tokens) > kv_free {
@@ -904,16 +1013,13 @@ impl Scheduler {
             if let Some(t) = self.tier_started.get_mut(w.tier as usize) {
                 *t = self.now;
             }
-            let affinity = self
-                .graph
-                .tiers
-                .get(w.tier as usize)
-                .is_some_and(|t| t.prefix_affinity);
-            let cached = if affinity {
-                self.replicas[r].cached_prefix_tokens(&w.prefix_blocks)
-            } else {
-                0
-            };
+            // Prefix caching is on whatever the routing (as vLLM's
+            // automatic prefix caching is); routing only chose the replica.
+            let cached = self.replicas[r].cached_prefix_tokens(&w.prefix_blocks);
+            // Routed once: a preempted or requeued request goes anywhere.
+            self.unpin(&w);
+            w.affinity = None;
+            w.pin_until = 0;
             let now = self.now;
             self.replicas[r].admit(Seq::from_waiting(w, cached), now);
             self.out.push(Action::Started {

@@ -29,8 +29,12 @@ pub struct Waiting {
     pub variant: u16,
     pub pool: Option<PoolId>,
     pub prefix_blocks: Vec<u64>,
-    /// The replica holding this prompt's prefix, preferred for a while.
+    /// The replica routing chose ([`super::route`]), preferred until
+    /// `pin_until`.
     pub affinity: Option<usize>,
+    /// Until then only `affinity` may take it; [`Micros::MAX`] pins it
+    /// strictly (an external router's choice: no other replica steals it).
+    pub pin_until: Micros,
     pub preemptions: u32,
     pub backfill: bool,
     /// Its reservation used tokens borrowed from the cohort: lenders may
@@ -620,9 +624,9 @@ impl Queues {
             w.pool.is_none_or(|p| p == slot.pool)
                 && (slot.allow_backfill || !w.backfill)
                 && slot.only_tier.is_none_or(|t| t == w.tier)
-                && w.affinity.is_none_or(|r| {
-                    r == slot.replica || now.saturating_sub(w.arrival) >= AFFINITY_HOLD
-                })
+                && w
+                    .affinity
+                    .is_none_or(|r| r == slot.replica || now >= w.pin_until)
         };
         // (tier, slot, pos) of the chosen request
         let mut best: Option<(PickKey, usize, usize, usize)> = None;

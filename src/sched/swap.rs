@@ -262,6 +262,7 @@ impl Scheduler {
         });
         for w in dropped {
             self.timers.retain(|&(_, id)| id != w.id);
+            self.unpin(&w);
             self.refuse_changed(w.id, served_tokens(&w));
         }
         self.settle();

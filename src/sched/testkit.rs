@@ -88,6 +88,7 @@ pub fn waiting(id: ReqId, tier: u16, tenant: Option<u32>) -> Waiting {
         pool: None,
         prefix_blocks: Vec::new(),
         affinity: None,
+        pin_until: 0,
         preemptions: 0,
         backfill: false,
         borrowed: false,
