@@ -659,10 +659,10 @@ impl Scheduler {
     }
 
     /// Routes a request being queued ([`route`]): the replica it is held
-    /// for and until when, or `(None, 0)` for the shared queue. Under
-    /// `kiln` routing only tiers with `prefix_affinity` are routed (by
-    /// prefix and load); the others go to whichever replica frees first.
-    /// The baselines route every request, strictly.
+    /// for and until when, or `(None, 0)` when no replica is usable. Under
+    /// `kiln` routing tiers with `prefix_affinity` are routed by cached
+    /// prefix and load, the others by load alone; both are soft pins. The
+    /// baselines pin strictly.
     fn route(
         &mut self,
         tier: TierId,
@@ -676,9 +676,11 @@ impl Scheduler {
             .tiers
             .get(tier as usize)
             .is_some_and(|t| t.prefix_affinity);
-        if self.router.mode() == route::Routing::Kiln && (!by_prefix || blocks.is_empty()) {
-            return (None, 0);
-        }
+        let blocks = if by_prefix || self.router.mode() != route::Routing::Kiln {
+            blocks
+        } else {
+            &[]
+        };
         let cands: Vec<route::Candidate> = candidates
             .iter()
             .filter_map(|&r| {
@@ -720,6 +722,13 @@ impl Scheduler {
         let pinned = self.pinned.get(r).copied().unwrap_or(0);
         let full = rep.free_seq_slots() == 0 || rep.kv_free() < kv_need;
         let slot_wait = if full { rep.time_to_free() } else { 0 };
+        // A replica mid-step takes new work when the step ends.
+        let step_wait = if rep.busy && !rep.spec.external {
+            rep.step_until.saturating_sub(self.now)
+        } else {
+            0
+        };
+        let slot_wait = slot_wait.max(step_wait);
         let queue_wait =
             (pinned as f64 / rep.throughput_tokens_per_s() * SEC as f64) as Micros;
         let running: u64 = rep

@@ -8,11 +8,11 @@
 //!   prefix saves minus the time the request would queue there (the
 //!   precise prefix-cache scorer plus the load scorer of llm-d's inference
 //!   scheduler), and holds the request for the winner only as long as the
-//!   saving is worth (capped at [`MAX_HOLD`]); with nothing cached anywhere
-//!   it holds nothing: whichever replica frees first takes it. Tiers
-//!   without `prefix_affinity` are not routed at all under `kiln`: they
-//!   wait in the shared queue for whichever replica frees first (dispatch
-//!   time join-the-shortest-queue, at least as good as least-loaded).
+//!   saving is worth (capped at [`MAX_HOLD`], at least [`MIN_HOLD`]);
+//!   after that any replica of the route may take it. Tiers without
+//!   `prefix_affinity` are routed under `kiln` by load alone (their cached
+//!   prefix is not scored, though it is still used where they land): the
+//!   least-loaded replica, held for it [`MIN_HOLD`].
 //! - `round-robin`, `least-loaded` and `random` are the baselines of an
 //!   external router: they send the request to one replica's endpoint and
 //!   it waits there (a strict pin, no stealing), whatever its tier.
@@ -56,6 +56,8 @@ impl Routing {
 
 /// The longest a `kiln` soft pin holds a request for its replica.
 pub const MAX_HOLD: Micros = 500 * MS;
+/// The shortest: what a choice by load alone is held for.
+pub const MIN_HOLD: Micros = 20 * MS;
 
 /// A replica that could take the request, as the scheduler sees it now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,11 +80,15 @@ pub struct Choice {
     pub hold: Micros,
 }
 
-/// The router's state: a rotation counter and a seeded random stream.
+/// The router's state: a rotation counter, a cursor over replica indices
+/// for ties, and a seeded random stream.
 #[derive(Debug, Clone)]
 pub struct Router {
     mode: Routing,
     turn: u64,
+    /// Ties go to the first tied replica at or after this index (wrapping),
+    /// and it moves past the one chosen: a rotation over replicas.
+    cursor: usize,
     rng: ChaCha8Rng,
 }
 
@@ -91,6 +97,7 @@ impl Router {
         Router {
             mode,
             turn: 0,
+            cursor: 0,
             rng: ChaCha8Rng::seed_from_u64(seed),
         }
     }
@@ -104,6 +111,17 @@ impl Router {
         let i = (self.turn % n.max(1) as u64) as usize;
         self.turn = self.turn.wrapping_add(1);
         i
+    }
+
+    /// Of tied candidates, the next in rotation over replica indices.
+    fn next_tied<'c>(&mut self, tied: &[&'c Candidate]) -> Option<&'c Candidate> {
+        let cursor = self.cursor;
+        let c = tied
+            .iter()
+            .min_by_key(|c| (c.replica < cursor, c.replica))
+            .copied()?;
+        self.cursor = c.replica.wrapping_add(1);
+        Some(c)
     }
 
     /// Chooses among `cands` (in replica order). `None` when there are none.
@@ -130,8 +148,7 @@ impl Router {
                     .iter()
                     .filter(|c| (c.wait, c.load) == best)
                     .collect();
-                let i = self.rotate(tied.len());
-                tied.get(i).map(|c| strict(c))
+                self.next_tied(&tied).map(strict)
             }
             Routing::Kiln => {
                 let score = |c: &Candidate| i128::from(c.saved) - i128::from(c.wait);
@@ -139,11 +156,10 @@ impl Router {
                 let mut tied: Vec<&Candidate> = cands.iter().filter(|c| score(c) == top).collect();
                 let least = tied.iter().map(|c| c.load).min().unwrap_or(0);
                 tied.retain(|c| c.load == least);
-                let i = self.rotate(tied.len());
-                let c = tied.get(i)?;
+                let c = self.next_tied(&tied)?;
                 Some(Choice {
                     replica: c.replica,
-                    hold: c.saved.min(MAX_HOLD),
+                    hold: c.saved.clamp(MIN_HOLD, MAX_HOLD),
                 })
             }
         }
@@ -203,8 +219,8 @@ mod tests {
         let mut seen: Vec<usize> = (0..3).map(|_| pick(&mut r, &c)).collect();
         seen.sort_unstable();
         assert_eq!(seen, vec![0, 1, 2]);
-        // Nothing cached: no hold, any replica may take it.
-        assert_eq!(r.choose(&c).unwrap().hold, 0);
+        // Nothing cached: held briefly, then any replica may take it.
+        assert_eq!(r.choose(&c).unwrap().hold, MIN_HOLD);
     }
 
     #[test]
