@@ -7,8 +7,9 @@
 //! - `kiln` (the default) scores a replica by the prefill time its cached
 //!   prefix saves minus the time the request would queue there (the
 //!   precise prefix-cache scorer plus the load scorer of llm-d's inference
-//!   scheduler), and holds the request for the winner only as long as the
-//!   saving is worth (capped at [`MAX_HOLD`], at least [`MIN_HOLD`]);
+//!   scheduler), and holds the request for the winner for the wait it
+//!   expects there plus the saving (capped at [`MAX_HOLD`], at least
+//!   [`MIN_HOLD`]): by then another replica taking it loses nothing;
 //!   after that any replica of the route may take it. Tiers without
 //!   `prefix_affinity` are routed under `kiln` by load alone (their cached
 //!   prefix is not scored, though it is still used where they land): the
@@ -55,7 +56,7 @@ impl Routing {
 }
 
 /// The longest a `kiln` soft pin holds a request for its replica.
-pub const MAX_HOLD: Micros = 500 * MS;
+pub const MAX_HOLD: Micros = 10_000 * MS;
 /// The shortest: what a choice by load alone is held for.
 pub const MIN_HOLD: Micros = 20 * MS;
 
@@ -159,7 +160,7 @@ impl Router {
                 let c = self.next_tied(&tied)?;
                 Some(Choice {
                     replica: c.replica,
-                    hold: c.saved.clamp(MIN_HOLD, MAX_HOLD),
+                    hold: c.saved.saturating_add(c.wait).clamp(MIN_HOLD, MAX_HOLD),
                 })
             }
         }
