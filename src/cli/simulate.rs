@@ -235,10 +235,11 @@ fn run_capacity(
 /// The capacity table: scheduler, capacity ×, replays, binding tier.
 fn capacity_table(rows: &[CapacityRow], markdown: bool) -> String {
     use std::fmt::Write as _;
-    let cap = |f: &capacity::Found| match f.bound {
-        capacity::Bound::AtHighest => format!("≥ {:.2}×", f.scale),
-        capacity::Bound::BelowLowest => format!("< {:.4}×", f.scale),
-        _ => format!("{:.2}×", f.scale),
+    let cap = |f: &capacity::Found| match (f.bound, f.scale, f.fails_at) {
+        (capacity::Bound::AtHighest, Some(x), _) => format!("≥ {x:.2}×"),
+        (_, Some(x), _) => format!("{x:.2}×"),
+        (_, None, Some(x)) => format!("< {x:.4}×"),
+        (_, None, None) => "-".into(),
     };
     let mut s = String::new();
     if markdown {

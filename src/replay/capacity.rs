@@ -101,9 +101,8 @@ pub enum Bound {
 /// The result of a capacity search.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Found {
-    /// The largest scale found to pass (the lowest scale tried when none
-    /// passed: see `bound`).
-    pub scale: f64,
+    /// The largest scale found to pass; `None` when none did (see `bound`).
+    pub scale: Option<f64>,
     /// The smallest scale found to fail, if any.
     pub fails_at: Option<f64>,
     pub replays: u32,
@@ -135,7 +134,7 @@ pub fn search(p: Search, mut judge_at: impl FnMut(f64) -> Verdict) -> Found {
         loop {
             if x >= hi_bound {
                 return Found {
-                    scale: good,
+                    scale: Some(good),
                     fails_at: None,
                     replays,
                     bound: Bound::AtHighest,
@@ -144,7 +143,7 @@ pub fn search(p: Search, mut judge_at: impl FnMut(f64) -> Verdict) -> Found {
             }
             if replays >= budget {
                 return Found {
-                    scale: good,
+                    scale: Some(good),
                     fails_at: None,
                     replays,
                     bound: Bound::Budget,
@@ -169,7 +168,7 @@ pub fn search(p: Search, mut judge_at: impl FnMut(f64) -> Verdict) -> Found {
         loop {
             if x <= lo_bound {
                 return Found {
-                    scale: lo_bound,
+                    scale: None,
                     fails_at: Some(bad),
                     replays,
                     bound: Bound::BelowLowest,
@@ -178,7 +177,7 @@ pub fn search(p: Search, mut judge_at: impl FnMut(f64) -> Verdict) -> Found {
             }
             if replays >= budget {
                 return Found {
-                    scale: lo_bound,
+                    scale: None,
                     fails_at: Some(bad),
                     replays,
                     bound: Bound::Budget,
@@ -206,7 +205,7 @@ pub fn search(p: Search, mut judge_at: impl FnMut(f64) -> Verdict) -> Found {
         }
     }
     Found {
-        scale: good,
+        scale: Some(good),
         fails_at: Some(bad),
         replays,
         bound: Bound::Bracketed,
@@ -243,9 +242,10 @@ mod tests {
                 threshold(cap)(x)
             });
             assert_eq!(f.bound, Bound::Bracketed, "{cap}");
-            assert!(f.scale <= cap, "{cap}: {f:?}");
+            let scale = f.scale.unwrap();
+            assert!(scale <= cap, "{cap}: {f:?}");
             let bad = f.fails_at.unwrap();
-            assert!(bad > cap && bad / f.scale <= 1.02 + 1e-9, "{cap}: {f:?}");
+            assert!(bad > cap && bad / scale <= 1.02 + 1e-9, "{cap}: {f:?}");
             assert!(f.replays <= 16, "{cap}: {f:?}");
             assert_eq!(f.replays as usize, calls.len());
             assert_eq!(calls[0], 1.0);
@@ -261,7 +261,8 @@ mod tests {
             binding: Some("chat".into()),
         });
         assert_eq!(f.bound, Bound::BelowLowest);
-        assert_eq!(f.scale, 1.0 / 64.0);
+        assert_eq!(f.scale, None);
+        assert_eq!(f.fails_at, Some(1.0 / 64.0));
         assert_eq!(f.binding.as_deref(), Some("chat"));
         assert_eq!(f.replays, 7, "1, 1/2, …, 1/64");
     }
@@ -270,7 +271,7 @@ mod tests {
     fn a_predicate_passing_at_the_highest_scale() {
         let f = search(Search::default(), threshold(f64::INFINITY));
         assert_eq!(f.bound, Bound::AtHighest);
-        assert_eq!(f.scale, 64.0);
+        assert_eq!(f.scale, Some(64.0));
         assert_eq!(f.fails_at, None);
         assert_eq!(f.replays, 7, "1, 2, …, 64");
     }
@@ -283,7 +284,7 @@ mod tests {
         };
         let f = search(p, threshold(1.3));
         assert!(f.replays <= 4, "{f:?}");
-        assert!(f.scale <= 1.3);
+        assert!(f.scale.is_some_and(|x| x <= 1.3));
         let f = search(p, threshold(1000.0));
         assert_eq!((f.bound, f.replays), (Bound::Budget, 4));
     }
