@@ -112,7 +112,15 @@ fn simulate_reports_are_deterministic_and_complete() {
         .collect();
     assert_eq!(
         routings,
-        ["kiln", "kiln", "kiln", "kiln", "round-robin", "least-loaded", "random"]
+        [
+            "kiln",
+            "kiln",
+            "kiln",
+            "kiln",
+            "round-robin",
+            "least-loaded",
+            "random"
+        ]
     );
     for r in reports {
         assert_eq!(r["requests"], 600);

@@ -243,7 +243,10 @@ fn capacity_table(rows: &[CapacityRow], markdown: bool) -> String {
     };
     let mut s = String::new();
     if markdown {
-        let _ = writeln!(s, "| scheduler | capacity at SLO | replays | binding tier |");
+        let _ = writeln!(
+            s,
+            "| scheduler | capacity at SLO | replays | binding tier |"
+        );
         let _ = writeln!(s, "|---|---:|---:|---|");
     } else {
         let _ = writeln!(

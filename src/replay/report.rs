@@ -329,10 +329,7 @@ pub fn build(
             0.0
         }
     };
-    let (prefill, decode) = (
-        per_s(fleet.prefilled_tokens),
-        per_s(fleet.decoded_tokens),
-    );
+    let (prefill, decode) = (per_s(fleet.prefilled_tokens), per_s(fleet.decoded_tokens));
     let finite = |x: f64| if x.is_finite() { x } else { 0.0 };
     Report {
         scheduler: scheduler.to_string(),
@@ -399,7 +396,10 @@ pub fn markdown(reports: &[Report]) -> String {
                 s,
                 "| {title} | requests | TTFT ms p50/p95/p99 | E2E ms p50/p95/p99 | SLO met | SLO met (admitted) | goodput/s | rejects | waited (why) | preemptions | fallbacks | deadline misses |"
             );
-            let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|");
+            let _ = writeln!(
+                s,
+                "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|"
+            );
             for gr in groups.iter() {
                 let _ = writeln!(
                     s,

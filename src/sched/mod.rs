@@ -731,19 +731,14 @@ impl Scheduler {
         let slot_wait = slot_wait.max(step_wait);
         // Prompts already running there still to prefill come first too
         // (chunked prefill shares each step's token budget).
-        let backlog: u64 = rep
-            .running
-            .iter()
-            .map(|s| u64::from(s.prefill_left))
-            .sum();
+        let backlog: u64 = rep.running.iter().map(|s| u64::from(s.prefill_left)).sum();
         let queue_wait = (pinned.saturating_add(backlog) as f64 / rep.throughput_tokens_per_s()
             * SEC as f64) as Micros;
         let running: u64 = rep
             .running
             .iter()
             .map(|s| {
-                u64::from(s.prefill_left)
-                    + u64::from(s.w.output_tokens.saturating_sub(s.generated))
+                u64::from(s.prefill_left) + u64::from(s.w.output_tokens.saturating_sub(s.generated))
             })
             .sum();
         route::Candidate {

@@ -624,8 +624,7 @@ impl Queues {
             w.pool.is_none_or(|p| p == slot.pool)
                 && (slot.allow_backfill || !w.backfill)
                 && slot.only_tier.is_none_or(|t| t == w.tier)
-                && w
-                    .affinity
+                && w.affinity
                     .is_none_or(|r| r == slot.replica || now >= w.pin_until)
         };
         // (tier, slot, pos) of the chosen request

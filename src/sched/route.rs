@@ -145,10 +145,8 @@ impl Router {
             }
             Routing::LeastLoaded => {
                 let best = cands.iter().map(|c| (c.wait, c.load)).min()?;
-                let tied: Vec<&Candidate> = cands
-                    .iter()
-                    .filter(|c| (c.wait, c.load) == best)
-                    .collect();
+                let tied: Vec<&Candidate> =
+                    cands.iter().filter(|c| (c.wait, c.load) == best).collect();
                 self.next_tied(&tied).map(strict)
             }
             Routing::Kiln => {
@@ -262,9 +260,7 @@ mod tests {
         distinct.dedup();
         assert!(distinct.len() > 4, "{distinct:?}");
         assert_eq!(
-            Router::new(Routing::Random, 1)
-                .choose(&c)
-                .map(|c| c.hold),
+            Router::new(Routing::Random, 1).choose(&c).map(|c| c.hold),
             Some(Micros::MAX)
         );
     }
