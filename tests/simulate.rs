@@ -250,11 +250,17 @@ fn capacity_finds_a_scale_that_passes_when_a_little_more_fails() {
         match (bound, scale) {
             ("bracketed", Some(scale)) => {
                 assert!(passes(&at(scale), 0.3), "{name} at {scale}: {row}");
-                assert!(!passes(&at(scale * 1.05), 0.3), "{name} at 1.05×{scale}");
                 let bad = row["fails_at"].as_f64().unwrap();
-                assert!(bad > scale && bad <= scale * 1.021, "{row}");
+                assert!(bad > scale, "{row}");
                 assert!(!passes(&at(bad), 0.3), "{name} at {bad}");
                 assert_eq!(row["binding"], "interactive", "{row}");
+                // On a 600-request slice attainment is not monotone in the
+                // scale; where the search saw that (`wobbles`) or spent its
+                // budget, only its two end points are claims.
+                if row["wobbles"] == false && row["replays"].as_u64().unwrap() < 16 {
+                    assert!(bad <= scale * 1.021, "{row}");
+                    assert!(!passes(&at(scale * 1.05), 0.3), "{name} at 1.05×{scale}");
+                }
             }
             ("at-highest", Some(scale)) => assert_eq!(scale, 64.0),
             ("below-lowest", None) => {

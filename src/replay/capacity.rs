@@ -110,7 +110,15 @@ pub struct Found {
     /// The binding tier: the one failing at `fails_at` (or at the lowest
     /// scale); at the highest scale, the one with the least margin.
     pub binding: Option<String>,
+    /// A scale above a failing one passed: the verdict is not monotone in
+    /// the scale (a small trace, or a scheduler that sheds load), and the
+    /// scale found is the boundary above the highest such pass found.
+    pub wobbles: bool,
 }
+
+/// After bisecting, the search checks that this much above the scale
+/// found fails too.
+pub const CHECK_ABOVE: f64 = 0.05;
 
 /// Finds the largest passing scale of a predicate that passes below some
 /// scale and fails above it.
@@ -139,6 +147,7 @@ pub fn search(p: Search, mut judge_at: impl FnMut(f64) -> Verdict) -> Found {
                     replays,
                     bound: Bound::AtHighest,
                     binding,
+                    wobbles: false,
                 };
             }
             if replays >= budget {
@@ -148,6 +157,7 @@ pub fn search(p: Search, mut judge_at: impl FnMut(f64) -> Verdict) -> Found {
                     replays,
                     bound: Bound::Budget,
                     binding,
+                    wobbles: false,
                 };
             }
             x = (x * 2.0).min(hi_bound);
@@ -173,6 +183,7 @@ pub fn search(p: Search, mut judge_at: impl FnMut(f64) -> Verdict) -> Found {
                     replays,
                     bound: Bound::BelowLowest,
                     binding,
+                    wobbles: false,
                 };
             }
             if replays >= budget {
@@ -182,6 +193,7 @@ pub fn search(p: Search, mut judge_at: impl FnMut(f64) -> Verdict) -> Found {
                     replays,
                     bound: Bound::Budget,
                     binding,
+                    wobbles: false,
                 };
             }
             x = (x / 2.0).max(lo_bound);
@@ -194,14 +206,55 @@ pub fn search(p: Search, mut judge_at: impl FnMut(f64) -> Verdict) -> Found {
             binding = v.binding;
         }
     }
-    while bad / good > 1.0 + p.precision && replays < budget {
-        let mid = (good * bad).sqrt();
-        let v = run(mid, &mut replays);
-        if v.pass {
-            good = mid;
-        } else {
-            bad = mid;
+    let mut wobbles = false;
+    loop {
+        while bad / good > 1.0 + p.precision && replays < budget {
+            let mid = (good * bad).sqrt();
+            let v = run(mid, &mut replays);
+            if v.pass {
+                good = mid;
+            } else {
+                bad = mid;
+                binding = v.binding;
+            }
+        }
+        // A little above must fail too: where it passes, the predicate is
+        // not monotone there, and the search goes on above it.
+        let probe = good * (1.0 + CHECK_ABOVE);
+        if replays >= budget || probe > hi_bound {
+            break;
+        }
+        let v = run(probe, &mut replays);
+        if !v.pass {
+            break;
+        }
+        wobbles = true;
+        good = probe;
+        binding = v.binding;
+        loop {
+            if good >= hi_bound || replays >= budget {
+                return Found {
+                    scale: Some(good),
+                    fails_at: None,
+                    replays,
+                    bound: if good >= hi_bound {
+                        Bound::AtHighest
+                    } else {
+                        Bound::Budget
+                    },
+                    binding,
+                    wobbles,
+                };
+            }
+            let x = (good * 2.0).min(hi_bound);
+            let v = run(x, &mut replays);
             binding = v.binding;
+            if v.pass {
+                good = x;
+            } else {
+                bad = x;
+                break;
+            }
         }
     }
     Found {
@@ -210,6 +263,7 @@ pub fn search(p: Search, mut judge_at: impl FnMut(f64) -> Verdict) -> Found {
         replays,
         bound: Bound::Bracketed,
         binding,
+        wobbles,
     }
 }
 
@@ -252,6 +306,24 @@ mod tests {
             // Deterministic.
             assert_eq!(search(Search::default(), threshold(cap)), f);
         }
+    }
+
+    #[test]
+    fn a_pass_just_above_the_boundary_moves_the_search_up() {
+        // Fails in (1.1, 1.14), passes again up to 1.16: the bisection
+        // converges on 1.1, the check above lands on a pass.
+        let f = search(Search::default(), |x| Verdict {
+            pass: x <= 1.1 || (1.14..=1.16).contains(&x),
+            binding: None,
+        });
+        assert!(f.wobbles, "{f:?}");
+        let scale = f.scale.unwrap();
+        assert!((1.14..=1.16).contains(&scale), "{f:?}");
+        assert!(f.fails_at.is_some_and(|b| b > 1.16));
+        assert!(f.replays <= 16, "{f:?}");
+        // A monotone one does not wobble.
+        let f = search(Search::default(), threshold(1.5));
+        assert!(!f.wobbles);
     }
 
     #[test]

@@ -7,9 +7,11 @@
 //! - `kiln` (the default) scores a replica by the prefill time its cached
 //!   prefix saves minus the time the request would queue there (the
 //!   precise prefix-cache scorer plus the load scorer of llm-d's inference
-//!   scheduler), and holds the request for the winner for the wait it
-//!   expects there plus the saving (capped at [`MAX_HOLD`], at least
-//!   [`MIN_HOLD`]): by then another replica taking it loses nothing;
+//!   scheduler), and holds the request for the winner for twice the wait
+//!   it expects there plus the saving (capped at [`MAX_HOLD`], at least
+//!   [`MIN_HOLD`]): until the estimate is clearly wrong, no other replica
+//!   takes it (stealing sooner is FIFO across replicas, which under
+//!   overload serves the requests that have already waited longest);
 //!   after that any replica of the route may take it. Tiers without
 //!   `prefix_affinity` are routed under `kiln` by load alone (their cached
 //!   prefix is not scored, though it is still used where they land): the
@@ -56,9 +58,9 @@ impl Routing {
 }
 
 /// The longest a `kiln` soft pin holds a request for its replica.
-pub const MAX_HOLD: Micros = 10_000 * MS;
+pub const MAX_HOLD: Micros = 30_000 * MS;
 /// The shortest: what a choice by load alone is held for.
-pub const MIN_HOLD: Micros = 20 * MS;
+pub const MIN_HOLD: Micros = 100 * MS;
 
 /// A replica that could take the request, as the scheduler sees it now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -158,7 +160,11 @@ impl Router {
                 let c = self.next_tied(&tied)?;
                 Some(Choice {
                     replica: c.replica,
-                    hold: c.saved.saturating_add(c.wait).clamp(MIN_HOLD, MAX_HOLD),
+                    hold: c
+                        .saved
+                        .saturating_add(c.wait)
+                        .saturating_mul(2)
+                        .clamp(MIN_HOLD, MAX_HOLD),
                 })
             }
         }
@@ -189,9 +195,9 @@ mod tests {
         for _ in 0..5 {
             let ch = r.choose(&c).unwrap();
             assert_eq!(ch.replica, 1);
-            assert_eq!(ch.hold, 80 * MS, "held as long as the saving");
+            assert_eq!(ch.hold, 160 * MS, "held for twice the saving");
         }
-        let big = [cand(0, 10 * 1_000 * MS, 0, 0)];
+        let big = [cand(0, 100 * 1_000 * MS, 0, 0)];
         assert_eq!(r.choose(&big).unwrap().hold, MAX_HOLD);
     }
 
