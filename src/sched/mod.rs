@@ -1352,6 +1352,88 @@ mod tests {
     }
 
     #[test]
+    fn pinned_tokens_follow_routed_requests_in_and_out_of_the_queue() {
+        let g = graph(BASE);
+        let cfg = Config {
+            routing: route::Routing::LeastLoaded,
+            ..Config::default()
+        };
+        let mut s = Scheduler::new(g.clone(), plan(&g, 1_000_000), cfg);
+        // One slot on m's replica: the first starts, the others wait for it.
+        for id in 0..3 {
+            arrive(&mut s, 0, arrival(id, "bulk", "m", 100, 5));
+        }
+        let r = s.replicas[0].running[0].w.clone();
+        assert_eq!(r.affinity, None, "a started request is routed no more");
+        assert_eq!(s.pinned_tokens(0), 2 * 105);
+        s.handle(MS, Event::Cancel { id: 2 });
+        assert_eq!(s.pinned_tokens(0), 105);
+        // Steps run until everything finished: nothing is left pinned.
+        for _ in 0..64 {
+            let until = s.replicas[0].step_until;
+            s.handle(until, Event::StepDone { replica: 0 });
+        }
+        assert_eq!(s.waiting(), 0);
+        assert_eq!(s.pinned_tokens(0), 0);
+        assert!(s.replicas[0].prefilled_tokens >= 200);
+        assert_eq!(s.replicas[0].decoded_tokens, 10);
+    }
+
+    #[test]
+    fn a_baseline_router_pins_strictly_and_kiln_lets_another_replica_take_it() {
+        let text = r#"
+pool p { gpus 2 kind "H100-80GB" memory 80GB }
+model m { variant fp16 { memory 10GB pools [p] max_batch 1 } }
+tier t { priority 1 slo { ttft 10s } }
+tenant x { owner "o" tiers [t] }
+classify { default => tier t }
+route t m { default => fp16 }
+"#;
+        let g = graph(text);
+        let run = |routing| {
+            let cfg = Config {
+                routing,
+                ..Config::default()
+            };
+            let mut s = Scheduler::new(g.clone(), plan(&g, 1_000_000), cfg);
+            let mut on = HashMap::default();
+            let mut note = |acts: &[Action]| {
+                for a in acts {
+                    if let Action::Started { id, replica, .. } = a {
+                        on.insert(*id, *replica);
+                    }
+                }
+            };
+            // A long request, a short one, then one more for either.
+            note(&arrive(&mut s, 0, arrival(0, "x", "m", 100, 400)));
+            note(&arrive(&mut s, 0, arrival(1, "x", "m", 100, 1)));
+            note(&arrive(&mut s, 0, arrival(2, "x", "m", 100, 1)));
+            for _ in 0..2000 {
+                let Some((r, until)) = s
+                    .replicas
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, x)| x.busy)
+                    .map(|(i, x)| (i, x.step_until))
+                    .min_by_key(|&(_, t)| t)
+                else {
+                    break;
+                };
+                note(&s.handle(until, Event::StepDone { replica: r }).to_vec());
+            }
+            (on[&0], on[&1], on[&2])
+        };
+        // Round robin sent the third to the first replica, and it waits
+        // there behind the long one though the second is free.
+        let (a, b, c) = run(route::Routing::RoundRobin);
+        assert_ne!(a, b);
+        assert_eq!(c, a);
+        // Kiln's soft pin lets the free replica take it once the hold ends.
+        let (a, _, c) = run(route::Routing::Kiln);
+        assert_ne!(c, a);
+    }
+
+    #[test]
     fn queue_snapshot_names_each_queue_with_its_share() {
         let g = graph(BASE);
         let mut s = sched(&g);
