@@ -1419,7 +1419,7 @@ route t m { default => fp16 }
                 else {
                     break;
                 };
-                note(&s.handle(until, Event::StepDone { replica: r }).to_vec());
+                note(s.handle(until, Event::StepDone { replica: r }));
             }
             (on[&0], on[&1], on[&2])
         };
