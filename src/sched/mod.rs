@@ -332,6 +332,13 @@ pub struct Scheduler {
     /// it leaves the queue ([`Self::unpin`]: it starts, expires, is
     /// cancelled or refused by a swap). Kept here, not in the queues.
     pinned: Vec<u64>,
+    /// The requests counted in `pinned`, per replica, to release them when
+    /// their replica goes down or drains.
+    pinned_ids: Vec<rustc_hash::FxHashSet<ReqId>>,
+    /// When soft pins end, so that a request held for a busy replica is
+    /// looked at again then (an idle replica asks for nothing by itself).
+    /// Entries of requests that started meanwhile only cause a spare tick.
+    pin_ends: std::collections::BTreeSet<(Micros, ReqId)>,
 }
 
 impl Scheduler {
@@ -378,6 +385,8 @@ impl Scheduler {
             tier_started: vec![0; graph_tiers],
             router,
             pinned,
+            pinned_ids: Vec::new(),
+            pin_ends: Default::default(),
         }
     }
 
@@ -752,17 +761,53 @@ impl Scheduler {
     /// Counts a routed request's tokens against its replica.
     fn pin(&mut self, w: &Waiting) {
         if let Some(r) = w.affinity {
+            if w.pin_until != Micros::MAX {
+                self.pin_ends.insert((w.pin_until, w.id));
+            }
             if self.pinned.len() <= r {
                 self.pinned.resize(r + 1, 0);
             }
+            if self.pinned_ids.len() <= r {
+                self.pinned_ids.resize_with(r + 1, Default::default);
+            }
             self.pinned[r] = self.pinned[r].saturating_add(w.tokens());
+            self.pinned_ids[r].insert(w.id);
+        }
+    }
+
+    /// Requests routed to replica `r`, which went down or drains, are
+    /// routed no more: any replica of their route may take them. (Queued
+    /// ones go back in line as new arrivals would: a rare event.)
+    fn release_pins(&mut self, r: usize) {
+        let Some(ids) = self.pinned_ids.get_mut(r).map(std::mem::take) else {
+            return;
+        };
+        let mut ids: Vec<ReqId> = ids.into_iter().collect();
+        ids.sort_unstable();
+        for id in ids {
+            if let Some(mut w) = self.queues.remove(id) {
+                self.unpin(&w);
+                w.affinity = None;
+                w.pin_until = 0;
+                self.queues.push(w, &self.cfg);
+            } else if let Some(mut w) = self.queues.unpark(id) {
+                self.unpin(&w);
+                w.affinity = None;
+                w.pin_until = 0;
+                self.queues.park(w);
+            }
         }
     }
 
     /// Takes a routed request's tokens off its replica (it left the queue).
     fn unpin(&mut self, w: &Waiting) {
-        if let Some(p) = w.affinity.and_then(|r| self.pinned.get_mut(r)) {
+        let Some(r) = w.affinity else { return };
+        self.pin_ends.remove(&(w.pin_until, w.id));
+        if let Some(p) = self.pinned.get_mut(r) {
             *p = p.saturating_sub(w.tokens());
+        }
+        if let Some(ids) = self.pinned_ids.get_mut(r) {
+            ids.remove(&w.id);
         }
     }
 
@@ -865,8 +910,15 @@ impl Scheduler {
         }
     }
 
-    fn next_wake(&self) -> Option<Micros> {
-        let timer = self.timers.iter().map(|(t, _)| *t).min();
+    fn next_wake(&mut self) -> Option<Micros> {
+        while let Some(&(t, id)) = self.pin_ends.first() {
+            if t > self.now {
+                break;
+            }
+            self.pin_ends.remove(&(t, id));
+        }
+        let pin = self.pin_ends.first().map(|&(t, _)| t);
+        let timer = self.timers.iter().map(|(t, _)| *t).chain(pin).min();
         let expiry = self.queues.next_expiry();
         match (timer, expiry) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -876,6 +928,9 @@ impl Scheduler {
     }
 
     fn replica_down(&mut self, r: usize) {
+        if r < self.replicas.len() {
+            self.release_pins(r);
+        }
         let Some(rep) = self.replicas.get_mut(r) else {
             return;
         };
@@ -1178,7 +1233,11 @@ mod tests {
         let acts = s.handle(MS, Event::Cancel { id: 2 }).to_vec();
         assert!(cancelled(&acts).is_empty());
         let acts = s.handle(MS, Event::Cancel { id: 99 }).to_vec();
-        assert!(acts.is_empty(), "{acts:?}");
+        // (Only the wake-up for the end of the others' routing hold.)
+        assert!(
+            acts.iter().all(|a| matches!(a, Action::WakeAt(_))),
+            "{acts:?}"
+        );
     }
 
     #[test]

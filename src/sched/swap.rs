@@ -265,6 +265,11 @@ impl Scheduler {
             self.unpin(&w);
             self.refuse_changed(w.id, served_tokens(&w));
         }
+        for r in 0..self.replicas.len() {
+            if self.replicas[r].draining {
+                self.release_pins(r);
+            }
+        }
         self.settle();
         &self.out
     }
