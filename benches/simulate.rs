@@ -50,12 +50,8 @@ fn simulate(
     }
     let mut s = Scheduler::new(g.clone(), plan, cfg);
     let (outcomes, gap) = replay::run_measured(&mut s, replay::arrivals(records), |_, _| {});
-    let busy: f64 = s
-        .replicas()
-        .iter()
-        .map(|r| r.busy_seconds * f64::from(r.spec.gpus))
-        .sum();
-    report::build(g, &format!("{mode:?}"), &outcomes, busy, 8, gap)
+    let fleet = replay::fleet(&s, &outcomes, gap);
+    report::build(g, &format!("{mode:?}"), "kiln", &outcomes, &fleet)
 }
 
 fn bench(c: &mut Criterion) {
@@ -111,7 +107,7 @@ fn bench(c: &mut Criterion) {
             println!(
                 "{scale} | {} | {:.1}% | {:.1}% | {:.1}% | {:.2} | {:.2}x",
                 r.scheduler,
-                r.gpu_utilization * 100.0,
+                r.busy * 100.0,
                 slo("interactive"),
                 slo("batch"),
                 goodput(r),

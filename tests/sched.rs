@@ -866,3 +866,82 @@ tenant light { owner "o" tiers [t] }
     assert!(k <= 3.0 * 240.0, "kiln gap {k}");
     assert!(f > 10.0 * k, "fifo gap {f} vs kiln {k}");
 }
+
+/// Conversations sharing a long prefix (a system prompt and the history),
+/// several turns each, on four replicas: kiln routing sends each turn to the
+/// replica caching its conversation (unless it is busier than the prefill
+/// saved), least-loaded ignores the cache. Kiln's TTFT is lower and no
+/// replica takes most of the work.
+#[test]
+fn kiln_routing_beats_least_loaded_on_shared_prefixes_and_spreads_load() {
+    use kiln::sched::route::Routing;
+    let text = r#"
+pool p { gpus 4 kind "H100-80GB" memory 80GB }
+model m { variant fp16 { memory 10GB pools [p] max_batch 4 } }
+tier t { priority 1 slo { ttft 10s } prefix_affinity }
+tenant x { owner "o" tiers [t] }
+classify { default => tier t }
+route t m { default => fp16 }
+"#;
+    let g = graph(text);
+    let list = || {
+        let mut v = Vec::new();
+        for conv in 0..16u64 {
+            for turn in 0..10u64 {
+                let blocks: Vec<u64> = (0..8 + turn).map(|b| conv * 1000 + b).collect();
+                let at = conv * 37 + turn * (500 + conv * 23);
+                v.push((
+                    at * MS,
+                    Arrival {
+                        id: conv * 100 + turn,
+                        request: Request {
+                            tenant: Some("x".into()),
+                            model: "m".into(),
+                            prompt_tokens: blocks.len() as u64 * 512,
+                            max_tokens: 64,
+                            ..Default::default()
+                        },
+                        output_tokens: 10 + ((conv * 7 + turn * 13) % 40) as u32,
+                        prefix_blocks: blocks,
+                    },
+                ));
+            }
+        }
+        v.sort_by_key(|(t, a)| (*t, a.id));
+        v
+    };
+    let replay = |routing: Routing| {
+        let plan = Plan::from_graph(&g, |_, _, _| {
+            Some(Costing {
+                cost: Arc::new(Linear),
+                kv_capacity: 1_000_000,
+            })
+        });
+        let cfg = Config {
+            routing,
+            ..Config::default()
+        };
+        let mut s = Scheduler::new(g.clone(), plan, cfg);
+        run(&mut s, list(), |_, _| {})
+    };
+    let mean_ttft = |o: &[Outcome]| {
+        let v: Vec<f64> = o
+            .iter()
+            .map(|x| (x.first_token.unwrap() - x.arrival) as f64)
+            .collect();
+        v.iter().sum::<f64>() / v.len() as f64
+    };
+    let kiln = replay(Routing::Kiln);
+    let ll = replay(Routing::LeastLoaded);
+    assert!(kiln.iter().all(|o| o.finished.is_some()));
+    assert!(ll.iter().all(|o| o.finished.is_some()));
+    let (k, l) = (mean_ttft(&kiln), mean_ttft(&ll));
+    assert!(k < 0.8 * l, "kiln {k} µs vs least-loaded {l} µs");
+    let mut per = [0usize; 4];
+    for o in &kiln {
+        per[o.replica.unwrap()] += 1;
+    }
+    assert!(per.iter().all(|&n| n > 0 && n < kiln.len() / 2), "{per:?}");
+    // Deterministic.
+    assert_eq!(replay(Routing::Kiln), kiln);
+}

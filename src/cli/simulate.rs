@@ -1,7 +1,8 @@
 //! `kiln simulate`
 
 use super::*;
-use crate::replay::{self, report};
+use crate::replay::{self, capacity, report};
+use crate::sched::route::Routing;
 use crate::sched::{Config, Mode, Scheduler};
 use std::sync::Arc;
 
@@ -23,12 +24,36 @@ pub struct Args {
     /// Scheduler(s) to run; several compare on the same traffic in one report.
     #[arg(long, value_enum, num_args = 1.., default_values_t = [Mode::Kiln])]
     pub scheduler: Vec<Mode>,
-    /// Run kiln and every baseline (fifo, priority, static).
+    /// Routing(s): how requests are sent to replicas. Several compare (each
+    /// with every scheduler asked for); reports are named `scheduler/routing`
+    /// unless the routing is kiln's.
+    #[arg(long, value_enum, num_args = 1.., default_values_t = [Routing::Kiln])]
+    pub routing: Vec<Routing>,
+    /// Run kiln and every baseline: the schedulers fifo, priority and static
+    /// (with kiln's routing), and kiln's scheduler with the routings
+    /// round-robin, least-loaded and random.
     #[arg(long)]
     pub compare: bool,
-    /// Seed for anything random (the core is deterministic; recorded in the report).
+    /// Seed for anything random (the `random` routing; recorded in the report).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Scale the arrival rate: arrival times are divided by this (2 = the
+    /// same requests in half the time).
+    #[arg(long, default_value_t = 1.0)]
+    pub scale: f64,
+    /// Find each scheduler's capacity at SLO instead: the largest arrival
+    /// rate scale at which every TTFT tier and every completion-window tier
+    /// meets its threshold (bracketed in 1/64..64, bisected to about 2%).
+    #[arg(long)]
+    pub capacity: bool,
+    /// With --capacity: share of a TTFT tier's requests (refused = miss)
+    /// that must meet the TTFT SLO.
+    #[arg(long, default_value_t = 0.99)]
+    pub capacity_ttft: f64,
+    /// With --capacity: share of a completion-window tier's requests that
+    /// must finish inside the window.
+    #[arg(long, default_value_t = 0.99)]
+    pub capacity_window: f64,
     /// Roofline calibration (TOML) overriding GPU and efficiency figures.
     #[arg(long)]
     pub calibration: Option<PathBuf>,
@@ -39,7 +64,74 @@ pub struct Args {
     pub format: SimFormat,
 }
 
+/// The report name of a scheduler and routing.
+fn run_name(mode: Mode, routing: Routing) -> String {
+    let m = format!("{mode:?}").to_lowercase();
+    if routing == Routing::Kiln {
+        m
+    } else {
+        format!("{m}/{}", routing.name())
+    }
+}
+
+/// One replay of the traffic, arrival times divided by `scale`.
+#[allow(clippy::too_many_arguments)]
+fn replay_one(
+    g: &Arc<crate::graph::DecisionGraph>,
+    cost: &crate::backend::cost::CostModel,
+    records: &[crate::traffic::Record],
+    mode: Mode,
+    routing: Routing,
+    seed: u64,
+    scale: f64,
+    show: bool,
+) -> report::Report {
+    let mut plan = replay::plan(g, cost);
+    if mode == Mode::Static {
+        plan.partition_by_tier(g);
+    }
+    let cfg = Config {
+        mode,
+        routing,
+        seed,
+        ..Config::default()
+    };
+    let mut sched = Scheduler::new(g.clone(), plan, cfg);
+    let name = run_name(mode, routing);
+    let arrivals = replay::arrivals(records)
+        .into_iter()
+        .map(|(t, a)| (capacity::scale_times(t, scale), a))
+        .collect();
+    let (outcomes, gap) = replay::run_measured(&mut sched, arrivals, |done, total| {
+        if show {
+            eprint!("\r{}", progress_bar(&name, done, total));
+            if done == total {
+                eprintln!();
+            }
+        }
+    });
+    let fleet = replay::fleet(&sched, &outcomes, gap);
+    report::build(g, &name, routing.name(), &outcomes, &fleet)
+}
+
+/// One row of `--capacity`.
+#[derive(Debug, Clone, serde::Serialize)]
+struct CapacityRow {
+    scheduler: String,
+    routing: &'static str,
+    #[serde(flatten)]
+    found: capacity::Found,
+}
+
 pub fn run(a: Args) -> i32 {
+    if !(a.scale.is_finite() && a.scale > 0.0) {
+        return usage_error("--scale must be a positive number");
+    }
+    for t in [a.capacity_ttft, a.capacity_window] {
+        if !(0.0..=1.0).contains(&t) {
+            return usage_error("--capacity-ttft and --capacity-window are shares, 0 to 1");
+        }
+    }
     let g = match compile_one(&a.policy) {
         Ok((_, g)) => Arc::new(g),
         Err(code) => return code,
@@ -52,46 +144,40 @@ pub fn run(a: Args) -> i32 {
         Ok(r) => r,
         Err(code) => return code,
     };
-    let modes: Vec<Mode> = if a.compare {
-        vec![Mode::Kiln, Mode::Fifo, Mode::Priority, Mode::Static]
+    let runs: Vec<(Mode, Routing)> = if a.compare {
+        let mut v: Vec<(Mode, Routing)> = [Mode::Kiln, Mode::Fifo, Mode::Priority, Mode::Static]
+            .into_iter()
+            .map(|m| (m, Routing::Kiln))
+            .collect();
+        v.extend(
+            [Routing::RoundRobin, Routing::LeastLoaded, Routing::Random].map(|r| (Mode::Kiln, r)),
+        );
+        v
     } else {
-        a.scheduler.clone()
-    };
-    let gpus: u32 = g.pools.iter().map(|p| p.gpus).sum();
-    let mut reports = Vec::new();
-    for mode in modes {
-        let mut plan = replay::plan(&g, &cost);
-        if mode == Mode::Static {
-            plan.partition_by_tier(&g);
-        }
-        let cfg = Config {
-            mode,
-            ..Config::default()
-        };
-        let mut sched = Scheduler::new(g.clone(), plan, cfg);
-        let show = std::io::IsTerminal::is_terminal(&std::io::stderr());
-        let name = format!("{mode:?}").to_lowercase();
-        let (outcomes, gap) =
-            replay::run_measured(&mut sched, replay::arrivals(&records), |done, total| {
-                if show {
-                    eprint!("\r{}", progress_bar(&name, done, total));
-                    if done == total {
-                        eprintln!();
-                    }
+        let mut v = Vec::new();
+        for &m in &a.scheduler {
+            for &r in &a.routing {
+                if !v.contains(&(m, r)) {
+                    v.push((m, r));
                 }
-            });
-        let busy: f64 = sched
-            .replicas()
-            .iter()
-            .map(|r| r.busy_seconds * f64::from(r.spec.gpus))
-            .sum();
-        reports.push(report::build(&g, &name, &outcomes, busy, gpus, gap));
+            }
+        }
+        v
+    };
+    let show = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    if a.capacity {
+        return run_capacity(&a, &g, &cost, &records, &runs, show);
     }
+    let reports: Vec<report::Report> = runs
+        .iter()
+        .map(|&(m, r)| replay_one(&g, &cost, &records, m, r, a.seed, a.scale, show))
+        .collect();
     let out = match a.format {
         SimFormat::Human => report::human(&reports),
         SimFormat::Markdown => report::markdown(&reports),
         SimFormat::Json => match serde_json::to_string_pretty(&serde_json::json!({
             "seed": a.seed,
+            "scale": a.scale,
             "reports": reports,
         })) {
             Ok(s) => s + "\n",
@@ -100,6 +186,98 @@ pub fn run(a: Args) -> i32 {
     };
     print!("{out}");
     EXIT_OK
+}
+
+fn run_capacity(
+    a: &Args,
+    g: &Arc<crate::graph::DecisionGraph>,
+    cost: &crate::backend::cost::CostModel,
+    records: &[crate::traffic::Record],
+    runs: &[(Mode, Routing)],
+    show: bool,
+) -> i32 {
+    let th = capacity::Thresholds {
+        ttft: a.capacity_ttft,
+        window: a.capacity_window,
+    };
+    let mut rows = Vec::new();
+    for &(m, r) in runs {
+        let name = run_name(m, r);
+        let found = capacity::search(capacity::Search::default(), |x| {
+            if show {
+                eprintln!("{name}: replaying at {x:.3}x");
+            }
+            let rep = replay_one(g, cost, records, m, r, a.seed, x, false);
+            capacity::judge(&rep, th)
+        });
+        rows.push(CapacityRow {
+            scheduler: name,
+            routing: r.name(),
+            found,
+        });
+    }
+    let out = match a.format {
+        SimFormat::Human => capacity_table(&rows, false),
+        SimFormat::Markdown => capacity_table(&rows, true),
+        SimFormat::Json => match serde_json::to_string_pretty(&serde_json::json!({
+            "seed": a.seed,
+            "thresholds": { "ttft": th.ttft, "window": th.window },
+            "capacity": rows,
+        })) {
+            Ok(s) => s + "\n",
+            Err(e) => return usage_error(&e.to_string()),
+        },
+    };
+    print!("{out}");
+    EXIT_OK
+}
+
+/// The capacity table: scheduler, capacity ×, replays, binding tier.
+fn capacity_table(rows: &[CapacityRow], markdown: bool) -> String {
+    use std::fmt::Write as _;
+    let cap = |f: &capacity::Found| match (f.bound, f.scale, f.fails_at) {
+        (capacity::Bound::AtHighest, Some(x), _) => format!("≥ {x:.2}×"),
+        (_, Some(x), _) => format!("{x:.2}×"),
+        (_, None, Some(x)) => format!("< {x:.4}×"),
+        (_, None, None) => "-".into(),
+    };
+    let mut s = String::new();
+    if markdown {
+        let _ = writeln!(
+            s,
+            "| scheduler | capacity at SLO | replays | binding tier |"
+        );
+        let _ = writeln!(s, "|---|---:|---:|---|");
+    } else {
+        let _ = writeln!(
+            s,
+            "{:<24} {:>16} {:>8}  binding tier",
+            "scheduler", "capacity at SLO", "replays"
+        );
+    }
+    for r in rows {
+        let binding = r.found.binding.as_deref().unwrap_or("-");
+        if markdown {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} |",
+                r.scheduler,
+                cap(&r.found),
+                r.found.replays,
+                binding
+            );
+        } else {
+            let _ = writeln!(
+                s,
+                "{:<24} {:>16} {:>8}  {}",
+                r.scheduler,
+                cap(&r.found),
+                r.found.replays,
+                binding
+            );
+        }
+    }
+    s
 }
 
 /// `kiln   [##########..........]  50%  14092/28185 requests`

@@ -55,14 +55,9 @@ pub fn replay(
     let mut sched = Scheduler::new(g.clone(), crate::replay::plan(g, cost), cfg);
     let (outcomes, gap) =
         crate::replay::run_measured(&mut sched, crate::replay::arrivals(records), &mut progress);
-    let busy: f64 = sched
-        .replicas()
-        .iter()
-        .map(|r| r.busy_seconds * f64::from(r.spec.gpus))
-        .sum();
-    let gpus: u32 = g.pools.iter().map(|p| p.gpus).sum();
+    let fleet = crate::replay::fleet(&sched, &outcomes, gap);
     (
-        crate::replay::report::build(g, label, &outcomes, busy, gpus, gap),
+        crate::replay::report::build(g, label, "kiln", &outcomes, &fleet),
         outcomes,
     )
 }

@@ -322,7 +322,9 @@ pub fn impact(old: Report, new: Report) -> Impact {
     let tiers = deltas(&old.tiers, &new.tiers);
     let tenants = deltas(&old.tenants, &new.tenants);
     let fleet = vec![
-        metric("gpu_utilization", old.gpu_utilization, new.gpu_utilization),
+        metric("busy", old.busy, new.busy),
+        metric("prefill_load", old.prefill_load, new.prefill_load),
+        metric("decode_load", old.decode_load, new.decode_load),
         metric("duration_s", old.duration_s, new.duration_s),
         metric("max_service_gap", old.max_service_gap, new.max_service_gap),
     ];

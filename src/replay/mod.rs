@@ -3,6 +3,7 @@
 //! gives. Same inputs, same output, bit for bit: events are ordered by time
 //! and then by the order they were created.
 
+pub mod capacity;
 pub mod report;
 
 use crate::driver::{Driver, Sink};
@@ -207,4 +208,55 @@ pub fn arrivals(records: &[crate::traffic::Record]) -> Vec<(Micros, Arrival)> {
             )
         })
         .collect()
+}
+
+/// What the fleet did in a finished replay, for [`report::build`]: busy
+/// GPU time, tokens prefilled and produced, and the roofline capacity of
+/// the replicas that run their steps here (external upstreams excluded),
+/// decode capacity at the run's mean context.
+pub fn fleet(sched: &Scheduler, outcomes: &[Outcome], service_gap: f64) -> report::Fleet {
+    let gpus: u32 = sched.graph().pools.iter().map(|p| p.gpus).sum();
+    let n = outcomes.len().max(1) as f64;
+    // Mean context a decoding sequence holds: its prompt and half its output.
+    let context = outcomes
+        .iter()
+        .map(|o| f64::from(o.prompt_tokens) + f64::from(o.output_tokens) / 2.0)
+        .sum::<f64>()
+        / n;
+    let kv_per_seq = outcomes
+        .iter()
+        .map(|o| f64::from(o.prompt_tokens) + f64::from(o.output_tokens))
+        .sum::<f64>()
+        / n;
+    let rate = |tokens: f64, secs: f64| {
+        if secs.is_finite() && secs > 0.0 && tokens.is_finite() {
+            tokens / secs
+        } else {
+            0.0
+        }
+    };
+    let mut f = report::Fleet {
+        gpus,
+        service_gap,
+        ..report::Fleet::default()
+    };
+    for r in sched.replicas() {
+        f.busy_gpu_seconds += r.busy_seconds * f64::from(r.spec.gpus);
+        f.prefilled_tokens += r.prefilled_tokens;
+        f.decoded_tokens += r.decoded_tokens;
+        if r.spec.external {
+            continue;
+        }
+        let chunk = r.spec.max_batch_tokens.max(1);
+        f.prefill_capacity_tok_s += rate(f64::from(chunk), r.spec.cost.step_time(chunk, 0, 0));
+        let fit = if kv_per_seq > 0.0 {
+            (r.spec.kv_capacity as f64 / kv_per_seq).floor()
+        } else {
+            f64::from(r.spec.max_batch)
+        };
+        let batch = f64::from(r.spec.max_batch).min(fit).clamp(1.0, 65_536.0) as u32;
+        let ctx = (f64::from(batch) * context).min(u64::MAX as f64 / 2.0) as u64;
+        f.decode_capacity_tok_s += rate(f64::from(batch), r.spec.cost.step_time(0, batch, ctx));
+    }
+    f
 }

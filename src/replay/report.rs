@@ -32,6 +32,15 @@ pub struct Group {
     /// Share of all requests (rejected ones count as misses) that met the
     /// tier's SLO, 0–1.
     pub slo_attainment: f64,
+    /// Share of the admitted requests (those not refused) that met it, 0–1
+    /// (1 when every request was refused).
+    pub slo_attainment_admitted: f64,
+    /// Share of all requests (refused = miss) whose first token came within
+    /// the tier's TTFT SLO; absent for a group without one.
+    pub ttft_attainment: Option<f64>,
+    /// Share of all requests (refused = miss) of a completion-window tier
+    /// that finished inside their window; absent for a group without one.
+    pub window_attainment: Option<f64>,
     /// Requests that met their SLO, per second of the run.
     pub goodput_rps: f64,
     pub preemptions: u64,
@@ -47,13 +56,33 @@ pub struct Group {
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Report {
+    /// The scheduler (and, when not kiln's, the routing: `fifo/random`).
     pub scheduler: String,
+    /// How requests were sent to replicas (`kiln`, `round-robin`, …).
+    pub routing: String,
     pub requests: u64,
     /// From the first arrival to the last completion, seconds.
     pub duration_s: f64,
     pub gpus: u32,
-    /// Busy GPU-seconds over available GPU-seconds, 0–1.
-    pub gpu_utilization: f64,
+    /// GPU-seconds during which a step ran, over available GPU-seconds,
+    /// 0–1. A replica running any step counts busy however little of its
+    /// capacity the step used: see `prefill_load` and `decode_load`.
+    pub busy: f64,
+    /// Prompt tokens prefilled per second over the run (on replicas that
+    /// run their steps here; external upstreams are not counted).
+    pub prefill_tok_s: f64,
+    /// Output tokens produced per second over the run.
+    pub decode_tok_s: f64,
+    /// The pool's roofline capacity: summed over replicas, a full
+    /// `max_batch_tokens` prefill chunk per step, and a full batch (as many
+    /// sequences as `max_batch` and KV memory allow at the run's mean
+    /// context) decoding, from each replica's cost model.
+    pub prefill_capacity_tok_s: f64,
+    pub decode_capacity_tok_s: f64,
+    /// Achieved over capacity, 0–1 (and above, were a cost model to run
+    /// faster than its own roofline).
+    pub prefill_load: f64,
+    pub decode_load: f64,
     /// Largest gap in weighted service (tokens/weight) seen between tenants
     /// of one tier that both had work waiting: the VTC fairness measure
     /// (smaller is fairer).
@@ -110,6 +139,9 @@ fn group<'a>(
         ttft_ms: None,
         e2e_ms: None,
         slo_attainment: 0.0,
+        slo_attainment_admitted: 0.0,
+        ttft_attainment: None,
+        window_attainment: None,
         goodput_rps: 0.0,
         preemptions: 0,
         fallbacks: 0,
@@ -119,8 +151,26 @@ fn group<'a>(
     };
     let (mut ttft, mut e2e) = (Vec::new(), Vec::new());
     let mut met = 0u64;
+    // (with the SLO, met it) for TTFT and for the completion window
+    let (mut ttft_slo, mut window_slo) = ((0u64, 0u64), (0u64, 0u64));
     for o in items {
         gr.requests += 1;
+        let slo = o.tier.and_then(|t| g.tiers.get(t as usize)).map(|t| &t.slo);
+        let served = o.rejected.is_none();
+        if let Some(limit) = slo.and_then(|s| s.ttft) {
+            ttft_slo.0 += 1;
+            let ok = o
+                .first_token
+                .is_some_and(|f| (f - o.arrival) as f64 / MS as f64 <= limit);
+            ttft_slo.1 += u64::from(served && ok);
+        }
+        if let Some(limit) = slo.and_then(|s| s.window) {
+            window_slo.0 += 1;
+            let ok = o
+                .finished
+                .is_some_and(|f| (f - o.arrival) as f64 / MS as f64 <= limit);
+            window_slo.1 += u64::from(served && ok);
+        }
         gr.preemptions += u64::from(o.preemptions);
         if o.fallback_step.is_some() {
             gr.fallbacks += 1;
@@ -172,6 +222,15 @@ fn group<'a>(
     if gr.requests > 0 {
         gr.slo_attainment = round(met as f64 / gr.requests as f64);
     }
+    let share = |(n, ok): (u64, u64)| (n > 0).then(|| round(ok as f64 / n as f64));
+    gr.ttft_attainment = share(ttft_slo);
+    gr.window_attainment = share(window_slo);
+    let admitted = gr.requests - gr.rejected;
+    gr.slo_attainment_admitted = if admitted > 0 {
+        round(met as f64 / admitted as f64)
+    } else {
+        1.0
+    };
     if duration_s > 0.0 {
         gr.goodput_rps = round(met as f64 / duration_s);
     }
@@ -182,15 +241,31 @@ fn round(x: f64) -> f64 {
     (x * 10_000.0).round() / 10_000.0
 }
 
-/// Builds the report. `busy_gpu_seconds` is summed over replicas.
+/// What the fleet did over a replay, for [`build`].
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Fleet {
+    /// Summed over replicas (step time × the replica's GPUs).
+    pub busy_gpu_seconds: f64,
+    pub gpus: u32,
+    /// The largest VTC service gap seen.
+    pub service_gap: f64,
+    pub prefilled_tokens: u64,
+    pub decoded_tokens: u64,
+    /// Roofline capacity, tokens per second (see [`Report`]).
+    pub prefill_capacity_tok_s: f64,
+    pub decode_capacity_tok_s: f64,
+}
+
+/// Builds the report for a scheduler (named `scheduler`) and routing.
 pub fn build(
     g: &DecisionGraph,
     scheduler: &str,
+    routing: &str,
     outcomes: &[Outcome],
-    busy_gpu_seconds: f64,
-    gpus: u32,
-    service_gap: f64,
+    fleet: &Fleet,
 ) -> Report {
+    let (busy_gpu_seconds, gpus, service_gap) =
+        (fleet.busy_gpu_seconds, fleet.gpus, fleet.service_gap);
     let start = outcomes.iter().map(|o| o.arrival).min().unwrap_or(0);
     let end = outcomes
         .iter()
@@ -240,12 +315,35 @@ pub fn build(
     } else {
         0.0
     };
+    let per_s = |tokens: u64| {
+        if duration_s > 0.0 {
+            tokens as f64 / duration_s
+        } else {
+            0.0
+        }
+    };
+    let load = |achieved: f64, cap: f64| {
+        if cap > 0.0 && cap.is_finite() {
+            round(achieved / cap)
+        } else {
+            0.0
+        }
+    };
+    let (prefill, decode) = (per_s(fleet.prefilled_tokens), per_s(fleet.decoded_tokens));
+    let finite = |x: f64| if x.is_finite() { x } else { 0.0 };
     Report {
         scheduler: scheduler.to_string(),
+        routing: routing.to_string(),
         requests: outcomes.len() as u64,
         duration_s: round(duration_s),
         gpus,
-        gpu_utilization: round(util.min(1.0)),
+        busy: round(util.min(1.0)),
+        prefill_tok_s: round(prefill),
+        decode_tok_s: round(decode),
+        prefill_capacity_tok_s: round(finite(fleet.prefill_capacity_tok_s)),
+        decode_capacity_tok_s: round(finite(fleet.decode_capacity_tok_s)),
+        prefill_load: load(prefill, fleet.prefill_capacity_tok_s),
+        decode_load: load(decode, fleet.decode_capacity_tok_s),
         max_service_gap: round(service_gap),
         tiers,
         tenants,
@@ -279,29 +377,39 @@ pub fn markdown(reports: &[Report]) -> String {
     for r in reports {
         let _ = writeln!(
             s,
-            "### scheduler `{}`: {} requests over {:.0} s on {} GPUs, utilization {:.1}%, max service gap {:.0}\n",
+            "### scheduler `{}`: {} requests over {:.0} s on {} GPUs, busy {:.1}%, prefill load {:.1}% ({:.0} of {:.0} tok/s), decode load {:.1}% ({:.0} of {:.0} tok/s), max service gap {:.0}\n",
             r.scheduler,
             r.requests,
             r.duration_s,
             r.gpus,
-            r.gpu_utilization * 100.0,
+            r.busy * 100.0,
+            r.prefill_load * 100.0,
+            r.prefill_tok_s,
+            r.prefill_capacity_tok_s,
+            r.decode_load * 100.0,
+            r.decode_tok_s,
+            r.decode_capacity_tok_s,
             r.max_service_gap
         );
         for (title, groups) in [("tier", &r.tiers), ("tenant", &r.tenants)] {
             let _ = writeln!(
                 s,
-                "| {title} | requests | TTFT ms p50/p95/p99 | E2E ms p50/p95/p99 | SLO met | goodput/s | rejects | waited (why) | preemptions | fallbacks | deadline misses |"
+                "| {title} | requests | TTFT ms p50/p95/p99 | E2E ms p50/p95/p99 | SLO met | SLO met (admitted) | goodput/s | rejects | waited (why) | preemptions | fallbacks | deadline misses |"
             );
-            let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|");
+            let _ = writeln!(
+                s,
+                "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|"
+            );
             for gr in groups.iter() {
                 let _ = writeln!(
                     s,
-                    "| {} | {} | {} | {} | {:.1}% | {:.2} | {} | {} | {} | {} | {} |",
+                    "| {} | {} | {} | {} | {:.1}% | {:.1}% | {:.2} | {} | {} | {} | {} | {} |",
                     gr.name,
                     gr.requests,
                     fmt_pct(&gr.ttft_ms),
                     fmt_pct(&gr.e2e_ms),
                     gr.slo_attainment * 100.0,
+                    gr.slo_attainment_admitted * 100.0,
                     gr.goodput_rps,
                     rejects(gr),
                     by_reason(&gr.waits_by_reason),
@@ -322,34 +430,46 @@ pub fn human(reports: &[Report]) -> String {
     for r in reports {
         let _ = writeln!(
             s,
-            "scheduler {}: {} requests, {:.0} s, {} GPUs, utilization {:.1}%, max service gap {:.0}",
+            "scheduler {}: {} requests, {:.0} s, {} GPUs, busy {:.1}%, max service gap {:.0}",
             r.scheduler,
             r.requests,
             r.duration_s,
             r.gpus,
-            r.gpu_utilization * 100.0,
+            r.busy * 100.0,
             r.max_service_gap
+        );
+        let _ = writeln!(
+            s,
+            "  load vs roofline: prefill {:.1}% ({:.0} of {:.0} tok/s), decode {:.1}% ({:.0} of {:.0} tok/s)",
+            r.prefill_load * 100.0,
+            r.prefill_tok_s,
+            r.prefill_capacity_tok_s,
+            r.decode_load * 100.0,
+            r.decode_tok_s,
+            r.decode_capacity_tok_s
         );
         for (title, groups) in [("tier", &r.tiers), ("tenant", &r.tenants)] {
             let _ = writeln!(
                 s,
-                "  {:<18} {:>8} {:>22} {:>24} {:>8} {:>9}  rejects",
+                "  {:<18} {:>8} {:>22} {:>24} {:>8} {:>9} {:>9}  rejects",
                 title,
                 "requests",
                 "TTFT ms p50/p95/p99",
                 "E2E ms p50/p95/p99",
                 "SLO met",
+                "admitted",
                 "goodput/s"
             );
             for gr in groups.iter() {
                 let _ = writeln!(
                     s,
-                    "  {:<18} {:>8} {:>22} {:>24} {:>7.1}% {:>9.2}  {}",
+                    "  {:<18} {:>8} {:>22} {:>24} {:>7.1}% {:>8.1}% {:>9.2}  {}",
                     gr.name,
                     gr.requests,
                     fmt_pct(&gr.ttft_ms),
                     fmt_pct(&gr.e2e_ms),
                     gr.slo_attainment * 100.0,
+                    gr.slo_attainment_admitted * 100.0,
                     gr.goodput_rps,
                     rejects(gr)
                 );

@@ -334,6 +334,9 @@ impl Scheduler {
             }
             _ => None,
         };
+        let prompt = a.req.prompt_tokens.min(u64::from(u32::MAX)) as u32;
+        let (affinity, pin_until) =
+            self.route(a.tier, &a.candidates, &prefix_blocks, prompt, a.kv_need);
         let mut w = Waiting {
             id: a.id,
             tier: a.tier,
@@ -348,8 +351,8 @@ impl Scheduler {
             model: target.model,
             variant: target.variant,
             pool: target.pool,
-            affinity: self.affinity(a.tier, &a.candidates, &prefix_blocks),
-            pin_until: self.now.saturating_add(super::queue::AFFINITY_HOLD),
+            affinity,
+            pin_until,
             est_start: a.est_start,
             prefix_blocks,
             preemptions: 0,
@@ -372,6 +375,7 @@ impl Scheduler {
             w.waiting_for = Some(Reason::Delay);
             let at = self.time_at_minute(u32::from(until));
             self.timers.push(at, a.id);
+            self.pin(&w);
             self.queues.park(w);
             return;
         }
@@ -382,6 +386,7 @@ impl Scheduler {
                 let at = self.now.saturating_add((hold * 1000.0) as Micros);
                 self.timers.push(at, a.id);
                 w.waiting_for = Some(Reason::Batching);
+                self.pin(&w);
                 self.queues.park(w);
                 return;
             }
@@ -399,6 +404,7 @@ impl Scheduler {
         } else if self.queues.others_queued(a.tier, a.tenant) {
             w.waiting_for = Some(Reason::Fairness);
         }
+        self.pin(&w);
         self.queues.push(w, &self.cfg);
     }
 }

@@ -30,6 +30,7 @@ pub mod plan;
 pub mod queue;
 pub mod quota;
 pub mod replica;
+pub mod route;
 pub mod swap;
 #[cfg(test)]
 mod testkit;
@@ -265,6 +266,10 @@ pub struct Config {
     /// Minute of day at time 0 and weekday (0 = Monday), for time-of-day rules.
     pub start_minute_of_day: u32,
     pub start_weekday: u8,
+    /// How requests are sent to replicas ([`route`]).
+    pub routing: route::Routing,
+    /// Seeds everything random in the core (the `random` router).
+    pub seed: u64,
 }
 
 impl Default for Config {
@@ -279,6 +284,8 @@ impl Default for Config {
             max_preemptions_per_seq: 2,
             start_minute_of_day: 12 * 60,
             start_weekday: 0,
+            routing: route::Routing::Kiln,
+            seed: 0,
         }
     }
 }
@@ -408,6 +415,20 @@ pub struct Scheduler {
     /// When a request of each tier last started (to tell a request that
     /// was overtaken by a higher tier from one that only lacked room).
     tier_started: Vec<Micros>,
+    /// Chooses a replica for each queued request ([`route`]).
+    router: route::Router,
+    /// Per replica, tokens of queued (or parked) requests routed to it:
+    /// added when a routed request is held ([`Self::pin`]), taken off when
+    /// it leaves the queue ([`Self::unpin`]: it starts, expires, is
+    /// cancelled or refused by a swap). Kept here, not in the queues.
+    pinned: Vec<u64>,
+    /// The requests counted in `pinned`, per replica, to release them when
+    /// their replica goes down or drains.
+    pinned_ids: Vec<rustc_hash::FxHashSet<ReqId>>,
+    /// When soft pins end, so that a request held for a busy replica is
+    /// looked at again then (an idle replica asks for nothing by itself).
+    /// Entries of requests that started meanwhile only cause a spare tick.
+    pin_ends: std::collections::BTreeSet<(Micros, ReqId)>,
 }
 
 impl Scheduler {
@@ -432,6 +453,8 @@ impl Scheduler {
         let idle = signals.clone();
         let quotas = Quotas::new(&graph);
         let queues = Queues::new(&graph, &cfg);
+        let router = route::Router::new(cfg.routing, cfg.seed);
+        let pinned = vec![0; replicas.len()];
         Scheduler {
             graph,
             cfg,
@@ -453,6 +476,10 @@ impl Scheduler {
             drain: HashMap::default(),
             misestimate: HashMap::default(),
             incoming: HashMap::default(),
+            router,
+            pinned,
+            pinned_ids: Vec::new(),
+            pin_ends: Default::default(),
         }
     }
 
@@ -624,8 +651,10 @@ impl Scheduler {
         let mut used = 0.0;
         if let Some(w) = self.queues.unpark(id) {
             self.timers.remove(id);
+            self.unpin(&w);
             used = swap::served_tokens(&w);
         } else if let Some(w) = self.queues.remove(id) {
+            self.unpin(&w);
             used = swap::served_tokens(&w);
             // It was charged fair-share service for output it never made.
             if w.started {
@@ -731,18 +760,153 @@ impl Scheduler {
         });
     }
 
-    /// With prefix affinity, the replica that already holds the longest
-    /// prefix of this prompt.
-    fn affinity(&self, tier: TierId, candidates: &[usize], blocks: &[u64]) -> Option<usize> {
-        if blocks.is_empty() || !self.graph.tiers[tier as usize].prefix_affinity {
-            return None;
-        }
-        candidates
+    /// Routes a request being queued ([`route`]): the replica it is held
+    /// for and until when, or `(None, 0)` when no replica is usable. Under
+    /// `kiln` routing tiers with `prefix_affinity` are routed by cached
+    /// prefix and load, the others by load alone; both are soft pins. The
+    /// baselines pin strictly.
+    fn route(
+        &mut self,
+        tier: TierId,
+        candidates: &[usize],
+        blocks: &[u64],
+        prompt: u32,
+        kv_need: u64,
+    ) -> (Option<usize>, Micros) {
+        let by_prefix = self
+            .graph
+            .tiers
+            .get(tier as usize)
+            .is_some_and(|t| t.prefix_affinity);
+        let blocks = if by_prefix || self.router.mode() != route::Routing::Kiln {
+            blocks
+        } else {
+            &[]
+        };
+        let cands: Vec<route::Candidate> = candidates
             .iter()
-            .map(|&r| (self.replicas[r].prefix_match(blocks), std::cmp::Reverse(r)))
-            .filter(|(n, _)| *n > 0)
-            .max()
-            .map(|(_, std::cmp::Reverse(r))| r)
+            .filter_map(|&r| {
+                let rep = self.replicas.get(r)?;
+                let usable = rep.up
+                    && !rep.draining
+                    && rep.spec.only_tier.is_none_or(|t| t == tier)
+                    && rep.spec.kv_capacity >= kv_need;
+                usable.then(|| self.candidate(r, blocks, prompt, kv_need))
+            })
+            .collect();
+        match self.router.choose(&cands) {
+            Some(c) if c.hold > 0 => (Some(c.replica), self.now.saturating_add(c.hold)),
+            _ => (None, 0),
+        }
+    }
+
+    /// How replica `r` looks to a request: prefill time its cached prefix
+    /// saves (from its cost model), expected queueing there (a full batch
+    /// waits for a slot, plus the tokens routed to it ahead, at its
+    /// throughput) and its outstanding tokens.
+    fn candidate(&self, r: usize, blocks: &[u64], prompt: u32, kv_need: u64) -> route::Candidate {
+        let rep = &self.replicas[r];
+        let cached = rep.cached_prefix_tokens(blocks).min(prompt);
+        let saved = if cached > 0 {
+            let secs = |p: u32| {
+                let t = rep.spec.cost.step_time(p, 0, 0);
+                if t.is_finite() {
+                    t.max(0.0)
+                } else {
+                    0.0
+                }
+            };
+            let d = (secs(prompt) - secs(prompt - cached)).max(0.0);
+            (d * SEC as f64) as Micros
+        } else {
+            0
+        };
+        let pinned = self.pinned.get(r).copied().unwrap_or(0);
+        let full = rep.free_seq_slots() == 0 || rep.kv_free() < kv_need;
+        let slot_wait = if full { rep.time_to_free() } else { 0 };
+        // A replica mid-step takes new work when the step ends.
+        let step_wait = if rep.busy && !rep.spec.external {
+            rep.step_until.saturating_sub(self.now)
+        } else {
+            0
+        };
+        let slot_wait = slot_wait.max(step_wait);
+        // Prompts already running there still to prefill come first too
+        // (chunked prefill shares each step's token budget).
+        let backlog: u64 = rep.running.iter().map(|s| u64::from(s.prefill_left)).sum();
+        let queue_wait = (pinned.saturating_add(backlog) as f64 / rep.throughput_tokens_per_s()
+            * SEC as f64) as Micros;
+        let running: u64 = rep
+            .running
+            .iter()
+            .map(|s| {
+                u64::from(s.prefill_left) + u64::from(s.w.output_tokens.saturating_sub(s.generated))
+            })
+            .sum();
+        route::Candidate {
+            replica: r,
+            saved,
+            wait: slot_wait.saturating_add(queue_wait),
+            load: pinned.saturating_add(running),
+        }
+    }
+
+    /// Counts a routed request's tokens against its replica.
+    fn pin(&mut self, w: &Waiting) {
+        if let Some(r) = w.affinity {
+            if w.pin_until != Micros::MAX {
+                self.pin_ends.insert((w.pin_until, w.id));
+            }
+            if self.pinned.len() <= r {
+                self.pinned.resize(r + 1, 0);
+            }
+            if self.pinned_ids.len() <= r {
+                self.pinned_ids.resize_with(r + 1, Default::default);
+            }
+            self.pinned[r] = self.pinned[r].saturating_add(w.tokens());
+            self.pinned_ids[r].insert(w.id);
+        }
+    }
+
+    /// Requests routed to replica `r`, which went down or drains, are
+    /// routed no more: any replica of their route may take them. (Queued
+    /// ones go back in line as new arrivals would: a rare event.)
+    fn release_pins(&mut self, r: usize) {
+        let Some(ids) = self.pinned_ids.get_mut(r).map(std::mem::take) else {
+            return;
+        };
+        let mut ids: Vec<ReqId> = ids.into_iter().collect();
+        ids.sort_unstable();
+        for id in ids {
+            if let Some(mut w) = self.queues.remove(id) {
+                self.unpin(&w);
+                w.affinity = None;
+                w.pin_until = 0;
+                self.queues.push(w, &self.cfg);
+            } else if let Some(mut w) = self.queues.unpark(id) {
+                self.unpin(&w);
+                w.affinity = None;
+                w.pin_until = 0;
+                self.queues.park(w);
+            }
+        }
+    }
+
+    /// Takes a routed request's tokens off its replica (it left the queue).
+    fn unpin(&mut self, w: &Waiting) {
+        let Some(r) = w.affinity else { return };
+        self.pin_ends.remove(&(w.pin_until, w.id));
+        if let Some(p) = self.pinned.get_mut(r) {
+            *p = p.saturating_sub(w.tokens());
+        }
+        if let Some(ids) = self.pinned_ids.get_mut(r) {
+            ids.remove(&w.id);
+        }
+    }
+
+    /// Tokens of queued requests routed to replica `r` (see `pinned`).
+    pub fn pinned_tokens(&self, r: usize) -> u64 {
+        self.pinned.get(r).copied().unwrap_or(0)
     }
 
     fn all_idle(&self, replicas: &[usize]) -> bool {
@@ -943,12 +1107,20 @@ impl Scheduler {
 
     fn expire_queued(&mut self) {
         for w in self.queues.take_expired(self.now) {
+            self.unpin(&w);
             self.reject(w.id, Reason::Timeout, 503, Some(5 * SEC));
         }
     }
 
-    fn next_wake(&self) -> Option<Micros> {
-        let timer = self.timers.next();
+    fn next_wake(&mut self) -> Option<Micros> {
+        while let Some(&(t, id)) = self.pin_ends.first() {
+            if t > self.now {
+                break;
+            }
+            self.pin_ends.remove(&(t, id));
+        }
+        let pin = self.pin_ends.first().map(|&(t, _)| t);
+        let timer = self.timers.next().into_iter().chain(pin).min();
         let expiry = self.queues.next_expiry();
         match (timer, expiry) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -958,6 +1130,9 @@ impl Scheduler {
     }
 
     fn replica_down(&mut self, r: usize) {
+        if r < self.replicas.len() {
+            self.release_pins(r);
+        }
         let Some(rep) = self.replicas.get_mut(r) else {
             return;
         };
@@ -1093,7 +1268,7 @@ impl Scheduler {
                     allow_backfill: !others_waiting,
                 },
             );
-            let Some(w) = pick else {
+            let Some(mut w) = pick else {
                 break;
             };
             // Its prompt would not start in the next step: it waits in line
@@ -1148,16 +1323,13 @@ impl Scheduler {
             if let Some(t) = self.tier_started.get_mut(w.tier as usize) {
                 *t = self.now;
             }
-            let affinity = self
-                .graph
-                .tiers
-                .get(w.tier as usize)
-                .is_some_and(|t| t.prefix_affinity);
-            let cached = if affinity {
-                self.replicas[r].cached_prefix_tokens(&w.prefix_blocks)
-            } else {
-                0
-            };
+            // Prefix caching is on whatever the routing (as vLLM's
+            // automatic prefix caching is); routing only chose the replica.
+            let cached = self.replicas[r].cached_prefix_tokens(&w.prefix_blocks);
+            // Routed once: a preempted or requeued request goes anywhere.
+            self.unpin(&w);
+            w.affinity = None;
+            w.pin_until = 0;
             let now = self.now;
             self.replicas[r].admit(Seq::from_waiting(w, cached), now);
             self.out.push(Action::Started {
@@ -1314,7 +1486,11 @@ mod tests {
         let acts = s.handle(MS, Event::Cancel { id: 2 }).to_vec();
         assert!(cancelled(&acts).is_empty());
         let acts = s.handle(MS, Event::Cancel { id: 99 }).to_vec();
-        assert!(acts.is_empty(), "{acts:?}");
+        // (Only the wake-up for the end of the others' routing hold.)
+        assert!(
+            acts.iter().all(|a| matches!(a, Action::WakeAt(_))),
+            "{acts:?}"
+        );
     }
 
     #[test]
@@ -1492,6 +1668,88 @@ mod tests {
         };
         let est = s.estimate_for(&q, &[ext]).first_token;
         assert!(est < u64::MAX / 4, "{est}");
+    }
+
+    #[test]
+    fn pinned_tokens_follow_routed_requests_in_and_out_of_the_queue() {
+        let g = graph(BASE);
+        let cfg = Config {
+            routing: route::Routing::LeastLoaded,
+            ..Config::default()
+        };
+        let mut s = Scheduler::new(g.clone(), plan(&g, 1_000_000), cfg);
+        // One slot on m's replica: the first starts, the others wait for it.
+        for id in 0..3 {
+            arrive(&mut s, 0, arrival(id, "bulk", "m", 100, 5));
+        }
+        let r = s.replicas[0].running[0].w.clone();
+        assert_eq!(r.affinity, None, "a started request is routed no more");
+        assert_eq!(s.pinned_tokens(0), 2 * 105);
+        s.handle(MS, Event::Cancel { id: 2 });
+        assert_eq!(s.pinned_tokens(0), 105);
+        // Steps run until everything finished: nothing is left pinned.
+        for _ in 0..64 {
+            let until = s.replicas[0].step_until;
+            s.handle(until, Event::StepDone { replica: 0 });
+        }
+        assert_eq!(s.waiting(), 0);
+        assert_eq!(s.pinned_tokens(0), 0);
+        assert!(s.replicas[0].prefilled_tokens >= 200);
+        assert_eq!(s.replicas[0].decoded_tokens, 10);
+    }
+
+    #[test]
+    fn a_baseline_router_pins_strictly_and_kiln_lets_another_replica_take_it() {
+        let text = r#"
+pool p { gpus 2 kind "H100-80GB" memory 80GB }
+model m { variant fp16 { memory 10GB pools [p] max_batch 1 } }
+tier t { priority 1 slo { ttft 10s } }
+tenant x { owner "o" tiers [t] }
+classify { default => tier t }
+route t m { default => fp16 }
+"#;
+        let g = graph(text);
+        let run = |routing| {
+            let cfg = Config {
+                routing,
+                ..Config::default()
+            };
+            let mut s = Scheduler::new(g.clone(), plan(&g, 1_000_000), cfg);
+            let mut on = HashMap::default();
+            let mut note = |acts: &[Action]| {
+                for a in acts {
+                    if let Action::Started { id, replica, .. } = a {
+                        on.insert(*id, *replica);
+                    }
+                }
+            };
+            // A long request, a short one, then one more for either.
+            note(&arrive(&mut s, 0, arrival(0, "x", "m", 100, 400)));
+            note(&arrive(&mut s, 0, arrival(1, "x", "m", 100, 1)));
+            note(&arrive(&mut s, 0, arrival(2, "x", "m", 100, 1)));
+            for _ in 0..2000 {
+                let Some((r, until)) = s
+                    .replicas
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, x)| x.busy)
+                    .map(|(i, x)| (i, x.step_until))
+                    .min_by_key(|&(_, t)| t)
+                else {
+                    break;
+                };
+                note(s.handle(until, Event::StepDone { replica: r }));
+            }
+            (on[&0], on[&1], on[&2])
+        };
+        // Round robin sent the third to the first replica, and it waits
+        // there behind the long one though the second is free.
+        let (a, b, c) = run(route::Routing::RoundRobin);
+        assert_ne!(a, b);
+        assert_eq!(c, a);
+        // Kiln's soft pin lets the free replica take it once the hold ends.
+        let (a, _, c) = run(route::Routing::Kiln);
+        assert_ne!(c, a);
     }
 
     #[test]

@@ -40,9 +40,11 @@ pub struct Waiting {
     pub variant: u16,
     pub pool: Option<PoolId>,
     pub prefix_blocks: Vec<u64>,
-    /// The replica routing chose for it: until `pin_until` only that
-    /// replica may take it (`Micros::MAX`: only ever that one).
+    /// The replica routing chose ([`super::route`]), preferred until
+    /// `pin_until`.
     pub affinity: Option<usize>,
+    /// Until then only `affinity` may take it; [`Micros::MAX`] pins it
+    /// strictly (an external router's choice: no other replica steals it).
     pub pin_until: Micros,
     /// The wait admission estimated for it (to learn how far off
     /// estimates run), if it estimated one.

@@ -74,6 +74,10 @@ pub struct Replica {
     /// to a step lost when the replica went down, and is ignored.
     pub step_until: Micros,
     rate: f64,
+    /// Prompt tokens prefilled, and output tokens produced, by finished
+    /// steps (for throughput against the roofline in reports).
+    pub prefilled_tokens: u64,
+    pub decoded_tokens: u64,
 }
 
 /// A cost model's step time made usable: a broken one (NaN, infinite,
@@ -119,6 +123,8 @@ impl Replica {
             step_shape: (0, 0, 0),
             step_until: 0,
             rate,
+            prefilled_tokens: 0,
+            decoded_tokens: 0,
         }
     }
 
@@ -314,6 +320,7 @@ impl Replica {
             let s = &mut self.running[i];
             let mut produced = false;
             if s.step_prefill > 0 {
+                self.prefilled_tokens += u64::from(s.step_prefill);
                 s.prefill_left -= s.step_prefill.min(s.prefill_left);
                 // The step that completes the prefill samples a token.
                 produced = s.prefill_left == 0;
@@ -323,6 +330,7 @@ impl Replica {
             s.step_prefill = 0;
             s.step_decode = false;
             if produced {
+                self.decoded_tokens += 1;
                 s.generated += 1;
                 if !s.first_token_sent {
                     s.first_token_sent = true;

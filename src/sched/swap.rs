@@ -262,7 +262,13 @@ impl Scheduler {
         });
         for w in dropped {
             self.timers.remove(w.id);
+            self.unpin(&w);
             self.refuse_changed(w.id, served_tokens(&w));
+        }
+        for r in 0..self.replicas.len() {
+            if self.replicas[r].draining {
+                self.release_pins(r);
+            }
         }
         self.settle();
         &self.out
