@@ -55,7 +55,7 @@ fn measure(mode: Mode, queued: u64, events: u64) -> (f64, usize) {
     };
     let mut s = Scheduler::new(g.clone(), kiln::replay::plan(&g, &cost), cfg);
     let mut steps: Vec<(u64, usize)> = Vec::new();
-    let mut note = |acts: &[Action], steps: &mut Vec<(u64, usize)>| {
+    let note = |acts: &[Action], steps: &mut Vec<(u64, usize)>| {
         for a in acts {
             if let Action::Step { replica, until } = a {
                 steps.push((*until, *replica));
