@@ -13,6 +13,7 @@ use std::fmt::Write as _;
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Percentiles {
     pub p50: f64,
+    pub p90: f64,
     pub p95: f64,
     pub p99: f64,
 }
@@ -102,6 +103,7 @@ fn pct(mut v: Vec<f64>) -> Option<Percentiles> {
     };
     Some(Percentiles {
         p50: at(0.50),
+        p90: at(0.90),
         p95: at(0.95),
         p99: at(0.99),
     })
