@@ -843,7 +843,8 @@ impl Scheduler {
             if rep.busy {
                 continue;
             }
-            if !rep.draining {
+            self.make_room(r);
+            if !self.replicas[r].draining {
                 self.fill(r);
             }
             let now = self.now;
@@ -857,8 +858,6 @@ impl Scheduler {
         let spec = self.replicas[r].spec.clone();
         loop {
             let has_room = self.replicas[r].free_seq_slots() > 0;
-            let kv_free = self.replicas[r].kv_free();
-            let _ = kv_free;
             // Backfill only when nothing else wants this replica.
             let others_waiting =
                 self.queues
@@ -879,7 +878,18 @@ impl Scheduler {
             let Some(w) = pick else {
                 break;
             };
-            if !has_room || u64::from(w.prompt_tokens) + u64::from(w.output_tokens) > kv_free {
+            let affinity = self
+                .graph
+                .tiers
+                .get(w.tier as usize)
+                .is_some_and(|t| t.prefix_affinity);
+            let cached = if affinity {
+                self.replicas[r].cached_prefix_tokens(&w.prefix_blocks)
+            } else {
+                0
+            };
+            // Paged KV: blocks for its uncached prompt and a watermark.
+            if !has_room || !self.replicas[r].can_start(&w, cached) {
                 // Make room by preempting lower, preemptible work, or stop.
                 if self.cfg.mode == Mode::Kiln && self.try_preempt(r, &w) {
                     self.queues.push_front(w);
@@ -904,16 +914,6 @@ impl Scheduler {
             if let Some(t) = self.tier_started.get_mut(w.tier as usize) {
                 *t = self.now;
             }
-            let affinity = self
-                .graph
-                .tiers
-                .get(w.tier as usize)
-                .is_some_and(|t| t.prefix_affinity);
-            let cached = if affinity {
-                self.replicas[r].cached_prefix_tokens(&w.prefix_blocks)
-            } else {
-                0
-            };
             let now = self.now;
             self.replicas[r].admit(Seq::from_waiting(w, cached), now);
             self.out.push(Action::Started {
@@ -924,11 +924,68 @@ impl Scheduler {
         }
     }
 
+    /// Before a step on replica `r`: decoding sequences get the KV block
+    /// their next token needs, preempting (recompute on resume) where the
+    /// pool has none; see [`Replica::make_room`]. A preempted sequence
+    /// keeps its place at the head of its queue, as in [`Self::try_preempt`];
+    /// one that can never fit here again is re-queued for another replica
+    /// or, if none could take it, refused (`policy-changed`: only a swap
+    /// shrinks a replica below what the 413 gate let in).
+    fn make_room(&mut self, r: usize) {
+        let graph = &self.graph;
+        let rank = |w: &Waiting| {
+            graph
+                .tiers
+                .get(w.tier as usize)
+                .map_or(i64::MIN, |t| t.priority)
+        };
+        let room = self.replicas[r].make_room(&rank, self.cfg.max_preemptions_per_seq);
+        for (mut seq, by) in room.preempted {
+            self.out.push(Action::Preempted {
+                id: seq.w.id,
+                replica: r,
+                by,
+            });
+            seq.w.preemptions += 1;
+            seq.w.generated = seq.generated;
+            seq.w.gpu_seconds = seq.gpu_seconds;
+            seq.w.waiting_for = Some(Reason::Preempted);
+            self.queues.push_front(seq.w);
+        }
+        for mut seq in room.unfit {
+            seq.w.generated = seq.generated;
+            seq.w.gpu_seconds = seq.gpu_seconds;
+            let elsewhere = self.by_variant.get(&(seq.w.model, seq.w.variant)).is_some_and(|rs| {
+                rs.iter().any(|&x| {
+                    x != r
+                        && self.replicas[x].up
+                        && !self.replicas[x].draining
+                        && seq.w.pool.is_none_or(|p| self.replicas[x].spec.pool == p)
+                        && seq.kv <= self.replicas[x].pool_tokens()
+                })
+            });
+            if elsewhere {
+                self.out.push(Action::Preempted {
+                    id: seq.w.id,
+                    replica: r,
+                    by: seq.w.id,
+                });
+                seq.w.waiting_for = Some(Reason::Preempted);
+                self.queues.push_front(seq.w);
+            } else {
+                let used = swap::served_tokens(&seq.w);
+                self.refuse_changed(seq.w.id, used);
+            }
+        }
+    }
+
     /// Preempts the lowest-priority preemptible sequence on replica `r`
     /// that `w`'s tier may preempt, if any, within the thrash budget.
     fn try_preempt(&mut self, r: usize, w: &Waiting) -> bool {
-        // Tokens streamed from an upstream cannot be taken back.
-        if self.replicas[r].spec.external {
+        // Tokens streamed from an upstream cannot be taken back; and
+        // nothing is preempted for work that could never fit here.
+        let most = u64::from(w.prompt_tokens) + u64::from(w.output_tokens);
+        if self.replicas[r].spec.external || most > self.replicas[r].pool_tokens() {
             return false;
         }
         let Some(tier) = self.graph.tiers.get(w.tier as usize) else {
@@ -973,7 +1030,7 @@ impl Scheduler {
                     && !s.w.orphan
                     && s.w.preemptions < self.cfg.max_preemptions_per_seq
                     // it could come back here (a swap may shrink memory)
-                    && s.kv <= self.replicas[r].spec.kv_capacity
+                    && s.kv <= self.replicas[r].pool_tokens()
             })
             // lowest priority first, then the one that started last (least work lost)
             .min_by_key(|(_, s)| {
@@ -1071,7 +1128,9 @@ mod tests {
         let acts = arrive(&mut s, 0, arrival(0, "bulk", "m", 100, 50));
         assert_eq!(started(&acts), vec![0]);
         arrive(&mut s, 0, arrival(1, "bulk", "m", 100, 50));
-        assert_eq!(s.replicas[0].kv_used(), 150);
+        // Paged KV: the prompt's blocks (100 tokens, 7 blocks of 16), not
+        // prompt and output reserved up front.
+        assert_eq!(s.replicas[0].kv_used(), 112);
         let acts = s.handle(MS / 2, Event::Cancel { id: 0 }).to_vec();
         assert_eq!(cancelled(&acts), vec![0]);
         assert_eq!(s.replicas[0].kv_used(), 0);

@@ -1,17 +1,56 @@
 //! One model replica running continuous batching: every step decodes one
 //! token for each running sequence and spends what is left of the step's
 //! token budget on prompt prefill (chunked, as vLLM's v1 scheduler does).
-//! KV memory for a sequence's prompt and output is reserved when it starts,
-//! so a replica never holds more than its capacity.
+//!
+//! KV memory is paged, as in vLLM's PagedAttention: the replica's
+//! `spec.kv_capacity` tokens form a pool of blocks of [`KV_BLOCK_TOKENS`]
+//! tokens. A sequence takes the blocks for its prompt when it starts (less
+//! the blocks it finds in the prefix cache), which covers every chunk of
+//! its prefill, then one more block each time its context crosses a block
+//! boundary as it decodes ([`Replica::make_room`] finds that block before
+//! each step). Nothing is reserved for output it has not produced yet.
+//!
+//! The prefix cache lives in the same pool. A trace's prefix hashes
+//! (`Waiting::prefix_blocks`, one per [`BLOCK_TOKENS`] prompt tokens, i.e.
+//! [`PREFIX_KV_BLOCKS`] KV blocks) name shared prompt blocks: once a
+//! sequence has prefilled a whole prefix block, those KV blocks become a
+//! reference-counted entry, shared (not duplicated) by every running
+//! sequence whose prompt starts the same way. When the last user ends, the
+//! entry stays cached with no references and is evicted least recently
+//! used first when free blocks are needed; evictable blocks count as free.
+//! Every operation touches only the blocks and entries concerned (a hash
+//! map from prefix hash to entry, a B-tree of unreferenced entries by
+//! last-use stamp), never the whole cache.
+//!
+//! When a decoding sequence needs a block and none is free, the lowest
+//! ranked running sequence (lowest tier priority, then the one that started
+//! last) is preempted within its thrash budget — possibly the one that
+//! needs the block; see [`Replica::make_room`] for why this cannot
+//! deadlock. An external replica (an HTTP upstream) keeps what it did
+//! before paging: a sequence holds the blocks for its whole prompt and
+//! output from start to end, and is never preempted.
 
 use super::plan::ReplicaSpec;
 use super::queue::Waiting;
 use super::{Action, Micros, ReqId, SEC};
-use std::collections::VecDeque;
+use std::collections::BTreeMap;
 
-/// Prompt blocks (512 tokens) a replica remembers for prefix affinity.
-const PREFIX_CACHE_BLOCKS: usize = 8192;
+/// Tokens in one KV block (vLLM's default block size).
+pub const KV_BLOCK_TOKENS: u32 = 16;
+/// Tokens in one prefix block of a trace's prompt hashes.
 pub const BLOCK_TOKENS: u32 = 512;
+/// KV blocks in one prefix block.
+pub const PREFIX_KV_BLOCKS: u64 = (BLOCK_TOKENS / KV_BLOCK_TOKENS) as u64;
+/// Unreferenced prefix entries kept at most, whatever the pool: bounds the
+/// bookkeeping of a replica whose pool is effectively unbounded (an
+/// external upstream). 65,536 entries are 33.5M tokens, more KV than any
+/// one replica the cost model sizes holds.
+const MAX_CACHED_ENTRIES: usize = 1 << 16;
+
+/// KV blocks that hold `tokens` tokens.
+pub fn kv_blocks(tokens: u64) -> u64 {
+    tokens.div_ceil(u64::from(KV_BLOCK_TOKENS))
+}
 
 #[derive(Debug, Clone)]
 pub struct Seq {
@@ -21,9 +60,22 @@ pub struct Seq {
     pub generated: u32,
     pub started: Micros,
     pub first_token_sent: bool,
+    /// KV tokens this sequence may need at most (prompt and output): it
+    /// can only run on a replica whose pool holds that many.
     pub kv: u64,
     /// GPU-seconds used so far.
     pub gpu_seconds: f64,
+    /// Tokens of prefix the caller found cached when it was made (the
+    /// replica checks them again when it admits it).
+    hit_tokens: u32,
+    /// Context tokens with KV blocks: the shared prefix entries, then the
+    /// private blocks (the prompt's uncached part and what was decoded).
+    ctx: u64,
+    /// Private blocks held (at most one more than the private tokens need:
+    /// the block found for the next token before a step).
+    blocks: u64,
+    /// Prefix entries referenced, a leading part of `w.prefix_blocks`.
+    shared: Vec<u64>,
     /// Tokens prefilled in the step in flight.
     step_prefill: u32,
     step_decode: bool,
@@ -42,9 +94,136 @@ impl Seq {
             first_token_sent: w.generated > 0,
             kv,
             gpu_seconds: w.gpu_seconds,
+            hit_tokens: cached_prefix,
+            ctx: 0,
+            blocks: 0,
+            shared: Vec::new(),
             step_prefill: 0,
             step_decode: false,
             w,
+        }
+    }
+
+    /// Context tokens in private blocks.
+    fn private_tokens(&self) -> u64 {
+        self.ctx
+            .saturating_sub(self.shared.len() as u64 * u64::from(BLOCK_TOKENS))
+    }
+
+    /// Whether the block for the next decoded token is held.
+    fn has_room(&self) -> bool {
+        kv_blocks(self.private_tokens() + 1) <= self.blocks
+    }
+
+    /// KV blocks held, its share of prefix entries included.
+    pub fn kv_blocks_held(&self) -> u64 {
+        self.blocks + self.shared.len() as u64 * PREFIX_KV_BLOCKS
+    }
+}
+
+/// A prefix entry: [`PREFIX_KV_BLOCKS`] blocks shared by `refs` sequences,
+/// or cached (`refs == 0`) and evictable, last used at `stamp`.
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    refs: u32,
+    stamp: u64,
+}
+
+/// The block pool's accounting; the pool size is the spec's (it may change
+/// with a policy swap).
+#[derive(Debug, Default)]
+struct Blocks {
+    /// Blocks held privately by running sequences.
+    private: u64,
+    /// Blocks of referenced entries.
+    shared: u64,
+    /// Blocks of unreferenced (cached, evictable) entries.
+    cached: u64,
+    entries: rustc_hash::FxHashMap<u64, Entry>,
+    /// Unreferenced entries by last-use stamp, oldest first.
+    lru: BTreeMap<u64, u64>,
+    clock: u64,
+}
+
+impl Blocks {
+    /// Blocks free now or freeable by eviction.
+    fn available(&self, pool: u64) -> u64 {
+        pool.saturating_sub(self.private + self.shared)
+    }
+
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    /// Drops the least recently used unreferenced entry.
+    fn evict_one(&mut self) -> bool {
+        let Some((_, hash)) = self.lru.pop_first() else {
+            return false;
+        };
+        self.entries.remove(&hash);
+        self.cached = self.cached.saturating_sub(PREFIX_KV_BLOCKS);
+        true
+    }
+
+    /// Makes `n` blocks free, evicting cached entries as needed.
+    fn make_free(&mut self, pool: u64, n: u64) -> bool {
+        if n > self.available(pool) {
+            return false;
+        }
+        while pool.saturating_sub(self.private + self.shared + self.cached) < n {
+            if !self.evict_one() {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Takes `n` private blocks if the pool has them.
+    fn take(&mut self, pool: u64, n: u64) -> bool {
+        if n == 0 {
+            return true;
+        }
+        if !self.make_free(pool, n) {
+            return false;
+        }
+        self.private += n;
+        true
+    }
+
+    /// References an existing entry (it stops being evictable).
+    fn acquire(&mut self, hash: u64) -> bool {
+        let Some(e) = self.entries.get_mut(&hash) else {
+            return false;
+        };
+        if e.refs == 0 {
+            self.lru.remove(&e.stamp);
+            self.cached = self.cached.saturating_sub(PREFIX_KV_BLOCKS);
+            self.shared += PREFIX_KV_BLOCKS;
+        }
+        e.refs = e.refs.saturating_add(1);
+        true
+    }
+
+    /// Drops one reference; the last one leaves the entry cached.
+    fn release(&mut self, hash: u64) {
+        let stamp = self.tick();
+        let Some(e) = self.entries.get_mut(&hash) else {
+            return;
+        };
+        e.refs = e.refs.saturating_sub(1);
+        if e.refs == 0 {
+            e.stamp = stamp;
+            self.lru.insert(stamp, hash);
+            self.shared = self.shared.saturating_sub(PREFIX_KV_BLOCKS);
+            self.cached += PREFIX_KV_BLOCKS;
+        }
+    }
+
+    /// Keeps unreferenced entries within [`MAX_CACHED_ENTRIES`].
+    fn trim(&mut self) {
+        while self.lru.len() > MAX_CACHED_ENTRIES {
+            self.evict_one();
         }
     }
 }
@@ -59,10 +238,7 @@ pub struct Replica {
     /// A policy swap left it out of the plan: it takes no new work and
     /// finishes what runs. It keeps its index, as replicas are named by it.
     pub draining: bool,
-    kv_used: u64,
-    /// Prompt blocks held, oldest first, and the same set for lookups.
-    prefix: VecDeque<u64>,
-    prefix_set: rustc_hash::FxHashSet<u64>,
+    blocks: Blocks,
     /// Seconds the replica has spent running steps (for utilization).
     pub busy_seconds: f64,
     /// Duration of the step in flight (or the last one), seconds.
@@ -74,6 +250,17 @@ pub struct Replica {
     /// to a step lost when the replica went down, and is ignored.
     pub step_until: Micros,
     rate: f64,
+}
+
+/// What [`Replica::make_room`] took off a replica.
+#[derive(Debug, Default)]
+pub struct Room {
+    /// Sequences preempted for a block, each with the sequence that needed
+    /// it (its own id when it was preempted for its own block).
+    pub preempted: Vec<(Seq, ReqId)>,
+    /// Sequences that can never finish here: alone, they would need more
+    /// blocks than the pool has (only after a policy swap shrank it).
+    pub unfit: Vec<Seq>,
 }
 
 /// A cost model's step time made usable: a broken one (NaN, infinite,
@@ -111,9 +298,7 @@ impl Replica {
             busy: false,
             up: true,
             draining: false,
-            kv_used: 0,
-            prefix: VecDeque::new(),
-            prefix_set: Default::default(),
+            blocks: Blocks::default(),
             busy_seconds: 0.0,
             last_step: 0.0,
             step_shape: (0, 0, 0),
@@ -123,19 +308,47 @@ impl Replica {
     }
 
     /// Takes a new spec (a policy swap) keeping what runs, its step in
-    /// flight and its prefix cache. If the new limits are below what runs,
-    /// nothing is evicted: the replica admits nothing until it is under.
+    /// flight and its prefix cache. If the new pool is smaller than what
+    /// runs, nothing is evicted at once: the replica admits nothing until
+    /// it is under, and decoding sequences that need a block preempt.
     pub fn respec(&mut self, spec: ReplicaSpec) {
         self.rate = throughput(&spec);
         self.spec = spec;
     }
 
-    pub fn kv_used(&self) -> u64 {
-        self.kv_used
+    /// KV blocks in the pool.
+    pub fn pool_blocks(&self) -> u64 {
+        self.spec.kv_capacity / u64::from(KV_BLOCK_TOKENS)
     }
 
+    /// Tokens the pool holds (`kv_capacity` rounded down to whole blocks):
+    /// the most KV one sequence can ever have here.
+    pub fn pool_tokens(&self) -> u64 {
+        self.pool_blocks() * u64::from(KV_BLOCK_TOKENS)
+    }
+
+    /// Tokens of KV held by running sequences, in whole blocks, shared
+    /// prefix blocks counted once. Cached prefix blocks no sequence uses
+    /// are not included (they are free for the taking: see [`Self::kv_free`]).
+    pub fn kv_used(&self) -> u64 {
+        (self.blocks.private + self.blocks.shared) * u64::from(KV_BLOCK_TOKENS)
+    }
+
+    /// Tokens of cached prefix blocks that no running sequence uses.
+    pub fn kv_cached(&self) -> u64 {
+        self.blocks.cached * u64::from(KV_BLOCK_TOKENS)
+    }
+
+    /// Tokens of KV allocatable now, evictable cached blocks counted free.
     pub fn kv_free(&self) -> u64 {
-        self.spec.kv_capacity.saturating_sub(self.kv_used)
+        self.blocks.available(self.pool_blocks()) * u64::from(KV_BLOCK_TOKENS)
+    }
+
+    /// Blocks kept free when admitting next to running work (vLLM's
+    /// watermark): 1% of the pool, at least one block, so that the
+    /// sequences running can grow a little before anything is preempted.
+    pub fn watermark_blocks(&self) -> u64 {
+        (self.pool_blocks() / 100).max(1)
     }
 
     pub fn free_seq_slots(&self) -> u32 {
@@ -176,34 +389,110 @@ impl Replica {
         (f64::from(steps) * step * SEC as f64) as Micros
     }
 
-    /// Leading prompt blocks this replica has seen, in tokens.
+    /// Leading prompt blocks this replica holds (in use or cached), in tokens.
     pub fn cached_prefix_tokens(&self, blocks: &[u64]) -> u32 {
-        let n = blocks
-            .iter()
-            .take_while(|b| self.prefix_set.contains(b))
-            .count() as u32;
-        n * BLOCK_TOKENS
+        (self.prefix_match(blocks) as u32).saturating_mul(BLOCK_TOKENS)
     }
 
-    /// Longest cached prefix, for choosing among replicas.
+    /// Leading prompt blocks (of [`BLOCK_TOKENS`]) this replica holds, in
+    /// use or cached, for choosing among replicas.
     pub fn prefix_match(&self, blocks: &[u64]) -> usize {
         blocks
             .iter()
-            .take_while(|b| self.prefix.contains(b))
+            .take_while(|b| self.blocks.entries.contains_key(b))
             .count()
     }
 
+    /// Prefix blocks of `w`'s prompt a start here would share: leading
+    /// entries held, whole blocks of the prompt, within `cached` tokens.
+    fn hits(&self, w: &Waiting, cached: u32) -> usize {
+        let limit = (cached / BLOCK_TOKENS).min(w.prompt_tokens / BLOCK_TOKENS) as usize;
+        let n = w.prefix_blocks.len().min(limit);
+        self.prefix_match(&w.prefix_blocks[..n])
+    }
+
+    /// Whether `w` may start here now, with `cached` tokens of its prompt
+    /// found in the prefix cache (see [`Self::cached_prefix_tokens`]): the
+    /// blocks for its uncached prompt (and regenerated tokens), plus the
+    /// [watermark](Self::watermark_blocks) when others run, are free or
+    /// evictable, and its prompt and output fit the pool at all. An
+    /// external replica needs blocks for the whole prompt and output.
+    pub fn can_start(&self, w: &Waiting, cached: u32) -> bool {
+        let pool = self.pool_blocks();
+        let avail = self.blocks.available(pool);
+        let most = u64::from(w.prompt_tokens) + u64::from(w.output_tokens);
+        if self.spec.external {
+            return kv_blocks(most) <= avail;
+        }
+        if most > self.pool_tokens() {
+            return false;
+        }
+        let hits = self.hits(w, cached);
+        let pinned = w.prefix_blocks[..hits]
+            .iter()
+            .filter(|h| self.blocks.entries.get(h).is_some_and(|e| e.refs == 0))
+            .count() as u64;
+        let hit_tokens = hits as u64 * u64::from(BLOCK_TOKENS);
+        let uncached = (u64::from(w.prompt_tokens) + u64::from(w.generated))
+            .saturating_sub(hit_tokens)
+            .max(1);
+        let headroom = if self.running.is_empty() {
+            0
+        } else {
+            self.watermark_blocks()
+        };
+        kv_blocks(uncached) + pinned * PREFIX_KV_BLOCKS + headroom <= avail
+    }
+
+    /// Starts a sequence: it shares the cached prefix blocks it was made
+    /// with (those still held) and takes blocks for the rest of its prompt.
+    /// The caller checks [`Self::can_start`] first; without room the
+    /// blocks are recorded anyway (the pool reads as full until they go).
     pub fn admit(&mut self, mut s: Seq, now: Micros) {
-        self.kv_used += s.kv;
+        let pool = self.pool_blocks();
+        if self.spec.external {
+            s.blocks = kv_blocks(s.kv);
+            s.ctx = s.kv;
+        } else {
+            let hits = self.hits(&s.w, s.hit_tokens);
+            for k in 0..hits {
+                let h = s.w.prefix_blocks[k];
+                if self.blocks.acquire(h) {
+                    s.shared.push(h);
+                }
+            }
+            let shared = s.shared.len() as u64 * u64::from(BLOCK_TOKENS);
+            let recompute = u64::from(s.w.prompt_tokens) + u64::from(s.w.generated);
+            let left = recompute.saturating_sub(shared).max(1);
+            s.prefill_left = u32::try_from(left).unwrap_or(u32::MAX);
+            s.ctx = shared + u64::from(s.prefill_left);
+            s.blocks = kv_blocks(u64::from(s.prefill_left));
+        }
+        if !self.blocks.take(pool, s.blocks) {
+            self.blocks.private += s.blocks;
+        }
         s.started = now;
         s.w.started = true;
         self.running.push(s);
     }
 
+    /// Takes sequence `i` off the replica, freeing its blocks (its shared
+    /// prefix blocks stay cached once no one uses them).
     pub fn evict(&mut self, i: usize) -> Seq {
-        let s = self.running.swap_remove(i);
-        self.kv_used -= s.kv;
+        let mut s = self.running.swap_remove(i);
+        self.release(&mut s);
         s
+    }
+
+    fn release(&mut self, s: &mut Seq) {
+        self.blocks.private = self.blocks.private.saturating_sub(s.blocks);
+        s.blocks = 0;
+        // The tail first, so that it is evicted before the head.
+        for h in s.shared.drain(..).rev() {
+            self.blocks.release(h);
+        }
+        self.blocks.trim();
+        s.ctx = 0;
     }
 
     /// Where request `id` runs on this replica, if it does.
@@ -211,32 +500,159 @@ impl Replica {
         self.running.iter().position(|s| s.w.id == id)
     }
 
-    /// Remembers a finished prompt's blocks for prefix affinity.
+    /// Remembers a finished prompt's blocks as cached prefix (for an
+    /// external replica, whose upstream's cache is not seen; sequences
+    /// here share their blocks as they prefill). A block already held is
+    /// only marked used; a new one takes free blocks, evicting older
+    /// cached ones, or is not remembered when the pool has no room.
     pub fn remember_prefix(&mut self, blocks: &[u64]) {
-        for b in blocks {
-            if self.prefix_set.insert(*b) {
-                if self.prefix.len() >= PREFIX_CACHE_BLOCKS {
-                    if let Some(old) = self.prefix.pop_front() {
-                        self.prefix_set.remove(&old);
+        let pool = self.pool_blocks();
+        // The tail first, so that it is evicted before the head.
+        for &h in blocks.iter().rev() {
+            let stamp = self.blocks.tick();
+            match self.blocks.entries.get_mut(&h) {
+                Some(e) if e.refs == 0 => {
+                    self.blocks.lru.remove(&e.stamp);
+                    e.stamp = stamp;
+                    self.blocks.lru.insert(stamp, h);
+                }
+                Some(_) => {}
+                None => {
+                    if !self.blocks.make_free(pool, PREFIX_KV_BLOCKS) {
+                        break;
+                    }
+                    self.blocks.entries.insert(h, Entry { refs: 0, stamp });
+                    self.blocks.lru.insert(stamp, h);
+                    self.blocks.cached += PREFIX_KV_BLOCKS;
+                }
+            }
+        }
+        self.blocks.trim();
+    }
+
+    /// Whole prefix blocks `s` has prefilled become shared entries: its
+    /// private copy is dropped if another sequence made the entry first.
+    fn share_prefilled(blocks: &mut Blocks, s: &mut Seq) {
+        let computed = s.ctx.saturating_sub(u64::from(s.prefill_left));
+        let whole = (u64::from(s.w.prompt_tokens) / u64::from(BLOCK_TOKENS))
+            .min(computed / u64::from(BLOCK_TOKENS))
+            .min(s.w.prefix_blocks.len() as u64) as usize;
+        while s.shared.len() < whole && s.blocks >= PREFIX_KV_BLOCKS {
+            let h = s.w.prefix_blocks[s.shared.len()];
+            s.blocks -= PREFIX_KV_BLOCKS;
+            blocks.private = blocks.private.saturating_sub(PREFIX_KV_BLOCKS);
+            if !blocks.acquire(h) {
+                let stamp = blocks.tick();
+                blocks
+                    .entries
+                    .insert(h, Entry { refs: 1, stamp });
+                blocks.shared += PREFIX_KV_BLOCKS;
+            }
+            s.shared.push(h);
+        }
+    }
+
+    /// Before a step: every decoding sequence gets the block its next token
+    /// needs. When the pool has none (free or evictable), the lowest-ranked
+    /// running sequence is preempted — lowest `rank` (the tier's priority),
+    /// then the one that started last — among those under `budget`
+    /// preemptions and not orphans, the one that needs the block included
+    /// (vLLM preempts itself too). If none may be chosen, the sequence that
+    /// needs the block stalls: it skips this step, the others run.
+    ///
+    /// No deadlock: when every sequence here would stall (nothing could
+    /// run), the lowest-ranked one is preempted even past its budget (the
+    /// budget bounds thrash, it must not stop the replica), so the
+    /// highest-ranked always runs. A sequence alone that still cannot get
+    /// a block needs more than the whole pool: it can never finish here
+    /// and is handed back in [`Room::unfit`] rather than retried. Each
+    /// round removes a sequence or gives one a block, so this ends.
+    pub fn make_room(&mut self, rank: &dyn Fn(&Waiting) -> i64, budget: u32) -> Room {
+        let mut room = Room::default();
+        if self.spec.external {
+            return room;
+        }
+        let pool = self.pool_blocks();
+        loop {
+            let mut stalled = false;
+            let mut i = 0;
+            while i < self.running.len() {
+                let s = &self.running[i];
+                if s.prefill_left > 0 || s.has_room() {
+                    i += 1;
+                    continue;
+                }
+                if self.blocks.take(pool, 1) {
+                    self.running[i].blocks += 1;
+                    i += 1;
+                    continue;
+                }
+                let needy = s.w.id;
+                if self.running.len() == 1 || s.kv_blocks_held() + 1 > pool {
+                    // Alone (or as if alone), it needs more than the pool.
+                    let mut s = self.running.swap_remove(i);
+                    self.release(&mut s);
+                    room.unfit.push(s);
+                    continue;
+                }
+                let victim = self.lowest(rank, |s| s.w.preemptions < budget && !s.w.orphan);
+                match victim {
+                    Some(v) => {
+                        let seq = self.evict(v);
+                        room.preempted.push((seq, needy));
+                        // Whoever sits at `i` now (the same one, or the
+                        // one moved into its place) is looked at again.
+                        if v < i {
+                            i = 0;
+                        }
+                    }
+                    None => {
+                        stalled = true;
+                        i += 1;
                     }
                 }
-                self.prefix.push_back(*b);
+            }
+            let runnable = self
+                .running
+                .iter()
+                .any(|s| s.prefill_left > 0 || s.has_room());
+            if !stalled || runnable || self.running.is_empty() {
+                return room;
+            }
+            // Every sequence stalls: the lowest-ranked goes, budget or not.
+            if let Some(v) = self.lowest(rank, |_| true) {
+                let seq = self.evict(v);
+                let by = seq.w.id;
+                room.preempted.push((seq, by));
             }
         }
     }
 
-    /// Plans and starts the next step; returns when it ends.
+    /// The lowest-ranked running sequence that `eligible` allows.
+    fn lowest(&self, rank: &dyn Fn(&Waiting) -> i64, eligible: impl Fn(&Seq) -> bool) -> Option<usize> {
+        self.running
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| eligible(s))
+            .min_by_key(|(_, s)| (rank(&s.w), std::cmp::Reverse(s.started)))
+            .map(|(i, _)| i)
+    }
+
+    /// Plans and starts the next step; returns when it ends. A decoding
+    /// sequence without the block for its next token (see
+    /// [`Self::make_room`]) sits the step out.
     pub fn start_step(&mut self, now: Micros) -> Option<Micros> {
         if self.running.is_empty() || self.busy {
             return None;
         }
+        let external = self.spec.external;
         let mut budget = self.spec.max_batch_tokens;
         let mut decodes = 0u32;
         let mut context = 0u64;
         for s in &mut self.running {
             s.step_prefill = 0;
             s.step_decode = false;
-            if s.prefill_left == 0 && budget > 0 {
+            if s.prefill_left == 0 && budget > 0 && (external || s.has_room()) {
                 s.step_decode = true;
                 decodes += 1;
                 budget -= 1;
@@ -275,6 +691,7 @@ impl Replica {
     /// sequence, first tokens and completions. Returns finished sequences.
     pub fn finish_step(&mut self, _now: Micros, out: &mut Vec<Action>) -> Vec<(ReqId, Seq)> {
         self.busy = false;
+        let external = self.spec.external;
         let mut done = Vec::new();
         let mut i = 0;
         while i < self.running.len() {
@@ -282,9 +699,16 @@ impl Replica {
             let mut produced = false;
             if s.step_prefill > 0 {
                 s.prefill_left -= s.step_prefill.min(s.prefill_left);
+                if !external {
+                    Self::share_prefilled(&mut self.blocks, s);
+                }
                 // The step that completes the prefill samples a token.
                 produced = s.prefill_left == 0;
             } else if s.step_decode {
+                // The token fed in has its KV written.
+                if !external {
+                    s.ctx += 1;
+                }
                 produced = true;
             }
             s.step_prefill = 0;
@@ -297,9 +721,9 @@ impl Replica {
                 }
             }
             if s.generated >= s.w.output_tokens {
-                let s = self.running.swap_remove(i);
-                self.kv_used -= s.kv;
-                self.remember_prefix(&s.w.prefix_blocks);
+                let mut s = self.running.swap_remove(i);
+                // Its prompt's shared blocks stay cached.
+                self.release(&mut s);
                 out.push(Action::Finished {
                     id: s.w.id,
                     gpu_seconds: s.gpu_seconds,
@@ -310,6 +734,58 @@ impl Replica {
             }
         }
         done
+    }
+
+    /// Checks the block accounting against the running sequences: blocks
+    /// held plus cached fit the pool, every entry's references are the
+    /// sequences sharing it, and the cache's lists agree. O(blocks held
+    /// and entries): for tests and debugging, not for every event.
+    pub fn check_blocks(&self) -> Result<(), String> {
+        let b = &self.blocks;
+        let pool = self.pool_blocks();
+        if b.private + b.shared + b.cached > pool {
+            return Err(format!(
+                "over-committed: {} private + {} shared + {} cached > {pool}",
+                b.private, b.shared, b.cached
+            ));
+        }
+        let private: u64 = self.running.iter().map(|s| s.blocks).sum();
+        if private != b.private {
+            return Err(format!("private blocks {} != held {private}", b.private));
+        }
+        let mut refs: rustc_hash::FxHashMap<u64, u32> = Default::default();
+        for s in &self.running {
+            if !self.spec.external && s.blocks < kv_blocks(s.private_tokens()) {
+                return Err(format!("{} holds fewer blocks than its context", s.w.id));
+            }
+            for h in &s.shared {
+                *refs.entry(*h).or_default() += 1;
+            }
+        }
+        let (mut shared, mut cached) = (0u64, 0u64);
+        for (h, e) in &b.entries {
+            if refs.get(h).copied().unwrap_or(0) != e.refs {
+                return Err(format!("entry {h}: {} refs, {:?} users", e.refs, refs.get(h)));
+            }
+            if e.refs == 0 {
+                cached += PREFIX_KV_BLOCKS;
+                if b.lru.get(&e.stamp) != Some(h) {
+                    return Err(format!("cached entry {h} not in the LRU"));
+                }
+            } else {
+                shared += PREFIX_KV_BLOCKS;
+            }
+        }
+        if refs.keys().any(|h| !b.entries.contains_key(h)) {
+            return Err("a sequence shares an entry that is gone".into());
+        }
+        if shared != b.shared || cached != b.cached || b.lru.len() as u64 * PREFIX_KV_BLOCKS != cached {
+            return Err(format!(
+                "shared {} / cached {} blocks, entries say {shared} / {cached}",
+                b.shared, b.cached
+            ));
+        }
+        Ok(())
     }
 }
 

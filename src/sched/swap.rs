@@ -292,7 +292,7 @@ pub(super) fn served_tokens(w: &Waiting) -> f64 {
 }
 
 /// Whether a live (not draining) replica could ever run `w`: one of its
-/// variant, in its pool when it is pinned to one, with the KV memory for it.
+/// variant, in its pool when it is pinned to one, with the KV memory for it (whole blocks of its pool).
 pub(super) fn servable(
     by_variant: &HashMap<(u16, u16), Vec<usize>>,
     replicas: &[Replica],
@@ -302,7 +302,7 @@ pub(super) fn servable(
     by_variant.get(&(w.model, w.variant)).is_some_and(|rs| {
         rs.iter().any(|&r| {
             replicas.get(r).is_some_and(|x| {
-                w.pool.is_none_or(|p| x.spec.pool == p) && kv <= x.spec.kv_capacity
+                w.pool.is_none_or(|p| x.spec.pool == p) && kv <= x.pool_tokens()
             })
         })
     })
