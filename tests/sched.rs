@@ -577,13 +577,14 @@ route t m {
 fallback t [route m.int4 on p, reject 503 "full" retry_after 5s]
 "#;
     let g = graph(text);
-    // Two long requests fill the fp16 replica's KV memory: half the pool's.
+    // Two long prompts fill the fp16 replica's KV memory: 45% of the
+    // pool's (paged KV holds the prompts' blocks, not the output to come).
     let o = simulate(
         &g,
         Mode::Kiln,
         vec![
-            a(0, "x", 300_000, 200_000),
-            a(1, "x", 300_000, 200_000),
+            a(0, "x", 450_000, 50_000),
+            a(1, "x", 450_000, 50_000),
             a(500, "x", 100, 10),
         ],
     );
