@@ -860,4 +860,251 @@ mod tests {
         assert_eq!(r.cached_prefix_tokens(&[1, 2, 3]), 3 * BLOCK_TOKENS);
         assert_eq!(r.position(5), None);
     }
+
+    /// A replica of `kv` tokens taking prefill chunks of 4,096 tokens.
+    fn paged(kv: u64, max_batch: u32) -> Replica {
+        let mut sp = spec(Arc::new(Linear), max_batch, false);
+        sp.kv_capacity = kv;
+        sp.max_batch_tokens = 4096;
+        Replica::new(sp)
+    }
+
+    fn seq(id: ReqId, prompt: u32, output: u32, prefix: &[u64]) -> Waiting {
+        let mut w = waiting(id, 0, None);
+        w.prompt_tokens = prompt;
+        w.output_tokens = output;
+        w.prefix_blocks = prefix.to_vec();
+        w
+    }
+
+    /// Every running sequence at the same tier: ranked by start only.
+    fn flat(_: &Waiting) -> i64 {
+        0
+    }
+
+    /// Runs one step (blocks found first); returns what was preempted and
+    /// what finished.
+    fn step(r: &mut Replica, now: Micros, budget: u32) -> (Room, Vec<ReqId>) {
+        let room = r.make_room(&flat, budget);
+        let mut out = Vec::new();
+        let done = match r.start_step(now) {
+            Some(_) => r.finish_step(now, &mut out),
+            None => Vec::new(),
+        };
+        r.check_blocks().unwrap();
+        (room, done.into_iter().map(|(id, _)| id).collect())
+    }
+
+    #[test]
+    fn a_sequence_takes_its_prompt_blocks_then_one_per_16_decoded_tokens() {
+        let mut r = paged(16 * 1000, 8);
+        let w = seq(0, 100, 40, &[]);
+        assert!(r.can_start(&w, 0));
+        r.admit(Seq::from_waiting(w, 0), 0);
+        // 100 prompt tokens: 7 blocks, nothing for the output yet.
+        assert_eq!(r.kv_used(), 7 * 16);
+        assert_eq!(r.kv_free(), (1000 - 7) * 16);
+        r.check_blocks().unwrap();
+        // The prefill step samples token 1; then each decode writes one KV
+        // token: 100 → 112 needs no block, 113 a new one.
+        let mut used = Vec::new();
+        for t in 0..20 {
+            step(&mut r, t, 2);
+            used.push(r.kv_used() / 16);
+        }
+        assert_eq!(r.running[0].generated, 20);
+        // Context after 20 steps: 100 prefilled + 19 decoded = 119 tokens.
+        assert_eq!(r.running[0].ctx, 119);
+        assert_eq!(r.kv_used(), 8 * 16);
+        assert_eq!(used.first(), Some(&7));
+        // The 8th block came before the 13th decode (writing token 113).
+        assert_eq!(used.iter().filter(|&&b| b == 7).count(), 13);
+        for t in 20..60 {
+            step(&mut r, t, 2);
+        }
+        assert!(r.running.is_empty());
+        assert_eq!((r.kv_used(), r.kv_cached()), (0, 0));
+    }
+
+    #[test]
+    fn two_running_sequences_share_a_prefix_once() {
+        let mut r = paged(16 * 1000, 8);
+        // 1,100 tokens: two whole 512-token prefix blocks and a tail.
+        r.admit(Seq::from_waiting(seq(0, 1100, 50, &[7, 8, 9]), 0), 0);
+        assert_eq!(r.kv_used(), kv_blocks(1100) * 16);
+        assert_eq!(r.cached_prefix_tokens(&[7, 8, 9]), 0, "not prefilled yet");
+        step(&mut r, 0, 2);
+        // Prefilled: its two whole blocks are shared entries now.
+        assert_eq!(r.prefix_match(&[7, 8, 9]), 2);
+        assert_eq!(r.cached_prefix_tokens(&[7, 8]), 2 * BLOCK_TOKENS);
+        let before = r.kv_used();
+        let w = seq(1, 1100, 50, &[7, 8, 9]);
+        let cached = r.cached_prefix_tokens(&w.prefix_blocks);
+        assert!(r.can_start(&w, cached));
+        r.admit(Seq::from_waiting(w, cached), 1);
+        // The second takes blocks for its 76-token tail only.
+        assert_eq!(r.running[1].prefill_left, 1100 - 1024);
+        assert_eq!(r.kv_used() - before, kv_blocks(76) * 16);
+        assert_eq!(r.blocks.entries[&7].refs, 2);
+        r.check_blocks().unwrap();
+        // Both finish: the prefix stays cached, unreferenced, evictable.
+        for t in 1..60 {
+            step(&mut r, t, 2);
+        }
+        assert!(r.running.is_empty());
+        assert_eq!(r.kv_used(), 0);
+        assert_eq!(r.kv_cached(), 2 * PREFIX_KV_BLOCKS * 16);
+        assert_eq!(r.kv_free(), 16 * 1000, "cached blocks count as free");
+        assert_eq!(r.prefix_match(&[7, 8, 9]), 2);
+    }
+
+    #[test]
+    fn cached_prefixes_are_evicted_least_recently_used_tail_first() {
+        // Room for three prefix blocks and 16 blocks more.
+        let mut r = paged(16 * (3 * PREFIX_KV_BLOCKS + 16), 8);
+        r.remember_prefix(&[1, 2]);
+        r.remember_prefix(&[3]);
+        assert_eq!(r.kv_cached(), 3 * PREFIX_KV_BLOCKS * 16);
+        // Using [1, 2] again makes 3 the least recently used.
+        r.remember_prefix(&[1, 2]);
+        // A prompt of 40 blocks needs 24 blocks beyond the free 16: one
+        // entry goes, the oldest.
+        let w = seq(0, 40 * 16, 4, &[]);
+        assert!(r.can_start(&w, 0));
+        r.admit(Seq::from_waiting(w, 0), 0);
+        assert_eq!(r.prefix_match(&[3]), 0);
+        assert_eq!(r.prefix_match(&[1, 2]), 2);
+        r.check_blocks().unwrap();
+        // Next to go is the tail of [1, 2], then its head.
+        r.evict(0);
+        let w = seq(1, (16 + 2 * PREFIX_KV_BLOCKS as u32) * 16, 4, &[]);
+        r.admit(Seq::from_waiting(w, 0), 0);
+        assert_eq!(r.prefix_match(&[1, 2]), 1, "the tail went first");
+        r.check_blocks().unwrap();
+    }
+
+    #[test]
+    fn a_decode_without_a_free_block_preempts_the_latest_started() {
+        // 10 blocks: two prompts of 64 tokens (4 blocks each) and 2 free.
+        let mut r = paged(16 * 10, 8);
+        r.admit(Seq::from_waiting(seq(0, 64, 90, &[]), 0), 0);
+        let w = seq(1, 64, 90, &[]);
+        assert!(r.can_start(&w, 0), "prompt blocks and a 1-block watermark");
+        r.admit(Seq::from_waiting(w, 0), 1);
+        let mut preempted = Vec::new();
+        for t in 0..40 {
+            let (room, _) = step(&mut r, t, 2);
+            preempted.extend(room.preempted.iter().map(|(s, by)| (s.w.id, *by)));
+            assert!(room.unfit.is_empty());
+        }
+        // Both grew a block each; the third block needed finds none: the one
+        // that started last goes (recompute later), the first runs on.
+        assert_eq!(preempted, vec![(1, 0)]);
+        assert_eq!(r.running.len(), 1);
+        assert_eq!(r.running[0].w.id, 0);
+        assert_eq!(r.running[0].generated, 40);
+    }
+
+    #[test]
+    fn at_its_thrash_budget_a_sequence_is_spared_and_one_that_needs_a_block_stalls() {
+        let mut r = paged(16 * 10, 8);
+        r.admit(Seq::from_waiting(seq(0, 64, 100, &[]), 0), 0);
+        let mut w = seq(1, 64, 100, &[]);
+        w.preemptions = 2;
+        r.admit(Seq::from_waiting(w, 0), 1);
+        // Sequence 1 is at its budget of 2: when 0 needs a block, 0 itself
+        // is the only one that may go (vLLM preempts itself too).
+        let mut preempted = Vec::new();
+        for t in 0..40 {
+            let (room, _) = step(&mut r, t, 2);
+            preempted.extend(room.preempted.iter().map(|(s, by)| (s.w.id, *by)));
+        }
+        assert_eq!(preempted, vec![(0, 0)]);
+        assert_eq!(r.running[0].w.id, 1);
+        // Both at their budget: the one that needs a block stalls while the
+        // other runs; neither is preempted for it.
+        let mut r = paged(16 * 10, 8);
+        for (id, prompt) in [(0, 64), (1, 72)] {
+            let mut w = seq(id, prompt, 50, &[]);
+            w.preemptions = 2;
+            r.admit(Seq::from_waiting(w, 0), id);
+        }
+        // After the prefill 0 fills its 4 blocks, 1 has 5 with room to 80
+        // tokens, 1 block is free (0 takes it); then 1 runs out while 0 has room.
+        let mut stalled_alone = false;
+        for t in 0..12 {
+            let gen = |r: &Replica| (r.running[0].generated, r.running[1].generated);
+            let (g0, g1) = gen(&r);
+            let (room, _) = step(&mut r, t, 2);
+            assert!(room.preempted.is_empty(), "step {t}");
+            let (h0, h1) = gen(&r);
+            stalled_alone |= h0 > g0 && h1 == g1;
+        }
+        assert!(stalled_alone, "1 sat a step out while 0 decoded");
+        assert_eq!(r.running.len(), 2);
+    }
+
+    #[test]
+    fn when_every_sequence_would_stall_the_lowest_goes_past_its_budget() {
+        let mut r = paged(16 * 10, 8);
+        for id in 0..2 {
+            let mut w = seq(id, 64, 90, &[]);
+            w.preemptions = 2;
+            r.admit(Seq::from_waiting(w, 0), id);
+        }
+        let (mut preempted, mut finished) = (Vec::new(), Vec::new());
+        let mut steps = 0;
+        while !r.running.is_empty() && steps < 1000 {
+            let (room, done) = step(&mut r, steps, 2);
+            preempted.extend(room.preempted.iter().map(|(s, _)| s.w.id));
+            assert!(room.unfit.is_empty());
+            finished.extend(done);
+            steps += 1;
+        }
+        assert_eq!(finished, vec![0]);
+        // Both need their 6th block at once: the later one goes (over its
+        // budget), and the first finishes.
+        assert_eq!(preempted, vec![1]);
+        assert!(r.running.is_empty(), "it finished: no deadlock");
+    }
+
+    #[test]
+    fn a_lone_sequence_that_can_never_fit_is_handed_back_not_retried() {
+        let mut r = paged(16 * 100, 8);
+        r.admit(Seq::from_waiting(seq(0, 64, 1000, &[]), 0), 0);
+        // A swap shrinks the pool to 5 blocks: 4 for the prompt, 1 to grow.
+        let mut small = r.spec.clone();
+        small.kv_capacity = 16 * 5;
+        r.respec(small);
+        assert!(!r.can_start(&seq(1, 64, 1000, &[]), 0), "never fits");
+        let mut unfit = Vec::new();
+        let mut steps = 0;
+        while !r.running.is_empty() && steps < 1000 {
+            let (room, _) = step(&mut r, steps, 2);
+            unfit.extend(room.unfit.iter().map(|s| (s.w.id, s.generated)));
+            assert!(room.preempted.is_empty());
+            steps += 1;
+        }
+        // It ran until its context filled the pool (80 tokens: 64 + 16),
+        // then was handed back once.
+        assert_eq!(unfit, vec![(0, 17)]);
+        assert!(steps < 30, "{steps} steps");
+        assert_eq!(r.kv_used(), 0);
+    }
+
+    #[test]
+    fn external_replicas_hold_prompt_and_output_and_never_preempt() {
+        let mut sp = spec(Arc::new(Linear), 4, true);
+        sp.kv_capacity = 16 * 100;
+        let mut r = Replica::new(sp);
+        let w = seq(0, 100, 60, &[]);
+        assert!(r.can_start(&w, 0));
+        r.admit(Seq::from_waiting(w, 0), 0);
+        assert_eq!(r.kv_used(), 10 * 16);
+        let room = r.make_room(&flat, 0);
+        assert!(room.preempted.is_empty() && room.unfit.is_empty());
+        r.check_blocks().unwrap();
+        r.evict(0);
+        assert_eq!(r.kv_used(), 0);
+    }
 }
