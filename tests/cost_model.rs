@@ -126,7 +126,12 @@ route t m {{ default => {variant} }}
 "#
     );
     let c = kiln::compile::compile_str("sat.kiln", &text);
-    let msgs: Vec<_> = c.diagnostics.items.iter().map(|d| d.message.clone()).collect();
+    let msgs: Vec<_> = c
+        .diagnostics
+        .items
+        .iter()
+        .map(|d| d.message.clone())
+        .collect();
     c.graph.unwrap_or_else(|| panic!("{msgs:?}"))
 }
 
@@ -148,7 +153,12 @@ fn saturate(g: DecisionGraph, n: u64, input: u64, output: u32) -> Saturation {
     use kiln::graph::Request;
     use kiln::sched::{Arrival, Config, Mode, Scheduler};
     let cost = CostModel::from_graph(&g, None).unwrap();
-    let kv_tokens = cost.replicas().next().unwrap().kv_capacity_tokens().unwrap();
+    let kv_tokens = cost
+        .replicas()
+        .next()
+        .unwrap()
+        .kv_capacity_tokens()
+        .unwrap();
     let plan = kiln::backend::deploy::simulated(&g, &cost);
     assert_eq!(plan.replicas.len(), 1);
     let g = std::sync::Arc::new(g);
@@ -211,12 +221,36 @@ fn saturate(g: DecisionGraph, n: u64, input: u64, output: u32) -> Saturation {
 fn saturation_throughput_against_published_figures() {
     // (pair, graph, requests): 320 as Lambda's runs, 1,000 as vLLM PR 18566's.
     let pairs = [
-        ("Llama-3.1-8B fp16, 1×H100", one_replica(8, 128, "fp16", 16, 1), 1000),
-        ("Llama-3.1-8B fp8, 1×H100", one_replica(8, 128, "fp8", 8, 1), 320),
-        ("Llama-3.1-70B fp8, 1×H100", one_replica(70, 320, "fp8", 70, 1), 320),
-        ("Llama-3.1-70B fp16, 2×H100 TP2", one_replica(70, 320, "fp16", 140, 2), 320),
-        ("Llama-3.1-70B fp8, 2×H100 TP2", one_replica(70, 320, "fp8", 70, 2), 320),
-        ("Llama-3.1-70B fp8, 4×H100 TP4", one_replica(70, 320, "fp8", 70, 4), 320),
+        (
+            "Llama-3.1-8B fp16, 1×H100",
+            one_replica(8, 128, "fp16", 16, 1),
+            1000,
+        ),
+        (
+            "Llama-3.1-8B fp8, 1×H100",
+            one_replica(8, 128, "fp8", 8, 1),
+            320,
+        ),
+        (
+            "Llama-3.1-70B fp8, 1×H100",
+            one_replica(70, 320, "fp8", 70, 1),
+            320,
+        ),
+        (
+            "Llama-3.1-70B fp16, 2×H100 TP2",
+            one_replica(70, 320, "fp16", 140, 2),
+            320,
+        ),
+        (
+            "Llama-3.1-70B fp8, 2×H100 TP2",
+            one_replica(70, 320, "fp8", 70, 2),
+            320,
+        ),
+        (
+            "Llama-3.1-70B fp8, 4×H100 TP4",
+            one_replica(70, 320, "fp8", 70, 4),
+            320,
+        ),
     ];
     println!(
         "| pair | requests | KV tokens | prefill tok/s | output tok/s | mean seqs | max seqs | preemptions |"

@@ -887,9 +887,15 @@ model m {{ variant fp16 {{ memory 10GB pools [p] max_batch 16 }} }}
         let o = run(&mut s, arrivals(list), |_, _| {});
         assert!(o.iter().all(|x| x.finished.is_some()), "{mode:?}: {o:?}");
         let preempted: u32 = o.iter().map(|x| x.preemptions).sum();
-        assert!(preempted > 0, "{mode:?}: blocks ran out, someone was preempted");
+        assert!(
+            preempted > 0,
+            "{mode:?}: blocks ran out, someone was preempted"
+        );
         assert!(o.iter().all(|x| x.rejected.is_none()));
-        assert!(s.replicas().iter().all(|r| r.kv_used() == 0 && r.check_blocks().is_ok()));
+        assert!(s
+            .replicas()
+            .iter()
+            .all(|r| r.kv_used() == 0 && r.check_blocks().is_ok()));
     }
     // A request as large as the pool runs alone and finishes; one token more
     // could never fit and is refused at once (413).

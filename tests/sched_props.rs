@@ -148,7 +148,10 @@ fn check(mode: Mode, kv: u64, reqs: &[(u64, u8, u32, u32)]) {
             assert!(r.kv_used() <= r.spec.kv_capacity, "KV over-committed");
             // Paged KV: blocks held plus cached prefix blocks fit the pool,
             // and every prefix entry's references are its running users.
-            assert!(r.kv_used() + r.kv_cached() <= r.pool_tokens(), "blocks over-committed");
+            assert!(
+                r.kv_used() + r.kv_cached() <= r.pool_tokens(),
+                "blocks over-committed"
+            );
             if let Err(e) = r.check_blocks() {
                 panic!("block accounting: {e}");
             }

@@ -17,10 +17,13 @@
 //!   within a tier by weighted service (VTC), requests within a tenant by
 //!   arrival, or by deadline for completion-window tiers;
 //! - [`replica`] runs continuous batching under a sequence and token
-//!   budget, with KV memory reserved per sequence so it is never
-//!   over-committed, and preempts lower tiers' preemptible work when a
-//!   higher tier would otherwise wait; an external replica (an HTTP
-//!   upstream) only has its slots filled, the upstream runs the batch;
+//!   budget, with paged KV memory (vLLM-style 16-token blocks taken as a
+//!   sequence's context grows, the prefix cache shared and reference-counted
+//!   in the same pool) so it is never over-committed: when blocks run out,
+//!   the lowest-ranked sequence there is preempted and recomputed later.
+//!   Lower tiers' preemptible work is also preempted when a higher tier
+//!   would otherwise wait; an external replica (an HTTP upstream) only has
+//!   its slots filled, the upstream runs the batch;
 //! - [`swap`] moves queues, running work, quotas and fair share to a new
 //!   policy version by name while requests wait and run.
 
@@ -955,15 +958,18 @@ impl Scheduler {
         for mut seq in room.unfit {
             seq.w.generated = seq.generated;
             seq.w.gpu_seconds = seq.gpu_seconds;
-            let elsewhere = self.by_variant.get(&(seq.w.model, seq.w.variant)).is_some_and(|rs| {
-                rs.iter().any(|&x| {
-                    x != r
-                        && self.replicas[x].up
-                        && !self.replicas[x].draining
-                        && seq.w.pool.is_none_or(|p| self.replicas[x].spec.pool == p)
-                        && seq.kv <= self.replicas[x].pool_tokens()
-                })
-            });
+            let elsewhere = self
+                .by_variant
+                .get(&(seq.w.model, seq.w.variant))
+                .is_some_and(|rs| {
+                    rs.iter().any(|&x| {
+                        x != r
+                            && self.replicas[x].up
+                            && !self.replicas[x].draining
+                            && seq.w.pool.is_none_or(|p| self.replicas[x].spec.pool == p)
+                            && seq.kv <= self.replicas[x].pool_tokens()
+                    })
+                });
             if elsewhere {
                 self.out.push(Action::Preempted {
                     id: seq.w.id,
@@ -1074,7 +1080,8 @@ impl Scheduler {
             .any(|(t, &at)| t.priority > mine && at > w.arrival)
     }
 
-    /// Tokens of KV cache reserved across replicas, and capacity.
+    /// Tokens of KV cache held by running sequences across replicas (whole
+    /// blocks; cached prefix blocks no one uses are not counted), and capacity.
     pub fn kv_usage(&self) -> (u64, u64) {
         self.replicas.iter().fold((0, 0), |(u, c), r| {
             (u + r.kv_used(), c + r.spec.kv_capacity)

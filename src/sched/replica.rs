@@ -543,9 +543,7 @@ impl Replica {
             blocks.private = blocks.private.saturating_sub(PREFIX_KV_BLOCKS);
             if !blocks.acquire(h) {
                 let stamp = blocks.tick();
-                blocks
-                    .entries
-                    .insert(h, Entry { refs: 1, stamp });
+                blocks.entries.insert(h, Entry { refs: 1, stamp });
                 blocks.shared += PREFIX_KV_BLOCKS;
             }
             s.shared.push(h);
@@ -629,7 +627,11 @@ impl Replica {
     }
 
     /// The lowest-ranked running sequence that `eligible` allows.
-    fn lowest(&self, rank: &dyn Fn(&Waiting) -> i64, eligible: impl Fn(&Seq) -> bool) -> Option<usize> {
+    fn lowest(
+        &self,
+        rank: &dyn Fn(&Waiting) -> i64,
+        eligible: impl Fn(&Seq) -> bool,
+    ) -> Option<usize> {
         self.running
             .iter()
             .enumerate()
@@ -765,7 +767,11 @@ impl Replica {
         let (mut shared, mut cached) = (0u64, 0u64);
         for (h, e) in &b.entries {
             if refs.get(h).copied().unwrap_or(0) != e.refs {
-                return Err(format!("entry {h}: {} refs, {:?} users", e.refs, refs.get(h)));
+                return Err(format!(
+                    "entry {h}: {} refs, {:?} users",
+                    e.refs,
+                    refs.get(h)
+                ));
             }
             if e.refs == 0 {
                 cached += PREFIX_KV_BLOCKS;
@@ -779,7 +785,10 @@ impl Replica {
         if refs.keys().any(|h| !b.entries.contains_key(h)) {
             return Err("a sequence shares an entry that is gone".into());
         }
-        if shared != b.shared || cached != b.cached || b.lru.len() as u64 * PREFIX_KV_BLOCKS != cached {
+        if shared != b.shared
+            || cached != b.cached
+            || b.lru.len() as u64 * PREFIX_KV_BLOCKS != cached
+        {
             return Err(format!(
                 "shared {} / cached {} blocks, entries say {shared} / {cached}",
                 b.shared, b.cached

@@ -301,9 +301,9 @@ pub(super) fn servable(
     let kv = u64::from(w.prompt_tokens) + u64::from(w.output_tokens);
     by_variant.get(&(w.model, w.variant)).is_some_and(|rs| {
         rs.iter().any(|&r| {
-            replicas.get(r).is_some_and(|x| {
-                w.pool.is_none_or(|p| x.spec.pool == p) && kv <= x.pool_tokens()
-            })
+            replicas
+                .get(r)
+                .is_some_and(|x| w.pool.is_none_or(|p| x.spec.pool == p) && kv <= x.pool_tokens())
         })
     })
 }
