@@ -579,14 +579,14 @@ route t m {
 fallback t [route m.int4 on p, reject 503 "full" retry_after 5s]
 "#;
     let g = graph(text);
-    // A long request holds over a tenth of the pool's KV memory (the second
-    // waits for its prefill to get under way).
+    // Two long prompts fill the fp16 replica's KV memory: 45% of the
+    // pool's (paged KV holds the prompts' blocks, not the output to come).
     let o = simulate(
         &g,
         Mode::Kiln,
         vec![
-            a(0, "x", 300_000, 200_000),
-            a(1, "x", 300_000, 200_000),
+            a(0, "x", 450_000, 50_000),
+            a(1, "x", 450_000, 50_000),
             a(500, "x", 100, 10),
         ],
     );
@@ -944,4 +944,48 @@ route t m { default => fp16 }
     assert!(per.iter().all(|&n| n > 0 && n < kiln.len() / 2), "{per:?}");
     // Deterministic.
     assert_eq!(replay(Routing::Kiln), kiln);
+}
+
+/// Paged KV: sequences take blocks as they grow, so more run at once than
+/// prompt-and-output reservations would allow; when blocks run out the one
+/// that started last is preempted (recompute) and everything still ends.
+#[test]
+fn paged_kv_preempts_when_blocks_run_out_and_loses_nothing() {
+    let text = format!(
+        r#"
+pool p {{ gpus 1 kind "H100-80GB" memory 80GB }}
+model m {{ variant fp16 {{ memory 10GB pools [p] max_batch 16 }} }}
+{TWO_TIERS}
+{TWO_TENANTS}
+{ROUTE}
+"#
+    );
+    let g = graph(&text);
+    for mode in [Mode::Kiln, Mode::Fifo] {
+        // 100 blocks of 16; eight requests of at most 250 tokens each.
+        let mut s = sched(&g, mode, 1600);
+        let list = (0..8).map(|i| a(i, "bulk", 100, 150)).collect();
+        let o = run(&mut s, arrivals(list), |_, _| {});
+        assert!(o.iter().all(|x| x.finished.is_some()), "{mode:?}: {o:?}");
+        let preempted: u32 = o.iter().map(|x| x.preemptions).sum();
+        assert!(
+            preempted > 0,
+            "{mode:?}: blocks ran out, someone was preempted"
+        );
+        assert!(o.iter().all(|x| x.rejected.is_none()));
+        assert!(s
+            .replicas()
+            .iter()
+            .all(|r| r.kv_used() == 0 && r.check_blocks().is_ok()));
+    }
+    // A request as large as the pool runs alone and finishes; one token more
+    // could never fit and is refused at once (413).
+    let mut s = sched(&g, Mode::Kiln, 1600);
+    let o = run(
+        &mut s,
+        arrivals(vec![a(0, "bulk", 1000, 600), a(1, "bulk", 1001, 600)]),
+        |_, _| {},
+    );
+    assert!(o[0].finished.is_some(), "{:?}", o[0]);
+    assert_eq!(o[1].rejected, Some((Reason::Saturation, 413)));
 }

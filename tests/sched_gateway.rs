@@ -199,7 +199,8 @@ fn a_cancelled_request_ends_once_wherever_it_was() {
         );
     }
     assert_eq!((s.parked(), s.waiting()), (0, 0));
-    assert_eq!(s.kv_usage().0, kv_before - 250, "memory freed at once");
+    // Paged KV: 0 held its prompt's blocks (200 tokens: 13 blocks of 16).
+    assert_eq!(s.kv_usage().0, kv_before - 208, "memory freed at once");
     // Ended requests and unknown ids: nothing.
     for id in [0, 2, 3, 42] {
         let acts = s.handle(MS, Event::Cancel { id }).to_vec();
@@ -724,16 +725,22 @@ fn check(ops: &[(u64, Op)], kv: u64) {
         let reps = s.replicas();
         assert!(reps.len() >= before.len(), "replicas are never removed");
         for (i, r) in reps.iter().enumerate() {
-            let over =
-                r.running.len() as u32 > r.spec.max_batch || r.kv_used() > r.spec.kv_capacity;
-            if over {
-                // Only a swap that shrank a replica leaves it over its
-                // limits, and then nothing more is admitted until under.
-                let (n, kv) = before.get(i).copied().unwrap_or((0, 0));
+            // Only a swap that shrank a replica leaves it over its limits,
+            // and then nothing more is admitted until under. Batch and KV
+            // are checked apart: with paged KV, sequences that run on grow
+            // their blocks within the pool even while the batch is over.
+            let (n, kv) = before.get(i).copied().unwrap_or((0, 0));
+            if r.running.len() as u32 > r.spec.max_batch {
                 assert!(
-                    r.running.len() <= n && r.kv_used() <= kv,
-                    "replica {i} over-committed: {} seqs, {} KV",
-                    r.running.len(),
+                    r.running.len() <= n,
+                    "replica {i} over-filled: {} seqs",
+                    r.running.len()
+                );
+            }
+            if r.kv_used() > r.spec.kv_capacity {
+                assert!(
+                    r.kv_used() <= kv,
+                    "replica {i} over-committed: {} KV",
                     r.kv_used()
                 );
             }

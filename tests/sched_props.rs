@@ -1,6 +1,7 @@
 //! Invariants of the scheduler under random traffic: no request is lost or
 //! duplicated (each ends exactly once, finished or rejected with a reason),
-//! and capacity is never over-committed (KV memory, batch slots).
+//! and capacity is never over-committed (KV blocks held plus cached prefix
+//! blocks within the pool, prefix reference counts consistent, batch slots).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test and bench code may panic
 
 use kiln::compile::compile_str;
@@ -27,8 +28,8 @@ model m {
   variant fp16 { memory 40GB pools [p] max_batch 4 max_batch_tokens 2048 }
   variant int4 { memory 20GB pools [p] max_batch 8 max_batch_tokens 1024 }
 }
-tier hi { priority 100 slo { ttft 2s } preempts [lo, bg] batch { max_wait 5ms } }
-tier lo { priority 40 slo { window 10m } preemptible }
+tier hi { priority 100 slo { ttft 2s } preempts [lo, bg] batch { max_wait 5ms } prefix_affinity }
+tier lo { priority 40 slo { window 10m } preemptible prefix_affinity }
 tier bg { priority 1 slo { window 1h } preemptible backfill_only }
 tenant a { owner "o" tiers [hi] quota { tokens 200k/min concurrent 16 } }
 tenant b { owner "o" tiers [lo, hi] weight 2 }
@@ -65,6 +66,17 @@ fn graph() -> Arc<DecisionGraph> {
     .clone()
 }
 
+/// Prompts of two families share their leading 512-token blocks (so the
+/// paged KV pool shares and caches them); a third family shares nothing.
+fn prefix(p: u32) -> Vec<u64> {
+    let family = u64::from(p % 3);
+    let blocks = u64::from(p / 512);
+    match family {
+        0 => Vec::new(),
+        f => (0..blocks).map(|b| f * 1000 + b).collect(),
+    }
+}
+
 fn check(mode: Mode, kv: u64, reqs: &[(u64, u8, u32, u32)]) {
     let g = graph();
     let mut plan = Plan::from_graph(&g, |_, _, _| {
@@ -99,7 +111,7 @@ fn check(mode: Mode, kv: u64, reqs: &[(u64, u8, u32, u32)]) {
                 ..Default::default()
             },
             output_tokens: o,
-            prefix_blocks: Vec::new(),
+            prefix_blocks: prefix(p),
         }));
         heap.push(Reverse((at * MS, seq, 0, i)));
         seq += 1;
@@ -134,6 +146,15 @@ fn check(mode: Mode, kv: u64, reqs: &[(u64, u8, u32, u32)]) {
         }
         for r in s.replicas() {
             assert!(r.kv_used() <= r.spec.kv_capacity, "KV over-committed");
+            // Paged KV: blocks held plus cached prefix blocks fit the pool,
+            // and every prefix entry's references are its running users.
+            assert!(
+                r.kv_used() + r.kv_cached() <= r.pool_tokens(),
+                "blocks over-committed"
+            );
+            if let Err(e) = r.check_blocks() {
+                panic!("block accounting: {e}");
+            }
             assert!(
                 r.running.len() as u32 <= r.spec.max_batch,
                 "batch over-filled"

@@ -148,13 +148,14 @@ fn replicas(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal> {
     Ok(())
 }
 
-/// A request larger than any replica's KV memory could never start: 413.
+/// A request larger than any replica's KV memory (its pool of whole
+/// blocks) could never start: 413.
 fn fits_kv(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal> {
     a.kv_need = a.req.prompt_tokens.saturating_add(u64::from(a.output));
     let kv_max = a
         .candidates
         .iter()
-        .map(|&r| s.replicas[r].spec.kv_capacity)
+        .map(|&r| s.replicas[r].pool_tokens())
         .max()
         .unwrap_or(0);
     if a.kv_need > kv_max {
@@ -396,7 +397,8 @@ impl Scheduler {
         if w.backfill {
             w.waiting_for = Some(Reason::Backfill);
         } else if a.candidates.iter().all(|&r| {
-            self.replicas[r].free_seq_slots() == 0 || self.replicas[r].kv_free() < a.kv_need
+            self.replicas[r].free_seq_slots() == 0
+                || self.replicas[r].kv_free() < a.req.prompt_tokens
         }) {
             w.waiting_for = Some(Reason::Saturation);
         } else if self.queues.tokens_above(graph, a.tier) > 0 {

@@ -17,10 +17,13 @@
 //!   within a tier by weighted service (VTC), requests within a tenant by
 //!   arrival, or by deadline for completion-window tiers;
 //! - [`replica`] runs continuous batching under a sequence and token
-//!   budget, with KV memory reserved per sequence so it is never
-//!   over-committed, and preempts lower tiers' preemptible work when a
-//!   higher tier would otherwise wait; an external replica (an HTTP
-//!   upstream) only has its slots filled, the upstream runs the batch;
+//!   budget, with paged KV memory (vLLM-style 16-token blocks taken as a
+//!   sequence's context grows, the prefix cache shared and reference-counted
+//!   in the same pool) so it is never over-committed: when blocks run out,
+//!   the lowest-ranked sequence there is preempted and recomputed later.
+//!   Lower tiers' preemptible work is also preempted when a higher tier
+//!   would otherwise wait; an external replica (an HTTP upstream) only has
+//!   its slots filled, the upstream runs the batch;
 //! - [`swap`] moves queues, running work, quotas and fair share to a new
 //!   policy version by name while requests wait and run.
 
@@ -790,7 +793,7 @@ impl Scheduler {
                 let usable = rep.up
                     && !rep.draining
                     && rep.spec.only_tier.is_none_or(|t| t == tier)
-                    && rep.spec.kv_capacity >= kv_need;
+                    && rep.pool_tokens() >= kv_need;
                 usable.then(|| self.candidate(r, blocks, prompt, kv_need))
             })
             .collect();
@@ -978,10 +981,9 @@ impl Scheduler {
                 0
             };
             boundary = boundary.min(step_left);
-            // A slot is only room if the memory for the request is free too.
-            if rep.free_seq_slots() > 0
-                && rep.kv_free() >= q.prompt.saturating_add(u64::from(q.output))
-            {
+            // A slot is only room if the memory for its prompt is free too
+            // (paged KV: the output's blocks come as it decodes).
+            if rep.free_seq_slots() > 0 && rep.kv_free() >= q.prompt {
                 room_at = room_at.min(step_left);
             }
             rate += rep.throughput_tokens_per_s();
@@ -1220,7 +1222,8 @@ impl Scheduler {
             if rep.busy {
                 continue;
             }
-            if !rep.draining {
+            self.make_room(r);
+            if !self.replicas[r].draining {
                 self.fill(r);
             }
             let now = self.now;
@@ -1250,7 +1253,6 @@ impl Scheduler {
                 break;
             }
             let has_room = self.replicas[r].free_seq_slots() > 0;
-            let kv_free = self.replicas[r].kv_free();
             // Backfill only when nothing else wants this replica.
             let others_waiting =
                 self.queues
@@ -1278,7 +1280,11 @@ impl Scheduler {
                 self.queues.push_front(w);
                 break;
             }
-            if !has_room || u64::from(w.prompt_tokens) + u64::from(w.output_tokens) > kv_free {
+            // Prefix caching is on whatever the routing (as vLLM's
+            // automatic prefix caching is); routing only chose the replica.
+            let cached = self.replicas[r].cached_prefix_tokens(&w.prefix_blocks);
+            // Paged KV: blocks for its uncached prompt and a watermark.
+            if !has_room || !self.replicas[r].can_start(&w, cached) {
                 // Make room by preempting lower, preemptible work, or stop.
                 if self.cfg.mode == Mode::Kiln && self.try_preempt(r, &w) {
                     self.queues.push_front(w);
@@ -1323,9 +1329,6 @@ impl Scheduler {
             if let Some(t) = self.tier_started.get_mut(w.tier as usize) {
                 *t = self.now;
             }
-            // Prefix caching is on whatever the routing (as vLLM's
-            // automatic prefix caching is); routing only chose the replica.
-            let cached = self.replicas[r].cached_prefix_tokens(&w.prefix_blocks);
             // Routed once: a preempted or requeued request goes anywhere.
             self.unpin(&w);
             w.affinity = None;
@@ -1340,11 +1343,71 @@ impl Scheduler {
         }
     }
 
+    /// Before a step on replica `r`: decoding sequences get the KV block
+    /// their next token needs, preempting (recompute on resume) where the
+    /// pool has none; see [`Replica::make_room`]. A preempted sequence
+    /// keeps its place at the head of its queue, as in [`Self::try_preempt`];
+    /// one that can never fit here again is re-queued for another replica
+    /// or, if none could take it, refused (`policy-changed`: only a swap
+    /// shrinks a replica below what the 413 gate let in).
+    fn make_room(&mut self, r: usize) {
+        let graph = &self.graph;
+        let rank = |w: &Waiting| {
+            graph
+                .tiers
+                .get(w.tier as usize)
+                .map_or(i64::MIN, |t| t.priority)
+        };
+        let room = self.replicas[r].make_room(&rank, self.cfg.max_preemptions_per_seq);
+        for (mut seq, by) in room.preempted {
+            self.out.push(Action::Preempted {
+                id: seq.w.id,
+                replica: r,
+                by,
+            });
+            seq.w.preemptions += 1;
+            seq.w.generated = seq.generated;
+            seq.w.gpu_seconds = seq.gpu_seconds;
+            seq.w.waiting_for = Some(Reason::Preempted);
+            self.queues.push_front(seq.w);
+        }
+        for mut seq in room.unfit {
+            seq.w.generated = seq.generated;
+            seq.w.gpu_seconds = seq.gpu_seconds;
+            let elsewhere = self
+                .by_variant
+                .get(&(seq.w.model, seq.w.variant))
+                .is_some_and(|rs| {
+                    rs.iter().any(|&x| {
+                        x != r
+                            && self.replicas[x].up
+                            && !self.replicas[x].draining
+                            && seq.w.pool.is_none_or(|p| self.replicas[x].spec.pool == p)
+                            && seq.kv <= self.replicas[x].pool_tokens()
+                    })
+                });
+            if elsewhere {
+                self.out.push(Action::Preempted {
+                    id: seq.w.id,
+                    replica: r,
+                    by: seq.w.id,
+                });
+                seq.w.waiting_for = Some(Reason::Preempted);
+                self.queues.push_front(seq.w);
+            } else {
+                let used = swap::served_tokens(&seq.w);
+                self.refuse_changed(seq.w.id, used);
+            }
+        }
+    }
+
     /// Preempts the lowest-priority preemptible sequence on replica `r`
     /// that `w`'s tier may preempt, if any, within the thrash budget.
     fn try_preempt(&mut self, r: usize, w: &Waiting) -> bool {
-        // Tokens streamed from an upstream cannot be taken back.
-        if self.replicas[r].spec.external {
+        // Tokens streamed from an upstream cannot be taken back; and
+        // nothing is preempted for work that could never fit here.
+        let most = u64::from(w.prompt_tokens) + u64::from(w.output_tokens);
+        if self.replicas[r].spec.external || most > self.replicas[r].pool_tokens() {
             return false;
         }
         let Some(tier) = self.graph.tiers.get(w.tier as usize) else {
@@ -1427,7 +1490,7 @@ impl Scheduler {
             && self
                 .replicas
                 .get(r)
-                .is_some_and(|x| !x.spec.external && s.kv <= x.spec.kv_capacity)
+                .is_some_and(|x| !x.spec.external && s.kv <= x.pool_tokens())
     }
 
     /// Whether a request of a higher-priority tier started after `w` arrived.
@@ -1442,7 +1505,8 @@ impl Scheduler {
             .any(|(t, &at)| t.priority > mine && at > w.arrival)
     }
 
-    /// Tokens of KV cache reserved across replicas, and capacity.
+    /// Tokens of KV cache held by running sequences across replicas (whole
+    /// blocks; cached prefix blocks no one uses are not counted), and capacity.
     pub fn kv_usage(&self) -> (u64, u64) {
         self.replicas.iter().fold((0, 0), |(u, c), r| {
             (u + r.kv_used(), c + r.spec.kv_capacity)
@@ -1500,7 +1564,9 @@ mod tests {
         let acts = arrive(&mut s, 0, arrival(0, "bulk", "m", 100, 50));
         assert_eq!(started(&acts), vec![0]);
         arrive(&mut s, 0, arrival(1, "bulk", "m", 100, 50));
-        assert_eq!(s.replicas[0].kv_used(), 150);
+        // Paged KV: the prompt's blocks (100 tokens, 7 blocks of 16), not
+        // prompt and output reserved up front.
+        assert_eq!(s.replicas[0].kv_used(), 112);
         let acts = s.handle(MS / 2, Event::Cancel { id: 0 }).to_vec();
         assert_eq!(cancelled(&acts), vec![0]);
         assert_eq!(s.replicas[0].kv_used(), 0);

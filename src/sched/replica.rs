@@ -1,17 +1,56 @@
 //! One model replica running continuous batching: every step decodes one
 //! token for each running sequence and spends what is left of the step's
 //! token budget on prompt prefill (chunked, as vLLM's v1 scheduler does).
-//! KV memory for a sequence's prompt and output is reserved when it starts,
-//! so a replica never holds more than its capacity.
+//!
+//! KV memory is paged, as in vLLM's PagedAttention: the replica's
+//! `spec.kv_capacity` tokens form a pool of blocks of [`KV_BLOCK_TOKENS`]
+//! tokens. A sequence takes the blocks for its prompt when it starts (less
+//! the blocks it finds in the prefix cache), which covers every chunk of
+//! its prefill, then one more block each time its context crosses a block
+//! boundary as it decodes ([`Replica::make_room`] finds that block before
+//! each step). Nothing is reserved for output it has not produced yet.
+//!
+//! The prefix cache lives in the same pool. A trace's prefix hashes
+//! (`Waiting::prefix_blocks`, one per [`BLOCK_TOKENS`] prompt tokens, i.e.
+//! [`PREFIX_KV_BLOCKS`] KV blocks) name shared prompt blocks: once a
+//! sequence has prefilled a whole prefix block, those KV blocks become a
+//! reference-counted entry, shared (not duplicated) by every running
+//! sequence whose prompt starts the same way. When the last user ends, the
+//! entry stays cached with no references and is evicted least recently
+//! used first when free blocks are needed; evictable blocks count as free.
+//! Every operation touches only the blocks and entries concerned (a hash
+//! map from prefix hash to entry, a B-tree of unreferenced entries by
+//! last-use stamp), never the whole cache.
+//!
+//! When a decoding sequence needs a block and none is free, the lowest
+//! ranked running sequence (lowest tier priority, then the one that started
+//! last) is preempted within its thrash budget — possibly the one that
+//! needs the block; see [`Replica::make_room`] for why this cannot
+//! deadlock. An external replica (an HTTP upstream) keeps what it did
+//! before paging: a sequence holds the blocks for its whole prompt and
+//! output from start to end, and is never preempted.
 
 use super::plan::ReplicaSpec;
 use super::queue::Waiting;
 use super::{Action, Micros, ReqId, SEC};
-use std::collections::VecDeque;
+use std::collections::BTreeMap;
 
-/// Prompt blocks (512 tokens) a replica remembers for prefix affinity.
-const PREFIX_CACHE_BLOCKS: usize = 8192;
+/// Tokens in one KV block (vLLM's default block size).
+pub const KV_BLOCK_TOKENS: u32 = 16;
+/// Tokens in one prefix block of a trace's prompt hashes.
 pub const BLOCK_TOKENS: u32 = 512;
+/// KV blocks in one prefix block.
+pub const PREFIX_KV_BLOCKS: u64 = (BLOCK_TOKENS / KV_BLOCK_TOKENS) as u64;
+/// Unreferenced prefix entries kept at most, whatever the pool: bounds the
+/// bookkeeping of a replica whose pool is effectively unbounded (an
+/// external upstream). 65,536 entries are 33.5M tokens, more KV than any
+/// one replica the cost model sizes holds.
+const MAX_CACHED_ENTRIES: usize = 1 << 16;
+
+/// KV blocks that hold `tokens` tokens.
+pub fn kv_blocks(tokens: u64) -> u64 {
+    tokens.div_ceil(u64::from(KV_BLOCK_TOKENS))
+}
 
 #[derive(Debug, Clone)]
 pub struct Seq {
@@ -21,9 +60,22 @@ pub struct Seq {
     pub generated: u32,
     pub started: Micros,
     pub first_token_sent: bool,
+    /// KV tokens this sequence may need at most (prompt and output): it
+    /// can only run on a replica whose pool holds that many.
     pub kv: u64,
     /// GPU-seconds used so far.
     pub gpu_seconds: f64,
+    /// Tokens of prefix the caller found cached when it was made (the
+    /// replica checks them again when it admits it).
+    hit_tokens: u32,
+    /// Context tokens with KV blocks: the shared prefix entries, then the
+    /// private blocks (the prompt's uncached part and what was decoded).
+    ctx: u64,
+    /// Private blocks held (at most one more than the private tokens need:
+    /// the block found for the next token before a step).
+    blocks: u64,
+    /// Prefix entries referenced, a leading part of `w.prefix_blocks`.
+    shared: Vec<u64>,
     /// Tokens prefilled in the step in flight.
     step_prefill: u32,
     step_decode: bool,
@@ -42,9 +94,136 @@ impl Seq {
             first_token_sent: w.generated > 0,
             kv,
             gpu_seconds: w.gpu_seconds,
+            hit_tokens: cached_prefix,
+            ctx: 0,
+            blocks: 0,
+            shared: Vec::new(),
             step_prefill: 0,
             step_decode: false,
             w,
+        }
+    }
+
+    /// Context tokens in private blocks.
+    fn private_tokens(&self) -> u64 {
+        self.ctx
+            .saturating_sub(self.shared.len() as u64 * u64::from(BLOCK_TOKENS))
+    }
+
+    /// Whether the block for the next decoded token is held.
+    fn has_room(&self) -> bool {
+        kv_blocks(self.private_tokens() + 1) <= self.blocks
+    }
+
+    /// KV blocks held, its share of prefix entries included.
+    pub fn kv_blocks_held(&self) -> u64 {
+        self.blocks + self.shared.len() as u64 * PREFIX_KV_BLOCKS
+    }
+}
+
+/// A prefix entry: [`PREFIX_KV_BLOCKS`] blocks shared by `refs` sequences,
+/// or cached (`refs == 0`) and evictable, last used at `stamp`.
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    refs: u32,
+    stamp: u64,
+}
+
+/// The block pool's accounting; the pool size is the spec's (it may change
+/// with a policy swap).
+#[derive(Debug, Default)]
+struct Blocks {
+    /// Blocks held privately by running sequences.
+    private: u64,
+    /// Blocks of referenced entries.
+    shared: u64,
+    /// Blocks of unreferenced (cached, evictable) entries.
+    cached: u64,
+    entries: rustc_hash::FxHashMap<u64, Entry>,
+    /// Unreferenced entries by last-use stamp, oldest first.
+    lru: BTreeMap<u64, u64>,
+    clock: u64,
+}
+
+impl Blocks {
+    /// Blocks free now or freeable by eviction.
+    fn available(&self, pool: u64) -> u64 {
+        pool.saturating_sub(self.private + self.shared)
+    }
+
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    /// Drops the least recently used unreferenced entry.
+    fn evict_one(&mut self) -> bool {
+        let Some((_, hash)) = self.lru.pop_first() else {
+            return false;
+        };
+        self.entries.remove(&hash);
+        self.cached = self.cached.saturating_sub(PREFIX_KV_BLOCKS);
+        true
+    }
+
+    /// Makes `n` blocks free, evicting cached entries as needed.
+    fn make_free(&mut self, pool: u64, n: u64) -> bool {
+        if n > self.available(pool) {
+            return false;
+        }
+        while pool.saturating_sub(self.private + self.shared + self.cached) < n {
+            if !self.evict_one() {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Takes `n` private blocks if the pool has them.
+    fn take(&mut self, pool: u64, n: u64) -> bool {
+        if n == 0 {
+            return true;
+        }
+        if !self.make_free(pool, n) {
+            return false;
+        }
+        self.private += n;
+        true
+    }
+
+    /// References an existing entry (it stops being evictable).
+    fn acquire(&mut self, hash: u64) -> bool {
+        let Some(e) = self.entries.get_mut(&hash) else {
+            return false;
+        };
+        if e.refs == 0 {
+            self.lru.remove(&e.stamp);
+            self.cached = self.cached.saturating_sub(PREFIX_KV_BLOCKS);
+            self.shared += PREFIX_KV_BLOCKS;
+        }
+        e.refs = e.refs.saturating_add(1);
+        true
+    }
+
+    /// Drops one reference; the last one leaves the entry cached.
+    fn release(&mut self, hash: u64) {
+        let stamp = self.tick();
+        let Some(e) = self.entries.get_mut(&hash) else {
+            return;
+        };
+        e.refs = e.refs.saturating_sub(1);
+        if e.refs == 0 {
+            e.stamp = stamp;
+            self.lru.insert(stamp, hash);
+            self.shared = self.shared.saturating_sub(PREFIX_KV_BLOCKS);
+            self.cached += PREFIX_KV_BLOCKS;
+        }
+    }
+
+    /// Keeps unreferenced entries within [`MAX_CACHED_ENTRIES`].
+    fn trim(&mut self) {
+        while self.lru.len() > MAX_CACHED_ENTRIES {
+            self.evict_one();
         }
     }
 }
@@ -59,10 +238,7 @@ pub struct Replica {
     /// A policy swap left it out of the plan: it takes no new work and
     /// finishes what runs. It keeps its index, as replicas are named by it.
     pub draining: bool,
-    kv_used: u64,
-    /// Prompt blocks held, oldest first, and the same set for lookups.
-    prefix: VecDeque<u64>,
-    prefix_set: rustc_hash::FxHashSet<u64>,
+    blocks: Blocks,
     /// Seconds the replica has spent running steps (for utilization).
     pub busy_seconds: f64,
     /// Duration of the step in flight (or the last one), seconds.
@@ -78,6 +254,17 @@ pub struct Replica {
     /// steps (for throughput against the roofline in reports).
     pub prefilled_tokens: u64,
     pub decoded_tokens: u64,
+}
+
+/// What [`Replica::make_room`] took off a replica.
+#[derive(Debug, Default)]
+pub struct Room {
+    /// Sequences preempted for a block, each with the sequence that needed
+    /// it (its own id when it was preempted for its own block).
+    pub preempted: Vec<(Seq, ReqId)>,
+    /// Sequences that can never finish here: alone, they would need more
+    /// blocks than the pool has (only after a policy swap shrank it).
+    pub unfit: Vec<Seq>,
 }
 
 /// A cost model's step time made usable: a broken one (NaN, infinite,
@@ -115,9 +302,7 @@ impl Replica {
             busy: false,
             up: true,
             draining: false,
-            kv_used: 0,
-            prefix: VecDeque::new(),
-            prefix_set: Default::default(),
+            blocks: Blocks::default(),
             busy_seconds: 0.0,
             last_step: 0.0,
             step_shape: (0, 0, 0),
@@ -129,19 +314,47 @@ impl Replica {
     }
 
     /// Takes a new spec (a policy swap) keeping what runs, its step in
-    /// flight and its prefix cache. If the new limits are below what runs,
-    /// nothing is evicted: the replica admits nothing until it is under.
+    /// flight and its prefix cache. If the new pool is smaller than what
+    /// runs, nothing is evicted at once: the replica admits nothing until
+    /// it is under, and decoding sequences that need a block preempt.
     pub fn respec(&mut self, spec: ReplicaSpec) {
         self.rate = throughput(&spec);
         self.spec = spec;
     }
 
-    pub fn kv_used(&self) -> u64 {
-        self.kv_used
+    /// KV blocks in the pool.
+    pub fn pool_blocks(&self) -> u64 {
+        self.spec.kv_capacity / u64::from(KV_BLOCK_TOKENS)
     }
 
+    /// Tokens the pool holds (`kv_capacity` rounded down to whole blocks):
+    /// the most KV one sequence can ever have here.
+    pub fn pool_tokens(&self) -> u64 {
+        self.pool_blocks() * u64::from(KV_BLOCK_TOKENS)
+    }
+
+    /// Tokens of KV held by running sequences, in whole blocks, shared
+    /// prefix blocks counted once. Cached prefix blocks no sequence uses
+    /// are not included (they are free for the taking: see [`Self::kv_free`]).
+    pub fn kv_used(&self) -> u64 {
+        (self.blocks.private + self.blocks.shared) * u64::from(KV_BLOCK_TOKENS)
+    }
+
+    /// Tokens of cached prefix blocks that no running sequence uses.
+    pub fn kv_cached(&self) -> u64 {
+        self.blocks.cached * u64::from(KV_BLOCK_TOKENS)
+    }
+
+    /// Tokens of KV allocatable now, evictable cached blocks counted free.
     pub fn kv_free(&self) -> u64 {
-        self.spec.kv_capacity.saturating_sub(self.kv_used)
+        self.blocks.available(self.pool_blocks()) * u64::from(KV_BLOCK_TOKENS)
+    }
+
+    /// Blocks kept free when admitting next to running work (vLLM's
+    /// watermark): 1% of the pool, at least one block, so that the
+    /// sequences running can grow a little before anything is preempted.
+    pub fn watermark_blocks(&self) -> u64 {
+        (self.pool_blocks() / 100).max(1)
     }
 
     pub fn free_seq_slots(&self) -> u32 {
@@ -215,34 +428,110 @@ impl Replica {
         (steps as f64 * step * SEC as f64) as Micros
     }
 
-    /// Leading prompt blocks this replica has seen, in tokens.
+    /// Leading prompt blocks this replica holds (in use or cached), in tokens.
     pub fn cached_prefix_tokens(&self, blocks: &[u64]) -> u32 {
-        let n = blocks
-            .iter()
-            .take_while(|b| self.prefix_set.contains(b))
-            .count() as u32;
-        n * BLOCK_TOKENS
+        (self.prefix_match(blocks) as u32).saturating_mul(BLOCK_TOKENS)
     }
 
-    /// Longest cached prefix, for choosing among replicas.
+    /// Leading prompt blocks (of [`BLOCK_TOKENS`]) this replica holds, in
+    /// use or cached, for choosing among replicas.
     pub fn prefix_match(&self, blocks: &[u64]) -> usize {
         blocks
             .iter()
-            .take_while(|b| self.prefix.contains(b))
+            .take_while(|b| self.blocks.entries.contains_key(b))
             .count()
     }
 
+    /// Prefix blocks of `w`'s prompt a start here would share: leading
+    /// entries held, whole blocks of the prompt, within `cached` tokens.
+    fn hits(&self, w: &Waiting, cached: u32) -> usize {
+        let limit = (cached / BLOCK_TOKENS).min(w.prompt_tokens / BLOCK_TOKENS) as usize;
+        let n = w.prefix_blocks.len().min(limit);
+        self.prefix_match(&w.prefix_blocks[..n])
+    }
+
+    /// Whether `w` may start here now, with `cached` tokens of its prompt
+    /// found in the prefix cache (see [`Self::cached_prefix_tokens`]): the
+    /// blocks for its uncached prompt (and regenerated tokens), plus the
+    /// [watermark](Self::watermark_blocks) when others run, are free or
+    /// evictable, and its prompt and output fit the pool at all. An
+    /// external replica needs blocks for the whole prompt and output.
+    pub fn can_start(&self, w: &Waiting, cached: u32) -> bool {
+        let pool = self.pool_blocks();
+        let avail = self.blocks.available(pool);
+        let most = u64::from(w.prompt_tokens) + u64::from(w.output_tokens);
+        if self.spec.external {
+            return kv_blocks(most) <= avail;
+        }
+        if most > self.pool_tokens() {
+            return false;
+        }
+        let hits = self.hits(w, cached);
+        let pinned = w.prefix_blocks[..hits]
+            .iter()
+            .filter(|h| self.blocks.entries.get(h).is_some_and(|e| e.refs == 0))
+            .count() as u64;
+        let hit_tokens = hits as u64 * u64::from(BLOCK_TOKENS);
+        let uncached = (u64::from(w.prompt_tokens) + u64::from(w.generated))
+            .saturating_sub(hit_tokens)
+            .max(1);
+        let headroom = if self.running.is_empty() {
+            0
+        } else {
+            self.watermark_blocks()
+        };
+        kv_blocks(uncached) + pinned * PREFIX_KV_BLOCKS + headroom <= avail
+    }
+
+    /// Starts a sequence: it shares the cached prefix blocks it was made
+    /// with (those still held) and takes blocks for the rest of its prompt.
+    /// The caller checks [`Self::can_start`] first; without room the
+    /// blocks are recorded anyway (the pool reads as full until they go).
     pub fn admit(&mut self, mut s: Seq, now: Micros) {
-        self.kv_used += s.kv;
+        let pool = self.pool_blocks();
+        if self.spec.external {
+            s.blocks = kv_blocks(s.kv);
+            s.ctx = s.kv;
+        } else {
+            let hits = self.hits(&s.w, s.hit_tokens);
+            for k in 0..hits {
+                let h = s.w.prefix_blocks[k];
+                if self.blocks.acquire(h) {
+                    s.shared.push(h);
+                }
+            }
+            let shared = s.shared.len() as u64 * u64::from(BLOCK_TOKENS);
+            let recompute = u64::from(s.w.prompt_tokens) + u64::from(s.w.generated);
+            let left = recompute.saturating_sub(shared).max(1);
+            s.prefill_left = u32::try_from(left).unwrap_or(u32::MAX);
+            s.ctx = shared + u64::from(s.prefill_left);
+            s.blocks = kv_blocks(u64::from(s.prefill_left));
+        }
+        if !self.blocks.take(pool, s.blocks) {
+            self.blocks.private += s.blocks;
+        }
         s.started = now;
         s.w.started = true;
         self.running.push(s);
     }
 
+    /// Takes sequence `i` off the replica, freeing its blocks (its shared
+    /// prefix blocks stay cached once no one uses them).
     pub fn evict(&mut self, i: usize) -> Seq {
-        let s = self.running.swap_remove(i);
-        self.kv_used -= s.kv;
+        let mut s = self.running.swap_remove(i);
+        self.release(&mut s);
         s
+    }
+
+    fn release(&mut self, s: &mut Seq) {
+        self.blocks.private = self.blocks.private.saturating_sub(s.blocks);
+        s.blocks = 0;
+        // The tail first, so that it is evicted before the head.
+        for h in s.shared.drain(..).rev() {
+            self.blocks.release(h);
+        }
+        self.blocks.trim();
+        s.ctx = 0;
     }
 
     /// Where request `id` runs on this replica, if it does.
@@ -250,32 +539,161 @@ impl Replica {
         self.running.iter().position(|s| s.w.id == id)
     }
 
-    /// Remembers a finished prompt's blocks for prefix affinity.
+    /// Remembers a finished prompt's blocks as cached prefix (for an
+    /// external replica, whose upstream's cache is not seen; sequences
+    /// here share their blocks as they prefill). A block already held is
+    /// only marked used; a new one takes free blocks, evicting older
+    /// cached ones, or is not remembered when the pool has no room.
     pub fn remember_prefix(&mut self, blocks: &[u64]) {
-        for b in blocks {
-            if self.prefix_set.insert(*b) {
-                if self.prefix.len() >= PREFIX_CACHE_BLOCKS {
-                    if let Some(old) = self.prefix.pop_front() {
-                        self.prefix_set.remove(&old);
+        let pool = self.pool_blocks();
+        // The tail first, so that it is evicted before the head.
+        for &h in blocks.iter().rev() {
+            let stamp = self.blocks.tick();
+            match self.blocks.entries.get_mut(&h) {
+                Some(e) if e.refs == 0 => {
+                    self.blocks.lru.remove(&e.stamp);
+                    e.stamp = stamp;
+                    self.blocks.lru.insert(stamp, h);
+                }
+                Some(_) => {}
+                None => {
+                    if !self.blocks.make_free(pool, PREFIX_KV_BLOCKS) {
+                        break;
+                    }
+                    self.blocks.entries.insert(h, Entry { refs: 0, stamp });
+                    self.blocks.lru.insert(stamp, h);
+                    self.blocks.cached += PREFIX_KV_BLOCKS;
+                }
+            }
+        }
+        self.blocks.trim();
+    }
+
+    /// Whole prefix blocks `s` has prefilled become shared entries: its
+    /// private copy is dropped if another sequence made the entry first.
+    fn share_prefilled(blocks: &mut Blocks, s: &mut Seq) {
+        let computed = s.ctx.saturating_sub(u64::from(s.prefill_left));
+        let whole = (u64::from(s.w.prompt_tokens) / u64::from(BLOCK_TOKENS))
+            .min(computed / u64::from(BLOCK_TOKENS))
+            .min(s.w.prefix_blocks.len() as u64) as usize;
+        while s.shared.len() < whole && s.blocks >= PREFIX_KV_BLOCKS {
+            let h = s.w.prefix_blocks[s.shared.len()];
+            s.blocks -= PREFIX_KV_BLOCKS;
+            blocks.private = blocks.private.saturating_sub(PREFIX_KV_BLOCKS);
+            if !blocks.acquire(h) {
+                let stamp = blocks.tick();
+                blocks.entries.insert(h, Entry { refs: 1, stamp });
+                blocks.shared += PREFIX_KV_BLOCKS;
+            }
+            s.shared.push(h);
+        }
+    }
+
+    /// Before a step: every decoding sequence gets the block its next token
+    /// needs. When the pool has none (free or evictable), the lowest-ranked
+    /// running sequence is preempted — lowest `rank` (the tier's priority),
+    /// then the one that started last — among those under `budget`
+    /// preemptions and not orphans, the one that needs the block included
+    /// (vLLM preempts itself too). If none may be chosen, the sequence that
+    /// needs the block stalls: it skips this step, the others run.
+    ///
+    /// No deadlock: when every sequence here would stall (nothing could
+    /// run), the lowest-ranked one is preempted even past its budget (the
+    /// budget bounds thrash, it must not stop the replica), so the
+    /// highest-ranked always runs. A sequence alone that still cannot get
+    /// a block needs more than the whole pool: it can never finish here
+    /// and is handed back in [`Room::unfit`] rather than retried. Each
+    /// round removes a sequence or gives one a block, so this ends.
+    pub fn make_room(&mut self, rank: &dyn Fn(&Waiting) -> i64, budget: u32) -> Room {
+        let mut room = Room::default();
+        if self.spec.external {
+            return room;
+        }
+        let pool = self.pool_blocks();
+        loop {
+            let mut stalled = false;
+            let mut i = 0;
+            while i < self.running.len() {
+                let s = &self.running[i];
+                if s.prefill_left > 0 || s.has_room() {
+                    i += 1;
+                    continue;
+                }
+                if self.blocks.take(pool, 1) {
+                    self.running[i].blocks += 1;
+                    i += 1;
+                    continue;
+                }
+                let needy = s.w.id;
+                if self.running.len() == 1 || s.kv_blocks_held() + 1 > pool {
+                    // Alone (or as if alone), it needs more than the pool.
+                    let mut s = self.running.swap_remove(i);
+                    self.release(&mut s);
+                    room.unfit.push(s);
+                    continue;
+                }
+                let victim = self.lowest(rank, |s| s.w.preemptions < budget && !s.w.orphan);
+                match victim {
+                    Some(v) => {
+                        let seq = self.evict(v);
+                        room.preempted.push((seq, needy));
+                        // Whoever sits at `i` now (the same one, or the
+                        // one moved into its place) is looked at again.
+                        if v < i {
+                            i = 0;
+                        }
+                    }
+                    None => {
+                        stalled = true;
+                        i += 1;
                     }
                 }
-                self.prefix.push_back(*b);
+            }
+            let runnable = self
+                .running
+                .iter()
+                .any(|s| s.prefill_left > 0 || s.has_room());
+            if !stalled || runnable || self.running.is_empty() {
+                return room;
+            }
+            // Every sequence stalls: the lowest-ranked goes, budget or not.
+            if let Some(v) = self.lowest(rank, |_| true) {
+                let seq = self.evict(v);
+                let by = seq.w.id;
+                room.preempted.push((seq, by));
             }
         }
     }
 
-    /// Plans and starts the next step; returns when it ends.
+    /// The lowest-ranked running sequence that `eligible` allows.
+    fn lowest(
+        &self,
+        rank: &dyn Fn(&Waiting) -> i64,
+        eligible: impl Fn(&Seq) -> bool,
+    ) -> Option<usize> {
+        self.running
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| eligible(s))
+            .min_by_key(|(_, s)| (rank(&s.w), std::cmp::Reverse(s.started)))
+            .map(|(i, _)| i)
+    }
+
+    /// Plans and starts the next step; returns when it ends. A decoding
+    /// sequence without the block for its next token (see
+    /// [`Self::make_room`]) sits the step out.
     pub fn start_step(&mut self, now: Micros) -> Option<Micros> {
         if self.running.is_empty() || self.busy {
             return None;
         }
+        let external = self.spec.external;
         let mut budget = self.spec.max_batch_tokens;
         let mut decodes = 0u32;
         let mut context = 0u64;
         for s in &mut self.running {
             s.step_prefill = 0;
             s.step_decode = false;
-            if s.prefill_left == 0 && budget > 0 {
+            if s.prefill_left == 0 && budget > 0 && (external || s.has_room()) {
                 s.step_decode = true;
                 decodes += 1;
                 budget -= 1;
@@ -314,6 +732,7 @@ impl Replica {
     /// sequence, first tokens and completions. Returns finished sequences.
     pub fn finish_step(&mut self, _now: Micros, out: &mut Vec<Action>) -> Vec<(ReqId, Seq)> {
         self.busy = false;
+        let external = self.spec.external;
         let mut done = Vec::new();
         let mut i = 0;
         while i < self.running.len() {
@@ -322,9 +741,16 @@ impl Replica {
             if s.step_prefill > 0 {
                 self.prefilled_tokens += u64::from(s.step_prefill);
                 s.prefill_left -= s.step_prefill.min(s.prefill_left);
+                if !external {
+                    Self::share_prefilled(&mut self.blocks, s);
+                }
                 // The step that completes the prefill samples a token.
                 produced = s.prefill_left == 0;
             } else if s.step_decode {
+                // The token fed in has its KV written.
+                if !external {
+                    s.ctx += 1;
+                }
                 produced = true;
             }
             s.step_prefill = 0;
@@ -338,9 +764,9 @@ impl Replica {
                 }
             }
             if s.generated >= s.w.output_tokens {
-                let s = self.running.swap_remove(i);
-                self.kv_used -= s.kv;
-                self.remember_prefix(&s.w.prefix_blocks);
+                let mut s = self.running.swap_remove(i);
+                // Its prompt's shared blocks stay cached.
+                self.release(&mut s);
                 out.push(Action::Finished {
                     id: s.w.id,
                     gpu_seconds: s.gpu_seconds,
@@ -351,6 +777,65 @@ impl Replica {
             }
         }
         done
+    }
+
+    /// Checks the block accounting against the running sequences: blocks
+    /// held plus cached fit the pool, every entry's references are the
+    /// sequences sharing it, and the cache's lists agree. O(blocks held
+    /// and entries): for tests and debugging, not for every event.
+    pub fn check_blocks(&self) -> Result<(), String> {
+        let b = &self.blocks;
+        let pool = self.pool_blocks();
+        if b.private + b.shared + b.cached > pool {
+            return Err(format!(
+                "over-committed: {} private + {} shared + {} cached > {pool}",
+                b.private, b.shared, b.cached
+            ));
+        }
+        let private: u64 = self.running.iter().map(|s| s.blocks).sum();
+        if private != b.private {
+            return Err(format!("private blocks {} != held {private}", b.private));
+        }
+        let mut refs: rustc_hash::FxHashMap<u64, u32> = Default::default();
+        for s in &self.running {
+            if !self.spec.external && s.blocks < kv_blocks(s.private_tokens()) {
+                return Err(format!("{} holds fewer blocks than its context", s.w.id));
+            }
+            for h in &s.shared {
+                *refs.entry(*h).or_default() += 1;
+            }
+        }
+        let (mut shared, mut cached) = (0u64, 0u64);
+        for (h, e) in &b.entries {
+            if refs.get(h).copied().unwrap_or(0) != e.refs {
+                return Err(format!(
+                    "entry {h}: {} refs, {:?} users",
+                    e.refs,
+                    refs.get(h)
+                ));
+            }
+            if e.refs == 0 {
+                cached += PREFIX_KV_BLOCKS;
+                if b.lru.get(&e.stamp) != Some(h) {
+                    return Err(format!("cached entry {h} not in the LRU"));
+                }
+            } else {
+                shared += PREFIX_KV_BLOCKS;
+            }
+        }
+        if refs.keys().any(|h| !b.entries.contains_key(h)) {
+            return Err("a sequence shares an entry that is gone".into());
+        }
+        if shared != b.shared
+            || cached != b.cached
+            || b.lru.len() as u64 * PREFIX_KV_BLOCKS != cached
+        {
+            return Err(format!(
+                "shared {} / cached {} blocks, entries say {shared} / {cached}",
+                b.shared, b.cached
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -424,5 +909,252 @@ mod tests {
         assert_eq!(r.prefix_match(&[1, 2, 9]), 2);
         assert_eq!(r.cached_prefix_tokens(&[1, 2, 3]), 3 * BLOCK_TOKENS);
         assert_eq!(r.position(5), None);
+    }
+
+    /// A replica of `kv` tokens taking prefill chunks of 4,096 tokens.
+    fn paged(kv: u64, max_batch: u32) -> Replica {
+        let mut sp = spec(Arc::new(Linear), max_batch, false);
+        sp.kv_capacity = kv;
+        sp.max_batch_tokens = 4096;
+        Replica::new(sp)
+    }
+
+    fn seq(id: ReqId, prompt: u32, output: u32, prefix: &[u64]) -> Waiting {
+        let mut w = waiting(id, 0, None);
+        w.prompt_tokens = prompt;
+        w.output_tokens = output;
+        w.prefix_blocks = prefix.to_vec();
+        w
+    }
+
+    /// Every running sequence at the same tier: ranked by start only.
+    fn flat(_: &Waiting) -> i64 {
+        0
+    }
+
+    /// Runs one step (blocks found first); returns what was preempted and
+    /// what finished.
+    fn step(r: &mut Replica, now: Micros, budget: u32) -> (Room, Vec<ReqId>) {
+        let room = r.make_room(&flat, budget);
+        let mut out = Vec::new();
+        let done = match r.start_step(now) {
+            Some(_) => r.finish_step(now, &mut out),
+            None => Vec::new(),
+        };
+        r.check_blocks().unwrap();
+        (room, done.into_iter().map(|(id, _)| id).collect())
+    }
+
+    #[test]
+    fn a_sequence_takes_its_prompt_blocks_then_one_per_16_decoded_tokens() {
+        let mut r = paged(16 * 1000, 8);
+        let w = seq(0, 100, 40, &[]);
+        assert!(r.can_start(&w, 0));
+        r.admit(Seq::from_waiting(w, 0), 0);
+        // 100 prompt tokens: 7 blocks, nothing for the output yet.
+        assert_eq!(r.kv_used(), 7 * 16);
+        assert_eq!(r.kv_free(), (1000 - 7) * 16);
+        r.check_blocks().unwrap();
+        // The prefill step samples token 1; then each decode writes one KV
+        // token: 100 → 112 needs no block, 113 a new one.
+        let mut used = Vec::new();
+        for t in 0..20 {
+            step(&mut r, t, 2);
+            used.push(r.kv_used() / 16);
+        }
+        assert_eq!(r.running[0].generated, 20);
+        // Context after 20 steps: 100 prefilled + 19 decoded = 119 tokens.
+        assert_eq!(r.running[0].ctx, 119);
+        assert_eq!(r.kv_used(), 8 * 16);
+        assert_eq!(used.first(), Some(&7));
+        // The 8th block came before the 13th decode (writing token 113).
+        assert_eq!(used.iter().filter(|&&b| b == 7).count(), 13);
+        for t in 20..60 {
+            step(&mut r, t, 2);
+        }
+        assert!(r.running.is_empty());
+        assert_eq!((r.kv_used(), r.kv_cached()), (0, 0));
+    }
+
+    #[test]
+    fn two_running_sequences_share_a_prefix_once() {
+        let mut r = paged(16 * 1000, 8);
+        // 1,100 tokens: two whole 512-token prefix blocks and a tail.
+        r.admit(Seq::from_waiting(seq(0, 1100, 50, &[7, 8, 9]), 0), 0);
+        assert_eq!(r.kv_used(), kv_blocks(1100) * 16);
+        assert_eq!(r.cached_prefix_tokens(&[7, 8, 9]), 0, "not prefilled yet");
+        step(&mut r, 0, 2);
+        // Prefilled: its two whole blocks are shared entries now.
+        assert_eq!(r.prefix_match(&[7, 8, 9]), 2);
+        assert_eq!(r.cached_prefix_tokens(&[7, 8]), 2 * BLOCK_TOKENS);
+        let before = r.kv_used();
+        let w = seq(1, 1100, 50, &[7, 8, 9]);
+        let cached = r.cached_prefix_tokens(&w.prefix_blocks);
+        assert!(r.can_start(&w, cached));
+        r.admit(Seq::from_waiting(w, cached), 1);
+        // The second takes blocks for its 76-token tail only.
+        assert_eq!(r.running[1].prefill_left, 1100 - 1024);
+        assert_eq!(r.kv_used() - before, kv_blocks(76) * 16);
+        assert_eq!(r.blocks.entries[&7].refs, 2);
+        r.check_blocks().unwrap();
+        // Both finish: the prefix stays cached, unreferenced, evictable.
+        for t in 1..60 {
+            step(&mut r, t, 2);
+        }
+        assert!(r.running.is_empty());
+        assert_eq!(r.kv_used(), 0);
+        assert_eq!(r.kv_cached(), 2 * PREFIX_KV_BLOCKS * 16);
+        assert_eq!(r.kv_free(), 16 * 1000, "cached blocks count as free");
+        assert_eq!(r.prefix_match(&[7, 8, 9]), 2);
+    }
+
+    #[test]
+    fn cached_prefixes_are_evicted_least_recently_used_tail_first() {
+        // Room for three prefix blocks and 16 blocks more.
+        let mut r = paged(16 * (3 * PREFIX_KV_BLOCKS + 16), 8);
+        r.remember_prefix(&[1, 2]);
+        r.remember_prefix(&[3]);
+        assert_eq!(r.kv_cached(), 3 * PREFIX_KV_BLOCKS * 16);
+        // Using [1, 2] again makes 3 the least recently used.
+        r.remember_prefix(&[1, 2]);
+        // A prompt of 40 blocks needs 24 blocks beyond the free 16: one
+        // entry goes, the oldest.
+        let w = seq(0, 40 * 16, 4, &[]);
+        assert!(r.can_start(&w, 0));
+        r.admit(Seq::from_waiting(w, 0), 0);
+        assert_eq!(r.prefix_match(&[3]), 0);
+        assert_eq!(r.prefix_match(&[1, 2]), 2);
+        r.check_blocks().unwrap();
+        // Next to go is the tail of [1, 2], then its head.
+        r.evict(0);
+        let w = seq(1, (16 + 2 * PREFIX_KV_BLOCKS as u32) * 16, 4, &[]);
+        r.admit(Seq::from_waiting(w, 0), 0);
+        assert_eq!(r.prefix_match(&[1, 2]), 1, "the tail went first");
+        r.check_blocks().unwrap();
+    }
+
+    #[test]
+    fn a_decode_without_a_free_block_preempts_the_latest_started() {
+        // 10 blocks: two prompts of 64 tokens (4 blocks each) and 2 free.
+        let mut r = paged(16 * 10, 8);
+        r.admit(Seq::from_waiting(seq(0, 64, 90, &[]), 0), 0);
+        let w = seq(1, 64, 90, &[]);
+        assert!(r.can_start(&w, 0), "prompt blocks and a 1-block watermark");
+        r.admit(Seq::from_waiting(w, 0), 1);
+        let mut preempted = Vec::new();
+        for t in 0..40 {
+            let (room, _) = step(&mut r, t, 2);
+            preempted.extend(room.preempted.iter().map(|(s, by)| (s.w.id, *by)));
+            assert!(room.unfit.is_empty());
+        }
+        // Both grew a block each; the third block needed finds none: the one
+        // that started last goes (recompute later), the first runs on.
+        assert_eq!(preempted, vec![(1, 0)]);
+        assert_eq!(r.running.len(), 1);
+        assert_eq!(r.running[0].w.id, 0);
+        assert_eq!(r.running[0].generated, 40);
+    }
+
+    #[test]
+    fn at_its_thrash_budget_a_sequence_is_spared_and_one_that_needs_a_block_stalls() {
+        let mut r = paged(16 * 10, 8);
+        r.admit(Seq::from_waiting(seq(0, 64, 100, &[]), 0), 0);
+        let mut w = seq(1, 64, 100, &[]);
+        w.preemptions = 2;
+        r.admit(Seq::from_waiting(w, 0), 1);
+        // Sequence 1 is at its budget of 2: when 0 needs a block, 0 itself
+        // is the only one that may go (vLLM preempts itself too).
+        let mut preempted = Vec::new();
+        for t in 0..40 {
+            let (room, _) = step(&mut r, t, 2);
+            preempted.extend(room.preempted.iter().map(|(s, by)| (s.w.id, *by)));
+        }
+        assert_eq!(preempted, vec![(0, 0)]);
+        assert_eq!(r.running[0].w.id, 1);
+        // Both at their budget: the one that needs a block stalls while the
+        // other runs; neither is preempted for it.
+        let mut r = paged(16 * 10, 8);
+        for (id, prompt) in [(0, 64), (1, 72)] {
+            let mut w = seq(id, prompt, 50, &[]);
+            w.preemptions = 2;
+            r.admit(Seq::from_waiting(w, 0), id);
+        }
+        // After the prefill 0 fills its 4 blocks, 1 has 5 with room to 80
+        // tokens, 1 block is free (0 takes it); then 1 runs out while 0 has room.
+        let mut stalled_alone = false;
+        for t in 0..12 {
+            let gen = |r: &Replica| (r.running[0].generated, r.running[1].generated);
+            let (g0, g1) = gen(&r);
+            let (room, _) = step(&mut r, t, 2);
+            assert!(room.preempted.is_empty(), "step {t}");
+            let (h0, h1) = gen(&r);
+            stalled_alone |= h0 > g0 && h1 == g1;
+        }
+        assert!(stalled_alone, "1 sat a step out while 0 decoded");
+        assert_eq!(r.running.len(), 2);
+    }
+
+    #[test]
+    fn when_every_sequence_would_stall_the_lowest_goes_past_its_budget() {
+        let mut r = paged(16 * 10, 8);
+        for id in 0..2 {
+            let mut w = seq(id, 64, 90, &[]);
+            w.preemptions = 2;
+            r.admit(Seq::from_waiting(w, 0), id);
+        }
+        let (mut preempted, mut finished) = (Vec::new(), Vec::new());
+        let mut steps = 0;
+        while !r.running.is_empty() && steps < 1000 {
+            let (room, done) = step(&mut r, steps, 2);
+            preempted.extend(room.preempted.iter().map(|(s, _)| s.w.id));
+            assert!(room.unfit.is_empty());
+            finished.extend(done);
+            steps += 1;
+        }
+        assert_eq!(finished, vec![0]);
+        // Both need their 6th block at once: the later one goes (over its
+        // budget), and the first finishes.
+        assert_eq!(preempted, vec![1]);
+        assert!(r.running.is_empty(), "it finished: no deadlock");
+    }
+
+    #[test]
+    fn a_lone_sequence_that_can_never_fit_is_handed_back_not_retried() {
+        let mut r = paged(16 * 100, 8);
+        r.admit(Seq::from_waiting(seq(0, 64, 1000, &[]), 0), 0);
+        // A swap shrinks the pool to 5 blocks: 4 for the prompt, 1 to grow.
+        let mut small = r.spec.clone();
+        small.kv_capacity = 16 * 5;
+        r.respec(small);
+        assert!(!r.can_start(&seq(1, 64, 1000, &[]), 0), "never fits");
+        let mut unfit = Vec::new();
+        let mut steps = 0;
+        while !r.running.is_empty() && steps < 1000 {
+            let (room, _) = step(&mut r, steps, 2);
+            unfit.extend(room.unfit.iter().map(|s| (s.w.id, s.generated)));
+            assert!(room.preempted.is_empty());
+            steps += 1;
+        }
+        // It ran until its context filled the pool (80 tokens: 64 + 16),
+        // then was handed back once.
+        assert_eq!(unfit, vec![(0, 17)]);
+        assert!(steps < 30, "{steps} steps");
+        assert_eq!(r.kv_used(), 0);
+    }
+
+    #[test]
+    fn external_replicas_hold_prompt_and_output_and_never_preempt() {
+        let mut sp = spec(Arc::new(Linear), 4, true);
+        sp.kv_capacity = 16 * 100;
+        let mut r = Replica::new(sp);
+        let w = seq(0, 100, 60, &[]);
+        assert!(r.can_start(&w, 0));
+        r.admit(Seq::from_waiting(w, 0), 0);
+        assert_eq!(r.kv_used(), 10 * 16);
+        let room = r.make_room(&flat, 0);
+        assert!(room.preempted.is_empty() && room.unfit.is_empty());
+        r.check_blocks().unwrap();
+        r.evict(0);
+        assert_eq!(r.kv_used(), 0);
     }
 }

@@ -298,7 +298,7 @@ pub(super) fn served_tokens(w: &Waiting) -> f64 {
 }
 
 /// Whether a live (not draining) replica could ever run `w`: one of its
-/// variant, in its pool when it is pinned to one, with the KV memory for it.
+/// variant, in its pool when it is pinned to one, with the KV memory for it (whole blocks of its pool).
 pub(super) fn servable(
     by_variant: &HashMap<(u16, u16), Vec<usize>>,
     replicas: &[Replica],
@@ -307,9 +307,9 @@ pub(super) fn servable(
     let kv = u64::from(w.prompt_tokens) + u64::from(w.output_tokens);
     by_variant.get(&(w.model, w.variant)).is_some_and(|rs| {
         rs.iter().any(|&r| {
-            replicas.get(r).is_some_and(|x| {
-                w.pool.is_none_or(|p| x.spec.pool == p) && kv <= x.spec.kv_capacity
-            })
+            replicas
+                .get(r)
+                .is_some_and(|x| w.pool.is_none_or(|p| x.spec.pool == p) && kv <= x.pool_tokens())
         })
     })
 }
@@ -615,5 +615,30 @@ route hi m { default => int4 }
         }
         assert!(!acts.iter().any(|a| matches!(a, Action::Preempted { .. })));
         assert_eq!(s.replicas[0].running[0].w.id, 0);
+    }
+
+    #[test]
+    fn a_sequence_a_shrunk_pool_can_never_hold_is_refused_not_looped() {
+        let g = graph(BASE);
+        let mut s = sched(&g);
+        arrive(&mut s, 0, arrival(0, "bulk", "m", 100, 2000));
+        let r = s.replicas.iter().position(|x| !x.spec.external).unwrap();
+        assert_eq!(s.running_on(r), 1);
+        // The same policy on 10 KV blocks: the prompt (7 blocks) fits, the
+        // output never will, and no other replica could take it.
+        s.swap(MS, g.clone(), plan(&g, 160));
+        let mut refused = Vec::new();
+        for _ in 0..200 {
+            let until = s.replicas[r].step_until.max(s.now());
+            let acts = s.handle(until, Event::StepDone { replica: r }).to_vec();
+            refused.extend(rejected_changed(&acts));
+            if s.running_on(r) == 0 {
+                break;
+            }
+        }
+        assert_eq!(refused, vec![0]);
+        assert_eq!(s.running_on(r), 0);
+        assert_eq!(s.waiting(), 0);
+        assert_eq!(s.replicas[r].kv_used(), 0);
     }
 }
