@@ -65,6 +65,13 @@ pub struct Seq {
     pub kv: u64,
     /// GPU-seconds used so far.
     pub gpu_seconds: f64,
+    /// Its prefill goes before that of lower-ranked sequences in a step's
+    /// token budget (the scheduler sets its tier's priority; 0 for all
+    /// under the baselines, which prefill in start order as vLLM does).
+    pub rank: i64,
+    /// Its prefill only fills what the step-time cap leaves (work with no
+    /// first-token deadline: it must not make steps long for those with).
+    pub capped: bool,
     /// Tokens of prefix the caller found cached when it was made (the
     /// replica checks them again when it admits it).
     hit_tokens: u32,
@@ -94,6 +101,8 @@ impl Seq {
             first_token_sent: w.generated > 0,
             kv,
             gpu_seconds: w.gpu_seconds,
+            rank: 0,
+            capped: false,
             hit_tokens: cached_prefix,
             ctx: 0,
             blocks: 0,
@@ -243,6 +252,10 @@ pub struct Replica {
     pub busy_seconds: f64,
     /// Duration of the step in flight (or the last one), seconds.
     pub last_step: f64,
+    /// Steps take at most this long (seconds) for capped sequences'
+    /// prefill: the scheduler sets it from the tightest TTFT SLO it serves,
+    /// so a first token never waits behind a long batch-work step.
+    pub step_cap: Option<f64>,
     /// The step in flight as (prefill tokens, decoding sequences, context
     /// tokens): what a real GPU backend runs for it.
     pub step_shape: (u32, u32, u64),
@@ -305,6 +318,7 @@ impl Replica {
             blocks: Blocks::default(),
             busy_seconds: 0.0,
             last_step: 0.0,
+            step_cap: None,
             step_shape: (0, 0, 0),
             step_until: 0,
             rate,
@@ -400,21 +414,28 @@ impl Replica {
         self.running.iter().filter(|s| s.prefill_left == 0).count() as u32
     }
 
-    /// Prompt tokens admitted here and not yet prefilled.
-    pub fn pending_prefill(&self) -> u64 {
-        self.running.iter().map(|s| u64::from(s.prefill_left)).sum()
+    /// Prompt tokens admitted here and not yet prefilled, of sequences
+    /// ranked at least `rank` (those whose prefill goes first).
+    pub fn pending_prefill(&self, rank: i64) -> u64 {
+        self.running
+            .iter()
+            .filter(|s| s.rank >= rank)
+            .map(|s| u64::from(s.prefill_left))
+            .sum()
     }
 
     /// Estimated time from starting here to the first token of a prompt of
-    /// `tokens`: the prefill already admitted goes first (chunked prefill
-    /// serves running sequences in order), in steps that also decode every
+    /// `tokens` ranked `rank`: the prefill already admitted at that rank or
+    /// above goes first, in steps that also decode every
     /// sequence past its prefill, so each step has the token budget less
     /// the decodes for prefill. Finite whatever the cost model says.
-    pub fn first_token_time(&self, tokens: u64) -> Micros {
+    pub fn first_token_time(&self, tokens: u64, rank: i64) -> Micros {
         let (mut pending, mut decodes, mut context) = (0u64, 0u32, 0u64);
         for s in &self.running {
             if s.prefill_left > 0 {
-                pending += u64::from(s.prefill_left);
+                if s.rank >= rank {
+                    pending += u64::from(s.prefill_left);
+                }
             } else {
                 decodes += 1;
                 context += u64::from(s.w.prompt_tokens) + u64::from(s.generated);
@@ -701,14 +722,61 @@ impl Replica {
             }
         }
         let mut prefill = 0u32;
-        for s in &mut self.running {
-            if s.prefill_left > 0 && budget > 0 {
-                let chunk = s.prefill_left.min(budget);
-                s.step_prefill = chunk;
-                budget -= chunk;
-                prefill += chunk;
-            }
+        // Prefill in rank order (then start order): a high tier's prompt is
+        // not queued inside the batch behind a low tier's long one.
+        let ranked = self
+            .running
+            .iter()
+            .filter(|s| s.prefill_left > 0)
+            .any(|s| s.rank != self.running.first().map_or(0, |f| f.rank));
+        let mut order: Vec<usize> = (0..self.running.len())
+            .filter(|&i| self.running[i].prefill_left > 0)
+            .collect();
+        if ranked {
+            order.sort_by_key(|&i| (std::cmp::Reverse(self.running[i].rank), i));
         }
+        // Capped prefill may only take what keeps the step under the cap
+        // (found by bisection: step time grows with prefill tokens).
+        let capped_budget = match self.step_cap {
+            Some(cap) if order.iter().any(|&i| self.running[i].capped) => {
+                let (mut lo, mut hi) = (0u32, budget);
+                while lo < hi {
+                    let mid = lo + (hi - lo).div_ceil(2);
+                    if self.spec.cost.step_time(mid, decodes, context) <= cap {
+                        lo = mid;
+                    } else {
+                        hi = mid - 1;
+                    }
+                }
+                lo
+            }
+            _ => budget,
+        };
+        for i in order {
+            let s = &mut self.running[i];
+            if budget == 0 {
+                break;
+            }
+            let room = if s.capped {
+                budget.min(capped_budget.saturating_sub(prefill))
+            } else {
+                budget
+            };
+            // A capped sequence alone still moves (at least a block).
+            let room = if room == 0 && prefill == 0 && decodes == 0 {
+                budget.min(KV_BLOCK_TOKENS)
+            } else {
+                room
+            };
+            let chunk = s.prefill_left.min(room);
+            if chunk == 0 {
+                continue;
+            }
+            s.step_prefill = chunk;
+            budget -= chunk;
+            prefill += chunk;
+        }
+
         if prefill == 0 && decodes == 0 {
             return None;
         }
