@@ -783,11 +783,12 @@ impl Scheduler {
             .tiers
             .get(tier as usize)
             .is_some_and(|t| t.prefix_affinity);
-        let blocks = if by_prefix || self.router.mode() != route::Routing::Kiln {
-            blocks
-        } else {
-            &[]
-        };
+        // Under kiln routing a tier without prefix affinity is not routed:
+        // it waits in its pool's queue and the first replica with room
+        // takes it (a pin would only keep it from an idle replica).
+        if !by_prefix && self.router.mode() == route::Routing::Kiln {
+            return (None, 0);
+        }
         let cands: Vec<route::Candidate> = candidates
             .iter()
             .filter_map(|&r| {

@@ -987,6 +987,55 @@ mod tests {
         Replica::new(sp)
     }
 
+    /// A step's prefill budget goes to higher-ranked sequences first, and
+    /// capped sequences only get what keeps the step under the cap.
+    #[test]
+    fn prefill_goes_by_rank_and_capped_work_keeps_steps_short() {
+        let mut r = paged(1_000_000, 8);
+        // Started first: a low-ranked, capped 6,000-token prompt.
+        let mut low = Seq::from_waiting(seq(0, 6000, 5, &[]), 0);
+        low.capped = true;
+        r.admit(low, 0);
+        let mut high = Seq::from_waiting(seq(1, 3000, 5, &[]), 0);
+        high.rank = 100;
+        r.admit(high, 0);
+        r.start_step(0);
+        let chunk = |r: &Replica, id: ReqId| {
+            r.running
+                .iter()
+                .find(|s| s.w.id == id)
+                .map_or(0, |s| s.step_prefill)
+        };
+        assert_eq!(chunk(&r, 1), 3000, "the high-ranked prompt goes first");
+        assert_eq!(chunk(&r, 0), 1096, "the rest of the 4,096 budget");
+        // With a cap of 21 ms (Linear: 1 ms + 0.01 ms a prefill token), the
+        // capped prompt only fills the step up to it.
+        let mut r = paged(1_000_000, 8);
+        r.step_cap = Some(0.021);
+        let mut low = Seq::from_waiting(seq(0, 6000, 5, &[]), 0);
+        low.capped = true;
+        r.admit(low, 0);
+        let until = r.start_step(0).unwrap();
+        assert_eq!(chunk(&r, 0), 2000);
+        assert!(until <= 21_000, "{until}");
+        // An uncapped prompt is not held to the cap.
+        let mut r = paged(1_000_000, 8);
+        r.step_cap = Some(0.021);
+        r.admit(Seq::from_waiting(seq(0, 6000, 5, &[]), 0), 0);
+        r.start_step(0);
+        assert_eq!(chunk(&r, 0), 4096);
+        // A cap no step can meet still lets capped work move.
+        let mut r = paged(1_000_000, 8);
+        r.step_cap = Some(0.0);
+        let mut low = Seq::from_waiting(seq(0, 6000, 5, &[]), 0);
+        low.capped = true;
+        r.admit(low, 0);
+        assert!(r.start_step(0).is_some());
+        assert!(chunk(&r, 0) > 0);
+        assert_eq!(r.pending_prefill(0), 6000);
+        assert_eq!(r.pending_prefill(1), 0, "nothing ranked above 0");
+    }
+
     fn seq(id: ReqId, prompt: u32, output: u32, prefix: &[u64]) -> Waiting {
         let mut w = waiting(id, 0, None);
         w.prompt_tokens = prompt;

@@ -13,9 +13,9 @@
 //!   takes it (stealing sooner is FIFO across replicas, which under
 //!   overload serves the requests that have already waited longest);
 //!   after that any replica of the route may take it. Tiers without
-//!   `prefix_affinity` are routed under `kiln` by load alone (their cached
-//!   prefix is not scored, though it is still used where they land): the
-//!   least-loaded replica, held for it [`MIN_HOLD`].
+//!   `prefix_affinity` are not routed under `kiln` (the scheduler does not
+//!   ask): they wait in their pool's queue and the first replica with room
+//!   takes them.
 //! - `round-robin`, `least-loaded` and `random` are the baselines of an
 //!   external router: they send the request to one replica's endpoint and
 //!   it waits there (a strict pin, no stealing), whatever its tier.
