@@ -1295,6 +1295,28 @@ impl Scheduler {
                 self.queues.push_front(w);
                 break;
             }
+            // The last few batch slots and KV blocks are for tenants within
+            // their share: one above it may not fill the batch, or a polite
+            // tenant's next request waits for a slot to free (fair share
+            // decides who goes first, this keeps room for them to go).
+            // (Only on batches of 16 or more, where a sixteenth is at least
+            // a slot, and never on an idle replica: a small batch keeps no
+            // reserve, and a held request always starts once the replica
+            // empties, so nothing waits forever.)
+            let slots = spec.max_batch / 16;
+            if self.cfg.mode == Mode::Kiln
+                && !spec.external
+                && slots > 0
+                && !self.replicas[r].running.is_empty()
+                && self.above_share((w.model, w.variant), w.tier, w.tenant)
+            {
+                let rep = &self.replicas[r];
+                let blocks = rep.pool_tokens() / 20 + u64::from(w.prompt_tokens);
+                if rep.free_seq_slots() <= slots || rep.kv_free() < blocks {
+                    self.queues.push_front(w);
+                    break;
+                }
+            }
             self.queues.charge(&self.graph, &self.cfg, &w);
             if w.arrival < self.now {
                 // It had queued: its start is the queue draining.
@@ -1372,14 +1394,22 @@ impl Scheduler {
         };
         let room = self.replicas[r].make_room(&rank, self.cfg.max_preemptions_per_seq);
         for (mut seq, by) in room.preempted {
+            seq.w.generated = seq.generated;
+            seq.w.gpu_seconds = seq.gpu_seconds;
+            if seq.w.orphan || !swap::servable(&self.by_variant, &self.replicas, &seq.w) {
+                // Its variant left with a policy swap (it was finishing here
+                // under a stand-in): no replica could take it back, so it is
+                // re-decided rather than queued where nothing serves it.
+                let used = swap::served_tokens(&seq.w);
+                self.refuse_changed(seq.w.id, used);
+                continue;
+            }
             self.out.push(Action::Preempted {
                 id: seq.w.id,
                 replica: r,
                 by,
             });
             seq.w.preemptions += 1;
-            seq.w.generated = seq.generated;
-            seq.w.gpu_seconds = seq.gpu_seconds;
             seq.w.waiting_for = Some(Reason::Preempted);
             self.queues.push_front(seq.w);
         }
