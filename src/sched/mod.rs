@@ -430,10 +430,6 @@ pub struct Scheduler {
     /// The requests counted in `pinned`, per replica, to release them when
     /// their replica goes down or drains.
     pinned_ids: Vec<rustc_hash::FxHashSet<ReqId>>,
-    /// When soft pins end, so that a request held for a busy replica is
-    /// looked at again then (an idle replica asks for nothing by itself).
-    /// Entries of requests that started meanwhile only cause a spare tick.
-    pin_ends: std::collections::BTreeSet<(Micros, ReqId)>,
 }
 
 impl Scheduler {
@@ -484,7 +480,6 @@ impl Scheduler {
             router,
             pinned,
             pinned_ids: Vec::new(),
-            pin_ends: Default::default(),
         }
     }
 
@@ -860,9 +855,6 @@ impl Scheduler {
     /// Counts a routed request's tokens against its replica.
     fn pin(&mut self, w: &Waiting) {
         if let Some(r) = w.affinity {
-            if w.pin_until != Micros::MAX {
-                self.pin_ends.insert((w.pin_until, w.id));
-            }
             if self.pinned.len() <= r {
                 self.pinned.resize(r + 1, 0);
             }
@@ -901,7 +893,6 @@ impl Scheduler {
     /// Takes a routed request's tokens off its replica (it left the queue).
     fn unpin(&mut self, w: &Waiting) {
         let Some(r) = w.affinity else { return };
-        self.pin_ends.remove(&(w.pin_until, w.id));
         if let Some(p) = self.pinned.get_mut(r) {
             *p = p.saturating_sub(w.tokens());
         }
@@ -1117,15 +1108,11 @@ impl Scheduler {
         }
     }
 
-    fn next_wake(&mut self) -> Option<Micros> {
-        while let Some(&(t, id)) = self.pin_ends.first() {
-            if t > self.now {
-                break;
-            }
-            self.pin_ends.remove(&(t, id));
-        }
-        let pin = self.pin_ends.first().map(|&(t, _)| t);
-        let timer = self.timers.next().into_iter().chain(pin).min();
+    /// The earliest timer, queue expiry or soft-pin lapse (the queues
+    /// keep the lapses: a request held for a busy replica is looked at
+    /// again then, as an idle replica asks for nothing by itself).
+    fn next_wake(&self) -> Option<Micros> {
+        let timer = self.timers.next();
         let expiry = self.queues.next_expiry();
         match (timer, expiry) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -1159,20 +1146,28 @@ impl Scheduler {
             s.w.generated = s.generated;
             s.w.gpu_seconds = s.gpu_seconds;
             s.w.waiting_for = Some(Reason::Saturation);
-            if !swap::servable(&self.by_variant, &self.replicas, &s.w) {
-                // A policy swap left no replica that could take it back
-                // (this one drains, or shrank): re-decide it.
-                let used = swap::served_tokens(&s.w);
-                self.refuse_changed(s.w.id, used);
-                continue;
-            }
-            self.out.push(Action::Preempted {
-                id: s.w.id,
-                replica: r,
-                by: s.w.id,
-            });
-            self.queues.push_front(s.w);
+            let servable = swap::servable(&self.by_variant, &self.replicas, &s.w);
+            let id = s.w.id;
+            self.requeue(s.w, r, id, servable);
         }
+    }
+
+    /// Puts a sequence taken off replica `r` back at the head of its line
+    /// (announcing `Preempted` by `by`), or, when no live replica could run
+    /// it again (a policy swap drained or shrank them, or removed its
+    /// variant), refuses it with `policy-changed` to be re-decided.
+    fn requeue(&mut self, w: Waiting, r: usize, by: ReqId, servable: bool) {
+        if !servable {
+            let used = swap::served_tokens(&w);
+            self.refuse_changed(w.id, used);
+            return;
+        }
+        self.out.push(Action::Preempted {
+            id: w.id,
+            replica: r,
+            by,
+        });
+        self.queues.push_front(w);
     }
 
     fn step_done(&mut self, r: usize) {
@@ -1396,22 +1391,13 @@ impl Scheduler {
         for (mut seq, by) in room.preempted {
             seq.w.generated = seq.generated;
             seq.w.gpu_seconds = seq.gpu_seconds;
-            if seq.w.orphan || !swap::servable(&self.by_variant, &self.replicas, &seq.w) {
-                // Its variant left with a policy swap (it was finishing here
-                // under a stand-in): no replica could take it back, so it is
-                // re-decided rather than queued where nothing serves it.
-                let used = swap::served_tokens(&seq.w);
-                self.refuse_changed(seq.w.id, used);
-                continue;
-            }
-            self.out.push(Action::Preempted {
-                id: seq.w.id,
-                replica: r,
-                by,
-            });
             seq.w.preemptions += 1;
             seq.w.waiting_for = Some(Reason::Preempted);
-            self.queues.push_front(seq.w);
+            // An orphan (its variant left with a policy swap; it was
+            // finishing here under a stand-in) has nowhere to go back to.
+            let servable =
+                !seq.w.orphan && swap::servable(&self.by_variant, &self.replicas, &seq.w);
+            self.requeue(seq.w, r, by, servable);
         }
         for mut seq in room.unfit {
             seq.w.generated = seq.generated;
@@ -1428,18 +1414,9 @@ impl Scheduler {
                             && seq.kv <= self.replicas[x].pool_tokens()
                     })
                 });
-            if elsewhere {
-                self.out.push(Action::Preempted {
-                    id: seq.w.id,
-                    replica: r,
-                    by: seq.w.id,
-                });
-                seq.w.waiting_for = Some(Reason::Preempted);
-                self.queues.push_front(seq.w);
-            } else {
-                let used = swap::served_tokens(&seq.w);
-                self.refuse_changed(seq.w.id, used);
-            }
+            seq.w.waiting_for = Some(Reason::Preempted);
+            let id = seq.w.id;
+            self.requeue(seq.w, r, id, elsewhere);
         }
     }
 
