@@ -48,6 +48,8 @@ pub enum Code {
     PreemptsHigherPriority,
     UnusedDefinition,
     TierNotGranted,
+    DeadRule,
+    SignalRedefined,
     UnknownLint,
 }
 
@@ -80,6 +82,8 @@ impl Code {
         Code::PreemptsHigherPriority,
         Code::UnusedDefinition,
         Code::TierNotGranted,
+        Code::DeadRule,
+        Code::SignalRedefined,
         Code::UnknownLint,
     ];
 
@@ -113,6 +117,8 @@ impl Code {
             Code::PreemptsHigherPriority => "preempts-higher-priority",
             Code::UnusedDefinition => "unused-definition",
             Code::TierNotGranted => "tier-not-granted",
+            Code::DeadRule => "dead-rule",
+            Code::SignalRedefined => "signal-redefined",
             Code::UnknownLint => "unknown-lint",
         }
     }
@@ -170,6 +176,12 @@ impl Code {
             }
             Code::TierNotGranted => {
                 "classify sends a tenant to a tier its definition does not grant"
+            }
+            Code::DeadRule => {
+                "a rule whose condition can never be true (or reads a signal that is constant there) never acts, though check accepts it"
+            }
+            Code::SignalRedefined => {
+                "a signal spelling whose meaning changed: the rule may now act differently than when it was written"
             }
             Code::UnknownLint => {
                 "a `kiln:allow` naming no lint silences nothing, so the warning it meant to silence still shows, or a typo hides that it never did"

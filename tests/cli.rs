@@ -216,7 +216,7 @@ fn explain_shows_each_condition() {
     ]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let out = stdout(&o);
-    assert!(out.contains("pool(h100).utilization < 90%"), "{out}");
+    assert!(out.contains("pool(h100).kv_occupancy < 90%"), "{out}");
     assert!(out.contains("saw 93%"), "{out}");
     assert!(
         out.contains("decision: tenant support-bot · tier interactive"),

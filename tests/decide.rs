@@ -39,7 +39,7 @@ fn policy() -> String {
             ));
         }
     }
-    s.push_str("  when estimated_wait > 2s => tier t2\n  default => tier t1\n}\n");
+    s.push_str("  when tier(t0).oldest_wait > 2s => tier t2\n  default => tier t1\n}\n");
     s.push_str("route [t0, t1, t2] m {\n");
     for k in 0..TENANTS / 2 {
         s.push_str(&format!(
@@ -92,7 +92,7 @@ proptest! {
             ..Default::default()
         };
         let input: SignalsInput = serde_json::from_value(serde_json::json!({
-            "estimated_wait": format!("{wait_ms}ms"),
+            "tiers": { "t0": { "oldest_wait": format!("{wait_ms}ms") } },
             "pools": { "p": { "utilization": format!("{util}%") } }
         })).unwrap();
         let s = Signals::resolve(g, &input).unwrap();

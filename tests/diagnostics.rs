@@ -63,7 +63,7 @@ fn cases() -> Vec<(&'static str, String, Code)> {
         ("unit_mismatch_field", with("ttft 500ms", "ttft 85%"), Code::UnitMismatch),
         (
             "unit_mismatch_compare",
-            with("when tenant == app => tier chat", "when estimated_wait > 85% => tier chat"),
+            with("when tenant == app => tier chat", "when tier(chat).oldest_wait > 85% => tier chat"),
             Code::UnitMismatch,
         ),
         ("invalid_value", with("memory 80GB }", "memory 80GB }\npool small { gpus 0 kind \"L4\" memory 24GB }"), Code::InvalidValue),
@@ -121,6 +121,36 @@ fn cases() -> Vec<(&'static str, String, Code)> {
             "tier_not_granted",
             with("tiers [chat, bulk]", "tiers [bulk]").replacen("default => tier bulk", "default => tier bulk\n", 1),
             Code::TierNotGranted,
+        ),
+        (
+            "dead_rule",
+            with("  when tenant == app => tier chat\n", "  when tenant == app => tier chat\n  when tier(chat).deadline_misses > 0 => tier bulk\n"),
+            Code::DeadRule,
+        ),
+        (
+            "signal_redefined",
+            with("  when tenant == app => tier chat\n", "  when tenant == app => tier chat\n  when tier(chat).wait_p95 > 2s => tier bulk\n"),
+            Code::SignalRedefined,
+        ),
+        (
+            "renamed_signal",
+            with("  when tenant == app => tier chat\n", "  when tenant == app => tier chat\n  when pool(gpu).queue_depth > 4 => tier bulk\n"),
+            Code::UnknownField,
+        ),
+        (
+            "estimated_wait_outside_admit",
+            with("  when tenant == app => tier chat\n", "  when tenant == app => tier chat\n  when estimated_wait > 2s => tier bulk\n"),
+            Code::InvalidValue,
+        ),
+        (
+            "signal_window_out_of_range",
+            with("  preemptible\n}", "  preemptible\n  signal_window 2d\n}"),
+            Code::OutOfRange,
+        ),
+        (
+            "signal_window_too_short",
+            with("  preemptible\n}", "  preemptible\n  signal_window 100ms\n}"),
+            Code::InvalidValue,
         ),
         (
             "unknown_lint",

@@ -704,8 +704,8 @@ fn route_changes_are_keyed_by_tier_and_model() {
     // The shared block changes for both tiers: reported once, for both.
     let both = edit(
         &old,
-        "when pool(h100).utilization < 90% => fp16 on h100",
-        "when pool(h100).utilization < 85% => fp16 on h100",
+        "when pool(h100).kv_occupancy < 90% => fp16 on h100",
+        "when pool(h100).kv_occupancy < 85% => fp16 on h100",
     );
     let d = semantic(&policy_text(&old), &policy_text(&both));
     let c = only(&d);
@@ -716,8 +716,8 @@ fn route_changes_are_keyed_by_tier_and_model() {
     // Split, with agentic's copy changed: only agentic's route changed.
     let split = edit(
         &old,
-        "route [interactive, agentic] llama-70b {\n  when pool(h100).utilization < 90% => fp16 on h100\n  default => fallback\n}",
-        "route interactive llama-70b {\n  when pool(h100).utilization < 90% => fp16 on h100\n  default => fallback\n}\n\nroute agentic llama-70b {\n  when pool(h100).utilization < 90% => int8 on h100\n  default => fallback\n}",
+        "route [interactive, agentic] llama-70b {\n  when pool(h100).kv_occupancy < 90% => fp16 on h100\n  default => fallback\n}",
+        "route interactive llama-70b {\n  when pool(h100).kv_occupancy < 90% => fp16 on h100\n  default => fallback\n}\n\nroute agentic llama-70b {\n  when pool(h100).kv_occupancy < 90% => int8 on h100\n  default => fallback\n}",
     );
     let (a, b) = (policy_text(&old), policy_text(&split));
     let d = semantic(&a, &b);
@@ -725,7 +725,7 @@ fn route_changes_are_keyed_by_tier_and_model() {
     assert_eq!(c.subject, "route [agentic] llama-70b");
     assert_eq!(
         c.new.as_deref(),
-        Some("#1 when pool(h100).utilization < 90% => int8 on h100")
+        Some("#1 when pool(h100).kv_occupancy < 90% => int8 on h100")
     );
     // Support-bot sessions are agentic: their route changed.
     assert!(d.decisions.iter().any(|x| x.request

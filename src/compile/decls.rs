@@ -20,6 +20,7 @@ const POOL_FIELDS: &[&str] = &[
     "deny_tiers",
     "allow_tenants",
     "deny_tenants",
+    "signal_window",
     "description",
 ];
 const MODEL_FIELDS: &[&str] = &["variant", "description", "params", "kv_per_token"];
@@ -44,6 +45,7 @@ const TIER_FIELDS: &[&str] = &[
     "models",
     "prefix_affinity",
     "exact_cache",
+    "signal_window",
     "description",
 ];
 const SLO_FIELDS: &[&str] = &["ttft", "p95", "window"];
@@ -60,6 +62,7 @@ const TENANT_FIELDS: &[&str] = &[
     "session_steps",
     "cost",
     "api_keys",
+    "signal_window",
     "description",
 ];
 const QUOTA_FIELDS: &[&str] = &["tokens", "requests", "concurrent", "gpu_seconds"];
@@ -268,6 +271,41 @@ impl Compiler<'_> {
             return Err(());
         }
         Ok(Some(x))
+    }
+
+    /// `signal_window 5m`: the sliding window of the entity's measured
+    /// signals, from 1s to 1d.
+    fn signal_window(&mut self, p: Option<&Property>) -> f64 {
+        let Some(p) = p else {
+            return crate::graph::signal::DEFAULT_WINDOW_MS;
+        };
+        let Some(v) = self.one(p, "duration") else {
+            return crate::graph::signal::DEFAULT_WINDOW_MS;
+        };
+        match self.quantity_of_type(v, Ty::Duration, "`signal_window`") {
+            Some(x)
+                if (limits::MIN_SIGNAL_WINDOW_MS..=limits::MAX_SIGNAL_WINDOW_MS).contains(&x) =>
+            {
+                x
+            }
+            Some(x) if x < limits::MIN_SIGNAL_WINDOW_MS => {
+                self.err(
+                    Diagnostic::error(Code::InvalidValue, "`signal_window` is shorter than 1s")
+                        .at(v.span, "too short")
+                        .help("a window slides in sixteenths of itself; below 1s a rate rests on too few requests to act on. Write 1s or more"),
+                );
+                crate::graph::signal::DEFAULT_WINDOW_MS
+            }
+            Some(_) => {
+                self.out_of_range(
+                    v.span,
+                    "`signal_window`",
+                    "`signal_window` is from 1s to 1d",
+                );
+                crate::graph::signal::DEFAULT_WINDOW_MS
+            }
+            None => crate::graph::signal::DEFAULT_WINDOW_MS,
+        }
     }
 
     fn prop_quantity(&mut self, p: Option<&Property>, ty: Ty, what: &str) -> Option<f64> {
@@ -551,6 +589,7 @@ impl Compiler<'_> {
             }
             gpus = 0;
         }
+        let signal_window = self.signal_window(f.get("signal_window"));
         self.g.pools.push(Pool {
             name: d.name.name.clone(),
             gpus,
@@ -561,6 +600,7 @@ impl Compiler<'_> {
             deny_tiers,
             allow_tenants,
             deny_tenants,
+            signal_window,
             span: d.name.span,
         });
     }
@@ -638,6 +678,7 @@ impl Compiler<'_> {
                 .collect()
         });
         let _ = self.prop_string(f.get("description"));
+        let signal_window = self.signal_window(f.get("signal_window"));
         self.g.tiers.push(Tier {
             name: d.name.name.clone(),
             priority: priority as i64,
@@ -651,6 +692,7 @@ impl Compiler<'_> {
             models,
             prefix_affinity,
             exact_cache,
+            signal_window,
             span: d.name.span,
         });
     }
@@ -893,6 +935,7 @@ impl Compiler<'_> {
             None => Vec::new(),
         };
         let _ = self.prop_string(f.get("description"));
+        let signal_window = self.signal_window(f.get("signal_window"));
         self.g.tenants.push(Tenant {
             name: d.name.name.clone(),
             owner,
@@ -906,6 +949,7 @@ impl Compiler<'_> {
             session_steps,
             cost_per_gpu_hour,
             api_keys,
+            signal_window,
             span: d.name.span,
         });
     }

@@ -136,6 +136,16 @@ pub fn lint(c: &Compiled) -> Diagnostics {
             }
         }
         unused(c, g, &mut out);
+        super::dead::dead_rules(g, &mut out);
+    }
+    for (span, what) in &c.facts.redefined {
+        out.push(
+            Diagnostic::error(Code::SignalRedefined, "this signal's meaning changed")
+                .at(*span, "measures something else than it used to")
+                .help(format!(
+                    "{what}. Check the rule still says what you mean, then silence this with `# kiln:allow(signal-redefined)`"
+                )),
+        );
     }
     let mut out = suppress(c, out);
     out.sort();

@@ -2,6 +2,7 @@
 //! → lowered to an immutable [`DecisionGraph`]. Every stage reports into one
 //! [`Diagnostics`] and goes on, so `kiln check` shows all violations at once.
 
+mod dead;
 mod decls;
 mod lint;
 mod rules;
@@ -49,6 +50,8 @@ pub(crate) struct Facts {
     pub classify_pins: Vec<(String, String, Span)>,
     pub preempt_spans: HashMap<(String, String), Span>,
     pub fallback_asts: Vec<(Vec<TierId>, ast::Fallback)>,
+    /// Signals read by a spelling whose meaning changed, and what changed.
+    pub redefined: Vec<(Span, &'static str)>,
 }
 
 #[derive(Debug, Clone)]

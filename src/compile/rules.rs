@@ -6,6 +6,7 @@ use super::units::{self, Ty};
 use super::{BlockFacts, Compiler};
 use crate::diag::{suggest, Code, Diagnostic};
 use crate::graph::limits;
+use crate::graph::signal::{self, PoolField, TenantField, TierField};
 use crate::graph::*;
 use crate::lang::ast::{
     self, CallArg, CmpOp, DeclKind, Expr, ExprKind, Ident, Item, Operand, OutcomeItem, Reference,
@@ -976,12 +977,37 @@ impl Compiler<'_> {
     }
 
     fn unknown_signal(&mut self, base: &Ident) {
-        let help = suggest(&base.name, ALL_SIGNALS.iter().copied()).unwrap_or_else(|| "signals are: tenant, api_key, model, tier, session, has_session, prompt_tokens, max_tokens, header(\"…\"), tag(\"…\"), pool(P).utilization, pool(P).queue_depth, tier(T).wait_p95, quota.remaining, estimated_wait, time, weekday".to_string());
+        let help = suggest(&base.name, ALL_SIGNALS.iter().copied()).unwrap_or_else(|| "signals are: tenant, api_key, model, tier, session, has_session, prompt_tokens, max_tokens, header(\"…\"), tag(\"…\"), pool(P).…, tier(T).…, tenant(X).…, quota.remaining, estimated_wait, error_rate, time, weekday (README lists every field)".to_string());
         self.err(
             Diagnostic::error(Code::UnknownName, format!("unknown signal `{}`", base.name))
                 .at(base.span, "not a signal")
                 .help(help),
         );
+    }
+
+    /// A field a pool, tier or tenant does not have: an old spelling says
+    /// what to write now; anything else gets "did you mean".
+    fn bad_live_field(
+        &mut self,
+        r: &Reference,
+        base: &str,
+        known: &[&str],
+    ) -> Result<Option<Sig>, ()> {
+        let Some(field) = r.fields.first() else {
+            return Err(());
+        };
+        if let Some(msg) = signal::renamed(base, &field.name) {
+            self.err(
+                Diagnostic::error(
+                    Code::UnknownField,
+                    format!("`{base}(…).{}` was renamed", field.name),
+                )
+                .at(field.span, "renamed")
+                .help(msg),
+            );
+            return Err(());
+        }
+        bad_field(self, field, known)
     }
 
     /// Resolves a reference to a signal. `Ok(None)`: a bare name (a constant
@@ -1026,10 +1052,15 @@ impl Compiler<'_> {
                 let Some(id) = self.resolve(DeclKind::Pool, p) else {
                     return Err(());
                 };
-                match *field {
-                    "utilization" => Sig::PoolUtilization(id as PoolId),
-                    "queue_depth" => Sig::PoolQueueDepth(id as PoolId),
-                    _ => return bad_field(self, &r.fields[0], &["utilization", "queue_depth"]),
+                match PoolField::ALL.iter().find(|f| f.doc().field == *field) {
+                    Some(f) => Sig::Pool(id as PoolId, *f),
+                    None => {
+                        return self.bad_live_field(
+                            r,
+                            "pool",
+                            &PoolField::ALL.map(|f| f.doc().field),
+                        )
+                    }
                 }
             }
             ("pool", _, _) => return bad_shape(self, "pool(NAME).utilization"),
@@ -1037,29 +1068,31 @@ impl Compiler<'_> {
                 let Some(id) = self.resolve(DeclKind::Tier, t) else {
                     return Err(());
                 };
-                let id = id as TierId;
-                match *field {
-                    "wait_p95" => Sig::TierWaitP95(id),
-                    "ttft_p95" => Sig::TierTtftP95(id),
-                    "e2e_p95" => Sig::TierE2eP95(id),
-                    "slo_attainment" => Sig::TierSloAttainment(id),
-                    _ => {
-                        return bad_field(
-                            self,
-                            &r.fields[0],
-                            &["wait_p95", "ttft_p95", "e2e_p95", "slo_attainment"],
+                match TierField::ALL.iter().find(|f| f.doc().field == *field) {
+                    Some(f) => Sig::TierLive(id as TierId, *f),
+                    None => {
+                        return self.bad_live_field(
+                            r,
+                            "tier",
+                            &TierField::ALL.map(|f| f.doc().field),
                         )
                     }
                 }
             }
-            ("tier", _, _) => return bad_shape(self, "tier(NAME).wait_p95"),
+            ("tier", _, _) => return bad_shape(self, "tier(NAME).slo_attainment"),
             ("tenant", Some(CallArg::Name(t)), [field]) => {
                 let Some(id) = self.resolve(DeclKind::Tenant, t) else {
                     return Err(());
                 };
-                match *field {
-                    "deadline_misses" => Sig::TenantDeadlineMisses(id),
-                    _ => return bad_field(self, &r.fields[0], &["deadline_misses"]),
+                match TenantField::ALL.iter().find(|f| f.doc().field == *field) {
+                    Some(f) => Sig::TenantLive(id, *f),
+                    None => {
+                        return self.bad_live_field(
+                            r,
+                            "tenant",
+                            &TenantField::ALL.map(|f| f.doc().field),
+                        )
+                    }
                 }
             }
             ("tenant", _, _) => return bad_shape(self, "tenant(NAME).deadline_misses"),
@@ -1084,11 +1117,28 @@ impl Compiler<'_> {
                 | Sig::QuotaRemaining
                 | Sig::EstimatedWait
         );
+        if let (Some(msg), [field]) = (
+            signal::redefined(base, fields.first().copied().unwrap_or("")),
+            r.fields.as_slice(),
+        ) {
+            self.facts.redefined.push((field.span, msg));
+        }
+        if sig == Sig::EstimatedWait && scope != Scope::Admit {
+            self.err(
+                Diagnostic::error(
+                    Code::InvalidValue,
+                    "`estimated_wait` is only known in admit",
+                )
+                .at(r.span, "not known here")
+                .help("it is this request's predicted wait on the route chosen for it, so it exists once route has chosen; test it in an `admit` block, or read `tier(T).wait_p95` or `pool(P).queued` here"),
+            );
+            return Err(());
+        }
         if scope == Scope::Rollout && request_attr {
             self.err(
                 Diagnostic::error(Code::InvalidValue, format!("`{base}` is a request attribute; rollback conditions read live metrics"))
                     .at(r.span, "not a live metric")
-                    .help("use tier(T).ttft_p95, tier(T).e2e_p95, tier(T).slo_attainment, tier(T).wait_p95, error_rate, pool(P).utilization or tenant(X).deadline_misses"),
+                    .help("use a measured signal such as tier(T).ttft_p95, tier(T).slo_attainment, tier(T).error_rate, error_rate, pool(P).utilization or tenant(X).deadline_misses (README lists them all)"),
             );
             return Err(());
         }

@@ -16,6 +16,7 @@
 //! Pure: time is passed in (ms on the gateway's clock, latencies in the
 //! policy's time, i.e. scaled by the simulator's speed).
 
+use crate::graph::signal::TierField;
 use crate::graph::{DecisionGraph, Signals};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, VecDeque};
@@ -166,17 +167,17 @@ impl Window {
             let Some(slot) = base.tiers.get_mut(i) else {
                 continue;
             };
-            slot.ttft_p95 = 0.0;
-            slot.e2e_p95 = 0.0;
-            slot.slo_attainment = 100.0;
+            slot.set(TierField::TtftP95, 0.0);
+            slot.set(TierField::E2eP95, 0.0);
+            slot.set(TierField::SloAttainment, 100.0);
             if let Some(l) = live
                 .tiers
                 .get(&t.name)
                 .filter(|l| l.requests >= min_samples)
             {
-                slot.ttft_p95 = l.ttft_p95_ms.unwrap_or(0.0);
-                slot.e2e_p95 = l.e2e_p95_ms.unwrap_or(0.0);
-                slot.slo_attainment = l.slo_attainment.unwrap_or(100.0);
+                slot.set(TierField::TtftP95, l.ttft_p95_ms.unwrap_or(0.0));
+                slot.set(TierField::E2eP95, l.e2e_p95_ms.unwrap_or(0.0));
+                slot.set(TierField::SloAttainment, l.slo_attainment.unwrap_or(100.0));
             }
         }
         base.error_rate = if live.requests >= min_samples {
@@ -249,9 +250,9 @@ rollout {
         }
         let s = w.signals(&g, Signals::idle(&g), 100.0, false, 10);
         let hi = g.tier_id("hi").unwrap() as usize;
-        assert_eq!(s.tiers[hi].ttft_p95, 3000.0);
+        assert_eq!(s.tiers[hi].get(TierField::TtftP95), 3000.0);
         assert_eq!(s.error_rate, 20.0);
-        assert_eq!(s.tiers[hi].slo_attainment, 0.0);
+        assert_eq!(s.tiers[hi].get(TierField::SloAttainment), 0.0);
         assert_eq!(s.tenants[0].deadline_misses, 4.0);
         let conds = &g.rollout.as_ref().unwrap().rollbacks;
         for c in conds {
@@ -263,7 +264,10 @@ rollout {
         }
         // Too few samples: healthy.
         let s = w.signals(&g, Signals::idle(&g), 100.0, false, 50);
-        assert_eq!((s.tiers[hi].ttft_p95, s.error_rate), (0.0, 0.0));
+        assert_eq!(
+            (s.tiers[hi].get(TierField::TtftP95), s.error_rate),
+            (0.0, 0.0)
+        );
         assert!(conds
             .iter()
             .all(|c| !c.cond.eval_signals(&s, &mut crate::graph::trace::NoTrace)));

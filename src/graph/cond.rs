@@ -3,6 +3,7 @@
 //! and allocates nothing unless a trace is asked for.
 
 use super::input::{Request, Signals};
+use super::signal::{PoolField, TenantField, TierField};
 use super::trace::Tracer;
 use super::{ModelId, PoolId, TenantId, TierId};
 use crate::units::{show, CmpOp, Ty};
@@ -20,19 +21,15 @@ pub enum Sig {
     MaxTokens,
     Header(String),
     Tag(String),
-    PoolUtilization(PoolId),
-    PoolQueueDepth(PoolId),
-    TierWaitP95(TierId),
     QuotaRemaining,
     EstimatedWait,
     TimeOfDay,
     Weekday,
-    // Live metrics, read by rollout rollback conditions.
-    TierTtftP95(TierId),
-    TierE2eP95(TierId),
-    TierSloAttainment(TierId),
+    /// Measured by the scheduler ([`super::signal`]).
+    Pool(PoolId, PoolField),
+    TierLive(TierId, TierField),
+    TenantLive(TenantId, TenantField),
     ErrorRate,
-    TenantDeadlineMisses(TenantId),
 }
 
 impl Sig {
@@ -43,15 +40,12 @@ impl Sig {
             Sig::Tier => Ty::Tier,
             Sig::ApiKey | Sig::Session | Sig::Header(_) => Ty::Str,
             Sig::HasSession | Sig::Tag(_) => Ty::Bool,
-            Sig::PromptTokens | Sig::MaxTokens | Sig::PoolQueueDepth(_) => Ty::Count,
-            Sig::TenantDeadlineMisses(_) => Ty::Count,
-            Sig::PoolUtilization(_)
-            | Sig::QuotaRemaining
-            | Sig::ErrorRate
-            | Sig::TierSloAttainment(_) => Ty::Percent,
-            Sig::TierWaitP95(_) | Sig::EstimatedWait | Sig::TierTtftP95(_) | Sig::TierE2eP95(_) => {
-                Ty::Duration
-            }
+            Sig::PromptTokens | Sig::MaxTokens => Ty::Count,
+            Sig::QuotaRemaining | Sig::ErrorRate => Ty::Percent,
+            Sig::EstimatedWait => Ty::Duration,
+            Sig::Pool(_, f) => f.doc().ty,
+            Sig::TierLive(_, f) => f.doc().ty,
+            Sig::TenantLive(_, f) => f.doc().ty,
             Sig::TimeOfDay => Ty::TimeOfDay,
             Sig::Weekday => Ty::Weekday,
         }
@@ -171,18 +165,14 @@ impl Test {
             Sig::MaxTokens => Val::Num(cx.req.max_tokens as f64),
             Sig::Header(h) => Val::Str(cx.req.header(h)),
             Sig::Tag(tag) => Val::Bool(cx.req.tags.iter().any(|x| x == tag)),
-            Sig::PoolUtilization(p) => Val::Num(s.pool_utilization(*p)),
-            Sig::PoolQueueDepth(p) => Val::Num(s.pool_queue_depth(*p)),
-            Sig::TierWaitP95(t) => Val::Num(s.tier_wait_p95(*t)),
             Sig::QuotaRemaining => Val::Num(s.quota_remaining(cx.tenant)),
             Sig::EstimatedWait => Val::Num(s.estimated_wait),
             Sig::TimeOfDay => Val::Num(f64::from(s.time_of_day)),
             Sig::Weekday => Val::Id(Some(u32::from(s.weekday))),
-            Sig::TierTtftP95(t) => Val::Num(s.metric_tier(*t, |m| m.ttft_p95)),
-            Sig::TierE2eP95(t) => Val::Num(s.metric_tier(*t, |m| m.e2e_p95)),
-            Sig::TierSloAttainment(t) => Val::Num(s.metric_tier(*t, |m| m.slo_attainment)),
+            Sig::Pool(p, f) => Val::Num(s.pool(*p, *f)),
+            Sig::TierLive(t, f) => Val::Num(s.tier(*t, *f)),
+            Sig::TenantLive(t, f) => Val::Num(s.tenant(*t, *f)),
             Sig::ErrorRate => Val::Num(s.error_rate),
-            Sig::TenantDeadlineMisses(t) => Val::Num(s.deadline_misses(*t)),
         }
     }
 

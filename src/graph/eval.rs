@@ -300,9 +300,10 @@ impl DecisionGraph {
                 if cx.signals.saturated(p) && self.fallbacks[tier as usize].is_some() {
                     if t.enabled() {
                         t.note(format!(
-                            "pool `{}` is saturated ({}% utilized)",
+                            "pool `{}` is saturated ({}% utilized, {}% of KV blocks held)",
                             self.pools[p as usize].name,
-                            cx.signals.pool_utilization(p)
+                            cx.signals.pool(p, super::signal::PoolField::Utilization),
+                            cx.signals.pool(p, super::signal::PoolField::KvOccupancy)
                         ));
                     }
                     return Some(true);
@@ -826,7 +827,7 @@ tier b { priority 2 slo { ttft 1s } }
 tier c { priority 1 slo { ttft 1s } }
 classify {
   when not has_session and (prompt_tokens >= 2k or tag("big")) => tier a
-  when 1500ms < estimated_wait => tier b
+  when 1500ms < tier(a).oldest_wait => tier b
   default => tier c
 }
 route [a, b, c] m { default => fp16 }
@@ -839,7 +840,7 @@ route [a, b, c] m { default => fp16 }
         assert_eq!(g.view(&g.decide(&r, &idle)).tier, "a");
         r.session = Some("s".into());
         assert_eq!(g.view(&g.decide(&r, &idle)).tier, "c");
-        let waiting = signals(&g, r#"{ "estimated_wait": "2s" }"#);
+        let waiting = signals(&g, r#"{ "tiers": { "a": { "oldest_wait": "2s" } } }"#);
         assert_eq!(g.view(&g.decide(&r, &waiting)).tier, "b");
         r.session = None;
         r.prompt_tokens = 10;

@@ -3,6 +3,7 @@
 //! JSON form for `kiln explain` and `kiln test`; signals are resolved against
 //! a graph once into dense vectors so evaluation does no name lookups.
 
+use super::signal::{PoolField, TenantField, TierField};
 use super::{DecisionGraph, PoolId, TenantId, TierId};
 use crate::units::{self, Ty};
 use serde::{Deserialize, Serialize};
@@ -47,27 +48,26 @@ pub enum Quant {
     Text(String),
 }
 
+/// A pool's signals in a signal file (`kiln explain --signals`, tests).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PoolInput {
     #[serde(default)]
     pub utilization: Option<Quant>,
     #[serde(default)]
-    pub queue_depth: Option<u64>,
+    pub kv_occupancy: Option<Quant>,
+    #[serde(default)]
+    pub queued: Option<u64>,
+    #[serde(default)]
+    pub running: Option<u64>,
+    /// Renamed: refused with a message saying what to write.
+    #[serde(default, skip_serializing)]
+    pub queue_depth: Option<serde_json::Value>,
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TierInput {
-    #[serde(default)]
-    pub wait_p95: Option<Quant>,
-    #[serde(default)]
-    pub ttft_p95: Option<Quant>,
-    #[serde(default)]
-    pub e2e_p95: Option<Quant>,
-    #[serde(default)]
-    pub slo_attainment: Option<Quant>,
-}
+/// A tier's signals in a signal file: any field of [`TierField`], by the
+/// name policies use (`"ttft_p95": "800ms"`).
+pub type TierInput = BTreeMap<String, Quant>;
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -79,6 +79,8 @@ pub struct TenantInput {
     pub in_flight: Option<u64>,
     #[serde(default)]
     pub deadline_misses: Option<u64>,
+    #[serde(default)]
+    pub requests: Option<u64>,
 }
 
 /// Live signals as JSON or TOML: everything optional; absent pools are idle,
@@ -105,26 +107,49 @@ pub struct SignalsInput {
 
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct PoolSignal {
+    /// %, work done over capacity in the window.
     pub utilization: f64,
-    pub queue_depth: f64,
+    /// %, KV blocks held now.
+    pub kv_occupancy: f64,
+    pub queued: f64,
+    pub running: f64,
 }
 
+impl PoolSignal {
+    pub fn get(&self, f: PoolField) -> f64 {
+        match f {
+            PoolField::Utilization => self.utilization,
+            PoolField::KvOccupancy => self.kv_occupancy,
+            PoolField::Queued => self.queued,
+            PoolField::Running => self.running,
+        }
+    }
+}
+
+/// One tier's measured signals, indexed by [`TierField`] (durations in ms,
+/// rates in %).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TierMetrics {
-    pub wait_p95: f64,
-    pub ttft_p95: f64,
-    pub e2e_p95: f64,
-    pub slo_attainment: f64,
+    v: [f64; TierField::ALL.len()],
 }
 
 impl Default for TierMetrics {
+    /// A tier with nothing in its window: no latency, no misses, its SLO met.
     fn default() -> Self {
-        TierMetrics {
-            wait_p95: 0.0,
-            ttft_p95: 0.0,
-            e2e_p95: 0.0,
-            slo_attainment: 100.0,
-        }
+        let mut m = TierMetrics {
+            v: [0.0; TierField::ALL.len()],
+        };
+        m.set(TierField::SloAttainment, 100.0);
+        m
+    }
+}
+
+impl TierMetrics {
+    pub fn get(&self, f: TierField) -> f64 {
+        self.v[f as usize]
+    }
+    pub fn set(&mut self, f: TierField, x: f64) {
+        self.v[f as usize] = x;
     }
 }
 
@@ -133,6 +158,7 @@ pub struct TenantSignal {
     pub quota_remaining: f64,
     pub in_flight: u64,
     pub deadline_misses: f64,
+    pub requests: f64,
 }
 
 impl Default for TenantSignal {
@@ -141,6 +167,17 @@ impl Default for TenantSignal {
             quota_remaining: 100.0,
             in_flight: 0,
             deadline_misses: 0.0,
+            requests: 0.0,
+        }
+    }
+}
+
+impl TenantSignal {
+    pub fn get(&self, f: TenantField) -> f64 {
+        match f {
+            TenantField::DeadlineMisses => self.deadline_misses,
+            TenantField::InFlight => self.in_flight as f64,
+            TenantField::Requests => self.requests,
         }
     }
 }
@@ -217,11 +254,22 @@ impl Signals {
                 .pool_id(name)
                 .ok_or_else(|| SignalError(format!("signals name unknown pool `{name}`")))?;
             let slot = &mut s.pools[id as usize];
+            if p.queue_depth.is_some() {
+                return Err(SignalError(format!(
+                    "pool `{name}`: `queue_depth` was renamed: it counted running sequences, so write `running` for that, or `queued` for requests waiting"
+                )));
+            }
             if let Some(u) = &p.utilization {
                 slot.utilization = quant(u, Ty::Percent, "pool utilization")?;
             }
-            if let Some(q) = p.queue_depth {
-                slot.queue_depth = q as f64;
+            if let Some(u) = &p.kv_occupancy {
+                slot.kv_occupancy = quant(u, Ty::Percent, "pool kv_occupancy")?;
+            }
+            if let Some(q) = p.queued {
+                slot.queued = q as f64;
+            }
+            if let Some(q) = p.running {
+                slot.running = q as f64;
             }
         }
         for (name, t) in &input.tiers {
@@ -229,17 +277,25 @@ impl Signals {
                 .tier_id(name)
                 .ok_or_else(|| SignalError(format!("signals name unknown tier `{name}`")))?;
             let slot = &mut s.tiers[id as usize];
-            if let Some(v) = &t.wait_p95 {
-                slot.wait_p95 = quant(v, Ty::Duration, "tier wait_p95")?;
-            }
-            if let Some(v) = &t.ttft_p95 {
-                slot.ttft_p95 = quant(v, Ty::Duration, "tier ttft_p95")?;
-            }
-            if let Some(v) = &t.e2e_p95 {
-                slot.e2e_p95 = quant(v, Ty::Duration, "tier e2e_p95")?;
-            }
-            if let Some(v) = &t.slo_attainment {
-                slot.slo_attainment = quant(v, Ty::Percent, "tier slo_attainment")?;
+            for (field, v) in t {
+                let Some(f) = TierField::ALL.iter().find(|f| f.doc().field == field) else {
+                    let known: Vec<&str> = TierField::ALL.iter().map(|f| f.doc().field).collect();
+                    return Err(SignalError(format!(
+                        "tier `{name}`: unknown signal `{field}` (tier signals are {})",
+                        known.join(", ")
+                    )));
+                };
+                let d = f.doc();
+                let x = match (d.ty, v) {
+                    (Ty::Count, Quant::Num(n)) => *n,
+                    (Ty::Count, Quant::Text(_)) => {
+                        return Err(SignalError(format!(
+                            "tier `{name}` {field}: write a number"
+                        )))
+                    }
+                    (ty, v) => quant(v, ty, &format!("tier `{name}` {field}"))?,
+                };
+                slot.set(*f, x);
             }
         }
         for (name, t) in &input.tenants {
@@ -255,6 +311,9 @@ impl Signals {
             }
             if let Some(v) = t.deadline_misses {
                 slot.deadline_misses = v as f64;
+            }
+            if let Some(v) = t.requests {
+                slot.requests = v as f64;
             }
         }
         if let Some(w) = &input.estimated_wait {
@@ -274,17 +333,18 @@ impl Signals {
         Ok(s)
     }
 
-    pub fn pool_utilization(&self, p: PoolId) -> f64 {
-        self.pools.get(p as usize).map_or(0.0, |x| x.utilization)
+    pub fn pool(&self, p: PoolId, f: PoolField) -> f64 {
+        self.pools.get(p as usize).map_or(0.0, |x| x.get(f))
     }
-    pub fn pool_queue_depth(&self, p: PoolId) -> f64 {
-        self.pools.get(p as usize).map_or(0.0, |x| x.queue_depth)
+    pub fn tier(&self, t: TierId, f: TierField) -> f64 {
+        self.tiers
+            .get(t as usize)
+            .map_or_else(|| TierMetrics::default().get(f), |x| x.get(f))
     }
-    pub fn tier_wait_p95(&self, t: TierId) -> f64 {
-        self.tiers.get(t as usize).map_or(0.0, |x| x.wait_p95)
-    }
-    pub fn metric_tier(&self, t: TierId, f: impl Fn(&TierMetrics) -> f64) -> f64 {
-        self.tiers.get(t as usize).map_or(0.0, f)
+    pub fn tenant(&self, t: TenantId, f: TenantField) -> f64 {
+        self.tenants
+            .get(t as usize)
+            .map_or_else(|| TenantSignal::default().get(f), |x| x.get(f))
     }
     pub fn quota_remaining(&self, t: Option<TenantId>) -> f64 {
         t.and_then(|t| self.tenants.get(t as usize))
@@ -293,14 +353,11 @@ impl Signals {
     pub fn in_flight(&self, t: TenantId) -> u64 {
         self.tenants.get(t as usize).map_or(0, |x| x.in_flight)
     }
-    pub fn deadline_misses(&self, t: TenantId) -> f64 {
-        self.tenants
-            .get(t as usize)
-            .map_or(0.0, |x| x.deadline_misses)
-    }
-    /// Saturated pools divert to the fallback chain.
+    /// Saturated pools divert to the fallback chain: working flat out over
+    /// the window, or every KV block held.
     pub fn saturated(&self, p: PoolId) -> bool {
-        self.pool_utilization(p) >= 100.0
+        self.pool(p, PoolField::Utilization) >= 100.0
+            || self.pool(p, PoolField::KvOccupancy) >= 100.0
     }
 
     pub(crate) fn name_of(&self, ty: Ty, id: u32) -> String {

@@ -32,3 +32,7 @@ pub const MAX_SIZE_BYTES: f64 = 1e15;
 pub const MAX_RATE_PER_S: f64 = 1e12;
 /// Percentages: 0% to 100%.
 pub const MAX_PERCENT: f64 = 100.0;
+
+/// The sliding window of measured signals (`signal_window`), ms: 1s to 1d.
+pub const MIN_SIGNAL_WINDOW_MS: f64 = 1_000.0;
+pub const MAX_SIGNAL_WINDOW_MS: f64 = 86_400_000.0;

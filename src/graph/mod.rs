@@ -7,6 +7,7 @@ mod cond;
 mod eval;
 mod input;
 pub mod limits;
+pub mod signal;
 pub mod trace;
 mod view;
 
@@ -39,6 +40,8 @@ pub struct Pool {
     pub deny_tiers: Vec<TierId>,
     pub allow_tenants: Option<Vec<TenantId>>,
     pub deny_tenants: Vec<TenantId>,
+    /// Sliding window of its measured signals, ms.
+    pub signal_window: f64,
     pub span: Span,
 }
 
@@ -170,6 +173,8 @@ pub struct Tier {
     pub prefix_affinity: bool,
     /// Identical deterministic requests may be answered from a cache.
     pub exact_cache: bool,
+    /// Sliding window of its measured signals, ms.
+    pub signal_window: f64,
     pub span: Span,
 }
 
@@ -214,6 +219,8 @@ pub struct Tenant {
     /// Cost per GPU-hour.
     pub cost_per_gpu_hour: Option<f64>,
     pub api_keys: Vec<String>,
+    /// Sliding window of its measured signals, ms.
+    pub signal_window: f64,
     pub span: Span,
 }
 

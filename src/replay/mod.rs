@@ -166,6 +166,16 @@ fn run_inner(
 /// Like [`run`], also sampling the VTC fairness measure (the largest gap in
 /// weighted service between backlogged tenants of a tier) every 64 events;
 /// returns the outcomes and the largest gap seen.
+/// [`run`], calling `observe` with the scheduler before every event (for
+/// tests and tools that watch the live signals as the replay goes).
+pub fn run_observing(
+    sched: &mut Scheduler,
+    arrivals: Vec<(Micros, Arrival)>,
+    observe: &mut dyn FnMut(&Scheduler, u64),
+) -> Vec<Outcome> {
+    run_inner(sched, arrivals, |_, _| {}, observe)
+}
+
 pub fn run_measured(
     sched: &mut Scheduler,
     arrivals: Vec<(Micros, Arrival)>,

@@ -29,6 +29,7 @@
 
 mod admit;
 pub mod canary;
+pub mod live;
 pub mod plan;
 pub mod queue;
 pub mod quota;
@@ -39,6 +40,7 @@ pub mod swap;
 mod testkit;
 mod timers;
 
+use crate::graph::signal::TierField;
 use crate::graph::{DecisionGraph, PoolId, Request, Signals, TenantId, TierId};
 use plan::Plan;
 use queue::{Queues, Waiting};
@@ -183,6 +185,11 @@ pub enum Event {
     Complete {
         id: ReqId,
         output_tokens: u32,
+    },
+    /// An external replica's upstream produced request `id`'s first token
+    /// (for the tier's TTFT signals; the schedule does not change).
+    FirstToken {
+        id: ReqId,
     },
 }
 
@@ -430,6 +437,8 @@ pub struct Scheduler {
     /// The requests counted in `pinned`, per replica, to release them when
     /// their replica goes down or drains.
     pinned_ids: Vec<rustc_hash::FxHashSet<ReqId>>,
+    /// The measured signals' windows ([`live`]).
+    live: live::Live,
 }
 
 impl Scheduler {
@@ -456,6 +465,7 @@ impl Scheduler {
         let queues = Queues::new(&graph, &cfg);
         let router = route::Router::new(cfg.routing, cfg.seed);
         let pinned = vec![0; replicas.len()];
+        let live = live::Live::new(&graph);
         Scheduler {
             graph,
             cfg,
@@ -480,6 +490,7 @@ impl Scheduler {
             router,
             pinned,
             pinned_ids: Vec::new(),
+            live,
         }
     }
 
@@ -594,8 +605,13 @@ impl Scheduler {
             Event::Tick => {}
             Event::Cancel { id } => self.cancel(id),
             Event::Complete { id, output_tokens } => self.complete(id, output_tokens),
+            Event::FirstToken { id } => {
+                self.live.first_token(self.now, id);
+                return &self.out;
+            }
         }
         self.settle();
+        self.live.observe(&self.graph, self.now, &self.out);
         &self.out
     }
 
@@ -697,6 +713,11 @@ impl Scheduler {
         let rep = &mut self.replicas[r];
         let s = rep.evict(i);
         rep.remember_prefix(&s.w.prefix_blocks);
+        // The upstream's steps are not seen: its work is the prompt and the
+        // output at the roofline's saturated throughput, counted at the end.
+        let work = rep.saturated_work(s.w.prompt_tokens, output_tokens);
+        let pool = rep.spec.pool;
+        self.live.work(self.now, pool, work);
         if let Some(t) = s.w.tenant {
             self.quotas.charge_gpu(t, share, self.now);
         }
@@ -722,27 +743,65 @@ impl Scheduler {
             % 7;
         self.signals.time_of_day = minute as u16;
         self.signals.weekday = day as u8;
+        let mut capacity = vec![0.0; self.signals.pools.len()];
         for (p, slot) in self.signals.pools.iter_mut().enumerate() {
-            let (mut used, mut cap, mut depth) = (0u64, 0u64, 0usize);
+            let (mut used, mut cap, mut running) = (0u64, 0u64, 0usize);
             for r in self.replicas.iter().filter(|r| r.spec.pool as usize == p) {
                 used += r.kv_used();
                 cap += r.spec.kv_capacity;
-                depth += r.running.len();
+                running += r.running.len();
+                if r.up && !r.draining {
+                    capacity[p] += 1.0;
+                }
             }
-            slot.utilization = if cap == 0 {
+            slot.kv_occupancy = if cap == 0 {
                 0.0
             } else {
                 100.0 * used as f64 / cap as f64
             };
-            slot.queue_depth = depth as f64;
+            slot.running = running as f64;
+            slot.queued = 0.0;
+        }
+        // Queued work counts for the pool its route named, or for every
+        // pool hosting its variant when the route named none.
+        for (&(key, pool), &n) in self.queues.route_lens() {
+            match pool {
+                Some(p) => {
+                    if let Some(slot) = self.signals.pools.get_mut(p as usize) {
+                        slot.queued += n as f64;
+                    }
+                }
+                None => {
+                    let mut pools: Vec<PoolId> = self
+                        .by_variant
+                        .get(&key)
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|&r| self.replicas.get(r).map(|x| x.spec.pool))
+                        .collect();
+                    pools.sort_unstable();
+                    pools.dedup();
+                    for p in pools {
+                        if let Some(slot) = self.signals.pools.get_mut(p as usize) {
+                            slot.queued += n as f64;
+                        }
+                    }
+                }
+            }
         }
         for (t, m) in self.signals.tiers.iter_mut().enumerate() {
-            m.wait_p95 = self.queues.oldest_wait(t as TierId, self.now) as f64 / 1000.0;
+            let t = t as TierId;
+            m.set(
+                TierField::OldestWait,
+                self.queues.oldest_wait(t, self.now) as f64 / 1000.0,
+            );
+            m.set(TierField::Queued, self.queues.tier_len(t) as f64);
         }
         for (t, s) in self.signals.tenants.iter_mut().enumerate() {
             s.quota_remaining = self.quotas.remaining_percent(t as TenantId, self.now);
             s.in_flight = self.quotas.in_flight(t as TenantId);
         }
+        self.live.fill(self.now, &mut self.signals, &capacity);
         let _ = g;
     }
 
@@ -1188,7 +1247,11 @@ impl Scheduler {
                 }
             }
         }
+        let (prefill, decodes, context) = rep.step_shape;
+        let work = rep.saturated_secs(prefill, decodes, context);
+        let pool = rep.spec.pool;
         let done = rep.finish_step(now, &mut self.out);
+        self.live.work(now, pool, work);
         for (id, seq) in done {
             let served_in = f64::from(seq.w.prompt_tokens);
             let served_out = f64::from(seq.generated);

@@ -243,6 +243,10 @@ pub struct Queues {
     len: usize,
     non_backfill: HashMap<(u16, u16), usize>,
     tier_tokens: Vec<u64>,
+    /// Requests queued per tier, and per (model, variant, pool routed to),
+    /// for the `tier(T).queued` and `pool(P).queued` signals.
+    tier_len: Vec<usize>,
+    route_len: HashMap<((u16, u16), Option<PoolId>), usize>,
     expiries: BTreeSet<(Micros, ReqId)>,
     /// Soft pins to a replica, by when they lapse.
     pins: BTreeSet<(Micros, ReqId)>,
@@ -268,6 +272,7 @@ impl Queues {
             tiers: g.tiers.len(),
             tenants: g.tenants.len(),
             tier_tokens: vec![0; g.tiers.len()],
+            tier_len: vec![0; g.tiers.len()],
             aging: g
                 .tiers
                 .iter()
@@ -299,6 +304,17 @@ impl Queues {
 
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Requests of tier `t` queued now.
+    pub fn tier_len(&self, t: TierId) -> usize {
+        self.tier_len.get(t as usize).copied().unwrap_or(0)
+    }
+
+    /// Requests queued now per (model, variant) and the pool their route
+    /// named (`None`: any pool hosting the variant).
+    pub fn route_lens(&self) -> impl Iterator<Item = (&((u16, u16), Option<PoolId>), &usize)> {
+        self.route_len.iter()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -405,6 +421,10 @@ impl Queues {
         if let Some(t) = self.tier_tokens.get_mut(tier) {
             *t += tokens;
         }
+        if let Some(t) = self.tier_len.get_mut(tier) {
+            *t += 1;
+        }
+        *self.route_len.entry((key, w.pool)).or_default() += 1;
         self.index.insert(
             w.id,
             Loc {
@@ -483,6 +503,15 @@ impl Queues {
         self.len -= 1;
         if let Some(t) = self.tier_tokens.get_mut(loc.tier) {
             *t -= tokens;
+        }
+        if let Some(t) = self.tier_len.get_mut(loc.tier) {
+            *t = t.saturating_sub(1);
+        }
+        if let Some(n) = self.route_len.get_mut(&(loc.key, w.pool)) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.route_len.remove(&(loc.key, w.pool));
+            }
         }
         if !w.backfill {
             if let Some(n) = self.non_backfill.get_mut(&loc.key) {

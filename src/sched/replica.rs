@@ -307,6 +307,38 @@ fn throughput(spec: &ReplicaSpec) -> f64 {
 }
 
 impl Replica {
+    /// The time a step's work takes at this replica's saturated throughput
+    /// (the roofline's: full prefill chunks, and a full batch of decodes at
+    /// the step's context per sequence), seconds. Summed over a window and
+    /// divided by the window, it is the replica's real utilization.
+    pub fn saturated_secs(&self, prefill: u32, decodes: u32, context: u64) -> f64 {
+        let mut secs = 0.0;
+        if prefill > 0 {
+            let chunk = self.spec.max_batch_tokens.max(1);
+            secs += f64::from(prefill) * sane_secs(self.spec.cost.step_time(chunk, 0, 0))
+                / f64::from(chunk);
+        }
+        if decodes > 0 {
+            let per_seq = (context / u64::from(decodes)).max(1);
+            let fit = (self.spec.kv_capacity / per_seq).clamp(1, u64::from(u32::MAX)) as u32;
+            let batch = self.spec.max_batch.min(fit).max(1);
+            let t = sane_secs(self.spec.cost.step_time(
+                0,
+                batch,
+                u64::from(batch).saturating_mul(per_seq),
+            ));
+            secs += f64::from(decodes) * t / f64::from(batch);
+        }
+        secs
+    }
+
+    /// [`Self::saturated_secs`] for a whole request: its prompt, then its
+    /// output one decode step per token at half its final context.
+    pub fn saturated_work(&self, prompt: u32, output: u32) -> f64 {
+        let ctx = u64::from(prompt) + u64::from(output) / 2;
+        self.saturated_secs(prompt, 0, 0) + f64::from(output) * self.saturated_secs(0, 1, ctx)
+    }
+
     pub fn new(spec: ReplicaSpec) -> Replica {
         let rate = throughput(&spec);
         Replica {

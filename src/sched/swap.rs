@@ -243,6 +243,8 @@ impl Scheduler {
             .into_iter()
             .filter_map(|(k, (t, n))| map.tier(t).map(|t| (k, (t, n))))
             .collect();
+        self.live
+            .remap(&graph, |t| map.tier(t), |t| map.tenant(t), |p| map.pool(p));
         self.tier_started = vec![0; graph.tiers.len()];
         self.signals = Signals::idle(&graph);
         self.idle = self.signals.clone();

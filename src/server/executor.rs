@@ -81,6 +81,8 @@ pub enum Command {
         events: mpsc::UnboundedSender<Progress>,
     },
     Cancel(ReqId),
+    /// An HTTP upstream produced the request's first token.
+    FirstToken(ReqId),
     /// An HTTP upstream finished the request.
     Complete {
         id: ReqId,
@@ -565,6 +567,7 @@ impl<C: Clock> Executor<C> {
             Command::Complete { id, output_tokens } => {
                 self.feed(now, Event::Complete { id, output_tokens });
             }
+            Command::FirstToken(id) => self.feed(now, Event::FirstToken { id }),
             Command::Swap {
                 graph,
                 plan,

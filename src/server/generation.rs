@@ -306,6 +306,9 @@ struct Tally {
     usage_completion: Option<u64>,
     /// Seconds from receipt to the first token.
     ttft: Option<f64>,
+    /// An upstream produces the tokens: the scheduler learns of the first
+    /// one from here (for the tier's TTFT signals).
+    upstream: bool,
 }
 
 impl Tally {
@@ -315,6 +318,9 @@ impl Tally {
 
     fn first_token(&mut self, ctx: &Ctx) {
         if self.ttft.is_none() {
+            if self.upstream {
+                ctx.app.exec.send(Command::FirstToken(ctx.id));
+            }
             self.ttft = Some(ctx.received.elapsed().as_secs_f64());
         }
     }
@@ -359,6 +365,7 @@ async fn respond(
             produced: 0,
             usage_completion: None,
             ttft: None,
+            upstream: producer == Producer::Upstream,
         },
         created: created(),
     };

@@ -3,6 +3,8 @@
 // Each test binary uses some of these helpers.
 #![allow(dead_code)]
 
+pub mod twin;
+
 use kiln::compile::compile_str;
 use kiln::server::config::ServerConfig;
 use kiln::server::{start, Policy, Running, ServeOptions};

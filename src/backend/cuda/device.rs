@@ -238,6 +238,7 @@ mod tests {
             deny_tiers: Vec::new(),
             allow_tenants: None,
             deny_tenants: Vec::new(),
+            signal_window: crate::graph::signal::DEFAULT_WINDOW_MS,
             span: Default::default(),
         }
     }
