@@ -5,6 +5,7 @@
 mod decls;
 mod lint;
 mod rules;
+mod subst;
 pub mod units;
 mod validate;
 
@@ -201,6 +202,8 @@ pub(crate) struct Compiler<'s> {
     /// `fallback` outcomes by tier, to check a chain exists.
     pub fallback_uses: Vec<(TierId, Span)>,
     pub classify_span: Option<Span>,
+    /// `served_by` properties of each model, lowered once every model is.
+    pub served_by: Vec<(ModelId, ast::Property)>,
 }
 
 impl<'s> Compiler<'s> {
@@ -220,6 +223,7 @@ impl<'s> Compiler<'s> {
             fallback_spans: HashMap::new(),
             fallback_uses: Vec::new(),
             classify_span: None,
+            served_by: Vec::new(),
         }
     }
 
