@@ -348,8 +348,13 @@ impl Compiler<'_> {
                     )
                     .at(mi.span, format!("never taken for tier `{tn}`"))
                     .help(format!(
-                        "{}, or route a variant of `{}`",
+                        "{}{}, or route a variant of `{}`",
                         declare_help(&names[0], &bn, std::slice::from_ref(&tn)),
+                        if self.g.tier_allows_model(t, b) {
+                            String::new()
+                        } else {
+                            format!(" and add `{bn}` to tier `{tn}`'s `models [...]`")
+                        },
                         names[0]
                     )),
                 );
