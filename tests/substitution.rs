@@ -370,3 +370,67 @@ async fn the_gateway_serves_a_request_for_a_with_b_and_says_so() {
         .iter()
         .any(|(m, _, s)| m == "mid" && s.as_deref() == Some("mid")));
 }
+
+/// An OpenAI upstream that records the `model` each request names.
+async fn recording_upstream() -> (
+    String,
+    Arc<std::sync::Mutex<Vec<String>>>,
+    tokio::task::JoinHandle<()>,
+) {
+    use axum::extract::State;
+    use axum::routing::{get, post};
+    use axum::{Json, Router};
+    type Seen = Arc<std::sync::Mutex<Vec<String>>>;
+    async fn chat(State(seen): State<Seen>, Json(body): Json<Value>) -> Json<Value> {
+        seen.lock()
+            .unwrap()
+            .push(body["model"].as_str().unwrap_or("").to_string());
+        Json(json!({
+            "id": "x", "object": "chat.completion", "created": 0, "model": "whatever-the-upstream-says",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+        }))
+    }
+    let seen: Seen = Arc::default();
+    let app = Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/health", get(|| async { "ok" }))
+        .with_state(seen.clone());
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let h = tokio::spawn(async move {
+        let _ = axum::serve(l, app).await;
+    });
+    (format!("http://{addr}"), seen, h)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http_upstream_of_the_substitute_is_asked_for_the_substitute() {
+    let (url, seen, mock) = recording_upstream().await;
+    let cfg = ServerConfig::parse(
+        "kiln.toml",
+        &format!(
+            "[pools.small]\nbackend = \"http\"\n[[pools.small.upstreams]]\nmodel = \"small-m\"\nvariant = \"fp16\"\nurl = \"{url}\"\nconcurrency = 4\nhealth_interval = \"100ms\"\n"
+        ),
+    )
+    .unwrap();
+    let srv = support::serve_on_loopback(support::policy("subst.kiln", POLICY), cfg).await;
+    let base = format!("http://{}", srv.addr);
+    let c = support::client(Duration::from_secs(60));
+    let r = send(&c, &base, "k-bulk", "large").await;
+    assert_eq!(r.status(), 200);
+    assert!(r.headers()["x-kiln-backend"]
+        .to_str()
+        .unwrap()
+        .starts_with("http:"));
+    assert_eq!(r.headers()["x-kiln-model-substituted"], "large -> small-m");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["model"], "small-m");
+    let r = send(&c, &base, "k-bulk", "mid").await;
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["model"], "mid", "response_model requested");
+    assert_eq!(*seen.lock().unwrap(), ["small-m", "small-m"]);
+    srv.stop().await;
+    mock.abort();
+}
