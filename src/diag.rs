@@ -40,6 +40,7 @@ pub enum Code {
     PreemptCycle,
     VariantDoesNotFit,
     IsolationViolation,
+    UndeclaredSubstitution,
     // lints
     ShadowedRule,
     QuotaOversubscribed,
@@ -75,6 +76,7 @@ impl Code {
         Code::PreemptCycle,
         Code::VariantDoesNotFit,
         Code::IsolationViolation,
+        Code::UndeclaredSubstitution,
         Code::ShadowedRule,
         Code::QuotaOversubscribed,
         Code::TierWithoutSlo,
@@ -110,6 +112,7 @@ impl Code {
             Code::PreemptCycle => "preempt-cycle",
             Code::VariantDoesNotFit => "variant-does-not-fit",
             Code::IsolationViolation => "isolation-violation",
+            Code::UndeclaredSubstitution => "undeclared-substitution",
             Code::ShadowedRule => "shadowed-rule",
             Code::QuotaOversubscribed => "quota-oversubscribed",
             Code::TierWithoutSlo => "tier-without-slo",
@@ -160,6 +163,9 @@ impl Code {
             Code::PreemptCycle => "tiers preempting each other in a cycle would thrash",
             Code::VariantDoesNotFit => "a variant must fit on the GPUs of a pool it may run on",
             Code::IsolationViolation => "a route may not send a tier into a pool fenced against it",
+            Code::UndeclaredSubstitution => {
+                "serving a request with another model than the one it asked for must be declared, per tier, by the model asked for"
+            }
             Code::ShadowedRule => {
                 "an earlier rule matches every request this rule matches, so it never fires"
             }

@@ -39,6 +39,9 @@ pub struct Expect {
     pub tenant: Option<String>,
     /// `model.variant on pool` or `model.variant`.
     pub route: Option<String>,
+    /// The model the request asked for when `route` serves it with a
+    /// declared substitute; `(none)` expects no substitution.
+    pub substituted_for: Option<String>,
     pub admission: Option<String>,
     pub status: Option<u16>,
     /// 1-based fallback step; 0 expects that no fallback step was taken.
@@ -143,6 +146,11 @@ pub fn run(g: &DecisionGraph, cases: &[Case]) -> Report {
                 check("route", Some(r.clone()), actual_route.clone());
             }
         }
+        check(
+            "substituted_for",
+            e.substituted_for.clone(),
+            v.substituted_for.clone().unwrap_or_else(|| "(none)".into()),
+        );
         check("admission", e.admission.clone(), v.admission.clone());
         check(
             "status",

@@ -48,6 +48,26 @@ fn plus(extra: &str) -> String {
     format!("{BASE}\n{extra}\n")
 }
 
+/// A second, smaller model both tiers route: the substitute in the
+/// cross-model cases.
+const SMALL: &str = "model s {\n  variant fp16 { memory 10GB pools [gpu] }\n}\n\nroute [chat, bulk] s {\n  default => fp16\n}";
+
+/// The base plus model `s`, with `model m` declaring `decl` and the route
+/// block for `m` deciding `route`.
+fn substituting(decl: &str, route: &str) -> String {
+    with(
+        "  variant fp16 { memory 40GB pools [gpu] }\n}",
+        &format!("  variant fp16 {{ memory 40GB pools [gpu] }}\n{decl}}}"),
+    )
+    .replacen(
+        "route [chat, bulk] m {\n  default => fp16\n}",
+        &format!("route [chat, bulk] m {{\n  default => {route}\n}}"),
+        1,
+    ) + "\n"
+        + SMALL
+        + "\n"
+}
+
 /// (snapshot name, policy text, the code it must produce)
 fn cases() -> Vec<(&'static str, String, Code)> {
     vec![
@@ -97,6 +117,57 @@ fn cases() -> Vec<(&'static str, String, Code)> {
         (
             "isolation_violation",
             with("memory 80GB }", "memory 80GB deny_tiers [bulk] }"),
+            Code::IsolationViolation,
+        ),
+        (
+            "undeclared_substitution_route",
+            substituting("", "s.fp16 on gpu"),
+            Code::UndeclaredSubstitution,
+        ),
+        (
+            "undeclared_substitution_route_tier",
+            substituting("  served_by s { tiers [bulk] }\n", "s.fp16 on gpu"),
+            Code::UndeclaredSubstitution,
+        ),
+        (
+            "undeclared_substitution_fallback",
+            with("  priority 100\n", "  priority 100\n  models [m]\n")
+                + "\nmodel s {\n  variant fp16 { memory 10GB pools [gpu] }\n}\n\nroute bulk s {\n  default => fp16\n}\n\nadmit chat {\n  when estimated_wait > 2s => fallback\n  default => accept\n}\n\nfallback chat [route s.fp16 on gpu, queue 5s]\n",
+            Code::UndeclaredSubstitution,
+        ),
+        (
+            "undeclared_substitution_degrade",
+            substituting("", "fp16")
+                + "\nadmit chat {\n  when estimated_wait > 2s => degrade variant s.fp16\n  default => accept\n}\n",
+            Code::UndeclaredSubstitution,
+        ),
+        ("served_by_itself", substituting("  served_by m { tiers [bulk] }\n", "fp16"), Code::InvalidValue),
+        ("served_by_unknown_model", substituting("  served_by ss { tiers [bulk] }\n", "fp16"), Code::UnknownName),
+        ("served_by_without_tiers", substituting("  served_by s { response_model served }\n", "fp16"), Code::MissingField),
+        ("served_by_malformed", substituting("  served_by s\n", "fp16"), Code::InvalidValue),
+        (
+            "served_by_twice",
+            substituting("  served_by s { tiers [bulk] }\n  served_by s { tiers [chat] }\n", "fp16"),
+            Code::DuplicateDefinition,
+        ),
+        (
+            "served_by_response_model",
+            substituting("  served_by s { tiers [bulk] response_model requsted }\n", "fp16"),
+            Code::InvalidValue,
+        ),
+        (
+            "served_by_tier_cannot_use",
+            substituting("  served_by s { tiers [chat] }\n", "fp16")
+                .replacen("  priority 100\n", "  priority 100\n  models [m]\n", 1)
+                .replacen("route [chat, bulk] s", "route bulk s", 1),
+            Code::InvalidValue,
+        ),
+        (
+            "served_by_not_routable",
+            substituting("  served_by s { tiers [bulk] }\n", "fp16")
+                .replacen("memory 80GB }", "memory 80GB }\npool small { gpus 2 kind \"L4\" memory 24GB allow_tiers [chat] }", 1)
+                .replacen("variant fp16 { memory 10GB pools [gpu] }", "variant fp16 { memory 10GB pools [small] }", 1)
+                ,
             Code::IsolationViolation,
         ),
         (

@@ -932,3 +932,92 @@ fn an_escalating_classify_rule_needs_the_escalation_approvals() {
         "{needs:?}"
     );
 }
+
+const SUBSTITUTION: &str = r#"
+pool big { gpus 2 kind "H100-80GB" memory 80GB }
+pool small { gpus 2 kind "L40S-48GB" memory 48GB }
+model large {
+  variant fp16 { memory 70GB pools [big] }
+}
+model small-m {
+  variant fp16 { memory 18GB pools [small] }
+}
+tier chat { priority 100 slo { ttft 5s } }
+tier batch { priority 10 slo { window 6h } preemptible }
+tenant app { owner "o" tiers [chat] }
+classify {
+  when tenant == app => tier chat
+  default => tier batch
+}
+route [chat, batch] large {
+  when pool(big).utilization < 90% => fp16 on big
+  default => fallback
+}
+route [chat, batch] small-m { default => fp16 }
+fallback [chat, batch] [route small-m.fp16 on small, queue 5s]
+"#;
+
+#[test]
+fn a_declared_substitution_is_a_route_change_added_changed_and_removed() {
+    let old = SUBSTITUTION.to_string();
+    let new = edit(
+        &old,
+        "  variant fp16 { memory 70GB pools [big] }\n}",
+        "  variant fp16 { memory 70GB pools [big] }\n  served_by small-m { tiers [chat] }\n}",
+    );
+    let (a, b) = (policy_text(&old), policy_text(&new));
+    let d = semantic(&a, &b);
+    assert_eq!(
+        rows(&d),
+        [(
+            ChangeOp::Added,
+            "model large served_by small-m",
+            None,
+            None,
+            Some("tiers [chat], response_model served"),
+            ChangeKind::RouteChange
+        )],
+        "{}",
+        render_human(&d)
+    );
+    let wider = edit(
+        &new,
+        "served_by small-m { tiers [chat] }",
+        "served_by small-m { tiers [chat, batch] response_model requested }",
+    );
+    let d = semantic(&b, &policy_text(&wider));
+    let got = rows(&d);
+    assert_eq!(
+        got,
+        [
+            (
+                ChangeOp::Changed,
+                "model large served_by small-m",
+                Some("tiers"),
+                Some("[chat]"),
+                Some("[batch, chat]"),
+                ChangeKind::RouteChange
+            ),
+            (
+                ChangeOp::Changed,
+                "model large served_by small-m",
+                Some("response_model"),
+                Some("served"),
+                Some("requested"),
+                ChangeKind::RouteChange
+            ),
+        ],
+        "{}",
+        render_human(&d)
+    );
+    let d = semantic(&b, &a);
+    let c = only(&d);
+    assert_eq!(
+        (c.kind, c.subject.as_str(), c.change_kind),
+        (
+            ChangeOp::Removed,
+            "model large served_by small-m",
+            ChangeKind::RouteChange
+        )
+    );
+}

@@ -86,6 +86,15 @@ fn golden_rollout_and_approval() {
 }
 
 #[test]
+fn golden_substitution_declaration() {
+    let text = "model big {\n  variant fp16 { memory 40GB pools [p] }\n    served_by   small {tiers [a,b]\n response_model   requested }   # kept\n  served_by tiny { tiers [a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p, q, r, s, t, u, v, w] response_model served }\n}\n";
+    let out = fmt(text).expect("parses");
+    insta::assert_snapshot!("fmt_substitution", out);
+    assert_eq!(fmt(&out).as_deref(), Some(out.as_str()));
+    assert_eq!(comment_texts(text), comment_texts(&out));
+}
+
+#[test]
 fn shipped_policies_are_formatted_and_sound() {
     for (name, text) in shipped() {
         assert_eq!(

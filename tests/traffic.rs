@@ -455,13 +455,14 @@ prop_compose! {
         tier in proptest::option::of(text()),
         tenant in proptest::option::of(text()),
         route in proptest::option::of(text()),
+        substituted_for in proptest::option::of(text()),
         admission in proptest::option::of(text()),
         status in proptest::option::of(any::<u16>()),
         fallback_step in proptest::option::of(any::<u32>()),
         reason in proptest::option::of(text()),
         waited_for in proptest::option::of(text()),
     ) -> Decision {
-        Decision { tier, tenant, route, admission, status, fallback_step, reason, waited_for }
+        Decision { tier, tenant, route, substituted_for, admission, status, fallback_step, reason, waited_for }
     }
 }
 

@@ -23,7 +23,13 @@ const POOL_FIELDS: &[&str] = &[
     "signal_window",
     "description",
 ];
-const MODEL_FIELDS: &[&str] = &["variant", "description", "params", "kv_per_token"];
+const MODEL_FIELDS: &[&str] = &[
+    "variant",
+    "description",
+    "params",
+    "kv_per_token",
+    "served_by",
+];
 const VARIANT_FIELDS: &[&str] = &[
     "precision",
     "memory",
@@ -490,6 +496,7 @@ impl Compiler<'_> {
                 }
             }
         }
+        self.lower_substitutions();
         for (_, f) in files {
             for item in &f.items {
                 match item {
@@ -699,12 +706,19 @@ impl Compiler<'_> {
 
     fn model(&mut self, d: &ast::Decl) {
         let what = format!("model `{}`", d.name.name);
-        let f = self.fields(&d.body, MODEL_FIELDS, &what, &["variant"]);
+        let f = self.fields(&d.body, MODEL_FIELDS, &what, &["variant", "served_by"]);
+        let id = self.g.models.len() as ModelId;
+        for p in f.repeated.iter().filter(|p| p.key.name == "served_by") {
+            self.served_by.push((id, (*p).clone()));
+        }
         let _ = self.prop_string(f.get("description"));
         let params = self.prop_quantity(f.get("params"), Ty::Count, "`params`");
         let kv_per_token = self.prop_quantity(f.get("kv_per_token"), Ty::Size, "`kv_per_token`");
         let mut variants: Vec<Variant> = Vec::new();
         for p in f.repeated.clone() {
+            if p.key.name != "variant" {
+                continue;
+            }
             let name = match p.args.values() {
                 [v] => match &v.kind {
                     ValueKind::Path(path) if path.len() == 1 => Some(path[0].clone()),

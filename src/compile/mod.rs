@@ -6,6 +6,7 @@ mod dead;
 mod decls;
 mod lint;
 mod rules;
+mod subst;
 pub mod units;
 mod validate;
 
@@ -204,6 +205,8 @@ pub(crate) struct Compiler<'s> {
     /// `fallback` outcomes by tier, to check a chain exists.
     pub fallback_uses: Vec<(TierId, Span)>,
     pub classify_span: Option<Span>,
+    /// `served_by` properties of each model, lowered once every model is.
+    pub served_by: Vec<(ModelId, ast::Property)>,
 }
 
 impl<'s> Compiler<'s> {
@@ -223,6 +226,7 @@ impl<'s> Compiler<'s> {
             fallback_spans: HashMap::new(),
             fallback_uses: Vec::new(),
             classify_span: None,
+            served_by: Vec::new(),
         }
     }
 

@@ -75,6 +75,7 @@ impl Compiler<'_> {
                 }
             }
         }
+        self.check_rule_substitutions(files);
     }
 
     fn add_rule(&mut self, block: &str, index: usize, r: &ast::Rule) -> RuleId {
@@ -303,7 +304,7 @@ impl Compiler<'_> {
         };
         match item {
             OutcomeItem::Target { path, pool, span } => {
-                let target = self.target(path, pool.as_ref(), Some(model), *span)?;
+                let target = self.target(path, pool.as_ref(), Some((model, tiers)), *span)?;
                 for &t in tiers {
                     self.check_isolation(target, t, *span);
                 }
@@ -332,24 +333,17 @@ impl Compiler<'_> {
         &mut self,
         path: &[Ident],
         pool: Option<&Ident>,
-        model: Option<ModelId>,
+        model: Option<(ModelId, &[TierId])>,
         span: Span,
     ) -> Option<Target> {
         let (m, vname) = match (path, model) {
-            ([v], Some(m)) => (m, v),
+            ([v], Some((m, _))) => (m, v),
             ([mi, v], _) => {
                 let m = self.resolve(DeclKind::Model, mi)? as ModelId;
-                if let Some(expected) = model {
-                    if expected != m {
-                        let en = self.g.models[expected as usize].name.clone();
-                        self.err(
-                            Diagnostic::error(
-                                Code::InvalidOutcome,
-                                format!("this route block is for model `{en}` but routes to model `{}`", mi.name),
-                            )
-                            .at(mi.span, "another model")
-                            .help(format!("name a variant of `{en}`; changing the model is not a routing decision")),
-                        );
+                if let Some((expected, tiers)) = model {
+                    // Another model serves the route's requests only where
+                    // the model asked for declares it (`served_by`).
+                    if expected != m && !self.check_route_substitution(expected, m, tiers, mi) {
                         return None;
                     }
                 }
@@ -594,9 +588,11 @@ impl Compiler<'_> {
         let vname = path.last()?;
         if path.len() == 2 {
             let m = self.resolve(DeclKind::Model, &path[0])? as ModelId;
-            return self
-                .variant(m, vname)
-                .map(|_| self.intern_variant(&vname.name));
+            let _ = self.variant(m, vname)?;
+            self.facts
+                .used_variants
+                .insert((self.g.models[m as usize].name.clone(), vname.name.clone()));
+            return Some(self.intern_variant(&vname.name, Some(m)));
         }
         let mut found = false;
         for (mi, m) in self.g.models.iter().enumerate() {
@@ -630,14 +626,23 @@ impl Compiler<'_> {
             );
             return None;
         }
-        Some(self.intern_variant(&vname.name))
+        Some(self.intern_variant(&vname.name, None))
     }
 
-    fn intern_variant(&mut self, name: &str) -> u16 {
-        if let Some(i) = self.g.degrade_names.iter().position(|n| n == name) {
+    /// A degrade's variant: a bare name (the request's model) or one
+    /// model's variant.
+    fn intern_variant(&mut self, name: &str, model: Option<ModelId>) -> u16 {
+        if let Some(i) = self
+            .g
+            .degrade_names
+            .iter()
+            .zip(&self.g.degrade_models)
+            .position(|(n, m)| n == name && *m == model)
+        {
             return i as u16;
         }
         self.g.degrade_names.push(name.to_string());
+        self.g.degrade_models.push(model);
         (self.g.degrade_names.len() - 1) as u16
     }
 

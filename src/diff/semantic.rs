@@ -64,8 +64,8 @@
 //! * Everything else is not an escalation: `tier_change` (tiers added or
 //!   removed, other tier fields, classify and admit rules), `tenant_change`
 //!   (tenants and cohorts added or removed, limits tightened, other tenant
-//!   fields), `route_change` (models, variants, route blocks and fallback
-//!   chains), `pool_change` (pools), `rollout_change`, `approval_change`.
+//!   fields), `route_change` (models, variants, substitutions declared
+//!   with `served_by`, route blocks and fallback chains), `pool_change` (pools), `rollout_change`, `approval_change`.
 //!   A new tenant is a `tenant_change`: it has no previous grant to exceed.
 
 use crate::ast::CmpOp;
@@ -175,6 +175,7 @@ pub fn semantic(old: &DecisionGraph, new: &DecisionGraph) -> SemanticDiff {
     let mut out = Out::default();
     pools(old, new, &mut out);
     models(old, new, &mut out);
+    substitutions(old, new, &mut out);
     tiers(old, new, &mut out);
     tenants(old, new, &mut out);
     cohorts(old, new, &mut out);
@@ -569,6 +570,46 @@ fn models(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
             }
         },
     );
+}
+
+/// `served_by` declarations, by (model asked for, substitute): which model
+/// may serve a request is where it runs, so every change is a route change.
+fn substitutions(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
+    let k = ChangeKind::RouteChange;
+    let keyed = |g: &DecisionGraph| -> BTreeMap<(String, String), (String, String)> {
+        g.substitutions
+            .iter()
+            .filter_map(|s| {
+                let a = g.models.get(s.model as usize)?.name.clone();
+                let b = g.models.get(s.by as usize)?.name.clone();
+                Some((
+                    (a, b),
+                    (
+                        sorted_list(&tier_names(g, &s.tiers)),
+                        s.response_model.name().to_string(),
+                    ),
+                ))
+            })
+            .collect()
+    };
+    let (a, b) = (keyed(old), keyed(new));
+    let mut keys: Vec<&(String, String)> = a.keys().chain(b.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    for key in keys {
+        let subject = format!("model {} served_by {}", key.0, key.1);
+        let summary =
+            |(tiers, rm): &(String, String)| format!("tiers {tiers}, response_model {rm}");
+        match (a.get(key), b.get(key)) {
+            (None, Some(n)) => out.added(&subject, summary(n), k),
+            (Some(o), None) => out.removed(&subject, summary(o), k),
+            (Some(o), Some(n)) => {
+                out.field(&subject, "tiers", o.0.clone(), n.0.clone(), k);
+                out.field(&subject, "response_model", o.1.clone(), n.1.clone(), k);
+            }
+            (None, None) => {}
+        }
+    }
 }
 
 fn variant(

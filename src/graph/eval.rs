@@ -67,6 +67,16 @@ pub struct Decision<'g> {
 }
 
 impl Decision<'_> {
+    /// The model the request asked for, when the decision serves it with
+    /// another model (a declared substitution); the target names the model
+    /// that serves it.
+    pub fn substituted_for(&self) -> Option<ModelId> {
+        match (self.model, self.target) {
+            (Some(m), Some(t)) if t.model != m => Some(m),
+            _ => None,
+        }
+    }
+
     /// The rules that decided, in pipeline order (for coverage and explain).
     pub fn fired_rules(&self) -> impl Iterator<Item = RuleId> {
         [
@@ -279,6 +289,9 @@ impl DecisionGraph {
         match out {
             RouteOutcome::Target(target) => {
                 let target = self.place(*target, tier, d.tenant, cx.signals);
+                if target.model != model && t.enabled() {
+                    t.note(self.substitution_note(model, target.model, tier));
+                }
                 d.target = Some(target);
                 let Some(p) = target.pool else {
                     return Some(false);
@@ -362,33 +375,62 @@ impl DecisionGraph {
         let before = d.target;
         if let (Some(v), Some(tg)) = (variant, d.target) {
             let name = self.degrade_names.get(v as usize);
-            let found = self
-                .models
-                .get(tg.model as usize)
-                .and_then(|m| m.variants.iter().position(|x| Some(&x.name) == name));
+            // A bare variant is the current model's; `MODEL.VARIANT` names
+            // the model: the one asked for, or a declared substitute.
+            let named = self.degrade_models.get(v as usize).copied().flatten();
+            let model = match named {
+                None => Some(tg.model),
+                Some(m) if m == tg.model || Some(m) == d.model => Some(m),
+                Some(m) => d
+                    .model
+                    .filter(|&asked| self.substitution(asked, m, d.tier).is_some())
+                    .map(|_| m),
+            };
+            let found = model.and_then(|mi| {
+                self.models
+                    .get(mi as usize)
+                    .and_then(|m| m.variants.iter().position(|x| Some(&x.name) == name))
+                    .map(|vi| (mi, vi))
+            });
             match found {
-                Some(vi) => {
+                Some((mi, vi)) => {
                     let to = Target {
-                        model: tg.model,
+                        model: mi,
                         variant: vi as u16,
                         pool: None,
                     };
-                    d.target = Some(self.place(to, d.tier, d.tenant, cx.signals));
+                    let placed = self.place(to, d.tier, d.tenant, cx.signals);
+                    if t.enabled() {
+                        if let (Some(asked), true) = (d.model, mi != tg.model) {
+                            if mi != asked {
+                                t.note(self.substitution_note(asked, mi, d.tier));
+                            }
+                        }
+                    }
+                    d.target = Some(placed);
                 }
                 None => {
                     if t.enabled() {
-                        t.note(format!(
-                            "model `{}` has no variant `{}`; variant kept",
-                            self.models[tg.model as usize].name,
-                            name.map(String::as_str).unwrap_or("?")
-                        ));
+                        let shown = match named {
+                            Some(m) => self.models[m as usize].name.clone(),
+                            None => self.models[tg.model as usize].name.clone(),
+                        };
+                        t.note(match (named, model) {
+                            (Some(_), None) => format!(
+                                "`{shown}` may not serve this request (no `served_by` declares it for this tier); variant kept"
+                            ),
+                            _ => format!(
+                                "model `{shown}` has no variant `{}`; variant kept",
+                                name.map(String::as_str).unwrap_or("?")
+                            ),
+                        });
                     }
                 }
             }
         }
         let mut changed = false;
         if let (Some(_), Some(before), Some(after)) = (variant, before, d.target) {
-            changed |= before.variant != after.variant;
+            changed |= before.variant != after.variant || before.model != after.model;
         }
         if let Some(m) = max_tokens {
             changed |= m < d.max_tokens;
@@ -474,12 +516,18 @@ impl DecisionGraph {
         i: usize,
         t: &mut T,
     ) -> bool {
-        if target.model != model {
+        // A step is for requests of the model it names, and for requests
+        // of models that declare it their substitute in this tier.
+        let substitute = target.model != model;
+        if substitute && self.substitution(model, target.model, d.tier).is_none() {
             if t.enabled() {
                 t.note(format!(
-                    "step {}: skipped, it routes model `{}`",
+                    "step {}: not for `{}` requests: it routes model `{}`, which `{}` does not declare `served_by` for tier `{}`",
                     i + 1,
-                    self.models[target.model as usize].name
+                    self.models[model as usize].name,
+                    self.models[target.model as usize].name,
+                    self.models[model as usize].name,
+                    self.tiers[d.tier as usize].name
                 ));
             }
             return false;
@@ -502,10 +550,29 @@ impl DecisionGraph {
             ));
         }
         if ok {
+            if substitute && t.enabled() {
+                t.note(self.substitution_note(model, target.model, d.tier));
+            }
             d.target = Some(placed);
             d.admission = Admission::Accept;
         }
         ok
+    }
+
+    /// What explain says when `by` serves a request for `model`.
+    fn substitution_note(&self, model: ModelId, by: ModelId, tier: TierId) -> String {
+        let (a, b) = (
+            &self.models[model as usize].name,
+            &self.models[by as usize].name,
+        );
+        match self.substitution(model, by, tier) {
+            Some(s) => format!(
+                "substituted: `{b}` serves this request for `{a}` (declared by `model {a} {{ served_by {b} }}` for tier `{}`; the response reports the {} model)",
+                self.tiers[tier as usize].name,
+                s.response_model.name()
+            ),
+            None => format!("substituted: `{b}` serves this request for `{a}`"),
+        }
     }
 
     /// Chooses a pool for a target that names none: the first allowed pool,
@@ -846,6 +913,46 @@ route [a, b, c] m { default => fp16 }
         r.prompt_tokens = 10;
         r.tags = vec!["big".into()];
         assert_eq!(g.view(&g.decide(&r, &idle)).tier, "a");
+    }
+
+    #[test]
+    fn a_degrade_to_a_declared_substitute_moves_the_request_to_its_model() {
+        let text = POLICY
+            .replace(
+                "  variant int4 { memory 20GB pools [big, small] }\n}",
+                "  variant int4 { memory 20GB pools [big, small] }\n  served_by tiny { tiers [hi] }\n}",
+            )
+            .replace("tier hi { priority 100 slo { ttft 500ms } preempts [lo] models [m] }", "tier hi { priority 100 slo { ttft 500ms } preempts [lo] models [m, tiny] }")
+            .replace("route [lo, bulk] tiny", "route [hi, lo, bulk] tiny")
+            .replace(
+                "when quota.remaining < 10% => degrade variant int4 max_tokens 64",
+                "when quota.remaining < 10% and model == m => degrade variant tiny.fp16\n  when quota.remaining < 20% and model == m => degrade variant m.int4",
+            );
+        let c = compile_str("t.kiln", &text);
+        let g = c.graph.unwrap_or_else(|| panic!("{:?}", c.diagnostics));
+        let low = signals(
+            &g,
+            r#"{ "tenants": { "app": { "quota_remaining": "5%" } } }"#,
+        );
+        let (d, t) = g.explain(&req(Some("app"), "m"), &low);
+        let v = g.view(&d);
+        assert_eq!(v.admission, "degrade");
+        assert_eq!(v.route.as_deref(), Some("tiny.fp16 on small"));
+        assert_eq!(v.substituted_for.as_deref(), Some("m"));
+        assert_eq!(d.target.map(|t| t.model), g.model_id("tiny"));
+        assert!(t
+            .stages
+            .iter()
+            .flat_map(|s| &s.notes)
+            .any(|n| n.contains("substituted: `tiny` serves this request for `m`")));
+        // `MODEL.VARIANT` naming the request's own model is that variant.
+        let some = signals(
+            &g,
+            r#"{ "tenants": { "app": { "quota_remaining": "15%" } } }"#,
+        );
+        let v = g.view(&g.decide(&req(Some("app"), "m"), &some));
+        assert_eq!(v.route.as_deref(), Some("m.int4 on big"));
+        assert_eq!(v.substituted_for, None);
     }
 
     #[test]

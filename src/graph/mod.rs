@@ -339,6 +339,48 @@ pub enum Step {
     Reject(Arc<Reject>),
 }
 
+/// How a response served by a substitute reports its model in the OpenAI
+/// body's `model` field (headers always name both models).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ResponseModel {
+    /// The model that produced the tokens (the default: it is what ran).
+    #[default]
+    Served,
+    /// The model the client asked for, for clients that compare it.
+    Requested,
+}
+
+impl ResponseModel {
+    pub const NAMES: [&'static str; 2] = ["served", "requested"];
+
+    pub fn parse(s: &str) -> Option<ResponseModel> {
+        match s {
+            "served" => Some(ResponseModel::Served),
+            "requested" => Some(ResponseModel::Requested),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ResponseModel::Served => "served",
+            ResponseModel::Requested => "requested",
+        }
+    }
+}
+
+/// `model A { served_by B { tiers [..] } }`: requests for `model` (A) in
+/// these tiers may be served by `by` (B). Directional and not transitive.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Substitution {
+    pub model: ModelId,
+    pub by: ModelId,
+    pub tiers: Vec<TierId>,
+    pub response_model: ResponseModel,
+    pub span: Span,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct FallbackChain {
     pub steps: Vec<(RuleId, Step)>,
@@ -445,6 +487,12 @@ pub struct DecisionGraph {
     /// Variant names that `degrade variant` outcomes move to, resolved
     /// against the request's model at decision time.
     pub degrade_names: Vec<String>,
+    /// The model a `degrade variant MODEL.VARIANT` names, by the same index
+    /// as `degrade_names` (`None` for a bare variant name: the request's
+    /// own model).
+    pub degrade_models: Vec<Option<ModelId>>,
+    /// Declared cross-model substitutions (`served_by`).
+    pub substitutions: Vec<Substitution>,
     pub(crate) index: Names,
     pub(crate) builtin: Builtin,
 }
@@ -555,6 +603,8 @@ impl DecisionGraph {
             approvals: Vec::new(),
             rules: Vec::new(),
             degrade_names: Vec::new(),
+            degrade_models: Vec::new(),
+            substitutions: Vec::new(),
             index: Names::default(),
             builtin: Builtin::default(),
         }
@@ -570,6 +620,7 @@ impl DecisionGraph {
         g.tenants.iter_mut().for_each(|t| t.span = z);
         g.cohorts.iter_mut().for_each(|c| c.span = z);
         g.rules.iter_mut().for_each(|r| r.span = z);
+        g.substitutions.iter_mut().for_each(|s| s.span = z);
         for m in &mut g.models {
             m.span = z;
             m.variants.iter_mut().for_each(|v| v.span = z);
@@ -607,6 +658,14 @@ impl DecisionGraph {
             },
             None => "?".into(),
         }
+    }
+
+    /// The declaration by which `by` may serve requests for `model` in
+    /// `tier`, if the policy makes one (never for `model == by`).
+    pub fn substitution(&self, model: ModelId, by: ModelId, tier: TierId) -> Option<&Substitution> {
+        self.substitutions
+            .iter()
+            .find(|s| s.model == model && s.by == by && s.tiers.contains(&tier))
     }
 
     pub fn tier_allows_model(&self, tier: TierId, model: ModelId) -> bool {

@@ -147,7 +147,10 @@ pub fn render(
     }
     parts.push(format!("tier {}", v.tier));
     if let Some(r) = &v.route {
-        parts.push(format!("route {r}"));
+        match &v.substituted_for {
+            Some(asked) => parts.push(format!("route {r} (substituted for {asked})")),
+            None => parts.push(format!("route {r}")),
+        }
     }
     let mut adm = v.admission.clone();
     if let Some(w) = v.max_wait_ms {

@@ -12,6 +12,10 @@ pub struct DecisionView {
     /// `model.variant on pool`, or `model.variant` when placement is left to
     /// the scheduler.
     pub route: Option<String>,
+    /// The model the request asked for, when `route` names another model
+    /// that serves it (a declared `served_by` substitution).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub substituted_for: Option<String>,
     /// accept, queue, delay, degrade or reject.
     pub admission: String,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -64,6 +68,10 @@ impl DecisionGraph {
                 .map(|t| t.name.clone())
                 .unwrap_or_default(),
             route: d.target.as_ref().map(|t| self.target_name(t)),
+            substituted_for: d
+                .substituted_for()
+                .and_then(|m| self.models.get(m as usize))
+                .map(|m| m.name.clone()),
             admission: d.admission.kind().to_string(),
             max_wait_ms: None,
             delay_until: None,

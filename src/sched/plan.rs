@@ -89,6 +89,18 @@ impl Plan {
                 }
             }
         }
+        // `degrade variant MODEL.VARIANT` (a substitute's variant, or the
+        // model's own) needs replicas of that variant too.
+        for (name, m) in g.degrade_names.iter().zip(&g.degrade_models) {
+            let Some(m) = *m else { continue };
+            let found = g
+                .models
+                .get(m as usize)
+                .and_then(|x| x.variants.iter().position(|v| &v.name == name));
+            if let Some(v) = found {
+                bump(m, v as u16, None);
+            }
+        }
         demand.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
         let mut plan = Plan::default();
         for (pi, pool) in g.pools.iter().enumerate() {

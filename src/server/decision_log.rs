@@ -586,6 +586,7 @@ mod tests {
                 tier: Some("interactive".into()),
                 tenant: Some("support-bot".into()),
                 route: Some("llama-70b.fp16 on h100".into()),
+                substituted_for: None,
                 admission: Some("queue".into()),
                 status: Some(200),
                 fallback_step: None,

@@ -19,7 +19,7 @@ use super::openai::{ApiError, Endpoint, GenerationRequest};
 use super::App;
 use crate::backend::Backend;
 use crate::governance::overrides::Scope;
-use crate::graph::{DecisionGraph, Request, Signals, TenantId, TierId};
+use crate::graph::{DecisionGraph, Request, ResponseModel, Signals, TenantId, TierId};
 use crate::sched::{Arrival, Reason, ReqId, SEC};
 use crate::traffic::{Decision as LogDecision, Record};
 use axum::body::Body;
@@ -396,6 +396,39 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
                 );
                 continue;
             }
+        };
+        // The replica may serve a declared substitute: the upstream is asked
+        // for the model it serves, and the body reports what the policy says.
+        let sub = served_substitution(&ctx, &started);
+        let served_model = started
+            .route
+            .split_once('.')
+            .map_or(ctx.req.model.as_str(), |(m, _)| m)
+            .to_string();
+        if let Some(o) = ctx.body.as_object_mut() {
+            if o.get("model").and_then(Value::as_str) != Some(served_model.as_str()) {
+                o.insert("model".into(), Value::String(served_model.clone()));
+            }
+        }
+        if let Some(x) = &sub {
+            explain::note(
+                &ctx.explain,
+                ctx.ms(),
+                format!(
+                    "substituted: `{}` serves this request for `{}` (served_by); the response's `model` is `{}`",
+                    x.served,
+                    x.asked,
+                    match x.response_model {
+                        ResponseModel::Served => &x.served,
+                        ResponseModel::Requested => &x.asked,
+                    }
+                ),
+                None,
+            );
+        }
+        ctx.client_model = match &sub {
+            Some(s) if s.response_model == ResponseModel::Served => s.served.clone(),
+            _ => ctx.req.model.clone(),
         };
         match backend {
             Backend::Sim | Backend::Cuda(_) => {
@@ -995,8 +1028,10 @@ pub(super) fn finish_served(
     if app.log.is_enabled() {
         let mut rec = base_record(ctx, Some(&s.d));
         rec.output_tokens = output_tokens;
+        let sub = served_substitution(ctx, s);
         if let Some(dec) = rec.decision.as_mut() {
             dec.route = Some(s.route.clone());
+            dec.substituted_for = sub.map(|x| x.asked);
             dec.admission = Some(
                 if s.waited_for.is_some() {
                     "queue"
@@ -1030,8 +1065,47 @@ pub(super) fn finish_served(
     }
 }
 
+/// A request served by another model than the one it asked for.
+pub(super) struct Served {
+    pub(super) asked: String,
+    pub(super) served: String,
+    pub(super) response_model: ResponseModel,
+}
+
+/// When the replica a request started on serves another model than the
+/// one it asked for (a declared `served_by` substitution), which, and how
+/// the response reports it (the deciding version's declaration; the
+/// served model when none is found, which is what ran).
+pub(super) fn served_substitution(ctx: &Ctx, s: &Started) -> Option<Served> {
+    let served = s.route.split_once('.').map(|(m, _)| m)?;
+    let asked = ctx.req.model.as_str();
+    if served == asked {
+        return None;
+    }
+    let tier =
+        s.d.graph
+            .tiers
+            .get(s.d.tier as usize)
+            .map(|t| t.name.as_str());
+    let declared = [&s.d.policy_graph, &s.d.graph].into_iter().find_map(|g| {
+        let t = g.tier_id(tier?)?;
+        g.substitution(g.model_id(asked)?, g.model_id(served)?, t)
+            .map(|x| x.response_model)
+    });
+    Some(Served {
+        asked: asked.to_string(),
+        served: served.to_string(),
+        response_model: declared.unwrap_or_default(),
+    })
+}
+
 pub(super) fn kiln_headers(ctx: &Ctx, s: &Started, backend: &str) -> Vec<(&'static str, String)> {
     let g = &s.d.graph;
+    let sub = served_substitution(ctx, s);
+    let route = match &sub {
+        Some(x) => format!("{} (substituted for {})", s.route, x.asked),
+        None => s.route.clone(),
+    };
     let mut h = vec![
         ("x-kiln-request-id", ctx.rid.clone()),
         ("x-kiln-policy-version", s.d.version.to_string()),
@@ -1043,7 +1117,7 @@ pub(super) fn kiln_headers(ctx: &Ctx, s: &Started, backend: &str) -> Vec<(&'stat
                 .unwrap_or_default(),
         ),
         ("x-kiln-tenant", tenant_name(g, s.d.tenant)),
-        ("x-kiln-route", s.route.clone()),
+        ("x-kiln-route", route),
         ("x-kiln-backend", backend.to_string()),
         ("x-kiln-queue-ms", format!("{:.3}", s.queue_s * 1000.0)),
         ("x-kiln-explain", format!("/admin/explain/{}", ctx.rid)),
@@ -1059,6 +1133,12 @@ pub(super) fn kiln_headers(ctx: &Ctx, s: &Started, backend: &str) -> Vec<(&'stat
     }
     if let Some(f) = s.d.fallback_step {
         h.push(("x-kiln-fallback-step", (u32::from(f) + 1).to_string()));
+    }
+    if let Some(x) = sub {
+        h.push((
+            "x-kiln-model-substituted",
+            format!("{} -> {}", x.asked, x.served),
+        ));
     }
     h
 }

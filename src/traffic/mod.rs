@@ -99,9 +99,14 @@ pub struct Decision {
     /// The tenant the request was attributed to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant: Option<String>,
-    /// Where it was routed (`llama-70b.fp16 on h100`).
+    /// Where it was routed (`llama-70b.fp16 on h100`): the model that
+    /// served it, which may be a declared substitute.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub route: Option<String>,
+    /// The model the request asked for, when `route` names a substitute
+    /// that served it instead (`served_by`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub substituted_for: Option<String>,
     /// `accept`, `queue`, `degrade`, `reject`, …
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub admission: Option<String>,
