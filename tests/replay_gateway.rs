@@ -45,8 +45,15 @@ struct Seen {
 async fn a_trace_through_the_gateway_on_a_virtual_clock_matches_the_replay() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let text = std::fs::read_to_string(root.join("examples/diff/old/enterprise.kiln")).unwrap();
-    let records: Vec<Record> =
+    let mut records: Vec<Record> =
         kiln::traffic::read(root.join("examples/diff/traffic.jsonl")).unwrap();
+    // The gateway is sent each prompt as that many zero tokens, and hashes
+    // them into prefix blocks (every prompt shares its leading blocks with
+    // every longer one): the replay is given the same blocks.
+    for r in &mut records {
+        r.prefix_blocks = kiln::server::prefix::chain(&vec![0u32; r.prompt_tokens as usize]);
+    }
+    assert!(records.iter().any(|r| r.prefix_blocks.len() > 1));
     assert!(
         records.len() >= 300,
         "the slice must hold a few hundred requests"
@@ -165,6 +172,10 @@ async fn a_trace_through_the_gateway_on_a_virtual_clock_matches_the_replay() {
     for line in std::fs::read_to_string(&log).unwrap().lines() {
         let rec: Record = serde_json::from_str(line).unwrap();
         let i: usize = rec.headers["x-kiln-replay-index"].parse().unwrap();
+        assert_eq!(
+            rec.prefix_blocks, records[i].prefix_blocks,
+            "the log records the blocks the gateway hashed"
+        );
         let d = rec.decision.unwrap_or_default();
         let id = rec.id.unwrap();
         let ex: Value = http

@@ -203,6 +203,8 @@ pub(super) struct Ctx {
     /// Times it went back to the queue after an upstream did not serve it
     /// (`x-kiln-upstream-requeued`).
     pub(super) requeued: u32,
+    /// The prompt's prefix block ids ([`super::prefix`]).
+    pub(super) prefix_blocks: Vec<u64>,
 }
 
 impl Ctx {
@@ -242,18 +244,22 @@ async fn generate_inner(
     // Counting a large prompt takes milliseconds: on a blocking thread, so
     // that a few large prompts do not stall every other request (and the
     // health checks) on the async workers.
-    let (greq, prompt_tokens) = if bytes.len() > limits.blocking_tokenize_bytes {
+    // The same pass hashes the prompt's leading tokens into prefix blocks
+    // (for the prefix cache and prefix-affinity routing, and the log).
+    let blocks = super::prefix::MAX_PREFIX_BLOCKS;
+    let (greq, prompt) = if bytes.len() > limits.blocking_tokenize_bytes {
         let tok = app.tokenizer;
         tokio::task::spawn_blocking(move || {
-            let n = tok.prompt_tokens(&greq);
+            let n = tok.prompt(&greq, blocks);
             (greq, n)
         })
         .await
         .map_err(|e| ApiError::new(500, format!("counting prompt tokens failed: {e}")))?
     } else {
-        let n = app.tokenizer.prompt_tokens(&greq);
+        let n = app.tokenizer.prompt(&greq, blocks);
         (greq, n)
     };
+    let prompt_tokens = prompt.count;
     drop(bytes);
     let max_tokens = greq
         .requested_max_tokens()
@@ -330,6 +336,7 @@ async fn generate_inner(
         received_ms,
         explain,
         requeued: 0,
+        prefix_blocks: prompt.prefix_blocks,
     };
     run(ctx, max_tokens).await
 }
@@ -455,7 +462,7 @@ fn submit(
         id: ctx.id,
         request: ctx.req.clone(),
         output_tokens: max_tokens.min(u64::from(u32::MAX)) as u32,
-        prefix_blocks: Vec::new(),
+        prefix_blocks: ctx.prefix_blocks.clone(),
     };
     let mut guard = CancelGuard {
         id: ctx.id,
@@ -905,6 +912,7 @@ fn base_record(ctx: &Ctx, d: Option<&Decided>) -> Record {
     let mut r = Record::new(ctx.received_ms.round(), req, 0);
     r.id = Some(ctx.rid.clone());
     r.api_key = None;
+    r.prefix_blocks = ctx.prefix_blocks.clone();
     if let Some(d) = d {
         r.policy_version = Some(d.version.to_string());
         r.decision = Some(LogDecision {
