@@ -53,6 +53,9 @@ pub enum Outcome {
     UpstreamError,
     /// It ran out of time (queue wait or deadline).
     Timeout,
+    /// Preempted after its answer began (a stream that had sent text; its
+    /// tier requeues preempted work, which cannot continue that stream).
+    Preempted,
 }
 
 impl Outcome {
@@ -64,6 +67,7 @@ impl Outcome {
             Outcome::Cancelled => "cancelled",
             Outcome::UpstreamError => "upstream_error",
             Outcome::Timeout => "timeout",
+            Outcome::Preempted => "preempted",
         }
     }
 }

@@ -360,13 +360,23 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
     // budget runs out while the request waits for another replica.
     let mut deadline: Option<tokio::time::Instant> = None;
     let mut last_error: Option<ApiError> = None;
+    // A request preempted off an upstream is still the scheduler's (queued
+    // again, or refused per its tier's `on_preempt`): it is not submitted
+    // again, its progress is followed on the same channel.
+    let mut preempted: Option<(mpsc::UnboundedReceiver<Progress>, CancelGuard, Decided)> = None;
     loop {
-        let (rx, guard) = submit(&ctx, max_tokens)?;
+        let (rx, guard, decided) = match preempted.take() {
+            Some((rx, guard, d)) => (rx, guard, Some(d)),
+            None => {
+                let (rx, guard) = submit(&ctx, max_tokens)?;
+                (rx, guard, None)
+            }
+        };
         let may_redecide = redecided < limits.max_redecide;
         let waited = match deadline {
-            None => wait_for_start(&ctx, rx, guard, may_redecide).await?,
+            None => wait_for_start(&ctx, rx, guard, may_redecide, decided).await?,
             Some(at) => {
-                let wait = wait_for_start(&ctx, rx, guard, may_redecide);
+                let wait = wait_for_start(&ctx, rx, guard, may_redecide, decided);
                 match tokio::time::timeout_at(at, wait).await {
                     Ok(waited) => waited?,
                     // Dropping the wait cancels the request in the scheduler.
@@ -424,6 +434,21 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
                 {
                     Ok(r) => return Ok(r),
                     Err(HttpFail::Fatal(e)) => return Err(e),
+                    Err(HttpFail::Preempted(p)) => {
+                        let p = *p;
+                        ctx = p.ctx;
+                        explain::note(
+                            &ctx.explain,
+                            ctx.ms(),
+                            format!(
+                                "preempted by request {} on the upstream: its call there was cancelled; the scheduler holds it again",
+                                p.by
+                            ),
+                            Some(Reason::Preempted.name()),
+                        );
+                        preempted = Some((p.rx, p.guard, p.started.d));
+                        continue;
+                    }
                     Err(HttpFail::Unsent(back, err)) => {
                         resent += 1;
                         (back, err, "the upstream never received it; queued again")
@@ -539,10 +564,11 @@ async fn wait_for_start(
     rx: mpsc::UnboundedReceiver<Progress>,
     guard: CancelGuard,
     may_redecide: bool,
+    decided: Option<Decided>,
 ) -> Result<Waited, ApiError> {
     let mut left = LeftWhileQueued {
         ctx,
-        decided: None,
+        decided,
         armed: true,
     };
     let r = wait_inner(ctx, rx, guard, may_redecide, &mut left.decided).await;
@@ -838,6 +864,9 @@ fn refusal(
         Reason::RetryBudget => format!("tenant {tenant} has spent its retry budget"),
         Reason::SessionBudget => "this agent session has used all the steps its tenant allows".into(),
         Reason::PolicyChanged => "the policy changed while this request waited; retry".into(),
+        Reason::Preempted => format!(
+            "preempted to make room for a higher tier; tier {tier} declares `on_preempt reject`: retry later"
+        ),
         other => format!("refused: {}", other.name()),
     };
     let retry = match (status, retry_after) {
@@ -989,6 +1018,7 @@ pub(super) fn finish_served(
         MetricOutcome::UpstreamError => "upstream error",
         MetricOutcome::Timeout => "upstream timeout",
         MetricOutcome::Rejected => "rejected",
+        MetricOutcome::Preempted => "preempted mid-stream",
     };
     explain::note(
         &ctx.explain,
@@ -1022,6 +1052,7 @@ pub(super) fn finish_served(
                 MetricOutcome::Cancelled => Some("client_disconnected".into()),
                 MetricOutcome::UpstreamError => Some("upstream_error".into()),
                 MetricOutcome::Timeout => Some("upstream_timeout".into()),
+                MetricOutcome::Preempted => Some(Reason::Preempted.name().into()),
             };
         }
         rec.ttft_ms = ttft_s.map(|t| round3(t * 1000.0));
