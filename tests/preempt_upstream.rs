@@ -86,6 +86,10 @@ async fn chat(State(seen): State<Arc<Seen>>, Json(body): Json<Value>) -> Respons
     let slow = prompt.contains("slow");
     let mut guard = Abandon(seen.clone(), false);
     if body["stream"].as_bool() == Some(true) {
+        if prompt.contains("late") {
+            // Nothing at all before this (the answer cannot have begun).
+            tokio::time::sleep(SLOW).await;
+        }
         let pieces = if slow {
             SLOW.as_millis() as u64 / 50
         } else {
@@ -369,6 +373,40 @@ async fn a_stream_that_already_sent_text_ends_with_a_preempted_event() {
         rec.decision.as_ref().and_then(|d| d.reason.as_deref()),
         Some("preempted")
     );
+    srv.stop().await;
+    mock.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_preempted_before_its_answer_began_is_served_later() {
+    let (url, seen, mock) = mock().await;
+    let log = temp_log("preempt-stream-late");
+    let srv = gateway(&url, &log).await;
+    let base = format!("http://{}", srv.addr);
+    let c = support::client(Duration::from_secs(30));
+
+    let batch = send(&c, &base, "k-beta", body("late start", 50_000, true));
+    until("the batch call upstream", || {
+        seen.calls.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    let hi = send(&c, &base, "k-alpha", body("urgent", 10, false))
+        .await
+        .unwrap();
+    assert_eq!(hi.status(), 200);
+    until("the first call dropped", || {
+        seen.abandoned.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    // The stream had not begun: the client gets the whole second call.
+    let b = batch.await.unwrap();
+    assert_eq!(b.status(), 200);
+    assert_eq!(b.headers()["x-kiln-waited-for"], "preempted");
+    let text = b.text().await.unwrap();
+    assert!(text.contains("tok "), "{text}");
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    assert!(!text.contains("preempted"), "{text}");
+    assert_eq!(seen.calls.load(Ordering::SeqCst), 3);
     srv.stop().await;
     mock.abort();
 }

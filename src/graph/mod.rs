@@ -180,7 +180,7 @@ pub struct Tier {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum OnPreempt {
     /// Back to the head of its queue, recomputed when it starts again; its
-    /// client keeps waiting (a stream that already sent text ends with a
+    /// client keeps waiting (a stream whose answer has begun ends with a
     /// `preempted` error event: kiln does not splice two generations).
     #[default]
     Requeue,

@@ -53,8 +53,8 @@ pub enum Outcome {
     UpstreamError,
     /// It ran out of time (queue wait or deadline).
     Timeout,
-    /// Preempted after its answer began (a stream that had sent text; its
-    /// tier requeues preempted work, which cannot continue that stream).
+    /// Preempted after its answer began (a stream; its tier requeues
+    /// preempted work, which cannot continue a stream already begun).
     Preempted,
 }
 
