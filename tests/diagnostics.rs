@@ -87,6 +87,8 @@ fn cases() -> Vec<(&'static str, String, Code)> {
             Code::UnitMismatch,
         ),
         ("invalid_value", with("memory 80GB }", "memory 80GB }\npool small { gpus 0 kind \"L4\" memory 24GB }"), Code::InvalidValue),
+        ("invalid_value_on_preempt", with("  preemptible\n}", "  preemptible\n  on_preempt rejekt\n}"), Code::InvalidValue),
+        ("invalid_value_on_preempt_not_preemptible", with("  slo { ttft 500ms }\n}", "  slo { ttft 500ms }\n  on_preempt reject\n}"), Code::InvalidValue),
         ("out_of_range", with("gpus 4 kind", "gpus 99999999999999999999999999 kind"), Code::OutOfRange),
         ("invalid_outcome", with("when tenant == app => tier chat", "when tenant == app => accept"), Code::InvalidOutcome),
         ("missing_default", with("  default => tier bulk\n", ""), Code::MissingDefault),

@@ -26,6 +26,10 @@ async fn a_trace_through_the_gateway_on_a_virtual_clock_matches_the_replay() {
         records.len() >= 300,
         "the slice must hold a few hundred requests"
     );
+    assert!(
+        records.iter().any(|r| r.prompt_tokens >= 1024),
+        "some prompts span several prefix blocks"
+    );
     let p = policy("enterprise.kiln", &text);
     let (want, outcomes) = replay_seen(&p, &records);
     let served = want.iter().filter(|s| s.finished_us.is_some()).count();

@@ -52,6 +52,7 @@ const TIER_FIELDS: &[&str] = &[
     "prefix_affinity",
     "exact_cache",
     "signal_window",
+    "on_preempt",
     "description",
 ];
 const SLO_FIELDS: &[&str] = &["ttft", "p95", "window"];
@@ -684,6 +685,7 @@ impl Compiler<'_> {
                 .map(|x| x as ModelId)
                 .collect()
         });
+        let on_preempt = self.on_preempt(f.get("on_preempt"), preemptible);
         let _ = self.prop_string(f.get("description"));
         let signal_window = self.signal_window(f.get("signal_window"));
         self.g.tiers.push(Tier {
@@ -700,8 +702,54 @@ impl Compiler<'_> {
             prefix_affinity,
             exact_cache,
             signal_window,
+            on_preempt,
             span: d.name.span,
         });
+    }
+
+    /// `on_preempt requeue|reject`: only on a preemptible tier, where it
+    /// acts (anywhere else it could never act, so it is an error).
+    fn on_preempt(&mut self, p: Option<&Property>, preemptible: bool) -> OnPreempt {
+        let Some(p) = p else {
+            return OnPreempt::default();
+        };
+        let Some(v) = self.one(p, "requeue") else {
+            return OnPreempt::default();
+        };
+        let word = match &v.kind {
+            ValueKind::Path(path) if path.len() == 1 => Some(&path[0]),
+            _ => None,
+        };
+        let Some(choice) = word.and_then(|w| OnPreempt::parse(&w.name)) else {
+            let help = word
+                .and_then(|w| suggest(&w.name, OnPreempt::NAMES.iter().copied()))
+                .unwrap_or_else(|| {
+                    "write `on_preempt requeue` (the client keeps waiting) or `on_preempt reject` (it is told 503 `preempted`)".into()
+                });
+            self.err(
+                Diagnostic::error(
+                    Code::InvalidValue,
+                    format!(
+                        "`on_preempt` is `requeue` or `reject`, found `{}`",
+                        format::value(v)
+                    ),
+                )
+                .at(v.span, "not requeue or reject")
+                .help(help),
+            );
+            return OnPreempt::default();
+        };
+        if !preemptible {
+            self.err(
+                Diagnostic::error(
+                    Code::InvalidValue,
+                    "`on_preempt` on a tier that is not `preemptible` never acts",
+                )
+                .at(p.span, "this tier is never preempted")
+                .help("add `preemptible` to the tier, or remove `on_preempt`"),
+            );
+        }
+        choice
     }
 
     fn model(&mut self, d: &ast::Decl) {

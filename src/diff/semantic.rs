@@ -787,6 +787,13 @@ fn tiers(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
                         flag(b.exact_cache),
                         tc,
                     );
+                    out.field(
+                        &subject,
+                        "on_preempt",
+                        a.on_preempt.name().to_string(),
+                        b.on_preempt.name().to_string(),
+                        tc,
+                    );
                 }
                 (None, None) => {}
             }

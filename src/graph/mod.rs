@@ -175,7 +175,41 @@ pub struct Tier {
     pub exact_cache: bool,
     /// Sliding window of its measured signals, ms.
     pub signal_window: f64,
+    /// What a preempted request of this (preemptible) tier becomes.
+    pub on_preempt: OnPreempt,
     pub span: Span,
+}
+
+/// What happens to a request of a preemptible tier when it is preempted
+/// (`on_preempt` on the tier).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OnPreempt {
+    /// Back to the head of its queue, recomputed when it starts again; its
+    /// client keeps waiting (a stream whose answer has begun ends with a
+    /// `preempted` error event: kiln does not splice two generations).
+    #[default]
+    Requeue,
+    /// Refused: 503 with Retry-After and reason `preempted`.
+    Reject,
+}
+
+impl OnPreempt {
+    pub const NAMES: &'static [&'static str] = &["requeue", "reject"];
+
+    pub fn parse(s: &str) -> Option<OnPreempt> {
+        match s {
+            "requeue" => Some(OnPreempt::Requeue),
+            "reject" => Some(OnPreempt::Reject),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            OnPreempt::Requeue => "requeue",
+            OnPreempt::Reject => "reject",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Default)]

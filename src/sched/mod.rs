@@ -22,8 +22,9 @@
 //!   in the same pool) so it is never over-committed: when blocks run out,
 //!   the lowest-ranked sequence there is preempted and recomputed later.
 //!   Lower tiers' preemptible work is also preempted when a higher tier
-//!   would otherwise wait; an external replica (an HTTP upstream) only has
-//!   its slots filled, the upstream runs the batch;
+//!   would otherwise wait, on every replica; an external replica (an HTTP
+//!   upstream) only has its slots filled, the upstream runs the batch (and
+//!   the environment cancels a preempted sequence's upstream request);
 //! - [`swap`] moves queues, running work, quotas and fair share to a new
 //!   policy version by name while requests wait and run.
 
@@ -1460,7 +1461,7 @@ impl Scheduler {
             // finishing here under a stand-in) has nowhere to go back to.
             let servable =
                 !seq.w.orphan && swap::servable(&self.by_variant, &self.replicas, &seq.w);
-            self.requeue(seq.w, r, by, servable);
+            self.preempted_out(seq.w, r, by, servable);
         }
         for mut seq in room.unfit {
             seq.w.generated = seq.generated;
@@ -1485,11 +1486,15 @@ impl Scheduler {
 
     /// Preempts the lowest-priority preemptible sequence on replica `r`
     /// that `w`'s tier may preempt, if any, within the thrash budget.
+    ///
+    /// On an external replica (an HTTP upstream) too: the environment
+    /// cancels the upstream's request when it sees `Preempted` (the slot
+    /// the scheduler counts is then free there as well), and what the
+    /// client sees is the victim's tier's `on_preempt`.
     fn try_preempt(&mut self, r: usize, w: &Waiting) -> bool {
-        // Tokens streamed from an upstream cannot be taken back; and
-        // nothing is preempted for work that could never fit here.
+        // Nothing is preempted for work that could never fit here.
         let most = u64::from(w.prompt_tokens) + u64::from(w.output_tokens);
-        if self.replicas[r].spec.external || most > self.replicas[r].pool_tokens() {
+        if most > self.replicas[r].pool_tokens() {
             return false;
         }
         let Some(tier) = self.graph.tiers.get(w.tier as usize) else {
@@ -1532,20 +1537,59 @@ impl Scheduler {
         let Some(i) = victim else {
             return false;
         };
+        // An upstream's GPU time so far is charged as a cancellation's is
+        // (its steps are not seen here); its progress is unknown, so it
+        // starts again from its prompt, charged again when it does.
+        let share = if self.replicas[r].spec.external {
+            self.external_share(r, i)
+        } else {
+            0.0
+        };
         let mut seq = self.replicas[r].evict(i);
-        self.out.push(Action::Preempted {
-            id: seq.w.id,
-            replica: r,
-            by: w.id,
-        });
+        if let (Some(t), true) = (seq.w.tenant, share > 0.0) {
+            self.quotas.charge_gpu(t, share, self.now);
+        }
         // Keeps its place: back at the head of its tenant's queue, with its
         // generated tokens; the KV cache is recomputed when it resumes.
         seq.w.preemptions += 1;
         seq.w.generated = seq.generated;
-        seq.w.gpu_seconds = seq.gpu_seconds;
+        seq.w.gpu_seconds = seq.gpu_seconds + share;
         seq.w.waiting_for = Some(Reason::Preempted);
-        self.queues.push_front(seq.w);
+        self.preempted_out(seq.w, r, w.id, true);
         true
+    }
+
+    /// A sequence preempted off replica `r` by `by`: requeued (see
+    /// [`Self::requeue`]), or, when its tier says `on_preempt reject`,
+    /// announced and refused (503 `preempted`, Retry-After when the
+    /// replica should have room again).
+    fn preempted_out(&mut self, w: Waiting, r: usize, by: ReqId, servable: bool) {
+        let reject = self
+            .graph
+            .tiers
+            .get(w.tier as usize)
+            .is_some_and(|t| t.on_preempt == crate::graph::OnPreempt::Reject);
+        if !reject || !servable {
+            self.requeue(w, r, by, servable);
+            return;
+        }
+        self.out.push(Action::Preempted {
+            id: w.id,
+            replica: r,
+            by,
+        });
+        // Fair share keeps what it was charged for what it did; the output
+        // it will not make is given back.
+        let unused = w.output_tokens.saturating_sub(w.generated);
+        self.queues.refund(&self.graph, &self.cfg, &w, unused);
+        let retry = self.replicas[r].time_to_free().max(SEC);
+        self.end_held(w.id, swap::served_tokens(&w));
+        self.out.push(Action::Reject {
+            id: w.id,
+            reason: Reason::Preempted,
+            status: 503,
+            retry_after: Some(retry),
+        });
     }
 
     /// Under kiln, the longest a step may take for prefill of work without
@@ -1600,7 +1644,7 @@ impl Scheduler {
             && self
                 .replicas
                 .get(r)
-                .is_some_and(|x| !x.spec.external && s.kv <= x.pool_tokens())
+                .is_some_and(|x| s.kv <= x.pool_tokens())
     }
 
     /// Whether a request of a higher-priority tier started after `w` arrived.
@@ -1787,16 +1831,47 @@ mod tests {
     }
 
     #[test]
-    fn work_on_an_external_replica_is_never_preempted_nor_requeued() {
+    fn work_on_an_external_replica_is_preempted_for_a_protected_tier() {
         let g = graph(BASE);
         let mut s = sched(&g);
         let ext = s.replicas.iter().position(|r| r.spec.external).unwrap();
         arrive(&mut s, 0, arrival(0, "bulk", "api", 100, 10));
         arrive(&mut s, 0, arrival(1, "bulk", "api", 100, 10));
-        // hi preempts lo, and waits long enough to want to.
-        let mut acts = arrive(&mut s, SEC, arrival(2, "chat", "api", 100, 10));
-        acts.extend(s.handle(30 * SEC, Event::Tick).to_vec());
+        // hi preempts lo; at once it would wait, under the estimate, less
+        // than half its TTFT SLO, so it waits...
+        let acts = arrive(&mut s, SEC, arrival(2, "chat", "api", 100, 10));
         assert!(!acts.iter().any(|a| matches!(a, Action::Preempted { .. })));
+        // ...and once it has waited long enough, a lo request is preempted
+        // (its upstream request is the environment's to cancel) and hi
+        // starts in its slot.
+        let acts = s.handle(30 * SEC, Event::Tick).to_vec();
+        let victim = acts.iter().find_map(|a| match a {
+            Action::Preempted { id, replica, by: 2 } if *replica == ext => Some(*id),
+            _ => None,
+        });
+        let Some(v) = victim else {
+            panic!("nothing preempted: {acts:?}");
+        };
+        let other = 1 - v;
+        assert_eq!(started(&acts), vec![2]);
+        assert_eq!(s.running_on(ext), 2);
+        // It is queued again at the head (not refused), and starts again
+        // when a slot frees.
+        assert_eq!(s.waiting(), 1);
+        assert!(s.held.contains_key(&v));
+        // A completion for it that crossed the preemption does nothing.
+        let acts = s
+            .handle(
+                30 * SEC,
+                Event::Complete {
+                    id: v,
+                    output_tokens: 3,
+                },
+            )
+            .to_vec();
+        assert!(!acts.iter().any(|a| matches!(a, Action::Finished { .. })));
+        assert_eq!(s.waiting(), 1);
+        // A replica going down takes back nothing (the upstream owns it).
         let acts = s
             .handle(31 * SEC, Event::ReplicaDown { replica: ext })
             .to_vec();
@@ -1807,19 +1882,104 @@ mod tests {
             .handle(
                 32 * SEC,
                 Event::Complete {
-                    id: 0,
+                    id: other,
                     output_tokens: 10,
                 },
             )
             .to_vec();
         assert!(acts
             .iter()
-            .any(|a| matches!(a, Action::Finished { id: 0, .. })));
+            .any(|a| matches!(a, Action::Finished { id, .. } if *id == other)));
         assert!(started(&acts).is_empty());
         let acts = s
             .handle(33 * SEC, Event::ReplicaUp { replica: ext })
             .to_vec();
-        assert_eq!(started(&acts), vec![2]);
+        assert_eq!(started(&acts), vec![v], "the preempted request resumes");
+        let acts = s
+            .handle(
+                34 * SEC,
+                Event::Complete {
+                    id: v,
+                    output_tokens: 10,
+                },
+            )
+            .to_vec();
+        let total = acts.iter().find_map(|a| match a {
+            Action::Finished { id, gpu_seconds } if *id == v => Some(*gpu_seconds),
+            _ => None,
+        });
+        // Both runs' GPU time: the first (30 s of wall time over two
+        // sequences) and the second.
+        assert!(total.is_some_and(|x| x > 14.0), "{total:?}");
+    }
+
+    #[test]
+    fn a_tier_that_rejects_on_preemption_is_refused_not_requeued() {
+        let g = graph(&BASE.replace(
+            "slo { window 1h } preemptible }",
+            "slo { window 1h } preemptible on_preempt reject }",
+        ));
+        for ext in [false, true] {
+            let model = if ext { "api" } else { "m" };
+            let mut s = sched(&g);
+            let r = s
+                .replicas
+                .iter()
+                .position(|r| r.spec.external == ext)
+                .unwrap();
+            let mut acts = arrive(&mut s, 0, arrival(0, "bulk", model, 100, 100_000));
+            acts.extend(arrive(&mut s, 0, arrival(1, "bulk", model, 100, 100_000)));
+            // Steps run until hi arrives, and on until the preemption.
+            let mut hi_sent = false;
+            let mut step = None;
+            for _ in 0..10_000 {
+                if acts
+                    .iter()
+                    .any(|a| matches!(a, Action::Preempted { by: 2, .. }))
+                {
+                    break;
+                }
+                if let Some(next) = acts.iter().find_map(|a| match a {
+                    Action::Step { replica, until } => Some((*replica, *until)),
+                    _ => None,
+                }) {
+                    step = Some(next);
+                }
+                let at = step.map_or(SEC, |(_, u)| u);
+                if !hi_sent && at >= SEC {
+                    hi_sent = true;
+                    acts = arrive(&mut s, SEC, arrival(2, "chat", model, 100, 10));
+                    continue;
+                }
+                acts = match step.take() {
+                    Some((replica, until)) => s.handle(until, Event::StepDone { replica }).to_vec(),
+                    None => s.handle(30 * SEC, Event::Tick).to_vec(),
+                };
+            }
+            let victim = acts.iter().find_map(|a| match a {
+                Action::Preempted { id, replica, by: 2 } if *replica == r => Some(*id),
+                _ => None,
+            });
+            let Some(v) = victim else {
+                panic!("nothing preempted on {model}: {acts:?}");
+            };
+            let refused = acts.iter().find_map(|a| match a {
+                Action::Reject {
+                    id,
+                    reason,
+                    status,
+                    retry_after,
+                } if *id == v => Some((*reason, *status, *retry_after)),
+                _ => None,
+            });
+            assert!(
+                matches!(refused, Some((Reason::Preempted, 503, Some(x))) if x >= SEC),
+                "{model}: {refused:?}"
+            );
+            assert!(started(&acts).contains(&2));
+            assert!(!s.held.contains_key(&v));
+            assert!(s.queues.remove(v).is_none());
+        }
     }
 
     #[test]

@@ -28,7 +28,9 @@
 //! needs the block; see [`Replica::make_room`] for why this cannot
 //! deadlock. An external replica (an HTTP upstream) keeps what it did
 //! before paging: a sequence holds the blocks for its whole prompt and
-//! output from start to end, and is never preempted.
+//! output from start to end, and is never preempted for blocks (a higher
+//! tier may still preempt it for its slot; the environment then cancels
+//! the upstream's request).
 
 use super::plan::ReplicaSpec;
 use super::queue::Waiting;

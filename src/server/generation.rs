@@ -116,6 +116,51 @@ pub(super) enum HttpFail {
     /// The error is what to answer if none serves it in time.
     Unsent(Box<Ctx>, ApiError),
     Failed(Box<Ctx>, ApiError),
+    /// The scheduler preempted it before any byte reached the client: the
+    /// upstream's request was dropped (so the upstream aborts it and frees
+    /// its slot), and the scheduler holds it again, queued or refused as
+    /// its tier's `on_preempt` says; its progress keeps coming on `rx`.
+    Preempted(Box<Requeued>),
+}
+
+/// A request preempted off an upstream, still the scheduler's.
+pub(super) struct Requeued {
+    pub(super) ctx: Ctx,
+    pub(super) rx: mpsc::UnboundedReceiver<Progress>,
+    pub(super) guard: CancelGuard,
+    pub(super) started: Started,
+    pub(super) by: ReqId,
+}
+
+/// Resolves when the scheduler announces that it preempted this request;
+/// other progress is skipped, and a closed channel never resolves.
+async fn preemption(rx: &mut mpsc::UnboundedReceiver<Progress>) -> ReqId {
+    loop {
+        match rx.recv().await {
+            Some(Progress::Preempted { by }) => return by,
+            Some(_) => {}
+            None => std::future::pending::<()>().await,
+        }
+    }
+}
+
+/// An upstream call, or the preemption that cut it short.
+enum Raced<T> {
+    Done(T),
+    Preempted(ReqId),
+}
+
+/// The error event that ends a stream whose request was preempted after
+/// its answer began.
+fn preempted_error(rid: &str, by: ReqId) -> ApiError {
+    ApiError::new(
+        503,
+        format!(
+            "request {rid} was preempted by request {by} of a higher tier after its stream began; the upstream's generation was cancelled and this stream ends here: send the request again"
+        ),
+    )
+    .code("preempted")
+    .retry_after(Some(1))
 }
 
 /// How a call failed before the answer began.
@@ -131,12 +176,11 @@ enum Before {
 pub(super) async fn serve_upstream(
     ctx: Ctx,
     guard: CancelGuard,
-    rx: mpsc::UnboundedReceiver<Progress>,
+    mut rx: mpsc::UnboundedReceiver<Progress>,
     s: Started,
     up: Arc<Upstream>,
     attempt: Attempt,
 ) -> Result<Response, HttpFail> {
-    drop(rx);
     let headers = kiln_headers(&ctx, &s, &format!("http:{}", up.name()));
     let served_model = up.served_model().map(str::to_string);
     let path = ctx.endpoint.path();
@@ -144,31 +188,62 @@ pub(super) async fn serve_upstream(
     let rid = ctx.rid.clone();
     let deadline = attempt.deadline;
     let budget = attempt.budget;
+    // Until the answer begins, a preemption drops the call (the upstream
+    // sees the disconnect and aborts) and hands the request back to the
+    // scheduler's queue.
     let pieces = if ctx.stream {
-        let opened = match tokio::time::timeout_at(deadline, up.stream(path, body)).await {
-            Ok(Ok(chunks)) => Ok(Box::pin(chunks)),
-            Ok(Err(e)) => Err(Before::Upstream(e)),
-            Err(_) => Err(Before::Budget),
-        };
-        // The first chunk is awaited before the answer begins, so a stream
-        // that fails at once can still go to another replica.
-        let first = match opened {
-            Ok(mut chunks) => match tokio::time::timeout_at(deadline, chunks.next()).await {
-                Ok(Some(Ok(v))) => Ok((Some(v), chunks)),
-                Ok(None) => Ok((None, chunks)),
-                Ok(Some(Err(e))) => Err(Before::Upstream(e)),
+        let open = async {
+            let opened = match tokio::time::timeout_at(deadline, up.stream(path, body)).await {
+                Ok(Ok(chunks)) => Ok(Box::pin(chunks)),
+                Ok(Err(e)) => Err(Before::Upstream(e)),
                 Err(_) => Err(Before::Budget),
-            },
-            Err(e) => Err(e),
+            };
+            // The first chunk is awaited before the answer begins, so a
+            // stream that fails at once can still go to another replica.
+            match opened {
+                Ok(mut chunks) => match tokio::time::timeout_at(deadline, chunks.next()).await {
+                    Ok(Some(Ok(v))) => Ok((Some(v), chunks)),
+                    Ok(None) => Ok((None, chunks)),
+                    Ok(Some(Err(e))) => Err(Before::Upstream(e)),
+                    Err(_) => Err(Before::Budget),
+                },
+                Err(e) => Err(e),
+            }
+        };
+        let raced = tokio::select! {
+            first = open => Raced::Done(first),
+            by = preemption(&mut rx) => Raced::Preempted(by),
+        };
+        let first = match raced {
+            Raced::Done(first) => first,
+            Raced::Preempted(by) => return Err(requeued(ctx, guard, rx, s, by)),
         };
         match first {
             Ok((first, chunks)) => {
-                let rest = stream::unfold(Some(chunks), move |chunks| {
+                // After the answer began, a preemption ends the stream with
+                // an error event (the chunks' drop cancels the upstream).
+                let rest = stream::unfold(Some((chunks, rx)), move |state| {
                     let rid = rid.clone();
                     async move {
-                        let mut chunks = chunks?;
-                        match tokio::time::timeout_at(deadline, chunks.next()).await {
-                            Ok(Some(Ok(v))) => Some((Piece::Chunk(v), Some(chunks))),
+                        let (mut chunks, mut rx) = state?;
+                        let raced = tokio::select! {
+                            c = tokio::time::timeout_at(deadline, chunks.next()) => Raced::Done(c),
+                            by = preemption(&mut rx) => Raced::Preempted(by),
+                        };
+                        let next = match raced {
+                            Raced::Done(c) => c,
+                            Raced::Preempted(by) => {
+                                return Some((
+                                    Piece::Failed {
+                                        err: preempted_error(&rid, by),
+                                        outcome: MetricOutcome::Preempted,
+                                    },
+                                    None,
+                                ))
+                            }
+                        };
+                        match next {
+                            Ok(Some(Ok(v))) => Some((Piece::Chunk(v), Some((chunks, rx)))),
                             Ok(Some(Err(e))) => Some((upstream_failure(&rid, &e), None)),
                             Ok(None) => Some((
                                 Piece::End {
@@ -192,7 +267,17 @@ pub(super) async fn serve_upstream(
             Err(e) => return Err(before_answer(ctx, guard, &s, &up, &attempt, e)),
         }
     } else {
-        match tokio::time::timeout_at(deadline, up.complete(path, body)).await {
+        let call = tokio::time::timeout_at(deadline, up.complete(path, body));
+        let raced = tokio::select! {
+            r = call => Raced::Done(r),
+            by = preemption(&mut rx) => Raced::Preempted(by),
+        };
+        let answer = match raced {
+            Raced::Done(r) => r,
+            Raced::Preempted(by) => return Err(requeued(ctx, guard, rx, s, by)),
+        };
+        drop(rx);
+        match answer {
             Ok(Ok(v)) => stream::iter([
                 Piece::Whole(v),
                 Piece::End {
@@ -217,6 +302,24 @@ pub(super) async fn serve_upstream(
     respond(ctx, guard, s, headers, pieces, Producer::Upstream)
         .await
         .map_err(HttpFail::Fatal)
+}
+
+/// A call cut short by a preemption before the answer began: the call
+/// is already dropped; the request is the scheduler's again.
+fn requeued(
+    ctx: Ctx,
+    guard: CancelGuard,
+    rx: mpsc::UnboundedReceiver<Progress>,
+    started: Started,
+    by: ReqId,
+) -> HttpFail {
+    HttpFail::Preempted(Box::new(Requeued {
+        ctx,
+        rx,
+        guard,
+        started,
+        by,
+    }))
 }
 
 /// A call that failed before any byte reached the client: the request
@@ -407,6 +510,11 @@ impl Generation {
         }
         if self.producer == Producer::Upstream {
             report_output(&self.ctx, self.tally.output());
+            // A preemption may have crossed the end (the scheduler queued
+            // it again just before it heard of the end, or it was cut off
+            // mid-stream): then it must not start again for a client that
+            // has its answer. For a request that ended this is a no-op.
+            self.ctx.app.exec.send(Command::Cancel(self.ctx.id));
         }
         let (out, ttft) = (self.tally.output(), self.tally.ttft);
         finish_served(&self.ctx, &self.s, out, ttft, outcome, gpu_seconds, status);
@@ -552,6 +660,14 @@ impl Generation {
                 Some(Bytes::from(b))
             }
             Piece::Failed { err, outcome } => {
+                if outcome == MetricOutcome::Preempted {
+                    explain::note(
+                        &self.ctx.explain,
+                        self.ctx.ms(),
+                        "preempted after the stream began: the upstream's call was cancelled and the stream ended with a `preempted` error event",
+                        Some(Reason::Preempted.name()),
+                    );
+                }
                 // The stream's 200 went out with its headers.
                 self.settle(outcome, 0.0, None, 200);
                 Some(sse(&err.body()))

@@ -53,6 +53,9 @@ pub enum Outcome {
     UpstreamError,
     /// It ran out of time (queue wait or deadline).
     Timeout,
+    /// Preempted after its answer began (a stream; its tier requeues
+    /// preempted work, which cannot continue a stream already begun).
+    Preempted,
 }
 
 impl Outcome {
@@ -64,6 +67,7 @@ impl Outcome {
             Outcome::Cancelled => "cancelled",
             Outcome::UpstreamError => "upstream_error",
             Outcome::Timeout => "timeout",
+            Outcome::Preempted => "preempted",
         }
     }
 }

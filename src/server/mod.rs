@@ -19,6 +19,7 @@ pub mod limits;
 pub mod listen;
 pub mod metrics;
 pub mod openai;
+pub mod prefix;
 pub mod routes;
 
 use crate::backend::cost::Calibration;

@@ -2,6 +2,8 @@
 //! object every failure answers with, and the prompt token count admission
 //! uses (a real BPE tokenizer, cl100k_base, not a character heuristic).
 
+use super::prefix::{self, PrefixTokens};
+use crate::sched::replica::BLOCK_TOKENS;
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
@@ -189,22 +191,50 @@ impl Tokenizer {
     }
 
     pub fn prompt_tokens(&self, req: &GenerationRequest) -> u64 {
+        self.prompt(req, 0).count
+    }
+
+    /// Counts the prompt and, in the same pass, hashes its leading tokens
+    /// (at most `max_blocks` blocks) into prefix blocks
+    /// ([`super::prefix`]). Chat messages are tokenized in order, each as
+    /// a message mark, its role (and name), a content mark and its text,
+    /// so a shared system prompt or conversation gives shared leading
+    /// blocks; a prompt given as tokens is used as it is. Nothing after an
+    /// image or other non-text part is hashed (its tokens are not known).
+    pub fn prompt(&self, req: &GenerationRequest, max_blocks: usize) -> PromptTokens {
+        let cap = max_blocks
+            .min(prefix::MAX_PREFIX_BLOCKS)
+            .saturating_mul(BLOCK_TOKENS as usize);
+        let mut keep = PrefixTokens::new(cap);
+        let count = self.count_prompt(req, &mut keep);
+        PromptTokens {
+            count,
+            prefix_blocks: keep.blocks(),
+        }
+    }
+
+    fn count_prompt(&self, req: &GenerationRequest, keep: &mut PrefixTokens) -> u64 {
         if let Some(msgs) = &req.messages {
             let mut n = 3u64;
             for m in msgs {
-                n += 3 + self.count(&m.role);
+                keep.push(&[prefix::MESSAGE_MARK]);
+                n += 3 + self.count_into(&m.role, keep);
                 if let Some(name) = &m.name {
-                    n += 1 + self.count(name);
+                    n += 1 + self.count_into(name, keep);
                 }
+                keep.push(&[prefix::CONTENT_MARK]);
                 match &m.content {
-                    Some(Content::Text(t)) => n += self.count(t),
+                    Some(Content::Text(t)) => n += self.count_into(t, keep),
                     Some(Content::Parts(parts)) => {
                         for p in parts {
                             match &p.text {
-                                Some(t) => n += self.count(t),
+                                Some(t) => n += self.count_into(t, keep),
                                 // Images and audio: a flat estimate of what
                                 // a vision model spends on a tile.
-                                None if p.kind != "text" => n += 85,
+                                None if p.kind != "text" => {
+                                    keep.close();
+                                    n += 85
+                                }
                                 None => {}
                             }
                         }
@@ -215,13 +245,64 @@ impl Tokenizer {
             return n;
         }
         match &req.prompt {
-            Some(Prompt::Text(t)) => self.count(t),
-            Some(Prompt::Texts(ts)) => ts.iter().map(|t| self.count(t)).sum(),
-            Some(Prompt::Tokens(t)) => t.len() as u64,
-            Some(Prompt::TokenLists(ts)) => ts.iter().map(|t| t.len() as u64).sum(),
+            Some(Prompt::Text(t)) => self.count_into(t, keep),
+            Some(Prompt::Texts(ts)) => ts.iter().map(|t| self.count_into(t, keep)).sum(),
+            Some(Prompt::Tokens(t)) => {
+                keep.push(t);
+                t.len() as u64
+            }
+            Some(Prompt::TokenLists(ts)) => ts
+                .iter()
+                .map(|t| {
+                    keep.push(t);
+                    t.len() as u64
+                })
+                .sum(),
             None => 0,
         }
     }
+
+    /// Counts `text`, keeping its leading tokens in `keep` while it wants
+    /// them: one pass over the pre-tokenized pieces, each encoded (while
+    /// tokens are kept) or only counted (after), so hashing costs no
+    /// second tokenization. A piece longer than [`MAX_PIECE_BYTES`] (a
+    /// run of one character, never real text) is counted and ends what is
+    /// kept, so no allocation grows with a hostile prompt.
+    fn count_into(&self, text: &str, keep: &mut PrefixTokens) -> u64 {
+        if text.is_empty() {
+            return 0;
+        }
+        if !keep.wants() {
+            return self.count(text);
+        }
+        let norm = self.bpe.normalize(text);
+        let mut n = 0u64;
+        for piece in self.bpe.split(norm.as_str()) {
+            let bytes = piece.as_bytes();
+            if keep.wants() && bytes.len() <= MAX_PIECE_BYTES {
+                let t = self.bpe.bpe.encode_via_backtracking(bytes);
+                n += t.len() as u64;
+                keep.push(&t);
+            } else {
+                if bytes.len() > MAX_PIECE_BYTES {
+                    keep.close();
+                }
+                n += self.bpe.bpe.count(bytes) as u64;
+            }
+        }
+        n
+    }
+}
+
+/// The longest pre-tokenized piece whose tokens are kept for prefix
+/// hashing.
+const MAX_PIECE_BYTES: usize = 4096;
+
+/// A prompt's token count and its prefix blocks.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PromptTokens {
+    pub count: u64,
+    pub prefix_blocks: Vec<u64>,
 }
 
 /// An error in OpenAI's shape: `{"error": {"message", "type", "param",
@@ -331,6 +412,109 @@ mod tests {
         )
         .unwrap();
         assert_eq!(t.prompt_tokens(&r), 4);
+    }
+
+    fn chat(system: &str, user: &str) -> GenerationRequest {
+        let body = json!({
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": user},
+            ],
+        });
+        GenerationRequest::parse(Endpoint::Chat, body.to_string().as_bytes())
+            .unwrap()
+            .0
+    }
+
+    fn words(n: usize, salt: &str) -> String {
+        (0..n)
+            .map(|i| format!("{salt}{} ", i * 7919 % 1000))
+            .collect()
+    }
+
+    #[test]
+    fn prefix_blocks_come_from_the_same_pass_that_counts() {
+        let t = Tokenizer::new().unwrap();
+        let r = chat(&words(3000, "w"), &words(500, "q"));
+        let p = t.prompt(&r, usize::MAX);
+        // Counting with and without keeping tokens agrees, and with
+        // tiktoken's tokenization: the kept tokens are the encoding.
+        assert_eq!(p.count, t.prompt_tokens(&r));
+        let mut keep = PrefixTokens::new(usize::MAX);
+        let n = t.count_into(&words(3000, "w"), &mut keep);
+        assert_eq!(keep.tokens(), t.bpe.encode(words(3000, "w").as_str()));
+        assert_eq!(n, t.count(&words(3000, "w")));
+        assert!(p.prefix_blocks.len() >= 5, "{}", p.prefix_blocks.len());
+        assert!(p.prefix_blocks.len() as u64 <= p.count / u64::from(BLOCK_TOKENS));
+        // Capped by the caller.
+        assert_eq!(t.prompt(&r, 2).prefix_blocks, p.prefix_blocks[..2]);
+        assert!(t.prompt(&r, 0).prefix_blocks.is_empty());
+    }
+
+    #[test]
+    fn a_shared_system_prompt_gives_shared_leading_blocks() {
+        let t = Tokenizer::new().unwrap();
+        let sys = words(2000, "s");
+        let a = t.prompt(&chat(&sys, &words(1500, "a")), usize::MAX);
+        let b = t.prompt(&chat(&sys, &words(1500, "b")), usize::MAX);
+        let c = t.prompt(&chat(&words(2000, "z"), &words(1500, "a")), usize::MAX);
+        let shared = a
+            .prefix_blocks
+            .iter()
+            .zip(&b.prefix_blocks)
+            .take_while(|(x, y)| x == y)
+            .count();
+        // The system prompt's whole blocks are shared, the user turns not.
+        assert!(shared >= 2, "{shared}");
+        assert!(shared < a.prefix_blocks.len());
+        assert_ne!(a.prefix_blocks[0], c.prefix_blocks[0]);
+        // The role is part of the prefix: the same text as a user message
+        // is another prompt.
+        let body = json!({"model": "m", "messages": [{"role": "user", "content": sys}]});
+        let (u, _) = GenerationRequest::parse(Endpoint::Chat, body.to_string().as_bytes()).unwrap();
+        assert_ne!(
+            t.prompt(&u, usize::MAX).prefix_blocks[0],
+            a.prefix_blocks[0]
+        );
+    }
+
+    #[test]
+    fn token_prompts_are_hashed_as_given_and_images_end_the_prefix() {
+        let t = Tokenizer::new().unwrap();
+        let toks: Vec<u32> = (0..1500).collect();
+        let body = json!({"model": "m", "prompt": toks});
+        let (r, _) =
+            GenerationRequest::parse(Endpoint::Completions, body.to_string().as_bytes()).unwrap();
+        assert_eq!(t.prompt(&r, usize::MAX).prefix_blocks, prefix::chain(&toks));
+        let body = json!({"model": "m", "messages": [{"role": "user", "content": [
+            {"type": "image_url"},
+            {"type": "text", "text": words(2000, "x")},
+        ]}]});
+        let (r, _) = GenerationRequest::parse(Endpoint::Chat, body.to_string().as_bytes()).unwrap();
+        let p = t.prompt(&r, usize::MAX);
+        assert!(p.prefix_blocks.is_empty());
+        assert_eq!(p.count, t.prompt_tokens(&r));
+    }
+
+    #[test]
+    fn a_hostile_prompt_keeps_a_bounded_prefix() {
+        let t = Tokenizer::new().unwrap();
+        // One 1 MiB piece: counted, not kept.
+        let body = json!({"model": "m", "prompt": "a".repeat(1 << 20)});
+        let (r, _) =
+            GenerationRequest::parse(Endpoint::Completions, body.to_string().as_bytes()).unwrap();
+        let p = t.prompt(&r, usize::MAX);
+        assert!(p.prefix_blocks.is_empty());
+        assert_eq!(p.count, t.prompt_tokens(&r));
+        // Many tokens: at most MAX_PREFIX_BLOCKS blocks.
+        let toks = vec![5u32; (prefix::MAX_PREFIX_BLOCKS + 3) * BLOCK_TOKENS as usize];
+        let body = json!({"model": "m", "prompt": toks});
+        let (r, _) =
+            GenerationRequest::parse(Endpoint::Completions, body.to_string().as_bytes()).unwrap();
+        let p = t.prompt(&r, usize::MAX);
+        assert_eq!(p.prefix_blocks.len(), prefix::MAX_PREFIX_BLOCKS);
+        assert_eq!(p.count, toks.len() as u64);
     }
 
     #[test]

@@ -203,6 +203,8 @@ pub(super) struct Ctx {
     /// Times it went back to the queue after an upstream did not serve it
     /// (`x-kiln-upstream-requeued`).
     pub(super) requeued: u32,
+    /// The prompt's prefix block ids ([`super::prefix`]).
+    pub(super) prefix_blocks: Vec<u64>,
 }
 
 impl Ctx {
@@ -242,18 +244,22 @@ async fn generate_inner(
     // Counting a large prompt takes milliseconds: on a blocking thread, so
     // that a few large prompts do not stall every other request (and the
     // health checks) on the async workers.
-    let (greq, prompt_tokens) = if bytes.len() > limits.blocking_tokenize_bytes {
+    // The same pass hashes the prompt's leading tokens into prefix blocks
+    // (for the prefix cache and prefix-affinity routing, and the log).
+    let blocks = super::prefix::MAX_PREFIX_BLOCKS;
+    let (greq, prompt) = if bytes.len() > limits.blocking_tokenize_bytes {
         let tok = app.tokenizer;
         tokio::task::spawn_blocking(move || {
-            let n = tok.prompt_tokens(&greq);
+            let n = tok.prompt(&greq, blocks);
             (greq, n)
         })
         .await
         .map_err(|e| ApiError::new(500, format!("counting prompt tokens failed: {e}")))?
     } else {
-        let n = app.tokenizer.prompt_tokens(&greq);
+        let n = app.tokenizer.prompt(&greq, blocks);
         (greq, n)
     };
+    let prompt_tokens = prompt.count;
     drop(bytes);
     let max_tokens = greq
         .requested_max_tokens()
@@ -330,6 +336,7 @@ async fn generate_inner(
         received_ms,
         explain,
         requeued: 0,
+        prefix_blocks: prompt.prefix_blocks,
     };
     run(ctx, max_tokens).await
 }
@@ -353,13 +360,23 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
     // budget runs out while the request waits for another replica.
     let mut deadline: Option<tokio::time::Instant> = None;
     let mut last_error: Option<ApiError> = None;
+    // A request preempted off an upstream is still the scheduler's (queued
+    // again, or refused per its tier's `on_preempt`): it is not submitted
+    // again, its progress is followed on the same channel.
+    let mut preempted: Option<(mpsc::UnboundedReceiver<Progress>, CancelGuard, Decided)> = None;
     loop {
-        let (rx, guard) = submit(&ctx, max_tokens)?;
+        let (rx, guard, decided) = match preempted.take() {
+            Some((rx, guard, d)) => (rx, guard, Some(d)),
+            None => {
+                let (rx, guard) = submit(&ctx, max_tokens)?;
+                (rx, guard, None)
+            }
+        };
         let may_redecide = redecided < limits.max_redecide;
         let waited = match deadline {
-            None => wait_for_start(&ctx, rx, guard, may_redecide).await?,
+            None => wait_for_start(&ctx, rx, guard, may_redecide, decided).await?,
             Some(at) => {
-                let wait = wait_for_start(&ctx, rx, guard, may_redecide);
+                let wait = wait_for_start(&ctx, rx, guard, may_redecide, decided);
                 match tokio::time::timeout_at(at, wait).await {
                     Ok(waited) => waited?,
                     // Dropping the wait cancels the request in the scheduler.
@@ -450,6 +467,21 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
                 {
                     Ok(r) => return Ok(r),
                     Err(HttpFail::Fatal(e)) => return Err(e),
+                    Err(HttpFail::Preempted(p)) => {
+                        let p = *p;
+                        ctx = p.ctx;
+                        explain::note(
+                            &ctx.explain,
+                            ctx.ms(),
+                            format!(
+                                "preempted by request {} on the upstream: its call there was cancelled; the scheduler holds it again",
+                                p.by
+                            ),
+                            Some(Reason::Preempted.name()),
+                        );
+                        preempted = Some((p.rx, p.guard, p.started.d));
+                        continue;
+                    }
                     Err(HttpFail::Unsent(back, err)) => {
                         resent += 1;
                         (back, err, "the upstream never received it; queued again")
@@ -488,7 +520,7 @@ fn submit(
         id: ctx.id,
         request: ctx.req.clone(),
         output_tokens: max_tokens.min(u64::from(u32::MAX)) as u32,
-        prefix_blocks: Vec::new(),
+        prefix_blocks: ctx.prefix_blocks.clone(),
     };
     let mut guard = CancelGuard {
         id: ctx.id,
@@ -565,10 +597,11 @@ async fn wait_for_start(
     rx: mpsc::UnboundedReceiver<Progress>,
     guard: CancelGuard,
     may_redecide: bool,
+    decided: Option<Decided>,
 ) -> Result<Waited, ApiError> {
     let mut left = LeftWhileQueued {
         ctx,
-        decided: None,
+        decided,
         armed: true,
     };
     let r = wait_inner(ctx, rx, guard, may_redecide, &mut left.decided).await;
@@ -864,6 +897,9 @@ fn refusal(
         Reason::RetryBudget => format!("tenant {tenant} has spent its retry budget"),
         Reason::SessionBudget => "this agent session has used all the steps its tenant allows".into(),
         Reason::PolicyChanged => "the policy changed while this request waited; retry".into(),
+        Reason::Preempted => format!(
+            "preempted to make room for a higher tier; tier {tier} declares `on_preempt reject`: retry later"
+        ),
         other => format!("refused: {}", other.name()),
     };
     let retry = match (status, retry_after) {
@@ -938,6 +974,7 @@ fn base_record(ctx: &Ctx, d: Option<&Decided>) -> Record {
     let mut r = Record::new(ctx.received_ms.round(), req, 0);
     r.id = Some(ctx.rid.clone());
     r.api_key = None;
+    r.prefix_blocks = ctx.prefix_blocks.clone();
     if let Some(d) = d {
         r.policy_version = Some(d.version.to_string());
         r.decision = Some(LogDecision {
@@ -1014,6 +1051,7 @@ pub(super) fn finish_served(
         MetricOutcome::UpstreamError => "upstream error",
         MetricOutcome::Timeout => "upstream timeout",
         MetricOutcome::Rejected => "rejected",
+        MetricOutcome::Preempted => "preempted mid-stream",
     };
     explain::note(
         &ctx.explain,
@@ -1049,6 +1087,7 @@ pub(super) fn finish_served(
                 MetricOutcome::Cancelled => Some("client_disconnected".into()),
                 MetricOutcome::UpstreamError => Some("upstream_error".into()),
                 MetricOutcome::Timeout => Some("upstream_timeout".into()),
+                MetricOutcome::Preempted => Some(Reason::Preempted.name().into()),
             };
         }
         rec.ttft_ms = ttft_s.map(|t| round3(t * 1000.0));

@@ -31,8 +31,23 @@ pub struct Seen {
     pub finished_us: Option<u64>,
 }
 
-/// The replay: every request's outcome, summarised, and the outcomes.
+/// The prefix blocks the gateway hashes for a prompt of `n` zero tokens
+/// (what [`gateway_seen`] sends).
+pub fn blocks_sent(n: u64) -> Vec<u64> {
+    kiln::server::prefix::chain(&vec![0u32; n as usize])
+}
+
+/// The replay: every request's outcome, summarised, and the outcomes. Each
+/// request carries the prefix blocks the gateway computes for it.
 pub fn replay_seen(p: &Policy, records: &[Record]) -> (Vec<Seen>, Vec<Outcome>) {
+    let records: Vec<Record> = records
+        .iter()
+        .map(|r| Record {
+            prefix_blocks: blocks_sent(r.prompt_tokens),
+            ..r.clone()
+        })
+        .collect();
+    let records = records.as_slice();
     let g = p.graph.clone();
     let cost = CostModel::from_graph(&g, None).unwrap();
     let plan = replay::plan(&g, &cost);
@@ -141,6 +156,11 @@ pub async fn gateway_seen(p: Policy, records: &[Record]) -> Vec<Seen> {
     for line in std::fs::read_to_string(&log).unwrap().lines() {
         let rec: Record = serde_json::from_str(line).unwrap();
         let i: usize = rec.headers["x-kiln-replay-index"].parse().unwrap();
+        assert_eq!(
+            rec.prefix_blocks,
+            blocks_sent(records[i].prompt_tokens),
+            "the log records the blocks the gateway hashed"
+        );
         let d = rec.decision.unwrap_or_default();
         let id = rec.id.unwrap();
         let ex: Value = http
