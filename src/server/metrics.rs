@@ -144,7 +144,7 @@ impl Collectors {
             requests: counter(
                 r,
                 "kiln_requests_total",
-                "Requests finished, by how they ended (ok, rejected, cancelled, upstream_error, timeout).",
+                "Requests finished, by how they ended (ok, rejected, cancelled, upstream_error, timeout, preempted: a stream ended because its upstream work was preempted).",
                 &["tier", "tenant", "pool", "model", "outcome"],
             )?,
             rejects: counter(
@@ -186,13 +186,13 @@ impl Collectors {
             cost: counter(
                 r,
                 "kiln_cost_usd_total",
-                "Cost of the GPU time used by finished requests, in US dollars, at the pool's price.",
+                "Cost of the GPU time used by finished requests, in US dollars, at the tenant's `cost` per GPU-hour (nothing for a tenant without one).",
                 RTPM,
             )?,
             preemptions: counter(
                 r,
                 "kiln_preemptions_total",
-                "Running requests preempted to make room for a higher tier.",
+                "Running requests preempted, each time: for a tier that preempts theirs, or for KV-cache blocks a longer sequence needed.",
                 TT,
             )?,
             fallbacks: counter(
@@ -204,7 +204,7 @@ impl Collectors {
             deadline_misses: counter(
                 r,
                 "kiln_deadline_misses_total",
-                "Requests that finished after their deadline or SLO target.",
+                "Requests that finished after their tier's completion window (`slo { window }`).",
                 TT,
             )?,
             policy_swaps,
@@ -217,13 +217,13 @@ impl Collectors {
             queue_depth: gauge(
                 r,
                 "kiln_queue_depth",
-                "Requests waiting in the gateway's queues.",
+                "Requests waiting in the scheduler's queues now (not those delayed or held for a batch).",
                 TT,
             )?,
             queue_oldest: gauge(
                 r,
                 "kiln_queue_oldest_wait_seconds",
-                "How long the oldest waiting request has been queued.",
+                "How long the oldest request waiting in the queue has waited.",
                 TT,
             )?,
             replicas: gauge(
