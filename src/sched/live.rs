@@ -22,20 +22,13 @@ const BINS: usize = 256;
 const PER_DOUBLING: f64 = 8.0;
 const FLOOR_MS: f64 = 0.1;
 
-/// A log-binned histogram of durations (ms).
-#[derive(Debug, Clone, PartialEq)]
+/// A log-binned histogram of durations (ms). Its bins are allocated on
+/// the first sample, so a tier nothing reaches costs no memory however many
+/// tiers a policy declares.
+#[derive(Debug, Clone, Default, PartialEq)]
 struct Hist {
-    counts: Box<[u32; BINS]>,
+    counts: Option<Box<[u32; BINS]>>,
     n: u64,
-}
-
-impl Default for Hist {
-    fn default() -> Self {
-        Hist {
-            counts: Box::new([0; BINS]),
-            n: 0,
-        }
-    }
 }
 
 fn bin(ms: f64) -> usize {
@@ -57,14 +50,16 @@ fn mid(b: usize) -> f64 {
 impl Hist {
     fn add(&mut self, ms: f64) {
         let b = bin(ms);
-        self.counts[b] = self.counts[b].saturating_add(1);
+        let counts = self.counts.get_or_insert_with(|| Box::new([0; BINS]));
+        counts[b] = counts[b].saturating_add(1);
         self.n += 1;
     }
     fn merge(&mut self, o: &Hist, sign: i64) {
-        if o.n == 0 {
+        let Some(theirs) = &o.counts else {
             return;
-        }
-        for (a, b) in self.counts.iter_mut().zip(o.counts.iter()) {
+        };
+        let mine = self.counts.get_or_insert_with(|| Box::new([0; BINS]));
+        for (a, b) in mine.iter_mut().zip(theirs.iter()) {
             *a = if sign > 0 {
                 a.saturating_add(*b)
             } else {
@@ -80,12 +75,15 @@ impl Hist {
     /// The values at quantiles `qs` (ascending), nearest rank; 0 when empty.
     fn quantiles<const N: usize>(&self, qs: [f64; N]) -> [f64; N] {
         let mut out = [0.0; N];
+        let Some(counts) = &self.counts else {
+            return out;
+        };
         if self.n == 0 {
             return out;
         }
         let ranks = qs.map(|q| ((q * self.n as f64).ceil() as u64).clamp(1, self.n));
         let (mut seen, mut i) = (0u64, 0usize);
-        for (b, c) in self.counts.iter().enumerate() {
+        for (b, c) in counts.iter().enumerate() {
             seen += u64::from(*c);
             while i < N && seen >= ranks[i] {
                 out[i] = mid(b);
