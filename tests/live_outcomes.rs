@@ -65,13 +65,15 @@ fallback f-reject [ reject 503 "chain end" ]
 "#;
 
 /// (case header, tier, tenant, route, refused status) it must come to.
-fn cases() -> Vec<(
+type Case = (
     &'static str,
     &'static str,
     &'static str,
     Option<&'static str>,
     Option<u16>,
-)> {
+);
+
+fn cases() -> Vec<Case> {
     vec![
         (
             "plain",
