@@ -241,8 +241,8 @@ fn route_blocks() -> Vec<Block> {
             head: "route [interactive, agentic] llama-70b",
             tenant_rules: Vec::new(),
             fixed: &[
-                "when pool(h100).utilization < 90% => fp16 on h100",
-                "when pool(a100).utilization < 90% => fp16 on a100",
+                "when pool(h100).kv_occupancy < 90% => fp16 on h100",
+                "when pool(a100).kv_occupancy < 90% => fp16 on a100",
                 "default => fallback",
             ],
         },
@@ -263,7 +263,7 @@ fn route_blocks() -> Vec<Block> {
             head: "route [batch, background] llama-70b",
             tenant_rules: Vec::new(),
             fixed: &[
-                "when pool(shared).utilization < 80% => int4 on shared",
+                "when pool(shared).kv_occupancy < 80% => int4 on shared",
                 "default => int4",
             ],
         },
@@ -295,7 +295,7 @@ fn admit_blocks() -> Vec<Block> {
             head: "admit [batch, evaluation]",
             tenant_rules: Vec::new(),
             fixed: &[
-                "when tier(interactive).wait_p95 > 1s => queue 30m",
+                "when tier(interactive).oldest_wait > 1s => queue 30m",
                 "default => accept",
             ],
         },
@@ -324,7 +324,7 @@ fn tenant_route_rule(k: usize) -> (usize, String) {
     match group(k) {
         Group::Product => (
             0,
-            format!("when tenant == {t} and pool(h100).utilization < 70% => int8 on h100"),
+            format!("when tenant == {t} and pool(h100).kv_occupancy < 70% => int8 on h100"),
         ),
         Group::Research => (
             2,
@@ -332,7 +332,7 @@ fn tenant_route_rule(k: usize) -> (usize, String) {
         ),
         Group::Data => (
             3,
-            format!("when tenant == {t} and pool(shared).utilization < 60% => int4 on shared"),
+            format!("when tenant == {t} and pool(shared).kv_occupancy < 60% => int4 on shared"),
         ),
     }
 }
@@ -353,7 +353,7 @@ fn tenant_admit_rule(k: usize) -> (usize, String) {
         ),
         Group::Data => (
             2,
-            format!("when tenant == {t} and pool(shared).queue_depth > 64 => queue 10m"),
+            format!("when tenant == {t} and pool(shared).running > 64 => queue 10m"),
         ),
     }
 }
