@@ -40,6 +40,8 @@ pub enum Code {
     PreemptCycle,
     VariantDoesNotFit,
     IsolationViolation,
+    ReserveOversubscribed,
+    ReserveUnreachable,
     // lints
     ShadowedRule,
     QuotaOversubscribed,
@@ -49,6 +51,7 @@ pub enum Code {
     UnusedDefinition,
     TierNotGranted,
     UnknownLint,
+    ReserveOnDedicatedPool,
 }
 
 impl Code {
@@ -73,6 +76,8 @@ impl Code {
         Code::PreemptCycle,
         Code::VariantDoesNotFit,
         Code::IsolationViolation,
+        Code::ReserveOversubscribed,
+        Code::ReserveUnreachable,
         Code::ShadowedRule,
         Code::QuotaOversubscribed,
         Code::TierWithoutSlo,
@@ -81,6 +86,7 @@ impl Code {
         Code::UnusedDefinition,
         Code::TierNotGranted,
         Code::UnknownLint,
+        Code::ReserveOnDedicatedPool,
     ];
 
     /// The stable short name.
@@ -114,6 +120,9 @@ impl Code {
             Code::UnusedDefinition => "unused-definition",
             Code::TierNotGranted => "tier-not-granted",
             Code::UnknownLint => "unknown-lint",
+            Code::ReserveOversubscribed => "reserve-oversubscribed",
+            Code::ReserveUnreachable => "reserve-unreachable",
+            Code::ReserveOnDedicatedPool => "reserve-on-dedicated-pool",
         }
     }
 
@@ -170,6 +179,15 @@ impl Code {
             }
             Code::TierNotGranted => {
                 "classify sends a tenant to a tier its definition does not grant"
+            }
+            Code::ReserveOversubscribed => {
+                "the tiers' reserved shares of a pool cannot add up to more than the whole pool"
+            }
+            Code::ReserveUnreachable => {
+                "a tier can only use capacity it reserves in a pool its routes and fallbacks reach"
+            }
+            Code::ReserveOnDedicatedPool => {
+                "a pool only one tier can use is already all that tier's: a reserve there changes nothing"
             }
             Code::UnknownLint => {
                 "a `kiln:allow` naming no lint silences nothing, so the warning it meant to silence still shows, or a typo hides that it never did"

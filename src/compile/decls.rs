@@ -44,8 +44,11 @@ const TIER_FIELDS: &[&str] = &[
     "models",
     "prefix_affinity",
     "exact_cache",
+    "reserve",
+    "fair_share",
     "description",
 ];
+const FAIR_SHARE_FIELDS: &[&str] = &["window"];
 const SLO_FIELDS: &[&str] = &["ttft", "p95", "window"];
 const BATCH_FIELDS: &[&str] = &["max_wait"];
 const TENANT_FIELDS: &[&str] = &[
@@ -637,6 +640,17 @@ impl Compiler<'_> {
                 .map(|x| x as ModelId)
                 .collect()
         });
+        let reserve = self.tier_reserve(f.get("reserve"), &what);
+        let mut fair_share_window = None;
+        if let Some(b) = self.sub_body(f.get("fair_share")) {
+            let s = self.fields(
+                b,
+                FAIR_SHARE_FIELDS,
+                &format!("the fair share of {what}"),
+                &[],
+            );
+            fair_share_window = self.fair_share_window(s.get("window"));
+        }
         let _ = self.prop_string(f.get("description"));
         self.g.tiers.push(Tier {
             name: d.name.name.clone(),
@@ -651,8 +665,76 @@ impl Compiler<'_> {
             models,
             prefix_affinity,
             exact_cache,
+            reserve,
+            fair_share_window,
             span: d.name.span,
         });
+    }
+
+    /// `reserve { POOL SHARE … }`: a percentage of each named pool, above
+    /// 0% and at most 100%, each pool once. (Whether the pools' reserves
+    /// add up, and whether the tier can run there, is checked once every
+    /// tier and route is known: see `validate`.)
+    fn tier_reserve(&mut self, p: Option<&Property>, what: &str) -> Vec<Reserve> {
+        let mut out: Vec<Reserve> = Vec::new();
+        let Some(b) = self.sub_body(p) else {
+            return out;
+        };
+        for p in &b.props {
+            let Some(pool) = self.resolve(DeclKind::Pool, &p.key) else {
+                continue;
+            };
+            let pool = pool as PoolId;
+            if let Some(prev) = out.iter().find(|r| r.pool == pool) {
+                let prev = prev.span;
+                self.err(
+                    Diagnostic::error(
+                        Code::DuplicateDefinition,
+                        format!("{what} reserves pool `{}` twice", p.key.name),
+                    )
+                    .at(p.key.span, "reserved again here")
+                    .also(prev, "first reserved here")
+                    .help("keep one share per pool"),
+                );
+                continue;
+            }
+            let Some(share) = self.prop_percent(Some(p), "a reserved share") else {
+                continue;
+            };
+            if share <= 0.0 {
+                self.err(
+                    Diagnostic::error(Code::InvalidValue, "a reserved share must be above 0%")
+                        .at(p.span, "reserves nothing")
+                        .help(format!("write `{} 25%`, or remove the line", p.key.name)),
+                );
+                continue;
+            }
+            out.push(Reserve {
+                pool,
+                share,
+                span: p.span,
+            });
+        }
+        out
+    }
+
+    /// A fair-share window: a duration from 1 second to 30 days
+    /// ([`limits::MIN_FAIR_SHARE_WINDOW_MS`], [`limits::MAX_FAIR_SHARE_WINDOW_MS`]).
+    fn fair_share_window(&mut self, p: Option<&Property>) -> Option<f64> {
+        let p = p?;
+        let v = self.one(p, "5m")?;
+        let ms = self.quantity_of_type(v, Ty::Duration, "the fair-share `window`")?;
+        if !ms.is_finite()
+            || !(limits::MIN_FAIR_SHARE_WINDOW_MS..=limits::MAX_FAIR_SHARE_WINDOW_MS).contains(&ms)
+        {
+            self.err(
+                Diagnostic::error(Code::OutOfRange, "the fair-share `window` is out of range")
+                    .at(v.span, "outside 1s to 30d")
+                    .help("a fair-share window is from 1s to 30d: kiln's limits keep fair share meaningful and its arithmetic exact"),
+            );
+            return None;
+        }
+        Some(ms)
     }
 
     fn model(&mut self, d: &ast::Decl) {

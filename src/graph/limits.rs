@@ -32,3 +32,8 @@ pub const MAX_SIZE_BYTES: f64 = 1e15;
 pub const MAX_RATE_PER_S: f64 = 1e12;
 /// Percentages: 0% to 100%.
 pub const MAX_PERCENT: f64 = 100.0;
+/// A tier's fair-share window (`fair_share { window … }`), in
+/// milliseconds: from 1 second (shorter forgets service within a few
+/// steps, and its decay factor underflows) to 30 days.
+pub const MIN_FAIR_SHARE_WINDOW_MS: f64 = 1_000.0;
+pub const MAX_FAIR_SHARE_WINDOW_MS: f64 = 30.0 * 86_400_000.0;

@@ -170,6 +170,23 @@ pub struct Tier {
     pub prefix_affinity: bool,
     /// Identical deterministic requests may be answered from a cache.
     pub exact_cache: bool,
+    /// Guaranteed shares of shared pools (`reserve { shared 25% }`): lent
+    /// to other tiers while this one has no work waiting there, reclaimed
+    /// when it has (see `sched::reserve`).
+    pub reserve: Vec<Reserve>,
+    /// How long fair share between this tier's tenants remembers service,
+    /// ms (`fair_share { window 5m }`); `None` takes the scheduler's.
+    pub fair_share_window: Option<f64>,
+    pub span: Span,
+}
+
+/// A tier's reserved share of one pool.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Reserve {
+    pub pool: PoolId,
+    /// Percent of each replica's batch slots and KV blocks in the pool,
+    /// above 0 and at most 100.
+    pub share: f64,
     pub span: Span,
 }
 

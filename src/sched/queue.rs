@@ -255,6 +255,10 @@ pub struct Queues {
     /// Completion window per tier, for deadline urgency.
     window_len: Vec<Option<Micros>>,
     decay: Option<Micros>,
+    /// Per tier: its own fair-share window (`fair_share { window }`), or
+    /// `decay`. Tenants are only ever compared within a tier, so each
+    /// tier's counters may decay at their own rate.
+    decays: Vec<Option<Micros>>,
     vtc: (f64, f64),
     /// Put-back and push counters for [`Order`].
     fronts: u64,
@@ -292,6 +296,15 @@ impl Queues {
                 .map(|t| t.slo.window.map(|ms| (ms * 1000.0) as Micros))
                 .collect(),
             decay: cfg.fairness_window,
+            decays: g
+                .tiers
+                .iter()
+                .map(|t| {
+                    t.fair_share_window
+                        .map(|ms| ((ms * 1000.0) as Micros).max(1))
+                        .or(cfg.fairness_window)
+                })
+                .collect(),
             vtc: (cfg.vtc_input_weight, cfg.vtc_output_weight),
             ..Queues::default()
         }
@@ -299,6 +312,11 @@ impl Queues {
 
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// The fair-share decay window of tier `tier` (see `decays`).
+    fn decay_of(&self, tier: usize) -> Option<Micros> {
+        self.decays.get(tier).copied().unwrap_or(self.decay)
     }
 
     pub fn is_empty(&self) -> bool {
@@ -415,7 +433,7 @@ impl Queues {
                 order,
             },
         );
-        let (now, decay) = (self.now, self.decay);
+        let (now, decay) = (self.now, self.decay_of(tier));
         let tiers = self.tiers_for(key);
         let Some(tq) = tiers.get_mut(tier) else {
             return;
@@ -456,7 +474,7 @@ impl Queues {
     /// Takes request `id` out of the queues, wherever it waits.
     fn take(&mut self, id: ReqId) -> Option<Waiting> {
         let loc = self.index.remove(&id)?;
-        let decay = self.decay;
+        let decay = self.decay_of(loc.tier);
         let tq = self.by_variant.get_mut(&loc.key)?.get_mut(loc.tier)?;
         let t = tq.tenants.get_mut(loc.slot)?;
         let map = t.maps.get_mut(&loc.home)?;
@@ -534,10 +552,14 @@ impl Queues {
     pub fn backlog_gap(&self) -> f64 {
         let mut gap: f64 = 0.0;
         for tiers in self.by_variant.values() {
-            for tq in tiers.iter().filter(|tq| tq.backlog.len() > 1) {
+            for (ti, tq) in tiers
+                .iter()
+                .enumerate()
+                .filter(|(_, tq)| tq.backlog.len() > 1)
+            {
                 let value = |e: Option<&(Ordered, usize)>| {
                     e.and_then(|&(_, s)| tq.tenants.get(s))
-                        .map_or(0.0, |t| t.served_at(self.now, self.decay))
+                        .map_or(0.0, |t| t.served_at(self.now, self.decay_of(ti)))
                 };
                 gap = gap.max(value(tq.backlog.last()) - value(tq.backlog.first()));
             }
@@ -615,7 +637,7 @@ impl Queues {
     /// backlog set in order.
     fn set_served(&mut self, w: &Waiting, f: impl FnOnce(f64) -> f64) {
         let slot = w.tenant.map_or(0, |t| t as usize + 1);
-        let (now, decay) = (self.now, self.decay);
+        let (now, decay) = (self.now, self.decay_of(w.tier as usize));
         let Some(tq) = self
             .by_variant
             .get_mut(&(w.model, w.variant))
@@ -653,7 +675,7 @@ impl Queues {
             .values()
             .filter_map(|tiers| tiers.get(tier as usize))
             .filter_map(|tq| tq.tenants.get(slot))
-            .map(|t| t.served_at(self.now, self.decay))
+            .map(|t| t.served_at(self.now, self.decay_of(tier as usize)))
             .sum()
     }
 
@@ -733,7 +755,7 @@ impl Queues {
             return out;
         }
         let slot = tenant.map_or(0, |t| t as usize + 1);
-        let (now, decay) = (self.now, self.decay);
+        let (now, decay) = (self.now, self.decay_of(ti));
         let Some(me) = tq.tenants.get(slot) else {
             return out;
         };
@@ -805,7 +827,7 @@ impl Queues {
         for tiers in self.by_variant.values() {
             for (ti, tq) in tiers.iter().enumerate() {
                 for (si, t) in tq.tenants.iter().enumerate() {
-                    let served = t.served_at(self.now, self.decay);
+                    let served = t.served_at(self.now, self.decay_of(ti));
                     if t.len == 0 && served <= 0.0 {
                         continue;
                     }
@@ -1008,6 +1030,73 @@ impl Queues {
                 .and_then(|t| t.head_for(slot, now))
                 .map(|(_, w)| w.id)
         })
+    }
+
+    /// Whether `tier` has a request replica `slot` may take now (its
+    /// backlogged tenants' heads only: O(tenants)).
+    pub fn tier_waits_for(&self, tier: TierId, slot: &Slot, now: Micros) -> bool {
+        let ti = tier as usize;
+        self.by_variant
+            .get(&(slot.model, slot.variant))
+            .and_then(|tiers| tiers.get(ti))
+            .is_some_and(|tq| {
+                tq.len > 0
+                    && self.tier_open(ti, slot)
+                    && tq.backlog.iter().any(|&(_, s)| {
+                        tq.tenants
+                            .get(s)
+                            .is_some_and(|t| t.head_for(slot, now).is_some())
+                    })
+            })
+    }
+
+    /// Takes the next request of `tier` alone for replica `slot`, in the
+    /// order the tier itself keeps (deadlines, then fair share): a tier
+    /// reclaiming its reserved share goes ahead of the others there.
+    pub fn pick_in_tier(&mut self, tier: TierId, now: Micros, slot: Slot) -> Option<Waiting> {
+        let ti = tier as usize;
+        let backfill = self.backfill.get(ti).copied().unwrap_or(false);
+        if !self.tier_open(ti, &slot) || (backfill && !slot.allow_backfill) {
+            return None;
+        }
+        let tq = self.by_variant.get(&(slot.model, slot.variant))?.get(ti)?;
+        if tq.len == 0 {
+            return None;
+        }
+        let id = self.choose_in_tier(tq, ti, now, &slot)?;
+        self.take(id)
+    }
+
+    /// Tokens queued for (model, variant) in tiers other than `tier` that
+    /// the queues serve before it (as [`Self::ahead`] counts them).
+    pub fn other_tiers_ahead(&self, cfg: &Config, key: (u16, u16), tier: TierId) -> f64 {
+        let Some(tiers) = self.by_variant.get(&key) else {
+            return 0.0;
+        };
+        let ti = tier as usize;
+        let rank = |i: usize| -> i64 {
+            let prio = self.priority.get(i).copied().unwrap_or(i64::MIN);
+            let boost = match (cfg.mode, self.aging.get(i).copied().flatten()) {
+                (Mode::Kiln, Some(a)) => tiers
+                    .get(i)
+                    .and_then(|tq| tq.arrivals.first())
+                    .map_or(0, |(at, _)| self.now.saturating_sub(*at) / a),
+                _ => 0,
+            };
+            prio.saturating_add(boost as i64)
+        };
+        let mine = rank(ti);
+        tiers
+            .iter()
+            .enumerate()
+            .filter(|(i, tq)| *i != ti && tq.len > 0)
+            .filter(|(i, _)| match cfg.mode {
+                Mode::Fifo | Mode::Static => true,
+                Mode::Priority => self.priority.get(*i) >= self.priority.get(ti),
+                Mode::Kiln => rank(*i) > mine || (rank(*i) == mine && *i < ti),
+            })
+            .map(|(_, tq)| tq.tokens as f64)
+            .sum()
     }
 }
 
