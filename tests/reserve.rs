@@ -256,3 +256,62 @@ fn a_non_preemptible_borrower_is_waited_out() {
         .count();
     assert!(held > 0, "no background request waited for the reservation");
 }
+
+/// A pool name with a hyphen is a key in `reserve { … }`; formatting keeps
+/// the reservation and the fair-share window as they compile; hostile
+/// windows are refused as out of range.
+#[test]
+fn reserve_and_fair_share_syntax() {
+    let text = r#"pool eu-shared { gpus 2 kind "H100-80GB" memory 80GB }
+model m { variant fp16 { memory 40GB pools [eu-shared] } }
+tier a { priority 10 slo { ttft 1s } reserve { eu-shared 30% } fair_share { window 5m } }
+tier b { priority 20 slo { ttft 1s } }
+tenant x { owner "o" tiers [a, b] }
+classify {
+  when tenant == x => tier a
+  default => tier b
+}
+route [a, b] m { default => fp16 }
+"#;
+    let c = kiln::compile::compile_str("r.kiln", text);
+    let g = c.graph.expect("compiles");
+    assert_eq!(g.tiers[0].reserve[0].share, 30.0);
+    assert_eq!(g.tiers[0].fair_share_window, Some(300_000.0));
+    let file = kiln::lang::parse(kiln::source::FileId(0), text).expect("parses");
+    let formatted = kiln::lang::format::format_file(&file, text);
+    let again = kiln::compile::compile_str("r.kiln", &formatted);
+    let again = again.graph.expect("formatted compiles");
+    let shares = |g: &DecisionGraph| {
+        g.tiers
+            .iter()
+            .map(|t| {
+                (
+                    t.reserve
+                        .iter()
+                        .map(|r| (r.pool, r.share))
+                        .collect::<Vec<_>>(),
+                    t.fair_share_window,
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(shares(&again), shares(&g));
+    let huge = format!("{}d", "9".repeat(400));
+    for hostile in ["999999999999999999999d", "0s", "999ms", "31d", &huge] {
+        let t = text.replace("window 5m", &format!("window {hostile}"));
+        let c = kiln::compile::compile_str("r.kiln", &t);
+        assert!(
+            c.diagnostics
+                .items
+                .iter()
+                .any(|d| d.code == kiln::diag::Code::OutOfRange),
+            "{hostile}: {:?}",
+            c.diagnostics
+                .items
+                .iter()
+                .map(|d| &d.message)
+                .collect::<Vec<_>>()
+        );
+        assert!(c.graph.is_none(), "{hostile} compiled");
+    }
+}
