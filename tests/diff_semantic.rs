@@ -932,3 +932,36 @@ fn an_escalating_classify_rule_needs_the_escalation_approvals() {
         "{needs:?}"
     );
 }
+
+#[test]
+fn a_reserve_added_or_raised_is_a_quota_increase_and_lowered_a_tier_change() {
+    let old = enterprise_text();
+    let base = "  slo { window 6h }\n  batch { max_wait 5s }\n";
+    let reserved = edit(&old, base, &format!("{base}  reserve {{ shared 10% }}\n"));
+    let d = semantic(&policy_text(&old), &policy_text(&reserved));
+    let c = only(&d);
+    assert_eq!(c.subject, "tier batch");
+    assert_eq!(c.field.as_deref(), Some("reserve.shared"));
+    assert_eq!(
+        (c.old.as_deref(), c.new.as_deref()),
+        (Some("none"), Some("10%"))
+    );
+    assert_eq!(c.change_kind, ChangeKind::QuotaIncrease);
+    assert!(c.escalation);
+    let raised = edit(&reserved, "reserve { shared 10% }", "reserve { shared 30% }");
+    let d = semantic(&policy_text(&reserved), &policy_text(&raised));
+    assert_eq!(only(&d).change_kind, ChangeKind::QuotaIncrease);
+    // Lowered or removed: gives capacity back, not an escalation.
+    for (a, b) in [(&raised, &reserved), (&reserved, &old)] {
+        let d = semantic(&policy_text(a), &policy_text(b));
+        let c = only(&d);
+        assert_eq!(c.change_kind, ChangeKind::TierChange);
+        assert!(!c.escalation);
+    }
+    // A fair-share window is a tier change.
+    let windowed = edit(&old, base, &format!("{base}  fair_share {{ window 5m }}\n"));
+    let d = semantic(&policy_text(&old), &policy_text(&windowed));
+    let c = only(&d);
+    assert_eq!(c.field.as_deref(), Some("fair_share.window"));
+    assert_eq!(c.change_kind, ChangeKind::TierChange);
+}

@@ -44,7 +44,8 @@
 //! * `quota_increase`, escalation: a tenant's quota component (`tokens`,
 //!   `requests`, `concurrent`, `gpu_seconds`) raised or removed (removed
 //!   means unlimited); `weight` or `borrow` raised; `retry_budget` or
-//!   `session_steps` raised or removed (unlimited).
+//!   `session_steps` raised or removed (unlimited); a tier's `reserve`
+//!   share of a pool added or raised (lowered or removed: `tier_change`).
 //! * `preemption_change`: any change to a tier's `preempts` or
 //!   `preemptible`; an escalation when the tier gains a preemption target or
 //!   stops being `preemptible`, not when it only loses targets or becomes
@@ -746,11 +747,51 @@ fn tiers(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
                         flag(b.exact_cache),
                         tc,
                     );
+                    reserves(old, new, a, b, &subject, out);
+                    out.field(
+                        &subject,
+                        "fair_share.window",
+                        opt(a.fair_share_window, dur, "default (10m)"),
+                        opt(b.fair_share_window, dur, "default (10m)"),
+                        tc,
+                    );
                 }
                 (None, None) => {}
             }
         },
     );
+}
+
+/// A tier's reserved shares, by pool name: a share added or raised gives
+/// the tier capacity others had (`quota_increase`, an escalation), one
+/// lowered or removed is a `tier_change`.
+fn reserves(
+    old: &DecisionGraph,
+    new: &DecisionGraph,
+    a: &Tier,
+    b: &Tier,
+    subject: &str,
+    out: &mut Out,
+) {
+    let shares = |g: &DecisionGraph, t: &Tier| -> BTreeMap<String, f64> {
+        t.reserve
+            .iter()
+            .filter_map(|r| g.pools.get(r.pool as usize).map(|p| (p.name.clone(), r.share)))
+            .collect()
+    };
+    let (sa, sb) = (shares(old, a), shares(new, b));
+    let pools: BTreeSet<&String> = sa.keys().chain(sb.keys()).collect();
+    for pool in pools {
+        let (x, y) = (sa.get(pool).copied(), sb.get(pool).copied());
+        out.directed(
+            subject,
+            &format!("reserve.{pool}"),
+            (opt(x, pct, "none"), opt(y, pct, "none")),
+            y.unwrap_or(0.0) > x.unwrap_or(0.0),
+            ChangeKind::QuotaIncrease,
+            ChangeKind::TierChange,
+        );
+    }
 }
 
 /// A limit where `None` means unlimited: raised or removed escalates.
