@@ -948,7 +948,11 @@ fn a_reserve_added_or_raised_is_a_quota_increase_and_lowered_a_tier_change() {
     );
     assert_eq!(c.change_kind, ChangeKind::QuotaIncrease);
     assert!(c.escalation);
-    let raised = edit(&reserved, "reserve { shared 10% }", "reserve { shared 30% }");
+    let raised = edit(
+        &reserved,
+        "reserve { shared 10% }",
+        "reserve { shared 30% }",
+    );
     let d = semantic(&policy_text(&reserved), &policy_text(&raised));
     assert_eq!(only(&d).change_kind, ChangeKind::QuotaIncrease);
     // Lowered or removed: gives capacity back, not an escalation.

@@ -193,20 +193,36 @@ proptest! {
 
     /// Demand above the reservation (a backlog: the tier has a completion
     /// window, so admission sheds none of it): the reserving tier is served
-    /// about its 25% of the tokens the pool serves, though the
-    /// other tier outranks it; without the reservation it gets far less.
+    /// at least its 25% of the tokens the pool generates, though the other
+    /// tier outranks it; without the reservation it gets far less.
     #[test]
     fn a_reserving_tier_gets_at_least_its_share_of_the_pool(seed in 0u64..1000) {
         let recs = mixed(capacity(), seed);
+        let generated = |o: &[Outcome], tenant: &str| -> f64 {
+            let (from, to) = (SECS * 0.2 * SEC as f64, SECS * 0.8 * SEC as f64);
+            recs.iter()
+                .zip(o)
+                .filter(|(r, o)| {
+                    r.tenant.as_deref() == Some(tenant)
+                        && o.finished.is_some_and(|f| (f as f64) >= from && (f as f64) < to)
+                })
+                .map(|(r, _)| r.output_tokens as f64)
+                .sum()
+        };
         let share = |o: &[Outcome]| {
-            let (t, b) = (served(&recs, o, "t"), served(&recs, o, "b"));
+            let (t, b) = (generated(o, "t"), generated(o, "b"));
             t / (t + b)
         };
-        let with = share(&run(&policy_with("reserve { shared 25% }", "preemptible", "window 1h"), &recs));
-        // (The share is held in batch slots and KV blocks; in tokens over
-        // one minute of heavy-tailed recorded sizes it varies by a few
-        // points either side: 21.5% to 28.6% over eight seeds.)
-        prop_assert!(with >= 0.2, "served {with:.3} of the pool with 25% reserved");
+        let o = run(&policy_with("reserve { shared 25% }", "preemptible", "window 1h"), &recs);
+        let with = share(&o);
+        // (25% to 27% over eight seeds; the odd point below is the
+        // recorded sizes drawn, not the reservation.)
+        prop_assert!(with >= 0.24, "generated {with:.3} of the pool's tokens with 25% reserved");
+        // Prompt tokens served too: each request's prompt counts once, so
+        // this share follows the heavy-tailed prompt sizes drawn (19% to
+        // 27% over the same seeds).
+        let (t, b) = (served(&recs, &o, "t"), served(&recs, &o, "b"));
+        prop_assert!(t / (t + b) >= 0.17, "served {:.3} of prompt and output tokens", t / (t + b));
         let without = share(&run(&policy_with("", "preemptible", "window 1h"), &recs));
         prop_assert!(without < 0.1, "served {without:.3} of the pool without a reserve");
     }
@@ -314,4 +330,36 @@ route [a, b] m { default => fp16 }
         );
         assert!(c.graph.is_none(), "{hostile} compiled");
     }
+}
+
+/// The simulation report says where a reservation was reclaimed: the
+/// background tier's requests that waited, or were preempted, for it.
+#[test]
+fn the_report_shows_reclaimed_reservations() {
+    let recs = mixed(0.15 * capacity(), 5);
+    let g = policy("reserve { shared 25% }", "preemptible");
+    let o = run(&g, &recs);
+    let fleet = replay::report::Fleet {
+        gpus: 1,
+        ..Default::default()
+    };
+    let r = replay::report::build(&g, "kiln", "kiln", &o, &fleet);
+    let bulk = r.tiers.iter().find(|t| t.name == "bulk").expect("bulk row");
+    let n = bulk
+        .waits_by_reason
+        .get("reservation")
+        .copied()
+        .unwrap_or(0);
+    assert!(n > 0, "{:?}", bulk.waits_by_reason);
+    let text = replay::report::human(std::slice::from_ref(&r));
+    assert!(
+        text.contains(&format!(
+            "reservation reclaimed: {n} request(s) of tier bulk"
+        )),
+        "{text}"
+    );
+    // Without a reserve nothing is reclaimed, and the report says nothing.
+    let plain = policy("", "preemptible");
+    let r = replay::report::build(&plain, "kiln", "kiln", &run(&plain, &recs), &fleet);
+    assert!(!replay::report::human(&[r]).contains("reservation reclaimed"));
 }

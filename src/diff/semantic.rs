@@ -776,7 +776,11 @@ fn reserves(
     let shares = |g: &DecisionGraph, t: &Tier| -> BTreeMap<String, f64> {
         t.reserve
             .iter()
-            .filter_map(|r| g.pools.get(r.pool as usize).map(|p| (p.name.clone(), r.share)))
+            .filter_map(|r| {
+                g.pools
+                    .get(r.pool as usize)
+                    .map(|p| (p.name.clone(), r.share))
+            })
             .collect()
     };
     let (sa, sb) = (shares(old, a), shares(new, b));

@@ -8,8 +8,8 @@
 //!   take, its share is anyone's: other tiers fill the replica as if there
 //!   were no reservation, so an idle reservation wastes nothing.
 //! - **Reclaimed**: while it has such a request and holds less than its
-//!   share there (in both units: a tier holding its share of slots, or of
-//!   KV, holds its share of whichever binds it), the replica keeps the shortfall for it: work of other
+//!   share there (in the unit that binds the replica at the moment: slots
+//!   when a larger part of them is taken than of its KV, else KV), the replica keeps the shortfall for it: work of other
 //!   tiers starts only if it leaves the shortfall free ("claims", below),
 //!   the reserving tier's request is taken ahead of theirs, and if it still
 //!   cannot start for want of room, a borrower (a running sequence of
@@ -62,6 +62,23 @@ fn amount(rep: &Replica, share: f64) -> (u32, u64) {
     )
 }
 
+/// Whether `tier` holds less than `share` of replica `rep` in the unit
+/// that binds the replica now: batch slots when a larger part of them is
+/// taken than of its KV blocks, else KV blocks. (Counted in the other unit,
+/// a tier of long prompts would be "satisfied" holding few sequences while
+/// slots are what everyone lacks, and the other way round.)
+fn short(rep: &Replica, tier: TierId, share: f64) -> bool {
+    let (slots, kv) = amount(rep, share);
+    let (hs, hk) = held(rep, tier);
+    let slot_use = rep.running.len() as f64 / f64::from(rep.spec.max_batch.max(1));
+    let kv_use = rep.kv_used() as f64 / rep.pool_tokens().max(1) as f64;
+    if slot_use >= kv_use {
+        hs < slots
+    } else {
+        hk < kv
+    }
+}
+
 impl Scheduler {
     /// The tiers reserving a share of `pool`, with their shares (percent).
     pub(super) fn pool_reserves(&self, pool: PoolId) -> Vec<(TierId, f64)> {
@@ -103,15 +120,13 @@ impl Scheduler {
             if !self.queues.tier_waits_for(tier, slot, self.now) {
                 continue; // lent: it has nothing waiting here
             }
-            let (slots, kv) = amount(rep, share);
-            let (hs, hk) = held(rep, tier);
-            // Holding its share of either unit, it holds its share of
-            // what binds it: nothing more is kept for it.
-            if hs < slots && hk < kv {
+            if short(rep, tier, share) {
+                let (slots, kv) = amount(rep, share);
+                let (hs, hk) = held(rep, tier);
                 out.push(Claim {
                     tier,
-                    slots: slots - hs,
-                    kv: kv - hk,
+                    slots: slots.saturating_sub(hs),
+                    kv: kv.saturating_sub(hk),
                 });
             }
         }
@@ -219,9 +234,7 @@ impl Scheduler {
         if share <= 0.0 {
             return false;
         }
-        let (slots, kv) = amount(rep, share);
-        let (hs, hk) = held(rep, tier);
-        hs < slots && hk < kv
+        short(rep, tier, share)
     }
 
     /// The prefill rank a sequence of `tier` starting on replica `r` gets:
