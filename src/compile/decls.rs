@@ -22,7 +22,7 @@ const POOL_FIELDS: &[&str] = &[
     "deny_tenants",
     "description",
 ];
-const MODEL_FIELDS: &[&str] = &["variant", "description", "params", "kv_per_token"];
+const MODEL_FIELDS: &[&str] = &["variant", "description", "params", "kv_per_token", "quota"];
 const VARIANT_FIELDS: &[&str] = &[
     "precision",
     "memory",
@@ -46,6 +46,7 @@ const TIER_FIELDS: &[&str] = &[
     "exact_cache",
     "reserve",
     "fair_share",
+    "quota",
     "description",
 ];
 const FAIR_SHARE_FIELDS: &[&str] = &["window"];
@@ -641,6 +642,7 @@ impl Compiler<'_> {
                 .collect()
         });
         let reserve = self.tier_reserve(f.get("reserve"), &what);
+        let quota = self.scoped_quota(f.get("quota"), &what);
         let mut fair_share_window = None;
         if let Some(b) = self.sub_body(f.get("fair_share")) {
             let s = self.fields(
@@ -667,6 +669,7 @@ impl Compiler<'_> {
             exact_cache,
             reserve,
             fair_share_window,
+            quota,
             span: d.name.span,
         });
     }
@@ -718,6 +721,22 @@ impl Compiler<'_> {
         out
     }
 
+    /// A tier's or a model's `quota { tokens, requests, concurrent,
+    /// gpu_seconds }`, as a tenant's is written.
+    fn scoped_quota(&mut self, p: Option<&Property>, what: &str) -> Quota {
+        let mut quota = Quota::default();
+        if let Some(b) = self.sub_body(p) {
+            let q = self.fields(b, QUOTA_FIELDS, &format!("the quota of {what}"), &[]);
+            quota.tokens = self.prop_quantity(q.get("tokens"), Ty::Rate, "`tokens`");
+            quota.requests = self.prop_quantity(q.get("requests"), Ty::Rate, "`requests`");
+            quota.concurrent = self
+                .prop_quantity(q.get("concurrent"), Ty::Count, "`concurrent`")
+                .map(|x| x.max(0.0) as u64);
+            quota.gpu_seconds = self.prop_quantity(q.get("gpu_seconds"), Ty::Rate, "`gpu_seconds`");
+        }
+        quota
+    }
+
     /// A fair-share window: a duration from 1 second to 30 days
     /// ([`limits::MIN_FAIR_SHARE_WINDOW_MS`], [`limits::MAX_FAIR_SHARE_WINDOW_MS`]).
     fn fair_share_window(&mut self, p: Option<&Property>) -> Option<f64> {
@@ -743,6 +762,7 @@ impl Compiler<'_> {
         let _ = self.prop_string(f.get("description"));
         let params = self.prop_quantity(f.get("params"), Ty::Count, "`params`");
         let kv_per_token = self.prop_quantity(f.get("kv_per_token"), Ty::Size, "`kv_per_token`");
+        let quota = self.scoped_quota(f.get("quota"), &what);
         let mut variants: Vec<Variant> = Vec::new();
         for p in f.repeated.clone() {
             let name = match p.args.values() {
@@ -880,6 +900,7 @@ impl Compiler<'_> {
             variants,
             params,
             kv_per_token,
+            quota,
             span: d.name.span,
         });
     }

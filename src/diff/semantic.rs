@@ -45,7 +45,9 @@
 //!   `requests`, `concurrent`, `gpu_seconds`) raised or removed (removed
 //!   means unlimited); `weight` or `borrow` raised; `retry_budget` or
 //!   `session_steps` raised or removed (unlimited); a tier's `reserve`
-//!   share of a pool added or raised (lowered or removed: `tier_change`).
+//!   share of a pool added or raised (lowered or removed: `tier_change`);
+//!   a tier's or a model's quota component raised or removed, as a
+//!   tenant's (lowered or added: `tier_change`, `route_change`).
 //! * `preemption_change`: any change to a tier's `preempts` or
 //!   `preemptible`; an escalation when the tier gains a preemption target or
 //!   stops being `preemptible`, not when it only loses targets or becomes
@@ -72,7 +74,7 @@
 use crate::ast::CmpOp;
 use crate::compile::units::{show, Ty};
 use crate::graph::{
-    AdmitOutcome, ApprovalRule, ChangeKind, Cond, DecisionGraph, DecisionView, Model, Pool,
+    AdmitOutcome, ApprovalRule, ChangeKind, Cond, DecisionGraph, DecisionView, Model, Pool, Quota,
     Request, RuleSet, Sig, Signals, Tenant, Test, TestOp, Tier, Variant,
 };
 use serde::Serialize;
@@ -547,6 +549,7 @@ fn models(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
                         opt(b.kv_per_token, size, "none"),
                         k,
                     );
+                    quota_limits(out, &subject, &a.quota, &b.quota, k);
                     by_name(
                         &a.variants,
                         &b.variants,
@@ -748,6 +751,7 @@ fn tiers(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
                         tc,
                     );
                     reserves(old, new, a, b, &subject, out);
+                    quota_limits(out, &subject, &a.quota, &b.quota, tc);
                     out.field(
                         &subject,
                         "fair_share.window",
@@ -794,6 +798,38 @@ fn reserves(
             y.unwrap_or(0.0) > x.unwrap_or(0.0),
             ChangeKind::QuotaIncrease,
             ChangeKind::TierChange,
+        );
+    }
+}
+
+/// A tier's or a model's quota, component by component: raised or removed
+/// (unlimited) is a `quota_increase` escalation, as for a tenant; lowered
+/// or added is `kind` (the block's own change kind).
+fn quota_limits(out: &mut Out, subject: &str, a: &Quota, b: &Quota, kind: ChangeKind) {
+    let parts: [(&str, Option<f64>, Option<f64>, fn(f64) -> String); 4] = [
+        ("quota.tokens", a.tokens, b.tokens, per_min),
+        ("quota.requests", a.requests, b.requests, per_min),
+        (
+            "quota.concurrent",
+            a.concurrent.map(|c| c as f64),
+            b.concurrent.map(|c| c as f64),
+            num,
+        ),
+        ("quota.gpu_seconds", a.gpu_seconds, b.gpu_seconds, per_day),
+    ];
+    for (field, x, y, render) in parts {
+        let up = match (x, y) {
+            (Some(x), Some(y)) => y > x,
+            (Some(_), None) => true,
+            _ => false,
+        };
+        out.directed(
+            subject,
+            field,
+            (opt(x, render, "unlimited"), opt(y, render, "unlimited")),
+            up,
+            ChangeKind::QuotaIncrease,
+            kind,
         );
     }
 }

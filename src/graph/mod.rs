@@ -129,6 +129,8 @@ pub struct Model {
     pub params: Option<f64>,
     /// KV-cache bytes per token at 16-bit precision (`kv_per_token 320KB`).
     pub kv_per_token: Option<f64>,
+    /// Limits shared by all requests for the model (`quota { … }`).
+    pub quota: Quota,
     pub span: Span,
 }
 
@@ -177,6 +179,9 @@ pub struct Tier {
     /// How long fair share between this tier's tenants remembers service,
     /// ms (`fair_share { window 5m }`); `None` takes the scheduler's.
     pub fair_share_window: Option<f64>,
+    /// Limits shared by all of the tier's requests (`quota { … }`), beside
+    /// each tenant's own.
+    pub quota: Quota,
     pub span: Span,
 }
 

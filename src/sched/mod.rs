@@ -35,6 +35,7 @@ pub mod quota;
 pub mod replica;
 mod reserve;
 pub mod route;
+pub mod scoped;
 pub mod swap;
 #[cfg(test)]
 mod testkit;
@@ -99,6 +100,11 @@ pub enum Reason {
     /// Another tier reclaimed the share of the pool it reserves (`reserve`):
     /// this request waited for it, or was preempted by it.
     Reservation,
+    /// The tier's own quota (`tier T { quota { … } }`): tokens, requests,
+    /// concurrency or GPU-seconds shared by all its requests.
+    TierQuota,
+    /// The model's quota (`model M { quota { … } }`).
+    ModelQuota,
 }
 
 impl Reason {
@@ -122,6 +128,8 @@ impl Reason {
             Reason::RetryBudget => "retry-budget",
             Reason::PolicyChanged => "policy-changed",
             Reason::Reservation => "reservation",
+            Reason::TierQuota => "tier-quota",
+            Reason::ModelQuota => "model-quota",
         }
     }
 }
@@ -387,6 +395,8 @@ struct Held {
     tenant: Option<TenantId>,
     /// Reserved quota tokens, refunded in part when the request finishes.
     reserved_tokens: f64,
+    /// What it reserved of its tier's and model's quotas ([`scoped`]).
+    scoped: Option<scoped::Scoped>,
 }
 
 /// The scheduler. Owns queues, replicas and quota state; borrows nothing.
@@ -399,6 +409,8 @@ pub struct Scheduler {
     by_variant: HashMap<(u16, u16), Vec<usize>>,
     queues: Queues,
     quotas: Quotas,
+    /// Tier and model quotas.
+    scoped: scoped::ScopedQuotas,
     held: HashMap<ReqId, Held>,
     /// Requests waiting for a delay window or a batching hold.
     timers: timers::Timers,
@@ -458,6 +470,7 @@ impl Scheduler {
         let signals = Signals::idle(&graph);
         let idle = signals.clone();
         let quotas = Quotas::new(&graph);
+        let scoped = scoped::ScopedQuotas::new(&graph);
         let queues = Queues::new(&graph, &cfg);
         let router = route::Router::new(cfg.routing, cfg.seed);
         let pinned = vec![0; replicas.len()];
@@ -469,6 +482,7 @@ impl Scheduler {
             by_variant,
             queues,
             quotas,
+            scoped,
             held: HashMap::default(),
             timers: timers::Timers::default(),
             sessions: HashMap::default(),
@@ -622,6 +636,9 @@ impl Scheduler {
             if let Some(t) = h.tenant {
                 self.quotas.release(t, h.reserved_tokens, used);
             }
+            if let Some(q) = h.scoped {
+                self.scoped.release(q, used);
+            }
         }
     }
 
@@ -679,6 +696,9 @@ impl Scheduler {
                     self.quotas.charge_gpu(t, share, self.now);
                 }
             }
+            if share > 0.0 {
+                self.scoped.charge_gpu(s.w.tier, s.w.model, share, self.now);
+            }
             // An external replica's progress is unknown: its prompt is
             // charged, and fair share keeps what it was charged.
             used = f64::from(s.w.prompt_tokens) + f64::from(s.generated);
@@ -705,6 +725,7 @@ impl Scheduler {
         if let Some(t) = s.w.tenant {
             self.quotas.charge_gpu(t, share, self.now);
         }
+        self.scoped.charge_gpu(s.w.tier, s.w.model, share, self.now);
         // Fair share was charged for the output budget at dispatch.
         let unused =
             s.w.output_tokens
@@ -755,6 +776,9 @@ impl Scheduler {
         if let Some(h) = self.held.remove(&id) {
             if let Some(t) = h.tenant {
                 self.quotas.release(t, h.reserved_tokens, 0.0);
+            }
+            if let Some(q) = h.scoped {
+                self.scoped.release(q, 0.0);
             }
         }
         self.out.push(Action::Reject {
@@ -1202,6 +1226,7 @@ impl Scheduler {
                 if let Some(t) = s.w.tenant {
                     self.quotas.charge_gpu(t, share, now);
                 }
+                self.scoped.charge_gpu(s.w.tier, s.w.model, share, now);
             }
         }
         let done = rep.finish_step(now, &mut self.out);
@@ -1212,6 +1237,9 @@ impl Scheduler {
                 if let Some(t) = h.tenant {
                     let used = served_in + served_out;
                     self.quotas.release(t, h.reserved_tokens, used);
+                }
+                if let Some(q) = h.scoped {
+                    self.scoped.release(q, served_in + served_out);
                 }
             }
             let _ = served_in;
