@@ -113,8 +113,8 @@ fn finished_of_arrived(records: &[Record], o: &[Outcome], tenant: &str) -> f64 {
         .filter(|(r, o)| {
             r.tenant.as_deref() == Some(tenant)
                 && o.finished.is_some()
-                && (r.at_ms as f64) >= from
-                && (r.at_ms as f64) < to
+                && r.at_ms >= from
+                && r.at_ms < to
         })
         .map(|(r, _)| (r.prompt_tokens + r.output_tokens) as f64)
         .sum()
@@ -126,7 +126,7 @@ fn offered(records: &[Record], tenant: &str) -> f64 {
     records
         .iter()
         .filter(|r| r.tenant.as_deref() == Some(tenant))
-        .filter(|r| (r.at_ms as f64) >= from && (r.at_ms as f64) < to)
+        .filter(|r| r.at_ms >= from && r.at_ms < to)
         .map(|r| (r.prompt_tokens + r.output_tokens) as f64)
         .sum()
 }

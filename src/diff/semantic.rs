@@ -806,7 +806,8 @@ fn reserves(
 /// (unlimited) is a `quota_increase` escalation, as for a tenant; lowered
 /// or added is `kind` (the block's own change kind).
 fn quota_limits(out: &mut Out, subject: &str, a: &Quota, b: &Quota, kind: ChangeKind) {
-    let parts: [(&str, Option<f64>, Option<f64>, fn(f64) -> String); 4] = [
+    type Part<'a> = (&'a str, Option<f64>, Option<f64>, fn(f64) -> String);
+    let parts: [Part; 4] = [
         ("quota.tokens", a.tokens, b.tokens, per_min),
         ("quota.requests", a.requests, b.requests, per_min),
         (
