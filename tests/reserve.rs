@@ -52,6 +52,27 @@ route [bulk, team] llama-8b {{ default => fp16 }}
     )
 }
 
+fn policy_text(reserve: &str) -> String {
+    format!(
+        r#"pool shared {{ gpus 1 kind "H100-80GB" memory 80GB }}
+model llama-8b {{
+  params 8B
+  kv_per_token 128KB
+  variant fp16 {{ memory 18GB pools [shared] }}
+}}
+tier bulk {{ priority 50 slo {{ window 1h }} preemptible }}
+tier team {{ priority 10 slo {{ ttft 2s }} {reserve} }}
+tenant b {{ owner "o" tiers [bulk] }}
+tenant t {{ owner "o" tiers [team] }}
+classify {{
+  when tenant == t => tier team
+  default => tier bulk
+}}
+route [bulk, team] llama-8b {{ default => fp16 }}
+"#
+    )
+}
+
 fn sizes() -> &'static [Record] {
     static S: std::sync::OnceLock<Vec<Record>> = std::sync::OnceLock::new();
     S.get_or_init(|| {
@@ -362,4 +383,38 @@ fn the_report_shows_reclaimed_reservations() {
     let plain = policy("", "preemptible");
     let r = replay::report::build(&plain, "kiln", "kiln", &run(&plain, &recs), &fleet);
     assert!(!replay::report::human(&[r]).contains("reservation reclaimed"));
+}
+
+/// `kiln simulate` itself: the same run from files, its report naming the
+/// tier whose requests waited for the reservation.
+#[test]
+fn kiln_simulate_reports_the_reclaimed_reservation() {
+    let dir = std::env::temp_dir().join(format!("kiln-reserve-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (pol, traffic) = (dir.join("p.kiln"), dir.join("t.jsonl"));
+    std::fs::write(&pol, policy_text("reserve { shared 25% }")).unwrap();
+    let mut l = load("b", 2.0 * capacity());
+    l.extend(load("t", 0.15 * capacity()));
+    let recs = synth::poisson(sizes(), "llama-8b", &l, 30.0, 2);
+    traffic::write(std::fs::File::create(&traffic).unwrap(), &recs).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args([
+            "simulate",
+            "--policy",
+            pol.to_str().unwrap(),
+            "--traffic",
+            traffic.to_str().unwrap(),
+        ])
+        .env("NO_COLOR", "1")
+        .output()
+        .expect("run kiln");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("reservation reclaimed:"), "{stdout}");
+    assert!(stdout.contains("of tier bulk waited"), "{stdout}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
