@@ -1033,9 +1033,13 @@ impl Queues {
     }
 
     /// Whether `tier` has a request replica `slot` may take now (its
-    /// backlogged tenants' heads only: O(tenants)).
+    /// backlogged tenants' heads only: O(tenants)), as
+    /// [`Self::pick_in_tier`] would find it.
     pub fn tier_waits_for(&self, tier: TierId, slot: &Slot, now: Micros) -> bool {
         let ti = tier as usize;
+        if self.backfill.get(ti).copied().unwrap_or(false) && !slot.allow_backfill {
+            return false;
+        }
         self.by_variant
             .get(&(slot.model, slot.variant))
             .and_then(|tiers| tiers.get(ti))

@@ -179,9 +179,21 @@ impl Scheduler {
         tiers.sort_by_key(|&t| (std::cmp::Reverse(prio(t)), t));
         let now = self.now;
         let blocked = self.blocked_by_claims(r, &w, claims);
-        let instead = tiers
+        let mut instead = tiers
             .into_iter()
             .find_map(|t| self.queues.pick_in_tier(t, now, slot));
+        // A claimant that can neither start nor reclaim room now does not
+        // keep `w` out of room its claim does not need.
+        if let (Some(x), false) = (&instead, blocked) {
+            let rep = &self.replicas[r];
+            let cached = rep.cached_prefix_tokens(&x.prefix_blocks);
+            let fits = rep.free_seq_slots() > 0 && rep.can_start(x, cached);
+            if !fits && !self.may_reclaim(r, x.tier) {
+                if let Some(x) = instead.take() {
+                    self.queues.push_front(x);
+                }
+            }
+        }
         if instead.is_none() && !blocked {
             return Some(w);
         }
