@@ -41,6 +41,8 @@ pub enum Code {
     VariantDoesNotFit,
     IsolationViolation,
     UndeclaredSubstitution,
+    ReserveOversubscribed,
+    ReserveUnreachable,
     // lints
     ShadowedRule,
     QuotaOversubscribed,
@@ -52,6 +54,7 @@ pub enum Code {
     DeadRule,
     SignalRedefined,
     UnknownLint,
+    ReserveOnDedicatedPool,
 }
 
 impl Code {
@@ -77,6 +80,8 @@ impl Code {
         Code::VariantDoesNotFit,
         Code::IsolationViolation,
         Code::UndeclaredSubstitution,
+        Code::ReserveOversubscribed,
+        Code::ReserveUnreachable,
         Code::ShadowedRule,
         Code::QuotaOversubscribed,
         Code::TierWithoutSlo,
@@ -87,6 +92,7 @@ impl Code {
         Code::DeadRule,
         Code::SignalRedefined,
         Code::UnknownLint,
+        Code::ReserveOnDedicatedPool,
     ];
 
     /// The stable short name.
@@ -123,6 +129,9 @@ impl Code {
             Code::DeadRule => "dead-rule",
             Code::SignalRedefined => "signal-redefined",
             Code::UnknownLint => "unknown-lint",
+            Code::ReserveOversubscribed => "reserve-oversubscribed",
+            Code::ReserveUnreachable => "reserve-unreachable",
+            Code::ReserveOnDedicatedPool => "reserve-on-dedicated-pool",
         }
     }
 
@@ -188,6 +197,15 @@ impl Code {
             }
             Code::SignalRedefined => {
                 "a signal spelling whose meaning changed: the rule may now act differently than when it was written"
+            }
+            Code::ReserveOversubscribed => {
+                "the tiers' reserved shares of a pool cannot add up to more than the whole pool"
+            }
+            Code::ReserveUnreachable => {
+                "a tier can only use capacity it reserves in a pool its routes and fallbacks reach"
+            }
+            Code::ReserveOnDedicatedPool => {
+                "a pool only one tier can use is already all that tier's: a reserve there changes nothing"
             }
             Code::UnknownLint => {
                 "a `kiln:allow` naming no lint silences nothing, so the warning it meant to silence still shows, or a typo hides that it never did"

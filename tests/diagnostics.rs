@@ -226,6 +226,49 @@ fn cases() -> Vec<(&'static str, String, Code)> {
             Code::InvalidValue,
         ),
         (
+                        "reserve_oversubscribed",
+            with("  slo { ttft 500ms }\n", "  slo { ttft 500ms }\n  reserve { gpu 60% }\n")
+                .replacen("  slo { window 6h }\n", "  slo { window 6h }\n  reserve { gpu 50% }\n", 1),
+            Code::ReserveOversubscribed,
+        ),
+        (
+            "reserve_unreachable",
+            with("  slo { ttft 500ms }\n", "  slo { ttft 500ms }\n  reserve { spare 25% }\n")
+                .replacen("memory 80GB }", "memory 80GB }\npool spare { gpus 2 kind \"L4\" memory 24GB }", 1),
+            Code::ReserveUnreachable,
+        ),
+        (
+            "reserve_twice",
+            with("  slo { ttft 500ms }\n", "  slo { ttft 500ms }\n  reserve { gpu 10% gpu 20% }\n"),
+            Code::DuplicateDefinition,
+        ),
+        (
+            "reserve_nothing",
+            with("  slo { ttft 500ms }\n", "  slo { ttft 500ms }\n  reserve { gpu 0% }\n"),
+            Code::InvalidValue,
+        ),
+        (
+            "reserve_share_not_a_percentage",
+            with("  slo { ttft 500ms }\n", "  slo { ttft 500ms }\n  reserve { gpu 2 }\n"),
+            Code::UnitMismatch,
+        ),
+        (
+            "fair_share_window_out_of_range",
+            with("  slo { ttft 500ms }\n", "  slo { ttft 500ms }\n  fair_share { window 10ms }\n"),
+            Code::OutOfRange,
+        ),
+        (
+            "reserve_on_dedicated_pool",
+            with("  slo { ttft 500ms }\n", "  slo { ttft 500ms }\n  reserve { own 50% }\n")
+                .replacen("  slo { window 6h }\n", "  slo { window 6h }\n  models [m]\n", 1)
+                .replacen(
+                    "memory 80GB }",
+                    "memory 80GB }\npool own { gpus 2 kind \"H100-80GB\" memory 80GB }\nmodel big { variant fp16 { memory 40GB pools [own] } }\nroute chat big { default => fp16 }",
+                    1,
+                ),
+            Code::ReserveOnDedicatedPool,
+        ),
+        (
             "unknown_lint",
             plus("# kiln:allow(unused-defintion)\npool spare { gpus 2 kind \"L4\" memory 24GB }"),
             Code::UnknownLint,

@@ -1021,3 +1021,87 @@ fn a_declared_substitution_is_a_route_change_added_changed_and_removed() {
         )
     );
 }
+
+#[test]
+fn a_reserve_added_or_raised_is_a_quota_increase_and_lowered_a_tier_change() {
+    let old = enterprise_text();
+    let base = "  slo { window 6h }\n  batch { max_wait 5s }\n";
+    let reserved = edit(&old, base, &format!("{base}  reserve {{ shared 10% }}\n"));
+    let d = semantic(&policy_text(&old), &policy_text(&reserved));
+    let c = only(&d);
+    assert_eq!(c.subject, "tier batch");
+    assert_eq!(c.field.as_deref(), Some("reserve.shared"));
+    assert_eq!(
+        (c.old.as_deref(), c.new.as_deref()),
+        (Some("none"), Some("10%"))
+    );
+    assert_eq!(c.change_kind, ChangeKind::QuotaIncrease);
+    assert!(c.escalation);
+    let raised = edit(
+        &reserved,
+        "reserve { shared 10% }",
+        "reserve { shared 30% }",
+    );
+    let d = semantic(&policy_text(&reserved), &policy_text(&raised));
+    assert_eq!(only(&d).change_kind, ChangeKind::QuotaIncrease);
+    // Lowered or removed: gives capacity back, not an escalation.
+    for (a, b) in [(&raised, &reserved), (&reserved, &old)] {
+        let d = semantic(&policy_text(a), &policy_text(b));
+        let c = only(&d);
+        assert_eq!(c.change_kind, ChangeKind::TierChange);
+        assert!(!c.escalation);
+    }
+    // A fair-share window is a tier change.
+    let windowed = edit(&old, base, &format!("{base}  fair_share {{ window 5m }}\n"));
+    let d = semantic(&policy_text(&old), &policy_text(&windowed));
+    let c = only(&d);
+    assert_eq!(c.field.as_deref(), Some("fair_share.window"));
+    assert_eq!(c.change_kind, ChangeKind::TierChange);
+}
+
+#[test]
+fn a_tier_or_model_quota_raised_or_removed_is_a_quota_increase() {
+    let old = enterprise_text();
+    let base = "  slo { window 6h }\n  batch { max_wait 5s }\n";
+    let limited = edit(
+        &old,
+        base,
+        &format!("{base}  quota {{ tokens 1M/min concurrent 10 }}\n"),
+    );
+    // Added: a limit where there was none, not an escalation.
+    let d = semantic(&policy_text(&old), &policy_text(&limited));
+    assert!(d.changes.iter().all(|c| !c.escalation), "{:?}", d.changes);
+    assert!(d
+        .changes
+        .iter()
+        .all(|c| c.subject == "tier batch" && c.change_kind == ChangeKind::TierChange));
+    let raised = edit(
+        &limited,
+        "tokens 1M/min concurrent 10",
+        "tokens 2M/min concurrent 10",
+    );
+    let d = semantic(&policy_text(&limited), &policy_text(&raised));
+    let c = only(&d);
+    assert_eq!(c.field.as_deref(), Some("quota.tokens"));
+    assert_eq!(c.change_kind, ChangeKind::QuotaIncrease);
+    assert!(c.escalation);
+    let d = semantic(&policy_text(&limited), &policy_text(&old));
+    assert!(d
+        .changes
+        .iter()
+        .all(|c| c.escalation && c.change_kind == ChangeKind::QuotaIncrease));
+    // A model's GPU-seconds a day.
+    let m = edit(
+        &old,
+        "model llama-70b {\n",
+        "model llama-70b {\n  quota { gpu_seconds 10k/day }\n",
+    );
+    let m2 = edit(&m, "gpu_seconds 10k/day", "gpu_seconds 20k/day");
+    let d = semantic(&policy_text(&m), &policy_text(&m2));
+    let c = only(&d);
+    assert_eq!(c.subject, "model llama-70b");
+    assert_eq!(c.field.as_deref(), Some("quota.gpu_seconds"));
+    assert_eq!(c.change_kind, ChangeKind::QuotaIncrease);
+    let d = semantic(&policy_text(&m2), &policy_text(&m));
+    assert_eq!(only(&d).change_kind, ChangeKind::RouteChange);
+}

@@ -760,3 +760,53 @@ fn an_http_pool_needs_no_gpu_kind_the_cost_model_knows() {
     assert_eq!(plan.replicas.len(), 1);
     assert!(plan.replicas[0].external);
 }
+
+/// A tier's quota and a model's quota refuse like a tenant's: 429 with a
+/// Retry-After, and the error code says which quota it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tier_and_model_quotas_refuse_with_429_and_say_which() {
+    let text = SMALL
+        .replace(
+            "tier low { priority 10 slo { p95 600s } }",
+            "tier low { priority 10 slo { p95 600s } quota { requests 1/min } }",
+        )
+        .replace(
+            "  kv_per_token 32KB\n",
+            "  kv_per_token 32KB\n  quota { requests 3/min }\n",
+        );
+    let srv = serve(
+        policy("scoped.kiln", &text),
+        ServerConfig::default_embedded(),
+        50.0,
+    )
+    .await;
+    let base = format!("http://{}", srv.addr);
+    let c = client();
+    let send = |key: &'static str| {
+        let (c, base) = (c.clone(), base.clone());
+        async move { send_chat(&c, &base, key, &chat_body("tiny", "x", 1)).await }
+    };
+    // beta (tier low): one request a minute for the whole tier, though
+    // beta's own quota allows two.
+    assert_eq!(send("k-beta").await.status(), 200);
+    let r = send("k-beta").await;
+    assert_eq!(r.status(), 429);
+    assert!(r.headers().contains_key("retry-after"));
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "tier-quota", "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("tier low"),
+        "{v}"
+    );
+    // alpha (tier high, no tier quota): the model allows three a minute,
+    // one of which beta used.
+    for _ in 0..2 {
+        assert_eq!(send("k-alpha").await.status(), 200);
+    }
+    let r = send("k-alpha").await;
+    assert_eq!(r.status(), 429);
+    assert!(r.headers().contains_key("retry-after"));
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "model-quota", "{v}");
+    srv.stop().await;
+}

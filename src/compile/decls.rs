@@ -29,6 +29,7 @@ const MODEL_FIELDS: &[&str] = &[
     "params",
     "kv_per_token",
     "served_by",
+    "quota",
 ];
 const VARIANT_FIELDS: &[&str] = &[
     "precision",
@@ -53,8 +54,12 @@ const TIER_FIELDS: &[&str] = &[
     "exact_cache",
     "signal_window",
     "on_preempt",
+    "reserve",
+    "fair_share",
+    "quota",
     "description",
 ];
+const FAIR_SHARE_FIELDS: &[&str] = &["window"];
 const SLO_FIELDS: &[&str] = &["ttft", "p95", "window"];
 const BATCH_FIELDS: &[&str] = &["max_wait"];
 const TENANT_FIELDS: &[&str] = &[
@@ -686,6 +691,18 @@ impl Compiler<'_> {
                 .collect()
         });
         let on_preempt = self.on_preempt(f.get("on_preempt"), preemptible);
+        let reserve = self.tier_reserve(f.get("reserve"), &what);
+        let quota = self.scoped_quota(f.get("quota"), &what);
+        let mut fair_share_window = None;
+        if let Some(b) = self.sub_body(f.get("fair_share")) {
+            let s = self.fields(
+                b,
+                FAIR_SHARE_FIELDS,
+                &format!("the fair share of {what}"),
+                &[],
+            );
+            fair_share_window = self.fair_share_window(s.get("window"));
+        }
         let _ = self.prop_string(f.get("description"));
         let signal_window = self.signal_window(f.get("signal_window"));
         self.g.tiers.push(Tier {
@@ -703,6 +720,9 @@ impl Compiler<'_> {
             exact_cache,
             signal_window,
             on_preempt,
+            reserve,
+            fair_share_window,
+            quota,
             span: d.name.span,
         });
     }
@@ -752,6 +772,88 @@ impl Compiler<'_> {
         choice
     }
 
+    /// `reserve { POOL SHARE … }`: a percentage of each named pool, above
+    /// 0% and at most 100%, each pool once. (Whether the pools' reserves
+    /// add up, and whether the tier can run there, is checked once every
+    /// tier and route is known: see `validate`.)
+    fn tier_reserve(&mut self, p: Option<&Property>, what: &str) -> Vec<Reserve> {
+        let mut out: Vec<Reserve> = Vec::new();
+        let Some(b) = self.sub_body(p) else {
+            return out;
+        };
+        for p in &b.props {
+            let Some(pool) = self.resolve(DeclKind::Pool, &p.key) else {
+                continue;
+            };
+            let pool = pool as PoolId;
+            if let Some(prev) = out.iter().find(|r| r.pool == pool) {
+                let prev = prev.span;
+                self.err(
+                    Diagnostic::error(
+                        Code::DuplicateDefinition,
+                        format!("{what} reserves pool `{}` twice", p.key.name),
+                    )
+                    .at(p.key.span, "reserved again here")
+                    .also(prev, "first reserved here")
+                    .help("keep one share per pool"),
+                );
+                continue;
+            }
+            let Some(share) = self.prop_percent(Some(p), "a reserved share") else {
+                continue;
+            };
+            if share <= 0.0 {
+                self.err(
+                    Diagnostic::error(Code::InvalidValue, "a reserved share must be above 0%")
+                        .at(p.span, "reserves nothing")
+                        .help(format!("write `{} 25%`, or remove the line", p.key.name)),
+                );
+                continue;
+            }
+            out.push(Reserve {
+                pool,
+                share,
+                span: p.span,
+            });
+        }
+        out
+    }
+
+    /// A tier's or a model's `quota { tokens, requests, concurrent,
+    /// gpu_seconds }`, as a tenant's is written.
+    fn scoped_quota(&mut self, p: Option<&Property>, what: &str) -> Quota {
+        let mut quota = Quota::default();
+        if let Some(b) = self.sub_body(p) {
+            let q = self.fields(b, QUOTA_FIELDS, &format!("the quota of {what}"), &[]);
+            quota.tokens = self.prop_quantity(q.get("tokens"), Ty::Rate, "`tokens`");
+            quota.requests = self.prop_quantity(q.get("requests"), Ty::Rate, "`requests`");
+            quota.concurrent = self
+                .prop_quantity(q.get("concurrent"), Ty::Count, "`concurrent`")
+                .map(|x| x.max(0.0) as u64);
+            quota.gpu_seconds = self.prop_quantity(q.get("gpu_seconds"), Ty::Rate, "`gpu_seconds`");
+        }
+        quota
+    }
+
+    /// A fair-share window: a duration from 1 second to 30 days
+    /// ([`limits::MIN_FAIR_SHARE_WINDOW_MS`], [`limits::MAX_FAIR_SHARE_WINDOW_MS`]).
+    fn fair_share_window(&mut self, p: Option<&Property>) -> Option<f64> {
+        let p = p?;
+        let v = self.one(p, "5m")?;
+        let ms = self.quantity_of_type(v, Ty::Duration, "the fair-share `window`")?;
+        if !ms.is_finite()
+            || !(limits::MIN_FAIR_SHARE_WINDOW_MS..=limits::MAX_FAIR_SHARE_WINDOW_MS).contains(&ms)
+        {
+            self.err(
+                Diagnostic::error(Code::OutOfRange, "the fair-share `window` is out of range")
+                    .at(v.span, "outside 1s to 30d")
+                    .help("a fair-share window is from 1s to 30d: kiln's limits keep fair share meaningful and its arithmetic exact"),
+            );
+            return None;
+        }
+        Some(ms)
+    }
+
     fn model(&mut self, d: &ast::Decl) {
         let what = format!("model `{}`", d.name.name);
         let f = self.fields(&d.body, MODEL_FIELDS, &what, &["variant", "served_by"]);
@@ -762,6 +864,7 @@ impl Compiler<'_> {
         let _ = self.prop_string(f.get("description"));
         let params = self.prop_quantity(f.get("params"), Ty::Count, "`params`");
         let kv_per_token = self.prop_quantity(f.get("kv_per_token"), Ty::Size, "`kv_per_token`");
+        let quota = self.scoped_quota(f.get("quota"), &what);
         let mut variants: Vec<Variant> = Vec::new();
         for p in f.repeated.clone() {
             if p.key.name != "variant" {
@@ -902,6 +1005,7 @@ impl Compiler<'_> {
             variants,
             params,
             kv_per_token,
+            quota,
             span: d.name.span,
         });
     }

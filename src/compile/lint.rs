@@ -24,6 +24,33 @@ pub fn lint(c: &Compiled) -> Diagnostics {
                 );
             }
         }
+        // reserve-on-dedicated-pool
+        let reach: Vec<Vec<u16>> = (0..g.tiers.len() as u16)
+            .map(|t| super::validate::tier_pools(g, t))
+            .collect();
+        for (t, tier) in g.tiers.iter().enumerate() {
+            for r in &tier.reserve {
+                let shared = reach
+                    .iter()
+                    .enumerate()
+                    .any(|(o, pools)| o != t && pools.contains(&r.pool));
+                if shared {
+                    continue;
+                }
+                let pool = &g.pools[r.pool as usize];
+                out.push(
+                    Diagnostic::error(
+                        Code::ReserveOnDedicatedPool,
+                        format!(
+                            "tier `{}` reserves a share of pool `{}`, which no other tier can use",
+                            tier.name, pool.name
+                        ),
+                    )
+                    .at(r.span, "the whole pool is this tier's already")
+                    .help("a reserve guarantees a share of a pool other tiers share; remove it, or let other tiers route here"),
+                );
+            }
+        }
         // tenant-without-owner
         for t in &g.tenants {
             if t.owner.as_deref().is_none_or(|o| o.trim().is_empty()) {

@@ -19,6 +19,123 @@ pub(crate) fn run(c: &mut Compiler) {
     demotes_acyclic(c);
     preempts_acyclic(c);
     variants_fit(c);
+    reserves_fit(c);
+}
+
+/// Pools a tier's requests can run in: the pools of every target its
+/// route rules and fallback steps name (a target's own pool, else every
+/// pool of its variant) that admit the tier. Sorted, each once.
+pub(crate) fn tier_pools(g: &DecisionGraph, t: TierId) -> Vec<PoolId> {
+    let mut out: Vec<PoolId> = Vec::new();
+    let mut add = |target: &Target| {
+        let pools: Vec<PoolId> = match target.pool {
+            Some(p) => vec![p],
+            None => g
+                .models
+                .get(target.model as usize)
+                .and_then(|m| m.variants.get(target.variant as usize))
+                .map(|v| v.pools.clone())
+                .unwrap_or_default(),
+        };
+        out.extend(pools);
+    };
+    for m in 0..g.models.len() as ModelId {
+        if let Some(rs) = g.route_set(t, m) {
+            for o in rs.rules.iter().map(|r| &r.2).chain([&rs.default.1]) {
+                if let RouteOutcome::Target(target) = o {
+                    add(target);
+                }
+            }
+        }
+    }
+    if let Some(ch) = g.fallbacks.get(t as usize).and_then(|c| c.as_ref()) {
+        for (_, s) in &ch.steps {
+            if let Step::Route(target) = s {
+                add(target);
+            }
+        }
+    }
+    out.sort_unstable();
+    out.dedup();
+    out.retain(|&p| g.pools.get(p as usize).is_some_and(|x| x.admits(t, None)));
+    out
+}
+
+/// A tier reserves only pools it can run in, and the reserves of one pool
+/// add up to at most 100%.
+fn reserves_fit(c: &mut Compiler) {
+    let mut errs = Vec::new();
+    for (t, tier) in c.g.tiers.iter().enumerate() {
+        if tier.reserve.is_empty() {
+            continue;
+        }
+        let reach = tier_pools(&c.g, t as TierId);
+        for r in &tier.reserve {
+            if reach.contains(&r.pool) {
+                continue;
+            }
+            let pool = &c.g.pools[r.pool as usize];
+            let why = if pool.admits(t as TierId, None) {
+                "no route or fallback of the tier runs there"
+            } else {
+                "the pool is fenced against the tier"
+            };
+            errs.push(
+                Diagnostic::error(
+                    Code::ReserveUnreachable,
+                    format!(
+                        "tier `{}` reserves a share of pool `{}`, where it cannot run",
+                        tier.name, pool.name
+                    ),
+                )
+                .at(r.span, why)
+                .also(pool.span, "pool declared here")
+                .help(format!(
+                    "route the tier to a variant in `{}`, or reserve a pool it runs in",
+                    pool.name
+                )),
+            );
+        }
+    }
+    for (p, pool) in c.g.pools.iter().enumerate() {
+        let mut total = 0.0;
+        let mut parts: Vec<(&str, f64, crate::source::Span)> = Vec::new();
+        for tier in &c.g.tiers {
+            for r in tier.reserve.iter().filter(|r| r.pool as usize == p) {
+                total += r.share;
+                parts.push((&tier.name, r.share, r.span));
+            }
+        }
+        if total <= 100.0 + 1e-9 {
+            continue;
+        }
+        let shown: Vec<String> = parts
+            .iter()
+            .map(|(t, s, _)| format!("{t} {}", show(Ty::Percent, *s)))
+            .collect();
+        let mut d = Diagnostic::error(
+            Code::ReserveOversubscribed,
+            format!(
+                "the tiers reserve {} of pool `{}` ({})",
+                show(Ty::Percent, total),
+                pool.name,
+                shown.join(", ")
+            ),
+        );
+        if let Some((_, _, last)) = parts.last() {
+            d = d.at(*last, "the reserves pass 100% here");
+        }
+        for (_, _, span) in parts.iter().rev().skip(1) {
+            d = d.also(*span, "also reserved here");
+        }
+        errs.push(d.help(format!(
+            "the shares reserved in one pool add up to at most 100%: lower them, or grow `{}` into two pools",
+            pool.name
+        )));
+    }
+    for d in errs {
+        c.err(d);
+    }
 }
 
 fn routes_cover_models(c: &mut Compiler) {

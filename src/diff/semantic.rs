@@ -44,7 +44,10 @@
 //! * `quota_increase`, escalation: a tenant's quota component (`tokens`,
 //!   `requests`, `concurrent`, `gpu_seconds`) raised or removed (removed
 //!   means unlimited); `weight` or `borrow` raised; `retry_budget` or
-//!   `session_steps` raised or removed (unlimited).
+//!   `session_steps` raised or removed (unlimited); a tier's `reserve`
+//!   share of a pool added or raised (lowered or removed: `tier_change`);
+//!   a tier's or a model's quota component raised or removed, as a
+//!   tenant's (lowered or added: `tier_change`, `route_change`).
 //! * `preemption_change`: any change to a tier's `preempts` or
 //!   `preemptible`; an escalation when the tier gains a preemption target or
 //!   stops being `preemptible`, not when it only loses targets or becomes
@@ -71,7 +74,7 @@
 use crate::ast::CmpOp;
 use crate::compile::units::{show, Ty};
 use crate::graph::{
-    AdmitOutcome, ApprovalRule, ChangeKind, Cond, DecisionGraph, DecisionView, Model, Pool,
+    AdmitOutcome, ApprovalRule, ChangeKind, Cond, DecisionGraph, DecisionView, Model, Pool, Quota,
     Request, RuleSet, Sig, Signals, Tenant, Test, TestOp, Tier, Variant,
 };
 use serde::Serialize;
@@ -547,6 +550,7 @@ fn models(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
                         opt(b.kv_per_token, size, "none"),
                         k,
                     );
+                    quota_limits(out, &subject, &a.quota, &b.quota, k);
                     by_name(
                         &a.variants,
                         &b.variants,
@@ -794,11 +798,89 @@ fn tiers(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
                         b.on_preempt.name().to_string(),
                         tc,
                     );
+                    reserves(old, new, a, b, &subject, out);
+                    quota_limits(out, &subject, &a.quota, &b.quota, tc);
+                    out.field(
+                        &subject,
+                        "fair_share.window",
+                        opt(a.fair_share_window, dur, "default (10m)"),
+                        opt(b.fair_share_window, dur, "default (10m)"),
+                        tc,
+                    );
                 }
                 (None, None) => {}
             }
         },
     );
+}
+
+/// A tier's reserved shares, by pool name: a share added or raised gives
+/// the tier capacity others had (`quota_increase`, an escalation), one
+/// lowered or removed is a `tier_change`.
+fn reserves(
+    old: &DecisionGraph,
+    new: &DecisionGraph,
+    a: &Tier,
+    b: &Tier,
+    subject: &str,
+    out: &mut Out,
+) {
+    let shares = |g: &DecisionGraph, t: &Tier| -> BTreeMap<String, f64> {
+        t.reserve
+            .iter()
+            .filter_map(|r| {
+                g.pools
+                    .get(r.pool as usize)
+                    .map(|p| (p.name.clone(), r.share))
+            })
+            .collect()
+    };
+    let (sa, sb) = (shares(old, a), shares(new, b));
+    let pools: BTreeSet<&String> = sa.keys().chain(sb.keys()).collect();
+    for pool in pools {
+        let (x, y) = (sa.get(pool).copied(), sb.get(pool).copied());
+        out.directed(
+            subject,
+            &format!("reserve.{pool}"),
+            (opt(x, pct, "none"), opt(y, pct, "none")),
+            y.unwrap_or(0.0) > x.unwrap_or(0.0),
+            ChangeKind::QuotaIncrease,
+            ChangeKind::TierChange,
+        );
+    }
+}
+
+/// A tier's or a model's quota, component by component: raised or removed
+/// (unlimited) is a `quota_increase` escalation, as for a tenant; lowered
+/// or added is `kind` (the block's own change kind).
+fn quota_limits(out: &mut Out, subject: &str, a: &Quota, b: &Quota, kind: ChangeKind) {
+    type Part<'a> = (&'a str, Option<f64>, Option<f64>, fn(f64) -> String);
+    let parts: [Part; 4] = [
+        ("quota.tokens", a.tokens, b.tokens, per_min),
+        ("quota.requests", a.requests, b.requests, per_min),
+        (
+            "quota.concurrent",
+            a.concurrent.map(|c| c as f64),
+            b.concurrent.map(|c| c as f64),
+            num,
+        ),
+        ("quota.gpu_seconds", a.gpu_seconds, b.gpu_seconds, per_day),
+    ];
+    for (field, x, y, render) in parts {
+        let up = match (x, y) {
+            (Some(x), Some(y)) => y > x,
+            (Some(_), None) => true,
+            _ => false,
+        };
+        out.directed(
+            subject,
+            field,
+            (opt(x, render, "unlimited"), opt(y, render, "unlimited")),
+            up,
+            ChangeKind::QuotaIncrease,
+            kind,
+        );
+    }
 }
 
 /// A limit where `None` means unlimited: raised or removed escalates.

@@ -36,3 +36,9 @@ pub const MAX_PERCENT: f64 = 100.0;
 /// The sliding window of measured signals (`signal_window`), ms: 1s to 1d.
 pub const MIN_SIGNAL_WINDOW_MS: f64 = 1_000.0;
 pub const MAX_SIGNAL_WINDOW_MS: f64 = 86_400_000.0;
+
+/// A tier's fair-share window (`fair_share { window … }`), in
+/// milliseconds: from 1 second (shorter forgets service within a few
+/// steps, and its decay factor underflows) to 30 days.
+pub const MIN_FAIR_SHARE_WINDOW_MS: f64 = 1_000.0;
+pub const MAX_FAIR_SHARE_WINDOW_MS: f64 = 30.0 * 86_400_000.0;

@@ -132,6 +132,8 @@ pub struct Model {
     pub params: Option<f64>,
     /// KV-cache bytes per token at 16-bit precision (`kv_per_token 320KB`).
     pub kv_per_token: Option<f64>,
+    /// Limits shared by all requests for the model (`quota { … }`).
+    pub quota: Quota,
     pub span: Span,
 }
 
@@ -177,6 +179,26 @@ pub struct Tier {
     pub signal_window: f64,
     /// What a preempted request of this (preemptible) tier becomes.
     pub on_preempt: OnPreempt,
+    /// Guaranteed shares of shared pools (`reserve { shared 25% }`): lent
+    /// to other tiers while this one has no work waiting there, reclaimed
+    /// when it has (see `sched::reserve`).
+    pub reserve: Vec<Reserve>,
+    /// How long fair share between this tier's tenants remembers service,
+    /// ms (`fair_share { window 5m }`); `None` takes the scheduler's.
+    pub fair_share_window: Option<f64>,
+    /// Limits shared by all of the tier's requests (`quota { … }`), beside
+    /// each tenant's own.
+    pub quota: Quota,
+    pub span: Span,
+}
+
+/// A tier's reserved share of one pool.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Reserve {
+    pub pool: PoolId,
+    /// Percent of each replica's batch slots and KV blocks in the pool,
+    /// above 0 and at most 100.
+    pub share: f64,
     pub span: Span,
 }
 

@@ -477,7 +477,27 @@ pub fn human(reports: &[Report]) -> String {
                 );
             }
         }
+        reclaimed(&mut s, &r.tiers);
         s.push('\n');
     }
     s
+}
+
+/// Where another tier's reserved share was reclaimed: the requests of each
+/// tier that waited for it, or were preempted by it, before they started.
+fn reclaimed(s: &mut String, tiers: &[Group]) {
+    for gr in tiers {
+        let n = gr
+            .waits_by_reason
+            .get(crate::sched::Reason::Reservation.name())
+            .copied()
+            .unwrap_or(0);
+        if n > 0 {
+            let _ = writeln!(
+                s,
+                "  reservation reclaimed: {n} request(s) of tier {} waited or were preempted for another tier's reserved share",
+                gr.name
+            );
+        }
+    }
 }

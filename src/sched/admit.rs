@@ -54,6 +54,8 @@ pub(super) struct Admitting<'g> {
     pub kv_need: u64,
     /// Quota tokens reserved, and whether they were borrowed from a cohort.
     pub reserved: f64,
+    /// What was reserved of the tier's and model's quotas.
+    pub scoped: Option<super::scoped::Scoped>,
     pub borrowed: bool,
     /// Comparison baselines skip admission control.
     pub baseline: bool,
@@ -174,8 +176,38 @@ fn retry_budget(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal>
     Ok(())
 }
 
-/// Quota is reserved at admission, not charged after the fact.
+/// Quota is reserved at admission, not charged after the fact: the
+/// request must fit its tier's and model's quotas and its tenant's, and
+/// takes from all of them or none (the tier's and model's are checked
+/// first, then the tenant's is reserved, then theirs).
 fn quota(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal> {
+    let need = f64::from(a.output) + a.req.prompt_tokens as f64;
+    let scoped = a.target.filter(|_| s.cfg.mode == Mode::Kiln);
+    if let Some(target) = scoped {
+        if let Err((reason, retry)) = s.scoped.check(a.tier, target.model, need, s.now) {
+            return Err(Refusal::new(reason, 429, Some(retry)));
+        }
+    }
+    tenant_quota(s, a)?;
+    let Some(target) = scoped else {
+        return Ok(());
+    };
+    match s.scoped.reserve(a.tier, target.model, need, s.now) {
+        Ok(q) => {
+            a.scoped = Some(q);
+            Ok(())
+        }
+        Err((reason, retry)) => {
+            if let Some(t) = a.tenant {
+                s.quotas.release(t, a.reserved, 0.0);
+            }
+            Err(Refusal::new(reason, 429, Some(retry)))
+        }
+    }
+}
+
+/// The tenant's quota.
+fn tenant_quota(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal> {
     let need = f64::from(a.output) + a.req.prompt_tokens as f64;
     match a.tenant {
         Some(t) if s.cfg.mode == Mode::Kiln => match s.quotas.reserve(a.graph, t, need, s.now) {
@@ -222,6 +254,9 @@ fn wait_within_slo(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refus
     }
     if let Some(t) = a.tenant {
         s.quotas.release(t, a.reserved, 0.0);
+    }
+    if let Some(q) = a.scoped.take() {
+        s.scoped.release(q, 0.0);
     }
     // Shed from those above their fair share first: when the tier is
     // full, a tenant whose counter is above another backlogged tenant's
@@ -294,6 +329,7 @@ impl Scheduler {
             candidates: Vec::new(),
             kv_need: 0,
             reserved: 0.0,
+            scoped: None,
             borrowed: false,
             baseline,
             est_start: None,
@@ -323,6 +359,7 @@ impl Scheduler {
             super::Held {
                 tenant: a.tenant,
                 reserved_tokens: a.reserved,
+                scoped: a.scoped,
             },
         );
         let window = tier

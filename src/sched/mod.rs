@@ -35,7 +35,9 @@ pub mod plan;
 pub mod queue;
 pub mod quota;
 pub mod replica;
+mod reserve;
 pub mod route;
+pub mod scoped;
 pub mod swap;
 #[cfg(test)]
 mod testkit;
@@ -98,6 +100,14 @@ pub enum Reason {
     /// variant (or no replica for it) while it waited: re-submit it to be
     /// decided under the new version.
     PolicyChanged,
+    /// Another tier reclaimed the share of the pool it reserves (`reserve`):
+    /// this request waited for it, or was preempted by it.
+    Reservation,
+    /// The tier's own quota (`tier T { quota { … } }`): tokens, requests,
+    /// concurrency or GPU-seconds shared by all its requests.
+    TierQuota,
+    /// The model's quota (`model M { quota { … } }`).
+    ModelQuota,
 }
 
 impl Reason {
@@ -120,6 +130,9 @@ impl Reason {
             Reason::SessionBudget => "session-budget",
             Reason::RetryBudget => "retry-budget",
             Reason::PolicyChanged => "policy-changed",
+            Reason::Reservation => "reservation",
+            Reason::TierQuota => "tier-quota",
+            Reason::ModelQuota => "model-quota",
         }
     }
 }
@@ -390,6 +403,8 @@ struct Held {
     tenant: Option<TenantId>,
     /// Reserved quota tokens, refunded in part when the request finishes.
     reserved_tokens: f64,
+    /// What it reserved of its tier's and model's quotas ([`scoped`]).
+    scoped: Option<scoped::Scoped>,
 }
 
 /// The scheduler. Owns queues, replicas and quota state; borrows nothing.
@@ -402,6 +417,8 @@ pub struct Scheduler {
     by_variant: HashMap<(u16, u16), Vec<usize>>,
     queues: Queues,
     quotas: Quotas,
+    /// Tier and model quotas.
+    scoped: scoped::ScopedQuotas,
     held: HashMap<ReqId, Held>,
     /// Requests waiting for a delay window or a batching hold.
     timers: timers::Timers,
@@ -463,6 +480,7 @@ impl Scheduler {
         let signals = Signals::idle(&graph);
         let idle = signals.clone();
         let quotas = Quotas::new(&graph);
+        let scoped = scoped::ScopedQuotas::new(&graph);
         let queues = Queues::new(&graph, &cfg);
         let router = route::Router::new(cfg.routing, cfg.seed);
         let pinned = vec![0; replicas.len()];
@@ -475,6 +493,7 @@ impl Scheduler {
             by_variant,
             queues,
             quotas,
+            scoped,
             held: HashMap::default(),
             timers: timers::Timers::default(),
             sessions: HashMap::default(),
@@ -634,6 +653,9 @@ impl Scheduler {
             if let Some(t) = h.tenant {
                 self.quotas.release(t, h.reserved_tokens, used);
             }
+            if let Some(q) = h.scoped {
+                self.scoped.release(q, used);
+            }
         }
     }
 
@@ -691,6 +713,9 @@ impl Scheduler {
                     self.quotas.charge_gpu(t, share, self.now);
                 }
             }
+            if share > 0.0 {
+                self.scoped.charge_gpu(s.w.tier, s.w.model, share, self.now);
+            }
             // An external replica's progress is unknown: its prompt is
             // charged, and fair share keeps what it was charged.
             used = f64::from(s.w.prompt_tokens) + f64::from(s.generated);
@@ -722,6 +747,7 @@ impl Scheduler {
         if let Some(t) = s.w.tenant {
             self.quotas.charge_gpu(t, share, self.now);
         }
+        self.scoped.charge_gpu(s.w.tier, s.w.model, share, self.now);
         // Fair share was charged for the output budget at dispatch.
         let unused =
             s.w.output_tokens
@@ -810,6 +836,9 @@ impl Scheduler {
         if let Some(h) = self.held.remove(&id) {
             if let Some(t) = h.tenant {
                 self.quotas.release(t, h.reserved_tokens, 0.0);
+            }
+            if let Some(q) = h.scoped {
+                self.scoped.release(q, 0.0);
             }
         }
         self.out.push(Action::Reject {
@@ -1022,6 +1051,16 @@ impl Scheduler {
             cost,
             &incoming,
         );
+        // A tier with a reserved share of these replicas is not behind the
+        // other tiers' queues: it drains at (at least) its share.
+        let reserved = self.reserved_of(q.tier, replicas);
+        let (ahead_tokens, share) = if reserved > 0.0 {
+            let others = self.queues.other_tiers_ahead(&self.cfg, q.key, q.tier);
+            let share = if others > 0.0 { reserved / 100.0 } else { 1.0 };
+            ((ahead.tokens - others).max(0.0), share)
+        } else {
+            (ahead.tokens, 1.0)
+        };
         // A replica takes new work at its next step boundary.
         let (mut rate, mut prefill) = (0.0, Micros::MAX);
         let (mut room_at, mut boundary) = (Micros::MAX, Micros::MAX);
@@ -1041,7 +1080,7 @@ impl Scheduler {
                 room_at = room_at.min(step_left);
             }
             rate += rep.throughput_tokens_per_s();
-            prefill = prefill.min(rep.first_token_time(q.prompt, self.rank_of(q.tier)));
+            prefill = prefill.min(rep.first_token_time(q.prompt, self.start_rank(r, q.tier)));
         }
         if prefill == Micros::MAX {
             return Estimate {
@@ -1050,8 +1089,8 @@ impl Scheduler {
                 above_share: ahead.above_share,
             };
         }
-        let rate = rate.max(self.drain_rate(q.key));
-        let start = if ahead.tokens <= 0.0 {
+        let rate = rate.max(self.drain_rate(q.key)) * share;
+        let start = if ahead_tokens <= 0.0 {
             if room_at < Micros::MAX {
                 room_at
             } else {
@@ -1062,10 +1101,11 @@ impl Scheduler {
                         continue;
                     };
                     let preempt = self.cfg.mode == Mode::Kiln
-                        && rep
+                        && (rep
                             .running
                             .iter()
-                            .any(|x| self.may_preempt(r, x, q.tier, q.tenant));
+                            .any(|x| self.may_preempt(r, x, q.tier, q.tenant))
+                            || self.may_reclaim(r, q.tier));
                     soonest = soonest.min(if preempt { 0 } else { rep.time_to_free() });
                 }
                 soonest.saturating_add(boundary)
@@ -1073,7 +1113,7 @@ impl Scheduler {
         } else if rate <= 0.0 {
             u64::MAX / 4
         } else {
-            (((ahead.tokens / rate) * SEC as f64) as Micros).saturating_add(boundary)
+            (((ahead_tokens / rate) * SEC as f64) as Micros).saturating_add(boundary)
         };
         let above_share = self.above_share(q.key, q.tier, q.tenant);
         // Corrected by how far off such estimates have been lately.
@@ -1246,6 +1286,7 @@ impl Scheduler {
                 if let Some(t) = s.w.tenant {
                     self.quotas.charge_gpu(t, share, now);
                 }
+                self.scoped.charge_gpu(s.w.tier, s.w.model, share, now);
             }
         }
         let (prefill, decodes, context) = rep.step_shape;
@@ -1260,6 +1301,9 @@ impl Scheduler {
                 if let Some(t) = h.tenant {
                     let used = served_in + served_out;
                     self.quotas.release(t, h.reserved_tokens, used);
+                }
+                if let Some(q) = h.scoped {
+                    self.scoped.release(q, served_in + served_out);
                 }
             }
             let _ = served_in;
@@ -1316,27 +1360,32 @@ impl Scheduler {
             let others_waiting =
                 self.queues
                     .any_non_backfill_for(spec.model, spec.variant, spec.pool);
-            let pick = self.queues.pick(
-                &self.graph,
-                &self.cfg,
-                self.now,
-                queue::Slot {
-                    replica: r,
-                    model: spec.model,
-                    variant: spec.variant,
-                    pool: spec.pool,
-                    only_tier: spec.only_tier,
-                    allow_backfill: !others_waiting,
-                },
-            );
+            let slot = queue::Slot {
+                replica: r,
+                model: spec.model,
+                variant: spec.variant,
+                pool: spec.pool,
+                only_tier: spec.only_tier,
+                allow_backfill: !others_waiting,
+            };
+            let pick = self.queues.pick(&self.graph, &self.cfg, self.now, slot);
             let Some(mut w) = pick else {
                 break;
             };
+            // A tier reclaiming its reserved share of this pool ([`reserve`])
+            // goes first, and other work may not start into its shortfall.
+            let claims = self.claims(r, &slot);
+            if claims.iter().any(|c| c.tier != w.tier) {
+                match self.claimant_instead(r, w, &claims, slot) {
+                    Some(x) => w = x,
+                    None => break,
+                }
+            }
             // Its prompt would not start in the next step: it waits in line
             // (a long prompt alone still starts, chunked). Prefill ranked
             // below it goes after it, so only the rest counts.
             let prompt = u64::from(w.prompt_tokens) + u64::from(w.generated);
-            let pending = self.replicas[r].pending_prefill(self.rank_of(w.tier));
+            let pending = self.replicas[r].pending_prefill(self.start_rank(r, w.tier));
             if !spec.external && pending > 0 && pending + prompt > budget {
                 self.queues.push_front(w);
                 break;
@@ -1347,7 +1396,9 @@ impl Scheduler {
             // Paged KV: blocks for its uncached prompt and a watermark.
             if !has_room || !self.replicas[r].can_start(&w, cached) {
                 // Make room by preempting lower, preemptible work, or stop.
-                if self.cfg.mode == Mode::Kiln && self.try_preempt(r, &w) {
+                if self.cfg.mode == Mode::Kiln
+                    && (self.try_preempt(r, &w) || self.try_reclaim(r, &w))
+                {
                     self.queues.push_front(w);
                     continue;
                 }
@@ -1417,8 +1468,9 @@ impl Scheduler {
             w.affinity = None;
             w.pin_until = 0;
             let now = self.now;
+            let rank = self.start_rank(r, w.tier);
             let mut seq = Seq::from_waiting(w, cached);
-            seq.rank = self.rank_of(seq.w.tier);
+            seq.rank = rank;
             // Work without a first-token deadline must not make steps long
             // for work with one.
             seq.capped = self.cfg.mode == Mode::Kiln
@@ -1445,7 +1497,12 @@ impl Scheduler {
     /// shrinks a replica below what the 413 gate let in).
     fn make_room(&mut self, r: usize) {
         let graph = &self.graph;
+        // Sequences inside their tier's reserved share are kept.
+        let protected = self.protected_tiers(r);
         let rank = |w: &Waiting| {
+            if protected.contains(&w.tier) {
+                return i64::MAX;
+            }
             graph
                 .tiers
                 .get(w.tier as usize)

@@ -259,6 +259,10 @@ pub struct Queues {
     /// Completion window per tier, for deadline urgency.
     window_len: Vec<Option<Micros>>,
     decay: Option<Micros>,
+    /// Per tier: its own fair-share window (`fair_share { window }`), or
+    /// `decay`. Tenants are only ever compared within a tier, so each
+    /// tier's counters may decay at their own rate.
+    decays: Vec<Option<Micros>>,
     vtc: (f64, f64),
     /// Put-back and push counters for [`Order`].
     fronts: u64,
@@ -297,6 +301,15 @@ impl Queues {
                 .map(|t| t.slo.window.map(|ms| (ms * 1000.0) as Micros))
                 .collect(),
             decay: cfg.fairness_window,
+            decays: g
+                .tiers
+                .iter()
+                .map(|t| {
+                    t.fair_share_window
+                        .map(|ms| ((ms * 1000.0) as Micros).max(1))
+                        .or(cfg.fairness_window)
+                })
+                .collect(),
             vtc: (cfg.vtc_input_weight, cfg.vtc_output_weight),
             ..Queues::default()
         }
@@ -315,6 +328,11 @@ impl Queues {
     /// named (`None`: any pool hosting the variant).
     pub fn route_lens(&self) -> impl Iterator<Item = (&((u16, u16), Option<PoolId>), &usize)> {
         self.route_len.iter()
+    }
+
+    /// The fair-share decay window of tier `tier` (see `decays`).
+    fn decay_of(&self, tier: usize) -> Option<Micros> {
+        self.decays.get(tier).copied().unwrap_or(self.decay)
     }
 
     pub fn is_empty(&self) -> bool {
@@ -435,7 +453,7 @@ impl Queues {
                 order,
             },
         );
-        let (now, decay) = (self.now, self.decay);
+        let (now, decay) = (self.now, self.decay_of(tier));
         let tiers = self.tiers_for(key);
         let Some(tq) = tiers.get_mut(tier) else {
             return;
@@ -476,7 +494,7 @@ impl Queues {
     /// Takes request `id` out of the queues, wherever it waits.
     fn take(&mut self, id: ReqId) -> Option<Waiting> {
         let loc = self.index.remove(&id)?;
-        let decay = self.decay;
+        let decay = self.decay_of(loc.tier);
         let tq = self.by_variant.get_mut(&loc.key)?.get_mut(loc.tier)?;
         let t = tq.tenants.get_mut(loc.slot)?;
         let map = t.maps.get_mut(&loc.home)?;
@@ -563,10 +581,14 @@ impl Queues {
     pub fn backlog_gap(&self) -> f64 {
         let mut gap: f64 = 0.0;
         for tiers in self.by_variant.values() {
-            for tq in tiers.iter().filter(|tq| tq.backlog.len() > 1) {
+            for (ti, tq) in tiers
+                .iter()
+                .enumerate()
+                .filter(|(_, tq)| tq.backlog.len() > 1)
+            {
                 let value = |e: Option<&(Ordered, usize)>| {
                     e.and_then(|&(_, s)| tq.tenants.get(s))
-                        .map_or(0.0, |t| t.served_at(self.now, self.decay))
+                        .map_or(0.0, |t| t.served_at(self.now, self.decay_of(ti)))
                 };
                 gap = gap.max(value(tq.backlog.last()) - value(tq.backlog.first()));
             }
@@ -644,7 +666,7 @@ impl Queues {
     /// backlog set in order.
     fn set_served(&mut self, w: &Waiting, f: impl FnOnce(f64) -> f64) {
         let slot = w.tenant.map_or(0, |t| t as usize + 1);
-        let (now, decay) = (self.now, self.decay);
+        let (now, decay) = (self.now, self.decay_of(w.tier as usize));
         let Some(tq) = self
             .by_variant
             .get_mut(&(w.model, w.variant))
@@ -682,7 +704,7 @@ impl Queues {
             .values()
             .filter_map(|tiers| tiers.get(tier as usize))
             .filter_map(|tq| tq.tenants.get(slot))
-            .map(|t| t.served_at(self.now, self.decay))
+            .map(|t| t.served_at(self.now, self.decay_of(tier as usize)))
             .sum()
     }
 
@@ -762,7 +784,7 @@ impl Queues {
             return out;
         }
         let slot = tenant.map_or(0, |t| t as usize + 1);
-        let (now, decay) = (self.now, self.decay);
+        let (now, decay) = (self.now, self.decay_of(ti));
         let Some(me) = tq.tenants.get(slot) else {
             return out;
         };
@@ -834,7 +856,7 @@ impl Queues {
         for tiers in self.by_variant.values() {
             for (ti, tq) in tiers.iter().enumerate() {
                 for (si, t) in tq.tenants.iter().enumerate() {
-                    let served = t.served_at(self.now, self.decay);
+                    let served = t.served_at(self.now, self.decay_of(ti));
                     if t.len == 0 && served <= 0.0 {
                         continue;
                     }
@@ -1038,6 +1060,77 @@ impl Queues {
                 .map(|(_, w)| w.id)
         })
     }
+
+    /// Whether `tier` has a request replica `slot` may take now (its
+    /// backlogged tenants' heads only: O(tenants)), as
+    /// [`Self::pick_in_tier`] would find it.
+    pub fn tier_waits_for(&self, tier: TierId, slot: &Slot, now: Micros) -> bool {
+        let ti = tier as usize;
+        if self.backfill.get(ti).copied().unwrap_or(false) && !slot.allow_backfill {
+            return false;
+        }
+        self.by_variant
+            .get(&(slot.model, slot.variant))
+            .and_then(|tiers| tiers.get(ti))
+            .is_some_and(|tq| {
+                tq.len > 0
+                    && self.tier_open(ti, slot)
+                    && tq.backlog.iter().any(|&(_, s)| {
+                        tq.tenants
+                            .get(s)
+                            .is_some_and(|t| t.head_for(slot, now).is_some())
+                    })
+            })
+    }
+
+    /// Takes the next request of `tier` alone for replica `slot`, in the
+    /// order the tier itself keeps (deadlines, then fair share): a tier
+    /// reclaiming its reserved share goes ahead of the others there.
+    pub fn pick_in_tier(&mut self, tier: TierId, now: Micros, slot: Slot) -> Option<Waiting> {
+        let ti = tier as usize;
+        let backfill = self.backfill.get(ti).copied().unwrap_or(false);
+        if !self.tier_open(ti, &slot) || (backfill && !slot.allow_backfill) {
+            return None;
+        }
+        let tq = self.by_variant.get(&(slot.model, slot.variant))?.get(ti)?;
+        if tq.len == 0 {
+            return None;
+        }
+        let id = self.choose_in_tier(tq, ti, now, &slot)?;
+        self.take(id)
+    }
+
+    /// Tokens queued for (model, variant) in tiers other than `tier` that
+    /// the queues serve before it (as [`Self::ahead`] counts them).
+    pub fn other_tiers_ahead(&self, cfg: &Config, key: (u16, u16), tier: TierId) -> f64 {
+        let Some(tiers) = self.by_variant.get(&key) else {
+            return 0.0;
+        };
+        let ti = tier as usize;
+        let rank = |i: usize| -> i64 {
+            let prio = self.priority.get(i).copied().unwrap_or(i64::MIN);
+            let boost = match (cfg.mode, self.aging.get(i).copied().flatten()) {
+                (Mode::Kiln, Some(a)) => tiers
+                    .get(i)
+                    .and_then(|tq| tq.arrivals.first())
+                    .map_or(0, |(at, _)| self.now.saturating_sub(*at) / a),
+                _ => 0,
+            };
+            prio.saturating_add(boost as i64)
+        };
+        let mine = rank(ti);
+        tiers
+            .iter()
+            .enumerate()
+            .filter(|(i, tq)| *i != ti && tq.len > 0)
+            .filter(|(i, _)| match cfg.mode {
+                Mode::Fifo | Mode::Static => true,
+                Mode::Priority => self.priority.get(*i) >= self.priority.get(ti),
+                Mode::Kiln => rank(*i) > mine || (rank(*i) == mine && *i < ti),
+            })
+            .map(|(_, tq)| tq.tokens as f64)
+            .sum()
+    }
 }
 
 #[cfg(test)]
@@ -1166,5 +1259,88 @@ mod tests {
             std::iter::from_fn(|| q.pick(&g2, &cfg, 0, slot).map(|w| w.id)).collect();
         assert_eq!(order, vec![0, 9, 7]);
         assert_eq!(q.unpark(8).map(|w| w.tier), Some(1));
+    }
+}
+
+#[cfg(test)]
+mod fair_share_window_tests {
+    use super::super::testkit::{graph, waiting};
+    use super::*;
+
+    const TEXT: &str = r#"
+pool p { gpus 1 kind "H100-80GB" memory 80GB }
+model m { variant fp16 { memory 10GB pools [p] } }
+tier a { priority 10 slo { ttft 10s } fair_share { window 2s } }
+tier b { priority 10 slo { ttft 10s } }
+tenant x { owner "o" tiers [a, b] }
+tenant y { owner "o" tiers [a, b] }
+classify { default => tier a }
+route [a, b] m { default => fp16 }
+"#;
+
+    fn slot() -> Slot {
+        Slot {
+            replica: 0,
+            model: 0,
+            variant: 0,
+            pool: 0,
+            only_tier: None,
+            allow_backfill: true,
+        }
+    }
+
+    #[test]
+    fn each_tier_decays_service_over_its_own_window() {
+        let g = graph(TEXT);
+        let cfg = Config::default();
+        let mut q = Queues::new(&g, &cfg);
+        q.set_now(0);
+        for tier in [0, 1] {
+            let w = waiting(tier as u64, tier, Some(0));
+            q.push(w.clone(), &cfg);
+            q.charge(&g, &cfg, &w);
+        }
+        let at0 = q.served(0, Some(0));
+        assert!(at0 > 0.0 && (q.served(1, Some(0)) - at0).abs() < 1e-9);
+        q.set_now(4 * super::super::SEC);
+        let a = q.served(0, Some(0)) / at0;
+        let b = q.served(1, Some(0)) / at0;
+        assert!((a - (-2.0f64).exp()).abs() < 1e-9, "{a}");
+        assert!((b - (-4.0f64 / 600.0).exp()).abs() < 1e-9, "{b}");
+    }
+
+    /// Within a tier with its own window the least-served tenant, by its
+    /// counter decayed to now, goes first, whenever the pick happens: the
+    /// ordering key stays consistent with the decayed counters.
+    #[test]
+    fn the_order_within_a_tier_follows_decayed_service() {
+        let g = graph(TEXT);
+        let cfg = Config::default();
+        for (y_cost, first) in [(200u32, 1u32), (300, 0)] {
+            let mut q = Queues::new(&g, &cfg);
+            q.set_now(0);
+            for (id, tenant) in [(1, 0), (2, 1)] {
+                q.push(waiting(id, 0, Some(tenant)), &cfg);
+            }
+            // x is served 1000 at 0, y `y_cost` at 3s.
+            let mut big = waiting(100, 0, Some(0));
+            big.prompt_tokens = 1000;
+            big.output_tokens = 0;
+            q.charge(&g, &cfg, &big);
+            q.set_now(3 * super::super::SEC);
+            let mut small = waiting(101, 0, Some(1));
+            small.prompt_tokens = y_cost;
+            small.output_tokens = 0;
+            q.charge(&g, &cfg, &small);
+            // x at 3s: 1000 e^-1.5 = 223.
+            for later in [3u64, 10, 60] {
+                q.set_now(later * super::super::SEC);
+                let id = q.choose(&cfg, later * super::super::SEC, &slot());
+                let tenant = id.and_then(|id| q.index.get(&id)).map(|l| l.slot - 1);
+                assert_eq!(tenant, Some(first as usize), "y cost {y_cost} at {later}s");
+                let (sx, sy) = (q.served(0, Some(0)), q.served(0, Some(1)));
+                assert_eq!(sx > sy, first == 1, "{sx} {sy}");
+            }
+        }
     }
 }

@@ -237,8 +237,14 @@ impl Scheduler {
         }
         for h in self.held.values_mut() {
             h.tenant = h.tenant.and_then(|t| map.tenant(t));
+            h.scoped = h.scoped.map(|q| super::scoped::Scoped {
+                tier: q.tier.and_then(|t| map.tier(t)),
+                model: q.model.and_then(|m| super::scoped::map_model(&map, m)),
+                tokens: q.tokens,
+            });
         }
         self.quotas = self.quotas.remap(&graph, &map.tenants, self.now);
+        self.scoped = self.scoped.remap(&graph, &map, self.now);
         self.sessions = std::mem::take(&mut self.sessions)
             .into_iter()
             .filter_map(|(k, (t, n))| map.tier(t).map(|t| (k, (t, n))))

@@ -886,6 +886,13 @@ fn refusal(
             }
         }),
         Reason::Quota => format!("tenant {tenant} is over its token or request quota"),
+        Reason::TierQuota => format!(
+            "tier {tier} is over its quota (tokens, requests, concurrent requests or GPU-seconds its requests share)"
+        ),
+        Reason::ModelQuota => format!(
+            "model `{}` is over its quota (tokens, requests, concurrent requests or GPU-seconds its requests share)",
+            ctx.client_model
+        ),
         Reason::Concurrency => format!("tenant {tenant} has as many requests in flight as its quota allows"),
         Reason::Overload => format!("the estimated wait exceeds tier {tier}'s time-to-first-token SLO; retry later"),
         Reason::Deadline => format!("tier {tier}'s completion window cannot be met at the current backlog"),
