@@ -457,6 +457,19 @@ pub struct Scheduler {
     pinned_ids: Vec<rustc_hash::FxHashSet<ReqId>>,
     /// The measured signals' windows ([`live`]).
     live: live::Live,
+    /// Buffers for [`Self::refresh_signals`], kept between arrivals.
+    scratch: Scratch,
+}
+
+/// Per-pool sums [`Scheduler::refresh_signals`] builds on every arrival.
+#[derive(Debug, Default)]
+struct Scratch {
+    /// (KV tokens held, KV capacity)
+    kv: Vec<(u64, u64)>,
+    running: Vec<usize>,
+    /// Replicas in service.
+    capacity: Vec<f64>,
+    pools: Vec<PoolId>,
 }
 
 impl Scheduler {
@@ -511,6 +524,7 @@ impl Scheduler {
             pinned,
             pinned_ids: Vec::new(),
             live,
+            scratch: Scratch::default(),
         }
     }
 
@@ -770,23 +784,38 @@ impl Scheduler {
             % 7;
         self.signals.time_of_day = minute as u16;
         self.signals.weekday = day as u8;
-        let mut capacity = vec![0.0; self.signals.pools.len()];
-        for (p, slot) in self.signals.pools.iter_mut().enumerate() {
-            let (mut used, mut cap, mut running) = (0u64, 0u64, 0usize);
-            for r in self.replicas.iter().filter(|r| r.spec.pool as usize == p) {
-                used += r.kv_used();
-                cap += r.spec.kv_capacity;
-                running += r.running.len();
+        // One pass over the replicas, into buffers kept between arrivals.
+        let np = self.signals.pools.len();
+        let sc = &mut self.scratch;
+        sc.kv.clear();
+        sc.kv.resize(np, (0, 0));
+        sc.capacity.clear();
+        sc.capacity.resize(np, 0.0);
+        sc.running.clear();
+        sc.running.resize(np, 0);
+        for r in &self.replicas {
+            let p = r.spec.pool as usize;
+            if let (Some(kv), Some(run), Some(cap)) = (
+                sc.kv.get_mut(p),
+                sc.running.get_mut(p),
+                sc.capacity.get_mut(p),
+            ) {
+                kv.0 += r.kv_used();
+                kv.1 += r.spec.kv_capacity;
+                *run += r.running.len();
                 if r.up && !r.draining {
-                    capacity[p] += 1.0;
+                    *cap += 1.0;
                 }
             }
+        }
+        for (p, slot) in self.signals.pools.iter_mut().enumerate() {
+            let (used, cap) = sc.kv[p];
             slot.kv_occupancy = if cap == 0 {
                 0.0
             } else {
                 100.0 * used as f64 / cap as f64
             };
-            slot.running = running as f64;
+            slot.running = sc.running[p] as f64;
             slot.queued = 0.0;
         }
         // Queued work counts for the pool its route named, or for every
@@ -799,16 +828,15 @@ impl Scheduler {
                     }
                 }
                 None => {
-                    let mut pools: Vec<PoolId> = self
-                        .by_variant
-                        .get(&key)
-                        .into_iter()
-                        .flatten()
-                        .filter_map(|&r| self.replicas.get(r).map(|x| x.spec.pool))
-                        .collect();
-                    pools.sort_unstable();
-                    pools.dedup();
-                    for p in pools {
+                    sc.pools.clear();
+                    for &r in self.by_variant.get(&key).into_iter().flatten() {
+                        if let Some(x) = self.replicas.get(r) {
+                            if !sc.pools.contains(&x.spec.pool) {
+                                sc.pools.push(x.spec.pool);
+                            }
+                        }
+                    }
+                    for &p in &sc.pools {
                         if let Some(slot) = self.signals.pools.get_mut(p as usize) {
                             slot.queued += n as f64;
                         }
@@ -828,7 +856,8 @@ impl Scheduler {
             s.quota_remaining = self.quotas.remaining_percent(t as TenantId, self.now);
             s.in_flight = self.quotas.in_flight(t as TenantId);
         }
-        self.live.fill(self.now, &mut self.signals, &capacity);
+        self.live
+            .fill(self.now, &mut self.signals, &self.scratch.capacity);
         let _ = g;
     }
 
