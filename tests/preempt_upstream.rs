@@ -410,3 +410,58 @@ async fn a_stream_preempted_before_its_answer_began_is_served_later() {
     srv.stop().await;
     mock.abort();
 }
+
+/// An HTTP upstream's steps are not the scheduler's, yet its requests
+/// reach the measured signals: the first token the gateway sees is the
+/// tier's TTFT, its finish the tier's end-to-end time, and its tokens the
+/// pool's work. `GET /admin/signals` shows them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_requests_reach_the_tiers_signals() {
+    let (url, _seen, h) = mock().await;
+    let dir = std::env::temp_dir().join(format!("kiln-upstream-signals-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let g = gateway(&url, &dir.join("log.jsonl")).await;
+    let base = format!("http://{}", g.addr);
+    let c = support::client(Duration::from_secs(30));
+    for i in 0..4 {
+        // Streams: a text chunk every 50 ms, so the first token comes
+        // 50 ms or more after the request reaches the upstream.
+        let r = send(&c, &base, "k-alpha", body(&format!("hello {i}"), 8, true))
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let _ = r.bytes().await.unwrap();
+    }
+    // Signals are refreshed as of the last arrival: one more arrives.
+    let r = send(&c, &base, "k-alpha", body("last", 8, false))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let s: Value = c
+        .get(format!("{base}/admin/signals"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let high = &s["tiers"]["high"];
+    assert!(high["requests"].as_f64().unwrap() >= 4.0, "{s}");
+    assert!(high["ttft_p50"].as_f64().unwrap() >= 40.0, "{s}");
+    assert!(
+        high["e2e_p50"].as_f64().unwrap() >= high["ttft_p50"].as_f64().unwrap(),
+        "{s}"
+    );
+    assert_eq!(high["slo_attainment"].as_f64(), Some(100.0), "{s}");
+    assert!(
+        s["pools"]["gpu"]["utilization"].as_f64().unwrap() > 0.0,
+        "{s}"
+    );
+    // What it answers, `kiln explain --signals` reads back.
+    let back: kiln::graph::SignalsInput = serde_json::from_value(s.clone()).unwrap();
+    let graph = policy("preempt.kiln", POLICY).graph;
+    kiln::graph::Signals::resolve(&graph, &back).unwrap();
+    g.stop().await;
+    h.abort();
+    let _ = std::fs::remove_dir_all(&dir);
+}

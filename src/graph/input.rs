@@ -245,6 +245,54 @@ impl Signals {
         }
     }
 
+    /// The JSON form of these signals, by name (the inverse of
+    /// [`Signals::resolve`]: `GET /admin/signals` answers with it, and
+    /// `kiln explain --signals` reads it back). Durations in ms, shares in
+    /// %, counts as numbers. `estimated_wait` is per request and left out.
+    pub fn to_input(&self, g: &DecisionGraph) -> SignalsInput {
+        let mut out = SignalsInput::default();
+        for (p, x) in g.pools.iter().zip(&self.pools) {
+            out.pools.insert(
+                p.name.clone(),
+                PoolInput {
+                    utilization: Some(Quant::Num(round3(x.utilization))),
+                    kv_occupancy: Some(Quant::Num(round3(x.kv_occupancy))),
+                    queued: Some(x.queued.max(0.0) as u64),
+                    running: Some(x.running.max(0.0) as u64),
+                    queue_depth: None,
+                },
+            );
+        }
+        for (t, m) in g.tiers.iter().zip(&self.tiers) {
+            let fields = TierField::ALL
+                .iter()
+                .map(|f| (f.doc().field.to_string(), Quant::Num(round3(m.get(*f)))))
+                .collect();
+            out.tiers.insert(t.name.clone(), fields);
+        }
+        for (t, x) in g.tenants.iter().zip(&self.tenants) {
+            out.tenants.insert(
+                t.name.clone(),
+                TenantInput {
+                    quota_remaining: Some(Quant::Num(round3(x.quota_remaining))),
+                    in_flight: Some(x.in_flight),
+                    deadline_misses: Some(x.deadline_misses.max(0.0) as u64),
+                    requests: Some(x.requests.max(0.0) as u64),
+                },
+            );
+        }
+        out.error_rate = Some(Quant::Num(round3(self.error_rate)));
+        out.time = Some(format!(
+            "{:02}:{:02}",
+            self.time_of_day / 60 % 24,
+            self.time_of_day % 60
+        ));
+        out.weekday = units::WEEKDAYS
+            .get(self.weekday as usize)
+            .map(|d| d.to_string());
+        out
+    }
+
     /// Resolves the JSON form against a graph. Unknown names are errors, so a
     /// test that sets signals for a misspelt pool fails loudly.
     pub fn resolve(g: &DecisionGraph, input: &SignalsInput) -> Result<Signals, SignalError> {
@@ -371,5 +419,51 @@ impl Signals {
         list.and_then(|l| l.get(id as usize))
             .cloned()
             .unwrap_or_else(|| format!("#{id}"))
+    }
+}
+
+fn round3(x: f64) -> f64 {
+    if x.is_finite() {
+        (x * 1000.0).round() / 1000.0
+    } else {
+        0.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::compile::compile_str;
+
+    #[test]
+    fn the_json_form_reads_back_as_the_same_signals() {
+        let c = compile_str(
+            "t.kiln",
+            r#"
+pool p { gpus 1 kind "H100-80GB" memory 80GB }
+model m { params 8B kv_per_token 128KB variant fp16 { memory 18GB pools [p] } }
+tier t { priority 1 slo { ttft 1s } }
+tenant x { owner "o" tiers [t] }
+classify { default => tier t }
+route t m { default => fp16 }
+"#,
+        );
+        let g = c.graph.expect("compiles");
+        let mut s = Signals::idle(&g);
+        s.pools[0].utilization = 42.5;
+        s.pools[0].queued = 7.0;
+        s.tiers[0].set(TierField::TtftP95, 812.0);
+        s.tiers[0].set(TierField::SloAttainment, 93.25);
+        s.tenants[0].deadline_misses = 3.0;
+        s.error_rate = 1.5;
+        s.time_of_day = 9 * 60 + 5;
+        s.weekday = 2;
+        let json = serde_json::to_string(&s.to_input(&g)).expect("serializes");
+        let back: SignalsInput = serde_json::from_str(&json).expect("parses");
+        let r = Signals::resolve(&g, &back).expect("resolves");
+        assert_eq!(r.pools, s.pools);
+        assert_eq!(r.tiers, s.tiers);
+        assert_eq!(r.tenants, s.tenants);
+        assert_eq!((r.error_rate, r.time_of_day, r.weekday), (1.5, 545, 2));
     }
 }

@@ -17,6 +17,8 @@ use rustc_hash::FxHashMap as HashMap;
 
 /// Sub-windows per window: the window slides in steps of 1/16 of itself.
 pub const SLOTS: usize = 16;
+/// Percentiles are re-read at most this often (scheduler time, 100 ms).
+pub const PERCENTILE_EVERY: Micros = 100 * MS;
 /// Histogram bins: 8 per doubling from 0.1 ms, so up to about 3 days.
 const BINS: usize = 256;
 const PER_DOUBLING: f64 = 8.0;
@@ -443,23 +445,43 @@ impl Live {
         self.all.record(now, counts);
     }
 
-    /// Writes the windowed figures into `s`. Tier percentiles are
-    /// recomputed at most once per 1/8 of the shortest tier sub-window
-    /// (deterministic: the clock is the scheduler's).
+    /// Writes the windowed figures into `s`. Counts and rates are exact at
+    /// every call; percentiles are re-read from their histograms at most
+    /// every [`PERCENTILE_EVERY`] of scheduler time, or an eighth of the
+    /// shortest tier sub-window when that is shorter (deterministic: the
+    /// clock is the scheduler's).
     pub fn fill(&mut self, now: Micros, s: &mut Signals, pool_capacity: &[f64]) {
         let min_slot = self.tiers.iter().map(|w| w.slot_len).min().unwrap_or(SEC);
-        let recompute =
-            now >= self.computed_at.saturating_add(min_slot / 8) || now < self.computed_at;
+        let every = (min_slot / 8).min(PERCENTILE_EVERY);
+        let recompute = now >= self.computed_at.saturating_add(every) || now < self.computed_at;
         for (i, w) in self.tiers.iter_mut().enumerate() {
             w.advance(now);
             let Some(m) = s.tiers.get_mut(i) else {
                 continue;
             };
+            let t = &w.total;
+            let pct = |x: u64, of: u64| {
+                if of == 0 {
+                    None
+                } else {
+                    Some(100.0 * x as f64 / of as f64)
+                }
+            };
+            m.set(TierField::Requests, t.ended as f64);
+            m.set(
+                TierField::SloAttainment,
+                pct(t.met, t.ended).unwrap_or(100.0),
+            );
+            m.set(TierField::ErrorRate, pct(t.errors, t.ended).unwrap_or(0.0));
+            m.set(
+                TierField::FallbackRate,
+                pct(t.fallbacks, t.decided).unwrap_or(0.0),
+            );
+            m.set(TierField::DeadlineMisses, t.deadline_misses as f64);
             if !(w.dirty && recompute) {
                 continue;
             }
             w.dirty = false;
-            let t = &w.total;
             let [a, b, c] = t.ttft.quantiles([0.5, 0.95, 0.99]);
             m.set(TierField::TtftP50, a);
             m.set(TierField::TtftP95, b);
@@ -472,24 +494,6 @@ impl Live {
             m.set(TierField::WaitP50, a);
             m.set(TierField::WaitP95, b);
             m.set(TierField::WaitP99, c);
-            m.set(TierField::Requests, t.ended as f64);
-            let pct = |x: u64, of: u64| {
-                if of == 0 {
-                    None
-                } else {
-                    Some(100.0 * x as f64 / of as f64)
-                }
-            };
-            m.set(
-                TierField::SloAttainment,
-                pct(t.met, t.ended).unwrap_or(100.0),
-            );
-            m.set(TierField::ErrorRate, pct(t.errors, t.ended).unwrap_or(0.0));
-            m.set(
-                TierField::FallbackRate,
-                pct(t.fallbacks, t.decided).unwrap_or(0.0),
-            );
-            m.set(TierField::DeadlineMisses, t.deadline_misses as f64);
         }
         if recompute {
             self.computed_at = now;

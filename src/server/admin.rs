@@ -27,6 +27,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/readyz", get(readyz))
         .route("/admin/explain/{id}", get(explain))
         .route("/admin/queues", get(queues))
+        .route("/admin/signals", get(signals))
         .route("/admin/policy", post(swap_policy).get(show_policy))
         .with_state(app)
 }
@@ -204,6 +205,18 @@ async fn queues(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
             }
             axum::Json(v).into_response()
         }
+        None => ApiError::new(503, "the scheduler is not running").into_response(),
+    }
+}
+
+/// The measured signals the policy reads, as of the last arrival, in the
+/// form `kiln explain --signals` takes.
+async fn signals(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&app, &headers) {
+        return e.into_response();
+    }
+    match app.exec.signals().await {
+        Some((g, s)) => axum::Json(s.to_input(&g)).into_response(),
         None => ApiError::new(503, "the scheduler is not running").into_response(),
     }
 }
