@@ -174,13 +174,17 @@ fn mixed(team_rate: f64, seed: u64) -> Vec<Record> {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 4, ..ProptestConfig::default() })]
 
-    /// Modest demand (a tenth to a fifth of the pool, under its 25%): the
-    /// reserving tier is served what it asks, and its first tokens come
-    /// about as fast as on an idle pool, beside a background flood of
-    /// twice the pool's capacity from a higher tier.
+    /// Modest demand (a twentieth to 15% of the pool, at most 60% of its
+    /// 25%): the reserving tier is served what it asks, and its first
+    /// tokens come about as fast as on an idle pool, beside a background
+    /// flood of twice the pool's capacity from a higher tier. (The reserve
+    /// guarantees 25%, not more: at 70-80% of the share, Poisson bursts
+    /// pass it and meet the higher-priority flood; one case at 18% of the
+    /// pool had 4% of its requests refused and its TTFT p90 at 755 ms
+    /// against 166 ms alone.)
     #[test]
     fn a_reserving_tier_with_modest_demand_is_served_as_if_alone(
-        frac in 0.1f64..0.2,
+        frac in 0.05f64..0.15,
         seed in 0u64..1000,
     ) {
         let rate = frac * capacity();
