@@ -203,3 +203,48 @@ async fn every_signal_acts_at_decide_time_in_replay_and_gateway() {
     let got = gateway_seen(p, &recs).await;
     assert_same(&want, &got);
 }
+
+/// The audit probe through the `kiln simulate` binary: the tier
+/// `low` is refused (503, reason `policy`) while `high` misses its SLO,
+/// exactly as often as the replay the gateway test compares with.
+#[test]
+fn the_audit_probe_refuses_low_work_in_kiln_simulate() {
+    let probes = probes();
+    let text = policy_text(&probes);
+    let recs = records(&probes);
+    let dir = std::env::temp_dir().join(format!("kiln-live-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("live.kiln"), &text).unwrap();
+    let mut f = std::fs::File::create(dir.join("traffic.jsonl")).unwrap();
+    kiln::traffic::write(&mut f, &recs).unwrap();
+    drop(f);
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["simulate", "--policy"])
+        .arg(dir.join("live.kiln"))
+        .arg("--traffic")
+        .arg(dir.join("traffic.jsonl"))
+        .args(["--format", "json"])
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let low = v["reports"][0]["tiers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == "low")
+        .expect("the low tier is reported")
+        .clone();
+    let (want, _) = replay_seen(&policy("live.kiln", &text), &recs);
+    let held = want
+        .iter()
+        .filter(|s| s.tier.as_deref() == Some("low") && s.refused.is_some())
+        .count() as u64;
+    assert!(held > 0);
+    assert_eq!(low["rejected"].as_u64(), Some(held), "{low}");
+    assert!(
+        low["rejects_by_reason"]["policy"].as_u64().unwrap_or(0) > 0,
+        "{low}"
+    );
+}
