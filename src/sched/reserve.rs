@@ -81,21 +81,27 @@ fn short(rep: &Replica, tier: TierId, share: f64) -> bool {
 
 impl Scheduler {
     /// The tiers reserving a share of `pool`, with their shares (percent).
-    pub(super) fn pool_reserves(&self, pool: PoolId) -> Vec<(TierId, f64)> {
-        if self.cfg.mode != Mode::Kiln {
-            return Vec::new();
+    /// Per pool, the tiers reserving a share of it (built once per graph:
+    /// [`Self::pool_reserves`] is read on every fill and every step).
+    pub(super) fn reserves_of(g: &crate::graph::DecisionGraph) -> Vec<Vec<(TierId, f64)>> {
+        let mut out = vec![Vec::new(); g.pools.len()];
+        for (t, tier) in g.tiers.iter().enumerate() {
+            for r in &tier.reserve {
+                if let Some(v) = out.get_mut(r.pool as usize) {
+                    v.push((t as TierId, r.share));
+                }
+            }
         }
-        self.graph
-            .tiers
-            .iter()
-            .enumerate()
-            .flat_map(|(t, tier)| {
-                tier.reserve
-                    .iter()
-                    .filter(move |r| r.pool == pool)
-                    .map(move |r| (t as TierId, r.share))
-            })
-            .collect()
+        out
+    }
+
+    pub(super) fn pool_reserves(&self, pool: PoolId) -> &[(TierId, f64)] {
+        if self.cfg.mode != Mode::Kiln {
+            return &[];
+        }
+        self.reserves
+            .get(pool as usize)
+            .map_or(&[][..], |v| v.as_slice())
     }
 
     /// The reserved share of `pool` that `tier` holds, percent (0 if none).
@@ -116,7 +122,7 @@ impl Scheduler {
             return Vec::new();
         };
         let mut out = Vec::new();
-        for (tier, share) in self.pool_reserves(rep.spec.pool) {
+        for &(tier, share) in self.pool_reserves(rep.spec.pool) {
             if !self.queues.tier_waits_for(tier, slot, self.now) {
                 continue; // lent: it has nothing waiting here
             }
@@ -323,7 +329,8 @@ impl Scheduler {
             return Vec::new();
         };
         self.pool_reserves(rep.spec.pool)
-            .into_iter()
+            .iter()
+            .copied()
             .filter(|&(t, share)| {
                 let (_, kv) = amount(rep, share);
                 let (_, hk) = held(rep, t);
@@ -410,7 +417,7 @@ route [bulk, team] m {{ default => fp16 }}
         assert_eq!(team.fair_share_window, Some(300_000.0));
         assert!(g.tiers[0].reserve.is_empty());
         let s = sched(&g);
-        assert_eq!(s.pool_reserves(0), vec![(1, 50.0)]);
+        assert_eq!(s.pool_reserves(0), &[(1, 50.0)]);
         assert_eq!(super::share_of(&s.replicas[0], 50.0).0, 2);
         assert_eq!(super::share_of(&s.replicas[0], 10.0).0, 1, "rounded up");
     }

@@ -263,6 +263,7 @@ impl Scheduler {
                     .push(i);
             }
         }
+        self.reserves = Scheduler::reserves_of(&graph);
         self.graph = graph.clone();
         let (by_variant, replicas) = (&self.by_variant, &self.replicas);
         let dropped = self.queues.remap(&graph, &self.cfg, &map, |w| {
