@@ -49,6 +49,15 @@ fn mid(b: usize) -> f64 {
     FLOOR_MS * ((b as f64 - 0.5) / PER_DOUBLING).exp2()
 }
 
+/// Every bin's middle, computed once per [`Live`].
+fn mids() -> Box<[f64; BINS]> {
+    let mut m = Box::new([0.0; BINS]);
+    for (b, x) in m.iter_mut().enumerate() {
+        *x = mid(b);
+    }
+    m
+}
+
 impl Hist {
     fn add(&mut self, ms: f64) {
         let b = bin(ms);
@@ -75,7 +84,7 @@ impl Hist {
         };
     }
     /// The values at quantiles `qs` (ascending), nearest rank; 0 when empty.
-    fn quantiles<const N: usize>(&self, qs: [f64; N]) -> [f64; N] {
+    fn quantiles<const N: usize>(&self, qs: [f64; N], mids: &[f64; BINS]) -> [f64; N] {
         let mut out = [0.0; N];
         let Some(counts) = &self.counts else {
             return out;
@@ -88,7 +97,7 @@ impl Hist {
         for (b, c) in counts.iter().enumerate() {
             seen += u64::from(*c);
             while i < N && seen >= ranks[i] {
-                out[i] = mid(b);
+                out[i] = mids[b];
                 i += 1;
             }
             if i == N {
@@ -241,6 +250,7 @@ pub struct Live {
     all: Window<Counts>,
     /// When tier figures were last computed.
     computed_at: Micros,
+    mids: Box<[f64; BINS]>,
 }
 
 /// Per tier: SLO targets in µs (ttft, e2e, window).
@@ -271,6 +281,7 @@ impl Live {
                 .collect(),
             all: Window::new(crate::graph::signal::DEFAULT_WINDOW_MS),
             computed_at: 0,
+            mids: mids(),
         }
     }
 
@@ -454,6 +465,7 @@ impl Live {
         let min_slot = self.tiers.iter().map(|w| w.slot_len).min().unwrap_or(SEC);
         let every = (min_slot / 8).min(PERCENTILE_EVERY);
         let recompute = now >= self.computed_at.saturating_add(every) || now < self.computed_at;
+        let mids = &*self.mids;
         for (i, w) in self.tiers.iter_mut().enumerate() {
             w.advance(now);
             let Some(m) = s.tiers.get_mut(i) else {
@@ -482,15 +494,15 @@ impl Live {
                 continue;
             }
             w.dirty = false;
-            let [a, b, c] = t.ttft.quantiles([0.5, 0.95, 0.99]);
+            let [a, b, c] = t.ttft.quantiles([0.5, 0.95, 0.99], mids);
             m.set(TierField::TtftP50, a);
             m.set(TierField::TtftP95, b);
             m.set(TierField::TtftP99, c);
-            let [a, b, c] = t.e2e.quantiles([0.5, 0.95, 0.99]);
+            let [a, b, c] = t.e2e.quantiles([0.5, 0.95, 0.99], mids);
             m.set(TierField::E2eP50, a);
             m.set(TierField::E2eP95, b);
             m.set(TierField::E2eP99, c);
-            let [a, b, c] = t.wait.quantiles([0.5, 0.95, 0.99]);
+            let [a, b, c] = t.wait.quantiles([0.5, 0.95, 0.99], mids);
             m.set(TierField::WaitP50, a);
             m.set(TierField::WaitP95, b);
             m.set(TierField::WaitP99, c);
@@ -538,11 +550,12 @@ mod tests {
         for v in 1..=1000 {
             h.add(f64::from(v));
         }
-        let [p50, p95, p99] = h.quantiles([0.5, 0.95, 0.99]);
+        let m = mids();
+        let [p50, p95, p99] = h.quantiles([0.5, 0.95, 0.99], &m);
         for (got, want) in [(p50, 500.0), (p95, 950.0), (p99, 990.0)] {
             assert!((got / want - 1.0).abs() < 0.1, "{got} vs {want}");
         }
-        assert_eq!(Hist::default().quantiles([0.5]), [0.0]);
+        assert_eq!(Hist::default().quantiles([0.5], &m), [0.0]);
     }
 
     #[test]

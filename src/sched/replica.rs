@@ -265,6 +265,8 @@ pub struct Replica {
     /// to a step lost when the replica went down, and is ignored.
     pub step_until: Micros,
     rate: f64,
+    /// Seconds per prompt token in full prefill chunks (for utilization).
+    prefill_secs: f64,
     /// Prompt tokens prefilled, and output tokens produced, by finished
     /// steps (for throughput against the roofline in reports).
     pub prefilled_tokens: u64,
@@ -292,6 +294,12 @@ fn sane_secs(secs: f64) -> f64 {
     }
 }
 
+/// Seconds per prompt token when prefill runs in full chunks.
+fn prefill_secs_per_token(spec: &ReplicaSpec) -> f64 {
+    let chunk = spec.max_batch_tokens.max(1);
+    sane_secs(spec.cost.step_time(chunk, 0, 0)) / f64::from(chunk)
+}
+
 /// Token throughput for wait estimates: a mix of prefill (fast) and decode
 /// at a moderate batch (slow), weighted 4:1 as prompts usually are longer
 /// than outputs. Always finite and positive.
@@ -316,9 +324,7 @@ impl Replica {
     pub fn saturated_secs(&self, prefill: u32, decodes: u32, context: u64) -> f64 {
         let mut secs = 0.0;
         if prefill > 0 {
-            let chunk = self.spec.max_batch_tokens.max(1);
-            secs += f64::from(prefill) * sane_secs(self.spec.cost.step_time(chunk, 0, 0))
-                / f64::from(chunk);
+            secs += f64::from(prefill) * self.prefill_secs;
         }
         if decodes > 0 {
             let per_seq = (context / u64::from(decodes)).max(1);
@@ -343,7 +349,9 @@ impl Replica {
 
     pub fn new(spec: ReplicaSpec) -> Replica {
         let rate = throughput(&spec);
+        let prefill_secs = prefill_secs_per_token(&spec);
         Replica {
+            prefill_secs,
             spec,
             running: Vec::new(),
             busy: false,
@@ -367,6 +375,7 @@ impl Replica {
     /// it is under, and decoding sequences that need a block preempt.
     pub fn respec(&mut self, spec: ReplicaSpec) {
         self.rate = throughput(&spec);
+        self.prefill_secs = prefill_secs_per_token(&spec);
         self.spec = spec;
     }
 
