@@ -406,9 +406,25 @@ fn inline_body(b: &Body) -> Option<String> {
     Some(format!("{{ {} }}", parts.join(sep)))
 }
 
+/// The grammar's flags (`flag` in `grammar/kiln.pest`): keys that never
+/// take a value, so a word after one starts the next property.
+const FLAGS: &[&str] = &[
+    "preemptible",
+    "backfill_only",
+    "may_starve",
+    "prefix_affinity",
+    "exact_cache",
+];
+
 fn property_head(p: &Property) -> String {
     let mut s = p.key.name.clone();
     match &p.args {
+        // Any other bare key would take the next word as its value when
+        // re-read (`varian, t fp16` is two properties, `varian t fp16` one):
+        // its comma is kept, so formatting never changes what parses.
+        PropArgs::None if p.body.is_none() && !FLAGS.contains(&p.key.name.as_str()) => {
+            s.push(',');
+        }
         PropArgs::None => {}
         PropArgs::Assign(v) => {
             s.push_str(" = ");
