@@ -11,7 +11,7 @@
 //! bin's geometric middle.
 
 use super::{Action, Micros, ReqId, MS, SEC};
-use crate::graph::signal::{TenantField, TierField};
+use crate::graph::signal::TierField;
 use crate::graph::{DecisionGraph, PoolId, Signals, TenantId, TierId};
 use rustc_hash::FxHashMap as HashMap;
 
@@ -240,6 +240,18 @@ struct Open {
     first_token: Option<Micros>,
 }
 
+/// Moves each old window to its new id (a window whose length the new
+/// policy changed starts empty).
+fn carry<A>(old: &mut Vec<Window<A>>, new: &mut [Window<A>], id: impl Fn(usize) -> Option<usize>) {
+    for (i, w) in std::mem::take(old).into_iter().enumerate() {
+        if let Some(slot) = id(i).and_then(|n| new.get_mut(n)) {
+            if slot.slot_len == w.slot_len {
+                *slot = w;
+            }
+        }
+    }
+}
+
 /// Every window the policy's signals read, and the requests in flight.
 #[derive(Debug, Clone)]
 pub struct Live {
@@ -295,33 +307,15 @@ impl Live {
         pool: impl Fn(PoolId) -> Option<PoolId>,
     ) {
         let mut next = Live::new(g);
-        let mut moved = |old: Vec<Window<TierAgg>>| {
-            for (i, w) in old.into_iter().enumerate() {
-                if let Some(n) = tier(i as TierId) {
-                    if let Some(slot) = next.tiers.get_mut(n as usize) {
-                        if slot.slot_len == w.slot_len {
-                            *slot = w;
-                        }
-                    }
-                }
-            }
-        };
-        moved(std::mem::take(&mut self.tiers));
-        for (i, w) in std::mem::take(&mut self.tenants).into_iter().enumerate() {
-            if let Some(slot) = tenant(i as TenantId).and_then(|n| next.tenants.get_mut(n as usize))
-            {
-                if slot.slot_len == w.slot_len {
-                    *slot = w;
-                }
-            }
-        }
-        for (i, w) in std::mem::take(&mut self.pools).into_iter().enumerate() {
-            if let Some(slot) = pool(i as PoolId).and_then(|n| next.pools.get_mut(n as usize)) {
-                if slot.slot_len == w.slot_len {
-                    *slot = w;
-                }
-            }
-        }
+        carry(&mut self.tiers, &mut next.tiers, |i| {
+            tier(i as TierId).map(usize::from)
+        });
+        carry(&mut self.tenants, &mut next.tenants, |i| {
+            tenant(i as TenantId).map(|n| n as usize)
+        });
+        carry(&mut self.pools, &mut next.pools, |i| {
+            pool(i as PoolId).map(usize::from)
+        });
         next.all = self.all.clone();
         next.open = std::mem::take(&mut self.open)
             .into_iter()
@@ -517,7 +511,6 @@ impl Live {
                 slot.requests = w.total.ended as f64;
             }
         }
-        let _ = TenantField::ALL;
         for (i, w) in self.pools.iter_mut().enumerate() {
             w.advance(now);
             if let Some(slot) = s.pools.get_mut(i) {

@@ -750,29 +750,13 @@ impl Queues {
             return Ahead::default();
         };
         let ti = tier as usize;
-        let rank = |i: usize| -> i64 {
-            let prio = self.priority.get(i).copied().unwrap_or(i64::MIN);
-            let boost = match (cfg.mode, self.aging.get(i).copied().flatten()) {
-                (Mode::Kiln, Some(a)) => tiers
-                    .get(i)
-                    .and_then(|tq| tq.arrivals.first())
-                    .map_or(0, |(at, _)| self.now.saturating_sub(*at) / a),
-                _ => 0,
-            };
-            prio.saturating_add(boost as i64)
-        };
-        let mine = rank(ti);
+        let mine = self.tier_rank(cfg, tiers, ti);
         let mut out = Ahead::default();
         for (i, tq) in tiers.iter().enumerate() {
             if i == ti || tq.len == 0 {
                 continue;
             }
-            let ahead = match cfg.mode {
-                Mode::Fifo | Mode::Static => true,
-                Mode::Priority => self.priority.get(i) >= self.priority.get(ti),
-                Mode::Kiln => rank(i) > mine || (rank(i) == mine && i < ti),
-            };
-            if ahead {
+            if self.served_before(cfg, tiers, i, ti, mine) {
                 out.tokens += tq.tokens as f64;
             }
         }
@@ -1100,6 +1084,40 @@ impl Queues {
         self.take(id)
     }
 
+    /// A tier's rank among the tiers of one (model, variant): its priority,
+    /// plus under kiln one level per `aging` its oldest request has waited.
+    fn tier_rank(&self, cfg: &Config, tiers: &[TierQueue], i: usize) -> i64 {
+        let prio = self.priority.get(i).copied().unwrap_or(i64::MIN);
+        let boost = match (cfg.mode, self.aging.get(i).copied().flatten()) {
+            (Mode::Kiln, Some(a)) => tiers
+                .get(i)
+                .and_then(|tq| tq.arrivals.first())
+                .map_or(0, |(at, _)| self.now.saturating_sub(*at) / a),
+            _ => 0,
+        };
+        prio.saturating_add(boost as i64)
+    }
+
+    /// Whether tier `i`'s queue is served before tier `ti`'s (of rank
+    /// `mine`) under the scheduler's mode.
+    fn served_before(
+        &self,
+        cfg: &Config,
+        tiers: &[TierQueue],
+        i: usize,
+        ti: usize,
+        mine: i64,
+    ) -> bool {
+        match cfg.mode {
+            Mode::Fifo | Mode::Static => true,
+            Mode::Priority => self.priority.get(i) >= self.priority.get(ti),
+            Mode::Kiln => {
+                let r = self.tier_rank(cfg, tiers, i);
+                r > mine || (r == mine && i < ti)
+            }
+        }
+    }
+
     /// Tokens queued for (model, variant) in tiers other than `tier` that
     /// the queues serve before it (as [`Self::ahead`] counts them).
     pub fn other_tiers_ahead(&self, cfg: &Config, key: (u16, u16), tier: TierId) -> f64 {
@@ -1107,27 +1125,12 @@ impl Queues {
             return 0.0;
         };
         let ti = tier as usize;
-        let rank = |i: usize| -> i64 {
-            let prio = self.priority.get(i).copied().unwrap_or(i64::MIN);
-            let boost = match (cfg.mode, self.aging.get(i).copied().flatten()) {
-                (Mode::Kiln, Some(a)) => tiers
-                    .get(i)
-                    .and_then(|tq| tq.arrivals.first())
-                    .map_or(0, |(at, _)| self.now.saturating_sub(*at) / a),
-                _ => 0,
-            };
-            prio.saturating_add(boost as i64)
-        };
-        let mine = rank(ti);
+        let mine = self.tier_rank(cfg, tiers, ti);
         tiers
             .iter()
             .enumerate()
             .filter(|(i, tq)| *i != ti && tq.len > 0)
-            .filter(|(i, _)| match cfg.mode {
-                Mode::Fifo | Mode::Static => true,
-                Mode::Priority => self.priority.get(*i) >= self.priority.get(ti),
-                Mode::Kiln => rank(*i) > mine || (rank(*i) == mine && *i < ti),
-            })
+            .filter(|(i, _)| self.served_before(cfg, tiers, *i, ti, mine))
             .map(|(_, tq)| tq.tokens as f64)
             .sum()
     }
