@@ -177,6 +177,7 @@ fn saturate(g: DecisionGraph, n: u64, input: u64, output: u32) -> Saturation {
                 ..Default::default()
             };
             let a = Arrival {
+                window: None,
                 id,
                 request,
                 output_tokens: output,

@@ -81,6 +81,7 @@ fn arrivals(list: Vec<A>) -> Vec<(Micros, Arrival)> {
             (
                 x.at_ms * MS,
                 Arrival {
+                    window: None,
                     id: i as u64,
                     request: Request {
                         tenant: Some(x.tenant.into()),
@@ -528,6 +529,7 @@ route t m { default => fp16 }
         (
             at_ms * MS,
             Arrival {
+                window: None,
                 id,
                 request: Request {
                     tenant: Some("x".into()),
@@ -893,6 +895,7 @@ route t m { default => fp16 }
                 v.push((
                     at * MS,
                     Arrival {
+                        window: None,
                         id: conv * 100 + turn,
                         request: Request {
                             tenant: Some("x".into()),

@@ -210,6 +210,7 @@ pub fn arrivals(records: &[crate::traffic::Record]) -> Vec<(Micros, Arrival)> {
             (
                 at,
                 Arrival {
+                    window: None,
                     id: i as ReqId,
                     request: r.request(),
                     output_tokens: r.output_tokens.min(u64::from(u32::MAX)) as u32,

@@ -163,6 +163,10 @@ pub struct Arrival {
     pub output_tokens: u32,
     /// Prompt prefix blocks (512 tokens each) for prefix affinity.
     pub prefix_blocks: Vec<u64>,
+    /// The request's own completion window from its arrival, in place of
+    /// its tier's `slo { window }`: a batch item carries what is left of
+    /// its batch's window, so its deadline is the batch's.
+    pub window: Option<Micros>,
 }
 
 #[derive(Debug, Clone, PartialEq)]

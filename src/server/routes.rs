@@ -517,6 +517,7 @@ fn submit(
 ) -> Result<(mpsc::UnboundedReceiver<Progress>, CancelGuard), ApiError> {
     let (tx, rx) = mpsc::unbounded_channel();
     let arrival = Arrival {
+        window: None,
         id: ctx.id,
         request: ctx.req.clone(),
         output_tokens: max_tokens.min(u64::from(u32::MAX)) as u32,
