@@ -5,6 +5,7 @@
 //! [`graph::DecisionGraph`] (immutable, evaluated per request).
 
 pub mod backend;
+pub mod batch;
 pub mod cli;
 pub mod clock;
 pub mod compile;

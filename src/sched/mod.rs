@@ -30,6 +30,7 @@
 
 mod admit;
 pub mod canary;
+pub mod forecast;
 pub mod live;
 pub mod plan;
 pub mod queue;
@@ -169,6 +170,9 @@ pub struct Arrival {
     pub window: Option<Micros>,
 }
 
+// Arrivals are most of the events: boxing them to shrink the others would
+// allocate once per request for nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     Arrive(Arrival),

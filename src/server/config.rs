@@ -50,6 +50,54 @@ pub struct ServerConfig {
     /// The hash-chained audit log of governance events.
     #[serde(default)]
     pub audit: Option<AuditSection>,
+    /// The Files and Batches API: where batches are kept, how much of them
+    /// is fed to the scheduler at once, upload limits.
+    #[serde(default)]
+    pub batch: BatchSection,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BatchSection {
+    /// The SQLite database of files, batches and results. `kiln serve`
+    /// defaults to `.kiln/batches.db` (beside where it runs); a gateway
+    /// started in-process without one keeps a temporary database.
+    #[serde(default)]
+    pub store: Option<PathBuf>,
+    /// Batch items handed to the scheduler at once, over all batches: the
+    /// gateway holds these (not whole files) in memory. Enough to keep
+    /// every replica's batch slots full while interactive work comes and
+    /// goes; more only deepens the queue.
+    #[serde(default = "default_batch_in_flight")]
+    pub max_in_flight: usize,
+    /// Per file, as OpenAI's: 50,000 requests, 200 MB.
+    #[serde(default = "default_batch_requests")]
+    pub max_requests: u64,
+    #[serde(default = "default_batch_bytes")]
+    pub max_file_bytes: u64,
+}
+
+fn default_batch_in_flight() -> usize {
+    1024
+}
+
+fn default_batch_requests() -> u64 {
+    crate::batch::MAX_REQUESTS
+}
+
+fn default_batch_bytes() -> u64 {
+    crate::batch::MAX_FILE_BYTES
+}
+
+impl Default for BatchSection {
+    fn default() -> Self {
+        BatchSection {
+            store: None,
+            max_in_flight: default_batch_in_flight(),
+            max_requests: default_batch_requests(),
+            max_file_bytes: default_batch_bytes(),
+        }
+    }
 }
 
 fn yes() -> bool {
@@ -491,6 +539,22 @@ impl ServerConfig {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
+        let b = &self.batch;
+        if b.max_in_flight == 0 || b.max_in_flight > 1_000_000 {
+            return Err(ConfigError::Invalid {
+                message: format!(
+                    "`[batch] max_in_flight = {}` is out of range",
+                    b.max_in_flight
+                ),
+                help: Some("give 1 to 1000000 (the default, 1024, suits most pools)".into()),
+            });
+        }
+        if b.max_requests == 0 || b.max_file_bytes == 0 {
+            return Err(ConfigError::Invalid {
+                message: "`[batch] max_requests` and `max_file_bytes` must be above 0".into(),
+                help: Some("leave them out for OpenAI's limits (50,000 requests, 200 MB)".into()),
+            });
+        }
         let is_hash = |h: &str| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit());
         for k in &self.keys {
             if !is_hash(&k.sha256) {

@@ -102,6 +102,13 @@ pub enum Command {
     },
     /// The active graph and the live signals as of the last arrival.
     Signals(oneshot::Sender<(Arc<DecisionGraph>, Signals)>),
+    /// The scheduler's drain estimate for `items` requests like this one
+    /// (the Batches API's predicted finish), with the graph it read.
+    Forecast {
+        request: crate::graph::Request,
+        items: u64,
+        reply: oneshot::Sender<(Arc<DecisionGraph>, Option<crate::sched::forecast::Forecast>)>,
+    },
     /// An upstream just failed: fold breaker states in now, not at the
     /// next periodic check, so a resent request avoids it.
     CheckHealth,
@@ -174,6 +181,23 @@ impl ExecHandle {
     pub async fn signals(&self) -> Option<(Arc<DecisionGraph>, Signals)> {
         let (tx, rx) = oneshot::channel();
         if !self.send(Command::Signals(tx)) {
+            return None;
+        }
+        rx.await.ok()
+    }
+
+    /// See [`Command::Forecast`].
+    pub async fn forecast(
+        &self,
+        request: crate::graph::Request,
+        items: u64,
+    ) -> Option<(Arc<DecisionGraph>, Option<crate::sched::forecast::Forecast>)> {
+        let (tx, rx) = oneshot::channel();
+        if !self.send(Command::Forecast {
+            request,
+            items,
+            reply: tx,
+        }) {
             return None;
         }
         rx.await.ok()
@@ -612,6 +636,14 @@ impl<C: Clock> Executor<C> {
                     self.handlers.graph.clone(),
                     self.driver.sched().signals().clone(),
                 ));
+            }
+            Command::Forecast {
+                request,
+                items,
+                reply,
+            } => {
+                let f = self.driver.sched().forecast(&request, items);
+                let _ = reply.send((self.handlers.graph.clone(), f));
             }
             Command::CheckHealth => self.check_health(),
             Command::StepRan {

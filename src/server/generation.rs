@@ -538,7 +538,7 @@ impl Generation {
 
     async fn whole(
         mut self,
-        headers: Vec<(&'static str, String)>,
+        mut headers: Vec<(&'static str, String)>,
         mut pieces: BoxStream<'static, Piece>,
     ) -> Result<Response, ApiError> {
         let mut answer: Option<Value> = None;
@@ -564,6 +564,11 @@ impl Generation {
                         let prompt = self.ctx.req.prompt_tokens;
                         full_body(&self.ctx, &sim_text(0, n), prompt, n, "length", "kiln-sim")
                     });
+                    // What the answer cost on a scheduled replica (the batch
+                    // runner bills it); an upstream's is unknown here.
+                    if gpu_seconds > 0.0 {
+                        headers.push(("x-kiln-gpu-seconds", format!("{gpu_seconds:.6}")));
+                    }
                     return Ok(with_headers(axum::Json(body).into_response(), headers));
                 }
                 Piece::Failed { err, outcome } => {

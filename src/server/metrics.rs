@@ -110,6 +110,9 @@ struct Collectors {
     rollbacks: CounterVec,
     override_refusals: CounterVec,
     approvals: CounterVec,
+    batch_items: GaugeVec,
+    batch_predicted_miss: GaugeVec,
+    batch_deadline_misses: CounterVec,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -303,6 +306,24 @@ impl Collectors {
                 "kiln_approvals_total",
                 "Signed approvals presented, by result (accepted or the refusal's code).",
                 &["result"],
+            )?,
+            batch_items: gauge(
+                r,
+                "kiln_batch_items",
+                "Items of unfinished batches by state (pending: not yet handed to the scheduler; in_flight; completed; failed), per tenant and tier.",
+                &["tenant", "tier", "state"],
+            )?,
+            batch_predicted_miss: gauge(
+                r,
+                "kiln_batch_predicted_miss",
+                "1 when the scheduler's estimate says an unfinished batch will finish after its completion window.",
+                &["batch", "tenant", "tier"],
+            )?,
+            batch_deadline_misses: counter(
+                r,
+                "kiln_batch_deadline_misses_total",
+                "Batch items that finished after their batch's completion window, or expired unrun.",
+                &["tenant", "tier"],
             )?,
         })
     }
@@ -524,6 +545,40 @@ impl Metrics {
     pub fn approval(&self, result: &str) {
         if let Some(c) = &self.c {
             add(&c.approvals, &[result], 1.0);
+        }
+    }
+
+    /// Replaces the batch gauges with these rows: (tenant, tier, pending,
+    /// in flight, completed, failed) per batch, and predicted misses as
+    /// (batch, tenant, tier, missed).
+    pub fn set_batches(
+        &self,
+        items: &[(&str, &str, [u64; 4])],
+        predicted: &[(&str, &str, &str, bool)],
+    ) {
+        let Some(c) = &self.c else { return };
+        c.batch_items.reset();
+        c.batch_predicted_miss.reset();
+        for (tenant, tier, n) in items {
+            for (state, v) in ["pending", "in_flight", "completed", "failed"]
+                .into_iter()
+                .zip(n)
+            {
+                if let Some(g) = get(&c.batch_items, &[tenant, tier, state]) {
+                    g.add(*v as f64);
+                }
+            }
+        }
+        for (batch, tenant, tier, missed) in predicted {
+            if let Some(g) = get(&c.batch_predicted_miss, &[batch, tenant, tier]) {
+                g.set(if *missed { 1.0 } else { 0.0 });
+            }
+        }
+    }
+
+    pub fn batch_deadline_misses(&self, tenant: &str, tier: &str, n: u64) {
+        if let Some(c) = &self.c {
+            add(&c.batch_deadline_misses, &[tenant, tier], n as f64);
         }
     }
 

@@ -9,6 +9,7 @@
 //! metrics, health and the atomic policy swap.
 
 pub mod admin;
+pub mod batches;
 pub mod config;
 pub mod decision_log;
 pub mod executor;
@@ -66,6 +67,8 @@ pub struct App {
     pub versions: std::sync::Mutex<std::collections::VecDeque<Arc<Policy>>>,
     /// Proposals, approvals, rollouts, overrides and the audit log.
     pub gov: governance::Gov,
+    /// Files, batches and their results, and the runner's bell.
+    pub batches: crate::batch::runner::Batches,
 }
 
 impl App {
@@ -109,6 +112,10 @@ pub enum ServeError {
     #[error(transparent)]
     #[diagnostic(transparent)]
     Deploy(#[from] deploy::DeployError),
+    /// The batch store could not be opened.
+    #[error(transparent)]
+    #[diagnostic(transparent)]
+    Batch(crate::batch::store::StoreError),
     /// The audit log or the governance state could not be loaded; its own
     /// diagnostic (with its help line) says what to do.
     #[error(transparent)]
@@ -146,6 +153,7 @@ pub struct Running {
     server: tokio::task::JoinHandle<()>,
     executor: tokio::task::JoinHandle<()>,
     governance: tokio::task::JoinHandle<()>,
+    batch_runner: tokio::task::JoinHandle<()>,
 }
 
 impl Running {
@@ -156,6 +164,7 @@ impl Running {
         }
         let _ = self.server.await;
         self.governance.abort();
+        self.batch_runner.abort();
         self.app.log.flush().await;
         self.executor.abort();
     }
@@ -164,6 +173,7 @@ impl Running {
     pub async fn wait(self) {
         let _ = self.server.await;
         self.governance.abort();
+        self.batch_runner.abort();
         self.app.log.flush().await;
     }
 
@@ -250,6 +260,11 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
     let tokenizer = openai::Tokenizer::new().map_err(ServeError::Startup)?;
     let gov = governance::Gov::new(governance::gov_config(&config, speed))
         .map_err(ServeError::Governance)?;
+    let store = match &config.batch.store {
+        Some(p) => crate::batch::store::Store::open(p),
+        None => crate::batch::store::Store::temporary(),
+    }
+    .map_err(ServeError::Batch)?;
     let metrics = metrics::Metrics::new();
     metrics.set_policy_version(&policy.version);
     for b in backends.iter() {
@@ -277,8 +292,10 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         speed,
         boot_ms: crate::clock::unix_ms() as u64,
         gov,
+        batches: crate::batch::runner::Batches::new(store),
     });
     let router = routes::router(app.clone())
+        .merge(batches::router(app.clone()))
         .merge(admin::router(app.clone()))
         .merge(governance::router(app.clone()))
         .fallback(not_found)
@@ -288,6 +305,7 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
             limits::guard,
         ));
     let runner = governance::spawn_runner(app.clone());
+    let batch_runner = crate::batch::runner::spawn(app.clone());
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(listen::serve(listener, router, conn_limits, rx));
     Ok(Running {
@@ -297,5 +315,6 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         server,
         executor: exec_task,
         governance: runner,
+        batch_runner,
     })
 }

@@ -101,6 +101,13 @@ impl GenerationRequest {
     pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<(GenerationRequest, Value), ApiError> {
         let raw: Value = serde_json::from_slice(body)
             .map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}"), None))?;
+        let req = GenerationRequest::from_value(endpoint, &raw)?;
+        Ok((req, raw))
+    }
+
+    /// Checks a parsed body as [`Self::parse`] does (batch lines are parsed
+    /// once, as whole lines).
+    pub fn from_value(endpoint: Endpoint, raw: &Value) -> Result<GenerationRequest, ApiError> {
         if !raw.is_object() {
             return Err(ApiError::bad_request(
                 "the body must be a JSON object".into(),
@@ -109,7 +116,7 @@ impl GenerationRequest {
         }
         // Deserialized from the parsed value by reference: no second parse,
         // no copy of the body.
-        let req = GenerationRequest::deserialize(&raw)
+        let req = GenerationRequest::deserialize(raw)
             .map_err(|e| ApiError::bad_request(format!("invalid request: {e}"), None))?;
         if req.model.trim().is_empty() {
             return Err(ApiError::bad_request(
@@ -148,7 +155,7 @@ impl GenerationRequest {
                 Some("max_tokens"),
             ));
         }
-        Ok((req, raw))
+        Ok(req)
     }
 
     pub fn streaming(&self) -> bool {

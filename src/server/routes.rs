@@ -147,7 +147,7 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
 
 /// The tenant a caller is: by a hashed key from the config, or a key the
 /// policy declares. `Ok(None)` is an anonymous caller, where allowed.
-fn authenticate(
+pub(super) fn authenticate(
     app: &App,
     g: &DecisionGraph,
     headers: &HeaderMap,
@@ -205,6 +205,8 @@ pub(super) struct Ctx {
     pub(super) requeued: u32,
     /// The prompt's prefix block ids ([`super::prefix`]).
     pub(super) prefix_blocks: Vec<u64>,
+    /// A batch item's own deadline, from its arrival.
+    pub(super) window: Option<crate::sched::Micros>,
 }
 
 impl Ctx {
@@ -241,33 +243,13 @@ async fn generate_inner(
         Err(_) => return Err(super::limits::body_timeout_error(timeout)),
     };
     let (greq, raw) = GenerationRequest::parse(endpoint, &bytes)?;
-    // Counting a large prompt takes milliseconds: on a blocking thread, so
-    // that a few large prompts do not stall every other request (and the
-    // health checks) on the async workers.
-    // The same pass hashes the prompt's leading tokens into prefix blocks
-    // (for the prefix cache and prefix-affinity routing, and the log).
-    let blocks = super::prefix::MAX_PREFIX_BLOCKS;
-    let (greq, prompt) = if bytes.len() > limits.blocking_tokenize_bytes {
-        let tok = app.tokenizer;
-        tokio::task::spawn_blocking(move || {
-            let n = tok.prompt(&greq, blocks);
-            (greq, n)
-        })
-        .await
-        .map_err(|e| ApiError::new(500, format!("counting prompt tokens failed: {e}")))?
-    } else {
-        let n = app.tokenizer.prompt(&greq, blocks);
-        (greq, n)
-    };
-    let prompt_tokens = prompt.count;
+    let big = bytes.len() > limits.blocking_tokenize_bytes;
     drop(bytes);
-    let max_tokens = greq
-        .requested_max_tokens()
-        .unwrap_or(app.config.limits.default_max_tokens);
     let mut hdrs = BTreeMap::new();
     for (k, v) in headers.iter() {
         let name = k.as_str();
-        if private_header(name) {
+        // Only the batch runner says a request is a batch item.
+        if private_header(name) || name.starts_with(BATCH_HEADER) {
             continue;
         }
         if let Ok(v) = v.to_str() {
@@ -288,6 +270,107 @@ async fn generate_inner(
         .get("x-kiln-session")
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
+    let arrived = Arrived {
+        received,
+        received_ms,
+        tenant,
+        headers: hdrs,
+        tags,
+        session,
+        window: None,
+    };
+    decide_and_serve(app, endpoint, greq, raw, big, arrived).await
+}
+
+/// The header a batch item carries (its batch id); classify rules read it
+/// as the `batch` signal or `header("x-kiln-batch")`.
+pub const BATCH_HEADER: &str = "x-kiln-batch";
+
+/// Who sent a request and what came with it, past authentication.
+struct Arrived {
+    received: Instant,
+    received_ms: f64,
+    tenant: Option<String>,
+    headers: BTreeMap<String, String>,
+    tags: Vec<String>,
+    session: Option<String>,
+    /// A batch item's deadline: what is left of its batch's window.
+    window: Option<crate::sched::Micros>,
+}
+
+/// One batch item, decided and served like any request of its tenant: the
+/// same classify, admission, routing, queues, log and explain. The answer
+/// is never a stream; the runner stores its status and body.
+pub async fn serve_batch_item(
+    app: Arc<App>,
+    endpoint: Endpoint,
+    tenant: Option<String>,
+    batch: &str,
+    body: Value,
+    window: crate::sched::Micros,
+) -> Response {
+    let received = Instant::now();
+    let received_ms = crate::clock::unix_ms();
+    let greq = match GenerationRequest::from_value(endpoint, &body) {
+        Ok(g) => g,
+        Err(e) => return e.into_response(),
+    };
+    let arrived = Arrived {
+        received,
+        received_ms,
+        tenant,
+        headers: BTreeMap::from([(BATCH_HEADER.to_string(), batch.to_string())]),
+        tags: vec!["batch".to_string()],
+        session: None,
+        window: Some(window),
+    };
+    let big = false;
+    match decide_and_serve(app, endpoint, greq, body, big, arrived).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn decide_and_serve(
+    app: Arc<App>,
+    endpoint: Endpoint,
+    greq: GenerationRequest,
+    raw: Value,
+    big: bool,
+    arrived: Arrived,
+) -> Result<Response, ApiError> {
+    let Arrived {
+        received,
+        received_ms,
+        tenant,
+        headers: hdrs,
+        tags,
+        session,
+        window,
+    } = arrived;
+    let policy = app.policy.load_full();
+    // Counting a large prompt takes milliseconds: on a blocking thread, so
+    // that a few large prompts do not stall every other request (and the
+    // health checks) on the async workers.
+    // The same pass hashes the prompt's leading tokens into prefix blocks
+    // (for the prefix cache and prefix-affinity routing, and the log).
+    let blocks = super::prefix::MAX_PREFIX_BLOCKS;
+    let (greq, prompt) = if big {
+        let tok = app.tokenizer;
+        tokio::task::spawn_blocking(move || {
+            let n = tok.prompt(&greq, blocks);
+            (greq, n)
+        })
+        .await
+        .map_err(|e| ApiError::new(500, format!("counting prompt tokens failed: {e}")))?
+    } else {
+        let n = app.tokenizer.prompt(&greq, blocks);
+        (greq, n)
+    };
+    let prompt_tokens = prompt.count;
+    let max_tokens = greq
+        .requested_max_tokens()
+        .unwrap_or(app.config.limits.default_max_tokens);
     let req = Request {
         tenant,
         api_key: None,
@@ -337,6 +420,7 @@ async fn generate_inner(
         explain,
         requeued: 0,
         prefix_blocks: prompt.prefix_blocks,
+        window,
     };
     run(ctx, max_tokens).await
 }
@@ -517,7 +601,7 @@ fn submit(
 ) -> Result<(mpsc::UnboundedReceiver<Progress>, CancelGuard), ApiError> {
     let (tx, rx) = mpsc::unbounded_channel();
     let arrival = Arrival {
-        window: None,
+        window: ctx.window,
         id: ctx.id,
         request: ctx.req.clone(),
         output_tokens: max_tokens.min(u64::from(u32::MAX)) as u32,

@@ -1,0 +1,702 @@
+//! The durable store: files, their lines, batches and item results in one
+//! embedded SQLite database (WAL journal).
+//!
+//! Why SQLite: one file an operator can copy, inspect with `sqlite3` and
+//! back up; transactions make each state change atomic, and WAL lets the
+//! download of a large output file read while the runner writes.
+//!
+//! **Written once.** A result row's key is (batch, input line), and it is
+//! inserted with `INSERT OR IGNORE` in the same transaction that counts it
+//! in its batch: an item that ran twice (it was in flight at a crash and
+//! ran again) keeps its first result and is counted once, so no
+//! `custom_id` can appear twice in an output file. Upload refuses a file
+//! whose `custom_id`s repeat (a unique index), so one line is one id.
+//!
+//! **Ordered.** WAL commits are durable in order: a batch's `completed`
+//! status is committed after its last result, so a crash (even a power
+//! loss, under `synchronous = NORMAL`) can lose the status change but never
+//! keep it without the results it reports.
+//!
+//! **Bounded.** Nothing here reads a whole file: lines and results are
+//! read in pages by line number.
+
+use super::{BatchRow, BatchStatus, FileRow, ItemLine, RequestCounts};
+use rusqlite::{params, Connection, OptionalExtension};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// A store failure. The message says which operation; the help line what
+/// an operator can do.
+#[derive(Debug, thiserror::Error, miette::Diagnostic)]
+pub enum StoreError {
+    #[error("cannot open the batch store at {path}: {message}")]
+    #[diagnostic(
+        code(kiln::batch::store_open),
+        help("set `[batch] store` in kiln.toml to a writable path (the directory is created)")
+    )]
+    Open { path: String, message: String },
+    #[error("batch store: {0}")]
+    #[diagnostic(
+        code(kiln::batch::store),
+        help("the database may be full or damaged: check the disk and `sqlite3 FILE 'pragma integrity_check'`")
+    )]
+    Sql(#[from] rusqlite::Error),
+    #[error("batch store: a lock was poisoned")]
+    #[diagnostic(code(kiln::batch::store_lock), help("restart the gateway"))]
+    Poisoned,
+}
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS files (
+    id TEXT PRIMARY KEY,
+    owner TEXT,
+    purpose TEXT NOT NULL,
+    filename TEXT NOT NULL,
+    bytes INTEGER NOT NULL,
+    created_at INTEGER NOT NULL,
+    lines INTEGER NOT NULL,
+    endpoint TEXT,
+    -- output and error files are the results of a batch, read from `results`
+    batch_id TEXT,
+    ok INTEGER
+);
+CREATE TABLE IF NOT EXISTS lines (
+    file_id TEXT NOT NULL,
+    line INTEGER NOT NULL,
+    custom_id TEXT NOT NULL,
+    text TEXT NOT NULL,
+    PRIMARY KEY (file_id, line)
+) WITHOUT ROWID;
+CREATE UNIQUE INDEX IF NOT EXISTS lines_custom_id ON lines (file_id, custom_id);
+CREATE TABLE IF NOT EXISTS batches (
+    id TEXT PRIMARY KEY,
+    owner TEXT,
+    seq INTEGER NOT NULL,
+    input_file_id TEXT NOT NULL,
+    endpoint TEXT NOT NULL,
+    completion_window TEXT NOT NULL,
+    window_s REAL NOT NULL,
+    status TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    expires_at INTEGER NOT NULL,
+    in_progress_at INTEGER,
+    finalizing_at INTEGER,
+    completed_at INTEGER,
+    failed_at INTEGER,
+    expired_at INTEGER,
+    cancelling_at INTEGER,
+    cancelled_at INTEGER,
+    total INTEGER NOT NULL,
+    completed INTEGER NOT NULL DEFAULT 0,
+    failed INTEGER NOT NULL DEFAULT 0,
+    metadata TEXT,
+    errors TEXT,
+    output_file_id TEXT,
+    error_file_id TEXT,
+    tier TEXT,
+    predicted_finish REAL,
+    gpu_seconds REAL NOT NULL DEFAULT 0,
+    deadline_misses INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS batches_seq ON batches (seq);
+CREATE TABLE IF NOT EXISTS results (
+    batch_id TEXT NOT NULL,
+    line INTEGER NOT NULL,
+    ok INTEGER NOT NULL,
+    text TEXT NOT NULL,
+    PRIMARY KEY (batch_id, line)
+) WITHOUT ROWID;
+";
+
+/// The batch store. Cheap to clone; every call blocks on SQLite, so async
+/// callers run it on a blocking thread ([`Store::run`]).
+#[derive(Clone)]
+pub struct Store {
+    /// Writes (one writer at a time, as SQLite allows).
+    write: Arc<Mutex<Connection>>,
+    /// Reads, beside the writer (WAL: readers see the last commit).
+    read: Arc<Mutex<Connection>>,
+    pub path: Option<PathBuf>,
+    temp: Option<Arc<TempFile>>,
+}
+
+/// Removes a temporary database (and its WAL files) when dropped.
+struct TempFile(PathBuf);
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        for ext in ["", "-wal", "-shm"] {
+            let mut p = self.0.clone().into_os_string();
+            p.push(ext);
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+fn lock(m: &Mutex<Connection>) -> Result<MutexGuard<'_, Connection>, StoreError> {
+    m.lock().map_err(|_| StoreError::Poisoned)
+}
+
+fn configure(c: &Connection) -> Result<(), rusqlite::Error> {
+    c.busy_timeout(std::time::Duration::from_secs(10))?;
+    c.pragma_update(None, "journal_mode", "WAL")?;
+    c.pragma_update(None, "synchronous", "NORMAL")?;
+    c.pragma_update(None, "foreign_keys", "ON")?;
+    Ok(())
+}
+
+impl Store {
+    /// Opens (creating) the database at `path`.
+    pub fn open(path: &Path) -> Result<Store, StoreError> {
+        let err = |message: String| StoreError::Open {
+            path: path.display().to_string(),
+            message,
+        };
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| err(e.to_string()))?;
+        }
+        let write = Connection::open(path).map_err(|e| err(e.to_string()))?;
+        configure(&write).map_err(|e| err(e.to_string()))?;
+        write
+            .execute_batch(SCHEMA)
+            .map_err(|e| err(e.to_string()))?;
+        let read = Connection::open(path).map_err(|e| err(e.to_string()))?;
+        configure(&read).map_err(|e| err(e.to_string()))?;
+        Ok(Store {
+            write: Arc::new(Mutex::new(write)),
+            read: Arc::new(Mutex::new(read)),
+            path: Some(path.to_path_buf()),
+            temp: None,
+        })
+    }
+
+    /// A private database in a temporary file, removed when the last
+    /// clone of the store is dropped: gateways started in-process without
+    /// a `[batch] store` (tests) get their own, never a shared default.
+    pub fn temporary() -> Result<Store, StoreError> {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static N: AtomicU64 = AtomicU64::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "kiln-batches-{}-{}-{}.db",
+            std::process::id(),
+            crate::clock::unix_ms() as u64,
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let mut s = Store::open(&path)?;
+        s.temp = Some(Arc::new(TempFile(path)));
+        Ok(s)
+    }
+
+    /// Runs `f` on a blocking thread (SQLite calls block).
+    pub async fn run<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Store) -> Result<T, StoreError> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let s = self.clone();
+        match tokio::task::spawn_blocking(move || f(&s)).await {
+            Ok(r) => r,
+            Err(_) => Err(StoreError::Poisoned),
+        }
+    }
+
+    // ---- files ---------------------------------------------------------
+
+    /// Begins an upload: lines go in one transaction, committed by
+    /// [`Upload::commit`] only once every line was valid.
+    pub fn upload(&self) -> Result<Upload<'_>, StoreError> {
+        let conn = lock(&self.write)?;
+        conn.execute_batch("BEGIN IMMEDIATE")?;
+        Ok(Upload { conn, done: false })
+    }
+
+    pub fn file(&self, id: &str) -> Result<Option<FileRow>, StoreError> {
+        let c = lock(&self.read)?;
+        let mut st = c.prepare_cached(
+            "SELECT id, owner, purpose, filename, bytes, created_at, lines, endpoint, batch_id, ok FROM files WHERE id = ?1",
+        )?;
+        Ok(st.query_row([id], file_row).optional()?)
+    }
+
+    /// Files, newest first, of `owner` (all with `None` for an admin), a
+    /// page after the file `after`.
+    pub fn files(
+        &self,
+        owner: Option<Option<&str>>,
+        purpose: Option<&str>,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<FileRow>, StoreError> {
+        let c = lock(&self.read)?;
+        let mut st = c.prepare_cached(
+            "SELECT id, owner, purpose, filename, bytes, created_at, lines, endpoint, batch_id, ok FROM files
+             WHERE (?1 = 0 OR owner IS ?2) AND (?3 IS NULL OR purpose = ?3)
+               AND (?4 IS NULL OR rowid < (SELECT rowid FROM files WHERE id = ?4))
+             ORDER BY rowid DESC LIMIT ?5",
+        )?;
+        let (filter, who) = match owner {
+            Some(o) => (1, o),
+            None => (0, None),
+        };
+        let rows = st.query_map(params![filter, who, purpose, after, limit as i64], file_row)?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Deletes an input file and its lines. A batch that still reads it
+    /// keeps it: false then.
+    pub fn delete_file(&self, id: &str) -> Result<bool, StoreError> {
+        let mut c = lock(&self.write)?;
+        let tx = c.transaction()?;
+        let busy: i64 = tx.query_row(
+            "SELECT COUNT(*) FROM batches WHERE input_file_id = ?1 AND status IN ('validating','in_progress','finalizing','cancelling')",
+            [id],
+            |r| r.get(0),
+        )?;
+        if busy > 0 {
+            return Ok(false);
+        }
+        tx.execute("DELETE FROM lines WHERE file_id = ?1", [id])?;
+        tx.execute("DELETE FROM files WHERE id = ?1", [id])?;
+        // An output or error file names its batch: the batch forgets it.
+        tx.execute(
+            "UPDATE batches SET output_file_id = NULL WHERE output_file_id = ?1",
+            [id],
+        )?;
+        tx.execute(
+            "UPDATE batches SET error_file_id = NULL WHERE error_file_id = ?1",
+            [id],
+        )?;
+        tx.commit()?;
+        Ok(true)
+    }
+
+    /// Up to `limit` lines of an input file from line `from`, in order, as
+    /// (line number, stored text).
+    pub fn lines(
+        &self,
+        file: &str,
+        from: u64,
+        limit: usize,
+    ) -> Result<Vec<(u64, String)>, StoreError> {
+        let c = lock(&self.read)?;
+        let mut st = c.prepare_cached(
+            "SELECT line, text FROM lines WHERE file_id = ?1 AND line >= ?2 ORDER BY line LIMIT ?3",
+        )?;
+        let rows = st.query_map(params![file, from as i64, limit as i64], |r| {
+            Ok((r.get::<_, i64>(0)? as u64, r.get::<_, String>(1)?))
+        })?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Up to `limit` result lines of a batch from line `from`: the output
+    /// (`ok`) or error lines, as (line number, text).
+    pub fn results(
+        &self,
+        batch: &str,
+        ok: bool,
+        from: u64,
+        limit: usize,
+    ) -> Result<Vec<(u64, String)>, StoreError> {
+        let c = lock(&self.read)?;
+        let mut st = c.prepare_cached(
+            "SELECT line, text FROM results WHERE batch_id = ?1 AND ok = ?2 AND line >= ?3 ORDER BY line LIMIT ?4",
+        )?;
+        let rows = st.query_map(params![batch, ok, from as i64, limit as i64], |r| {
+            Ok((r.get::<_, i64>(0)? as u64, r.get::<_, String>(1)?))
+        })?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    // ---- batches -------------------------------------------------------
+
+    pub fn insert_batch(&self, b: &BatchRow) -> Result<(), StoreError> {
+        let c = lock(&self.write)?;
+        c.execute(
+            "INSERT INTO batches (id, owner, seq, input_file_id, endpoint, completion_window, window_s, status,
+                created_at, expires_at, total, metadata, tier, predicted_finish)
+             VALUES (?1, ?2, (SELECT COALESCE(MAX(seq), 0) + 1 FROM batches), ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
+            params![
+                b.id,
+                b.owner,
+                b.input_file_id,
+                b.endpoint,
+                b.completion_window,
+                b.window_s,
+                b.status.name(),
+                b.created_at,
+                b.expires_at,
+                b.counts.total as i64,
+                b.metadata.as_ref().map(|m| m.to_string()),
+                b.tier,
+                b.predicted_finish,
+            ],
+        )?;
+        Ok(())
+    }
+
+    pub fn batch(&self, id: &str) -> Result<Option<BatchRow>, StoreError> {
+        let c = lock(&self.read)?;
+        let mut st =
+            c.prepare_cached(&format!("SELECT {BATCH_COLS} FROM batches WHERE id = ?1"))?;
+        Ok(st.query_row([id], batch_row).optional()?)
+    }
+
+    /// Batches, newest first, of `owner` (all with `None`), a page after
+    /// the batch `after`.
+    pub fn batches(
+        &self,
+        owner: Option<Option<&str>>,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<BatchRow>, StoreError> {
+        let c = lock(&self.read)?;
+        let mut st = c.prepare_cached(&format!(
+            "SELECT {BATCH_COLS} FROM batches
+             WHERE (?1 = 0 OR owner IS ?2)
+               AND (?3 IS NULL OR seq < (SELECT seq FROM batches WHERE id = ?3))
+             ORDER BY seq DESC LIMIT ?4"
+        ))?;
+        let (filter, who) = match owner {
+            Some(o) => (1, o),
+            None => (0, None),
+        };
+        let rows = st.query_map(params![filter, who, after, limit as i64], batch_row)?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Batches the runner still has work for, oldest first.
+    pub fn active(&self) -> Result<Vec<BatchRow>, StoreError> {
+        let c = lock(&self.read)?;
+        let mut st = c.prepare_cached(&format!(
+            "SELECT {BATCH_COLS} FROM batches WHERE status IN ('validating','in_progress','finalizing','cancelling') ORDER BY seq"
+        ))?;
+        let rows = st.query_map([], batch_row)?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Moves a batch to `to` (from one of `from`), stamping its time; false
+    /// when it was not in one of `from`.
+    pub fn transition(
+        &self,
+        id: &str,
+        from: &[BatchStatus],
+        to: BatchStatus,
+        at: i64,
+    ) -> Result<bool, StoreError> {
+        let c = lock(&self.write)?;
+        let list: Vec<String> = from.iter().map(|s| format!("'{}'", s.name())).collect();
+        let col = to.stamp_column();
+        let n = c.execute(
+            &format!(
+                "UPDATE batches SET status = ?1, {col} = COALESCE({col}, ?2) WHERE id = ?3 AND status IN ({})",
+                list.join(",")
+            ),
+            params![to.name(), at, id],
+        )?;
+        Ok(n == 1)
+    }
+
+    /// A failed batch: its errors object (OpenAI's `errors`).
+    pub fn fail(&self, id: &str, errors: &serde_json::Value, at: i64) -> Result<(), StoreError> {
+        let c = lock(&self.write)?;
+        c.execute(
+            "UPDATE batches SET status = 'failed', failed_at = ?1, errors = ?2 WHERE id = ?3",
+            params![at, errors.to_string(), id],
+        )?;
+        Ok(())
+    }
+
+    pub fn set_prediction(
+        &self,
+        id: &str,
+        finish: Option<f64>,
+        tier: Option<&str>,
+    ) -> Result<(), StoreError> {
+        let c = lock(&self.write)?;
+        c.execute(
+            "UPDATE batches SET predicted_finish = ?1, tier = COALESCE(?2, tier) WHERE id = ?3",
+            params![finish, tier, id],
+        )?;
+        Ok(())
+    }
+
+    /// Writes one item's result, once: true when this call wrote it (and
+    /// counted it), false when the item already had one.
+    pub fn put_result(&self, batch: &str, r: &ItemResult) -> Result<bool, StoreError> {
+        let mut c = lock(&self.write)?;
+        let tx = c.transaction()?;
+        let n = tx.execute(
+            "INSERT OR IGNORE INTO results (batch_id, line, ok, text) VALUES (?1, ?2, ?3, ?4)",
+            params![batch, r.line as i64, r.ok, r.text],
+        )?;
+        if n == 1 {
+            tx.execute(
+                "UPDATE batches SET completed = completed + ?1, failed = failed + ?2,
+                     gpu_seconds = gpu_seconds + ?3, deadline_misses = deadline_misses + ?4 WHERE id = ?5",
+                params![
+                    i64::from(r.ok),
+                    i64::from(!r.ok),
+                    r.gpu_seconds,
+                    i64::from(r.missed),
+                    batch
+                ],
+            )?;
+        }
+        tx.commit()?;
+        Ok(n == 1)
+    }
+
+    /// Writes many results in one transaction (expired or cancelled
+    /// items); returns how many were new. Expired items count as failed
+    /// (`count_failed`); cancelled ones, which never ran, count as neither.
+    pub fn put_results(
+        &self,
+        batch: &str,
+        rs: &[ItemResult],
+        count_failed: bool,
+    ) -> Result<u64, StoreError> {
+        let mut c = lock(&self.write)?;
+        let tx = c.transaction()?;
+        let mut new = 0u64;
+        {
+            let mut ins = tx.prepare_cached(
+                "INSERT OR IGNORE INTO results (batch_id, line, ok, text) VALUES (?1, ?2, ?3, ?4)",
+            )?;
+            for r in rs {
+                new += ins.execute(params![batch, r.line as i64, r.ok, r.text])? as u64;
+            }
+        }
+        if count_failed && new > 0 {
+            tx.execute(
+                "UPDATE batches SET failed = failed + ?1, deadline_misses = deadline_misses + ?1 WHERE id = ?2",
+                params![new as i64, batch],
+            )?;
+        }
+        tx.commit()?;
+        Ok(new)
+    }
+
+    /// Input lines of a batch that have no result yet, from line `from`.
+    pub fn pending(
+        &self,
+        batch: &str,
+        file: &str,
+        from: u64,
+        limit: usize,
+    ) -> Result<Vec<ItemLine>, StoreError> {
+        let c = lock(&self.read)?;
+        let mut st = c.prepare_cached(
+            "SELECT l.line, l.custom_id, l.text FROM lines l
+             WHERE l.file_id = ?1 AND l.line >= ?2
+               AND NOT EXISTS (SELECT 1 FROM results r WHERE r.batch_id = ?3 AND r.line = l.line)
+             ORDER BY l.line LIMIT ?4",
+        )?;
+        let rows = st.query_map(params![file, from as i64, batch, limit as i64], |r| {
+            Ok(ItemLine {
+                line: r.get::<_, i64>(0)? as u64,
+                custom_id: r.get(1)?,
+                text: r.get(2)?,
+            })
+        })?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// How many of a batch's items have a result (of any kind).
+    pub fn results_count(&self, batch: &str) -> Result<u64, StoreError> {
+        let c = lock(&self.read)?;
+        let n: i64 = c.query_row(
+            "SELECT COUNT(*) FROM results WHERE batch_id = ?1",
+            [batch],
+            |r| r.get(0),
+        )?;
+        Ok(n as u64)
+    }
+
+    /// Creates the output and error files of a batch from its results and
+    /// moves it from `finalizing` to `to`, in one transaction: the status
+    /// says `completed` only once its files are committed.
+    pub fn finalize(&self, id: &str, to: BatchStatus, at: i64) -> Result<bool, StoreError> {
+        let mut c = lock(&self.write)?;
+        let tx = c.transaction()?;
+        let Some((owner, status, endpoint)) = tx
+            .query_row(
+                "SELECT owner, status, endpoint FROM batches WHERE id = ?1",
+                [id],
+                |r| {
+                    Ok((
+                        r.get::<_, Option<String>>(0)?,
+                        r.get::<_, String>(1)?,
+                        r.get::<_, String>(2)?,
+                    ))
+                },
+            )
+            .optional()?
+        else {
+            return Ok(false);
+        };
+        if status != BatchStatus::Finalizing.name() && status != BatchStatus::Cancelling.name() {
+            return Ok(false);
+        }
+        let mut ids = [None, None];
+        for (i, ok) in [true, false].into_iter().enumerate() {
+            let (lines, bytes): (i64, i64) = tx.query_row(
+                "SELECT COUNT(*), COALESCE(SUM(LENGTH(CAST(text AS BLOB)) + 1), 0) FROM results WHERE batch_id = ?1 AND ok = ?2",
+                params![id, ok],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )?;
+            if lines == 0 {
+                continue;
+            }
+            let fid = format!(
+                "file-{}-{}",
+                if ok { "out" } else { "err" },
+                super::short_id(id)
+            );
+            let name = format!("{id}_{}.jsonl", if ok { "output" } else { "error" });
+            tx.execute(
+                "INSERT OR REPLACE INTO files (id, owner, purpose, filename, bytes, created_at, lines, endpoint, batch_id, ok)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+                params![
+                    fid,
+                    owner,
+                    if ok { "batch_output" } else { "batch_error" },
+                    name,
+                    bytes,
+                    at,
+                    lines,
+                    endpoint,
+                    id,
+                    ok
+                ],
+            )?;
+            ids[i] = Some(fid);
+        }
+        let col = to.stamp_column();
+        tx.execute(
+            &format!(
+                "UPDATE batches SET status = ?1, {col} = ?2, output_file_id = ?3, error_file_id = ?4, predicted_finish = NULL WHERE id = ?5"
+            ),
+            params![to.name(), at, ids[0], ids[1], id],
+        )?;
+        tx.commit()?;
+        Ok(true)
+    }
+}
+
+/// One item's result line, ready to store.
+#[derive(Debug, Clone)]
+pub struct ItemResult {
+    pub line: u64,
+    /// Output file (true) or error file.
+    pub ok: bool,
+    /// The JSON line (no newline).
+    pub text: String,
+    pub gpu_seconds: f64,
+    /// Finished after its batch's window.
+    pub missed: bool,
+}
+
+/// An upload in progress: one open transaction on the writer.
+pub struct Upload<'a> {
+    conn: MutexGuard<'a, Connection>,
+    done: bool,
+}
+
+impl Upload<'_> {
+    /// Adds a line. `Ok(Some(n))`: its `custom_id` is already line `n`'s.
+    pub fn line(
+        &mut self,
+        file: &str,
+        line: u64,
+        custom_id: &str,
+        text: &str,
+    ) -> Result<Option<u64>, StoreError> {
+        let mut st = self.conn.prepare_cached(
+            "INSERT OR IGNORE INTO lines (file_id, line, custom_id, text) VALUES (?1, ?2, ?3, ?4)",
+        )?;
+        if st.execute(params![file, line as i64, custom_id, text])? == 1 {
+            return Ok(None);
+        }
+        let mut q = self
+            .conn
+            .prepare_cached("SELECT line FROM lines WHERE file_id = ?1 AND custom_id = ?2")?;
+        let n: Option<i64> = q
+            .query_row(params![file, custom_id], |r| r.get(0))
+            .optional()?;
+        Ok(Some(n.unwrap_or(0) as u64))
+    }
+
+    /// Stores the file's row and commits everything.
+    pub fn commit(mut self, f: &FileRow) -> Result<(), StoreError> {
+        self.conn.execute(
+            "INSERT INTO files (id, owner, purpose, filename, bytes, created_at, lines, endpoint) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+            params![f.id, f.owner, f.purpose, f.filename, f.bytes as i64, f.created_at, f.lines as i64, f.endpoint],
+        )?;
+        self.conn.execute_batch("COMMIT")?;
+        self.done = true;
+        Ok(())
+    }
+}
+
+impl Drop for Upload<'_> {
+    /// An upload not committed stores nothing.
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.conn.execute_batch("ROLLBACK");
+        }
+    }
+}
+
+fn file_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<FileRow> {
+    Ok(FileRow {
+        id: r.get(0)?,
+        owner: r.get(1)?,
+        purpose: r.get(2)?,
+        filename: r.get(3)?,
+        bytes: r.get::<_, i64>(4)? as u64,
+        created_at: r.get(5)?,
+        lines: r.get::<_, i64>(6)? as u64,
+        endpoint: r.get(7)?,
+        batch_id: r.get(8)?,
+        ok: r.get(9)?,
+    })
+}
+
+const BATCH_COLS: &str = "id, owner, input_file_id, endpoint, completion_window, window_s, status, created_at, expires_at,
+    in_progress_at, finalizing_at, completed_at, failed_at, expired_at, cancelling_at, cancelled_at,
+    total, completed, failed, metadata, errors, output_file_id, error_file_id, tier, predicted_finish, gpu_seconds, deadline_misses";
+
+fn batch_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<BatchRow> {
+    let json = |s: Option<String>| s.and_then(|s| serde_json::from_str(&s).ok());
+    let status: String = r.get(6)?;
+    Ok(BatchRow {
+        id: r.get(0)?,
+        owner: r.get(1)?,
+        input_file_id: r.get(2)?,
+        endpoint: r.get(3)?,
+        completion_window: r.get(4)?,
+        window_s: r.get(5)?,
+        status: BatchStatus::parse(&status).unwrap_or(BatchStatus::Failed),
+        created_at: r.get(7)?,
+        expires_at: r.get(8)?,
+        in_progress_at: r.get(9)?,
+        finalizing_at: r.get(10)?,
+        completed_at: r.get(11)?,
+        failed_at: r.get(12)?,
+        expired_at: r.get(13)?,
+        cancelling_at: r.get(14)?,
+        cancelled_at: r.get(15)?,
+        counts: RequestCounts {
+            total: r.get::<_, i64>(16)? as u64,
+            completed: r.get::<_, i64>(17)? as u64,
+            failed: r.get::<_, i64>(18)? as u64,
+        },
+        metadata: json(r.get(19)?),
+        errors: json(r.get(20)?),
+        output_file_id: r.get(21)?,
+        error_file_id: r.get(22)?,
+        tier: r.get(23)?,
+        predicted_finish: r.get(24)?,
+        gpu_seconds: r.get(25)?,
+        deadline_misses: r.get::<_, i64>(26)? as u64,
+    })
+}

@@ -1,0 +1,896 @@
+//! The OpenAI Files and Batches endpoints, and `/admin/batches`.
+//!
+//! Files: `POST /v1/files` (multipart, `purpose=batch`) validates every
+//! line as it streams in and stores the file only if all are valid (a 400
+//! names the first bad line and field); `GET /v1/files[/{id}[/content]]`,
+//! `DELETE /v1/files/{id}`. Batches: `POST /v1/batches`,
+//! `GET /v1/batches[/{id}]`, `POST /v1/batches/{id}/cancel`.
+//!
+//! A tenant sees only its own files and batches: another tenant's id is
+//! `404`, exactly as an id that does not exist. Admin tokens see every
+//! batch through `/admin/batches`.
+
+use super::admin::authorize;
+use super::openai::ApiError;
+use super::routes::authenticate;
+use super::App;
+use crate::batch::runner::{estimate_for_line, now_s};
+use crate::batch::store::StoreError;
+use crate::batch::validate::{self, LineError};
+use crate::batch::{parse_window, BatchRow, BatchStatus, FileRow, RequestCounts};
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, Multipart, Path, Query, State};
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::collections::HashSet;
+use std::sync::Arc;
+
+pub fn router(app: Arc<App>) -> Router {
+    Router::new()
+        .route(
+            "/v1/files",
+            post(upload)
+                .get(list_files)
+                // The upload streams; its own limit is `[batch] max_file_bytes`.
+                .layer(DefaultBodyLimit::disable()),
+        )
+        .route("/v1/files/{id}", get(get_file).delete(delete_file))
+        .route("/v1/files/{id}/content", get(file_content))
+        .route("/v1/batches", post(create_batch).get(list_batches))
+        .route("/v1/batches/{id}", get(get_batch))
+        .route("/v1/batches/{id}/cancel", post(cancel_batch))
+        .route("/admin/batches", get(admin_list))
+        .route("/admin/batches/{id}", get(admin_get))
+        .route("/admin/batches/{id}/cancel", post(admin_cancel))
+        .with_state(app)
+}
+
+fn store_error(e: StoreError) -> ApiError {
+    tracing::error!(error = %e, "batch store");
+    ApiError::new(500, format!("the batch store failed: {e}")).code("store_error")
+}
+
+fn not_found(what: &str, id: &str) -> ApiError {
+    ApiError::new(404, format!("No such {what}: '{id}'")).code("not_found")
+}
+
+/// The caller's tenant (`None`: anonymous, where allowed).
+fn caller(app: &App, headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let p = app.policy.load();
+    authenticate(app, &p.graph, headers)
+}
+
+fn respond(r: Result<Response, ApiError>) -> Response {
+    r.unwrap_or_else(IntoResponse::into_response)
+}
+
+// ---- files ---------------------------------------------------------------
+
+/// What the line worker is told.
+enum Msg {
+    /// A physical line (1-based) of the file part.
+    Line(u64, String),
+    /// The upload ended: store it under these.
+    Finish {
+        purpose: Option<String>,
+        filename: String,
+        bytes: u64,
+    },
+}
+
+/// Why an upload was refused.
+enum UploadError {
+    Line(LineError),
+    Api(ApiError),
+}
+
+impl From<StoreError> for UploadError {
+    fn from(e: StoreError) -> Self {
+        UploadError::Api(store_error(e))
+    }
+}
+
+async fn upload(State(app): State<Arc<App>>, headers: HeaderMap, multipart: Multipart) -> Response {
+    respond(upload_inner(app, headers, multipart).await)
+}
+
+async fn upload_inner(
+    app: Arc<App>,
+    headers: HeaderMap,
+    mut multipart: Multipart,
+) -> Result<Response, ApiError> {
+    let owner = caller(&app, &headers)?;
+    let cfg = app.config.batch.clone();
+    let max_line = app.config.limits.max_body_bytes;
+    let policy = app.policy.load_full();
+    let models: HashSet<String> = policy.graph.models.iter().map(|m| m.name.clone()).collect();
+    let id = crate::batch::new_id("file-");
+    // Lines are checked and inserted on a blocking thread inside one
+    // transaction; the reader hands them over through a short queue, so
+    // neither side holds the file.
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Msg>(256);
+    let store = app.batches.store.clone();
+    let fid = id.clone();
+    let owner2 = owner.clone();
+    let max_requests = cfg.max_requests;
+    let worker = tokio::task::spawn_blocking(move || -> Result<FileRow, UploadError> {
+        let known = |m: &str| models.contains(m);
+        let mut up = store.upload()?;
+        let mut items = 0u64;
+        let mut endpoint: Option<validate::Valid> = None;
+        let mut first_line_of_endpoint = 0;
+        for msg in rx {
+            match msg {
+                Msg::Line(n, text) => {
+                    let v = validate::line(&text, n, &known).map_err(UploadError::Line)?;
+                    match &endpoint {
+                        None => {
+                            endpoint = Some(v.clone());
+                            first_line_of_endpoint = n;
+                        }
+                        Some(e) if e.endpoint != v.endpoint => {
+                            return Err(UploadError::Line(LineError {
+                                line: n,
+                                field: "url",
+                                message: format!(
+                                    "`{}` differs from line {first_line_of_endpoint}'s `{}`: a batch file calls one endpoint",
+                                    v.endpoint.path(),
+                                    e.endpoint.path()
+                                ),
+                            }));
+                        }
+                        Some(_) => {}
+                    }
+                    if items >= max_requests {
+                        return Err(UploadError::Api(
+                            ApiError::new(
+                                400,
+                                format!(
+                                    "line {n}: the file has more than {max_requests} requests, the most one batch file may hold; split it into several batches"
+                                ),
+                            )
+                            .code("too_many_requests_in_file"),
+                        ));
+                    }
+                    if let Some(prev) = up.line(&fid, items, &v.custom_id, &text)? {
+                        return Err(UploadError::Line(LineError {
+                            line: n,
+                            field: "custom_id",
+                            message: format!(
+                                "`{}` is already the custom_id of request {} (each line needs its own)",
+                                v.custom_id,
+                                prev + 1
+                            ),
+                        }));
+                    }
+                    items += 1;
+                }
+                Msg::Finish {
+                    purpose,
+                    filename,
+                    bytes,
+                } => {
+                    match purpose.as_deref() {
+                        Some("batch") => {}
+                        Some(p) => {
+                            return Err(UploadError::Api(ApiError::bad_request(
+                                format!("kiln stores files for batches only: `purpose` must be \"batch\", not \"{p}\""),
+                                Some("purpose"),
+                            )))
+                        }
+                        None => {
+                            return Err(UploadError::Api(ApiError::bad_request(
+                                "the form needs a `purpose` field (\"batch\")".into(),
+                                Some("purpose"),
+                            )))
+                        }
+                    }
+                    if items == 0 {
+                        return Err(UploadError::Api(ApiError::bad_request(
+                            "the file holds no requests: give one JSON request per line".into(),
+                            Some("file"),
+                        )));
+                    }
+                    let row = FileRow {
+                        id: fid.clone(),
+                        owner: owner2.clone(),
+                        purpose: "batch".into(),
+                        filename,
+                        bytes,
+                        created_at: now_s(),
+                        lines: items,
+                        endpoint: endpoint.map(|e| e.endpoint.path().to_string()),
+                        batch_id: None,
+                        ok: None,
+                    };
+                    up.commit(&row)?;
+                    return Ok(row);
+                }
+            }
+        }
+        // The reader stopped without finishing: nothing is stored.
+        Err(UploadError::Api(ApiError::new(
+            400,
+            "the upload ended early",
+        )))
+    });
+    let read = read_form(&mut multipart, &tx, cfg.max_file_bytes, max_line).await;
+    match read {
+        Ok(finish) => {
+            // The worker may have stopped at a bad line already.
+            let _ = tx.send(finish);
+        }
+        Err(e) => {
+            drop(tx);
+            // A bad line the worker found explains better than the read's
+            // error (which is then only "the worker stopped").
+            if let Ok(Err(UploadError::Line(l))) = worker.await {
+                return Err(line_error(&l));
+            }
+            return Err(e);
+        }
+    }
+    drop(tx);
+    match worker.await {
+        Ok(Ok(row)) => Ok(axum::Json(row.to_json()).into_response()),
+        Ok(Err(UploadError::Line(l))) => Err(line_error(&l)),
+        Ok(Err(UploadError::Api(e))) => Err(e),
+        Err(e) => Err(ApiError::new(500, format!("the upload failed: {e}"))),
+    }
+}
+
+fn line_error(l: &LineError) -> ApiError {
+    ApiError::bad_request(format!("{l}"), Some(l.field)).code("invalid_batch_line")
+}
+
+/// Reads the form: `purpose`, and the `file` part split into lines for the
+/// worker. Returns the worker's closing message.
+async fn read_form(
+    multipart: &mut Multipart,
+    tx: &std::sync::mpsc::SyncSender<Msg>,
+    max_bytes: u64,
+    max_line: usize,
+) -> Result<Msg, ApiError> {
+    let mut purpose = None;
+    let mut filename = None;
+    let mut bytes = 0u64;
+    let bad_form = |e: axum::extract::multipart::MultipartError| {
+        ApiError::bad_request(format!("the multipart form could not be read: {e}"), None)
+    };
+    while let Some(mut field) = multipart.next_field().await.map_err(bad_form)? {
+        match field.name() {
+            Some("purpose") => {
+                let t = field.text().await.map_err(bad_form)?;
+                if t.len() > 64 {
+                    return Err(ApiError::bad_request(
+                        "`purpose` is too long".into(),
+                        Some("purpose"),
+                    ));
+                }
+                purpose = Some(t.trim().to_string());
+            }
+            Some("file") => {
+                if filename.is_some() {
+                    return Err(ApiError::bad_request(
+                        "send one `file` per upload".into(),
+                        Some("file"),
+                    ));
+                }
+                filename = Some(
+                    field
+                        .file_name()
+                        .unwrap_or("upload.jsonl")
+                        .chars()
+                        .take(255)
+                        .collect::<String>(),
+                );
+                let mut buf: Vec<u8> = Vec::new();
+                let mut n = 0u64;
+                let send = |n: u64, raw: &[u8]| -> Result<(), ApiError> {
+                    let text = std::str::from_utf8(raw).map_err(|_| {
+                        line_error(&LineError {
+                            line: n,
+                            field: "line",
+                            message: "is not UTF-8 text".into(),
+                        })
+                    })?;
+                    let text = text.trim();
+                    if text.is_empty() {
+                        return Ok(());
+                    }
+                    tx.send(Msg::Line(n, text.to_string()))
+                        .map_err(|_| ApiError::new(400, "the upload was refused"))
+                };
+                while let Some(chunk) = field.chunk().await.map_err(bad_form)? {
+                    bytes += chunk.len() as u64;
+                    if bytes > max_bytes {
+                        return Err(ApiError::new(
+                            413,
+                            format!("the file is larger than {max_bytes} bytes, the most one batch file may be; split it into several batches"),
+                        )
+                        .code("file_too_large"));
+                    }
+                    let mut rest: &[u8] = &chunk;
+                    while let Some(i) = rest.iter().position(|&b| b == b'\n') {
+                        n += 1;
+                        if buf.is_empty() {
+                            send(n, &rest[..i])?;
+                        } else {
+                            buf.extend_from_slice(&rest[..i]);
+                            send(n, &buf)?;
+                            buf.clear();
+                        }
+                        rest = &rest[i + 1..];
+                    }
+                    buf.extend_from_slice(rest);
+                    if buf.len() > max_line {
+                        return Err(line_error(&LineError {
+                            line: n + 1,
+                            field: "line",
+                            message: format!("is longer than {max_line} bytes, the largest request body this gateway accepts"),
+                        }));
+                    }
+                }
+                if !buf.is_empty() {
+                    send(n + 1, &buf)?;
+                }
+            }
+            _ => {
+                // Other fields are ignored, but read to their end.
+                while field.chunk().await.map_err(bad_form)?.is_some() {}
+            }
+        }
+    }
+    let Some(filename) = filename else {
+        return Err(ApiError::bad_request(
+            "the form needs a `file` part".into(),
+            Some("file"),
+        ));
+    };
+    Ok(Msg::Finish {
+        purpose,
+        filename,
+        bytes,
+    })
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct Page {
+    after: Option<String>,
+    limit: Option<usize>,
+    purpose: Option<String>,
+}
+
+impl Page {
+    fn limit(&self, default: usize) -> usize {
+        self.limit.unwrap_or(default).clamp(1, 10_000)
+    }
+}
+
+fn list_body(data: Vec<Value>, has_more: bool) -> Value {
+    let first = data
+        .first()
+        .and_then(|v| v["id"].as_str().map(str::to_string));
+    let last = data
+        .last()
+        .and_then(|v| v["id"].as_str().map(str::to_string));
+    json!({"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": has_more})
+}
+
+async fn list_files(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    Query(q): Query<Page>,
+) -> Response {
+    respond(
+        async {
+            let owner = caller(&app, &headers)?;
+            let limit = q.limit(10_000);
+            let rows = app
+                .batches
+                .store
+                .run(move |s| {
+                    s.files(
+                        Some(owner.as_deref()),
+                        q.purpose.as_deref(),
+                        q.after.as_deref(),
+                        limit + 1,
+                    )
+                })
+                .await
+                .map_err(store_error)?;
+            let more = rows.len() > limit;
+            let data = rows.iter().take(limit).map(FileRow::to_json).collect();
+            Ok(axum::Json(list_body(data, more)).into_response())
+        }
+        .await,
+    )
+}
+
+/// The file, if the caller owns it.
+async fn owned_file(app: &App, headers: &HeaderMap, id: &str) -> Result<FileRow, ApiError> {
+    let owner = caller(app, headers)?;
+    let fid = id.to_string();
+    let f = app
+        .batches
+        .store
+        .run(move |s| s.file(&fid))
+        .await
+        .map_err(store_error)?;
+    match f {
+        Some(f) if f.owner == owner => Ok(f),
+        _ => Err(not_found("file", id)),
+    }
+}
+
+async fn get_file(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    respond(
+        owned_file(&app, &headers, &id)
+            .await
+            .map(|f| axum::Json(f.to_json()).into_response()),
+    )
+}
+
+async fn delete_file(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    respond(
+        async {
+            let f = owned_file(&app, &headers, &id).await?;
+            let fid = f.id.clone();
+            let gone = app
+                .batches
+                .store
+                .run(move |s| s.delete_file(&fid))
+                .await
+                .map_err(store_error)?;
+            if !gone {
+                return Err(ApiError::new(
+                    409,
+                    format!("file {id} is the input of a batch still running; cancel it or wait"),
+                )
+                .code("file_in_use"));
+            }
+            Ok(axum::Json(json!({"id": f.id, "object": "file", "deleted": true})).into_response())
+        }
+        .await,
+    )
+}
+
+/// Streams a file's lines a page at a time: an input file as uploaded
+/// (one request per line), an output or error file from the results.
+async fn file_content(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    respond(
+        async {
+            let f = owned_file(&app, &headers, &id).await?;
+            let store = app.batches.store.clone();
+            let stream = futures_util::stream::unfold(Some(0u64), move |from| {
+                let store = store.clone();
+                let f = f.clone();
+                async move {
+                    let from = from?;
+                    let page = store
+                        .run(move |s| match (&f.batch_id, f.ok) {
+                            (Some(b), Some(ok)) => s.results(b, ok, from, 1000),
+                            _ => s.lines(&f.id, from, 1000),
+                        })
+                        .await;
+                    match page {
+                        Ok(rows) if rows.is_empty() => None,
+                        Ok(rows) => {
+                            let next = rows.last().map(|(n, _)| n + 1);
+                            let mut out = Vec::new();
+                            for (_, t) in &rows {
+                                out.extend_from_slice(t.as_bytes());
+                                out.push(b'\n');
+                            }
+                            Some((Ok::<Bytes, std::io::Error>(Bytes::from(out)), next))
+                        }
+                        Err(e) => Some((Err(std::io::Error::other(e.to_string())), None)),
+                    }
+                }
+            });
+            let mut resp = Body::from_stream(stream).into_response();
+            resp.headers_mut().insert(
+                "content-type",
+                axum::http::HeaderValue::from_static("application/jsonl"),
+            );
+            Ok(resp)
+        }
+        .await,
+    )
+}
+
+// ---- batches -------------------------------------------------------------
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CreateBatch {
+    input_file_id: String,
+    endpoint: String,
+    completion_window: String,
+    #[serde(default)]
+    metadata: Option<Value>,
+    /// Sent by newer SDKs; kiln keeps results until they are deleted.
+    #[serde(default)]
+    output_expires_after: Option<Value>,
+}
+
+fn check_metadata(m: &Option<Value>) -> Result<(), ApiError> {
+    let Some(m) = m else { return Ok(()) };
+    if m.is_null() {
+        return Ok(());
+    }
+    let bad = |msg: &str| ApiError::bad_request(msg.into(), Some("metadata"));
+    let Some(o) = m.as_object() else {
+        return Err(bad("`metadata` must be an object of strings"));
+    };
+    if o.len() > 16 {
+        return Err(bad("`metadata` holds at most 16 keys"));
+    }
+    for (k, v) in o {
+        if k.len() > 64 {
+            return Err(bad("`metadata` keys are at most 64 characters"));
+        }
+        match v.as_str() {
+            Some(s) if s.len() <= 512 => {}
+            _ => {
+                return Err(bad(
+                    "`metadata` values are strings of at most 512 characters",
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The windows a batch of `tier` may ask for, in seconds: the tier's
+/// `completion_windows`, by default `24h` only.
+fn allowed_windows(graph: &crate::graph::DecisionGraph, tier: Option<&str>) -> Vec<f64> {
+    let _ = (graph, tier);
+    vec![86_400.0]
+}
+
+fn window_text(secs: f64) -> String {
+    if secs % 86_400.0 == 0.0 {
+        format!("{}d", secs / 86_400.0)
+    } else if secs % 3600.0 == 0.0 {
+        format!("{}h", secs / 3600.0)
+    } else if secs % 60.0 == 0.0 {
+        format!("{}m", secs / 60.0)
+    } else {
+        format!("{secs}s")
+    }
+}
+
+fn rate_of(app: &App, owner: Option<&str>) -> Option<f64> {
+    let p = app.policy.load();
+    let t = p.graph.tenant_id(owner?)?;
+    p.graph.tenants.get(t as usize)?.cost_per_gpu_hour
+}
+
+async fn create_batch(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+    respond(create_inner(app, headers, body).await)
+}
+
+async fn create_inner(
+    app: Arc<App>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let owner = caller(&app, &headers)?;
+    if body.len() > 64 * 1024 {
+        return Err(ApiError::new(413, "the batch request is too large").code("request_too_large"));
+    }
+    let req: CreateBatch = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::bad_request(format!("invalid batch request: {e}"), None))?;
+    let _ = &req.output_expires_after;
+    check_metadata(&req.metadata)?;
+    let f = owned_file(&app, &headers, &req.input_file_id)
+        .await
+        .map_err(|_| {
+            ApiError::bad_request(
+                format!("No such file: '{}'", req.input_file_id),
+                Some("input_file_id"),
+            )
+            .code("not_found")
+        })?;
+    if f.purpose != "batch" {
+        return Err(ApiError::bad_request(
+            format!(
+                "file {} has purpose `{}`; a batch reads a `batch` file",
+                f.id, f.purpose
+            ),
+            Some("input_file_id"),
+        ));
+    }
+    let Some(endpoint) = validate::endpoint(&req.endpoint) else {
+        return Err(ApiError::bad_request(
+            format!(
+                "`{}` is not a batch endpoint: use /v1/chat/completions or /v1/completions",
+                req.endpoint
+            ),
+            Some("endpoint"),
+        ));
+    };
+    if f.endpoint.as_deref() != Some(req.endpoint.as_str()) {
+        return Err(ApiError::bad_request(
+            format!(
+                "the file's requests call {}, not {}",
+                f.endpoint.as_deref().unwrap_or("nothing"),
+                req.endpoint
+            ),
+            Some("endpoint"),
+        ));
+    }
+    let Some(window) = parse_window(&req.completion_window) else {
+        return Err(ApiError::bad_request(
+            format!(
+                "`{}` is not a completion window (write e.g. `24h`)",
+                req.completion_window
+            ),
+            Some("completion_window"),
+        ));
+    };
+    // The tier the items classify into, and how long they would take now.
+    let fid = f.id.clone();
+    let first = app
+        .batches
+        .store
+        .run(move |s| s.lines(&fid, 0, 1))
+        .await
+        .map_err(store_error)?
+        .into_iter()
+        .next()
+        .map(|(_, t)| t)
+        .unwrap_or_default();
+    let est = estimate_for_line(&app, &first, owner.as_deref(), endpoint, f.lines).await;
+    let tier = est.as_ref().map(|(_, t)| t.clone());
+    let policy = app.policy.load_full();
+    let allowed = allowed_windows(&policy.graph, tier.as_deref());
+    if !allowed.iter().any(|w| (w - window).abs() < 0.5) {
+        let list: Vec<String> = allowed.iter().map(|w| window_text(*w)).collect();
+        return Err(ApiError::bad_request(
+            format!(
+                "completion_window `{}` is not one tier `{}` accepts; it accepts {} (the tier's `completion_windows`)",
+                req.completion_window,
+                tier.as_deref().unwrap_or("?"),
+                list.join(", ")
+            ),
+            Some("completion_window"),
+        ));
+    }
+    let speed = if app.speed.is_finite() && app.speed > 0.0 {
+        app.speed
+    } else {
+        1.0
+    };
+    let created = now_s();
+    let window_s = window / speed;
+    let row = BatchRow {
+        id: crate::batch::new_id("batch_"),
+        owner: owner.clone(),
+        input_file_id: f.id.clone(),
+        endpoint: req.endpoint.clone(),
+        completion_window: req.completion_window.clone(),
+        window_s,
+        status: BatchStatus::Validating,
+        created_at: created,
+        expires_at: created + window_s.ceil() as i64,
+        in_progress_at: None,
+        finalizing_at: None,
+        completed_at: None,
+        failed_at: None,
+        expired_at: None,
+        cancelling_at: None,
+        cancelled_at: None,
+        counts: RequestCounts {
+            total: f.lines,
+            completed: 0,
+            failed: 0,
+        },
+        metadata: req.metadata.filter(|m| !m.is_null()),
+        errors: None,
+        output_file_id: None,
+        error_file_id: None,
+        tier,
+        predicted_finish: est.map(|(secs, _)| created as f64 + secs),
+        gpu_seconds: 0.0,
+        deadline_misses: 0,
+    };
+    let r = row.clone();
+    app.batches
+        .store
+        .run(move |s| s.insert_batch(&r))
+        .await
+        .map_err(store_error)?;
+    app.batches.wake.notify_one();
+    if row.predicted_miss() {
+        tracing::warn!(batch = %row.id, "batch predicted to miss its completion window at the current load");
+    }
+    Ok(axum::Json(row.to_json(rate_of(&app, owner.as_deref()))).into_response())
+}
+
+/// The batch, if the caller owns it.
+async fn owned_batch(app: &App, headers: &HeaderMap, id: &str) -> Result<BatchRow, ApiError> {
+    let owner = caller(app, headers)?;
+    let bid = id.to_string();
+    let b = app
+        .batches
+        .store
+        .run(move |s| s.batch(&bid))
+        .await
+        .map_err(store_error)?;
+    match b {
+        Some(b) if b.owner == owner => Ok(b),
+        _ => Err(not_found("batch", id)),
+    }
+}
+
+async fn get_batch(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    respond(
+        owned_batch(&app, &headers, &id)
+            .await
+            .map(|b| axum::Json(b.to_json(rate_of(&app, b.owner.as_deref()))).into_response()),
+    )
+}
+
+async fn list_batches(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    Query(q): Query<Page>,
+) -> Response {
+    respond(
+        async {
+            let owner = caller(&app, &headers)?;
+            Ok(axum::Json(batch_page(&app, Some(owner), q).await?).into_response())
+        }
+        .await,
+    )
+}
+
+/// A page of batches (of `owner`, or all), OpenAI's list shape.
+async fn batch_page(app: &App, owner: Option<Option<String>>, q: Page) -> Result<Value, ApiError> {
+    let limit = q.limit(20).min(100);
+    let rows = app
+        .batches
+        .store
+        .run(move |s| {
+            s.batches(
+                owner.as_ref().map(|o| o.as_deref()),
+                q.after.as_deref(),
+                limit + 1,
+            )
+        })
+        .await
+        .map_err(store_error)?;
+    let more = rows.len() > limit;
+    let data = rows
+        .iter()
+        .take(limit)
+        .map(|b| {
+            let mut v = b.to_json(rate_of(app, b.owner.as_deref()));
+            v["kiln"]["in_flight"] = json!(app.batches.in_flight_of(&b.id));
+            v
+        })
+        .collect();
+    Ok(list_body(data, more))
+}
+
+async fn cancel(app: &App, b: BatchRow) -> Result<Response, ApiError> {
+    if b.status.terminal() || b.status == BatchStatus::Finalizing {
+        return Err(ApiError::new(
+            409,
+            format!("Cannot cancel a batch with status {}.", b.status.name()),
+        )
+        .code("batch_not_cancellable"));
+    }
+    let id = b.id.clone();
+    app.batches
+        .store
+        .run(move |s| {
+            s.transition(
+                &id,
+                &[BatchStatus::Validating, BatchStatus::InProgress],
+                BatchStatus::Cancelling,
+                now_s(),
+            )?;
+            s.batch(&id)
+        })
+        .await
+        .map_err(store_error)?
+        .map(|b| {
+            app.batches.wake.notify_one();
+            axum::Json(b.to_json(rate_of(app, b.owner.as_deref()))).into_response()
+        })
+        .ok_or_else(|| not_found("batch", &b.id))
+}
+
+async fn cancel_batch(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    respond(
+        async {
+            let b = owned_batch(&app, &headers, &id).await?;
+            cancel(&app, b).await
+        }
+        .await,
+    )
+}
+
+// ---- admin ---------------------------------------------------------------
+
+async fn admin_list(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    Query(q): Query<Page>,
+) -> Response {
+    respond(
+        async {
+            authorize(&app, &headers)?;
+            Ok(axum::Json(batch_page(&app, None, q).await?).into_response())
+        }
+        .await,
+    )
+}
+
+async fn admin_batch(app: &App, headers: &HeaderMap, id: &str) -> Result<BatchRow, ApiError> {
+    authorize(app, headers)?;
+    let bid = id.to_string();
+    app.batches
+        .store
+        .run(move |s| s.batch(&bid))
+        .await
+        .map_err(store_error)?
+        .ok_or_else(|| not_found("batch", id))
+}
+
+async fn admin_get(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    respond(
+        async {
+            let b = admin_batch(&app, &headers, &id).await?;
+            let mut v = b.to_json(rate_of(&app, b.owner.as_deref()));
+            v["kiln"]["in_flight"] = json!(app.batches.in_flight_of(&b.id));
+            Ok(axum::Json(v).into_response())
+        }
+        .await,
+    )
+}
+
+async fn admin_cancel(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    respond(
+        async {
+            let b = admin_batch(&app, &headers, &id).await?;
+            cancel(&app, b).await
+        }
+        .await,
+    )
+}
