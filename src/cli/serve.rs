@@ -26,6 +26,10 @@ pub struct Args {
     /// default) or `cuda` (this machine's GPUs; needs `--features cuda`).
     #[arg(long, value_enum, default_value_t = PoolKind::Sim)]
     pub backend: PoolKind,
+    /// The batch store: files, batches and results (overrides the config's
+    /// `[batch] store`; default `.kiln/batches.db`).
+    #[arg(long)]
+    pub batch_store: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -91,6 +95,14 @@ pub fn run(a: Args) -> i32 {
         l.path = p;
         config.log = Some(l);
     }
+    if let Some(p) = a.batch_store {
+        config.batch.store = Some(p);
+    }
+    // Batches outlive the process: on disk by default, beside where the
+    // gateway runs, as `.git` is.
+    if config.batch.store.is_none() {
+        config.batch.store = Some(PathBuf::from(".kiln/batches.db"));
+    }
     let listen = a
         .listen
         .clone()
@@ -135,6 +147,9 @@ pub fn run(a: Args) -> i32 {
         eprintln!(
             "  OpenAI base URL: http://{addr}/v1   explain: /admin/explain/ID   metrics: /metrics"
         );
+        if let Some(p) = &running.app.batches.store.path {
+            eprintln!("  batches: /v1/files, /v1/batches; stored in {}", p.display());
+        }
         if !running.app.admin_open && !running.app.config.has_admin_tokens() {
             eprintln!("  admin endpoints are closed: no [admin] tokens and not on loopback");
         }
