@@ -17,6 +17,7 @@
 pub mod runner;
 pub mod store;
 pub mod validate;
+pub mod view;
 
 use serde_json::{json, Value};
 

@@ -15,6 +15,7 @@ mod traffic;
 mod admin_client;
 mod approve;
 mod audit;
+mod batches;
 mod keygen;
 mod overrides;
 mod propose;
@@ -83,8 +84,11 @@ pub enum Command {
     Propose(propose::Args),
     /// Sign a proposal's hash with your key: an approval.
     Approve(approve::Args),
-    /// A gateway's active version, rollout, open proposals and overrides.
+    /// A gateway's active version, rollout, open proposals, overrides and
+    /// batches.
     Status(status::Args),
+    /// A gateway's batches: list, show, cancel.
+    Batches(batches::Args),
     /// Abort the rollout in progress, or return to the previous version.
     Rollback(rollback::Args),
     /// Pause a tier or tenant for a while (503 `paused`).
@@ -134,6 +138,7 @@ pub fn main() -> i32 {
         Command::Propose(a) => propose::run(a),
         Command::Approve(a) => approve::run(a),
         Command::Status(a) => status::run(a),
+        Command::Batches(a) => batches::run(a),
         Command::Rollback(a) => rollback::run(a),
         Command::Pause(a) => overrides::pause(a),
         Command::Throttle(a) => overrides::throttle(a),
