@@ -35,8 +35,17 @@ pub fn render_table(batches: &[Value], now: i64) -> String {
         return "no batches\n".into();
     }
     let head = [
-        "BATCH", "TENANT", "TIER", "STATUS", "DONE", "FAILED", "IN FLIGHT", "FINISH", "WINDOW LEFT",
-        "GPU-S", "COST",
+        "BATCH",
+        "TENANT",
+        "TIER",
+        "STATUS",
+        "DONE",
+        "FAILED",
+        "IN FLIGHT",
+        "FINISH",
+        "WINDOW LEFT",
+        "GPU-S",
+        "COST",
     ];
     let mut rows: Vec<[String; 11]> = Vec::new();
     for b in batches {
@@ -77,7 +86,9 @@ pub fn render_table(batches: &[Value], now: i64) -> String {
             status.to_string(),
             format!("{done}/{total} {pct:.0}%"),
             c["failed"].as_u64().unwrap_or(0).to_string(),
-            k["in_flight"].as_u64().map_or("-".into(), |n| n.to_string()),
+            k["in_flight"]
+                .as_u64()
+                .map_or("-".into(), |n| n.to_string()),
             finish,
             left,
             k["gpu_seconds"]
@@ -139,7 +150,12 @@ pub fn render_one(b: &Value, now: i64) -> String {
     ] {
         let _ = writeln!(out, "{label:<16}{}", text(&b[key]));
     }
-    let _ = writeln!(out, "{:<16}{}", "deadline misses", text(&k["deadline_misses"]));
+    let _ = writeln!(
+        out,
+        "{:<16}{}",
+        "deadline misses",
+        text(&k["deadline_misses"])
+    );
     if let Some(m) = b["metadata"].as_object() {
         for (key, v) in m {
             let _ = writeln!(out, "{:<16}{key} = {}", "metadata", text(v));

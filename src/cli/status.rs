@@ -23,7 +23,8 @@ pub fn run(a: Args) -> i32 {
         return admin_client::report_error(status, &v);
     }
     // Unfinished and recent batches, under the governance state.
-    let batches = match admin_client::call(&a.server, Method::Get, "/admin/batches?limit=20", None) {
+    let batches = match admin_client::call(&a.server, Method::Get, "/admin/batches?limit=20", None)
+    {
         Ok((200, b)) => b["data"].as_array().cloned().unwrap_or_default(),
         _ => Vec::new(),
     };

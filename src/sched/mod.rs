@@ -302,6 +302,11 @@ pub struct Config {
     pub routing: route::Routing,
     /// Seeds everything random in the core (the `random` router).
     pub seed: u64,
+    /// How much longer work without a first-token SLO (batch, background)
+    /// may make the steps of work with one, on a replica both run on (see
+    /// [`replica::Replica::backfill_slack`]): backfill uses idle capacity
+    /// without slowing interactive work by more than this.
+    pub backfill_slack: f64,
 }
 
 impl Default for Config {
@@ -318,6 +323,7 @@ impl Default for Config {
             start_weekday: 0,
             routing: route::Routing::Kiln,
             seed: 0,
+            backfill_slack: 0.1,
         }
     }
 }
@@ -1375,6 +1381,8 @@ impl Scheduler {
             }
             let now = self.now;
             self.replicas[r].step_cap = self.step_cap();
+            self.replicas[r].backfill_slack =
+                (self.cfg.mode == Mode::Kiln).then_some(self.cfg.backfill_slack);
             if let Some(until) = self.replicas[r].start_step(now) {
                 self.out.push(Action::Step { replica: r, until });
             }
@@ -1624,20 +1632,6 @@ impl Scheduler {
         if tier.preempts.is_empty() && !lends {
             return false;
         }
-        // Only when waiting for a slot to free would miss the SLO (half of
-        // it, leaving the rest for the request itself): preemption costs a
-        // recompute, so it is not spent where patience suffices.
-        let budget = tier
-            .slo
-            .ttft
-            .or(tier.slo.window)
-            .map(|ms| (ms * 1000.0 / 2.0) as Micros);
-        if let Some(budget) = budget {
-            let waited = self.now.saturating_sub(w.arrival);
-            if waited.saturating_add(self.replicas[r].time_to_free()) <= budget {
-                return false;
-            }
-        }
         let victim = self.replicas[r]
             .running
             .iter()
@@ -1654,6 +1648,32 @@ impl Scheduler {
                 )
             })
             .map(|(i, _)| i);
+        // Work with a first-token SLO takes a slot from work without one
+        // (batch, background) at once: that work only backfills, and its
+        // recompute costs less than the wait would cost the SLO. Otherwise
+        // only when waiting for a slot to free would miss the SLO (half of
+        // it, leaving the rest for the request itself): preemption costs a
+        // recompute, so it is not spent where patience suffices.
+        let backfill_victim = victim.is_some_and(|i| {
+            self.replicas[r].running.get(i).is_some_and(|s| {
+                self.graph
+                    .tiers
+                    .get(s.w.tier as usize)
+                    .is_some_and(|t| t.slo.ttft.is_none())
+            })
+        });
+        let budget = tier
+            .slo
+            .ttft
+            .or(tier.slo.window)
+            .map(|ms| (ms * 1000.0 / 2.0) as Micros);
+        let at_once = tier.slo.ttft.is_some() && backfill_victim;
+        if let (Some(budget), false) = (budget, at_once) {
+            let waited = self.now.saturating_sub(w.arrival);
+            if waited.saturating_add(self.replicas[r].time_to_free()) <= budget {
+                return false;
+            }
+        }
         let Some(i) = victim else {
             return false;
         };

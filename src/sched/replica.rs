@@ -258,6 +258,11 @@ pub struct Replica {
     /// prefill: the scheduler sets it from the tightest TTFT SLO it serves,
     /// so a first token never waits behind a long batch-work step.
     pub step_cap: Option<f64>,
+    /// While a sequence of a tier with a first-token deadline runs here,
+    /// capped work (tiers without one: batch, background) may make its
+    /// steps at most this much longer (0.1: 10%); the rest of that work
+    /// sits the step out, its KV kept. `None` (the baselines): no limit.
+    pub backfill_slack: Option<f64>,
     /// The step in flight as (prefill tokens, decoding sequences, context
     /// tokens): what a real GPU backend runs for it.
     pub step_shape: (u32, u32, u64),
@@ -361,6 +366,7 @@ impl Replica {
             busy_seconds: 0.0,
             last_step: 0.0,
             step_cap: None,
+            backfill_slack: None,
             step_shape: (0, 0, 0),
             step_until: 0,
             rate,
@@ -751,13 +757,34 @@ impl Replica {
             return None;
         }
         let external = self.spec.external;
+        // Capped work near its deadline (the last tenth of its window) is
+        // protected like the work it would otherwise yield to.
+        let urgent = |s: &Seq| {
+            s.w.deadline.is_some_and(|d| {
+                let span = d.saturating_sub(s.w.arrival);
+                now.saturating_add(span / 10) >= d
+            })
+        };
+        let yields = |s: &Seq| s.capped && !urgent(s);
+        // Protected steps: while protected work runs, capped work only
+        // fills what keeps the step within the slack of protected work's
+        // own step time.
+        let protect = match self.backfill_slack {
+            Some(slack) if !external && self.running.iter().any(|s| !yields(s)) => Some(slack),
+            _ => None,
+        };
         let mut budget = self.spec.max_batch_tokens;
         let mut decodes = 0u32;
         let mut context = 0u64;
-        for s in &mut self.running {
+        let mut deferred: Vec<usize> = Vec::new();
+        for (i, s) in self.running.iter_mut().enumerate() {
             s.step_prefill = 0;
             s.step_decode = false;
             if s.prefill_left == 0 && budget > 0 && (external || s.has_room()) {
+                if protect.is_some() && s.capped && !urgent(s) {
+                    deferred.push(i);
+                    continue;
+                }
                 s.step_decode = true;
                 decodes += 1;
                 budget -= 1;
@@ -795,10 +822,15 @@ impl Replica {
             }
             _ => budget,
         };
+        let mut deferred_prefill: Vec<usize> = Vec::new();
         for i in order {
             let s = &mut self.running[i];
             if budget == 0 {
                 break;
+            }
+            if protect.is_some() && s.capped && !urgent(s) {
+                deferred_prefill.push(i);
+                continue;
             }
             let room = if s.capped {
                 budget.min(capped_budget.saturating_sub(prefill))
@@ -818,6 +850,52 @@ impl Replica {
             s.step_prefill = chunk;
             budget -= chunk;
             prefill += chunk;
+        }
+        // The protected step's time, and what capped work may add to it:
+        // its decodes first (each costs little), then its prefill.
+        if let Some(slack) = protect {
+            let base = sane_secs(self.spec.cost.step_time(prefill, decodes, context));
+            let limit = base * (1.0 + slack.max(0.0));
+            for i in deferred {
+                let s = &mut self.running[i];
+                if budget == 0 {
+                    break;
+                }
+                let ctx = u64::from(s.w.prompt_tokens) + u64::from(s.generated);
+                if self
+                    .spec
+                    .cost
+                    .step_time(prefill, decodes + 1, context + ctx)
+                    > limit
+                {
+                    break;
+                }
+                s.step_decode = true;
+                decodes += 1;
+                budget -= 1;
+                context += ctx;
+            }
+            for i in deferred_prefill {
+                if budget == 0 {
+                    break;
+                }
+                let left = self.running[i].prefill_left.min(budget);
+                let (mut lo, mut hi) = (0u32, left);
+                while lo < hi {
+                    let mid = lo + (hi - lo).div_ceil(2);
+                    if self.spec.cost.step_time(prefill + mid, decodes, context) <= limit {
+                        lo = mid;
+                    } else {
+                        hi = mid - 1;
+                    }
+                }
+                if lo == 0 {
+                    break;
+                }
+                self.running[i].step_prefill = lo;
+                budget -= lo;
+                prefill += lo;
+            }
         }
 
         if prefill == 0 && decodes == 0 {
