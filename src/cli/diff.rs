@@ -245,6 +245,7 @@ fn render(r: &DiffReport, a: &Args, md: bool) -> String {
             "completed",
             "deadline_misses",
             "finished_s",
+            "deadline_s",
         ];
         let batches = [("batch", &i.batches)];
         let batches = batches.iter().filter(|(_, b)| !b.is_empty());
