@@ -1088,3 +1088,18 @@ fn a_window_in_a_tier_without_one_is_kept_and_its_misses_counted() {
     );
     assert!(b.finished_s.unwrap() > b.deadline_s.unwrap());
 }
+
+#[test]
+fn in_a_ttft_tier_an_item_is_refused_for_the_ttft_not_its_window() {
+    let tiers = "tier t { priority 10 slo { ttft 10ms } }";
+    let tenants = r#"tenant bulk { owner "o" tiers [t] }"#;
+    let route = "classify { default => tier t }\nroute t m { default => fp16 }";
+    let g = graph(&policy(tiers, tenants, route));
+    let o = simulate(
+        &g,
+        Mode::Kiln,
+        vec![a(0, "bulk", 100, 5000), item(1, "b1", 3_600_000, 5)],
+    );
+    assert_eq!(o[1].deadline, Some(MS + 3_600 * SEC));
+    assert_eq!(o[1].rejected, Some((Reason::Overload, 429)), "{:?}", o[1]);
+}

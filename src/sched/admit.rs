@@ -268,8 +268,13 @@ fn wait_within_slo(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refus
     // full, a tenant whose counter is above another backlogged tenant's
     // is refused for fairness; one at the front is refused only when the
     // tier itself is overloaded (and then every tenant behind it is too).
-    // Work with a completion window is refused because it would miss it.
-    let reason = if a.deadline.is_some() {
+    // Work whose limit is its completion window (its own or its tier's)
+    // is refused because it would miss it; in a tier with a TTFT SLO and
+    // no window, a request's own window does not set the limit, so its
+    // refusal is the tier's usual one.
+    let slo = &a.graph.tiers[a.tier as usize].slo;
+    let by_window = slo.window.is_some() || slo.ttft.is_none();
+    let reason = if a.deadline.is_some() && by_window {
         Reason::Deadline
     } else if above_share {
         Reason::Fairness
