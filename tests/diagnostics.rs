@@ -395,3 +395,45 @@ fn tier_not_granted_sees_tenant_lists() {
         d.items.iter().map(|x| &x.message).collect::<Vec<_>>()
     );
 }
+
+#[test]
+fn completion_windows_are_checked_with_spans_and_help() {
+    let tier = "  slo { window 6h }\n  preemptible\n";
+    let ok = with(tier, &format!("{tier}  completion_windows [1h, 24h]\n"));
+    let (_, d) = diagnose(&ok);
+    assert!(
+        d.is_empty(),
+        "{:?}",
+        d.items.iter().map(|x| &x.message).collect::<Vec<_>>()
+    );
+    let g = compile_str("p.kiln", &ok).graph.unwrap();
+    assert_eq!(
+        g.tiers[1].completion_windows,
+        vec![3_600_000.0, 86_400_000.0]
+    );
+    assert_eq!(
+        g.tiers[0].completion_windows,
+        vec![86_400_000.0],
+        "24h when absent"
+    );
+    let cases = [
+        ("[30s]", Code::OutOfRange, "30s"),
+        ("[1h, 8d]", Code::OutOfRange, "8d"),
+        ("[1h, 60m]", Code::InvalidValue, "60m"),
+        ("[]", Code::InvalidValue, "completion_windows []"),
+        ("[5]", Code::UnitMismatch, "5"),
+    ];
+    for (list, code, at) in cases {
+        let text = with(tier, &format!("{tier}  completion_windows {list}\n"));
+        let (_, d) = diagnose(&text);
+        let e = d
+            .errors()
+            .next()
+            .unwrap_or_else(|| panic!("{list}: no error"));
+        assert_eq!(e.code, code, "{list}: {}", e.message);
+        let span = e.span.expect("a span");
+        assert_eq!(&text[span.start as usize..span.end as usize], at, "{list}");
+        assert!(e.help.is_some(), "{list}");
+        assert_eq!(d.errors().count(), 1, "{list}");
+    }
+}

@@ -157,3 +157,55 @@ fn plot_writes_an_svg() {
     assert!(svg.starts_with("<svg"));
     assert!(svg.contains("tier interactive") && svg.contains("polyline"));
 }
+
+/// A policy change that reserves half the GPU for the batch tier: batch
+/// items miss their batches' windows less often, and the diff says so per
+/// batch, next to what it does to interactive latency.
+#[test]
+fn a_reserve_for_batches_changes_their_deadline_misses() {
+    let args = |fmt: &'static str| {
+        [
+            "diff",
+            "tests/fixtures/batch/old.kiln",
+            "tests/fixtures/batch/new.kiln",
+            "--traffic",
+            "tests/fixtures/batch/traffic.jsonl",
+            "--format",
+            fmt,
+        ]
+    };
+    let (c, out, e) = kiln(&args("json"));
+    assert_eq!(c, 0, "{e}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let batches = v["diff"]["impact"]["batches"].as_array().unwrap();
+    let misses = |name: &str| -> (f64, f64) {
+        let b = batches.iter().find(|b| b["name"] == name).unwrap();
+        let m = b["metrics"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["metric"] == "deadline_misses")
+            .unwrap();
+        (m["old"].as_f64().unwrap(), m["new"].as_f64().unwrap())
+    };
+    let (old, new) = misses("batch_b");
+    assert!(new < old, "batch_b misses {old} -> {new}");
+    let (old_a, new_a) = misses("batch_a");
+    assert!(new_a <= old_a);
+    // The semantic diff names the reserve.
+    assert!(out.contains("reserve"), "{out}");
+    let (c, human, _) = kiln(&args("human"));
+    assert_eq!(c, 0);
+    let line = human
+        .lines()
+        .find(|l| l.contains("batch_b") && l.contains("deadline_misses"))
+        .unwrap_or_else(|| panic!("{human}"));
+    assert!(
+        line.contains(&format!("{old}")) && line.contains(&format!("{new}")),
+        "{line}"
+    );
+    assert!(human.contains("interactive") && human.contains("ttft_p95_ms"));
+    let (c, md, _) = kiln(&args("markdown"));
+    assert_eq!(c, 0);
+    assert!(md.contains("| batch_b | deadline_misses |"), "{md}");
+}

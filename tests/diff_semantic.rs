@@ -1105,3 +1105,55 @@ fn a_tier_or_model_quota_raised_or_removed_is_a_quota_increase() {
     let d = semantic(&policy_text(&m2), &policy_text(&m));
     assert_eq!(only(&d).change_kind, ChangeKind::RouteChange);
 }
+
+#[test]
+fn completion_windows_changed_is_a_tier_change_and_their_order_is_not() {
+    let old = enterprise_text();
+    let base = "  completion_windows [1h, 24h]\n";
+    let reordered = edit(&old, base, "  completion_windows [24h, 1h]\n");
+    let d = semantic(&policy_text(&old), &policy_text(&reordered));
+    assert!(d.changes.is_empty(), "{:?}", d.changes);
+    let longer = edit(&old, base, "  completion_windows [1h, 24h, 7d]\n");
+    let d = semantic(&policy_text(&old), &policy_text(&longer));
+    let c = only(&d);
+    assert_eq!(c.subject, "tier batch");
+    assert_eq!(c.field.as_deref(), Some("completion_windows"));
+    assert_eq!(c.old.as_deref(), Some("[1h, 24h]"));
+    assert_eq!(c.new.as_deref(), Some("[1h, 24h, 168h]"));
+    assert_eq!(c.change_kind, ChangeKind::TierChange);
+    assert!(!c.escalation);
+}
+
+/// A rule reading `batch` gets a witness request that is a batch item (an
+/// `x-kiln-batch` header), decided differently under the two policies.
+#[test]
+fn a_rule_on_the_batch_signal_has_a_batch_item_for_a_witness() {
+    let old = enterprise_text();
+    let rule = "  when tenant == analytics => tier batch\n";
+    let new = edit(
+        &old,
+        rule,
+        "  when tenant == analytics and batch => tier batch\n  when tenant == analytics => tier evaluation\n",
+    );
+    let (og, ng) = (policy_text(&old), policy_text(&new));
+    let d = semantic(&og, &ng);
+    assert!(
+        d.decisions
+            .iter()
+            .any(|x| x.request.contains("tenant=analytics") && !x.request.contains("x-kiln-batch")),
+        "{:?}",
+        d.decisions
+    );
+    check_decisions(&og, &ng, &d);
+    let items: Vec<_> = witnesses(&og, &ng)
+        .into_iter()
+        .filter(|r| r.batch().is_some())
+        .collect();
+    assert!(!items.is_empty(), "a witness that is a batch item");
+    for r in &items {
+        assert_eq!(
+            og.view(&og.decide(r, &Signals::idle(&og))).tier,
+            ng.view(&ng.decide(r, &Signals::idle(&ng))).tier
+        );
+    }
+}

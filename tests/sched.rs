@@ -61,6 +61,8 @@ struct A {
     output: u32,
     headers: Vec<(&'static str, &'static str)>,
     session: Option<&'static str>,
+    /// Its own completion window (a batch item's), ms.
+    window_ms: Option<u64>,
 }
 
 fn a(at_ms: u64, tenant: &'static str, prompt: u64, output: u32) -> A {
@@ -71,6 +73,7 @@ fn a(at_ms: u64, tenant: &'static str, prompt: u64, output: u32) -> A {
         output,
         headers: Vec::new(),
         session: None,
+        window_ms: None,
     }
 }
 
@@ -81,7 +84,7 @@ fn arrivals(list: Vec<A>) -> Vec<(Micros, Arrival)> {
             (
                 x.at_ms * MS,
                 Arrival {
-                    window: None,
+                    window: x.window_ms.map(|w| w * MS),
                     id: i as u64,
                     request: Request {
                         tenant: Some(x.tenant.into()),
@@ -991,4 +994,112 @@ model m {{ variant fp16 {{ memory 10GB pools [p] max_batch 16 }} }}
     );
     assert!(o[0].finished.is_some(), "{:?}", o[0]);
     assert_eq!(o[1].rejected, Some((Reason::Saturation, 413)));
+}
+
+/// A batch item of tenant `bulk` in batch `batch`, with `window_ms` left of
+/// its batch's window.
+fn item(at_ms: u64, batch: &'static str, window_ms: u64, output: u32) -> A {
+    A {
+        headers: vec![("x-kiln-batch", batch)],
+        window_ms: Some(window_ms),
+        ..a(at_ms, "bulk", 100, output)
+    }
+}
+
+#[test]
+fn batch_items_in_one_tier_go_earliest_deadline_first_by_their_own_windows() {
+    let tiers = "tier b { priority 10 slo { window 24h } }";
+    let tenants = r#"tenant bulk { owner "o" tiers [b] }"#;
+    let route = "classify { default => tier b }\nroute b m { default => fp16 }";
+    let g = graph(&policy(tiers, tenants, route));
+    // One replica, one sequence at a time: a long request holds it while
+    // two items queue, the later one with the nearer deadline.
+    let list = || {
+        vec![
+            a(0, "bulk", 100, 2000),
+            item(1, "late", 3_600_000, 5),
+            item(2, "soon", 600_000, 5),
+        ]
+    };
+    let o = simulate(&g, Mode::Kiln, list());
+    assert_eq!(o[1].deadline, Some(MS + 3_600 * SEC));
+    assert_eq!(o[2].deadline, Some(2 * MS + 600 * SEC));
+    assert_eq!(o[0].deadline, Some(24 * 3_600 * SEC), "the tier's window");
+    assert!(started(&o, 2) < started(&o, 1), "{:?} {:?}", o[1], o[2]);
+    // Without windows of their own both have the tier's: arrival order.
+    let plain: Vec<A> = list()
+        .into_iter()
+        .map(|x| A {
+            window_ms: None,
+            ..x
+        })
+        .collect();
+    let o = simulate(&g, Mode::Kiln, plain);
+    assert!(started(&o, 1) < started(&o, 2));
+}
+
+#[test]
+fn a_window_in_a_tier_without_one_is_kept_and_its_misses_counted() {
+    let tiers = "tier t { priority 10 }";
+    let tenants = r#"tenant bulk { owner "o" tiers [t] }"#;
+    let route = "classify { default => tier t }\nroute t m { default => fp16 }";
+    let g = graph(&policy(tiers, tenants, route));
+    assert!(g.tiers[0].slo.window.is_none());
+    // The first item starts at once but needs ~500 ms to decode: late for
+    // its 100 ms. The second cannot start within its 10 ms: refused for
+    // its deadline. A request without a window waits, as in any tier
+    // without an SLO.
+    let o = simulate(
+        &g,
+        Mode::Kiln,
+        vec![
+            item(0, "b1", 100, 5000),
+            item(1, "b1", 10, 5),
+            a(2, "bulk", 100, 5),
+        ],
+    );
+    assert!(
+        o[0].finished.unwrap() > o[0].deadline.unwrap(),
+        "{:?}",
+        o[0]
+    );
+    assert_eq!(o[1].rejected, Some((Reason::Deadline, 429)));
+    assert!(o[2].finished.is_some() && o[2].deadline.is_none());
+    let r = kiln::replay::report::build(
+        &g,
+        "kiln",
+        "kiln",
+        &o,
+        &kiln::replay::report::Fleet::default(),
+    );
+    assert_eq!(r.tiers[0].deadline_misses, 2);
+    assert_eq!(r.tiers[0].window_attainment, Some(0.0));
+    assert_eq!(r.batches.len(), 1);
+    let b = &r.batches[0];
+    assert_eq!(
+        (
+            b.id.as_str(),
+            b.items,
+            b.completed,
+            b.rejected,
+            b.deadline_misses
+        ),
+        ("b1", 2, 1, 1, 2)
+    );
+    assert!(b.finished_s.unwrap() > b.deadline_s.unwrap());
+}
+
+#[test]
+fn in_a_ttft_tier_an_item_is_refused_for_the_ttft_not_its_window() {
+    let tiers = "tier t { priority 10 slo { ttft 10ms } }";
+    let tenants = r#"tenant bulk { owner "o" tiers [t] }"#;
+    let route = "classify { default => tier t }\nroute t m { default => fp16 }";
+    let g = graph(&policy(tiers, tenants, route));
+    let o = simulate(
+        &g,
+        Mode::Kiln,
+        vec![a(0, "bulk", 100, 5000), item(1, "b1", 3_600_000, 5)],
+    );
+    assert_eq!(o[1].deadline, Some(MS + 3_600 * SEC));
+    assert_eq!(o[1].rejected, Some((Reason::Overload, 429)), "{:?}", o[1]);
 }

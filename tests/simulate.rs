@@ -279,3 +279,59 @@ fn capacity_finds_a_scale_that_passes_when_a_little_more_fails() {
     assert!(table.starts_with("| scheduler | capacity at SLO | replays | binding tier |"));
     assert!(table.contains("| kiln |"), "{table}");
 }
+
+/// Batch items (records with `x-kiln-batch` and `deadline_ms`, built from
+/// the committed diff example's slice of the Azure trace): each batch is
+/// reported with its items, completions, misses and last finish against
+/// its deadline, in every format.
+#[test]
+fn batch_items_are_reported_per_batch() {
+    let args = |fmt: &'static str| {
+        [
+            "simulate",
+            "--policy",
+            "tests/fixtures/batch/old.kiln",
+            "--traffic",
+            "tests/fixtures/batch/traffic.jsonl",
+            "--format",
+            fmt,
+        ]
+    };
+    let (c, out, e) = kiln(&args("json"));
+    assert_eq!(c, 0, "{e}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let batches = v["reports"][0]["batches"].as_array().unwrap();
+    let ids: Vec<&str> = batches.iter().map(|b| b["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["batch_a", "batch_b"]);
+    for b in batches {
+        let n = |k: &str| b[k].as_u64().unwrap();
+        assert!(n("completed") + n("rejected") <= n("items"));
+        assert!(n("deadline_misses") <= n("items"));
+    }
+    assert_eq!(batches[0]["items"], 17);
+    assert_eq!(batches[0]["deadline_s"], 45.0);
+    assert_eq!(batches[1]["deadline_s"], 75.0);
+    assert!(batches[1]["deadline_misses"].as_u64().unwrap() > 0);
+    // The tier's misses are its batches' (every batch-tier request is an
+    // item here).
+    let tier = v["reports"][0]["tiers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == "batch")
+        .unwrap();
+    let sum: u64 = batches
+        .iter()
+        .map(|b| b["deadline_misses"].as_u64().unwrap())
+        .sum();
+    assert_eq!(tier["deadline_misses"].as_u64().unwrap(), sum);
+    let (c, human, _) = kiln(&args("human"));
+    assert_eq!(c, 0);
+    insta::assert_snapshot!("simulate_batches_human", human);
+    let (c, md, _) = kiln(&args("markdown"));
+    assert_eq!(c, 0);
+    assert!(md.contains(
+        "| batch | items | completed | rejected | deadline misses | finished s | deadline s |"
+    ));
+    assert!(md.contains("| batch_b | 46 |"), "{md}");
+}

@@ -482,15 +482,16 @@ prop_compose! {
             proptest::option::of(0.0f64..1e9),
             proptest::option::of(0.0f64..1e9),
             proptest::option::of(0.0f64..1e9),
+            proptest::option::of(0.0f64..1e9),
         ),
     ) -> Record {
         let (id, tenant, api_key) = ids;
-        let (queue_ms, ttft_ms, e2e_ms) = latencies;
+        let (queue_ms, ttft_ms, e2e_ms, deadline_ms) = latencies;
         let (prompt_tokens, max_tokens, output_tokens) = tokens;
         Record {
             v: 1, at_ms, id, tenant, api_key, model, headers, tags, session,
             prompt_tokens, max_tokens, output_tokens, prefix_blocks,
-            policy_version, decision, queue_ms, ttft_ms, e2e_ms,
+            policy_version, decision, queue_ms, ttft_ms, e2e_ms, deadline_ms,
         }
     }
 }

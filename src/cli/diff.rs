@@ -241,8 +241,18 @@ fn render(r: &DiffReport, a: &Args, md: bool) -> String {
             "fallbacks",
             "gpu_seconds",
             "cost",
+            // per batch
+            "completed",
+            "deadline_misses",
+            "finished_s",
+            "deadline_s",
         ];
-        for (title, groups) in [("tier", &i.tiers), ("tenant", &i.tenants)] {
+        let batches = [("batch", &i.batches)];
+        let batches = batches.iter().filter(|(_, b)| !b.is_empty());
+        for (title, groups) in [("tier", &i.tiers), ("tenant", &i.tenants)]
+            .iter()
+            .chain(batches)
+        {
             if md {
                 let _ = writeln!(
                     s,

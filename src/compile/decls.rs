@@ -57,6 +57,7 @@ const TIER_FIELDS: &[&str] = &[
     "reserve",
     "fair_share",
     "quota",
+    "completion_windows",
     "description",
 ];
 const FAIR_SHARE_FIELDS: &[&str] = &["window"];
@@ -703,6 +704,7 @@ impl Compiler<'_> {
             );
             fair_share_window = self.fair_share_window(s.get("window"));
         }
+        let completion_windows = self.completion_windows(f.get("completion_windows"));
         let _ = self.prop_string(f.get("description"));
         let signal_window = self.signal_window(f.get("signal_window"));
         self.g.tiers.push(Tier {
@@ -723,6 +725,7 @@ impl Compiler<'_> {
             reserve,
             fair_share_window,
             quota,
+            completion_windows,
             span: d.name.span,
         });
     }
@@ -837,6 +840,68 @@ impl Compiler<'_> {
 
     /// A fair-share window: a duration from 1 second to 30 days
     /// ([`limits::MIN_FAIR_SHARE_WINDOW_MS`], [`limits::MAX_FAIR_SHARE_WINDOW_MS`]).
+    /// `completion_windows [1h, 24h]`: the Batches API completion windows
+    /// the tier accepts, each from 1m to 7d, each once, at least one;
+    /// `[24h]` when absent (or when none written is valid).
+    fn completion_windows(&mut self, p: Option<&Property>) -> Vec<f64> {
+        let default = vec![limits::DEFAULT_COMPLETION_WINDOW_MS];
+        let Some(p) = p else { return default };
+        if p.body.is_some() {
+            self.err(
+                Diagnostic::error(Code::InvalidValue, "`completion_windows` takes a list")
+                    .at(p.span, "expected a list of durations")
+                    .help("write `completion_windows [1h, 24h]`"),
+            );
+            return default;
+        }
+        let items = list_items(p);
+        if items.is_empty() {
+            self.err(
+                Diagnostic::error(Code::InvalidValue, "`completion_windows` is empty")
+                    .at(p.span, "no window")
+                    .help("list at least one, like `completion_windows [24h]`, or leave it out to accept 24h only"),
+            );
+            return default;
+        }
+        let mut out: Vec<f64> = Vec::new();
+        let mut spans: Vec<crate::source::Span> = Vec::new();
+        for v in items {
+            let Some(ms) = self.quantity_of_type(v, Ty::Duration, "a completion window") else {
+                continue;
+            };
+            if !ms.is_finite()
+                || !(limits::MIN_COMPLETION_WINDOW_MS..=limits::MAX_COMPLETION_WINDOW_MS)
+                    .contains(&ms)
+            {
+                self.err(
+                    Diagnostic::error(Code::OutOfRange, "a completion window is out of range")
+                        .at(v.span, "outside 1m to 7d")
+                        .help("a completion window is from 1m to 7d, like the Batches API's `24h`"),
+                );
+                continue;
+            }
+            if let Some(i) = out.iter().position(|&x| x == ms) {
+                let mut d = Diagnostic::error(
+                    Code::InvalidValue,
+                    format!("completion window `{}` is listed twice", format::value(v)),
+                )
+                .at(v.span, "again here");
+                if let Some(first) = spans.get(i) {
+                    d = d.also(*first, "first here");
+                }
+                self.err(d.help("list each completion window once"));
+                continue;
+            }
+            out.push(ms);
+            spans.push(v.span);
+        }
+        if out.is_empty() {
+            default
+        } else {
+            out
+        }
+    }
+
     fn fair_share_window(&mut self, p: Option<&Property>) -> Option<f64> {
         let p = p?;
         let v = self.one(p, "5m")?;

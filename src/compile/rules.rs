@@ -31,6 +31,7 @@ const ALL_SIGNALS: &[&str] = &[
     "tier",
     "session",
     "has_session",
+    "batch",
     "prompt_tokens",
     "max_tokens",
     "estimated_wait",
@@ -814,6 +815,14 @@ impl Compiler<'_> {
     ) -> Cond {
         let l = self.operand_signal(lhs, scope);
         let r = self.operand_signal(rhs, scope);
+        // `batch` is a signal and a common tier or tenant name: compared
+        // with a signal that is not a boolean (`tier == batch`), it is the
+        // name.
+        let (l, r) = match (l, r) {
+            (Ok(Some(Sig::Batch)), Ok(Some(s))) if s.ty() != Ty::Bool => (Ok(None), Ok(Some(s))),
+            (Ok(Some(s)), Ok(Some(Sig::Batch))) if s.ty() != Ty::Bool => (Ok(Some(s)), Ok(None)),
+            other => other,
+        };
         let (sig, sig_op, constant, op) = match (l, r) {
             (Err(()), _) | (_, Err(())) => return Cond::True,
             (Ok(Some(s)), Ok(None)) => (s, lhs, rhs, op),
@@ -982,7 +991,7 @@ impl Compiler<'_> {
     }
 
     fn unknown_signal(&mut self, base: &Ident) {
-        let help = suggest(&base.name, ALL_SIGNALS.iter().copied()).unwrap_or_else(|| "signals are: tenant, api_key, model, tier, session, has_session, prompt_tokens, max_tokens, header(\"…\"), tag(\"…\"), pool(P).…, tier(T).…, tenant(X).…, quota.remaining, estimated_wait, error_rate, time, weekday (README lists every field)".to_string());
+        let help = suggest(&base.name, ALL_SIGNALS.iter().copied()).unwrap_or_else(|| "signals are: tenant, api_key, model, tier, session, has_session, batch, prompt_tokens, max_tokens, header(\"…\"), tag(\"…\"), pool(P).…, tier(T).…, tenant(X).…, quota.remaining, estimated_wait, error_rate, time, weekday (README lists every field)".to_string());
         self.err(
             Diagnostic::error(Code::UnknownName, format!("unknown signal `{}`", base.name))
                 .at(base.span, "not a signal")
@@ -1041,6 +1050,7 @@ impl Compiler<'_> {
             ("tier", None, []) => Sig::Tier,
             ("session", None, []) => Sig::Session,
             ("has_session", None, []) => Sig::HasSession,
+            ("batch", None, []) => Sig::Batch,
             ("prompt_tokens", None, []) => Sig::PromptTokens,
             ("max_tokens", None, []) => Sig::MaxTokens,
             ("estimated_wait", None, []) => Sig::EstimatedWait,
@@ -1115,6 +1125,7 @@ impl Compiler<'_> {
                 | Sig::Tier
                 | Sig::Session
                 | Sig::HasSession
+                | Sig::Batch
                 | Sig::PromptTokens
                 | Sig::MaxTokens
                 | Sig::Header(_)

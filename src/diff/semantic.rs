@@ -807,6 +807,14 @@ fn tiers(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
                         opt(b.fair_share_window, dur, "default (10m)"),
                         tc,
                     );
+                    // The Batches API windows accepted, in order of length
+                    // (the order written means nothing).
+                    let windows = |t: &Tier| {
+                        let mut w = t.completion_windows.clone();
+                        w.sort_by(f64::total_cmp);
+                        list(&w.into_iter().map(dur).collect::<Vec<_>>())
+                    };
+                    out.field(&subject, "completion_windows", windows(a), windows(b), tc);
                 }
                 (None, None) => {}
             }
@@ -1553,6 +1561,8 @@ struct Partial {
     api_key: Option<String>,
     session: Option<String>,
     has_session: Option<bool>,
+    /// Whether it came through the Batches API (the `batch` signal).
+    batch: Option<bool>,
     headers: BTreeMap<String, String>,
     tags: BTreeSet<String>,
     no_tags: BTreeSet<String>,
@@ -1568,6 +1578,7 @@ impl Default for Partial {
             api_key: None,
             session: None,
             has_session: None,
+            batch: None,
             headers: BTreeMap::new(),
             tags: BTreeSet::new(),
             no_tags: BTreeSet::new(),
@@ -1728,6 +1739,7 @@ fn partial(g: &DecisionGraph, lits: &[(&Test, bool)]) -> Partial {
             (Sig::ApiKey, TestOp::StrIn(v)) if !negated => p.api_key = v.first().cloned(),
             (Sig::Session, TestOp::StrIn(v)) if !negated => p.session = v.first().cloned(),
             (Sig::HasSession, TestOp::Truthy) => p.has_session = Some(!negated),
+            (Sig::Batch, TestOp::Truthy) => p.batch = Some(!negated),
             (Sig::Header(h), TestOp::StrIn(v)) if !negated => {
                 if let Some(x) = v.first() {
                     p.headers.insert(h.clone(), x.clone());
@@ -1757,11 +1769,23 @@ fn request(p: &Partial, tenant: Option<&str>, model: &str) -> Request {
         (None, Some(true)) => Some("s-1".to_string()),
         _ => None,
     };
+    let mut headers = p.headers.clone();
+    match p.batch {
+        Some(true) => {
+            headers
+                .entry(crate::graph::BATCH_HEADER.to_string())
+                .or_insert_with(|| "batch-1".to_string());
+        }
+        Some(false) => {
+            headers.remove(crate::graph::BATCH_HEADER);
+        }
+        None => {}
+    }
     Request {
         tenant: tenant.map(str::to_string),
         api_key: p.api_key.clone(),
         model: model.to_string(),
-        headers: p.headers.clone(),
+        headers,
         tags: p
             .tags
             .iter()

@@ -3,7 +3,7 @@
 //! (impact), compared per tier and per tenant.
 
 use crate::graph::{DecisionGraph, DecisionView, Signals};
-use crate::replay::report::{Group, Report};
+use crate::replay::report::{BatchGroup, Group, Report};
 use crate::sched::{Micros, SEC};
 use crate::traffic::Record;
 use serde::Serialize;
@@ -207,6 +207,11 @@ pub struct Impact {
     pub new: Report,
     pub tiers: Vec<GroupDelta>,
     pub tenants: Vec<GroupDelta>,
+    /// Per batch id (items with an `x-kiln-batch` header), in id order:
+    /// items, completed, deadline misses, last finish and deadline (s);
+    /// absent when the traffic has no batch items.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub batches: Vec<GroupDelta>,
     pub fleet: Vec<MetricDelta>,
 }
 
@@ -318,9 +323,62 @@ fn deltas(old: &[Group], new: &[Group]) -> Vec<GroupDelta> {
         .collect()
 }
 
+/// The metrics compared for one batch (0 where a side lacks it).
+pub fn batch_metrics(old: Option<&BatchGroup>, new: Option<&BatchGroup>) -> Vec<MetricDelta> {
+    let f = |b: Option<&BatchGroup>, get: &dyn Fn(&BatchGroup) -> f64| b.map_or(0.0, get);
+    let p = |b: Option<&BatchGroup>, get: &dyn Fn(&BatchGroup) -> Option<f64>| {
+        b.and_then(get).unwrap_or(0.0)
+    };
+    vec![
+        metric(
+            "items",
+            f(old, &|b| b.items as f64),
+            f(new, &|b| b.items as f64),
+        ),
+        metric(
+            "completed",
+            f(old, &|b| b.completed as f64),
+            f(new, &|b| b.completed as f64),
+        ),
+        metric(
+            "deadline_misses",
+            f(old, &|b| b.deadline_misses as f64),
+            f(new, &|b| b.deadline_misses as f64),
+        ),
+        metric(
+            "finished_s",
+            p(old, &|b| b.finished_s),
+            p(new, &|b| b.finished_s),
+        ),
+        metric(
+            "deadline_s",
+            p(old, &|b| b.deadline_s),
+            p(new, &|b| b.deadline_s),
+        ),
+    ]
+}
+
+fn batch_deltas(old: &[BatchGroup], new: &[BatchGroup]) -> Vec<GroupDelta> {
+    let ids: std::collections::BTreeSet<&str> = old
+        .iter()
+        .chain(new.iter())
+        .map(|b| b.id.as_str())
+        .collect();
+    ids.into_iter()
+        .map(|id| GroupDelta {
+            name: id.to_string(),
+            metrics: batch_metrics(
+                old.iter().find(|b| b.id == id),
+                new.iter().find(|b| b.id == id),
+            ),
+        })
+        .collect()
+}
+
 pub fn impact(old: Report, new: Report) -> Impact {
     let tiers = deltas(&old.tiers, &new.tiers);
     let tenants = deltas(&old.tenants, &new.tenants);
+    let batches = batch_deltas(&old.batches, &new.batches);
     let fleet = vec![
         metric("busy", old.busy, new.busy),
         metric("prefill_load", old.prefill_load, new.prefill_load),
@@ -333,6 +391,7 @@ pub fn impact(old: Report, new: Report) -> Impact {
         new,
         tiers,
         tenants,
+        batches,
         fleet,
     }
 }

@@ -17,6 +17,9 @@ pub enum Sig {
     Tier,
     Session,
     HasSession,
+    /// The request came through the Batches API (its `x-kiln-batch`
+    /// header is non-empty).
+    Batch,
     PromptTokens,
     MaxTokens,
     Header(String),
@@ -39,7 +42,7 @@ impl Sig {
             Sig::Model => Ty::Model,
             Sig::Tier => Ty::Tier,
             Sig::ApiKey | Sig::Session | Sig::Header(_) => Ty::Str,
-            Sig::HasSession | Sig::Tag(_) => Ty::Bool,
+            Sig::HasSession | Sig::Batch | Sig::Tag(_) => Ty::Bool,
             Sig::PromptTokens | Sig::MaxTokens => Ty::Count,
             Sig::QuotaRemaining | Sig::ErrorRate => Ty::Percent,
             Sig::EstimatedWait => Ty::Duration,
@@ -116,11 +119,11 @@ impl Cond {
     pub fn headers_read<'a>(&'a self, out: &mut Vec<&'a str>) {
         match self {
             Cond::True => {}
-            Cond::Test(t) => {
-                if let Sig::Header(h) = &t.sig {
-                    out.push(h);
-                }
-            }
+            Cond::Test(t) => match &t.sig {
+                Sig::Header(h) => out.push(h),
+                Sig::Batch => out.push(super::input::BATCH_HEADER),
+                _ => {}
+            },
             Cond::Not(c) => c.headers_read(out),
             Cond::And(cs) | Cond::Or(cs) => cs.iter().for_each(|c| c.headers_read(out)),
         }
@@ -161,6 +164,7 @@ impl Test {
             Sig::ApiKey => Val::Str(cx.req.api_key.as_deref()),
             Sig::Session => Val::Str(cx.req.session.as_deref()),
             Sig::HasSession => Val::Bool(cx.req.session.as_deref().is_some_and(|s| !s.is_empty())),
+            Sig::Batch => Val::Bool(cx.req.batch().is_some()),
             Sig::PromptTokens => Val::Num(cx.req.prompt_tokens as f64),
             Sig::MaxTokens => Val::Num(cx.req.max_tokens as f64),
             Sig::Header(h) => Val::Str(cx.req.header(h)),

@@ -882,6 +882,47 @@ route online m { default => fp16 on dedicated }
         assert_eq!(fenced.reason.as_deref(), Some("pool-fenced"));
     }
 
+    /// `batch`: the request came through the Batches API (a non-empty
+    /// `x-kiln-batch` header); next to a tier named `batch` it still reads
+    /// as the tier where a name is expected.
+    #[test]
+    fn the_batch_signal_reads_the_batch_header() {
+        let c = compile_str(
+            "t.kiln",
+            r#"
+pool p { gpus 1 kind "x" memory 80GB }
+model m { variant fp16 { memory 1GB pools [p] } }
+tier batch { priority 1 slo { window 24h } completion_windows [1h, 24h] }
+tier online { priority 2 slo { ttft 1s } }
+classify {
+  when batch => tier batch
+  default => tier online
+}
+route [batch, online] m { default => fp16 }
+admit [batch, online] {
+  when tier == batch and not batch => reject 400 "batch tier is for batches"
+  default => accept
+}
+"#,
+        );
+        let g = c.graph.expect("compiles");
+        assert_eq!(g.headers_read(), ["x-kiln-batch"]);
+        let idle = Signals::idle(&g);
+        let mut r = req(None, "m");
+        assert_eq!(g.view(&g.decide(&r, &idle)).tier, "online");
+        r.headers.insert("x-kiln-batch".into(), String::new());
+        assert_eq!(
+            g.view(&g.decide(&r, &idle)).tier,
+            "online",
+            "empty: not a batch"
+        );
+        r.headers.remove("x-kiln-batch");
+        r.headers.insert("X-Kiln-Batch".into(), "batch_abc".into());
+        let d = g.decide(&r, &idle);
+        assert_eq!(g.view(&d).tier, "batch");
+        assert!(matches!(d.admission, crate::graph::Admission::Accept));
+    }
+
     #[test]
     fn conditions_negate_group_and_compare_units() {
         let c = compile_str(

@@ -31,7 +31,17 @@ pub struct Request {
     pub max_tokens: u64,
 }
 
+/// The header that marks a batch item (a request the Batches API
+/// submitted); its value is the batch id. The `batch` signal reads it.
+pub const BATCH_HEADER: &str = "x-kiln-batch";
+
 impl Request {
+    /// The batch this request is an item of (its non-empty
+    /// [`BATCH_HEADER`]), if it came through the Batches API.
+    pub fn batch(&self) -> Option<&str> {
+        self.header(BATCH_HEADER).filter(|b| !b.is_empty())
+    }
+
     pub fn header(&self, name: &str) -> Option<&str> {
         self.headers
             .iter()

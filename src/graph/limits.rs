@@ -41,4 +41,10 @@ pub const MAX_SIGNAL_WINDOW_MS: f64 = 86_400_000.0;
 /// milliseconds: from 1 second (shorter forgets service within a few
 /// steps, and its decay factor underflows) to 30 days.
 pub const MIN_FAIR_SHARE_WINDOW_MS: f64 = 1_000.0;
+/// A Batches API `completion_window` a tier accepts (`completion_windows
+/// [1h, 24h]`), in milliseconds: from 1 minute to 7 days; 24h when a tier
+/// names none.
+pub const MIN_COMPLETION_WINDOW_MS: f64 = 60_000.0;
+pub const MAX_COMPLETION_WINDOW_MS: f64 = 7.0 * 86_400_000.0;
+pub const DEFAULT_COMPLETION_WINDOW_MS: f64 = 86_400_000.0;
 pub const MAX_FAIR_SHARE_WINDOW_MS: f64 = 30.0 * 86_400_000.0;

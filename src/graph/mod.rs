@@ -13,7 +13,7 @@ mod view;
 
 pub use cond::{Cond, Sig, Test, TestOp};
 pub use eval::{Admission, Decision, Target};
-pub use input::{Request, Signals, SignalsInput};
+pub use input::{Request, Signals, SignalsInput, BATCH_HEADER};
 pub use view::{DecisionView, FiredRule};
 
 use crate::source::Span;
@@ -189,6 +189,10 @@ pub struct Tier {
     /// Limits shared by all of the tier's requests (`quota { … }`), beside
     /// each tenant's own.
     pub quota: Quota,
+    /// The Batches API `completion_window`s a batch whose items classify
+    /// into this tier may ask for, ms, as written (`completion_windows
+    /// [1h, 24h]`); never empty: `[24h]` when the policy names none.
+    pub completion_windows: Vec<f64>,
     pub span: Span,
 }
 

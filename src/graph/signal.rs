@@ -151,7 +151,7 @@ impl TierField {
             F::SloAttainment => doc("tier(T).slo_attainment", "slo_attainment", Ty::Percent, Windowed, "of the tier's requests that ended in the window, the share that met its SLO (TTFT, end-to-end target and completion window); refusals count as misses; 100% with none"),
             F::ErrorRate => doc("tier(T).error_rate", "error_rate", Ty::Percent, Windowed, "of the tier's requests that ended in the window, the share answered with a 5xx (no capacity, queue timeout, a policy's 503)"),
             F::FallbackRate => doc("tier(T).fallback_rate", "fallback_rate", Ty::Percent, Windowed, "of the tier's requests decided in the window, the share that took a fallback step"),
-            F::DeadlineMisses => doc("tier(T).deadline_misses", "deadline_misses", Ty::Count, Windowed, "the tier's requests that finished after its completion window, or were refused because they could not meet it, in the window"),
+            F::DeadlineMisses => doc("tier(T).deadline_misses", "deadline_misses", Ty::Count, Windowed, "the tier's requests that finished after their completion window (a batch item's own, else the tier's), or were refused because they could not meet it, in the window"),
         }
     }
 }
@@ -165,7 +165,7 @@ impl TenantField {
 
     pub fn doc(self) -> Doc {
         match self {
-            TenantField::DeadlineMisses => doc("tenant(X).deadline_misses", "deadline_misses", Ty::Count, Windowed, "the tenant's requests that finished after their tier's completion window, or were refused because they could not meet it, in the tenant's window"),
+            TenantField::DeadlineMisses => doc("tenant(X).deadline_misses", "deadline_misses", Ty::Count, Windowed, "the tenant's requests that finished after their completion window (a batch item's own, else their tier's), or were refused because they could not meet it, in the tenant's window"),
             TenantField::InFlight => doc("tenant(X).in_flight", "in_flight", Ty::Count, Instant, "the tenant's requests admitted and not yet finished (queued, delayed or running)"),
             TenantField::Requests => doc("tenant(X).requests", "requests", Ty::Count, Windowed, "the tenant's requests that ended in the window"),
         }

@@ -400,6 +400,7 @@ mod tests {
             max_service_gap: 0.0,
             tiers: Vec::new(),
             tenants: Vec::new(),
+            batches: Vec::new(),
         };
         r.tiers = vec![group("a", Some(0.995), None), group("b", None, Some(0.999))];
         let th = Thresholds::default();

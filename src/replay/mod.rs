@@ -31,6 +31,11 @@ pub struct Outcome {
     /// Why it did not start on arrival, when it waited.
     pub waited_for: Option<crate::sched::Reason>,
     pub gpu_seconds: f64,
+    /// When it had to be finished (its own window, a batch item's, or its
+    /// tier's), µs on the replay clock.
+    pub deadline: Option<Micros>,
+    /// The batch it belongs to (its `x-kiln-batch` header), if any.
+    pub batch: Option<String>,
 }
 
 /// Runs every arrival (sorted by time) to completion or rejection.
@@ -64,11 +69,13 @@ impl Sink for Outcomes {
                 tier,
                 tenant,
                 fallback_step,
+                deadline,
             } => {
                 if let Some(o) = self.get(id) {
                     o.tier = Some(tier);
                     o.tenant = tenant;
                     o.fallback_step = fallback_step;
+                    o.deadline = deadline;
                 }
             }
             Action::Reject {
@@ -131,6 +138,7 @@ fn run_inner(
             arrival: *t,
             prompt_tokens: a.request.prompt_tokens.min(u64::from(u32::MAX)) as u32,
             output_tokens: a.output_tokens,
+            batch: a.request.batch().map(str::to_string),
             ..Outcome::default()
         });
     }
@@ -201,16 +209,23 @@ pub fn plan(
 }
 
 /// Turns recorded traffic into arrivals (ids are positions in the trace).
+/// A batch item's `deadline_ms` becomes its own window: what is left of
+/// its batch's window when it arrives.
 pub fn arrivals(records: &[crate::traffic::Record]) -> Vec<(Micros, Arrival)> {
     records
         .iter()
         .enumerate()
         .map(|(i, r)| {
-            let at = (r.at_ms.max(0.0) * 1000.0).round() as Micros;
+            let at_ms = r.at_ms.max(0.0);
+            let at = (at_ms * 1000.0).round() as Micros;
+            let window = r
+                .deadline_ms
+                .filter(|d| d.is_finite())
+                .map(|d| ((d - at_ms).max(0.0) * 1000.0).round() as Micros);
             (
                 at,
                 Arrival {
-                    window: None,
+                    window,
                     id: i as ReqId,
                     request: r.request(),
                     output_tokens: r.output_tokens.min(u64::from(u32::MAX)) as u32,

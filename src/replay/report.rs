@@ -39,15 +39,17 @@ pub struct Group {
     /// Share of all requests (refused = miss) whose first token came within
     /// the tier's TTFT SLO; absent for a group without one.
     pub ttft_attainment: Option<f64>,
-    /// Share of all requests (refused = miss) of a completion-window tier
-    /// that finished inside their window; absent for a group without one.
+    /// Share of all requests (refused = miss) with a completion window (a
+    /// batch item's own, else their tier's) that finished inside it;
+    /// absent for a group without any.
     pub window_attainment: Option<f64>,
     /// Requests that met their SLO, per second of the run.
     pub goodput_rps: f64,
     pub preemptions: u64,
     pub fallbacks: u64,
-    /// Requests of a completion-window tier that finished after their
-    /// window, or were refused because they could not make it.
+    /// Requests with a completion window (a batch item's own, else their
+    /// tier's) that finished after it, or were refused because they could
+    /// not make it.
     pub deadline_misses: u64,
     /// GPU time the group's requests used, and what it cost at each
     /// tenant's `cost` per GPU-hour (0 where a tenant states none).
@@ -90,6 +92,30 @@ pub struct Report {
     pub max_service_gap: f64,
     pub tiers: Vec<Group>,
     pub tenants: Vec<Group>,
+    /// Per batch (the `x-kiln-batch` header of its items), by batch id;
+    /// absent when the traffic has no batch items.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub batches: Vec<BatchGroup>,
+}
+
+/// What became of one batch's items in a replay.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct BatchGroup {
+    /// The batch id (its items' `x-kiln-batch` header).
+    pub id: String,
+    pub items: u64,
+    /// Items that finished (late or not).
+    pub completed: u64,
+    pub rejected: u64,
+    /// Items that finished after their deadline, or were refused because
+    /// they could not make it.
+    pub deadline_misses: u64,
+    /// When its last item finished, seconds from the start of the trace;
+    /// absent when none finished.
+    pub finished_s: Option<f64>,
+    /// When its window ends (the latest of its items' deadlines), seconds
+    /// from the start of the trace; absent when no item had one.
+    pub deadline_s: Option<f64>,
 }
 
 fn pct(mut v: Vec<f64>) -> Option<Percentiles> {
@@ -122,7 +148,15 @@ pub fn met_slo(g: &DecisionGraph, o: &Outcome) -> bool {
     let ttft = o.first_token.map_or(e2e, |f| ms(f - o.arrival));
     t.slo.ttft.is_none_or(|s| ttft <= s)
         && t.slo.e2e_p95.is_none_or(|s| e2e <= s)
-        && t.slo.window.is_none_or(|s| e2e <= s)
+        && o.deadline.is_none_or(|d| fin <= d)
+}
+
+/// Finished after its deadline, or refused because it could not make it.
+fn missed_deadline(o: &Outcome) -> bool {
+    let Some(d) = o.deadline else { return false };
+    let late = o.finished.is_some_and(|f| f > d);
+    let refused = matches!(o.rejected, Some((crate::sched::Reason::Deadline, _)));
+    late || refused
 }
 
 fn group<'a>(
@@ -166,30 +200,16 @@ fn group<'a>(
                 .is_some_and(|f| (f - o.arrival) as f64 / MS as f64 <= limit);
             ttft_slo.1 += u64::from(served && ok);
         }
-        if let Some(limit) = slo.and_then(|s| s.window) {
+        if let Some(d) = o.deadline {
             window_slo.0 += 1;
-            let ok = o
-                .finished
-                .is_some_and(|f| (f - o.arrival) as f64 / MS as f64 <= limit);
+            let ok = o.finished.is_some_and(|f| f <= d);
             window_slo.1 += u64::from(served && ok);
         }
         gr.preemptions += u64::from(o.preemptions);
         if o.fallback_step.is_some() {
             gr.fallbacks += 1;
         }
-        let window = o
-            .tier
-            .and_then(|t| g.tiers.get(t as usize))
-            .and_then(|t| t.slo.window);
-        if let Some(w) = window {
-            let late = o
-                .finished
-                .is_some_and(|f| (f - o.arrival) as f64 / MS as f64 > w);
-            let refused = matches!(o.rejected, Some((crate::sched::Reason::Deadline, _)));
-            if late || refused {
-                gr.deadline_misses += 1;
-            }
-        }
+        gr.deadline_misses += u64::from(missed_deadline(o));
         gr.gpu_seconds += o.gpu_seconds;
         let rate = o
             .tenant
@@ -241,6 +261,52 @@ fn group<'a>(
 
 fn round(x: f64) -> f64 {
     (x * 10_000.0).round() / 10_000.0
+}
+
+/// Per batch id, in id order: items, completions, misses, and the last
+/// finish against the batch's deadline.
+fn batches(outcomes: &[Outcome]) -> Vec<BatchGroup> {
+    let mut by_id: BTreeMap<&str, BatchGroup> = BTreeMap::new();
+    let secs = |t: Micros| round(t as f64 / SEC as f64);
+    for o in outcomes {
+        let Some(id) = o.batch.as_deref() else {
+            continue;
+        };
+        let b = by_id.entry(id).or_insert_with(|| BatchGroup {
+            id: id.to_string(),
+            items: 0,
+            completed: 0,
+            rejected: 0,
+            deadline_misses: 0,
+            finished_s: None,
+            deadline_s: None,
+        });
+        b.items += 1;
+        b.rejected += u64::from(o.rejected.is_some());
+        b.deadline_misses += u64::from(missed_deadline(o));
+        if let (Some(f), None) = (o.finished, o.rejected) {
+            b.completed += 1;
+            b.finished_s = Some(b.finished_s.map_or(secs(f), |x| x.max(secs(f))));
+        }
+        if let Some(d) = o.deadline {
+            b.deadline_s = Some(b.deadline_s.map_or(secs(d), |x| x.max(secs(d))));
+        }
+    }
+    by_id.into_values().collect()
+}
+
+/// A batch's last finish against its deadline, in words.
+fn batch_timing(b: &BatchGroup) -> String {
+    match (b.finished_s, b.deadline_s) {
+        (Some(f), Some(d)) if f <= d => format!(
+            "finished {f:.0} s, deadline {d:.0} s ({:.0} s early)",
+            d - f
+        ),
+        (Some(f), Some(d)) => format!("finished {f:.0} s, deadline {d:.0} s ({:.0} s late)", f - d),
+        (Some(f), None) => format!("finished {f:.0} s, no deadline"),
+        (None, Some(d)) => format!("nothing finished, deadline {d:.0} s"),
+        (None, None) => "nothing finished".to_string(),
+    }
 }
 
 /// What the fleet did over a replay, for [`build`].
@@ -349,6 +415,7 @@ pub fn build(
         max_service_gap: round(service_gap),
         tiers,
         tenants,
+        batches: batches(outcomes),
     }
 }
 
@@ -422,6 +489,28 @@ pub fn markdown(reports: &[Report]) -> String {
             }
             s.push('\n');
         }
+        if !r.batches.is_empty() {
+            let _ = writeln!(
+                s,
+                "| batch | items | completed | rejected | deadline misses | finished s | deadline s |"
+            );
+            let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|");
+            let opt = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.0}"));
+            for b in &r.batches {
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | {} | {} | {} | {} | {} |",
+                    b.id,
+                    b.items,
+                    b.completed,
+                    b.rejected,
+                    b.deadline_misses,
+                    opt(b.finished_s),
+                    opt(b.deadline_s)
+                );
+            }
+            s.push('\n');
+        }
     }
     s
 }
@@ -478,6 +567,25 @@ pub fn human(reports: &[Report]) -> String {
             }
         }
         reclaimed(&mut s, &r.tiers);
+        if !r.batches.is_empty() {
+            let _ = writeln!(
+                s,
+                "  {:<18} {:>8} {:>9} {:>8} {:>15}  finish vs deadline",
+                "batch", "items", "completed", "rejected", "deadline misses"
+            );
+            for b in &r.batches {
+                let _ = writeln!(
+                    s,
+                    "  {:<18} {:>8} {:>9} {:>8} {:>15}  {}",
+                    b.id,
+                    b.items,
+                    b.completed,
+                    b.rejected,
+                    b.deadline_misses,
+                    batch_timing(b)
+                );
+            }
+        }
         s.push('\n');
     }
     s

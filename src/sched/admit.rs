@@ -61,6 +61,11 @@ pub(super) struct Admitting<'g> {
     pub baseline: bool,
     /// When admission estimated it would start (uncorrected).
     pub est_start: Option<Micros>,
+    /// Its completion window from arrival: its own ([`Arrival::window`],
+    /// a batch item's) or else its tier's, µs.
+    pub window: Option<Micros>,
+    /// Arrival plus `window`: when it must be finished.
+    pub deadline: Option<Micros>,
 }
 
 type Gate = fn(&mut Scheduler, &mut Admitting<'_>) -> Result<(), Refusal>;
@@ -227,13 +232,13 @@ fn tenant_quota(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal>
 }
 
 /// An early, honest refusal instead of a timeout: the estimated wait
-/// against the tier's TTFT SLO (or completion window). Gives back the
-/// quota the previous gate reserved.
+/// against the tier's TTFT SLO (or the request's completion window: its
+/// own, else its tier's). Gives back the quota the previous gate reserved.
 fn wait_within_slo(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal> {
     if s.cfg.mode != Mode::Kiln {
         return Ok(());
     }
-    let Some(limit) = s.wait_limit(a.tier) else {
+    let Some(limit) = s.wait_limit(a.tier, a.window) else {
         return Ok(());
     };
     let Some(target) = a.target else {
@@ -245,6 +250,7 @@ fn wait_within_slo(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refus
         tenant: a.tenant,
         prompt: a.req.prompt_tokens,
         output: a.output,
+        window: a.window,
     };
     let e = s.estimate_for(&q, &a.candidates);
     a.est_start = Some(e.raw_start);
@@ -262,7 +268,13 @@ fn wait_within_slo(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refus
     // full, a tenant whose counter is above another backlogged tenant's
     // is refused for fairness; one at the front is refused only when the
     // tier itself is overloaded (and then every tenant behind it is too).
-    let reason = if a.graph.tiers[a.tier as usize].slo.window.is_some() {
+    // Work whose limit is its completion window (its own or its tier's)
+    // is refused because it would miss it; in a tier with a TTFT SLO and
+    // no window, a request's own window does not set the limit, so its
+    // refusal is the tier's usual one.
+    let slo = &a.graph.tiers[a.tier as usize].slo;
+    let by_window = slo.window.is_some() || slo.ttft.is_none();
+    let reason = if a.deadline.is_some() && by_window {
         Reason::Deadline
     } else if above_share {
         Reason::Fairness
@@ -289,7 +301,7 @@ impl Scheduler {
             .as_ref()
             .and_then(|s| self.sessions.get(s))
             .map(|(t, _)| *t);
-        let estimate = self.estimate_wait(&req);
+        let estimate = self.estimate_wait(&req, arrival.window);
         self.signals.estimated_wait = estimate as f64 / 1000.0;
         let baseline = self.cfg.mode != Mode::Kiln;
         let canary_graph = match &self.canary {
@@ -306,11 +318,14 @@ impl Scheduler {
             None => graph.decide(&req, if baseline { &self.idle } else { &self.signals }),
         };
         let tier = session_tier.unwrap_or(d.tier);
+        let window = self.request_window(tier, arrival.window);
+        let deadline = window.map(|w| self.now.saturating_add(w));
         self.out.push(super::Action::Decided {
             id: arrival.id,
             tier,
             tenant: d.tenant,
             fallback_step: d.fallback_step,
+            deadline,
         });
         let output = arrival
             .output_tokens
@@ -333,6 +348,8 @@ impl Scheduler {
             borrowed: false,
             baseline,
             est_start: None,
+            window,
+            deadline,
         };
         for (_, gate) in GATES {
             if let Err(r) = gate(self, &mut a) {
@@ -362,10 +379,6 @@ impl Scheduler {
                 scoped: a.scoped,
             },
         );
-        let window = tier
-            .slo
-            .window
-            .map(|w| self.now.saturating_add((w * 1000.0) as Micros));
         let max_wait = match a.admission {
             Admission::Queue { max_wait } if !a.baseline => {
                 Some(self.now.saturating_add((max_wait * 1000.0) as Micros))
@@ -380,7 +393,7 @@ impl Scheduler {
             tier: a.tier,
             tenant: a.tenant,
             arrival: self.now,
-            deadline: window,
+            deadline: a.deadline,
             expires: max_wait,
             // kv_need <= a replica's KV capacity bounds this; clamp anyway.
             prompt_tokens: a.req.prompt_tokens.min(u64::from(u32::MAX)) as u32,

@@ -65,6 +65,7 @@ impl Scheduler {
             tenant: d.tenant,
             prompt: req.prompt_tokens,
             output,
+            window: None,
         };
         let start = self.estimate_for(&q, &reps).raw_start as f64 / SEC as f64;
         let per_item = req.prompt_tokens as f64 + f64::from(output);

@@ -238,6 +238,8 @@ struct Open {
     tenant: Option<TenantId>,
     started: bool,
     first_token: Option<Micros>,
+    /// When it must be finished (its own window or its tier's), if ever.
+    deadline: Option<Micros>,
 }
 
 /// Moves each old window to its new id (a window whose length the new
@@ -265,11 +267,12 @@ pub struct Live {
     mids: Box<[f64; BINS]>,
 }
 
-/// Per tier: SLO targets in µs (ttft, e2e, window).
-fn targets(g: &DecisionGraph, t: TierId) -> (Option<f64>, Option<f64>, Option<f64>) {
-    g.tiers.get(t as usize).map_or((None, None, None), |t| {
-        (t.slo.ttft, t.slo.e2e_p95, t.slo.window)
-    })
+/// Per tier: SLO targets in ms (ttft, e2e). The completion window is the
+/// request's own deadline ([`Action::Decided`]), not read here.
+fn targets(g: &DecisionGraph, t: TierId) -> (Option<f64>, Option<f64>) {
+    g.tiers
+        .get(t as usize)
+        .map_or((None, None), |t| (t.slo.ttft, t.slo.e2e_p95))
 }
 
 impl Live {
@@ -346,6 +349,7 @@ impl Live {
                     tier,
                     tenant,
                     fallback_step,
+                    deadline,
                 } => {
                     self.open.insert(
                         id,
@@ -355,6 +359,7 @@ impl Live {
                             tenant,
                             started: false,
                             first_token: None,
+                            deadline,
                         },
                     );
                     if let Some(w) = self.tiers.get_mut(tier as usize) {
@@ -386,11 +391,10 @@ impl Live {
                     let ttft = o
                         .first_token
                         .map_or(e2e, |f| (f - o.arrived) as f64 / MS as f64);
-                    let (t_slo, e_slo, w_slo) = targets(g, o.tier);
-                    let met = t_slo.is_none_or(|s| ttft <= s)
-                        && e_slo.is_none_or(|s| e2e <= s)
-                        && w_slo.is_none_or(|s| e2e <= s);
-                    let late = w_slo.is_some_and(|s| e2e > s);
+                    let (t_slo, e_slo) = targets(g, o.tier);
+                    let late = o.deadline.is_some_and(|d| now > d);
+                    let met =
+                        t_slo.is_none_or(|s| ttft <= s) && e_slo.is_none_or(|s| e2e <= s) && !late;
                     self.end(now, &o, met, false, late, Some(e2e));
                 }
                 Action::Reject {
@@ -399,8 +403,7 @@ impl Live {
                     let Some(o) = self.open.remove(&id) else {
                         continue;
                     };
-                    let windowed = targets(g, o.tier).2.is_some();
-                    let late = windowed && matches!(reason, super::Reason::Deadline);
+                    let late = o.deadline.is_some() && matches!(reason, super::Reason::Deadline);
                     self.end(now, &o, false, status >= 500, late, None);
                 }
                 Action::Cancelled { id } => {
@@ -549,6 +552,50 @@ mod tests {
             assert!((got / want - 1.0).abs() < 0.1, "{got} vs {want}");
         }
         assert_eq!(Hist::default().quantiles([0.5], &m), [0.0]);
+    }
+
+    /// A request's own deadline (a batch item's) counts, in a tier with no
+    /// completion window: late is a miss for its tier and its tenant, and
+    /// so is a refusal for the deadline; on time is not.
+    #[test]
+    fn a_request_with_its_own_deadline_counts_its_misses() {
+        let g = crate::sched::testkit::graph(crate::sched::testkit::BASE);
+        assert!(g.tiers[0].slo.window.is_none());
+        let mut live = Live::new(&g);
+        let decided = |id, deadline| Action::Decided {
+            id,
+            tier: 0,
+            tenant: Some(0),
+            fallback_step: None,
+            deadline,
+        };
+        let done = |id| Action::Finished {
+            id,
+            gpu_seconds: 0.0,
+        };
+        let refused = |id, reason| Action::Reject {
+            id,
+            reason,
+            status: 429,
+            retry_after: None,
+        };
+        let on_time = [decided(0, Some(2 * SEC)), decided(1, Some(SEC))];
+        live.observe(&g, 0, &on_time);
+        live.observe(&g, 0, &[decided(2, None), decided(3, Some(SEC))]);
+        live.observe(&g, SEC, &[done(1)]);
+        live.observe(&g, 3 * SEC / 2, &[done(0), done(2)]);
+        assert_eq!(live.tiers[0].total.deadline_misses, 0);
+        live.observe(&g, 3 * SEC, &[decided(4, Some(4 * SEC))]);
+        live.observe(&g, 3 * SEC, &[refused(3, super::super::Reason::Overload)]);
+        live.observe(&g, 3 * SEC, &[refused(4, super::super::Reason::Deadline)]);
+        assert_eq!(
+            live.tiers[0].total.deadline_misses, 1,
+            "refused for its deadline"
+        );
+        live.observe(&g, 3 * SEC, &[decided(5, Some(4 * SEC))]);
+        live.observe(&g, 5 * SEC, &[done(5)]);
+        assert_eq!(live.tiers[0].total.deadline_misses, 2, "finished late");
+        assert_eq!(live.tenants[0].total.deadline_misses, 2);
     }
 
     #[test]

@@ -170,8 +170,9 @@ pub struct Arrival {
     pub window: Option<Micros>,
 }
 
-// Arrivals are most of the events: boxing them to shrink the others would
-// allocate once per request for nothing.
+// An arrival (with its own window) is a little over clippy's 200 bytes;
+// an event is built once and moved into `handle`, so boxing it would only
+// add an allocation per request.
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
@@ -225,6 +226,10 @@ pub enum Action {
         tier: TierId,
         tenant: Option<TenantId>,
         fallback_step: Option<u8>,
+        /// When it must be finished: its own window ([`Arrival::window`])
+        /// or else its tier's `slo { window }`, from its arrival; `None`
+        /// for work without a completion window.
+        deadline: Option<Micros>,
     },
     /// Run one step on `replica`; report [`Event::StepDone`] at `until`.
     Step { replica: usize, until: Micros },
@@ -335,6 +340,8 @@ pub(crate) struct Estimating {
     pub tenant: Option<TenantId>,
     pub prompt: u64,
     pub output: u32,
+    /// The request's own completion window ([`Arrival::window`]), if any.
+    pub window: Option<Micros>,
 }
 
 /// A wait estimate: when the request would start (as estimated from the
@@ -1057,13 +1064,30 @@ impl Scheduler {
     }
 
     /// The longest wait the tier's SLO tolerates before the first token
-    /// (for a completion-window tier, before the request starts).
-    fn wait_limit(&self, tier: TierId) -> Option<Micros> {
-        let slo = &self.graph.tiers[tier as usize].slo;
+    /// (for work with a completion window, before the request starts: its
+    /// own `window`, a batch item's, else its tier's).
+    fn wait_limit(&self, tier: TierId, window: Option<Micros>) -> Option<Micros> {
+        let slo = &self.graph.tiers.get(tier as usize)?.slo;
         if let Some(ttft) = slo.ttft {
             return Some((ttft * 1000.0 * self.cfg.admission_slack) as Micros);
         }
-        slo.window.map(|w| (w * 1000.0) as Micros)
+        window.or_else(|| self.tier_window(tier))
+    }
+
+    /// The tier's `slo { window }`, µs.
+    fn tier_window(&self, tier: TierId) -> Option<Micros> {
+        self.graph
+            .tiers
+            .get(tier as usize)?
+            .slo
+            .window
+            .map(|w| (w * 1000.0) as Micros)
+    }
+
+    /// A request's completion window from now: its own (`own`, a batch
+    /// item's) in place of its tier's, if either.
+    fn request_window(&self, tier: TierId, own: Option<Micros>) -> Option<Micros> {
+        own.or_else(|| self.tier_window(tier))
     }
 
     /// Estimated time before request `q` gets its first token on one of
@@ -1080,7 +1104,7 @@ impl Scheduler {
             + self.cfg.vtc_output_weight * f64::from(q.output);
         // Later arrivals that fair share puts ahead: each tenant's recent
         // admitted rate over the tier's wait limit.
-        let horizon = self.wait_limit(q.tier).unwrap_or(0) as f64 / SEC as f64;
+        let horizon = self.wait_limit(q.tier, q.window).unwrap_or(0) as f64 / SEC as f64;
         let incoming = |slot: usize| -> (f64, f64) {
             let tenant = slot.checked_sub(1).map(|t| t as TenantId);
             self.incoming
@@ -1211,7 +1235,7 @@ impl Scheduler {
 
     /// The `estimated_wait` signal policies read: for the request's route
     /// under an idle decision, or 0 when unknown.
-    fn estimate_wait(&self, req: &Request) -> Micros {
+    fn estimate_wait(&self, req: &Request, window: Option<Micros>) -> Micros {
         let d = self.graph.decide(req, &self.signals);
         match d.target {
             Some(t) => {
@@ -1229,6 +1253,7 @@ impl Scheduler {
                         tenant: d.tenant,
                         prompt: req.prompt_tokens,
                         output: d.max_tokens.min(u64::from(u32::MAX)) as u32,
+                        window,
                     };
                     self.estimate_for(&q, &reps).first_token
                 }
@@ -1662,11 +1687,13 @@ impl Scheduler {
                     .is_some_and(|t| t.slo.ttft.is_none())
             })
         });
+        // A request with a completion window counts its own (a batch
+        // item's).
         let budget = tier
             .slo
             .ttft
-            .or(tier.slo.window)
-            .map(|ms| (ms * 1000.0 / 2.0) as Micros);
+            .map(|ms| (ms * 1000.0 / 2.0) as Micros)
+            .or_else(|| w.deadline.map(|d| d.saturating_sub(w.arrival) / 2));
         let at_once = tier.slo.ttft.is_some() && backfill_victim;
         if let (Some(budget), false) = (budget, at_once) {
             let waited = self.now.saturating_sub(w.arrival);
@@ -2141,6 +2168,7 @@ mod tests {
             tenant: Some(1),
             prompt: 100,
             output: 10,
+            window: None,
         };
         let est = s.estimate_for(&q, &[ext]).first_token;
         assert!(est < u64::MAX / 4, "{est}");

@@ -2,7 +2,9 @@
 //! within a tier by weighted service received (the Virtual Token Counter of
 //! Sheng et al., OSDI'24: the backlogged tenant that has been served least,
 //! per unit of weight, goes next); requests within a tenant by arrival, or
-//! earliest deadline first in tiers with a completion window. Baseline modes
+//! earliest deadline first in tiers with a completion window (and, in any
+//! tier, deadline work in the last tenth of its own window goes earliest
+//! deadline first ahead of fair share). Baseline modes
 //! replace the first two with plain FIFO or strict priority.
 //!
 //! Aging raises a *tier* against other tiers (by the age of its oldest
@@ -28,7 +30,8 @@ pub struct Waiting {
     pub tier: TierId,
     pub tenant: Option<TenantId>,
     pub arrival: Micros,
-    /// Completion deadline (arrival + the tier's window), if any.
+    /// Completion deadline (arrival + its own window, a batch item's, or
+    /// else its tier's), if any.
     pub deadline: Option<Micros>,
     /// Give up waiting at this time (a `queue` outcome's max wait).
     pub expires: Option<Micros>,
@@ -99,6 +102,13 @@ impl Waiting {
     pub fn tokens(&self) -> u64 {
         u64::from(self.prompt_tokens)
             + u64::from(self.output_tokens - self.generated.min(self.output_tokens))
+    }
+
+    /// When its window is nearly spent (the last tenth of its own span,
+    /// arrival to deadline): from then on it is urgent.
+    fn urgent_from(&self) -> Option<Micros> {
+        self.deadline
+            .map(|d| d.saturating_sub(d.saturating_sub(self.arrival) / 10))
     }
 
     /// Whether replica `slot` may take it now.
@@ -207,7 +217,9 @@ struct TierQueue {
     backlog: BTreeSet<(Ordered, usize)>,
     /// Every waiting request by arrival (aging, oldest wait).
     arrivals: BTreeSet<(Micros, ReqId)>,
-    /// Requests with a completion deadline, earliest first.
+    /// Requests in the last tenth of their completion window (urgent),
+    /// earliest deadline first. Those not yet urgent wait in
+    /// [`Queues::urgency`] and move here when they become so.
     deadlines: BTreeSet<(Micros, ReqId)>,
     len: usize,
     tokens: u64,
@@ -256,8 +268,10 @@ pub struct Queues {
     /// Backfill-only tiers (they take only capacity nothing else wants).
     backfill: Vec<bool>,
     windowed: Vec<bool>,
-    /// Completion window per tier, for deadline urgency.
-    window_len: Vec<Option<Micros>>,
+    /// Deadline work not yet urgent, by when it becomes so (each request's
+    /// own window: see [`Waiting::urgent_from`]); [`Queues::set_now`]
+    /// moves it into its tier's `deadlines`.
+    urgency: BTreeSet<(Micros, ReqId)>,
     decay: Option<Micros>,
     /// Per tier: its own fair-share window (`fair_share { window }`), or
     /// `decay`. Tenants are only ever compared within a tier, so each
@@ -295,11 +309,6 @@ impl Queues {
             priority: g.tiers.iter().map(|t| t.priority).collect(),
             backfill: g.tiers.iter().map(|t| t.backfill_only).collect(),
             windowed: g.tiers.iter().map(|t| t.slo.window.is_some()).collect(),
-            window_len: g
-                .tiers
-                .iter()
-                .map(|t| t.slo.window.map(|ms| (ms * 1000.0) as Micros))
-                .collect(),
             decay: cfg.fairness_window,
             decays: g
                 .tiers
@@ -363,6 +372,32 @@ impl Queues {
             let order = self.index.get(&id).map(|l| l.order);
             if let (Some(order), Some(w)) = (order, self.take(id)) {
                 self.insert_ordered(w, order, false);
+            }
+        }
+        // Deadline work whose window is nearly spent becomes urgent.
+        while let Some(&(t, id)) = self.urgency.first() {
+            if t > now {
+                break;
+            }
+            self.urgency.pop_first();
+            let Some(loc) = self.index.get(&id).copied() else {
+                continue;
+            };
+            let Some(tq) = self
+                .by_variant
+                .get_mut(&loc.key)
+                .and_then(|t| t.get_mut(loc.tier))
+            else {
+                continue;
+            };
+            let deadline = tq
+                .tenants
+                .get(loc.slot)
+                .and_then(|t| t.maps.get(&loc.home))
+                .and_then(|m| m.get(&loc.order))
+                .and_then(|w| w.deadline);
+            if let Some(d) = deadline {
+                tq.deadlines.insert((d, id));
             }
         }
     }
@@ -429,6 +464,10 @@ impl Queues {
         if let Some(e) = w.expires {
             self.expiries.insert((e, w.id));
         }
+        let urgent = w.urgent_from().is_some_and(|u| u <= self.now);
+        if let (Some(u), false) = (w.urgent_from(), urgent) {
+            self.urgency.insert((u, w.id));
+        }
         if let (Home::Replica(_), true) = (home, w.pin_until < Micros::MAX) {
             self.pins.insert((w.pin_until, w.id));
         }
@@ -480,7 +519,7 @@ impl Queues {
         tq.len += 1;
         tq.tokens += tokens;
         tq.arrivals.insert((w.arrival, w.id));
-        if let Some(d) = w.deadline {
+        if let (Some(d), true) = (w.deadline, urgent) {
             tq.deadlines.insert((d, w.id));
         }
         if let Some(t) = tq.tenants.get_mut(slot) {
@@ -538,6 +577,9 @@ impl Queues {
         }
         if let Some(e) = w.expires {
             self.expiries.remove(&(e, w.id));
+        }
+        if let Some(u) = w.urgent_from() {
+            self.urgency.remove(&(u, w.id));
         }
         self.pins.remove(&(w.pin_until, w.id));
         Some(w)
@@ -987,7 +1029,7 @@ impl Queues {
                 order.sort_unstable();
                 order.into_iter().find_map(|(_, ti)| {
                     let tq = tiers.get(ti)?;
-                    self.choose_in_tier(tq, ti, now, slot)
+                    self.choose_in_tier(tq, now, slot)
                 })
             }
             Mode::Fifo | Mode::Static | Mode::Priority => {
@@ -1019,22 +1061,18 @@ impl Queues {
     }
 
     /// Within one tier: deadline work whose window is nearly spent (the
-    /// last tenth) earliest deadline first, ahead of fair share; then the
-    /// least-served backlogged tenant with work for this replica.
-    fn choose_in_tier(&self, tq: &TierQueue, ti: usize, now: Micros, slot: &Slot) -> Option<ReqId> {
-        if let Some(len) = self.window_len.get(ti).copied().flatten() {
-            for &(d, id) in &tq.deadlines {
-                if d.saturating_sub(now) > len / 10 {
-                    break;
-                }
-                let fits = self
-                    .index
-                    .get(&id)
-                    .and_then(|l| tq.tenants.get(l.slot)?.maps.get(&l.home)?.get(&l.order))
-                    .is_some_and(|w| w.fits(slot, now));
-                if fits {
-                    return Some(id);
-                }
+    /// last tenth of its own window) earliest deadline first, ahead of fair
+    /// share; then the least-served backlogged tenant with work for this
+    /// replica.
+    fn choose_in_tier(&self, tq: &TierQueue, now: Micros, slot: &Slot) -> Option<ReqId> {
+        for &(_, id) in &tq.deadlines {
+            let fits = self
+                .index
+                .get(&id)
+                .and_then(|l| tq.tenants.get(l.slot)?.maps.get(&l.home)?.get(&l.order))
+                .is_some_and(|w| w.fits(slot, now));
+            if fits {
+                return Some(id);
             }
         }
         tq.backlog.iter().find_map(|&(_, s)| {
@@ -1080,7 +1118,7 @@ impl Queues {
         if tq.len == 0 {
             return None;
         }
-        let id = self.choose_in_tier(tq, ti, now, &slot)?;
+        let id = self.choose_in_tier(tq, now, &slot)?;
         self.take(id)
     }
 
@@ -1310,6 +1348,48 @@ route [a, b] m { default => fp16 }
         let b = q.served(1, Some(0)) / at0;
         assert!((a - (-2.0f64).exp()).abs() < 1e-9, "{a}");
         assert!((b - (-4.0f64 / 600.0).exp()).abs() < 1e-9, "{b}");
+    }
+
+    /// Deadline work is urgent in the last tenth of its own window (a batch
+    /// item's, here in a tier with no window at all): then it goes earliest
+    /// deadline first, ahead of fair share. Work becomes urgent as the clock
+    /// passes, by an ordered set, never a scan.
+    #[test]
+    fn deadline_work_is_urgent_in_the_last_tenth_of_its_own_window() {
+        let g = graph(TEXT);
+        let cfg = Config::default();
+        let sec = super::super::SEC;
+        let mut q = Queues::new(&g, &cfg);
+        q.set_now(0);
+        let mut y = waiting(1, 1, Some(1));
+        y.arrival = 0;
+        q.push(y, &cfg);
+        // x has been served far more: fair share alone would pick y.
+        let mut big = waiting(100, 1, Some(0));
+        big.prompt_tokens = 10_000;
+        q.charge(&g, &cfg, &big);
+        let (mut short, mut long) = (waiting(2, 1, Some(0)), waiting(3, 1, Some(0)));
+        short.arrival = 0;
+        short.deadline = Some(100 * sec);
+        long.arrival = 0;
+        long.deadline = Some(1000 * sec);
+        q.push(long, &cfg);
+        q.push(short, &cfg);
+        assert_eq!(q.urgency.len(), 2);
+        let at = |q: &mut Queues, t: u64| {
+            q.set_now(t * sec);
+            q.choose(&cfg, t * sec, &slot())
+        };
+        assert_eq!(at(&mut q, 50), Some(1), "nothing urgent: fair share");
+        assert_eq!(at(&mut q, 91), Some(2), "the last tenth of its 100 s");
+        assert!(q.remove(2).is_some());
+        // The long one's last tenth starts at 900 s (a tenth of its own
+        // 1000 s), not 10 s before its deadline.
+        assert_eq!(at(&mut q, 850), Some(1));
+        assert_eq!(at(&mut q, 901), Some(3));
+        assert!(q.urgency.is_empty());
+        assert!(q.remove(3).is_some());
+        assert_eq!(at(&mut q, 902), Some(1));
     }
 
     /// Within a tier with its own window the least-served tenant, by its

@@ -295,6 +295,7 @@ impl Sink for Handlers {
                 tier,
                 tenant,
                 fallback_step,
+                ..
             } => {
                 if self.reqs.contains_key(&id) {
                     let (signals, canary) = self.decided_context(sched);

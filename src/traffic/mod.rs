@@ -88,6 +88,11 @@ pub struct Record {
     /// End-to-end latency seen by the gateway.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub e2e_ms: Option<f64>,
+    /// A batch item's deadline: when its batch's completion window ends,
+    /// in milliseconds from the start of the trace (the clock of `at_ms`).
+    /// The replay gives the item what is left of it as its own window.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline_ms: Option<f64>,
 }
 
 /// The decision the gateway took, as recorded.
@@ -147,6 +152,7 @@ impl Default for Record {
             queue_ms: None,
             ttft_ms: None,
             e2e_ms: None,
+            deadline_ms: None,
         }
     }
 }
@@ -324,6 +330,14 @@ fn parse_line(at: &At<'_>) -> Result<Record, TrafficError> {
             "negative arrival time",
         ));
     }
+    if let Some(d) = r.deadline_ms {
+        if !d.is_finite() || d < 0.0 {
+            return Err(at.whole(
+                format!("deadline_ms must not be negative, found {d}"),
+                "negative deadline",
+            ));
+        }
+    }
     for (name, v) in [
         ("queue_ms", r.queue_ms),
         ("ttft_ms", r.ttft_ms),
@@ -356,7 +370,8 @@ pub fn write_record<W: Write>(w: &mut W, r: &Record) -> io::Result<()> {
     let finite = r.at_ms.is_finite()
         && r.queue_ms.is_none_or(f64::is_finite)
         && r.ttft_ms.is_none_or(f64::is_finite)
-        && r.e2e_ms.is_none_or(f64::is_finite);
+        && r.e2e_ms.is_none_or(f64::is_finite)
+        && r.deadline_ms.is_none_or(f64::is_finite);
     if !finite {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
@@ -385,15 +400,18 @@ pub fn scale_time(records: &mut [Record], factor: f64) {
 /// Decision logs stamp arrivals with wall-clock time (Unix milliseconds);
 /// replays want time from the start of the trace. When the first arrival
 /// looks like a wall-clock stamp (after 1973), every `at_ms` is shifted so
-/// the trace starts at 0. Returns the shift, if any. Sorted input expected.
+/// the trace starts at 0 (and every `deadline_ms` with it: the same
+/// clock). Returns the shift, if any. Sorted input expected.
 pub fn rebase_wall_clock(records: &mut [Record]) -> Option<f64> {
     const WALL_CLOCK_MS: f64 = 1e11;
     let first = records.first()?.at_ms;
     if first < WALL_CLOCK_MS {
         return None;
     }
+    let shift = |t: f64| ((t - first) * 1000.0).round() / 1000.0;
     for r in records.iter_mut() {
-        r.at_ms = ((r.at_ms - first) * 1000.0).round() / 1000.0;
+        r.at_ms = shift(r.at_ms);
+        r.deadline_ms = r.deadline_ms.map(shift);
     }
     Some(first)
 }
