@@ -21,7 +21,7 @@ const LAYERS: &[&[&str]] = &[
     &["graph"],
     // What reads or produces graphs: the compiler, the scheduler core,
     // recorded traffic, policy tests.
-    &["compile", "sched", "traffic", "policy_test"],
+    &["compile", "sched", "traffic", "policy_test", "batch"],
     // The driver (the one interpreter of scheduler actions); backends.
     &["driver", "backend"],
     // The replay.

@@ -228,9 +228,27 @@ fn preemption_makes_room_and_the_victim_still_finishes() {
 }
 
 #[test]
-fn no_preemption_when_waiting_still_meets_the_slo() {
-    // 10 s of TTFT leaves room to wait ~550 ms: no recompute is spent.
+fn backfill_work_gives_its_slot_up_at_once() {
+    // Work without a first-token SLO only backfills: a request with one
+    // takes its slot on arrival (the victim resumes, recomputing its KV),
+    // although waiting would still have met the SLO.
     let g = graph(&policy(TWO_TIERS, TWO_TENANTS, ROUTE));
+    let o = simulate(
+        &g,
+        Mode::Kiln,
+        vec![a(0, "bulk", 100, 500), a(10, "chat", 100, 5)],
+    );
+    assert_eq!(o[0].preemptions, 1);
+    assert!(o[1].started.unwrap() < o[0].finished.unwrap());
+    assert!(o[0].finished.is_some(), "the preempted work still finishes");
+}
+
+#[test]
+fn no_preemption_when_waiting_still_meets_the_slo() {
+    // 10 s of TTFT leaves room to wait ~550 ms: no recompute is spent on
+    // work that has a first-token SLO of its own.
+    let tiers = TWO_TIERS.replace("slo { window 1h }", "slo { ttft 60s }");
+    let g = graph(&policy(&tiers, TWO_TENANTS, ROUTE));
     let o = simulate(
         &g,
         Mode::Kiln,

@@ -1,10 +1,11 @@
 //! Batches: the OpenAI Files and Batches API on a durable store.
 //!
 //! A client uploads a JSONL file of requests (`POST /v1/files`,
-//! `purpose=batch`); every line is validated as it streams in ([`validate`])
+//! `purpose=batch`); every line is validated as it streams in
+//! (`server::batch_lines`)
 //! and stored in the embedded database ([`store`]), or nothing is. A batch
 //! (`POST /v1/batches`) names the file and a completion window the policy
-//! allows; the [`runner`] then feeds its items, a bounded number at a
+//! allows; the runner (`server::batch_runner`) then feeds its items, a bounded number at a
 //! time, into the same request path as online traffic: each item is
 //! classified, admitted, routed and queued by the decision graph and the
 //! scheduler, carries the header `x-kiln-batch` and the tag `batch` (so
@@ -14,9 +15,7 @@
 //! item and duplicates none: items in flight at the crash run again after
 //! the restart.
 
-pub mod runner;
 pub mod store;
-pub mod validate;
 pub mod view;
 
 use serde_json::{json, Value};
@@ -228,6 +227,11 @@ pub struct ItemLine {
     pub custom_id: String,
     /// The line as uploaded (validated).
     pub text: String,
+}
+
+/// Unix seconds now.
+pub fn now_s() -> i64 {
+    (crate::clock::unix_ms() / 1000.0) as i64
 }
 
 /// A new random id with OpenAI's shape (`file-…`, `batch_…`).

@@ -33,7 +33,7 @@ pub enum Action {
 }
 
 fn now() -> i64 {
-    crate::batch::runner::now_s()
+    crate::batch::now_s()
 }
 
 pub fn run(a: Args) -> i32 {

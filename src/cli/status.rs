@@ -40,7 +40,7 @@ pub fn run(a: Args) -> i32 {
             println!("\nbatches:");
             print!(
                 "{}",
-                crate::batch::view::render_table(&batches, crate::batch::runner::now_s())
+                crate::batch::view::render_table(&batches, crate::batch::now_s())
             );
             EXIT_OK
         }

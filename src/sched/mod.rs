@@ -1575,6 +1575,12 @@ impl Scheduler {
                     .tiers
                     .get(seq.w.tier as usize)
                     .is_some_and(|t| t.slo.ttft.is_none());
+            seq.yields = seq.capped
+                && self
+                    .graph
+                    .tiers
+                    .get(seq.w.tier as usize)
+                    .is_some_and(|t| t.preemptible);
             self.replicas[r].admit(seq, now);
             self.out.push(Action::Started {
                 id,
@@ -1675,7 +1681,8 @@ impl Scheduler {
             .map(|(i, _)| i);
         // Work with a first-token SLO takes a slot from work without one
         // (batch, background) at once: that work only backfills, and its
-        // recompute costs less than the wait would cost the SLO. Otherwise
+        // recompute costs less than the wait would cost the SLO (measured:
+        // benches/batch.rs, tests/batch_backfill.rs). Otherwise
         // only when waiting for a slot to free would miss the SLO (half of
         // it, leaving the rest for the request itself): preemption costs a
         // recompute, so it is not spent where patience suffices.
@@ -1694,7 +1701,9 @@ impl Scheduler {
             .ttft
             .map(|ms| (ms * 1000.0 / 2.0) as Micros)
             .or_else(|| w.deadline.map(|d| d.saturating_sub(w.arrival) / 2));
-        let at_once = tier.slo.ttft.is_some() && backfill_victim;
+        // (Not on an upstream: a preempted call there loses all its
+        // progress, so patience still comes first.)
+        let at_once = tier.slo.ttft.is_some() && backfill_victim && !self.replicas[r].spec.external;
         if let (Some(budget), false) = (budget, at_once) {
             let waited = self.now.saturating_sub(w.arrival);
             if waited.saturating_add(self.replicas[r].time_to_free()) <= budget {

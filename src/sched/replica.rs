@@ -74,6 +74,10 @@ pub struct Seq {
     /// Its prefill only fills what the step-time cap leaves (work with no
     /// first-token deadline: it must not make steps long for those with).
     pub capped: bool,
+    /// Capped work of a preemptible tier: while protected work runs on
+    /// the replica it only fills the steps' slack ([`Replica::backfill_slack`]).
+    /// (A tier the policy says may not be preempted is not held back.)
+    pub yields: bool,
     /// Tokens of prefix the caller found cached when it was made (the
     /// replica checks them again when it admits it).
     hit_tokens: u32,
@@ -105,6 +109,7 @@ impl Seq {
             gpu_seconds: w.gpu_seconds,
             rank: 0,
             capped: false,
+            yields: false,
             hit_tokens: cached_prefix,
             ctx: 0,
             blocks: 0,
@@ -765,12 +770,13 @@ impl Replica {
                 now.saturating_add(span / 10) >= d
             })
         };
-        let yields = |s: &Seq| s.capped && !urgent(s);
         // Protected steps: while protected work runs, capped work only
         // fills what keeps the step within the slack of protected work's
         // own step time.
         let protect = match self.backfill_slack {
-            Some(slack) if !external && self.running.iter().any(|s| !yields(s)) => Some(slack),
+            Some(slack) if !external && self.running.iter().any(|s| !s.capped || urgent(s)) => {
+                Some(slack)
+            }
             _ => None,
         };
         let mut budget = self.spec.max_batch_tokens;
@@ -781,7 +787,7 @@ impl Replica {
             s.step_prefill = 0;
             s.step_decode = false;
             if s.prefill_left == 0 && budget > 0 && (external || s.has_room()) {
-                if protect.is_some() && s.capped && !urgent(s) {
+                if protect.is_some() && s.yields && !urgent(s) {
                     deferred.push(i);
                     continue;
                 }
@@ -828,7 +834,7 @@ impl Replica {
             if budget == 0 {
                 break;
             }
-            if protect.is_some() && s.capped && !urgent(s) {
+            if protect.is_some() && s.yields && !urgent(s) {
                 deferred_prefill.push(i);
                 continue;
             }

@@ -11,12 +11,12 @@
 //! batch through `/admin/batches`.
 
 use super::admin::authorize;
+use super::batch_lines::{self as validate, LineError};
+use super::batch_runner::{estimate_for_line, now_s};
 use super::openai::ApiError;
 use super::routes::authenticate;
 use super::App;
-use crate::batch::runner::{estimate_for_line, now_s};
 use crate::batch::store::StoreError;
-use crate::batch::validate::{self, LineError};
 use crate::batch::{parse_window, BatchRow, BatchStatus, FileRow, RequestCounts};
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, Multipart, Path, Query, State};
@@ -561,8 +561,15 @@ fn check_metadata(m: &Option<Value>) -> Result<(), ApiError> {
 /// The windows a batch of `tier` may ask for, in seconds: the tier's
 /// `completion_windows`, by default `24h` only.
 fn allowed_windows(graph: &crate::graph::DecisionGraph, tier: Option<&str>) -> Vec<f64> {
-    let _ = (graph, tier);
-    vec![86_400.0]
+    match tier
+        .and_then(|t| graph.tier_id(t))
+        .and_then(|t| graph.tiers.get(t as usize))
+    {
+        Some(t) if !t.completion_windows.is_empty() => {
+            t.completion_windows.iter().map(|ms| ms / 1000.0).collect()
+        }
+        _ => vec![86_400.0],
+    }
 }
 
 fn window_text(secs: f64) -> String {

@@ -9,6 +9,8 @@
 //! metrics, health and the atomic policy swap.
 
 pub mod admin;
+pub mod batch_lines;
+pub mod batch_runner;
 pub mod batches;
 pub mod config;
 pub mod decision_log;
@@ -68,7 +70,7 @@ pub struct App {
     /// Proposals, approvals, rollouts, overrides and the audit log.
     pub gov: governance::Gov,
     /// Files, batches and their results, and the runner's bell.
-    pub batches: crate::batch::runner::Batches,
+    pub batches: batch_runner::Batches,
 }
 
 impl App {
@@ -292,7 +294,7 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         speed,
         boot_ms: crate::clock::unix_ms() as u64,
         gov,
-        batches: crate::batch::runner::Batches::new(store),
+        batches: batch_runner::Batches::new(store),
     });
     let router = routes::router(app.clone())
         .merge(batches::router(app.clone()))
@@ -305,7 +307,7 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
             limits::guard,
         ));
     let runner = governance::spawn_runner(app.clone());
-    let batch_runner = crate::batch::runner::spawn(app.clone());
+    let batch_runner = batch_runner::spawn(app.clone());
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(listen::serve(listener, router, conn_limits, rx));
     Ok(Running {

@@ -213,6 +213,11 @@ impl Ctx {
     pub(super) fn ms(&self) -> f64 {
         self.received.elapsed().as_secs_f64() * 1000.0
     }
+
+    /// A batch item's own completion window, in policy milliseconds.
+    pub(super) fn window_ms(&self) -> Option<f64> {
+        self.window.map(|w| w as f64 / 1000.0)
+    }
 }
 
 async fn generate(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body) -> Response {
@@ -284,7 +289,7 @@ async fn generate_inner(
 
 /// The header a batch item carries (its batch id); classify rules read it
 /// as the `batch` signal or `header("x-kiln-batch")`.
-pub const BATCH_HEADER: &str = "x-kiln-batch";
+pub use crate::graph::BATCH_HEADER;
 
 /// Who sent a request and what came with it, past authentication.
 struct Arrived {
@@ -917,16 +922,17 @@ fn record_live(
     };
     let ttft_ms = ttft_s.map(|t| gov.policy_ms(t));
     let e2e_ms = gov.policy_ms(e2e_s);
+    // A batch item's deadline is its own (what was left of its batch's
+    // window), not its tier's.
+    let window = ctx.window_ms().or(tier.and_then(|t| t.slo.window));
     let met = served
         && !error
         && tier.is_none_or(|t| {
             t.slo.ttft.is_none_or(|s| ttft_ms.unwrap_or(e2e_ms) <= s)
                 && t.slo.e2e_p95.is_none_or(|s| e2e_ms <= s)
-                && t.slo.window.is_none_or(|s| e2e_ms <= s)
-        });
-    let miss = tier
-        .and_then(|t| t.slo.window)
-        .is_some_and(|w| served && e2e_ms > w);
+        })
+        && window.is_none_or(|s| e2e_ms <= s);
+    let miss = window.is_some_and(|w| served && e2e_ms > w);
     gov.record(crate::governance::live::Sample {
         at_ms: gov.now_ms(),
         tier: tier.map_or_else(|| "none".to_string(), |t| t.name.clone()),
@@ -1067,6 +1073,16 @@ fn base_record(ctx: &Ctx, d: Option<&Decided>) -> Record {
     r.id = Some(ctx.rid.clone());
     r.api_key = None;
     r.prefix_blocks = ctx.prefix_blocks.clone();
+    // A batch item's deadline, on the log's clock (wall milliseconds, as
+    // `at_ms`), so a replay of the log holds it to the same window.
+    if let Some(w) = ctx.window_ms() {
+        let speed = if ctx.app.speed > 0.0 {
+            ctx.app.speed
+        } else {
+            1.0
+        };
+        r.deadline_ms = Some((ctx.received_ms + w / speed).round());
+    }
     if let Some(d) = d {
         r.policy_version = Some(d.version.to_string());
         r.decision = Some(LogDecision {
@@ -1132,7 +1148,10 @@ pub(super) fn finish_served(
     for _ in 0..s.preempted {
         app.metrics.preempted(tier, &tenant);
     }
-    if let Some(w) = g.tiers.get(s.d.tier as usize).and_then(|t| t.slo.window) {
+    let window = ctx
+        .window_ms()
+        .or(g.tiers.get(s.d.tier as usize).and_then(|t| t.slo.window));
+    if let Some(w) = window {
         if e2e * 1000.0 * app.speed > w {
             app.metrics.deadline_miss(tier, &tenant);
         }

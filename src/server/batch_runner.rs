@@ -15,14 +15,14 @@
 //! 503: quota, saturation, a deadline it cannot meet yet) waits as long as
 //! the refusal asks and tries again, until the window ends.
 //!
-//! **Crash-safe.** An item's result is written once ([`super::store`]);
+//! **Crash-safe.** An item's result is written once ([`crate::batch::store`]);
 //! after a restart every batch resumes from its items without a result, so
 //! items that were in flight at the crash run again.
 
-use super::store::{ItemResult, Store, StoreError};
-use super::{BatchRow, BatchStatus, ItemLine};
-use crate::server::openai::Endpoint;
-use crate::server::App;
+use super::openai::Endpoint;
+use super::App;
+use crate::batch::store::{ItemResult, Store, StoreError};
+use crate::batch::{BatchRow, BatchStatus, ItemLine};
 use serde_json::{json, Value};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -57,10 +57,7 @@ impl Batches {
     }
 }
 
-/// Unix seconds now.
-pub fn now_s() -> i64 {
-    (crate::clock::unix_ms() / 1000.0) as i64
-}
+pub use crate::batch::now_s;
 
 /// A finished item, reported to the runner.
 struct Done {
@@ -314,7 +311,7 @@ async fn top_up(
 
 /// The endpoint of a stored batch.
 fn endpoint_of(b: &BatchRow) -> Endpoint {
-    super::validate::endpoint(&b.endpoint).unwrap_or(Endpoint::Chat)
+    super::batch_lines::endpoint(&b.endpoint).unwrap_or(Endpoint::Chat)
 }
 
 /// Runs one item to its result and stores it.
@@ -346,7 +343,7 @@ async fn item(app: Arc<App>, b: BatchRow, it: ItemLine, done: mpsc::UnboundedSen
 
 /// One result line's `id`.
 fn request_line_id(b: &BatchRow, line: u64) -> String {
-    format!("batch_req_{}_{line}", super::short_id(&b.id))
+    format!("batch_req_{}_{line}", crate::batch::short_id(&b.id))
 }
 
 /// Serves an item through the gateway, retrying what it refuses for now.

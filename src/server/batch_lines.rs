@@ -3,7 +3,7 @@
 //! the endpoint accepts and a model the policy knows. A bad line is named
 //! by its number and field, so the user can fix it in the file.
 
-use crate::server::openai::{Endpoint, GenerationRequest};
+use super::openai::{Endpoint, GenerationRequest};
 use serde_json::Value;
 
 /// `custom_id`s longer than this are refused (they are copied into every
