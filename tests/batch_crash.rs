@@ -146,14 +146,14 @@ impl Drop for Gateway {
     }
 }
 
-fn jsonl(n: usize) -> String {
+fn jsonl(n: usize, max_tokens: u64) -> String {
     let mut s = String::new();
     for i in 0..n {
         let line = json!({
             "custom_id": format!("req-{i}"),
             "method": "POST",
             "url": "/v1/chat/completions",
-            "body": {"model": "tiny", "messages": [{"role": "user", "content": format!("summarise item {i}")}], "max_tokens": MAX_TOKENS}
+            "body": {"model": "tiny", "messages": [{"role": "user", "content": format!("summarise item {i}")}], "max_tokens": max_tokens}
         });
         s.push_str(&line.to_string());
         s.push('\n');
@@ -272,7 +272,7 @@ async fn batches_survive_sigkill_with_every_result_once() {
     let c = client();
 
     let mut gw = Gateway::start(&dir.0);
-    let f = upload(&c, &gw.base, &jsonl(ITEMS)).await;
+    let f = upload(&c, &gw.base, &jsonl(ITEMS, MAX_TOKENS)).await;
     let r = c
         .post(format!("{}/v1/batches", gw.base))
         .bearer_auth(KEY)
@@ -375,5 +375,74 @@ async fn batches_survive_sigkill_with_every_result_once() {
         "seed {seed}: {kills} kills, {} items, {:.1}s",
         ITEMS,
         started.elapsed().as_secs_f64()
+    );
+}
+
+/// A cancel the gateway acknowledged survives a SIGKILL right after it:
+/// the restarted gateway finishes cancelling, and every item is in exactly
+/// one of the files.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_survives_sigkill() {
+    const N: usize = 400;
+    let dir = TempDir::new();
+    std::fs::write(dir.0.join("crash.kiln"), POLICY).unwrap();
+    let c = client();
+    let gw = Gateway::start(&dir.0);
+    let f = upload(&c, &gw.base, &jsonl(N, 2000)).await;
+    let r = c
+        .post(format!("{}/v1/batches", gw.base))
+        .bearer_auth(KEY)
+        .json(&json!({"input_file_id": f["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let b: Value = r.json().await.unwrap();
+    let id = b["id"].as_str().unwrap().to_string();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let r = c
+        .post(format!("{}/v1/batches/{id}/cancel", gw.base))
+        .bearer_auth(KEY)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    gw.kill();
+    let gw = Gateway::start(&dir.0);
+    let mut b = batch(&c, &gw.base, &id).await;
+    assert!(
+        ["cancelling", "cancelled"].contains(&b["status"].as_str().unwrap()),
+        "{b}"
+    );
+    for _ in 0..200 {
+        if b["status"] == "cancelled" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        b = batch(&c, &gw.base, &id).await;
+    }
+    assert_eq!(b["status"], "cancelled", "{b}\n{}", gw.log_tail());
+    let mut all: HashMap<String, usize> = HashMap::new();
+    let mut lines = HashMap::new();
+    for k in ["output_file_id", "error_file_id"] {
+        let text = match b[k].as_str() {
+            Some(f) => content(&c, &gw.base, f).await,
+            None => String::new(),
+        };
+        lines.insert(
+            k,
+            text.lines().filter(|l| !l.trim().is_empty()).count() as u64,
+        );
+        for (id, n) in ids(&text) {
+            *all.entry(id).or_insert(0) += n;
+        }
+    }
+    assert_eq!(all.len(), N, "{b}");
+    assert!(all.values().all(|&n| n == 1), "{b}");
+    assert_eq!(lines["output_file_id"], count(&b, "completed"), "{b}");
+    assert!(lines["error_file_id"] >= count(&b, "failed"), "{b}");
+    assert!(
+        lines["error_file_id"] > 0,
+        "nothing was left to cancel: {b}"
     );
 }
