@@ -148,7 +148,10 @@ pub fn run(a: Args) -> i32 {
             "  OpenAI base URL: http://{addr}/v1   explain: /admin/explain/ID   metrics: /metrics"
         );
         if let Some(p) = &running.app.batches.store.path {
-            eprintln!("  batches: /v1/files, /v1/batches; stored in {}", p.display());
+            eprintln!(
+                "  batches: /v1/files, /v1/batches; stored in {}",
+                p.display()
+            );
         }
         if !running.app.admin_open && !running.app.config.has_admin_tokens() {
             eprintln!("  admin endpoints are closed: no [admin] tokens and not on loopback");
