@@ -163,6 +163,17 @@ async fn a_batch_runs_to_completion_with_every_result_once() {
     assert_eq!(first["response"]["body"]["object"], "chat.completion");
     assert!(first["response"]["request_id"].is_string());
     assert!(first["error"].is_null());
+    // Each item was decided like a request, and explains why.
+    let rid = first["response"]["request_id"].as_str().unwrap();
+    let ex: Value = c
+        .get(format!("{base}/admin/explain/{rid}"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(ex["request"]["headers"]["x-kiln-batch"], id, "{ex}");
     // The other tenant sees none of it: 404, as for an id that never was.
     for url in [
         format!("{base}/v1/batches/{id}"),
@@ -377,4 +388,75 @@ async fn batches_page_and_survive_a_restart_on_the_same_store() {
     }
     gw.stop().await;
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_upload_holds_up_no_batch() {
+    use tokio::io::AsyncWriteExt;
+    let gw = gateway(20.0, None).await;
+    let base = format!("http://{}", gw.addr);
+    let c = client();
+    let f: Value = upload(&c, &base, "k-alpha", &jsonl(200, 8))
+        .await
+        .json()
+        .await
+        .unwrap();
+    // An upload that sends half a file, then nothing.
+    let mut sock = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let b = "stallboundary";
+    let part = format!("--{b}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n--{b}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"x.jsonl\"\r\n\r\n{}", jsonl(3000, 8));
+    let head = format!(
+        "POST /v1/files HTTP/1.1\r\nhost: x\r\nauthorization: Bearer k-beta\r\ncontent-type: multipart/form-data; boundary={b}\r\ncontent-length: {}\r\n\r\n",
+        part.len() * 2
+    );
+    sock.write_all(head.as_bytes()).await.unwrap();
+    sock.write_all(part.as_bytes()).await.unwrap();
+    // Meanwhile batches are created and run to the end.
+    let t = std::time::Instant::now();
+    let r = create(&c, &base, "k-alpha", f["id"].as_str().unwrap(), "24h").await;
+    assert_eq!(r.status(), 200);
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "create waited {:?}",
+        t.elapsed()
+    );
+    let b: Value = r.json().await.unwrap();
+    let done = wait_done(&c, &base, "k-alpha", b["id"].as_str().unwrap()).await;
+    assert_eq!(done["status"], "completed");
+    drop(sock);
+    // The abandoned upload left no file behind.
+    let files: Value = get(&c, &format!("{base}/v1/files"), "k-beta")
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(files["data"].as_array().unwrap().len(), 0);
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_a_file_and_batching_it_at_once_never_both_succeed() {
+    let gw = gateway(1.0, None).await;
+    let base = format!("http://{}", gw.addr);
+    let c = client();
+    for _ in 0..20 {
+        let f: Value = upload(&c, &base, "k-alpha", &jsonl(3, 8))
+            .await
+            .json()
+            .await
+            .unwrap();
+        let fid = f["id"].as_str().unwrap().to_string();
+        let del = c
+            .delete(format!("{base}/v1/files/{fid}"))
+            .bearer_auth("k-alpha")
+            .send();
+        let (d, b) = tokio::join!(del, create(&c, &base, "k-alpha", &fid, "24h"));
+        let (d, b) = (d.unwrap().status().as_u16(), b.status().as_u16());
+        assert!(
+            !(d == 200 && b == 200),
+            "the file was deleted and batched: {d} {b}"
+        );
+        assert!(d == 200 || b == 200, "neither happened: {d} {b}");
+    }
+    gw.stop().await;
 }

@@ -453,18 +453,11 @@ async fn a_cancel_survives_sigkill() {
 /// gateway has async worker threads must all be stored, and the gateway
 /// must keep answering meanwhile.
 ///
-/// Ignored: today this deadlocks the whole gateway for good. `read_form`
-/// (src/server/batches.rs) hands lines to the upload's blocking worker
-/// with a blocking `std::sync::mpsc::SyncSender::send` on an async worker
-/// thread; the channel holds 256 lines, and the worker of every upload but
-/// one waits for the store's single writer, which the first upload holds
-/// (`Store::upload`, `BEGIN IMMEDIATE`) until its own reader, an async
-/// task, has sent the rest. Once every async worker is blocked in `send`,
-/// nothing runs: not that reader, not the body timeout, not `/healthz`.
-/// (Cores + 1 uploads are enough when they arrive together; four per core
-/// makes that near certain.)
+/// (This once deadlocked the whole gateway: lines went to the upload's
+/// worker through a blocking send on an async worker thread while the
+/// worker waited for a writer another upload held for its whole body.
+/// Uploads now await their sends and write in short transactions.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "deadlocks the gateway (a blocking send in read_form); see the doc comment"]
 async fn concurrent_uploads_do_not_stall_the_gateway() {
     let dir = TempDir::new();
     std::fs::write(dir.0.join("crash.kiln"), POLICY).unwrap();

@@ -160,6 +160,7 @@ impl Store {
         write
             .execute_batch(SCHEMA)
             .map_err(|e| err(e.to_string()))?;
+        Store::sweep_orphans(&write).map_err(|e| err(e.to_string()))?;
         let read = Connection::open(path).map_err(|e| err(e.to_string()))?;
         configure(&read).map_err(|e| err(e.to_string()))?;
         Ok(Store {
@@ -201,12 +202,28 @@ impl Store {
 
     // ---- files ---------------------------------------------------------
 
-    /// Begins an upload: lines go in one transaction, committed by
-    /// [`Upload::commit`] only once every line was valid.
-    pub fn upload(&self) -> Result<Upload<'_>, StoreError> {
-        let conn = lock(&self.write)?;
-        conn.execute_batch("BEGIN IMMEDIATE")?;
-        Ok(Upload { conn, done: false })
+    /// Begins an upload. Its lines are written in short transactions as
+    /// they arrive (an upload never holds the writer while its body is on
+    /// the network) under a file id no file row names yet, so nothing sees
+    /// them; [`Upload::commit`] adds the row, and a dropped upload deletes
+    /// them. Lines a crash left behind are removed at the next open.
+    pub fn upload(&self, file: &str) -> Upload<'_> {
+        Upload {
+            store: self,
+            file: file.to_string(),
+            pending: Vec::new(),
+            pending_bytes: 0,
+            done: false,
+        }
+    }
+
+    /// Deletes lines no file row names: uploads a crash interrupted.
+    fn sweep_orphans(c: &Connection) -> Result<(), rusqlite::Error> {
+        c.execute(
+            "DELETE FROM lines WHERE file_id NOT IN (SELECT id FROM files)",
+            [],
+        )?;
+        Ok(())
     }
 
     pub fn file(&self, id: &str) -> Result<Option<FileRow>, StoreError> {
@@ -308,9 +325,21 @@ impl Store {
 
     // ---- batches -------------------------------------------------------
 
-    pub fn insert_batch(&self, b: &BatchRow) -> Result<(), StoreError> {
-        let c = lock(&self.write)?;
-        c.execute(
+    /// Stores a new batch, in one transaction with the check that its
+    /// input file still exists (a concurrent delete loses or wins whole):
+    /// false when the file is gone.
+    pub fn insert_batch(&self, b: &BatchRow) -> Result<bool, StoreError> {
+        let mut c = lock(&self.write)?;
+        let tx = c.transaction()?;
+        let exists: i64 = tx.query_row(
+            "SELECT COUNT(*) FROM files WHERE id = ?1",
+            [&b.input_file_id],
+            |r| r.get(0),
+        )?;
+        if exists == 0 {
+            return Ok(false);
+        }
+        tx.execute(
             "INSERT INTO batches (id, owner, seq, input_file_id, endpoint, completion_window, window_s, status,
                 created_at, expires_at, total, metadata, tier, predicted_finish)
              VALUES (?1, ?2, (SELECT COALESCE(MAX(seq), 0) + 1 FROM batches), ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
@@ -330,7 +359,8 @@ impl Store {
                 b.predicted_finish,
             ],
         )?;
-        Ok(())
+        tx.commit()?;
+        Ok(true)
     }
 
     pub fn batch(&self, id: &str) -> Result<Option<BatchRow>, StoreError> {
@@ -595,53 +625,102 @@ pub struct ItemResult {
     pub missed: bool,
 }
 
-/// An upload in progress: one open transaction on the writer.
+/// An upload in progress: lines buffered, then written a page at a time.
 pub struct Upload<'a> {
-    conn: MutexGuard<'a, Connection>,
+    store: &'a Store,
+    file: String,
+    /// (index, line number in the file, custom_id, text) not yet written.
+    pending: Vec<(u64, u64, String, String)>,
+    pending_bytes: usize,
     done: bool,
 }
 
+/// Lines (or bytes of them) an upload buffers before it writes a page.
+const UPLOAD_PAGE_LINES: usize = 2000;
+const UPLOAD_PAGE_BYTES: usize = 8 * 1024 * 1024;
+
 impl Upload<'_> {
-    /// Adds a line. `Ok(Some(n))`: its `custom_id` is already line `n`'s.
+    /// Adds request `index` (line `number` of the file). `Ok(Some((n,
+    /// id)))`: line `n` repeats an earlier `custom_id` (found when its page
+    /// is written: the caller stops at the first).
     pub fn line(
         &mut self,
-        file: &str,
-        line: u64,
+        index: u64,
+        number: u64,
         custom_id: &str,
         text: &str,
-    ) -> Result<Option<u64>, StoreError> {
-        let mut st = self.conn.prepare_cached(
-            "INSERT OR IGNORE INTO lines (file_id, line, custom_id, text) VALUES (?1, ?2, ?3, ?4)",
-        )?;
-        if st.execute(params![file, line as i64, custom_id, text])? == 1 {
-            return Ok(None);
+    ) -> Result<Option<(u64, String)>, StoreError> {
+        self.pending_bytes += text.len() + custom_id.len();
+        self.pending
+            .push((index, number, custom_id.to_string(), text.to_string()));
+        if self.pending.len() >= UPLOAD_PAGE_LINES || self.pending_bytes >= UPLOAD_PAGE_BYTES {
+            return self.flush();
         }
-        let mut q = self
-            .conn
-            .prepare_cached("SELECT line FROM lines WHERE file_id = ?1 AND custom_id = ?2")?;
-        let n: Option<i64> = q
-            .query_row(params![file, custom_id], |r| r.get(0))
-            .optional()?;
-        Ok(Some(n.unwrap_or(0) as u64))
+        Ok(None)
     }
 
-    /// Stores the file's row and commits everything.
-    pub fn commit(mut self, f: &FileRow) -> Result<(), StoreError> {
-        self.conn.execute(
+    /// Writes the buffered lines in one short transaction. A repeated
+    /// `custom_id` stops it: `(line index, custom_id)` of the repeat.
+    fn flush(&mut self) -> Result<Option<(u64, String)>, StoreError> {
+        if self.pending.is_empty() {
+            return Ok(None);
+        }
+        let mut c = lock(&self.store.write)?;
+        let tx = c.transaction()?;
+        {
+            let mut st = tx.prepare_cached(
+                "INSERT OR IGNORE INTO lines (file_id, line, custom_id, text) VALUES (?1, ?2, ?3, ?4)",
+            )?;
+            for (index, number, id, text) in &self.pending {
+                if st.execute(params![self.file, *index as i64, id, text])? == 0 {
+                    let dup = (*number, id.clone());
+                    drop(st);
+                    tx.commit()?;
+                    self.pending.clear();
+                    return Ok(Some(dup));
+                }
+            }
+        }
+        tx.commit()?;
+        self.pending.clear();
+        self.pending_bytes = 0;
+        Ok(None)
+    }
+
+    /// The request index that first used `custom_id`.
+    pub fn first_use(&self, custom_id: &str) -> Result<Option<u64>, StoreError> {
+        let c = lock(&self.store.read)?;
+        let mut q =
+            c.prepare_cached("SELECT line FROM lines WHERE file_id = ?1 AND custom_id = ?2")?;
+        let n: Option<i64> = q
+            .query_row(params![self.file, custom_id], |r| r.get(0))
+            .optional()?;
+        Ok(n.map(|n| n as u64))
+    }
+
+    /// Writes what is buffered and the file's row: the file exists from
+    /// here on. `Ok(Some(..))`: a repeated `custom_id` in the last page.
+    pub fn commit(&mut self, f: &FileRow) -> Result<Option<(u64, String)>, StoreError> {
+        if let Some(dup) = self.flush()? {
+            return Ok(Some(dup));
+        }
+        let c = lock(&self.store.write)?;
+        c.execute(
             "INSERT INTO files (id, owner, purpose, filename, bytes, created_at, lines, endpoint) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
             params![f.id, f.owner, f.purpose, f.filename, f.bytes as i64, f.created_at, f.lines as i64, f.endpoint],
         )?;
-        self.conn.execute_batch("COMMIT")?;
         self.done = true;
-        Ok(())
+        Ok(None)
     }
 }
 
 impl Drop for Upload<'_> {
-    /// An upload not committed stores nothing.
+    /// An upload not committed leaves nothing.
     fn drop(&mut self) {
         if !self.done {
-            let _ = self.conn.execute_batch("ROLLBACK");
+            if let Ok(c) = lock(&self.store.write) {
+                let _ = c.execute("DELETE FROM lines WHERE file_id = ?1", [&self.file]);
+            }
         }
     }
 }

@@ -109,21 +109,31 @@ async fn upload_inner(
     let policy = app.policy.load_full();
     let models: HashSet<String> = policy.graph.models.iter().map(|m| m.name.clone()).collect();
     let id = crate::batch::new_id("file-");
-    // Lines are checked and inserted on a blocking thread inside one
+    // Lines are checked and written on a blocking thread, a page per short
     // transaction; the reader hands them over through a short queue, so
-    // neither side holds the file.
-    let (tx, rx) = std::sync::mpsc::sync_channel::<Msg>(256);
+    // neither side holds the file, and the async side only ever awaits.
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Msg>(256);
     let store = app.batches.store.clone();
     let fid = id.clone();
     let owner2 = owner.clone();
     let max_requests = cfg.max_requests;
     let worker = tokio::task::spawn_blocking(move || -> Result<FileRow, UploadError> {
         let known = |m: &str| models.contains(m);
-        let mut up = store.upload()?;
+        let mut up = store.upload(&fid);
+        let dup = |up: &crate::batch::store::Upload<'_>, n: u64, cid: String| -> UploadError {
+            let first = up.first_use(&cid).ok().flatten().map_or(0, |i| i + 1);
+            UploadError::Line(LineError {
+                line: n,
+                field: "custom_id",
+                message: format!(
+                    "`{cid}` is already the custom_id of request {first} (each line needs its own)"
+                ),
+            })
+        };
         let mut items = 0u64;
         let mut endpoint: Option<validate::Valid> = None;
         let mut first_line_of_endpoint = 0;
-        for msg in rx {
+        while let Some(msg) = rx.blocking_recv() {
             match msg {
                 Msg::Line(n, text) => {
                     let v = validate::line(&text, n, &known).map_err(UploadError::Line)?;
@@ -156,16 +166,8 @@ async fn upload_inner(
                             .code("too_many_requests_in_file"),
                         ));
                     }
-                    if let Some(prev) = up.line(&fid, items, &v.custom_id, &text)? {
-                        return Err(UploadError::Line(LineError {
-                            line: n,
-                            field: "custom_id",
-                            message: format!(
-                                "`{}` is already the custom_id of request {} (each line needs its own)",
-                                v.custom_id,
-                                prev + 1
-                            ),
-                        }));
+                    if let Some((n, cid)) = up.line(items, n, &v.custom_id, &text)? {
+                        return Err(dup(&up, n, cid));
                     }
                     items += 1;
                 }
@@ -207,7 +209,9 @@ async fn upload_inner(
                         batch_id: None,
                         ok: None,
                     };
-                    up.commit(&row)?;
+                    if let Some((n, cid)) = up.commit(&row)? {
+                        return Err(dup(&up, n, cid));
+                    }
                     return Ok(row);
                 }
             }
@@ -218,11 +222,12 @@ async fn upload_inner(
             "the upload ended early",
         )))
     });
-    let read = read_form(&mut multipart, &tx, cfg.max_file_bytes, max_line).await;
+    let timeout = app.config.limits.body_timeout();
+    let read = read_form(&mut multipart, &tx, cfg.max_file_bytes, max_line, timeout).await;
     match read {
         Ok(finish) => {
             // The worker may have stopped at a bad line already.
-            let _ = tx.send(finish);
+            let _ = tx.send(finish).await;
         }
         Err(e) => {
             drop(tx);
@@ -247,13 +252,44 @@ fn line_error(l: &LineError) -> ApiError {
     ApiError::bad_request(format!("{l}"), Some(l.field)).code("invalid_batch_line")
 }
 
+/// Hands one line (1-based number `n`) to the worker; blank lines are
+/// skipped, as is a UTF-8 byte-order mark before the first.
+async fn send_line(
+    tx: &tokio::sync::mpsc::Sender<Msg>,
+    n: u64,
+    raw: &[u8],
+) -> Result<(), ApiError> {
+    let raw = if n == 1 {
+        raw.strip_prefix(b"\xef\xbb\xbf").unwrap_or(raw)
+    } else {
+        raw
+    };
+    let text = std::str::from_utf8(raw).map_err(|_| {
+        line_error(&LineError {
+            line: n,
+            field: "line",
+            message: "is not UTF-8 text".into(),
+        })
+    })?;
+    let text = text.trim();
+    if text.is_empty() {
+        return Ok(());
+    }
+    tx.send(Msg::Line(n, text.to_string()))
+        .await
+        .map_err(|_| ApiError::new(400, "the upload was refused"))
+}
+
 /// Reads the form: `purpose`, and the `file` part split into lines for the
-/// worker. Returns the worker's closing message.
+/// worker. Returns the worker's closing message. The body may take as long
+/// as it needs while it keeps coming: only a pause of `idle` between two
+/// pieces ends it (408).
 async fn read_form(
     multipart: &mut Multipart,
-    tx: &std::sync::mpsc::SyncSender<Msg>,
+    tx: &tokio::sync::mpsc::Sender<Msg>,
     max_bytes: u64,
     max_line: usize,
+    idle: std::time::Duration,
 ) -> Result<Msg, ApiError> {
     let mut purpose = None;
     let mut filename = None;
@@ -261,10 +297,23 @@ async fn read_form(
     let bad_form = |e: axum::extract::multipart::MultipartError| {
         ApiError::bad_request(format!("the multipart form could not be read: {e}"), None)
     };
-    while let Some(mut field) = multipart.next_field().await.map_err(bad_form)? {
+    let stalled = || {
+        ApiError::new(408, format!("the upload stopped: no data for {idle:?}"))
+            .code("request_timeout")
+    };
+    loop {
+        let next = tokio::time::timeout(idle, multipart.next_field())
+            .await
+            .map_err(|_| stalled())?;
+        let Some(mut field) = next.map_err(bad_form)? else {
+            break;
+        };
         match field.name() {
             Some("purpose") => {
-                let t = field.text().await.map_err(bad_form)?;
+                let t = tokio::time::timeout(idle, field.text())
+                    .await
+                    .map_err(|_| stalled())?
+                    .map_err(bad_form)?;
                 if t.len() > 64 {
                     return Err(ApiError::bad_request(
                         "`purpose` is too long".into(),
@@ -290,22 +339,12 @@ async fn read_form(
                 );
                 let mut buf: Vec<u8> = Vec::new();
                 let mut n = 0u64;
-                let send = |n: u64, raw: &[u8]| -> Result<(), ApiError> {
-                    let text = std::str::from_utf8(raw).map_err(|_| {
-                        line_error(&LineError {
-                            line: n,
-                            field: "line",
-                            message: "is not UTF-8 text".into(),
-                        })
-                    })?;
-                    let text = text.trim();
-                    if text.is_empty() {
-                        return Ok(());
-                    }
-                    tx.send(Msg::Line(n, text.to_string()))
-                        .map_err(|_| ApiError::new(400, "the upload was refused"))
-                };
-                while let Some(chunk) = field.chunk().await.map_err(bad_form)? {
+                loop {
+                    let chunk = tokio::time::timeout(idle, field.chunk())
+                        .await
+                        .map_err(|_| stalled())?
+                        .map_err(bad_form)?;
+                    let Some(chunk) = chunk else { break };
                     bytes += chunk.len() as u64;
                     if bytes > max_bytes {
                         return Err(ApiError::new(
@@ -318,10 +357,10 @@ async fn read_form(
                     while let Some(i) = rest.iter().position(|&b| b == b'\n') {
                         n += 1;
                         if buf.is_empty() {
-                            send(n, &rest[..i])?;
+                            send_line(tx, n, &rest[..i]).await?;
                         } else {
                             buf.extend_from_slice(&rest[..i]);
-                            send(n, &buf)?;
+                            send_line(tx, n, &buf).await?;
                             buf.clear();
                         }
                         rest = &rest[i + 1..];
@@ -336,12 +375,17 @@ async fn read_form(
                     }
                 }
                 if !buf.is_empty() {
-                    send(n + 1, &buf)?;
+                    send_line(tx, n + 1, &buf).await?;
                 }
             }
             _ => {
                 // Other fields are ignored, but read to their end.
-                while field.chunk().await.map_err(bad_form)?.is_some() {}
+                while tokio::time::timeout(idle, field.chunk())
+                    .await
+                    .map_err(|_| stalled())?
+                    .map_err(bad_form)?
+                    .is_some()
+                {}
             }
         }
     }
@@ -720,11 +764,19 @@ async fn create_inner(
         deadline_misses: 0,
     };
     let r = row.clone();
-    app.batches
+    let stored = app
+        .batches
         .store
         .run(move |s| s.insert_batch(&r))
         .await
         .map_err(store_error)?;
+    if !stored {
+        return Err(ApiError::bad_request(
+            format!("No such file: '{}' (it was deleted)", row.input_file_id),
+            Some("input_file_id"),
+        )
+        .code("not_found"));
+    }
     app.batches.wake.notify_one();
     if row.predicted_miss() {
         tracing::warn!(batch = %row.id, "batch predicted to miss its completion window at the current load");

@@ -53,6 +53,12 @@ pub async fn guard(State(app): State<Arc<App>>, req: Request, next: Next) -> Res
     if let Err(e) = check_headers(req.headers(), &app.config.limits) {
         return e.into_response();
     }
+    // A batch file (up to 200 MB) may take longer than a request body:
+    // its upload has an idle timeout between pieces instead (see
+    // `batches::read_form`), so a slow link still gets it there.
+    if req.method() == axum::http::Method::POST && req.uri().path() == "/v1/files" {
+        return next.run(req).await;
+    }
     let timeout = app.config.limits.body_timeout();
     let req = req.map(|b| Body::new(Timed::new(b, timeout)));
     next.run(req).await

@@ -56,6 +56,10 @@ pub struct App {
     pub metrics: metrics::Metrics,
     pub log: decision_log::DecisionLog,
     pub explain: explain::ExplainStore,
+    /// Batch items' explains, apart: a 50,000-item batch must not evict
+    /// the interactive requests someone is debugging, nor grow the
+    /// gateway past a small fixed share (a tenth of the entries and bytes).
+    pub explain_batch: explain::ExplainStore,
     pub next_id: AtomicU64,
     pub backends: Arc<Vec<Backend>>,
     pub calibration: Option<Calibration>,
@@ -276,6 +280,8 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
     }
     let policy = Arc::new(policy);
     let explain = explain::ExplainStore::new(10_000, config.limits.explain_max_bytes);
+    let explain_batch =
+        explain::ExplainStore::new(1_000, (config.limits.explain_max_bytes / 10).max(1));
     let conn_limits = listen::ConnLimits::from_config(&config.limits);
     let app = Arc::new(App {
         exec: exec_handle,
@@ -286,6 +292,7 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         metrics,
         log,
         explain,
+        explain_batch,
         next_id: AtomicU64::new(1),
         backends,
         calibration,

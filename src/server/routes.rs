@@ -397,7 +397,12 @@ async fn decide_and_serve(
     }
     let id = app.next_id.fetch_add(1, Ordering::Relaxed);
     let rid = format!("{:x}-{id}", app.boot_ms);
-    let explain = app.explain.insert(explain::Entry {
+    let store = if window.is_some() {
+        &app.explain_batch
+    } else {
+        &app.explain
+    };
+    let explain = store.insert(explain::Entry {
         id: rid.clone(),
         endpoint: endpoint.path(),
         received_unix_ms: received_ms,
