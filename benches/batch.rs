@@ -324,6 +324,7 @@ async fn run(t: &Target, sizes: &[(u64, u64)]) {
         .unwrap_or(Value::Null);
     let util = sig["pools"][t.pool]["utilization"].as_f64();
     let sched_alone = sig["tiers"]["interactive"]["ttft_p99"].clone();
+    let after_alone_kb = rss_kb(pid, "VmRSS:");
 
     // Create the batch, then the same interactive arrivals while it drains.
     let t_create = Instant::now();
@@ -422,8 +423,9 @@ async fn run(t: &Target, sizes: &[(u64, u64)]) {
         fin["status"], counts["completed"], counts["failed"], drain_wall * speed, 86_400,
         mid["kiln"]["progress"].as_f64().unwrap_or(0.0) * 100.0);
     let _ = done_at;
-    println!("gateway memory: idle {:.1} MB, after upload {:.1} MB, peak while draining {:.1} MB ({:.2}x idle)",
-        idle_kb as f64 / 1024.0, after_upload_kb as f64 / 1024.0, peak_kb as f64 / 1024.0, peak_kb as f64 / idle_kb.max(1) as f64);
+    println!("gateway memory: idle {:.1} MB, after upload {:.1} MB, after interactive alone {:.1} MB, peak while draining {:.1} MB ({:.2}x idle, {:.2}x after interactive alone)",
+        idle_kb as f64 / 1024.0, after_upload_kb as f64 / 1024.0, after_alone_kb as f64 / 1024.0, peak_kb as f64 / 1024.0,
+        peak_kb as f64 / idle_kb.max(1) as f64, peak_kb as f64 / after_alone_kb.max(1) as f64);
     drop(proc);
     let _ = std::fs::remove_dir_all(&dir);
 }

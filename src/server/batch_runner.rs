@@ -110,6 +110,8 @@ async fn run(app: Arc<App>) {
     // Item tasks live in this set: when the runner stops (the gateway
     // stops), they stop with it.
     let mut tasks = tokio::task::JoinSet::new();
+    // The fleet's batch slots, refreshed every few seconds.
+    let mut slots: (Option<Instant>, usize) = (None, 0);
     loop {
         while tasks.try_join_next().is_some() {}
         tokio::select! {
@@ -124,7 +126,7 @@ async fn run(app: Arc<App>) {
             _ = wake.notified() => {}
             _ = tokio::time::sleep(Duration::from_millis(250)) => {}
         }
-        if let Err(e) = step(&app, &mut live, &done_tx, &mut tasks).await {
+        if let Err(e) = step(&app, &mut live, &done_tx, &mut tasks, &mut slots).await {
             tracing::warn!(error = %e, "batch runner: the store failed; retrying");
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
@@ -161,6 +163,7 @@ async fn step(
     live: &mut HashMap<String, Live>,
     done: &mpsc::UnboundedSender<Done>,
     tasks: &mut tokio::task::JoinSet<()>,
+    slots: &mut (Option<Instant>, usize),
 ) -> Result<(), StoreError> {
     let store = app.batches.store.clone();
     let active = store.run(|s| s.active()).await?;
@@ -177,7 +180,24 @@ async fn step(
         .filter(|b| b.status == BatchStatus::InProgress || b.status == BatchStatus::Validating)
         .count()
         .max(1);
-    let share = (app.config.batch.max_in_flight / running).max(1);
+    // Enough items to keep every batch slot of the fleet full with as
+    // many again waiting (so a finished item's slot refills at once),
+    // never more than `[batch] max_in_flight`: what the gateway holds for
+    // batches is bounded by the scheduler's capacity, not by the files.
+    if slots.0.is_none_or(|t| t.elapsed() > Duration::from_secs(2)) {
+        if let Some(s) = app.exec.snapshot().await {
+            slots.1 = s
+                .replicas
+                .iter()
+                .filter(|r| r.up && !r.draining)
+                .map(|r| r.slots as usize)
+                .sum::<usize>();
+        }
+        slots.0 = Some(Instant::now());
+    }
+    let slots = slots.1;
+    let cap = app.config.batch.max_in_flight.min((2 * slots).max(64));
+    let share = (cap / running).max(1);
     let now = now_s();
     let mut gauges: Vec<(String, String, [u64; 4])> = Vec::new();
     let mut predicted: Vec<(String, String, String, bool)> = Vec::new();

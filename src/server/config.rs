@@ -65,9 +65,9 @@ pub struct BatchSection {
     #[serde(default)]
     pub store: Option<PathBuf>,
     /// Batch items handed to the scheduler at once, over all batches: the
-    /// gateway holds these (not whole files) in memory. Enough to keep
-    /// every replica's batch slots full while interactive work comes and
-    /// goes; more only deepens the queue.
+    /// gateway holds these (not whole files) in memory. The runner keeps
+    /// twice the fleet's batch slots in flight (every slot full and as
+    /// many waiting) and never more than this.
     #[serde(default = "default_batch_in_flight")]
     pub max_in_flight: usize,
     /// Per file, as OpenAI's: 50,000 requests, 200 MB.
