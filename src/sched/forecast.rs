@@ -5,10 +5,11 @@
 //! The estimate: decide one representative item as the policy would now
 //! (tier, route); its first item starts when the work ordered ahead of it
 //! has drained (the same queue-ahead estimate admission uses); the rest
-//! drain at the routed replicas' modelled throughput less what the tiers
-//! ranked above it have lately been taking there (their admitted token
-//! rate), never below a twentieth of it. Pure: it reads the scheduler's
-//! state and changes nothing.
+//! take each its roofline work on the routed replicas (prefill, then one
+//! decode step per output token at a full batch), on the share of those
+//! replicas the tiers ranked above it leave (by their admitted token rate
+//! lately, never below a twentieth). Pure: it reads the scheduler's state
+//! and changes nothing.
 
 use super::{Estimating, Scheduler, SEC};
 use crate::graph::{Request, TierId};
@@ -68,9 +69,18 @@ impl Scheduler {
             window: None,
         };
         let start = self.estimate_for(&q, &reps).raw_start as f64 / SEC as f64;
-        let per_item = req.prompt_tokens as f64 + f64::from(output);
-        let drain = if free > 0.0 {
-            items as f64 * per_item / free
+        // Each item's work at the replicas' saturated (roofline) throughput,
+        // in replica-seconds, spread over the replicas' share left free.
+        let prompt = req.prompt_tokens.min(u64::from(u32::MAX)) as u32;
+        let work: f64 = reps
+            .iter()
+            .filter_map(|&r| self.replicas.get(r))
+            .map(|x| x.saturated_work(prompt, output))
+            .sum::<f64>()
+            / reps.len() as f64;
+        let free_share = if capacity > 0.0 { free / capacity } else { 0.0 };
+        let drain = if free_share > 0.0 && work.is_finite() {
+            items as f64 * work / (reps.len() as f64 * free_share)
         } else {
             f64::INFINITY
         };

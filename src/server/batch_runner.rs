@@ -573,50 +573,71 @@ async fn forecast(app: &Arc<App>, b: &BatchRow, l: &mut Live, had: u64) -> Resul
         .await
 }
 
-/// The scheduler's estimate for `items` of a batch like its first pending
-/// one: wall seconds until they would be done, and their tier.
-pub async fn estimate(app: &Arc<App>, b: &BatchRow, items: u64) -> Option<(f64, String)> {
-    let (id, file) = (b.id.clone(), b.input_file_id.clone());
-    let first = app
-        .batches
-        .store
-        .run(move |s| {
-            let p = s.pending(&id, &file, 0, 1)?;
-            match p.into_iter().next() {
-                Some(x) => Ok(Some(x.text)),
-                None => Ok(s.lines(&file, 0, 1)?.into_iter().next().map(|(_, t)| t)),
-            }
-        })
-        .await
-        .ok()??;
-    estimate_for_line(app, &first, b.owner.as_deref(), endpoint_of(b), items).await
+/// Lines of a file sampled for an estimate: evenly spread, at most 64.
+pub fn sample_lines(s: &Store, file: &str, lines: u64) -> Result<Vec<String>, StoreError> {
+    let n = lines.clamp(1, 64);
+    let step = (lines / n).max(1);
+    let mut out = Vec::new();
+    for i in 0..n {
+        if let Some((_, t)) = s.lines(file, i * step, 1)?.into_iter().next() {
+            out.push(t);
+        }
+    }
+    Ok(out)
 }
 
-/// The scheduler's drain estimate for `items` requests like this input
-/// line, from `tenant`: wall seconds, and the tier they classify into.
-pub async fn estimate_for_line(
+/// The scheduler's estimate for the `items` a batch has left, from a
+/// sample of its lines: wall seconds until they would be done, and their
+/// tier.
+pub async fn estimate(app: &Arc<App>, b: &BatchRow, items: u64) -> Option<(f64, String)> {
+    let (file, total) = (b.input_file_id.clone(), b.counts.total);
+    let sample = app
+        .batches
+        .store
+        .run(move |s| sample_lines(s, &file, total))
+        .await
+        .ok()?;
+    estimate_for_lines(app, &sample, b.owner.as_deref(), endpoint_of(b), items).await
+}
+
+/// The scheduler's drain estimate for `items` requests like these input
+/// lines (their mean prompt and `max_tokens`), from `tenant`: wall seconds,
+/// and the tier they classify into.
+pub async fn estimate_for_lines(
     app: &Arc<App>,
-    line: &str,
+    lines: &[String],
     tenant: Option<&str>,
     endpoint: Endpoint,
     items: u64,
 ) -> Option<(f64, String)> {
-    let v: Value = serde_json::from_str(line).ok()?;
-    let body = v.get("body")?;
-    let greq = crate::server::openai::GenerationRequest::from_value(endpoint, body).ok()?;
-    let prompt = app.tokenizer.prompt(&greq, 0).count;
+    let mut first: Option<super::openai::GenerationRequest> = None;
+    let (mut prompt, mut max, mut n) = (0u64, 0u64, 0u64);
+    for line in lines {
+        let Ok(v) = serde_json::from_str::<Value>(line) else {
+            continue;
+        };
+        let Some(body) = v.get("body") else { continue };
+        let Ok(greq) = super::openai::GenerationRequest::from_value(endpoint, body) else {
+            continue;
+        };
+        prompt += app.tokenizer.prompt(&greq, 0).count;
+        max += greq
+            .requested_max_tokens()
+            .unwrap_or(app.config.limits.default_max_tokens);
+        n += 1;
+        first.get_or_insert(greq);
+    }
+    let greq = first?;
     let req = crate::graph::Request {
         tenant: tenant.map(str::to_string),
         model: greq.model.clone(),
         headers: std::collections::BTreeMap::from([(
-            crate::server::routes::BATCH_HEADER.to_string(),
+            crate::graph::BATCH_HEADER.to_string(),
             "estimate".to_string(),
         )]),
         tags: vec!["batch".into()],
-        prompt_tokens: prompt,
-        max_tokens: greq
-            .requested_max_tokens()
-            .unwrap_or(app.config.limits.default_max_tokens),
+        prompt_tokens: prompt / n.max(1),
+        max_tokens: (max / n.max(1)).max(1),
         ..Default::default()
     };
     let (graph, f) = app.exec.forecast(req, items).await?;

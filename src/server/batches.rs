@@ -12,7 +12,7 @@
 
 use super::admin::authorize;
 use super::batch_lines::{self as validate, LineError};
-use super::batch_runner::{estimate_for_line, now_s};
+use super::batch_runner::{estimate_for_lines, now_s};
 use super::openai::ApiError;
 use super::routes::authenticate;
 use super::App;
@@ -698,18 +698,14 @@ async fn create_inner(
         ));
     };
     // The tier the items classify into, and how long they would take now.
-    let fid = f.id.clone();
-    let first = app
+    let (fid, lines) = (f.id.clone(), f.lines);
+    let sample = app
         .batches
         .store
-        .run(move |s| s.lines(&fid, 0, 1))
+        .run(move |s| super::batch_runner::sample_lines(s, &fid, lines))
         .await
-        .map_err(store_error)?
-        .into_iter()
-        .next()
-        .map(|(_, t)| t)
-        .unwrap_or_default();
-    let est = estimate_for_line(&app, &first, owner.as_deref(), endpoint, f.lines).await;
+        .map_err(store_error)?;
+    let est = estimate_for_lines(&app, &sample, owner.as_deref(), endpoint, f.lines).await;
     let tier = est.as_ref().map(|(_, t)| t.clone());
     let policy = app.policy.load_full();
     let allowed = allowed_windows(&policy.graph, tier.as_deref());
