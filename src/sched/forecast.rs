@@ -39,6 +39,8 @@ impl Scheduler {
             .iter()
             .copied()
             .filter(|&r| self.replicas.get(r).is_some_and(|x| x.up && !x.draining))
+            // Routed to a pool: only that pool's replicas serve it.
+            .filter(|&r| t.pool.is_none_or(|p| self.pool_of(r) == Some(p)))
             .collect();
         if reps.is_empty() {
             return None;
