@@ -47,23 +47,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-const BENCH_POLICY: &str = r#"
-pool gpu { gpus 1 kind "H100-80GB" memory 80GB }
-model llama-8b {
-  params 8B
-  kv_per_token 128KB
-  variant fp16 { memory 18GB pools [gpu] max_batch 64 }
-}
-tier interactive { priority 100 slo { ttft 500ms p95 4s } preempts [batch] }
-tier batch { priority 10 slo { window 24h } preemptible }
-tenant chat { owner "chat@x" tiers [interactive] api_keys ["k-chat"] }
-tenant bulk { owner "bulk@x" tiers [batch] api_keys ["k-bulk"] cost 2/h }
-classify {
-  when tenant == chat => tier interactive
-  default => tier batch
-}
-route [interactive, batch] llama-8b { default => fp16 }
-"#;
+const BENCH_POLICY: &str = include_str!("batch.kiln");
 
 struct Target {
     name: &'static str,
