@@ -779,3 +779,178 @@ fn batch_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<BatchRow> {
         deadline_misses: r.get::<_, i64>(26)? as u64,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::batch::{BatchRow, BatchStatus, FileRow, RequestCounts};
+
+    fn file(id: &str, lines: u64) -> FileRow {
+        FileRow {
+            id: id.into(),
+            owner: Some("t".into()),
+            purpose: "batch".into(),
+            filename: "f.jsonl".into(),
+            bytes: 10,
+            created_at: 1,
+            lines,
+            endpoint: Some("/v1/chat/completions".into()),
+            batch_id: None,
+            ok: None,
+        }
+    }
+
+    fn batch(id: &str, file: &str, total: u64) -> BatchRow {
+        BatchRow {
+            id: id.into(),
+            owner: Some("t".into()),
+            input_file_id: file.into(),
+            endpoint: "/v1/chat/completions".into(),
+            completion_window: "24h".into(),
+            window_s: 86_400.0,
+            status: BatchStatus::InProgress,
+            created_at: 1,
+            expires_at: 86_401,
+            in_progress_at: None,
+            finalizing_at: None,
+            completed_at: None,
+            failed_at: None,
+            expired_at: None,
+            cancelling_at: None,
+            cancelled_at: None,
+            counts: RequestCounts {
+                total,
+                completed: 0,
+                failed: 0,
+            },
+            metadata: None,
+            errors: None,
+            output_file_id: None,
+            error_file_id: None,
+            tier: None,
+            predicted_finish: None,
+            gpu_seconds: 0.0,
+            deadline_misses: 0,
+        }
+    }
+
+    fn result(line: u64, ok: bool, text: &str) -> ItemResult {
+        ItemResult {
+            line,
+            ok,
+            text: text.into(),
+            gpu_seconds: 0.5,
+            missed: false,
+        }
+    }
+
+    fn stored(s: &Store, id: &str, n: u64) {
+        let mut up = s.upload(id);
+        for i in 0..n {
+            assert_eq!(
+                up.line(i, i + 1, &format!("c{i}"), &format!("line {i}"))
+                    .unwrap(),
+                None
+            );
+        }
+        assert_eq!(up.commit(&file(id, n)).unwrap(), None);
+    }
+
+    #[test]
+    fn a_result_is_written_and_counted_once() {
+        let s = Store::temporary().unwrap();
+        stored(&s, "file-a", 3);
+        assert!(s.insert_batch(&batch("batch_a", "file-a", 3)).unwrap());
+        assert!(s.put_result("batch_a", &result(0, true, "first")).unwrap());
+        // The same item again (it ran twice across a crash): kept once.
+        assert!(!s
+            .put_result("batch_a", &result(0, false, "second"))
+            .unwrap());
+        assert!(s.put_result("batch_a", &result(2, false, "err")).unwrap());
+        let b = s.batch("batch_a").unwrap().unwrap();
+        assert_eq!((b.counts.completed, b.counts.failed), (1, 1));
+        assert_eq!(
+            s.results("batch_a", true, 0, 10).unwrap(),
+            vec![(0, "first".to_string())]
+        );
+        let left: Vec<u64> = s
+            .pending("batch_a", "file-a", 0, 10)
+            .unwrap()
+            .iter()
+            .map(|i| i.line)
+            .collect();
+        assert_eq!(left, vec![1]);
+        // Finalizing makes the files and the status in one step.
+        assert!(s
+            .transition(
+                "batch_a",
+                &[BatchStatus::InProgress],
+                BatchStatus::Finalizing,
+                5
+            )
+            .unwrap());
+        assert!(s.finalize("batch_a", BatchStatus::Completed, 6).unwrap());
+        let b = s.batch("batch_a").unwrap().unwrap();
+        assert_eq!(b.status, BatchStatus::Completed);
+        let out = s
+            .file(b.output_file_id.as_deref().unwrap())
+            .unwrap()
+            .unwrap();
+        assert_eq!((out.lines, out.bytes), (1, 6));
+        assert!(b.error_file_id.is_some());
+    }
+
+    #[test]
+    fn an_upload_is_all_or_nothing_and_repeats_are_named() {
+        let s = Store::temporary().unwrap();
+        {
+            let mut up = s.upload("file-x");
+            for i in 0..2500u64 {
+                assert_eq!(up.line(i, i + 1, &format!("c{i}"), "x").unwrap(), None);
+            }
+            // Dropped without a commit: the written pages go too.
+        }
+        assert!(s.lines("file-x", 0, 10).unwrap().is_empty());
+        let mut up = s.upload("file-y");
+        up.line(0, 1, "same", "a").unwrap();
+        up.line(1, 3, "same", "b").unwrap();
+        assert_eq!(
+            up.commit(&file("file-y", 2)).unwrap(),
+            Some((3, "same".into()))
+        );
+        assert_eq!(up.first_use("same").unwrap(), Some(0));
+    }
+
+    #[test]
+    fn a_deleted_file_cannot_be_batched_and_a_running_batch_keeps_its_file() {
+        let s = Store::temporary().unwrap();
+        stored(&s, "file-a", 1);
+        assert!(s.insert_batch(&batch("batch_a", "file-a", 1)).unwrap());
+        assert!(
+            !s.delete_file("file-a").unwrap(),
+            "in use by a running batch"
+        );
+        stored(&s, "file-b", 1);
+        assert!(s.delete_file("file-b").unwrap());
+        assert!(!s.insert_batch(&batch("batch_b", "file-b", 1)).unwrap());
+    }
+
+    #[test]
+    fn reopening_sweeps_an_interrupted_upload() {
+        let dir = std::env::temp_dir().join(format!("kiln-store-test-{}", std::process::id()));
+        let path = dir.join("b.db");
+        {
+            let s = Store::open(&path).unwrap();
+            let mut up = s.upload("file-z");
+            for i in 0..2000u64 {
+                up.line(i, i + 1, &format!("c{i}"), "x").unwrap();
+            }
+            // A crash: the upload is never committed nor dropped.
+            std::mem::forget(up);
+        }
+        let s = Store::open(&path).unwrap();
+        assert!(s.lines("file-z", 0, 10).unwrap().is_empty());
+        drop(s);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
