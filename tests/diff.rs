@@ -209,3 +209,45 @@ fn a_reserve_for_batches_changes_their_deadline_misses() {
     assert_eq!(c, 0);
     assert!(md.contains("| batch_b | deadline_misses |"), "{md}");
 }
+
+/// `--fail-if` gates on batch deadline misses: the change that reserves
+/// capacity for batches passes `batches deadline_misses +0`; the reverse
+/// change (taking the reserve away) trips it, naming the batch.
+#[test]
+fn a_gate_on_batch_deadline_misses_trips_when_they_rise() {
+    let run = |old: &'static str, new: &'static str, gate: &'static str| {
+        kiln(&[
+            "diff",
+            old,
+            new,
+            "--traffic",
+            "tests/fixtures/batch/traffic.jsonl",
+            "--fail-if",
+            gate,
+        ])
+    };
+    let (c, out, e) = run(
+        "tests/fixtures/batch/old.kiln",
+        "tests/fixtures/batch/new.kiln",
+        "batches deadline_misses +0",
+    );
+    assert_eq!(c, 0, "{out}{e}");
+    let (c, out, e) = run(
+        "tests/fixtures/batch/new.kiln",
+        "tests/fixtures/batch/old.kiln",
+        "batch:batch_b deadline_misses +0",
+    );
+    assert_eq!(c, 1, "{out}{e}");
+    assert!(
+        out.contains("batch batch_b: deadline_misses") && out.contains("tripped"),
+        "{out}"
+    );
+    // Per-batch metrics only on batch scopes, and batch scopes only for them.
+    let (c, _, e) = run(
+        "tests/fixtures/batch/old.kiln",
+        "tests/fixtures/batch/new.kiln",
+        "tier:interactive deadline_misses +0",
+    );
+    assert_eq!(c, 2, "{e}");
+    assert!(e.contains("measured per batch"), "{e}");
+}

@@ -2,17 +2,21 @@
 //! the run (exit 1), and the report says which tripped.
 //!
 //! A gate is `SCOPE METRIC LIMIT`:
-//! - SCOPE: `tier:NAME`, `tenant:NAME`, or `all` (every tier);
+//! - SCOPE: `tier:NAME`, `tenant:NAME`, or `all` (every tier); for
+//!   `deadline_misses`, `batch:ID` or `batches` (every batch in the traffic);
 //! - METRIC: `ttft_p50|ttft_p95|ttft_p99|e2e_p50|e2e_p95|e2e_p99` (trip when
 //!   the new value exceeds the old by more than LIMIT), `slo_attainment` and
 //!   `goodput` (trip when the new value falls by more than LIMIT),
 //!   `rejected`, `preemptions`, `cost`, `gpu_seconds` (trip when they rise by
-//!   more than LIMIT), or `changed_decisions` (trip when more requests than
-//!   LIMIT are decided differently; scope `all`);
+//!   more than LIMIT), `deadline_misses` (a batch's items finished after its
+//!   window; trip when they rise by more than LIMIT), or `changed_decisions`
+//!   (trip when more requests than LIMIT are decided differently; scope
+//!   `all`);
 //! - LIMIT: `+10%` (relative) or `+0`, `+250` (absolute, in the metric's
 //!   unit: ms, requests, points of attainment ×100…).
 //!
-//! Examples: `tier:interactive ttft_p95 +10%`, `tenant:analytics rejected +0`.
+//! Examples: `tier:interactive ttft_p95 +10%`, `tenant:analytics rejected +0`,
+//! `batches deadline_misses +0`.
 
 use super::traffic::{group_metrics, DecisionDiff, Impact};
 use serde::Serialize;
@@ -30,6 +34,8 @@ enum Scope {
     Tier(String),
     Tenant(String),
     All,
+    Batch(String),
+    Batches,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -57,6 +63,7 @@ const RISE: &[&str] = &[
     "preemptions",
     "cost",
     "gpu_seconds",
+    "deadline_misses",
 ];
 const FALL: &[&str] = &["slo_attainment", "goodput"];
 
@@ -71,14 +78,22 @@ pub fn parse(text: &str) -> Result<Gate, String> {
     let scope = match scope.split_once(':') {
         Some(("tier", n)) if !n.is_empty() => Scope::Tier(n.to_string()),
         Some(("tenant", n)) if !n.is_empty() => Scope::Tenant(n.to_string()),
+        Some(("batch", n)) if !n.is_empty() => Scope::Batch(n.to_string()),
         None if *scope == "all" => Scope::All,
+        None if *scope == "batches" => Scope::Batches,
         _ => {
             return Err(format!(
-                "gate `{text}`: scope is `tier:NAME`, `tenant:NAME` or `all`"
+                "gate `{text}`: scope is `tier:NAME`, `tenant:NAME`, `all`, `batch:ID` or `batches`"
             ))
         }
     };
     let metric = metric.to_string();
+    let per_batch = matches!(scope, Scope::Batch(_) | Scope::Batches);
+    if per_batch != (metric == "deadline_misses") {
+        return Err(format!(
+            "gate `{text}`: `deadline_misses` is measured per batch, and batches only measure it: write `batch:ID deadline_misses +0` or `batches deadline_misses +0`"
+        ));
+    }
     if !RISE.contains(&metric.as_str())
         && !FALL.contains(&metric.as_str())
         && metric != "changed_decisions"
@@ -145,6 +160,31 @@ pub fn evaluate(g: &Gate, decisions: Option<&DecisionDiff>, impact: Option<&Impa
     let Some(i) = impact else {
         return result(false, "no traffic given: nothing to measure".into());
     };
+    if let Scope::Batch(_) | Scope::Batches = &g.scope {
+        let mut details = Vec::new();
+        let mut tripped = false;
+        for b in &i.batches {
+            if matches!(&g.scope, Scope::Batch(id) if id != &b.name) {
+                continue;
+            }
+            let Some(x) = b.metrics.iter().find(|x| x.metric == "deadline_misses") else {
+                continue;
+            };
+            let t = exceeds(x.old, x.new, g.limit, true);
+            tripped |= t;
+            details.push(format!(
+                "batch {}: deadline_misses {} → {}{}",
+                b.name,
+                x.old,
+                x.new,
+                if t { " (tripped)" } else { "" }
+            ));
+        }
+        if details.is_empty() {
+            details.push("no batch items in the traffic".into());
+        }
+        return result(tripped, details.join("; "));
+    }
     let groups: Vec<(
         String,
         Option<&crate::replay::report::Group>,
@@ -160,6 +200,7 @@ pub fn evaluate(g: &Gate, decisions: Option<&DecisionDiff>, impact: Option<&Impa
             i.old.tenants.iter().find(|x| &x.name == n),
             i.new.tenants.iter().find(|x| &x.name == n),
         )],
+        Scope::Batch(_) | Scope::Batches => Vec::new(),
         Scope::All => {
             let mut names: Vec<String> = i
                 .old
