@@ -510,9 +510,14 @@ async fn one_faulty_upstream_beside_a_healthy_one() {
     for fault in FAULTS {
         let n = scenario(fault, Mode::Healthy).await;
         table.push(row(&format!("a {fault:?}, b healthy"), &n));
-        // Nearly everything answered: what fails is what had already
-        // reached the client (a stream cut mid-way) or a half-open trial.
-        if n.hung > 0 || n.answered * 100 < TOTAL * 95 {
+        // Nearly every answer began (200): what fails after that is a
+        // stream cut mid-way, which no replica can take over; what fails
+        // before it is a half-open trial. (How many streams a cut upstream
+        // reaches depends on how long the run takes, through its breaker's
+        // half-open trials: counting only full answers here failed on a
+        // loaded CI machine at 189 of 200, with 8 cut mid-stream.)
+        let began = n.statuses.get(&200).copied().unwrap_or(0);
+        if n.hung > 0 || began * 100 < TOTAL * 95 || n.answered * 100 < TOTAL * 90 {
             failed.push(fault);
         }
     }
