@@ -530,17 +530,6 @@ impl Store {
         Ok(rows.collect::<Result<_, _>>()?)
     }
 
-    /// How many of a batch's items have a result (of any kind).
-    pub fn results_count(&self, batch: &str) -> Result<u64, StoreError> {
-        let c = lock(&self.read)?;
-        let n: i64 = c.query_row(
-            "SELECT COUNT(*) FROM results WHERE batch_id = ?1",
-            [batch],
-            |r| r.get(0),
-        )?;
-        Ok(n as u64)
-    }
-
     /// Creates the output and error files of a batch from its results and
     /// moves it from `finalizing` to `to`, in one transaction: the status
     /// says `completed` only once its files are committed.

@@ -222,8 +222,9 @@ async fn step(
                 close(app, b, Closing::Expired).await?;
             }
             BatchStatus::InProgress => {
-                let id = b.id.clone();
-                let had = store.run(move |s| s.results_count(&id)).await?;
+                // Every result of a running batch is counted (only a
+                // cancel writes uncounted ones, and ends the batch).
+                let had = b.counts.completed + b.counts.failed;
                 if had >= b.counts.total {
                     let id = b.id.clone();
                     store
@@ -372,11 +373,7 @@ async fn serve(app: &Arc<App>, b: &BatchRow, it: &ItemLine) -> ItemResult {
         .ok()
         .and_then(|mut v| v.get_mut("body").map(Value::take))
         .unwrap_or(Value::Null);
-    let speed = if app.speed.is_finite() && app.speed > 0.0 {
-        app.speed
-    } else {
-        1.0
-    };
+    let speed = app.speed;
     let mut upstream_failures = 0u32;
     loop {
         let left_s = b.expires_at as f64 - crate::clock::unix_ms() / 1000.0;
@@ -643,10 +640,6 @@ pub async fn estimate_for_lines(
     let (graph, f) = app.exec.forecast(req, items).await?;
     let f = f?;
     let tier = graph.tiers.get(f.tier as usize)?.name.clone();
-    let speed = if app.speed.is_finite() && app.speed > 0.0 {
-        app.speed
-    } else {
-        1.0
-    };
+    let speed = app.speed;
     Some((f.secs / speed, tier))
 }

@@ -455,20 +455,32 @@ async fn list_files(
     )
 }
 
-/// The file, if the caller owns it.
-async fn owned_file(app: &App, headers: &HeaderMap, id: &str) -> Result<FileRow, ApiError> {
+/// What the store holds under `id`, if the caller owns it: another
+/// tenant's is a 404, the same as an id that never existed.
+async fn owned<T: Send + 'static>(
+    app: &App,
+    headers: &HeaderMap,
+    id: &str,
+    what: &str,
+    fetch: fn(&crate::batch::store::Store, &str) -> Result<Option<T>, StoreError>,
+    owner_of: fn(&T) -> &Option<String>,
+) -> Result<T, ApiError> {
     let owner = caller(app, headers)?;
-    let fid = id.to_string();
-    let f = app
+    let key = id.to_string();
+    let found = app
         .batches
         .store
-        .run(move |s| s.file(&fid))
+        .run(move |s| fetch(s, &key))
         .await
         .map_err(store_error)?;
-    match f {
-        Some(f) if f.owner == owner => Ok(f),
-        _ => Err(not_found("file", id)),
+    match found {
+        Some(x) if *owner_of(&x) == owner => Ok(x),
+        _ => Err(not_found(what, id)),
     }
+}
+
+async fn owned_file(app: &App, headers: &HeaderMap, id: &str) -> Result<FileRow, ApiError> {
+    owned(app, headers, id, "file", |s, k| s.file(k), |f| &f.owner).await
 }
 
 async fn get_file(
@@ -721,11 +733,7 @@ async fn create_inner(
             Some("completion_window"),
         ));
     }
-    let speed = if app.speed.is_finite() && app.speed > 0.0 {
-        app.speed
-    } else {
-        1.0
-    };
+    let speed = app.speed;
     let created = now_s();
     let window_s = window / speed;
     let row = BatchRow {
@@ -780,20 +788,8 @@ async fn create_inner(
     Ok(axum::Json(row.to_json(rate_of(&app, owner.as_deref()))).into_response())
 }
 
-/// The batch, if the caller owns it.
 async fn owned_batch(app: &App, headers: &HeaderMap, id: &str) -> Result<BatchRow, ApiError> {
-    let owner = caller(app, headers)?;
-    let bid = id.to_string();
-    let b = app
-        .batches
-        .store
-        .run(move |s| s.batch(&bid))
-        .await
-        .map_err(store_error)?;
-    match b {
-        Some(b) if b.owner == owner => Ok(b),
-        _ => Err(not_found("batch", id)),
-    }
+    owned(app, headers, id, "batch", |s, k| s.batch(k), |b| &b.owner).await
 }
 
 async fn get_batch(

@@ -66,6 +66,7 @@ pub struct App {
     /// Admin endpoints without a token (no tokens configured, loopback).
     pub admin_open: bool,
     pub swap_lock: tokio::sync::Mutex<()>,
+    /// Simulated time per wall time, always a positive number.
     pub speed: f64,
     /// Epoch milliseconds at start (request ids are unique per start).
     pub boot_ms: u64,
@@ -233,7 +234,10 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         sched_cfg.start_weekday = weekday;
     }
     let sched = Scheduler::new(policy.graph.clone(), plan, sched_cfg);
-    let speed = config.sim.speed;
+    // As the wall clock reads it: a speed that is not a positive number is 1.
+    let speed = Some(config.sim.speed)
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .unwrap_or(1.0);
     let (graph, version) = (policy.graph.clone(), policy.version.clone());
     let (exec_handle, exec_task) = match clock {
         Some(c) => Executor::new(sched, graph, version, backends.clone(), c).spawn(),

@@ -1081,12 +1081,7 @@ fn base_record(ctx: &Ctx, d: Option<&Decided>) -> Record {
     // A batch item's deadline, on the log's clock (wall milliseconds, as
     // `at_ms`), so a replay of the log holds it to the same window.
     if let Some(w) = ctx.window_ms() {
-        let speed = if ctx.app.speed > 0.0 {
-            ctx.app.speed
-        } else {
-            1.0
-        };
-        r.deadline_ms = Some((ctx.received_ms + w / speed).round());
+        r.deadline_ms = Some((ctx.received_ms + w / ctx.app.speed).round());
     }
     if let Some(d) = d {
         r.policy_version = Some(d.version.to_string());
