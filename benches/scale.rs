@@ -31,6 +31,7 @@ route batch llama-8b { default => fp16 }
 
 fn arrival(id: u64) -> Arrival {
     Arrival {
+        quota_claimed: false,
         window: None,
         id,
         request: Request {

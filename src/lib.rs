@@ -19,6 +19,7 @@ pub mod policy_test;
 pub mod replay;
 pub mod sched;
 pub mod server;
+pub mod shared;
 pub mod source;
 pub mod traffic;
 pub mod units;

@@ -21,7 +21,14 @@ const LAYERS: &[&[&str]] = &[
     &["graph"],
     // What reads or produces graphs: the compiler, the scheduler core,
     // recorded traffic, policy tests.
-    &["compile", "sched", "traffic", "policy_test", "batch"],
+    &[
+        "compile",
+        "sched",
+        "traffic",
+        "policy_test",
+        "batch",
+        "shared",
+    ],
     // The driver (the one interpreter of scheduler actions); backends.
     &["driver", "backend"],
     // The replay.

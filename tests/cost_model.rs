@@ -177,6 +177,7 @@ fn saturate(g: DecisionGraph, n: u64, input: u64, output: u32) -> Saturation {
                 ..Default::default()
             };
             let a = Arrival {
+                quota_claimed: false,
                 window: None,
                 id,
                 request,

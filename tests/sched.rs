@@ -84,6 +84,7 @@ fn arrivals(list: Vec<A>) -> Vec<(Micros, Arrival)> {
             (
                 x.at_ms * MS,
                 Arrival {
+                    quota_claimed: false,
                     window: x.window_ms.map(|w| w * MS),
                     id: i as u64,
                     request: Request {
@@ -550,6 +551,7 @@ route t m { default => fp16 }
         (
             at_ms * MS,
             Arrival {
+                quota_claimed: false,
                 window: None,
                 id,
                 request: Request {
@@ -916,6 +918,7 @@ route t m { default => fp16 }
                 v.push((
                     at * MS,
                     Arrival {
+                        quota_claimed: false,
                         window: None,
                         id: conv * 100 + turn,
                         request: Request {

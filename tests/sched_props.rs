@@ -134,6 +134,7 @@ fn check_on(g: Arc<DecisionGraph>, mode: Mode, kv: u64, reqs: &[(u64, u8, u32, u
     let mut pending = Vec::new();
     for (i, &(at, t, p, o)) in reqs.iter().enumerate() {
         pending.push(Some(Arrival {
+            quota_claimed: false,
             window: None,
             id: i as u64,
             request: Request {

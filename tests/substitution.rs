@@ -196,6 +196,7 @@ fn the_replay_dispatches_substituted_requests_to_the_substitutes_replicas() {
                 _ => ("app", "large"),
             };
             let a = Arrival {
+                quota_claimed: false,
                 window: None,
                 id,
                 request: req(tenant, model),

@@ -28,15 +28,26 @@ pub fn run(a: Args) -> i32 {
         Ok((200, b)) => b["data"].as_array().cloned().unwrap_or_default(),
         _ => Vec::new(),
     };
+    // The fleet's replicas and the version each runs (`[state]`).
+    let fleet = match admin_client::call(&a.server, Method::Get, "/admin/replicas", None) {
+        Ok((200, f)) => Some(f),
+        _ => None,
+    };
     if a.format == Format::Json {
         let mut v = v;
         v["batches"] = serde_json::Value::Array(batches);
+        if let Some(f) = &fleet {
+            v["fleet"] = f.clone();
+        }
         admin_client::print_json(&v);
         return EXIT_OK;
     }
     match admin_client::parse::<StatusView>(v) {
         Ok(s) => {
             print!("{}", render_status(&s));
+            if let Some(f) = fleet.as_ref().filter(|f| f["shared"] == true) {
+                print!("{}", render_fleet(f));
+            }
             println!("\nbatches:");
             print!(
                 "{}",
@@ -46,4 +57,46 @@ pub fn run(a: Args) -> i32 {
         }
         Err(c) => c,
     }
+}
+
+/// The fleet section of `kiln status`: one line per live replica.
+pub fn render_fleet(f: &serde_json::Value) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "\nreplicas (shared state{}; on_unavailable {}):",
+        if f["reachable"] == true {
+            ""
+        } else {
+            " UNREACHABLE from this replica"
+        },
+        f["on_unavailable"].as_str().unwrap_or("?")
+    );
+    let list = f["replicas"].as_array().cloned().unwrap_or_default();
+    let versions: std::collections::BTreeSet<&str> =
+        list.iter().filter_map(|r| r["version"].as_str()).collect();
+    for r in &list {
+        let me = r["id"] == f["replica"];
+        let _ = writeln!(
+            out,
+            "  {:<32} {}  epoch {:<4} in flight {:<5}{}",
+            r["id"].as_str().unwrap_or("?"),
+            r["version"].as_str().unwrap_or("?"),
+            r["epoch"].as_u64().unwrap_or(0),
+            r["in_flight"].as_u64().unwrap_or(0),
+            if me { "  (this one)" } else { "" }
+        );
+    }
+    if list.is_empty() {
+        out.push_str("  (none seen)\n");
+    }
+    if versions.len() > 1 {
+        let _ = writeln!(
+            out,
+            "  versions differ across replicas: {} (a replica that cannot run the fleet's version keeps its own; see its log)",
+            versions.into_iter().collect::<Vec<_>>().join(", ")
+        );
+    }
+    out
 }

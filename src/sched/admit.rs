@@ -66,6 +66,9 @@ pub(super) struct Admitting<'g> {
     pub window: Option<Micros>,
     /// Arrival plus `window`: when it must be finished.
     pub deadline: Option<Micros>,
+    /// Its tenant's quotas were claimed across the fleet
+    /// ([`Arrival::quota_claimed`]).
+    pub quota_claimed: bool,
 }
 
 type Gate = fn(&mut Scheduler, &mut Admitting<'_>) -> Result<(), Refusal>;
@@ -214,7 +217,14 @@ fn quota(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal> {
 /// The tenant's quota.
 fn tenant_quota(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal> {
     let need = f64::from(a.output) + a.req.prompt_tokens as f64;
+    // Claimed across the fleet for the tenant it names: counted in flight
+    // here, charged there (once).
+    let named = a.req.tenant.as_deref().and_then(|n| a.graph.tenant_id(n));
     match a.tenant {
+        Some(t) if a.quota_claimed && named == Some(t) => {
+            s.quotas.track(t);
+            Ok(())
+        }
         Some(t) if s.cfg.mode == Mode::Kiln => match s.quotas.reserve(a.graph, t, need, s.now) {
             Ok(borrowed) => {
                 a.borrowed = borrowed;
@@ -350,6 +360,7 @@ impl Scheduler {
             est_start: None,
             window,
             deadline,
+            quota_claimed: arrival.quota_claimed,
         };
         for (_, gate) in GATES {
             if let Err(r) = gate(self, &mut a) {

@@ -109,6 +109,9 @@ pub enum Reason {
     TierQuota,
     /// The model's quota (`model M { quota { … } }`).
     ModelQuota,
+    /// The fleet's shared state store is unreachable and the operator
+    /// chose to refuse meanwhile (`[state] on_unavailable = "refuse"`).
+    SharedState,
 }
 
 impl Reason {
@@ -134,6 +137,7 @@ impl Reason {
             Reason::Reservation => "reservation",
             Reason::TierQuota => "tier-quota",
             Reason::ModelQuota => "model-quota",
+            Reason::SharedState => "shared-state-unavailable",
         }
     }
 }
@@ -168,6 +172,13 @@ pub struct Arrival {
     /// its tier's `slo { window }`: a batch item carries what is left of
     /// its batch's window, so its deadline is the batch's.
     pub window: Option<Micros>,
+    /// The tenant's quotas (requests, tokens, concurrency, GPU-seconds)
+    /// were already claimed for this request across a fleet of replicas
+    /// (the gateway's shared state): the scheduler counts it in flight but
+    /// does not charge its own buckets again. Only the tenant the request
+    /// names (by `tenant` or its key) was claimed; a rule that moves it to
+    /// another tenant is charged here, at [`Config::quota_scale`].
+    pub quota_claimed: bool,
 }
 
 // An arrival (with its own window) is a little over clippy's 200 bytes;
@@ -312,6 +323,11 @@ pub struct Config {
     /// [`replica::Replica::backfill_slack`]): backfill uses idle capacity
     /// without slowing interactive work by more than this.
     pub backfill_slack: f64,
+    /// Share of each tenant's quotas this scheduler enforces by itself: 1
+    /// alone; 1/N in each of N replicas sharing state, for requests not
+    /// claimed across the fleet (while the shared store is down, with
+    /// `on_unavailable = "local"`), so that together they stay within it.
+    pub quota_scale: f64,
 }
 
 impl Default for Config {
@@ -329,6 +345,7 @@ impl Default for Config {
             routing: route::Routing::Kiln,
             seed: 0,
             backfill_slack: 0.1,
+            quota_scale: 1.0,
         }
     }
 }
@@ -515,7 +532,7 @@ impl Scheduler {
             .collect();
         let signals = Signals::idle(&graph);
         let idle = signals.clone();
-        let quotas = Quotas::new(&graph);
+        let quotas = Quotas::scaled(&graph, cfg.quota_scale);
         let scoped = scoped::ScopedQuotas::new(&graph);
         let queues = Queues::new(&graph, &cfg);
         let router = route::Router::new(cfg.routing, cfg.seed);

@@ -67,24 +67,41 @@ struct TenantState {
 #[derive(Debug, Clone, Default)]
 pub struct Quotas {
     tenants: Vec<TenantState>,
+    /// The share of each limit enforced here ([`super::Config::quota_scale`]).
+    scale: f64,
 }
 
 impl Quotas {
     pub fn new(g: &DecisionGraph) -> Quotas {
+        Quotas::scaled(g, 1.0)
+    }
+
+    /// Quotas at `scale` of the policy's limits (one of N replicas
+    /// enforcing its share). A concurrency limit keeps at least one.
+    pub fn scaled(g: &DecisionGraph, scale: f64) -> Quotas {
+        let scale = if scale.is_finite() && scale > 0.0 {
+            scale.min(1.0)
+        } else {
+            1.0
+        };
         Quotas {
+            scale,
             tenants: g
                 .tenants
                 .iter()
                 .map(|t| TenantState {
-                    tokens: t.quota.tokens.map(Bucket::per_minute),
-                    requests: t.quota.requests.map(Bucket::per_minute),
-                    concurrent: t.quota.concurrent,
+                    tokens: t.quota.tokens.map(|r| Bucket::per_minute(r * scale)),
+                    requests: t.quota.requests.map(|r| Bucket::per_minute(r * scale)),
+                    concurrent: t
+                        .quota
+                        .concurrent
+                        .map(|c| ((c as f64 * scale).ceil() as u64).max(1)),
                     in_flight: 0,
                     borrow: t.borrow / 100.0,
                     lend: t.lend / 100.0,
                     cohort: t.cohort,
                     borrowed: 0.0,
-                    gpu_per_day: t.quota.gpu_seconds.map(|per_s| per_s * 86_400.0),
+                    gpu_per_day: t.quota.gpu_seconds.map(|per_s| per_s * 86_400.0 * scale),
                     gpu_used: 0.0,
                     gpu_day: 0,
                     retry_budget: t.retry_budget.map(|p| p / 100.0),
@@ -100,7 +117,7 @@ impl Quotas {
     /// today, borrowed tokens and retry history; a new tenant starts full;
     /// a removed one is dropped. `tenant_map` maps old tenant ids to new.
     pub fn remap(&self, g: &DecisionGraph, tenant_map: &[Option<TenantId>], now: Micros) -> Quotas {
-        let mut next = Quotas::new(g);
+        let mut next = Quotas::scaled(g, self.scale);
         let resize = |old: Option<Bucket>, new: &mut Option<Bucket>| {
             if let (Some(mut o), Some(n)) = (old, new.as_mut()) {
                 o.refill(now);

@@ -27,6 +27,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/readyz", get(readyz))
         .route("/admin/explain/{id}", get(explain))
         .route("/admin/queues", get(queues))
+        .route("/admin/replicas", get(replicas))
         .route("/admin/signals", get(signals))
         .route("/admin/policy", post(swap_policy).get(show_policy))
         .with_state(app)
@@ -209,6 +210,42 @@ async fn queues(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     }
 }
 
+/// The fleet this gateway shares state with: each live replica, the
+/// policy version and epoch it runs, and whether this one reaches Redis.
+async fn replicas(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&app, &headers) {
+        return e.into_response();
+    }
+    let version = app.policy.load().version.to_string();
+    let Some(fleet) = app.fleet.as_ref() else {
+        return axum::Json(json!({
+            "shared": false,
+            "version": version,
+            "replicas": [],
+        }))
+        .into_response();
+    };
+    let (list, reachable) = match fleet.store.replicas().await {
+        Ok(l) => (l, true),
+        Err(_) => (Vec::new(), false),
+    };
+    let fleet_epoch = fleet.store.policy_epoch().await.ok();
+    axum::Json(json!({
+        "shared": true,
+        "replica": fleet.store.replica(),
+        "reachable": reachable,
+        "on_unavailable": match fleet.on_unavailable {
+            super::config::OnUnavailable::Local => "local",
+            super::config::OnUnavailable::Refuse => "refuse",
+        },
+        "version": version,
+        "epoch": fleet.applied_epoch(),
+        "fleet_epoch": fleet_epoch,
+        "replicas": list,
+    }))
+    .into_response()
+}
+
 /// The measured signals the policy reads, as of the last arrival, in the
 /// form `kiln explain --signals` takes.
 async fn signals(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
@@ -351,7 +388,22 @@ pub fn compile_upload(
 }
 
 /// Compiles, validates and swaps in a policy. On failure nothing changes.
+/// In a fleet sharing state, the new version is announced to every
+/// replica ([`super::fleet`]).
 pub async fn activate(
+    app: &App,
+    files: BTreeMap<String, String>,
+) -> Result<Activation, ActivationError> {
+    let a = activate_here(app, files).await?;
+    if let (true, Some(fleet)) = (a.changed, app.fleet.as_ref()) {
+        let policy = app.policy.load_full();
+        super::fleet::announce(fleet, &policy).await;
+    }
+    Ok(a)
+}
+
+/// [`activate`] on this replica only (a version the fleet announced).
+pub async fn activate_here(
     app: &App,
     files: BTreeMap<String, String>,
 ) -> Result<Activation, ActivationError> {

@@ -54,6 +54,62 @@ pub struct ServerConfig {
     /// is fed to the scheduler at once, upload limits.
     #[serde(default)]
     pub batch: BatchSection,
+    /// Shared state for several replicas (`[state] redis = "redis://…"`):
+    /// quotas, fair share, the policy version and governance live in
+    /// Redis. Without it a gateway keeps everything in memory, as before.
+    #[serde(default)]
+    pub state: Option<StateSection>,
+}
+
+/// What a replica does while the shared store is unreachable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnUnavailable {
+    /// Keep serving, each tenant's limits divided by `replicas`, so the
+    /// fleet together stays within them.
+    Local,
+    /// Refuse requests (503, `shared-state-unavailable`) until it is back.
+    Refuse,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StateSection {
+    /// `redis://[user:password@]host:port/db` (or `rediss://` for TLS).
+    pub redis: String,
+    /// Prefix of every key, so several fleets can share one Redis.
+    #[serde(default = "default_namespace")]
+    pub namespace: String,
+    /// This replica's name in `kiln status` and in leases; defaults to
+    /// `$HOSTNAME` (the pod's name on Kubernetes) and the process id.
+    #[serde(default)]
+    pub replica: Option<String>,
+    /// The operator's choice while Redis is unreachable.
+    pub on_unavailable: OnUnavailable,
+    /// How many replicas the fleet runs: while Redis is down each one
+    /// enforces 1/`replicas` of every tenant's limits.
+    #[serde(default = "default_replicas")]
+    pub replicas: u32,
+    /// Leases: a replica's concurrency reservations, its liveness and the
+    /// governance writer's lock expire this long after the holder stops
+    /// renewing them (a replica killed with `kill -9` frees them in this).
+    #[serde(
+        default = "default_lease",
+        deserialize_with = "crate::units::duration::deserialize"
+    )]
+    pub lease: std::time::Duration,
+}
+
+fn default_namespace() -> String {
+    "kiln".into()
+}
+
+fn default_replicas() -> u32 {
+    1
+}
+
+fn default_lease() -> std::time::Duration {
+    std::time::Duration::from_secs(10)
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -510,6 +566,67 @@ impl LogSection {
     }
 }
 
+impl StateSection {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let url = self.redis.trim();
+        if !(url.starts_with("redis://")
+            || url.starts_with("rediss://")
+            || url.starts_with("redis+unix://")
+            || url.starts_with("unix://"))
+        {
+            return Err(ConfigError::Invalid {
+                message: format!("`[state] redis = \"{}\"` is not a Redis URL", crate::server::config::redact_url(url)),
+                help: Some("write it as redis://HOST:PORT/DB (rediss:// for TLS), e.g. redis://127.0.0.1:6379/0".into()),
+            });
+        }
+        let ns_ok = !self.namespace.is_empty()
+            && self.namespace.len() <= 64
+            && self
+                .namespace
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
+        if !ns_ok {
+            return Err(ConfigError::Invalid {
+                message: format!(
+                    "`[state] namespace = \"{}\"` is not a usable key prefix",
+                    self.namespace.escape_debug()
+                ),
+                help: Some("use 1 to 64 letters, digits, `-`, `_` or `.`".into()),
+            });
+        }
+        if let Some(r) = &self.replica {
+            if r.is_empty() || r.len() > 128 || !r.bytes().all(|b| b.is_ascii_graphic()) {
+                return Err(ConfigError::Invalid {
+                    message: "`[state] replica` must be 1 to 128 visible characters".into(),
+                    help: Some("leave it out to use $HOSTNAME and the process id".into()),
+                });
+            }
+        }
+        if self.replicas == 0 || self.replicas > 10_000 {
+            return Err(ConfigError::Invalid {
+                message: format!("`[state] replicas = {}` is out of range", self.replicas),
+                help: Some("give the number of gateway replicas you run (1 to 10000)".into()),
+            });
+        }
+        let ms = self.lease.as_millis();
+        if !(500..=600_000).contains(&ms) {
+            return Err(ConfigError::Invalid {
+                message: format!("`[state] lease = {}ms` is out of range", ms),
+                help: Some("give 500ms to 10min: how long a dead replica's reservations may outlive it (10s suits most fleets)".into()),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A URL with any password replaced, for messages and logs.
+pub fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}://***@{}", &url[..s], &url[at + 1..]),
+        _ => url.to_string(),
+    }
+}
+
 impl ServerConfig {
     /// No config file: the policy's keys, simulated pools, no log.
     pub fn default_embedded() -> ServerConfig {
@@ -539,6 +656,9 @@ impl ServerConfig {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(st) = &self.state {
+            st.validate()?;
+        }
         let b = &self.batch;
         if b.max_in_flight == 0 || b.max_in_flight > 1_000_000 {
             return Err(ConfigError::Invalid {

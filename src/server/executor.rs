@@ -79,6 +79,8 @@ pub enum Command {
     Submit {
         arrival: Arrival,
         events: mpsc::UnboundedSender<Progress>,
+        /// Its claim on the fleet's shared quota, released as it ends.
+        claim: Option<Arc<super::fleet::Claim>>,
     },
     Cancel(ReqId),
     /// An HTTP upstream produced the request's first token.
@@ -215,6 +217,7 @@ impl ExecHandle {
 
 struct Entry {
     events: mpsc::UnboundedSender<Progress>,
+    claim: Option<Arc<super::fleet::Claim>>,
     /// Tokens reported to the handler so far, and the sequence's length.
     sent: u32,
     target: u32,
@@ -323,6 +326,13 @@ impl Sink for Handlers {
                 retry_after,
             } => {
                 if let Some(e) = self.reqs.remove(&id) {
+                    // A request re-decided after a policy swap is sent
+                    // again on the same claim.
+                    if reason != Reason::PolicyChanged {
+                        if let Some(c) = &e.claim {
+                            c.refund();
+                        }
+                    }
                     let _ = e.events.send(Progress::Rejected {
                         reason,
                         status,
@@ -384,6 +394,9 @@ impl Sink for Handlers {
             Action::Finished { id, gpu_seconds } => {
                 self.release_gpu_kv(id);
                 if let Some(e) = self.reqs.remove(&id) {
+                    if let Some(c) = &e.claim {
+                        c.finish(e.target.max(e.sent), gpu_seconds);
+                    }
                     if e.target > e.sent {
                         let _ = e.events.send(Progress::Tokens(e.target - e.sent));
                     }
@@ -399,7 +412,11 @@ impl Sink for Handlers {
             }
             Action::Cancelled { id } => {
                 self.release_gpu_kv(id);
-                self.reqs.remove(&id);
+                if let Some(e) = self.reqs.remove(&id) {
+                    if let Some(c) = &e.claim {
+                        c.finish(e.sent, 0.0);
+                    }
+                }
             }
         }
     }
@@ -571,13 +588,18 @@ impl<C: Clock> Executor<C> {
     fn command(&mut self, c: Command) {
         let now = self.clock.now();
         match c {
-            Command::Submit { arrival, events } => {
+            Command::Submit {
+                arrival,
+                events,
+                claim,
+            } => {
                 let id = arrival.id;
                 self.arrivals += 1;
                 self.handlers.reqs.insert(
                     id,
                     Entry {
                         events,
+                        claim,
                         sent: 0,
                         target: 0,
                     },

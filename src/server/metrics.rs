@@ -113,6 +113,9 @@ struct Collectors {
     batch_items: GaugeVec,
     batch_predicted_miss: GaugeVec,
     batch_deadline_misses: CounterVec,
+    shared_up: GaugeVec,
+    shared_errors: CounterVec,
+    shared_unclaimed: CounterVec,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -325,6 +328,24 @@ impl Collectors {
                 "Batch items that finished after their batch's completion window, or expired unrun.",
                 &["tenant", "tier"],
             )?,
+            shared_up: gauge(
+                r,
+                "kiln_shared_state_up",
+                "1 while this replica reaches the shared state store (Redis, `[state]`), 0 while it does not (then `on_unavailable` applies).",
+                &[],
+            )?,
+            shared_errors: counter(
+                r,
+                "kiln_shared_state_errors_total",
+                "Calls to the shared state store that failed or timed out.",
+                &[],
+            )?,
+            shared_unclaimed: counter(
+                r,
+                "kiln_shared_state_unclaimed_total",
+                "Requests decided without the shared store while it was unreachable: served on local limits (`local`) or refused (`refused`).",
+                &["action"],
+            )?,
         })
     }
 }
@@ -452,6 +473,29 @@ impl Metrics {
 
     /// `kiln_policy_info{version="…"} 1`, replacing the previous version's
     /// series.
+    /// The shared store's health, from the heartbeat: up or not, and the
+    /// store's count of failed calls so far.
+    pub fn shared_state(&self, up: bool, failures: u64) {
+        let Some(c) = &self.c else { return };
+        if let Some(g) = get(&c.shared_up, &[]) {
+            g.set(if up { 1.0 } else { 0.0 });
+        }
+        if let Some(e) = get(&c.shared_errors, &[]) {
+            let seen = e.get() as u64;
+            if failures > seen {
+                e.inc_by((failures - seen) as f64);
+            }
+        }
+    }
+
+    /// A request decided without the shared store (`local` or `refused`).
+    pub fn shared_unclaimed(&self, action: &str) {
+        let Some(c) = &self.c else { return };
+        if let Some(e) = get(&c.shared_unclaimed, &[action]) {
+            e.inc();
+        }
+    }
+
     pub fn set_policy_version(&self, version: &str) {
         let Some(c) = &self.c else { return };
         c.policy_info.reset();

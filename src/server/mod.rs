@@ -16,6 +16,7 @@ pub mod config;
 pub mod decision_log;
 pub mod executor;
 pub mod explain;
+pub mod fleet;
 mod generation;
 pub mod governance;
 pub mod limits;
@@ -76,6 +77,8 @@ pub struct App {
     pub gov: governance::Gov,
     /// Files, batches and their results, and the runner's bell.
     pub batches: batch_runner::Batches,
+    /// The fleet this replica shares state with (`[state]`), if any.
+    pub fleet: Option<Arc<fleet::Fleet>>,
 }
 
 impl App {
@@ -161,6 +164,7 @@ pub struct Running {
     executor: tokio::task::JoinHandle<()>,
     governance: tokio::task::JoinHandle<()>,
     batch_runner: tokio::task::JoinHandle<()>,
+    fleet: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Running {
@@ -172,6 +176,9 @@ impl Running {
         let _ = self.server.await;
         self.governance.abort();
         self.batch_runner.abort();
+        for t in &self.fleet {
+            t.abort();
+        }
         self.app.log.flush().await;
         self.executor.abort();
     }
@@ -181,6 +188,9 @@ impl Running {
         let _ = self.server.await;
         self.governance.abort();
         self.batch_runner.abort();
+        for t in &self.fleet {
+            t.abort();
+        }
         self.app.log.flush().await;
     }
 
@@ -227,7 +237,21 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         ));
     }
     let backends = Arc::new(backends);
+    let speed = Some(config.sim.speed)
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .unwrap_or(1.0);
+    let fleet = match &config.state {
+        Some(st) => {
+            Some(fleet::Fleet::open(st, speed).map_err(|e| ServeError::Startup(e.to_string()))?)
+        }
+        None => None,
+    };
     let mut sched_cfg = SchedConfig::default();
+    if let Some(f) = &fleet {
+        // What this replica enforces alone: requests the fleet did not
+        // claim (the store unreachable under `on_unavailable = "local"`).
+        sched_cfg.quota_scale = f.local_scale();
+    }
     if clock.is_none() {
         let (minute, weekday) = crate::clock::minute_and_weekday();
         sched_cfg.start_minute_of_day = minute;
@@ -235,9 +259,6 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
     }
     let sched = Scheduler::new(policy.graph.clone(), plan, sched_cfg);
     // As the wall clock reads it: a speed that is not a positive number is 1.
-    let speed = Some(config.sim.speed)
-        .filter(|s| s.is_finite() && *s > 0.0)
-        .unwrap_or(1.0);
     let (graph, version) = (policy.graph.clone(), policy.version.clone());
     let (exec_handle, exec_task) = match clock {
         Some(c) => Executor::new(sched, graph, version, backends.clone(), c).spawn(),
@@ -306,7 +327,19 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         boot_ms: crate::clock::unix_ms() as u64,
         gov,
         batches: batch_runner::Batches::new(store),
+        fleet: fleet.clone(),
     });
+    // Join the fleet before serving: its policy, if it has one, is the one
+    // this replica decides with (bounded: a Redis that is down leaves the
+    // local policy in force until it answers).
+    let fleet_tasks = match &fleet {
+        Some(f) => {
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(5), fleet::follow(&app, f))
+                .await;
+            fleet::spawn(app.clone(), f.clone())
+        }
+        None => Vec::new(),
+    };
     let router = routes::router(app.clone())
         .merge(batches::router(app.clone()))
         .merge(admin::router(app.clone()))
@@ -329,5 +362,6 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         executor: exec_task,
         governance: runner,
         batch_runner,
+        fleet: fleet_tasks,
     })
 }

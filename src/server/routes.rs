@@ -207,6 +207,8 @@ pub(super) struct Ctx {
     pub(super) prefix_blocks: Vec<u64>,
     /// A batch item's own deadline, from its arrival.
     pub(super) window: Option<crate::sched::Micros>,
+    /// Its claim on the tenant's quota across the fleet (`[state]`).
+    pub(super) claim: Option<Arc<super::fleet::Claim>>,
 }
 
 impl Ctx {
@@ -415,7 +417,7 @@ async fn decide_and_serve(
         replica: None,
         clock: explain::ClockTimes::default(),
     });
-    let ctx = Ctx {
+    let mut ctx = Ctx {
         app: app.clone(),
         endpoint,
         id,
@@ -431,7 +433,61 @@ async fn decide_and_serve(
         requeued: 0,
         prefix_blocks: prompt.prefix_blocks,
         window,
+        claim: None,
     };
+    if let Some(fleet) = app.fleet.clone() {
+        fleet.wait_for_version().await;
+        let need = prompt_tokens as f64 + max_tokens as f64;
+        let gate = fleet
+            .claim(
+                &app.policy.load().graph,
+                &ctx.req,
+                &ctx.rid,
+                need,
+                prompt_tokens as f64,
+            )
+            .await;
+        match gate {
+            super::fleet::Gate::Claimed(c) => ctx.claim = Some(c),
+            super::fleet::Gate::Free => {}
+            super::fleet::Gate::Refused { limit, retry_ms } => {
+                let reason = if limit == "concurrency" {
+                    Reason::Concurrency
+                } else {
+                    Reason::Quota
+                };
+                let tenant = ctx.req.tenant.as_deref().unwrap_or("none");
+                let msg = match reason {
+                    Reason::Concurrency => format!(
+                        "tenant {tenant} has as many requests in flight as its quota allows (counted over every replica)"
+                    ),
+                    _ => format!(
+                        "tenant {tenant} is over its {limit} quota (counted over every replica)"
+                    ),
+                };
+                let secs = ((retry_ms as f64 / 1000.0 / app.speed).ceil() as u64).max(1);
+                let err = ApiError::new(429, msg)
+                    .code(reason.name())
+                    .retry_after(Some(secs));
+                finish_rejected(&ctx, None, reason, &err);
+                return Err(err);
+            }
+            super::fleet::Gate::Unavailable => match fleet.on_unavailable {
+                super::config::OnUnavailable::Local => app.metrics.shared_unclaimed("local"),
+                super::config::OnUnavailable::Refuse => {
+                    app.metrics.shared_unclaimed("refused");
+                    let err = ApiError::new(
+                        503,
+                        "the gateway's shared state (Redis) is unreachable and this fleet refuses requests until it answers (`[state] on_unavailable = \"refuse\"`)",
+                    )
+                    .code(Reason::SharedState.name())
+                    .retry_after(Some(1));
+                    finish_rejected(&ctx, None, Reason::SharedState, &err);
+                    return Err(err);
+                }
+            },
+        }
+    }
     run(ctx, max_tokens).await
 }
 
@@ -616,6 +672,7 @@ fn submit(
         request: ctx.req.clone(),
         output_tokens: max_tokens.min(u64::from(u32::MAX)) as u32,
         prefix_blocks: ctx.prefix_blocks.clone(),
+        quota_claimed: ctx.claim.as_ref().is_some_and(|c| !c.is_done()),
     };
     let mut guard = CancelGuard {
         id: ctx.id,
@@ -625,6 +682,7 @@ fn submit(
     if !ctx.app.exec.send(Command::Submit {
         arrival,
         events: tx,
+        claim: ctx.claim.clone(),
     }) {
         guard.armed = false;
         return Err(ApiError::new(503, "the gateway is shutting down").retry_after(Some(1)));
@@ -1035,7 +1093,12 @@ fn decided_names(d: Option<&Decided>) -> (String, String) {
 
 fn finish_rejected(ctx: &Ctx, d: Option<&Decided>, reason: Reason, err: &ApiError) {
     let app = &ctx.app;
-    let (tier, tenant) = decided_names(d);
+    let (tier, mut tenant) = decided_names(d);
+    // Refused before the policy decided (the fleet's quota): the tenant
+    // the request named.
+    if let (None, Some(t)) = (d, ctx.req.tenant.as_ref()) {
+        tenant = t.clone();
+    }
     app.metrics
         .rejected(&tier, &tenant, reason.name(), err.status);
     explain::note(

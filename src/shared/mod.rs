@@ -1,0 +1,631 @@
+//! State shared by the replicas of one gateway fleet, kept in Redis
+//! (`[state] redis = "redis://…"` in `kiln.toml`): tenants' quotas and
+//! concurrency leases, fair-share counters, slots of shared upstream
+//! pools, the active policy version (with a pub/sub bell), the replicas'
+//! registry, and leases and records for governance.
+//!
+//! Every step that reads and writes is one Lua script ([`scripts`]), so
+//! replicas never race on a read-modify-write, and scripts take the time
+//! from Redis, so replicas' clocks need not agree. This module only talks
+//! to Redis; what to do when it cannot (the operator's `on_unavailable`)
+//! is the gateway's decision, which [`Store::is_up`] informs. A replica
+//! that loses Redis notices on its next call: [`Store`] marks it down,
+//! logs the change once, and marks it up again on the first call that
+//! succeeds (the connection manager reconnects by itself).
+
+pub mod scripts;
+
+use redis::aio::ConnectionManager;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+/// How long one call may take before it counts as Redis being down: well
+/// above a loopback or same-zone round trip (0.1 to 1 ms), well below the
+/// time a client would notice.
+pub const CALL_TIMEOUT: Duration = Duration::from_millis(300);
+
+#[derive(Debug, thiserror::Error, miette::Diagnostic)]
+pub enum StoreError {
+    #[error("`[state] redis` is not a Redis URL kiln can use: {message}")]
+    #[diagnostic(
+        code(kiln::state::url),
+        help(
+            "write it as redis://HOST:PORT/DB (rediss:// for TLS), e.g. redis://127.0.0.1:6379/0"
+        )
+    )]
+    Url { message: String },
+    #[error("the shared state store (Redis) did not answer: {message}")]
+    #[diagnostic(
+        code(kiln::state::unreachable),
+        help("check that Redis is running and reachable from this replica; `[state] on_unavailable` says what the gateway does meanwhile")
+    )]
+    Unreachable { message: String },
+    #[error("the shared state store answered something kiln did not expect: {message}")]
+    #[diagnostic(
+        code(kiln::state::protocol),
+        help("another program may be writing kiln's keys: give this fleet its own `[state] namespace`")
+    )]
+    Protocol { message: String },
+}
+
+/// How to reach the store and who this replica is.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    pub url: String,
+    pub namespace: String,
+    pub replica: String,
+    pub lease: Duration,
+}
+
+/// A tenant's limits as the shared quota enforces them (per second rates;
+/// zero means no such limit).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Limits {
+    pub requests_per_s: f64,
+    pub tokens_per_s: f64,
+    pub concurrent: u64,
+    pub gpu_seconds_per_day: Option<f64>,
+}
+
+impl Limits {
+    pub fn any(&self) -> bool {
+        self.requests_per_s > 0.0
+            || self.tokens_per_s > 0.0
+            || self.concurrent > 0
+            || self.gpu_seconds_per_day.is_some()
+    }
+}
+
+/// The answer to a quota claim.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Claimed {
+    Granted,
+    /// Which limit refused (`requests`, `tokens`, `concurrency`,
+    /// `gpu-seconds`) and when a retry could pass.
+    Refused {
+        limit: String,
+        retry_ms: u64,
+    },
+}
+
+/// One replica as the registry knows it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ReplicaInfo {
+    pub id: String,
+    /// The policy version it decides with.
+    pub version: String,
+    /// The policy epoch it has applied (see [`SharedPolicy::epoch`]).
+    pub epoch: u64,
+    pub started_unix_ms: u64,
+    pub seen_unix_ms: u64,
+    pub in_flight: u64,
+}
+
+/// The fleet's policy: every activation bumps `epoch`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SharedPolicy {
+    pub epoch: u64,
+    pub version: String,
+    pub files: BTreeMap<String, String>,
+}
+
+/// A connection to the shared store.
+pub struct Store {
+    client: redis::Client,
+    conn: ConnectionManager,
+    ns: String,
+    replica: String,
+    lease_ms: u64,
+    up: AtomicBool,
+    failures: AtomicU64,
+    scripts: scripts::Scripts,
+}
+
+const POLICY_PUT: &str = r#"
+local e = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+redis.call('HSET', KEYS[1], 'version', ARGV[1], 'files', ARGV[2])
+redis.call('PUBLISH', ARGV[3], e)
+return e
+"#;
+
+impl Store {
+    /// Opens the store without waiting for Redis: the first call connects,
+    /// so a gateway starts (and declares its `on_unavailable` behaviour)
+    /// even while Redis is down.
+    pub fn open(cfg: &StoreConfig) -> Result<Store, StoreError> {
+        let client = redis::Client::open(cfg.url.as_str()).map_err(|e| StoreError::Url {
+            message: e.to_string(),
+        })?;
+        let mc = redis::aio::ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(CALL_TIMEOUT))
+            .set_response_timeout(Some(CALL_TIMEOUT))
+            .set_number_of_retries(1)
+            .set_min_delay(Duration::from_millis(50))
+            .set_max_delay(Duration::from_millis(500));
+        let conn = ConnectionManager::new_lazy_with_config(client.clone(), mc).map_err(|e| {
+            StoreError::Url {
+                message: e.to_string(),
+            }
+        })?;
+        Ok(Store {
+            client,
+            conn,
+            ns: cfg.namespace.clone(),
+            replica: cfg.replica.clone(),
+            lease_ms: cfg.lease.as_millis().clamp(1, u128::from(u32::MAX)) as u64,
+            up: AtomicBool::new(true),
+            failures: AtomicU64::new(0),
+            scripts: scripts::Scripts::new(),
+        })
+    }
+
+    pub fn replica(&self) -> &str {
+        &self.replica
+    }
+
+    pub fn lease_ms(&self) -> u64 {
+        self.lease_ms
+    }
+
+    /// Whether the last call reached Redis.
+    pub fn is_up(&self) -> bool {
+        self.up.load(Ordering::Relaxed)
+    }
+
+    /// Calls that failed since the start.
+    pub fn failures(&self) -> u64 {
+        self.failures.load(Ordering::Relaxed)
+    }
+
+    /// `namespace:part:part…`
+    pub fn key(&self, parts: &[&str]) -> String {
+        let mut k = self.ns.clone();
+        for p in parts {
+            k.push(':');
+            k.push_str(p);
+        }
+        k
+    }
+
+    /// The channel on which activations are announced.
+    pub fn policy_channel(&self) -> String {
+        self.key(&["policy", "events"])
+    }
+
+    /// Runs one call with the timeout, noting whether Redis answered.
+    async fn call<T>(
+        &self,
+        f: impl std::future::Future<Output = redis::RedisResult<T>>,
+    ) -> Result<T, StoreError> {
+        let out = match tokio::time::timeout(CALL_TIMEOUT, f).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e))
+                if e.kind() == redis::ErrorKind::Parse
+                    || e.kind() == redis::ErrorKind::UnexpectedReturnType =>
+            {
+                Err(StoreError::Protocol {
+                    message: e.to_string(),
+                })
+            }
+            Ok(Err(e)) => Err(StoreError::Unreachable {
+                message: e.to_string(),
+            }),
+            Err(_) => Err(StoreError::Unreachable {
+                message: format!("no answer within {} ms", CALL_TIMEOUT.as_millis()),
+            }),
+        };
+        match &out {
+            Err(StoreError::Unreachable { message }) => {
+                self.failures.fetch_add(1, Ordering::Relaxed);
+                if self.up.swap(false, Ordering::Relaxed) {
+                    tracing::error!(replica = %self.replica, error = %message, "shared state (Redis) unreachable: on_unavailable applies until it answers again");
+                }
+            }
+            _ => {
+                if !self.up.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(replica = %self.replica, "shared state (Redis) reachable again: shared quotas, fair share and policy sync resume");
+                }
+            }
+        }
+        out
+    }
+
+    /// A round trip, for health checks.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        let mut c = self.conn.clone();
+        self.call(async move { redis::cmd("PING").query_async::<String>(&mut c).await })
+            .await
+            .map(|_| ())
+    }
+
+    fn tenant_keys(&self, tenant: &str) -> (String, String) {
+        (self.key(&["quota", tenant]), self.key(&["leases", tenant]))
+    }
+
+    /// Claims one request (and `need_tokens`) of `tenant`'s quotas, with a
+    /// concurrency lease named `member`, atomically across the fleet.
+    pub async fn claim(
+        &self,
+        tenant: &str,
+        member: &str,
+        limits: &Limits,
+        need_tokens: f64,
+    ) -> Result<Claimed, StoreError> {
+        let (q, l) = self.tenant_keys(tenant);
+        let mut inv = self.scripts.claim.prepare_invoke();
+        inv.key(q)
+            .key(l)
+            .arg(limits.requests_per_s.max(0.0))
+            .arg(limits.tokens_per_s.max(0.0))
+            .arg(need_tokens.max(0.0))
+            .arg(limits.concurrent)
+            .arg(limits.gpu_seconds_per_day.unwrap_or(-1.0))
+            .arg(member)
+            .arg(self.lease_ms);
+        let mut c = self.conn.clone();
+        let v: Vec<redis::Value> = self
+            .call(async move { inv.invoke_async(&mut c).await })
+            .await?;
+        let int = |v: Option<&redis::Value>| match v {
+            Some(redis::Value::Int(i)) => Some(*i),
+            _ => None,
+        };
+        match int(v.first()) {
+            Some(1) => Ok(Claimed::Granted),
+            Some(0) => {
+                let limit = match v.get(1) {
+                    Some(redis::Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+                    Some(redis::Value::SimpleString(s)) => s.clone(),
+                    _ => "quota".into(),
+                };
+                let retry_ms = int(v.get(2)).unwrap_or(1000).max(1) as u64;
+                Ok(Claimed::Refused { limit, retry_ms })
+            }
+            _ => Err(StoreError::Protocol {
+                message: format!("the quota script answered {v:?}"),
+            }),
+        }
+    }
+
+    /// A claimed request ended.
+    pub async fn release(
+        &self,
+        tenant: &str,
+        member: &str,
+        tokens_per_s: f64,
+        refund: f64,
+        gpu_seconds: f64,
+    ) -> Result<(), StoreError> {
+        let (q, l) = self.tenant_keys(tenant);
+        let mut inv = self.scripts.release.prepare_invoke();
+        inv.key(q)
+            .key(l)
+            .arg(tokens_per_s.max(0.0))
+            .arg(refund.max(0.0))
+            .arg(member)
+            .arg(if gpu_seconds.is_finite() {
+                gpu_seconds.max(0.0)
+            } else {
+                0.0
+            });
+        let mut c = self.conn.clone();
+        self.call(async move { inv.invoke_async::<i64>(&mut c).await })
+            .await
+            .map(|_| ())
+    }
+
+    /// Renews this replica's concurrency leases, tenant by tenant.
+    pub async fn renew(&self, leases: &BTreeMap<String, Vec<String>>) -> Result<(), StoreError> {
+        if leases.is_empty() {
+            return Ok(());
+        }
+        // One script call per tenant: a handful of tenants have
+        // concurrency limits, and a call renews all of a tenant's leases.
+        for (tenant, members) in leases {
+            if members.is_empty() {
+                continue;
+            }
+            let (_, l) = self.tenant_keys(tenant);
+            let mut inv = self.scripts.renew.prepare_invoke();
+            inv.key(l).arg(self.lease_ms);
+            for m in members {
+                inv.arg(m);
+            }
+            let mut c = self.conn.clone();
+            self.call(async move { inv.invoke_async::<i64>(&mut c).await })
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Folds `deltas` (tenant → service since the last call) into one
+    /// queue's fleet-wide fair-share counters and returns all of them.
+    pub async fn share(
+        &self,
+        queue: &str,
+        decay_ms: u64,
+        deltas: &[(String, f64)],
+    ) -> Result<Vec<(String, f64)>, StoreError> {
+        let mut inv = self.scripts.share.prepare_invoke();
+        inv.key(self.key(&["share", queue])).arg(decay_ms);
+        for (t, d) in deltas {
+            inv.arg(t).arg(if d.is_finite() { *d } else { 0.0 });
+        }
+        let mut c = self.conn.clone();
+        let flat: Vec<String> = self
+            .call(async move { inv.invoke_async(&mut c).await })
+            .await?;
+        Ok(flat
+            .chunks(2)
+            .filter_map(|p| match p {
+                [t, v] => v
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|v| v.is_finite())
+                    .map(|v| (t.clone(), v)),
+                _ => None,
+            })
+            .collect())
+    }
+
+    /// Slots of a shared upstream pool: asks for `want` (holding at least
+    /// `busy`), of `capacity` over the fleet; returns what this replica
+    /// holds now.
+    pub async fn slots(
+        &self,
+        pool: &str,
+        want: u64,
+        busy: u64,
+        capacity: u64,
+    ) -> Result<u64, StoreError> {
+        let mut inv = self.scripts.slots.prepare_invoke();
+        inv.key(self.key(&["slots", pool]))
+            .key(self.key(&["slots", pool, "expiry"]))
+            .arg(&self.replica)
+            .arg(want)
+            .arg(busy)
+            .arg(capacity)
+            .arg(self.lease_ms);
+        let mut c = self.conn.clone();
+        let n: i64 = self
+            .call(async move { inv.invoke_async(&mut c).await })
+            .await?;
+        Ok(n.max(0) as u64)
+    }
+
+    /// Says this replica is alive (for a lease's time) and what it runs.
+    pub async fn heartbeat(&self, info: &ReplicaInfo) -> Result<(), StoreError> {
+        let json = serde_json::to_string(info).map_err(|e| StoreError::Protocol {
+            message: e.to_string(),
+        })?;
+        let mut pipe = redis::pipe();
+        pipe.cmd("SET")
+            .arg(self.key(&["replica", &info.id]))
+            .arg(json)
+            .arg("PX")
+            .arg(self.lease_ms)
+            .ignore()
+            .cmd("SADD")
+            .arg(self.key(&["replicas"]))
+            .arg(&info.id)
+            .ignore();
+        let mut c = self.conn.clone();
+        self.call(async move { pipe.query_async::<()>(&mut c).await })
+            .await
+    }
+
+    /// The replicas alive now (a lease's time since their last heartbeat),
+    /// by id. Those whose lease ran out are dropped from the registry.
+    pub async fn replicas(&self) -> Result<Vec<ReplicaInfo>, StoreError> {
+        let set = self.key(&["replicas"]);
+        let mut c = self.conn.clone();
+        let s2 = set.clone();
+        let ids: Vec<String> = self
+            .call(async move { redis::cmd("SMEMBERS").arg(s2).query_async(&mut c).await })
+            .await?;
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let keys: Vec<String> = ids.iter().map(|i| self.key(&["replica", i])).collect();
+        let mut c = self.conn.clone();
+        let vals: Vec<Option<String>> = self
+            .call(async move { redis::cmd("MGET").arg(keys).query_async(&mut c).await })
+            .await?;
+        let mut out = Vec::new();
+        let mut gone = Vec::new();
+        for (id, v) in ids.iter().zip(vals) {
+            match v.and_then(|v| serde_json::from_str::<ReplicaInfo>(&v).ok()) {
+                Some(r) => out.push(r),
+                None => gone.push(id.clone()),
+            }
+        }
+        if !gone.is_empty() {
+            let mut c = self.conn.clone();
+            let _ = self
+                .call(async move {
+                    redis::cmd("SREM")
+                        .arg(set)
+                        .arg(gone)
+                        .query_async::<i64>(&mut c)
+                        .await
+                })
+                .await;
+        }
+        out.sort_by(|a, b| a.id.cmp(&b.id));
+        Ok(out)
+    }
+
+    /// Makes `files` the fleet's policy and rings the bell; the new epoch.
+    pub async fn publish_policy(
+        &self,
+        version: &str,
+        files: &BTreeMap<String, String>,
+    ) -> Result<u64, StoreError> {
+        let json = serde_json::to_string(files).map_err(|e| StoreError::Protocol {
+            message: e.to_string(),
+        })?;
+        let script = redis::Script::new(POLICY_PUT);
+        let mut inv = script.prepare_invoke();
+        inv.key(self.key(&["policy"]))
+            .arg(version)
+            .arg(json)
+            .arg(self.policy_channel());
+        let mut c = self.conn.clone();
+        let e: i64 = self
+            .call(async move { inv.invoke_async(&mut c).await })
+            .await?;
+        Ok(e.max(0) as u64)
+    }
+
+    /// The fleet's policy epoch (0: none published yet).
+    pub async fn policy_epoch(&self) -> Result<u64, StoreError> {
+        let mut c = self.conn.clone();
+        let k = self.key(&["policy"]);
+        let e: Option<u64> = self
+            .call(async move {
+                redis::cmd("HGET")
+                    .arg(k)
+                    .arg("epoch")
+                    .query_async(&mut c)
+                    .await
+            })
+            .await?;
+        Ok(e.unwrap_or(0))
+    }
+
+    /// The fleet's policy, if one was published.
+    pub async fn policy(&self) -> Result<Option<SharedPolicy>, StoreError> {
+        let mut c = self.conn.clone();
+        let k = self.key(&["policy"]);
+        let (epoch, version, files): (Option<u64>, Option<String>, Option<String>) = self
+            .call(async move {
+                redis::cmd("HMGET")
+                    .arg(k)
+                    .arg("epoch")
+                    .arg("version")
+                    .arg("files")
+                    .query_async(&mut c)
+                    .await
+            })
+            .await?;
+        let (Some(epoch), Some(version), Some(files)) = (epoch, version, files) else {
+            return Ok(None);
+        };
+        let files: BTreeMap<String, String> =
+            serde_json::from_str(&files).map_err(|e| StoreError::Protocol {
+                message: format!("the shared policy's files: {e}"),
+            })?;
+        Ok(Some(SharedPolicy {
+            epoch,
+            version,
+            files,
+        }))
+    }
+
+    /// A subscription to activation announcements (each message is an
+    /// epoch). Its own connection: a subscribed connection can do nothing
+    /// else.
+    pub async fn subscribe_policy(&self) -> Result<redis::aio::PubSub, StoreError> {
+        let client = self.client.clone();
+        let ch = self.policy_channel();
+        self.call(async move {
+            let mut ps = client.get_async_pubsub().await?;
+            ps.subscribe(ch).await?;
+            Ok(ps)
+        })
+        .await
+    }
+
+    /// Takes or renews the lease `name` for `ms` (as this replica); true
+    /// when this replica holds it now.
+    pub async fn lease(&self, name: &str, ms: u64) -> Result<bool, StoreError> {
+        let mut inv = self.scripts.lease.prepare_invoke();
+        inv.key(self.key(&["lease", name]))
+            .arg(&self.replica)
+            .arg(ms.max(1));
+        let mut c = self.conn.clone();
+        let n: i64 = self
+            .call(async move { inv.invoke_async(&mut c).await })
+            .await?;
+        Ok(n == 1)
+    }
+
+    /// Gives the lease `name` back if this replica holds it.
+    pub async fn unlease(&self, name: &str) -> Result<(), StoreError> {
+        let mut inv = self.scripts.unlease.prepare_invoke();
+        inv.key(self.key(&["lease", name])).arg(&self.replica);
+        let mut c = self.conn.clone();
+        self.call(async move { inv.invoke_async::<i64>(&mut c).await })
+            .await
+            .map(|_| ())
+    }
+
+    /// The bytes at `key` (under the namespace), if any.
+    pub async fn get(&self, key: &[&str]) -> Result<Option<Vec<u8>>, StoreError> {
+        let mut c = self.conn.clone();
+        let k = self.key(key);
+        self.call(async move { redis::cmd("GET").arg(k).query_async(&mut c).await })
+            .await
+    }
+
+    /// Stores `value` at `key` (under the namespace).
+    pub async fn set(&self, key: &[&str], value: &[u8]) -> Result<(), StoreError> {
+        let mut c = self.conn.clone();
+        let k = self.key(key);
+        let v = value.to_vec();
+        self.call(async move {
+            redis::cmd("SET")
+                .arg(k)
+                .arg(v)
+                .query_async::<()>(&mut c)
+                .await
+        })
+        .await
+    }
+
+    /// Appends `lines` to the list at `key`; its new length.
+    pub async fn append(&self, key: &[&str], lines: &[String]) -> Result<u64, StoreError> {
+        if lines.is_empty() {
+            return self.len(key).await;
+        }
+        let mut c = self.conn.clone();
+        let k = self.key(key);
+        let l = lines.to_vec();
+        self.call(async move { redis::cmd("RPUSH").arg(k).arg(l).query_async(&mut c).await })
+            .await
+    }
+
+    /// The list at `key`, from `start` (0-based) to its end.
+    pub async fn lines(&self, key: &[&str], start: u64) -> Result<Vec<String>, StoreError> {
+        let mut c = self.conn.clone();
+        let k = self.key(key);
+        self.call(async move {
+            redis::cmd("LRANGE")
+                .arg(k)
+                .arg(start)
+                .arg(-1)
+                .query_async(&mut c)
+                .await
+        })
+        .await
+    }
+
+    /// The length of the list at `key`.
+    pub async fn len(&self, key: &[&str]) -> Result<u64, StoreError> {
+        let mut c = self.conn.clone();
+        let k = self.key(key);
+        self.call(async move { redis::cmd("LLEN").arg(k).query_async(&mut c).await })
+            .await
+    }
+}
+
+/// This replica's default name: `$HOSTNAME` (a pod's name on Kubernetes)
+/// and the process id, so two processes on one host differ.
+pub fn default_replica_name() -> String {
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .filter(|h| !h.is_empty() && h.len() <= 100 && h.bytes().all(|b| b.is_ascii_graphic()))
+        .unwrap_or_else(|| "kiln".into());
+    format!("{host}-{}", std::process::id())
+}

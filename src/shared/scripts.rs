@@ -1,0 +1,251 @@
+//! The Lua scripts that make each shared-state step atomic in Redis: a
+//! script runs alone on the server, so two replicas can never both read a
+//! bucket, both see room, and both take the last token. Every script reads
+//! the time from Redis itself (`TIME`), so replicas whose clocks disagree
+//! still agree on when a bucket refills or a lease expires.
+
+/// Milliseconds since the epoch, by the Redis server's clock.
+const NOW: &str = r#"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"#;
+
+/// A bucket's level at `now`: `cap` is a minute of `rate` (per second).
+const LEVEL: &str = r#"
+local function level(l, a, rate)
+  local cap = rate * 60
+  local lv = tonumber(l)
+  local at = tonumber(a)
+  if lv == nil or at == nil then return cap end
+  if now > at then lv = math.min(cap, lv + rate * (now - at) / 1000) end
+  return lv
+end
+"#;
+
+/// Claims one request of a tenant's quotas, all or nothing.
+/// KEYS: 1 the tenant's hash (bucket levels, GPU-seconds today), 2 its
+/// concurrency leases (a sorted set: member = request, score = expiry).
+/// ARGV: 1 requests/s (0: none), 2 tokens/s (0: none), 3 tokens needed,
+/// 4 concurrency limit (0: none), 5 GPU-seconds a day (-1: none),
+/// 6 lease member, 7 lease ms.
+/// Returns {1} or {0, limit, retry ms}.
+const CLAIM: &str = r#"
+local req_rate = tonumber(ARGV[1])
+local tok_rate = tonumber(ARGV[2])
+local need = tonumber(ARGV[3])
+local conc = tonumber(ARGV[4])
+local gpu = tonumber(ARGV[5])
+local lease = tonumber(ARGV[7])
+if conc > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+  if redis.call('ZCARD', KEYS[2]) >= conc then
+    return {0, 'concurrency', 1000}
+  end
+end
+local h = redis.call('HMGET', KEYS[1], 'rl', 'ra', 'tl', 'ta', 'gd', 'gu')
+local day = math.floor(now / 86400000)
+if gpu >= 0 then
+  local gd = tonumber(h[5]) or -1
+  local gu = tonumber(h[6]) or 0
+  if gd == day and gu >= gpu then
+    return {0, 'gpu-seconds', (day + 1) * 86400000 - now}
+  end
+end
+local rl = nil
+local tl = nil
+if req_rate > 0 then
+  rl = level(h[1], h[2], req_rate)
+  if rl < 1 then
+    return {0, 'requests', math.max(1, math.ceil((1 - rl) / req_rate * 1000))}
+  end
+end
+if tok_rate > 0 then
+  tl = level(h[3], h[4], tok_rate)
+  if tl < need then
+    return {0, 'tokens', math.max(1, math.ceil((need - tl) / tok_rate * 1000))}
+  end
+end
+if rl ~= nil then redis.call('HSET', KEYS[1], 'rl', tostring(rl - 1), 'ra', now) end
+if tl ~= nil then redis.call('HSET', KEYS[1], 'tl', tostring(tl - need), 'ta', now) end
+if conc > 0 then
+  redis.call('ZADD', KEYS[2], now + lease, ARGV[6])
+  redis.call('PEXPIRE', KEYS[2], lease * 2)
+end
+redis.call('PEXPIRE', KEYS[1], 172800000)
+return {1}
+"#;
+
+/// A claimed request ended: refund unused tokens, drop its lease, charge
+/// its GPU-seconds to today.
+/// KEYS: as [`CLAIM`]. ARGV: 1 tokens/s (0: none), 2 tokens to refund,
+/// 3 lease member, 4 GPU-seconds used.
+const RELEASE: &str = r#"
+local tok_rate = tonumber(ARGV[1])
+local refund = tonumber(ARGV[2])
+local gpu = tonumber(ARGV[4])
+if tok_rate > 0 and refund > 0 then
+  local h = redis.call('HMGET', KEYS[1], 'tl', 'ta')
+  local lv = level(h[1], h[2], tok_rate)
+  redis.call('HSET', KEYS[1], 'tl', tostring(math.min(tok_rate * 60, lv + refund)), 'ta', now)
+end
+redis.call('ZREM', KEYS[2], ARGV[3])
+if gpu > 0 then
+  local day = math.floor(now / 86400000)
+  local h = redis.call('HMGET', KEYS[1], 'gd', 'gu')
+  local gu = 0
+  if tonumber(h[1]) == day then gu = tonumber(h[2]) or 0 end
+  redis.call('HSET', KEYS[1], 'gd', day, 'gu', tostring(gu + gpu))
+end
+return 1
+"#;
+
+/// Extends the leases a live replica holds. KEYS: 1 a tenant's leases.
+/// ARGV: 1 lease ms, 2… members. Only members still present are renewed
+/// (`XX`): one released meanwhile stays released.
+const RENEW: &str = r#"
+local lease = tonumber(ARGV[1])
+for i = 2, #ARGV do
+  redis.call('ZADD', KEYS[1], 'XX', now + lease, ARGV[i])
+end
+redis.call('PEXPIRE', KEYS[1], lease * 2)
+return 1
+"#;
+
+/// Folds a replica's fair-share service into the fleet's counters and
+/// returns them. KEYS: 1 the counters of one (model, variant, tier).
+/// ARGV: 1 decay window ms (0: none), then tenant, service pairs.
+/// A counter decays as the scheduler's do (`v * exp(-dt / window)`).
+/// Returns tenant, counter pairs (counters as strings: exact floats).
+const SHARE: &str = r#"
+local window = tonumber(ARGV[1])
+local function decayed(v, a)
+  v = tonumber(v) or 0
+  a = tonumber(a) or now
+  if window > 0 and now > a and v > 0 then v = v * math.exp(-(now - a) / window) end
+  return v
+end
+for i = 2, #ARGV, 2 do
+  local t = ARGV[i]
+  local h = redis.call('HMGET', KEYS[1], 'v:' .. t, 'a:' .. t)
+  local v = decayed(h[1], h[2]) + tonumber(ARGV[i + 1])
+  if v < 0 then v = 0 end
+  redis.call('HSET', KEYS[1], 'v:' .. t, tostring(v), 'a:' .. t, now)
+end
+local all = redis.call('HGETALL', KEYS[1])
+local out = {}
+local vals = {}
+local ats = {}
+for i = 1, #all, 2 do
+  local f = all[i]
+  local kind = string.sub(f, 1, 2)
+  local t = string.sub(f, 3)
+  if kind == 'v:' then vals[t] = all[i + 1] elseif kind == 'a:' then ats[t] = all[i + 1] end
+end
+for t, v in pairs(vals) do
+  table.insert(out, t)
+  table.insert(out, tostring(decayed(v, ats[t])))
+end
+redis.call('PEXPIRE', KEYS[1], 604800000)
+return out
+"#;
+
+/// Takes or renews a named lease (one writer at a time). KEYS: 1 the
+/// lease. ARGV: 1 holder, 2 ms. Returns 1 when the caller holds it now.
+const LEASE: &str = r#"
+local cur = redis.call('GET', KEYS[1])
+if cur == false or cur == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', tonumber(ARGV[2]))
+  return 1
+end
+return 0
+"#;
+
+/// Gives a lease back, only if the caller still holds it.
+const UNLEASE: &str = r#"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"#;
+
+/// Slots of a shared upstream pool, split among the replicas that need
+/// them. KEYS: 1 the pool's holdings (hash replica → slots), 2 their
+/// expiries (hash replica → ms). ARGV: 1 replica, 2 slots it wants,
+/// 3 slots it has in flight (it never holds fewer), 4 pool capacity,
+/// 5 lease ms. A replica that stopped renewing loses its holding when its
+/// lease ends. The sum of holdings never exceeds the capacity; a replica
+/// gets what it wants up to what others leave free, and gives back what
+/// it no longer needs. Returns the slots it now holds.
+const SLOTS: &str = r#"
+local me = ARGV[1]
+local want = tonumber(ARGV[2])
+local busy = tonumber(ARGV[3])
+local cap = tonumber(ARGV[4])
+local lease = tonumber(ARGV[5])
+local held = redis.call('HGETALL', KEYS[1])
+local others = 0
+local mine = 0
+for i = 1, #held, 2 do
+  local r = held[i]
+  local n = tonumber(held[i + 1]) or 0
+  if r == me then
+    mine = n
+  else
+    local exp = tonumber(redis.call('HGET', KEYS[2], r) or '0')
+    if exp < now then
+      redis.call('HDEL', KEYS[1], r)
+      redis.call('HDEL', KEYS[2], r)
+    else
+      others = others + n
+    end
+  end
+end
+local free = math.max(0, cap - others)
+local target = math.max(busy, math.min(want, free))
+redis.call('HSET', KEYS[1], me, target)
+redis.call('HSET', KEYS[2], me, now + lease)
+redis.call('PEXPIRE', KEYS[1], lease * 4)
+redis.call('PEXPIRE', KEYS[2], lease * 4)
+return target
+"#;
+
+fn with_now(body: &str, level: bool) -> String {
+    let mut s = String::from(NOW);
+    if level {
+        s.push_str(LEVEL);
+    }
+    s.push_str(body);
+    s
+}
+
+/// The scripts, loaded once (redis-rs sends `EVALSHA`, and the text only
+/// when the server does not have it yet, e.g. after a Redis restart).
+pub struct Scripts {
+    pub claim: redis::Script,
+    pub release: redis::Script,
+    pub renew: redis::Script,
+    pub share: redis::Script,
+    pub lease: redis::Script,
+    pub unlease: redis::Script,
+    pub slots: redis::Script,
+}
+
+impl Scripts {
+    pub fn new() -> Scripts {
+        Scripts {
+            claim: redis::Script::new(&with_now(CLAIM, true)),
+            release: redis::Script::new(&with_now(RELEASE, true)),
+            renew: redis::Script::new(&with_now(RENEW, false)),
+            share: redis::Script::new(&with_now(SHARE, false)),
+            lease: redis::Script::new(LEASE),
+            unlease: redis::Script::new(UNLEASE),
+            slots: redis::Script::new(&with_now(SLOTS, false)),
+        }
+    }
+}
+
+impl Default for Scripts {
+    fn default() -> Self {
+        Scripts::new()
+    }
+}

@@ -1,0 +1,526 @@
+//! Several gateway replicas sharing state through a real `redis-server`
+//! (started here on a free loopback port; skipped, with a message, where
+//! it is not installed): a tenant's quota holds over the fleet whatever the
+//! spread of its requests, an activation on one replica reaches every
+//! replica within a second, a hundred activations under load fail nothing
+//! and log every request with the one version that decided it, and when
+//! Redis goes away the operator's `on_unavailable` applies (local limits,
+//! or refusals) and sharing resumes when it returns.
+//! `tests/fleet_kill.rs` kills a replica with `kill -9` mid-load.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code may panic
+
+mod support;
+
+use kiln::server::config::{OnUnavailable, ServerConfig, StateSection};
+use serde_json::{json, Value};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use support::{client, policy, serve_on_loopback};
+
+pub const POLICY: &str = r#"
+pool gpu { gpus 8 kind "H100-80GB" memory 80GB }
+model tiny {
+  params 1B
+  kv_per_token 32KB
+  variant fp16 { memory 4GB pools [gpu] max_batch 64 }
+}
+tier interactive { priority 100 slo { ttft 5s } }
+tenant capped { owner "a@x" tiers [interactive] quota { requests 600/min } api_keys ["k-capped"] }
+tenant held { owner "b@x" tiers [interactive] quota { concurrent 4 } api_keys ["k-held"] }
+tenant free { owner "c@x" tiers [interactive] api_keys ["k-free"] }
+classify { default => tier interactive }
+route [interactive] tiny { default => fp16 }
+"#;
+
+/// A `redis-server` of its own, on a free port; killed when dropped.
+pub struct Redis {
+    child: Child,
+    pub port: u16,
+}
+
+impl Redis {
+    /// `None` (after saying so) where `redis-server` is not installed.
+    pub fn start() -> Option<Redis> {
+        let port = free_port();
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string()])
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn();
+        let child = match child {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("SKIPPED: redis-server is not installed ({e}); `.ci/run` installs it (apt-get install redis-server)");
+                return None;
+            }
+        };
+        let r = Redis { child, port };
+        let until = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < until {
+            if r.ping() {
+                return Some(r);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("redis-server did not answer PING on port {port} within 10s");
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    fn ping(&self) -> bool {
+        use std::io::{Read, Write};
+        let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", self.port)) else {
+            return false;
+        };
+        let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+        let mut buf = [0u8; 7];
+        s.write_all(b"PING\r\n").is_ok() && s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
+    }
+
+    pub fn stop(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+static NS: AtomicU64 = AtomicU64::new(0);
+
+/// A namespace of its own per fleet, so cases never share keys.
+fn namespace() -> String {
+    format!(
+        "t{}-{}",
+        std::process::id(),
+        NS.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+fn config(
+    url: &str,
+    ns: &str,
+    on: OnUnavailable,
+    speed: f64,
+    log: Option<std::path::PathBuf>,
+) -> ServerConfig {
+    let mut cfg = ServerConfig::default_embedded();
+    cfg.sim.speed = speed;
+    cfg.state = Some(StateSection {
+        redis: url.to_string(),
+        namespace: ns.to_string(),
+        replica: None,
+        on_unavailable: on,
+        replicas: 3,
+        lease: Duration::from_secs(2),
+    });
+    if let Some(p) = log {
+        cfg.log = Some(kiln::server::config::LogSection {
+            path: p,
+            max_bytes: 64 << 20,
+            keep: 2,
+        });
+    }
+    cfg
+}
+
+struct Fleet {
+    gateways: Vec<kiln::server::Running>,
+    bases: Vec<String>,
+}
+
+async fn fleet(url: &str, on: OnUnavailable, speed: f64) -> Fleet {
+    fleet_with(url, &namespace(), on, speed, None).await
+}
+
+async fn fleet_with(
+    url: &str,
+    ns: &str,
+    on: OnUnavailable,
+    speed: f64,
+    log_dir: Option<&std::path::Path>,
+) -> Fleet {
+    let mut gateways = Vec::new();
+    for i in 0..3 {
+        let mut cfg = config(
+            url,
+            ns,
+            on,
+            speed,
+            log_dir.map(|d| d.join(format!("r{i}.jsonl"))),
+        );
+        if let Some(st) = cfg.state.as_mut() {
+            st.replica = Some(format!("replica-{i}"));
+        }
+        gateways.push(serve_on_loopback(policy("fleet.kiln", POLICY), cfg).await);
+    }
+    let bases = gateways
+        .iter()
+        .map(|g| format!("http://{}", g.addr))
+        .collect();
+    Fleet { gateways, bases }
+}
+
+impl Fleet {
+    async fn stop(self) {
+        for g in self.gateways {
+            g.stop().await;
+        }
+    }
+}
+
+async fn chat(c: &reqwest::Client, base: &str, key: &str) -> (u16, Option<String>, Option<String>) {
+    let r = c
+        .post(format!("{base}/v1/chat/completions"))
+        .bearer_auth(key)
+        .json(&json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}))
+        .send()
+        .await;
+    match r {
+        Ok(r) => {
+            let h = |n: &str| {
+                r.headers()
+                    .get(n)
+                    .and_then(|v| v.to_str().ok())
+                    .map(String::from)
+            };
+            let (v, id) = (h("x-kiln-policy-version"), h("x-kiln-request-id"));
+            let s = r.status().as_u16();
+            let _ = r.bytes().await;
+            (s, v, id)
+        }
+        Err(_) => (0, None, None),
+    }
+}
+
+/// Sends the tenant `capped` (600/min) well over its quota, spread over the
+/// replicas by `weights`, and counts admissions in a measured window after
+/// the bucket's minute of burst is spent.
+async fn admitted_per_minute(f: &Fleet, weights: [u32; 3], speed: f64) -> f64 {
+    let c = client(Duration::from_secs(10));
+    let pick = |n: u64| {
+        let total: u32 = weights.iter().sum();
+        let mut x = (n.wrapping_mul(2654435761) % u64::from(total)) as u32;
+        for (i, w) in weights.iter().enumerate() {
+            if x < *w {
+                return i;
+            }
+            x -= w;
+        }
+        0
+    };
+    // Spend the burst (a minute of quota): until refusals come.
+    let mut n = 0u64;
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let batch: Vec<_> = (0..32)
+            .map(|_| {
+                n += 1;
+                let (c, b) = (c.clone(), f.bases[pick(n)].clone());
+                tokio::spawn(async move { chat(&c, &b, "k-capped").await.0 })
+            })
+            .collect();
+        let mut refused = 0;
+        for h in batch {
+            if h.await.unwrap() == 429 {
+                refused += 1;
+            }
+        }
+        if refused > 16 || Instant::now() > until {
+            break;
+        }
+    }
+    // Offer twice the quota's rate for the window, paced.
+    let rate = 600.0 / 60.0 * speed;
+    let window = Duration::from_secs(4);
+    let every = Duration::from_secs_f64(1.0 / (2.0 * rate));
+    let ok = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let mut tick = tokio::time::interval(every);
+    let mut handles = Vec::new();
+    while start.elapsed() < window {
+        tick.tick().await;
+        n += 1;
+        let (c, b, ok) = (c.clone(), f.bases[pick(n)].clone(), ok.clone());
+        handles.push(tokio::spawn(async move {
+            if chat(&c, &b, "k-capped").await.0 == 200 {
+                ok.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    for h in handles {
+        h.await.unwrap();
+    }
+    // Admissions per minute of policy time.
+    ok.load(Ordering::Relaxed) as f64 / (elapsed * speed / 60.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_quota_holds_over_the_fleet_whatever_the_spread() {
+    let Some(redis) = Redis::start() else { return };
+    let speed = 5.0;
+    for weights in [[1, 1, 1], [1, 0, 0], [7, 2, 1]] {
+        let f = fleet(&redis.url(), OnUnavailable::Local, speed).await;
+        let per_min = admitted_per_minute(&f, weights, speed).await;
+        f.stop().await;
+        assert!(
+            (per_min - 600.0).abs() <= 0.05 * 600.0,
+            "spread {weights:?}: {per_min:.0} admitted per minute, not within 5% of 600"
+        );
+    }
+}
+
+fn version_of(text: &str) -> String {
+    policy("fleet.kiln", text).version.to_string()
+}
+
+async fn activate(c: &reqwest::Client, base: &str, text: &str) -> Value {
+    let r = c
+        .post(format!("{base}/admin/policy"))
+        .json(&json!({"files": {"fleet.kiln": text}}))
+        .send()
+        .await
+        .unwrap();
+    let s = r.status();
+    let v: Value = r.json().await.unwrap();
+    assert!(s.is_success(), "activation refused: {v}");
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_activation_reaches_every_replica_within_a_second() {
+    let Some(redis) = Redis::start() else { return };
+    let f = fleet(&redis.url(), OnUnavailable::Local, 1.0).await;
+    let c = client(Duration::from_secs(10));
+    let v2 = POLICY.replace("ttft 5s", "ttft 4s");
+    let want = version_of(&v2);
+    for round in 0..5 {
+        let text = if round % 2 == 0 {
+            v2.clone()
+        } else {
+            POLICY.to_string()
+        };
+        let want = version_of(&text);
+        let on = round % 3;
+        let t0 = Instant::now();
+        activate(&c, &f.bases[on], &text).await;
+        loop {
+            let all = f
+                .gateways
+                .iter()
+                .all(|g| g.app.policy.load().version.as_ref() == want);
+            if all {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(1),
+                "round {round}: not every replica runs {want} a second after activating it on replica {on}"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    // `GET /admin/replicas` (what `kiln status` shows): every replica and
+    // its version.
+    activate(&c, &f.bases[0], &v2).await;
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let r: Value = c
+        .get(format!("{}/admin/replicas", f.bases[1]))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let list = r["replicas"].as_array().unwrap();
+    assert_eq!(list.len(), 3, "{r}");
+    assert!(list.iter().all(|x| x["version"] == want.as_str()), "{r}");
+    f.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hundred_activations_under_load_fail_nothing_and_split_no_request() {
+    let Some(redis) = Redis::start() else { return };
+    let dir =
+        std::env::temp_dir().join(format!("kiln-fleet-{}-{}", std::process::id(), namespace()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = fleet_with(
+        &redis.url(),
+        &namespace(),
+        OnUnavailable::Local,
+        20.0,
+        Some(&dir),
+    )
+    .await;
+    let texts = [POLICY.to_string(), POLICY.replace("ttft 5s", "ttft 4s")];
+    let versions: Vec<String> = texts.iter().map(|t| version_of(t)).collect();
+    let c = client(Duration::from_secs(30));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut load = Vec::new();
+    for w in 0..6 {
+        let (c, bases, stop) = (c.clone(), f.bases.clone(), stop.clone());
+        load.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            let mut i = w;
+            while !stop.load(Ordering::Relaxed) {
+                i += 1;
+                let r = chat(&c, &bases[i % 3], "k-free").await;
+                out.push((i % 3, r));
+            }
+            out
+        }));
+    }
+    for k in 0..100 {
+        activate(&c, &f.bases[k % 3], &texts[(k + 1) % 2]).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    let mut results = Vec::new();
+    for h in load {
+        results.extend(h.await.unwrap());
+    }
+    f.stop().await;
+    assert!(results.len() > 200, "too little load: {}", results.len());
+    let failed: Vec<_> = results.iter().filter(|(_, r)| r.0 != 200).collect();
+    assert!(
+        failed.is_empty(),
+        "{} of {} requests failed: {:?}",
+        failed.len(),
+        results.len(),
+        &failed[..failed.len().min(5)]
+    );
+    // Each request: one version in its answer, the same one in its
+    // replica's decision log, and only ever one record.
+    let mut logged = std::collections::HashMap::new();
+    for i in 0..3 {
+        let text = std::fs::read_to_string(dir.join(format!("r{i}.jsonl"))).unwrap_or_default();
+        for line in text.lines() {
+            let v: Value = serde_json::from_str(line).unwrap();
+            if let (Some(id), Some(ver)) = (v["id"].as_str(), v["policy_version"].as_str()) {
+                let prev = logged.insert((i, id.to_string()), ver.to_string());
+                assert!(prev.is_none(), "request {id} logged twice");
+            }
+        }
+    }
+    for (rep, (_, ver, id)) in &results {
+        let (ver, id) = (ver.as_ref().unwrap(), id.as_ref().unwrap());
+        assert!(versions.contains(ver), "unknown version {ver}");
+        assert_eq!(
+            logged.get(&(*rep, id.clone())),
+            Some(ver),
+            "request {id}: answered with {ver}, logged otherwise"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn while_redis_is_down_the_declared_behaviour_applies_and_sharing_resumes() {
+    let Some(redis) = Redis::start() else { return };
+    let port = redis.port;
+    let url = redis.url();
+    let local = fleet(&url, OnUnavailable::Local, 1.0).await;
+    let refuse = fleet(&url, OnUnavailable::Refuse, 1.0).await;
+    let c = client(Duration::from_secs(10));
+    assert_eq!(chat(&c, &local.bases[0], "k-free").await.0, 200);
+    redis.stop();
+    // `local`: served, each replica holding its third of the quota: of a
+    // minute's 600 requests, about 200 pass on one replica.
+    let t0 = Instant::now();
+    let mut ok = 0;
+    for _ in 0..300 {
+        if chat(&c, &local.bases[0], "k-capped").await.0 == 200 {
+            ok += 1;
+        }
+    }
+    // The burst, plus what the third refills meanwhile (200/min).
+    let expect = 200.0 + 200.0 / 60.0 * t0.elapsed().as_secs_f64();
+    assert!(
+        (f64::from(ok) - expect).abs() <= 0.05 * expect + 2.0,
+        "{ok} of 300 passed on one replica while Redis was down, expected about {expect:.0}"
+    );
+    // `refuse`: 503 with the reason.
+    let r = c
+        .post(format!("{}/v1/chat/completions", refuse.bases[0]))
+        .bearer_auth("k-capped")
+        .json(&json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 503);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "shared-state-unavailable", "{body}");
+    // Said in the metrics.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let m = c
+        .get(format!("{}/metrics", local.bases[0]))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(m.contains("kiln_shared_state_up 0"), "{m}");
+    assert!(
+        m.contains("kiln_shared_state_unclaimed_total{action=\"local\"}"),
+        "{m}"
+    );
+    // Redis returns (same port): sharing resumes, refusals stop.
+    let back = Command::new("redis-server")
+        .args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let back = Redis { child: back, port };
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        if chat(&c, &refuse.bases[0], "k-capped").await.0 == 200 {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "refusals did not stop after Redis came back"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let m = c
+        .get(format!("{}/metrics", local.bases[0]))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(m.contains("kiln_shared_state_up 1"), "{m}");
+    local.stop().await;
+    refuse.stop().await;
+    back.stop();
+}
