@@ -40,7 +40,8 @@ const POLICY_POLL: Duration = Duration::from_millis(500);
 const VERSION_WAIT: Duration = Duration::from_secs(2);
 
 pub struct Fleet {
-    pub store: Store,
+    /// Shared with governance, which keeps its records in the same store.
+    pub store: Arc<Store>,
     pub on_unavailable: OnUnavailable,
     pub replicas: u32,
     /// Policy time per wall time (`[sim] speed`): Redis refills buckets by
@@ -142,7 +143,7 @@ impl Drop for Claim {
 
 impl Fleet {
     pub fn open(cfg: &StateSection, speed: f64) -> Result<Arc<Fleet>, crate::shared::StoreError> {
-        let store = Store::open(&StoreConfig {
+        let store = Arc::new(Store::open(&StoreConfig {
             url: cfg.redis.clone(),
             namespace: cfg.namespace.clone(),
             replica: cfg
@@ -150,7 +151,7 @@ impl Fleet {
                 .clone()
                 .unwrap_or_else(crate::shared::default_replica_name),
             lease: cfg.lease,
-        })?;
+        })?);
         let (applied, _) = tokio::sync::watch::channel(0);
         Ok(Arc::new(Fleet {
             store,
