@@ -524,3 +524,170 @@ async fn while_redis_is_down_the_declared_behaviour_applies_and_sharing_resumes(
     refuse.stop().await;
     back.stop();
 }
+
+/// An OpenAI-style upstream that takes `UPSTREAM_MS` per answer, counting
+/// answers per tenant (named in the prompt) and the most calls it had at
+/// once.
+#[derive(Default)]
+struct Upstream {
+    now: AtomicU64,
+    max: AtomicU64,
+    served: std::sync::Mutex<std::collections::BTreeMap<String, u64>>,
+}
+
+const UPSTREAM_MS: u64 = 60;
+
+async fn upstream_chat(
+    axum::extract::State(u): axum::extract::State<Arc<Upstream>>,
+    axum::Json(body): axum::Json<Value>,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let n = u.now.fetch_add(1, Ordering::SeqCst) + 1;
+    u.max.fetch_max(n, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(UPSTREAM_MS)).await;
+    u.now.fetch_sub(1, Ordering::SeqCst);
+    let prompt = body["messages"][0]["content"]
+        .as_str()
+        .unwrap_or("")
+        .to_string();
+    *u.served.lock().unwrap().entry(prompt.clone()).or_default() += 1;
+    if body["stream"].as_bool() == Some(true) {
+        let chunk = json!({"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "up",
+            "choices": [{"index": 0, "delta": {"content": "ok"}, "finish_reason": "stop"}]});
+        let text = format!("data: {chunk}\n\ndata: [DONE]\n\n");
+        let mut r = text.into_response();
+        r.headers_mut()
+            .insert("content-type", "text/event-stream".parse().unwrap());
+        return r;
+    }
+    axum::Json(json!({
+        "id": "x", "object": "chat.completion", "created": 0, "model": "up",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+    }))
+    .into_response()
+}
+
+async fn upstream() -> (String, Arc<Upstream>, tokio::task::JoinHandle<()>) {
+    let u = Arc::new(Upstream::default());
+    let app = axum::Router::new()
+        .route("/v1/chat/completions", axum::routing::post(upstream_chat))
+        .route("/health", axum::routing::get(|| async { "ok" }))
+        .with_state(u.clone());
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let h = tokio::spawn(async move {
+        let _ = axum::serve(l, app).await;
+    });
+    (format!("http://{addr}"), u, h)
+}
+
+const FAIR_POLICY: &str = r#"
+pool gpu { gpus 1 kind "H100-80GB" memory 80GB }
+model tiny {
+  params 1B
+  kv_per_token 32KB
+  variant fp16 { memory 4GB pools [gpu] }
+}
+tier interactive { priority 100 slo { ttft 60s } }
+tenant one { owner "a@x" tiers [interactive] api_keys ["k-one"] }
+tenant spread { owner "b@x" tiers [interactive] api_keys ["k-spread"] }
+classify { default => tier interactive }
+route [interactive] tiny { default => fp16 }
+"#;
+
+const SLOTS: u64 = 6;
+
+/// Three replicas in front of one upstream that runs `SLOTS` requests at a
+/// time. Tenant `one` sends everything through replica 0; `spread` sends
+/// the same offered load over all three. Both stay backlogged. Returns
+/// what the upstream served each, and the most it ever ran at once.
+async fn served_through_one_upstream(shared: Option<&str>) -> (u64, u64, u64) {
+    let (url, up, h) = upstream().await;
+    let ns = namespace();
+    let mut gateways = Vec::new();
+    for i in 0..3 {
+        let text = format!(
+            "[pools.gpu]\nbackend = \"http\"\n[[pools.gpu.upstreams]]\nmodel = \"tiny\"\nvariant = \"fp16\"\nurl = \"{url}\"\nconcurrency = {SLOTS}\nhealth_interval = \"1s\"\n"
+        );
+        let mut cfg = ServerConfig::parse("kiln.toml", &text).unwrap();
+        cfg.policy_keys = true;
+        if let Some(redis) = shared {
+            cfg.state = Some(StateSection {
+                redis: redis.to_string(),
+                namespace: ns.clone(),
+                replica: Some(format!("replica-{i}")),
+                on_unavailable: OnUnavailable::Local,
+                replicas: 3,
+                lease: Duration::from_secs(2),
+            });
+        }
+        gateways.push(serve_on_loopback(policy("fair.kiln", FAIR_POLICY), cfg).await);
+    }
+    let bases: Vec<String> = gateways
+        .iter()
+        .map(|g| format!("http://{}", g.addr))
+        .collect();
+    let c = client(Duration::from_secs(60));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut workers = Vec::new();
+    // 12 workers each: `one` on replica 0; `spread` 4 on each replica.
+    for w in 0..24 {
+        let (key, base) = if w < 12 {
+            ("k-one", bases[0].clone())
+        } else {
+            ("k-spread", bases[w % 3].clone())
+        };
+        let tenant = if w < 12 { "one" } else { "spread" };
+        let (c, stop) = (c.clone(), stop.clone());
+        workers.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let _ = c
+                    .post(format!("{base}/v1/chat/completions"))
+                    .bearer_auth(key)
+                    .json(&json!({"model": "tiny", "messages": [{"role": "user", "content": tenant}], "max_tokens": 1}))
+                    .send()
+                    .await
+                    .map(|r| r.status());
+            }
+        }));
+    }
+    // Warm up (counters and slots settle), then measure.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before = up.served.lock().unwrap().clone();
+    up.max
+        .store(up.now.load(Ordering::SeqCst), Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let after = up.served.lock().unwrap().clone();
+    let max = up.max.load(Ordering::SeqCst);
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        let _ = w.await;
+    }
+    for g in gateways {
+        g.stop().await;
+    }
+    h.abort();
+    let got = |t: &str| after.get(t).copied().unwrap_or(0) - before.get(t).copied().unwrap_or(0);
+    (got("one"), got("spread"), max)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn spreading_over_replicas_gains_a_tenant_nothing() {
+    let Some(redis) = Redis::start() else { return };
+    let (alone_one, alone_spread, alone_max) = served_through_one_upstream(None).await;
+    let (one, spread, max) = served_through_one_upstream(Some(&redis.url())).await;
+    eprintln!(
+        "one upstream of {SLOTS} slots, 6 s: without shared state one {alone_one} / spread {alone_spread} served, at most {alone_max} at once; shared: one {one} / spread {spread}, at most {max} at once"
+    );
+    assert!(
+        max <= SLOTS,
+        "the fleet sent {max} requests at once to an upstream of {SLOTS}"
+    );
+    assert!(one > 0 && spread > 0);
+    let (hi, lo) = (one.max(spread) as f64, one.min(spread) as f64);
+    assert!(
+        (hi - lo) / hi <= 0.10,
+        "served: one {one}, spread {spread}: not within 10% of each other"
+    );
+}

@@ -328,6 +328,19 @@ pub struct Config {
     /// claimed across the fleet (while the shared store is down, with
     /// `on_unavailable = "local"`), so that together they stay within it.
     pub quota_scale: f64,
+    /// HTTP upstreams are shared with other replicas of a fleet: an
+    /// external replica runs nothing until the fleet grants it slots
+    /// ([`Scheduler::set_slot_cap`]), so no start or swap can overshoot.
+    pub shared_upstreams: bool,
+}
+
+/// A replica for `spec` under `cfg` (see [`Config::shared_upstreams`]).
+pub(crate) fn replica_for(cfg: &Config, spec: plan::ReplicaSpec) -> Replica {
+    let mut r = Replica::new(spec);
+    if cfg.shared_upstreams && r.spec.external {
+        r.slot_cap = Some(0);
+    }
+    r
 }
 
 impl Default for Config {
@@ -346,6 +359,7 @@ impl Default for Config {
             seed: 0,
             backfill_slack: 0.1,
             quota_scale: 1.0,
+            shared_upstreams: false,
         }
     }
 }
@@ -527,7 +541,7 @@ impl Scheduler {
                     .entry((spec.model, spec.variant))
                     .or_default()
                     .push(i);
-                Replica::new(spec)
+                replica_for(&cfg, spec)
             })
             .collect();
         let signals = Signals::idle(&graph);
@@ -611,6 +625,50 @@ impl Scheduler {
     }
 
     /// The live signals policies read, as of the last arrival.
+    /// A fleet sharing an upstream granted this (external) replica `cap`
+    /// of its slots (`None`: all). Work beyond it waits; feed a
+    /// [`Event::Tick`] after raising it so waiting work starts.
+    pub fn set_slot_cap(&mut self, replica: usize, cap: Option<u32>) {
+        if let Some(r) = self.replicas.get_mut(replica) {
+            r.slot_cap = cap;
+        }
+    }
+
+    /// Starts counting fair-share service for a fleet's shared counters
+    /// ([`queue::Queues::take_service`]).
+    pub fn share_service(&mut self) {
+        self.queues.share_service();
+    }
+
+    /// Service charged since the last call (see [`Scheduler::share_service`]).
+    pub fn take_service(&mut self) -> Vec<queue::ServiceCount> {
+        self.queues.take_service()
+    }
+
+    /// Queues with work waiting, and each tier's fair-share decay window.
+    pub fn fair_share_view(&self) -> (Vec<((u16, u16), TierId)>, Vec<Option<Micros>>) {
+        let decays = (0..self.graph.tiers.len())
+            .map(|t| self.queues.decay(t as TierId))
+            .collect();
+        (self.queues.active(), decays)
+    }
+
+    /// Sets fair-share counters to the fleet's values.
+    pub fn set_service(&mut self, counts: &[queue::ServiceCount]) {
+        for c in counts {
+            self.queues.set_service(c);
+        }
+    }
+
+    /// What an external replica needs of a shared upstream: sequences it
+    /// runs, and the tenants with work queued that it could take (with
+    /// how many requests).
+    pub fn demand(&self, replica: usize) -> Option<(u32, Vec<(Option<TenantId>, usize)>)> {
+        let r = self.replicas.get(replica)?;
+        let backlog = self.queues.backlog_of((r.spec.model, r.spec.variant));
+        Some((r.running.len() as u32, backlog))
+    }
+
     pub fn signals(&self) -> &Signals {
         &self.signals
     }

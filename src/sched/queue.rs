@@ -282,6 +282,20 @@ pub struct Queues {
     fronts: u64,
     backs: u64,
     now: Micros,
+    /// Service charged (net of refunds) per ((model, variant), tier,
+    /// tenant slot) since [`Queues::take_service`] last took it: what a
+    /// replica of a fleet adds to the fleet's counters. `None` alone.
+    shared: Option<HashMap<((u16, u16), usize, usize), f64>>,
+}
+
+/// One queue's fair-share counter, by (model, variant), tier and tenant
+/// (`None`: requests without one), as a fleet shares it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServiceCount {
+    pub key: (u16, u16),
+    pub tier: TierId,
+    pub tenant: Option<TenantId>,
+    pub service: f64,
 }
 
 impl Queues {
@@ -337,6 +351,28 @@ impl Queues {
     /// named (`None`: any pool hosting the variant).
     pub fn route_lens(&self) -> impl Iterator<Item = (&((u16, u16), Option<PoolId>), &usize)> {
         self.route_len.iter()
+    }
+
+    /// The fair-share decay window of tier `tier`, µs (`None`: no decay).
+    pub fn decay(&self, tier: TierId) -> Option<Micros> {
+        self.decay_of(tier as usize)
+    }
+
+    /// (model, variant) and tier of every queue with work waiting.
+    pub fn active(&self) -> Vec<((u16, u16), TierId)> {
+        let mut out: Vec<((u16, u16), TierId)> = self
+            .by_variant
+            .iter()
+            .flat_map(|(k, tiers)| {
+                tiers
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, tq)| tq.tenants.iter().any(|t| t.len > 0))
+                    .map(move |(ti, _)| (*k, ti as TierId))
+            })
+            .collect();
+        out.sort_unstable();
+        out
     }
 
     /// The fair-share decay window of tier `tier` (see `decays`).
@@ -708,23 +744,98 @@ impl Queues {
     /// backlog set in order.
     fn set_served(&mut self, w: &Waiting, f: impl FnOnce(f64) -> f64) {
         let slot = w.tenant.map_or(0, |t| t as usize + 1);
-        let (now, decay) = (self.now, self.decay_of(w.tier as usize));
-        let Some(tq) = self
-            .by_variant
-            .get_mut(&(w.model, w.variant))
-            .and_then(|tiers| tiers.get_mut(w.tier as usize))
-        else {
-            return;
-        };
-        let Some(t) = tq.tenants.get_mut(slot) else {
-            return;
-        };
+        let delta = self.set_served_at((w.model, w.variant), w.tier as usize, slot, f);
+        if let (Some(m), Some(d)) = (self.shared.as_mut(), delta) {
+            *m.entry(((w.model, w.variant), w.tier as usize, slot))
+                .or_default() += d;
+        }
+    }
+
+    /// [`Queues::set_served`] by key; the change it made.
+    fn set_served_at(
+        &mut self,
+        key: (u16, u16),
+        tier: usize,
+        slot: usize,
+        f: impl FnOnce(f64) -> f64,
+    ) -> Option<f64> {
+        let (now, decay) = (self.now, self.decay_of(tier));
+        let tq = self.by_variant.get_mut(&key)?.get_mut(tier)?;
+        let t = tq.tenants.get_mut(slot)?;
         let backlogged = tq.backlog.remove(&(t.rank(decay), slot));
-        t.served = f(t.served_at(now, decay));
+        let before = t.served_at(now, decay);
+        t.served = f(before);
+        if !t.served.is_finite() || t.served < 0.0 {
+            t.served = 0.0;
+        }
         t.at = now;
         if backlogged {
             tq.backlog.insert((t.rank(decay), slot));
         }
+        Some(t.served - before)
+    }
+
+    /// Starts counting the service charged here for a fleet's counters.
+    pub fn share_service(&mut self) {
+        self.shared.get_or_insert_with(HashMap::default);
+    }
+
+    /// The service charged since the last call, per queue and tenant.
+    pub fn take_service(&mut self) -> Vec<ServiceCount> {
+        let Some(m) = self.shared.as_mut() else {
+            return Vec::new();
+        };
+        let mut out: Vec<ServiceCount> = m
+            .drain()
+            .filter(|(_, d)| *d != 0.0)
+            .map(|((key, tier, slot), service)| ServiceCount {
+                key,
+                tier: tier as TierId,
+                tenant: slot.checked_sub(1).map(|t| t as TenantId),
+                service,
+            })
+            .collect();
+        // Deterministic order (the map's is not).
+        out.sort_by(|a, b| (a.key, a.tier, a.tenant).cmp(&(b.key, b.tier, b.tenant)));
+        out
+    }
+
+    /// Sets a counter to the fleet's value, plus what was charged here
+    /// since that value was taken (not yet in it).
+    pub fn set_service(&mut self, c: &ServiceCount) {
+        let (tier, slot) = (c.tier as usize, c.tenant.map_or(0, |t| t as usize + 1));
+        if tier >= self.tiers || slot > self.tenants || !c.service.is_finite() {
+            return;
+        }
+        let pending = self
+            .shared
+            .as_ref()
+            .and_then(|m| m.get(&(c.key, tier, slot)))
+            .copied()
+            .unwrap_or(0.0);
+        self.tiers_for(c.key);
+        let total = c.service.max(0.0) + pending;
+        self.set_served_at(c.key, tier, slot, |_| total);
+    }
+
+    /// Tenants with work queued for (model, variant) and how much (any
+    /// tier): what a fleet splits a shared upstream's slots by.
+    pub fn backlog_of(&self, key: (u16, u16)) -> Vec<(Option<TenantId>, usize)> {
+        let mut per: Vec<usize> = vec![0; self.tenants + 1];
+        if let Some(tiers) = self.by_variant.get(&key) {
+            for tq in tiers {
+                for (slot, t) in tq.tenants.iter().enumerate() {
+                    if let Some(n) = per.get_mut(slot) {
+                        *n += t.len;
+                    }
+                }
+            }
+        }
+        per.into_iter()
+            .enumerate()
+            .filter(|(_, n)| *n > 0)
+            .map(|(slot, n)| (slot.checked_sub(1).map(|t| t as TenantId), n))
+            .collect()
     }
 
     /// Charges a dispatched request's service to its tenant (weighted
@@ -928,6 +1039,9 @@ impl Queues {
         next.now = self.now;
         next.fronts = self.fronts;
         next.backs = self.backs;
+        // Sharing goes on; service charged since the last sync under the
+        // old ids (a tenth of a second's) is not carried over.
+        next.shared = self.shared.as_ref().map(|_| HashMap::default());
         let old = std::mem::take(self);
         let mut dropped = Vec::new();
         let mut keys: Vec<(u16, u16)> = old.by_variant.keys().copied().collect();
@@ -1255,6 +1369,31 @@ mod tests {
             vec![(0, None, 1, 0), (0, Some(0), 0, 1), (1, Some(1), 2, 0)]
         );
         assert_eq!(st[2].oldest, Some(3));
+    }
+
+    #[test]
+    fn shared_service_is_counted_once_and_set_to_the_fleets() {
+        let g = graph(BASE);
+        let cfg = Config::default();
+        let mut q = Queues::new(&g, &cfg);
+        q.share_service();
+        let a = waiting(1, 0, Some(0));
+        q.push(a.clone(), &cfg);
+        q.charge(&g, &cfg, &a);
+        let taken = q.take_service();
+        assert_eq!(taken.len(), 1);
+        let served = taken[0].service;
+        assert!(served > 0.0);
+        assert!(q.take_service().is_empty(), "taken once");
+        // The fleet says the tenant got ten times that elsewhere too; what
+        // is charged here after the fleet's value was read is kept on top.
+        q.charge(&g, &cfg, &a);
+        q.set_service(&ServiceCount {
+            service: 10.0 * served,
+            ..taken[0].clone()
+        });
+        assert!((q.served(0, Some(0)) - 11.0 * served).abs() < 1e-6);
+        assert_eq!(q.take_service().len(), 1, "the later charge still goes out");
     }
 
     #[test]

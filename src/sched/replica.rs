@@ -248,6 +248,9 @@ impl Blocks {
 pub struct Replica {
     pub spec: ReplicaSpec,
     pub running: Vec<Seq>,
+    /// Slots of a shared upstream this replica of a fleet holds now
+    /// ([`super::Scheduler::set_slot_cap`]); `None`: all of `max_batch`.
+    pub slot_cap: Option<u32>,
     pub busy: bool,
     /// In service (a replica that went down takes no work until it is up).
     pub up: bool,
@@ -364,6 +367,7 @@ impl Replica {
             prefill_secs,
             spec,
             running: Vec::new(),
+            slot_cap: None,
             busy: false,
             up: true,
             draining: false,
@@ -426,9 +430,16 @@ impl Replica {
     }
 
     pub fn free_seq_slots(&self) -> u32 {
-        self.spec
-            .max_batch
-            .saturating_sub(self.running.len() as u32)
+        self.slots().saturating_sub(self.running.len() as u32)
+    }
+
+    /// Sequences it may run at once: its batch size, or fewer where a
+    /// fleet sharing its upstream granted this replica fewer slots.
+    pub fn slots(&self) -> u32 {
+        match self.slot_cap {
+            Some(c) => c.min(self.spec.max_batch),
+            None => self.spec.max_batch,
+        }
     }
 
     pub fn throughput_tokens_per_s(&self) -> f64 {

@@ -207,7 +207,7 @@ impl Scheduler {
                 }
                 None => {
                     taken.push(true);
-                    self.replicas.push(Replica::new(spec));
+                    self.replicas.push(super::replica_for(&self.cfg, spec));
                 }
             }
         }

@@ -114,12 +114,48 @@ pub enum Command {
     /// An upstream just failed: fold breaker states in now, not at the
     /// next periodic check, so a resent request avoids it.
     CheckHealth,
+    /// What a replica of a fleet shares: fair-share service charged since
+    /// the last call, busy queues, and what each HTTP upstream needs.
+    FleetView(oneshot::Sender<FleetView>),
+    /// The fleet's fair-share counters and this replica's slots of each
+    /// shared upstream, as read for `graph` (ignored after a swap).
+    FleetApply {
+        graph: Arc<DecisionGraph>,
+        service: Vec<crate::sched::queue::ServiceCount>,
+        slots: Vec<(usize, u32)>,
+    },
     /// A CUDA replica finished the step that was to end at `until`.
     StepRan {
         replica: usize,
         until: Micros,
         result: Result<Duration, String>,
     },
+}
+
+/// See [`Command::FleetView`].
+pub struct FleetView {
+    pub graph: Arc<DecisionGraph>,
+    pub service: Vec<crate::sched::queue::ServiceCount>,
+    /// Queues with work waiting: (model, variant), tier.
+    pub active: Vec<((u16, u16), crate::graph::TierId)>,
+    /// Fair-share decay window per tier, µs.
+    pub decays: Vec<Option<Micros>>,
+    pub upstreams: Vec<UpstreamDemand>,
+}
+
+/// One HTTP upstream replica's needs, for the fleet's split of its slots.
+pub struct UpstreamDemand {
+    pub replica: usize,
+    /// The upstream's URL and what it serves: the same on every replica
+    /// of the fleet.
+    pub key: String,
+    pub capacity: u32,
+    /// The slots it may use now (its grant in force).
+    pub in_force: u32,
+    pub busy: u32,
+    pub queued: usize,
+    /// Tenants with work queued for it, with their fair-share weights.
+    pub tenants: Vec<(String, f64)>,
 }
 
 /// KV-cache changes for a CUDA replica, applied before its next step (the
@@ -183,6 +219,15 @@ impl ExecHandle {
     pub async fn signals(&self) -> Option<(Arc<DecisionGraph>, Signals)> {
         let (tx, rx) = oneshot::channel();
         if !self.send(Command::Signals(tx)) {
+            return None;
+        }
+        rx.await.ok()
+    }
+
+    /// See [`Command::FleetView`].
+    pub async fn fleet_view(&self) -> Option<FleetView> {
+        let (tx, rx) = oneshot::channel();
+        if !self.send(Command::FleetView(tx)) {
             return None;
         }
         rx.await.ok()
@@ -577,6 +622,53 @@ impl<C: Clock> Executor<C> {
         }
     }
 
+    fn fleet_view(&mut self) -> FleetView {
+        let graph = self.handlers.graph.clone();
+        let backends = self.handlers.backends.clone();
+        let sched = self.driver.sched_mut();
+        sched.share_service();
+        let service = sched.take_service();
+        let (active, decays) = sched.fair_share_view();
+        let mut upstreams = Vec::new();
+        for (i, r) in sched.replicas().iter().enumerate() {
+            let Some(Backend::Http(u)) = backends.get(r.spec.tag as usize) else {
+                continue;
+            };
+            let Some((busy, backlog)) = sched.demand(i) else {
+                continue;
+            };
+            let tenants = backlog
+                .iter()
+                .map(
+                    |(t, _)| match t.and_then(|t| graph.tenants.get(t as usize)) {
+                        Some(tn) => (tn.name.clone(), tn.weight.max(1e-9)),
+                        None => ("-".to_string(), 1.0),
+                    },
+                )
+                .collect();
+            upstreams.push(UpstreamDemand {
+                replica: i,
+                key: format!(
+                    "{}|{}",
+                    u.base_url(),
+                    graph.variant_name(r.spec.model, r.spec.variant)
+                ),
+                capacity: r.spec.max_batch,
+                in_force: r.slots(),
+                busy,
+                queued: backlog.iter().map(|(_, n)| n).sum(),
+                tenants,
+            });
+        }
+        FleetView {
+            graph,
+            service,
+            active,
+            decays,
+            upstreams,
+        }
+    }
+
     /// Feeds one event at `now`, after every timer the clock has passed.
     fn feed(&mut self, now: Micros, event: Event) {
         self.driver.fire_due(now, &mut self.handlers);
@@ -637,6 +729,23 @@ impl<C: Clock> Executor<C> {
                     })
                     .collect();
                 let _ = done.send(redecide);
+            }
+            Command::FleetView(reply) => {
+                let _ = reply.send(self.fleet_view());
+            }
+            Command::FleetApply {
+                graph,
+                service,
+                slots,
+            } => {
+                if Arc::ptr_eq(&graph, &self.handlers.graph) {
+                    let sched = self.driver.sched_mut();
+                    sched.set_service(&service);
+                    for (r, cap) in slots {
+                        sched.set_slot_cap(r, Some(cap));
+                    }
+                    self.feed(now, Event::Tick);
+                }
             }
             Command::Snapshot(reply) => {
                 let _ = reply.send(self.snapshot());

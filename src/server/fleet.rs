@@ -293,8 +293,154 @@ pub fn spawn(app: Arc<App>, fleet: Arc<Fleet>) -> Vec<tokio::task::JoinHandle<()
         let (app, fleet) = (app.clone(), fleet.clone());
         tokio::spawn(async move { heartbeat(app, fleet).await })
     };
+    let share = {
+        let (app, fleet) = (app.clone(), fleet.clone());
+        tokio::spawn(async move { share_sync(app, fleet).await })
+    };
     let policy = tokio::spawn(async move { policy_sync(app, fleet).await });
-    vec![beat, policy]
+    vec![beat, share, policy]
+}
+
+/// How often fair-share counters and upstream slots are exchanged: the
+/// staleness of a replica's view of the others' service, and the longest a
+/// request queued for a shared upstream waits for a slot this replica
+/// does not hold yet.
+const SHARE_EVERY: Duration = Duration::from_millis(25);
+
+/// Fair share and upstream slots across the fleet: each replica adds the
+/// service it charged to the fleet's counters (same decay as its own) and
+/// takes back everyone's, so a tenant spreading its requests over replicas
+/// is ordered by all it received; and each HTTP upstream's slots are split
+/// by who has work for it ([`crate::shared::scripts`]), so the replicas
+/// together never send more than its `concurrency`.
+async fn share_sync(app: Arc<App>, fleet: Arc<Fleet>) {
+    let mut tick = tokio::time::interval(SHARE_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Service charged here that Redis has not taken yet (it was down).
+    let mut unsent: BTreeMap<(String, u64), Vec<(String, f64)>> = BTreeMap::new();
+    loop {
+        tick.tick().await;
+        let Some(view) = app.exec.fleet_view().await else {
+            return;
+        };
+        let g = &view.graph;
+        let tenant_name =
+            |t: Option<crate::graph::TenantId>| match t.and_then(|t| g.tenants.get(t as usize)) {
+                Some(tn) => tn.name.clone(),
+                None => "-".to_string(),
+            };
+        let queue_name = |key: (u16, u16), tier: crate::graph::TierId| {
+            format!(
+                "{}.{}",
+                g.variant_name(key.0, key.1),
+                g.tiers.get(tier as usize).map_or("?", |t| t.name.as_str())
+            )
+        };
+        // Deltas by queue; queues with work waiting are read even without.
+        let mut by_queue: BTreeMap<(String, u64), Vec<(String, f64)>> = std::mem::take(&mut unsent);
+        let mut ids: BTreeMap<String, ((u16, u16), crate::graph::TierId)> = BTreeMap::new();
+        for c in &view.service {
+            let q = queue_name(c.key, c.tier);
+            ids.insert(q.clone(), (c.key, c.tier));
+            let decay = view
+                .decays
+                .get(c.tier as usize)
+                .copied()
+                .flatten()
+                .unwrap_or(0);
+            let e = by_queue.entry((q, decay)).or_default();
+            let name = tenant_name(c.tenant);
+            match e.iter_mut().find(|(t, _)| *t == name) {
+                Some((_, d)) => *d += c.service,
+                None => e.push((name, c.service)),
+            }
+        }
+        for (key, tier) in &view.active {
+            let q = queue_name(*key, *tier);
+            ids.insert(q.clone(), (*key, *tier));
+            let decay = view
+                .decays
+                .get(*tier as usize)
+                .copied()
+                .flatten()
+                .unwrap_or(0);
+            by_queue.entry((q, decay)).or_default();
+        }
+        let mut totals = Vec::new();
+        let mut down = !fleet.store.is_up();
+        for ((q, decay_us), deltas) in by_queue {
+            if down {
+                if !deltas.is_empty() {
+                    unsent.insert((q, decay_us), deltas);
+                }
+                continue;
+            }
+            match fleet.store.share(&q, decay_us / 1000, &deltas).await {
+                Ok(all) => {
+                    let Some((key, tier)) = ids.get(&q).copied() else {
+                        continue;
+                    };
+                    for (t, service) in all {
+                        let tenant = if t == "-" {
+                            None
+                        } else {
+                            match g.tenant_id(&t) {
+                                Some(id) => Some(id),
+                                None => continue,
+                            }
+                        };
+                        totals.push(crate::sched::queue::ServiceCount {
+                            key,
+                            tier,
+                            tenant,
+                            service,
+                        });
+                    }
+                }
+                Err(_) => {
+                    down = true;
+                    if !deltas.is_empty() {
+                        unsent.insert((q, decay_us), deltas);
+                    }
+                }
+            }
+        }
+        let mut slots = Vec::new();
+        for u in &view.upstreams {
+            let want = u64::from(u.busy) + u.queued as u64;
+            let held = if down {
+                None
+            } else {
+                fleet
+                    .store
+                    .slots(
+                        &u.key,
+                        want,
+                        u64::from(u.busy),
+                        u64::from(u.capacity),
+                        &u.tenants,
+                        u64::from(u.in_force),
+                    )
+                    .await
+                    .ok()
+            };
+            let cap = match held {
+                Some(n) => n.min(u64::from(u.capacity)) as u32,
+                // Redis unreachable: a fixed share, so the fleet together
+                // still stays within the upstream's concurrency.
+                None => {
+                    down = true;
+                    u.capacity.div_ceil(fleet.replicas.max(1)).max(1)
+                }
+            };
+            slots.push((u.replica, cap));
+        }
+        app.exec.send(super::executor::Command::FleetApply {
+            graph: view.graph.clone(),
+            service: totals,
+            slots,
+        });
+    }
 }
 
 async fn heartbeat(app: Arc<App>, fleet: Arc<Fleet>) {

@@ -251,6 +251,7 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         // What this replica enforces alone: requests the fleet did not
         // claim (the store unreachable under `on_unavailable = "local"`).
         sched_cfg.quota_scale = f.local_scale();
+        sched_cfg.shared_upstreams = true;
     }
     if clock.is_none() {
         let (minute, weekday) = crate::clock::minute_and_weekday();

@@ -369,24 +369,37 @@ impl Store {
             .collect())
     }
 
-    /// Slots of a shared upstream pool: asks for `want` (holding at least
-    /// `busy`), of `capacity` over the fleet; returns what this replica
-    /// holds now.
+    /// Slots of a shared upstream (`upstream`: a stable key for it):
+    /// asks for `want` of `capacity` over the fleet, holding at least
+    /// `busy`, with `tenants` (name, fair-share weight) backlogged here;
+    /// returns what this replica holds now ([`scripts`] says how they are
+    /// split).
     pub async fn slots(
         &self,
-        pool: &str,
+        upstream: &str,
         want: u64,
         busy: u64,
         capacity: u64,
+        tenants: &[(String, f64)],
+        in_force: u64,
     ) -> Result<u64, StoreError> {
+        let list = tenants
+            .iter()
+            .filter(|(_, w)| w.is_finite() && *w > 0.0)
+            .map(|(t, w)| format!("{t}={w}"))
+            .collect::<Vec<_>>()
+            .join(",");
         let mut inv = self.scripts.slots.prepare_invoke();
-        inv.key(self.key(&["slots", pool]))
-            .key(self.key(&["slots", pool, "expiry"]))
+        inv.key(self.key(&["slots", upstream, "held"]))
+            .key(self.key(&["slots", upstream, "expiry"]))
+            .key(self.key(&["slots", upstream, "demand"]))
             .arg(&self.replica)
-            .arg(want)
+            .arg(want.min(capacity))
             .arg(busy)
             .arg(capacity)
-            .arg(self.lease_ms);
+            .arg(self.lease_ms)
+            .arg(list)
+            .arg(in_force.min(capacity));
         let mut c = self.conn.clone();
         let n: i64 = self
             .call(async move { inv.invoke_async(&mut c).await })

@@ -168,45 +168,80 @@ end
 return 0
 "#;
 
-/// Slots of a shared upstream pool, split among the replicas that need
-/// them. KEYS: 1 the pool's holdings (hash replica → slots), 2 their
-/// expiries (hash replica → ms). ARGV: 1 replica, 2 slots it wants,
-/// 3 slots it has in flight (it never holds fewer), 4 pool capacity,
-/// 5 lease ms. A replica that stopped renewing loses its holding when its
-/// lease ends. The sum of holdings never exceeds the capacity; a replica
-/// gets what it wants up to what others leave free, and gives back what
-/// it no longer needs. Returns the slots it now holds.
+/// Slots of a shared upstream, split among the replicas of a fleet by
+/// fair share: a tenant backlogged on n replicas brings each of them
+/// weight/n, and a replica's target is the capacity times its part of
+/// the total. A replica takes what it wants up to what the others hold or
+/// are entitled to and want, never fewer than it has in flight, so the sum
+/// of holdings never exceeds the capacity; one over its target gives slots
+/// back as its requests finish. A replica that stopped renewing (its lease
+/// lapsed) holds nothing.
+/// KEYS: 1 holdings (replica → slots), 2 expiries (replica → ms),
+/// 3 demands (replica → "want|tenant=weight,…").
+/// ARGV: 1 replica, 2 slots it wants, 3 slots in flight, 4 capacity,
+/// 5 lease ms, 6 its backlogged tenants ("tenant=weight,…"), 7 the slots it
+/// may use until it applies the answer (its grant in force).
+/// Returns the slots it may use from now on. What is stored is never less
+/// than what it may still use: a grant that shrinks is applied by the
+/// replica first and recorded as smaller on its next call, so the others
+/// never count on slots it could still fill.
 const SLOTS: &str = r#"
 local me = ARGV[1]
 local want = tonumber(ARGV[2])
 local busy = tonumber(ARGV[3])
 local cap = tonumber(ARGV[4])
 local lease = tonumber(ARGV[5])
-local held = redis.call('HGETALL', KEYS[1])
-local others = 0
-local mine = 0
-for i = 1, #held, 2 do
-  local r = held[i]
-  local n = tonumber(held[i + 1]) or 0
-  if r == me then
-    mine = n
+redis.call('HSET', KEYS[2], me, now + lease)
+redis.call('HSET', KEYS[3], me, ARGV[2] .. '|' .. ARGV[6])
+local exps = redis.call('HGETALL', KEYS[2])
+local live = {}
+for i = 1, #exps, 2 do
+  if tonumber(exps[i + 1]) < now then
+    redis.call('HDEL', KEYS[1], exps[i])
+    redis.call('HDEL', KEYS[2], exps[i])
+    redis.call('HDEL', KEYS[3], exps[i])
   else
-    local exp = tonumber(redis.call('HGET', KEYS[2], r) or '0')
-    if exp < now then
-      redis.call('HDEL', KEYS[1], r)
-      redis.call('HDEL', KEYS[2], r)
-    else
-      others = others + n
-    end
+    live[exps[i]] = true
+  end
+end
+local wants = {}
+local tenants = {}
+local count = {}
+for r, _ in pairs(live) do
+  local d = redis.call('HGET', KEYS[3], r) or '0|'
+  local bar = string.find(d, '|', 1, true) or (#d + 1)
+  wants[r] = tonumber(string.sub(d, 1, bar - 1)) or 0
+  tenants[r] = {}
+  for t, w in string.gmatch(string.sub(d, bar + 1), '([^,=]+)=([^,]+)') do
+    tenants[r][t] = tonumber(w) or 1
+    count[t] = (count[t] or 0) + 1
+  end
+end
+local share = {}
+local total = 0
+for r, ts in pairs(tenants) do
+  local s = 0
+  for t, w in pairs(ts) do s = s + w / count[t] end
+  share[r] = s
+  total = total + s
+end
+local function target(r)
+  if total <= 0 then return 0 end
+  return cap * share[r] / total
+end
+local others = 0
+for r, _ in pairs(live) do
+  if r ~= me then
+    local held = tonumber(redis.call('HGET', KEYS[1], r) or '0') or 0
+    others = others + math.max(held, math.min(wants[r], math.floor(target(r))))
   end
 end
 local free = math.max(0, cap - others)
-local target = math.max(busy, math.min(want, free))
-redis.call('HSET', KEYS[1], me, target)
-redis.call('HSET', KEYS[2], me, now + lease)
-redis.call('PEXPIRE', KEYS[1], lease * 4)
-redis.call('PEXPIRE', KEYS[2], lease * 4)
-return target
+local mine = math.max(busy, math.min(want, free))
+local in_force = tonumber(ARGV[7]) or cap
+redis.call('HSET', KEYS[1], me, math.max(mine, in_force))
+for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], lease * 4) end
+return mine
 "#;
 
 fn with_now(body: &str, level: bool) -> String {

@@ -182,6 +182,11 @@ impl Upstream {
     }
 
     /// The backend's name in the configuration.
+    /// Its base URL (what replicas of a fleet share an upstream by).
+    pub fn base_url(&self) -> &str {
+        &self.base
+    }
+
     pub fn name(&self) -> &str {
         &self.name
     }
