@@ -646,7 +646,7 @@ impl Scheduler {
     }
 
     /// Queues with work waiting, and each tier's fair-share decay window.
-    pub fn fair_share_view(&self) -> (Vec<((u16, u16), TierId)>, Vec<Option<Micros>>) {
+    pub fn fair_share_view(&self) -> (Vec<queue::QueueKey>, Vec<Option<Micros>>) {
         let decays = (0..self.graph.tiers.len())
             .map(|t| self.queues.decay(t as TierId))
             .collect();
@@ -663,7 +663,7 @@ impl Scheduler {
     /// What an external replica needs of a shared upstream: sequences it
     /// runs, and the tenants with work queued that it could take (with
     /// how many requests).
-    pub fn demand(&self, replica: usize) -> Option<(u32, Vec<(Option<TenantId>, usize)>)> {
+    pub fn demand(&self, replica: usize) -> Option<(u32, queue::Backlog)> {
         let r = self.replicas.get(replica)?;
         let backlog = self.queues.backlog_of((r.spec.model, r.spec.variant));
         Some((r.running.len() as u32, backlog))

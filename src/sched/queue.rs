@@ -285,8 +285,17 @@ pub struct Queues {
     /// Service charged (net of refunds) per ((model, variant), tier,
     /// tenant slot) since [`Queues::take_service`] last took it: what a
     /// replica of a fleet adds to the fleet's counters. `None` alone.
-    shared: Option<HashMap<((u16, u16), usize, usize), f64>>,
+    shared: Option<HashMap<ShareKey, f64>>,
 }
+
+/// (model, variant), tier, tenant slot.
+type ShareKey = ((u16, u16), usize, usize);
+
+/// Tenants with requests waiting, and how many.
+pub type Backlog = Vec<(Option<TenantId>, usize)>;
+
+/// A queue: its (model, variant) and tier.
+pub type QueueKey = ((u16, u16), TierId);
 
 /// One queue's fair-share counter, by (model, variant), tier and tenant
 /// (`None`: requests without one), as a fleet shares it.
@@ -359,8 +368,8 @@ impl Queues {
     }
 
     /// (model, variant) and tier of every queue with work waiting.
-    pub fn active(&self) -> Vec<((u16, u16), TierId)> {
-        let mut out: Vec<((u16, u16), TierId)> = self
+    pub fn active(&self) -> Vec<QueueKey> {
+        let mut out: Vec<QueueKey> = self
             .by_variant
             .iter()
             .flat_map(|(k, tiers)| {
@@ -796,7 +805,7 @@ impl Queues {
             })
             .collect();
         // Deterministic order (the map's is not).
-        out.sort_by(|a, b| (a.key, a.tier, a.tenant).cmp(&(b.key, b.tier, b.tenant)));
+        out.sort_by_key(|c| (c.key, c.tier, c.tenant));
         out
     }
 
@@ -820,7 +829,7 @@ impl Queues {
 
     /// Tenants with work queued for (model, variant) and how much (any
     /// tier): what a fleet splits a shared upstream's slots by.
-    pub fn backlog_of(&self, key: (u16, u16)) -> Vec<(Option<TenantId>, usize)> {
+    pub fn backlog_of(&self, key: (u16, u16)) -> Backlog {
         let mut per: Vec<usize> = vec![0; self.tenants + 1];
         if let Some(tiers) = self.by_variant.get(&key) {
             for tq in tiers {
