@@ -37,6 +37,15 @@
 //!    target), slots alternating direct / kiln / LiteLLM, 500 each; then its
 //!    throughput at 64 workers (2,000 requests).
 //!
+//! 4. Shared state (`[state] redis`), when `redis-server` is installed
+//!    (skipped with a note otherwise): one started on a free loopback
+//!    port, and two more kiln processes on `gateway-quota.kiln` (the
+//!    tenant has a quota far above the load, so every request claims it):
+//!    one alone (the quota in memory), one as a replica of a fleet (the
+//!    quota claimed in Redis, the upstream's slots split through it).
+//!    Latency open loop at the phase-1 rate, slots alternating direct /
+//!    alone / shared. The shared path's cost is shared minus alone.
+//!
 //! Knobs (environment): `GATEWAY_BENCH_SCALE` multiplies every request
 //! count (0.1 for a quick look), `GATEWAY_BENCH_RATE` the phase-1 rate,
 //! `GATEWAY_BENCH_LITELLM_RATE` the phase-3 rate, `GATEWAY_BENCH_LOG=1`
@@ -342,10 +351,19 @@ fn start_mock(mock: &Path) -> Res<(Proc, String)> {
 }
 
 fn start_kiln(kiln: &Path, config: &Path, log: Option<&Path>) -> Res<(Proc, String)> {
+    start_kiln_with(kiln, "gateway.kiln", config, log)
+}
+
+fn start_kiln_with(
+    kiln: &Path,
+    policy: &str,
+    config: &Path,
+    log: Option<&Path>,
+) -> Res<(Proc, String)> {
     let mut cmd = Command::new(kiln);
     cmd.arg("serve")
         .arg("--policy")
-        .arg(repo().join("benches/gateway/gateway.kiln"))
+        .arg(repo().join("benches/gateway").join(policy))
         .arg("--config")
         .arg(config)
         .args(["--listen", "127.0.0.1:0"])
@@ -357,6 +375,38 @@ fn start_kiln(kiln: &Path, config: &Path, log: Option<&Path>) -> Res<(Proc, Stri
     let mut p = Proc::spawn("kiln serve", &mut cmd)?;
     let url = p.wait_addr("kiln gateway listening on", Duration::from_secs(30))?;
     Ok((p, url))
+}
+
+/// A `redis-server` on a free loopback port, or `None` where it is not
+/// installed.
+fn start_redis() -> Option<(Proc, u16)> {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .ok()?
+        .local_addr()
+        .ok()?
+        .port();
+    let p = Proc::spawn(
+        "redis-server",
+        Command::new("redis-server").args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]),
+    )
+    .ok()?;
+    let until = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < until {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return Some((p, port));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
 }
 
 fn litellm_bin() -> Option<PathBuf> {
@@ -918,6 +968,73 @@ fn bench() -> Res<usize> {
     }
     if let Some(e) = kiln_proc.exited() {
         return Err(e);
+    }
+
+    // 4. The shared-state path.
+    match start_redis() {
+        None => {
+            let note = "shared state: skipped (redis-server is not installed)";
+            println!("\n4. {note}");
+            verdict.push(note.to_string());
+        }
+        Some((_redis, port)) => {
+            let alone_cfg = template("kiln.toml", &mock_url, &scratch.0)?;
+            let shared_cfg = scratch.0.join("kiln-shared.toml");
+            let text = std::fs::read_to_string(&alone_cfg).map_err(|e| e.to_string())?;
+            std::fs::write(
+                &shared_cfg,
+                format!(
+                    "{text}\n[state]\nredis = \"redis://127.0.0.1:{port}/0\"\non_unavailable = \"local\"\nreplicas = 1\n"
+                ),
+            )
+            .map_err(|e| e.to_string())?;
+            let (mut alone_proc, alone_url) =
+                start_kiln_with(&kiln, "gateway-quota.kiln", &alone_cfg, None)?;
+            let (mut shared_proc, shared_url) =
+                start_kiln_with(&kiln, "gateway-quota.kiln", &shared_cfg, None)?;
+            let alone = Arc::new(Target::new("kiln alone", &alone_url, &body)?);
+            let shared = Arc::new(Target::new("kiln shared", &shared_url, &body)?);
+            println!(
+                "\n4. shared state: redis-server on port {port}; latency, open loop at {rate:.0} req/s per target, slots alternating direct / alone / shared, {n} each"
+            );
+            let three = [direct.clone(), alone.clone(), shared.clone()];
+            let warm = rt.block_on(paced(&three, scaled(2_000, scale), rate));
+            report.check("warm-up alone", &warm[1]);
+            report.check("warm-up shared", &warm[2]);
+            let lat = rt.block_on(paced(&three, n, rate));
+            report.check("direct", &lat[0]);
+            report.check("kiln alone (quota)", &lat[1]);
+            report.check("kiln shared (quota in Redis)", &lat[2]);
+            if let Some(e) = alone_proc.exited().or_else(|| shared_proc.exited()) {
+                return Err(e);
+            }
+            let (d, a, s) = (
+                lat[0].percentiles(),
+                lat[1].percentiles(),
+                lat[2].percentiles(),
+            );
+            let load4 = format!("{rate:.0} req/s");
+            report.rows.push(row("direct to mock", &load4, d, None, None));
+            report
+                .rows
+                .push(row("kiln alone, tenant quota", &load4, a, Some(diff(a, d)), None));
+            report.rows.push(row(
+                "**kiln, fleet replica (quota in Redis)**",
+                &load4,
+                s,
+                Some(diff(s, d)),
+                None,
+            ));
+            let over = diff(s, a);
+            verdict.push(format!(
+                "the shared-state path over the single-process gateway at {rate:.0} req/s: p50 {} (target ≤ 500 µs: {}), p90 {}, p99 {}, mean {}",
+                us(over[0]),
+                met(over[0] <= 500.0),
+                us(over[1]),
+                us(over[2]),
+                us(lat[2].mean() - lat[1].mean()),
+            ));
+        }
     }
 
     println!("\n| target | rate per target | p50 | p90 | p99 | added p50 / p90 / p99 | throughput, {conc} workers |");

@@ -1353,6 +1353,10 @@ pub(super) fn kiln_headers(ctx: &Ctx, s: &Started, backend: &str) -> Vec<(&'stat
             format!("{} -> {}", x.asked, x.served),
         ));
     }
+    // In a fleet: which replica answered (its explain and log hold it).
+    if let Some(f) = &ctx.app.fleet {
+        h.push(("x-kiln-replica", f.store.replica().to_string()));
+    }
     h
 }
 
