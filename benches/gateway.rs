@@ -1014,10 +1014,16 @@ fn bench() -> Res<usize> {
                 lat[2].percentiles(),
             );
             let load4 = format!("{rate:.0} req/s");
-            report.rows.push(row("direct to mock", &load4, d, None, None));
             report
                 .rows
-                .push(row("kiln alone, tenant quota", &load4, a, Some(diff(a, d)), None));
+                .push(row("direct to mock", &load4, d, None, None));
+            report.rows.push(row(
+                "kiln alone, tenant quota",
+                &load4,
+                a,
+                Some(diff(a, d)),
+                None,
+            ));
             report.rows.push(row(
                 "**kiln, fleet replica (quota in Redis)**",
                 &load4,

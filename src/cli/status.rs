@@ -78,8 +78,7 @@ pub fn render_fleet(f: &serde_json::Value) -> String {
         list.iter().filter_map(|r| r["version"].as_str()).collect();
     for r in &list {
         let me = r["id"] == f["replica"];
-        let _ = writeln!(
-            out,
+        let line = format!(
             "  {:<32} {}  epoch {:<4} in flight {:<5}{}",
             r["id"].as_str().unwrap_or("?"),
             r["version"].as_str().unwrap_or("?"),
@@ -87,6 +86,7 @@ pub fn render_fleet(f: &serde_json::Value) -> String {
             r["in_flight"].as_u64().unwrap_or(0),
             if me { "  (this one)" } else { "" }
         );
+        let _ = writeln!(out, "{}", line.trim_end());
     }
     if list.is_empty() {
         out.push_str("  (none seen)\n");
@@ -99,4 +99,26 @@ pub fn render_fleet(f: &serde_json::Value) -> String {
         );
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::render_fleet;
+    use serde_json::json;
+
+    #[test]
+    fn the_fleet_section_lists_each_replica_and_says_when_versions_differ() {
+        let f = json!({
+            "shared": true, "replica": "gw-b", "reachable": true, "on_unavailable": "local",
+            "version": "sha256:aaaaaaaaaaaa", "epoch": 7, "fleet_epoch": 7,
+            "replicas": [
+                {"id": "gw-a", "version": "sha256:aaaaaaaaaaaa", "epoch": 7, "started_unix_ms": 1, "seen_unix_ms": 2, "in_flight": 12},
+                {"id": "gw-b", "version": "sha256:aaaaaaaaaaaa", "epoch": 7, "started_unix_ms": 1, "seen_unix_ms": 2, "in_flight": 3},
+                {"id": "gw-c", "version": "sha256:bbbbbbbbbbbb", "epoch": 6, "started_unix_ms": 1, "seen_unix_ms": 2, "in_flight": 0}
+            ]
+        });
+        insta::assert_snapshot!(render_fleet(&f));
+        let down = json!({"shared": true, "replica": "gw-b", "reachable": false, "on_unavailable": "refuse", "replicas": []});
+        insta::assert_snapshot!("unreachable", render_fleet(&down));
+    }
 }

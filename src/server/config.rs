@@ -973,20 +973,46 @@ mod tests {
         .unwrap();
         let st = ok.state.unwrap();
         assert_eq!(st.on_unavailable, OnUnavailable::Refuse);
-        assert_eq!((st.replicas, st.lease.as_millis(), st.namespace.as_str()), (3, 2000, "kiln"));
+        assert_eq!(
+            (st.replicas, st.lease.as_millis(), st.namespace.as_str()),
+            (3, 2000, "kiln")
+        );
         let cases = [
-            ("no behaviour declared", "[state]\nredis = \"redis://r:6379\"\n"),
-            ("not a URL", "[state]\nredis = \"http://user:pw@r:6379\"\non_unavailable = \"local\"\n"),
-            ("unknown behaviour", "[state]\nredis = \"redis://r\"\non_unavailable = \"hope\"\n"),
-            ("bad namespace", "[state]\nredis = \"redis://r\"\non_unavailable = \"local\"\nnamespace = \"a b\"\n"),
-            ("no replicas", "[state]\nredis = \"redis://r\"\non_unavailable = \"local\"\nreplicas = 0\n"),
-            ("lease too short", "[state]\nredis = \"redis://r\"\non_unavailable = \"local\"\nlease = \"10ms\"\n"),
-            ("unknown key", "[state]\nredis = \"redis://r\"\non_unavailable = \"local\"\nsentinel = true\n"),
+            (
+                "no behaviour declared",
+                "[state]\nredis = \"redis://r:6379\"\n",
+            ),
+            (
+                "not a URL",
+                "[state]\nredis = \"http://user:pw@r:6379\"\non_unavailable = \"local\"\n",
+            ),
+            (
+                "unknown behaviour",
+                "[state]\nredis = \"redis://r\"\non_unavailable = \"hope\"\n",
+            ),
+            (
+                "bad namespace",
+                "[state]\nredis = \"redis://r\"\non_unavailable = \"local\"\nnamespace = \"a b\"\n",
+            ),
+            (
+                "no replicas",
+                "[state]\nredis = \"redis://r\"\non_unavailable = \"local\"\nreplicas = 0\n",
+            ),
+            (
+                "lease too short",
+                "[state]\nredis = \"redis://r\"\non_unavailable = \"local\"\nlease = \"10ms\"\n",
+            ),
+            (
+                "unknown key",
+                "[state]\nredis = \"redis://r\"\non_unavailable = \"local\"\nsentinel = true\n",
+            ),
         ];
         let mut out = String::new();
         for (what, text) in cases {
             let e = ServerConfig::parse("kiln.toml", text).unwrap_err();
-            let help = miette::Diagnostic::help(&e).map(|h| h.to_string()).unwrap_or_default();
+            let help = miette::Diagnostic::help(&e)
+                .map(|h| h.to_string())
+                .unwrap_or_default();
             out.push_str(&format!("{what}:\n  {e}\n  help: {help}\n"));
         }
         insta::assert_snapshot!(out);
