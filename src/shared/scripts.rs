@@ -172,7 +172,9 @@ return 0
 /// fair share: a tenant backlogged on n replicas brings each of them
 /// weight/n, and a replica's target is the capacity times its part of
 /// the total. A replica takes what it wants up to what the others hold or
-/// are entitled to and want, never fewer than it has in flight, so the sum
+/// are entitled to and want (and a share of what nobody wants); it is
+/// recorded as holding at least what it runs and what it may still start,
+/// so the sum
 /// of holdings never exceeds the capacity; one over its target gives slots
 /// back as its requests finish. A replica that stopped renewing (its lease
 /// lapsed) holds nothing.
@@ -181,10 +183,11 @@ return 0
 /// ARGV: 1 replica, 2 slots it wants, 3 slots in flight, 4 capacity,
 /// 5 lease ms, 6 its backlogged tenants ("tenant=weight,…"), 7 the slots it
 /// may use until it applies the answer (its grant in force).
-/// Returns the slots it may use from now on. What is stored is never less
-/// than what it may still use: a grant that shrinks is applied by the
-/// replica first and recorded as smaller on its next call, so the others
-/// never count on slots it could still fill.
+/// Returns the slots it may use from now on (possibly fewer than it runs:
+/// it then starts nothing until enough finish). What is stored is never
+/// less than what it runs or may still start: a grant that shrinks is
+/// applied by the replica first and recorded as smaller on its next call,
+/// so the others never count on slots it could still fill.
 const SLOTS: &str = r#"
 local me = ARGV[1]
 local want = tonumber(ARGV[2])
@@ -237,9 +240,24 @@ for r, _ in pairs(live) do
   end
 end
 local free = math.max(0, cap - others)
-local mine = math.max(busy, math.min(want, free))
+-- Not floored at what it runs: a replica over its share takes no new
+-- work until enough of its requests finish (a full one would otherwise
+-- keep every slot it ever got).
+local mine = math.max(0, math.min(want, free))
+-- While the fleet wants fewer slots than there are, the rest is spread
+-- over the live replicas, so a request arriving at an idle replica finds
+-- one without waiting for the next exchange. Once they want more, nobody
+-- gets spare slots, and one holding spare gives them back at its next
+-- call (the others' wants count against it above).
+local n = 0
+local wanted = 0
+for r, _ in pairs(live) do
+  n = n + 1
+  wanted = wanted + (wants[r] or 0)
+end
+if n > 0 and wanted < cap and free > mine then mine = mine + math.floor((free - mine) / n) end
 local in_force = tonumber(ARGV[7]) or cap
-redis.call('HSET', KEYS[1], me, math.max(mine, in_force))
+redis.call('HSET', KEYS[1], me, math.max(mine, in_force, busy))
 for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], lease * 4) end
 return mine
 "#;
