@@ -691,3 +691,76 @@ async fn spreading_over_replicas_gains_a_tenant_nothing() {
         "served: one {one}, spread {spread}: not within 10% of each other"
     );
 }
+
+/// The split of a shared upstream's slots, as a property: replicas that
+/// start work only below the grant in force, asking in a random order with
+/// random demand, random backlogs and random completions, never run more
+/// than the upstream's capacity together; and a replica that stays alone
+/// in wanting slots ends up with all of them once the others drain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_slots_never_sum_past_the_capacity() {
+    use kiln::shared::{Store, StoreConfig};
+    use rand::{RngExt, SeedableRng};
+    let Some(redis) = Redis::start() else { return };
+    const CAP: u64 = 8;
+    let ns = namespace();
+    let stores: Vec<Store> = (0..4)
+        .map(|i| {
+            Store::open(&StoreConfig {
+                url: redis.url(),
+                namespace: ns.clone(),
+                replica: format!("r{i}"),
+                lease: Duration::from_secs(5),
+            })
+            .unwrap()
+        })
+        .collect();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(15);
+    let mut caps = [0u64; 4];
+    let mut busy = [0u64; 4];
+    let tenants = ["a", "b", "c"];
+    for step in 0..2_000 {
+        let r = rng.random_range(0..4usize);
+        // Work finishes; new work starts only under the grant in force.
+        busy[r] -= rng.random_range(0..=busy[r]);
+        let queued = rng.random_range(0..12u64);
+        let start = queued.min(caps[r].saturating_sub(busy[r]));
+        busy[r] += start;
+        let total: u64 = busy.iter().sum();
+        assert!(
+            total <= CAP,
+            "step {step}: {busy:?} run at once, capacity {CAP}"
+        );
+        let mut backlog: Vec<(String, f64)> = Vec::new();
+        for t in tenants {
+            if rng.random_bool(0.5) {
+                backlog.push((t.to_string(), rng.random_range(1..4) as f64));
+            }
+        }
+        let want = busy[r] + queued - start;
+        caps[r] = stores[r]
+            .slots("up", want, busy[r], CAP, &backlog, caps[r])
+            .await
+            .unwrap();
+    }
+    // Everyone drains; r0 alone keeps wanting: it gets the whole upstream.
+    for _ in 0..3 {
+        for r in 1..4 {
+            busy[r] = 0;
+            caps[r] = stores[r]
+                .slots("up", 0, 0, CAP, &[], caps[r])
+                .await
+                .unwrap();
+        }
+        busy[0] = busy[0].min(caps[0]);
+        caps[0] = stores[0]
+            .slots("up", CAP, busy[0], CAP, &[("a".into(), 1.0)], caps[0])
+            .await
+            .unwrap();
+    }
+    assert_eq!(
+        caps[0], CAP,
+        "alone in wanting slots, r0 holds {} of {CAP}",
+        caps[0]
+    );
+}
