@@ -291,16 +291,13 @@ impl Gov {
     /// audit lines (each verified against the chain so far), the state
     /// when it changed, the published rollout.
     async fn sync(&self, store: &Store) -> Result<(), StepError> {
-        let start = {
-            let a = lock(&self.audit);
-            if a.has_staged() {
-                // Only a step stages lines, and it commits or undoes them
-                // before the next one: never reached, but never trusted.
-                drop(a);
-                self.undo();
-            }
-            lock(&self.audit).entries()
-        };
+        // Only a step stages lines, and it commits or undoes them before
+        // the next one: never reached, but never trusted.
+        let staged = lock(&self.audit).has_staged();
+        if staged {
+            self.undo();
+        }
+        let start = lock(&self.audit).entries();
         let read = store
             .chain_read(PREFIX, start)
             .await
