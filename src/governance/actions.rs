@@ -82,6 +82,12 @@ pub enum ActionError {
     #[error("cannot draw a random nonce for the proposal ({0}); nothing was changed")]
     #[diagnostic(code(kiln::governance::unavailable), help("try again"))]
     Random(super::keys::KeyError),
+    /// The fleet's shared governance record could not be used: nothing
+    /// was changed (or, for a step that could not be committed, nothing
+    /// was recorded).
+    #[error(transparent)]
+    #[diagnostic(transparent)]
+    Shared(#[from] super::shared::StepError),
     /// A request field out of range; `param` names it.
     #[error("{message}")]
     #[diagnostic(code(kiln::governance::bad_request))]
@@ -102,7 +108,9 @@ impl ActionError {
             | ActionError::Unchanged(_)
             | ActionError::NoPrevious(_) => 409,
             ActionError::NotProposer { .. } | ActionError::OverrideTooLong { .. } => 403,
-            ActionError::AuditUnavailable(_) | ActionError::Random(_) => 503,
+            ActionError::AuditUnavailable(_) | ActionError::Random(_) | ActionError::Shared(_) => {
+                503
+            }
             ActionError::Invalid(e) => e.status(),
             ActionError::Approval(r) => r.status(),
             ActionError::RollbackFailed(_) => 422,
@@ -122,6 +130,7 @@ impl ActionError {
             ActionError::AuditUnavailable(_) => "audit_unavailable",
             ActionError::OverrideTooLong { .. } => "override_too_long",
             ActionError::Random(_) => "unavailable",
+            ActionError::Shared(e) => e.error_code(),
             ActionError::Approval(r) => r.code(),
             ActionError::NoPrevious(_) => "no_previous",
             ActionError::RollbackFailed(_) => "rollback_failed",
@@ -196,9 +205,91 @@ struct Assessment {
     plan: Plan,
 }
 
+/// Each admin operation is one governance step (with a shared store: one
+/// fleet-wide step under its lease, see [`super::shared`]).
 impl Gov {
     /// A proposal for `files` by `who`; the rollout runner starts it once approved.
     pub async fn propose(
+        &self,
+        gw: &impl Gateway,
+        who: &str,
+        files: BTreeMap<String, String>,
+    ) -> Result<ProposalView, ActionError> {
+        self.in_step(gw, self.propose_here(gw, who, files)).await
+    }
+
+    /// Replaces the text of proposal `id` (its proposer only); earlier
+    /// approvals are void.
+    pub async fn revise(
+        &self,
+        gw: &impl Gateway,
+        who: &str,
+        id: &str,
+        files: BTreeMap<String, String>,
+    ) -> Result<ProposalView, ActionError> {
+        self.in_step(gw, self.revise_here(gw, who, id, files)).await
+    }
+
+    /// Withdraws the open proposal `id`.
+    pub async fn withdraw(
+        &self,
+        gw: &impl Gateway,
+        who: &str,
+        id: &str,
+    ) -> Result<ProposalView, ActionError> {
+        self.in_step(gw, async { self.withdraw_here(gw, who, id) })
+            .await
+    }
+
+    /// A signed approval of proposal `id`, submitted by `who`.
+    pub async fn approve(
+        &self,
+        gw: &impl Gateway,
+        who: &str,
+        id: &str,
+        a: &SignedApproval,
+    ) -> Result<ProposalView, ActionError> {
+        self.in_step(gw, self.approve_here(gw, who, id, a)).await
+    }
+
+    /// `kiln rollback` by `who`: abort a rollout in shadow or canary, or
+    /// return to the previous version (directly, or through a rollback
+    /// proposal when the policy in force wants approvals for it).
+    pub async fn rollback(
+        &self,
+        gw: &impl Gateway,
+        who: &str,
+        reason: Option<String>,
+    ) -> Result<RollbackOutcome, ActionError> {
+        self.in_step(gw, self.rollback_here(gw, who, reason)).await
+    }
+
+    /// Pauses or throttles a tier or tenant of the active policy for a
+    /// while, on `who`'s word. Overrides are this replica's (the audit
+    /// chain records them for the fleet).
+    pub async fn add_override(
+        &self,
+        gw: &impl Gateway,
+        who: &str,
+        req: OverrideRequest,
+    ) -> Result<OverrideAdded, ActionError> {
+        self.in_step(gw, async { self.add_override_here(gw, who, req) })
+            .await
+    }
+
+    /// Lifts every override on `scope` `name`; their ids.
+    pub async fn lift_override(
+        &self,
+        gw: &impl Gateway,
+        who: &str,
+        scope: &str,
+        name: &str,
+    ) -> Result<Vec<u64>, ActionError> {
+        self.in_step(gw, async { self.lift_override_here(who, scope, name) })
+            .await
+    }
+
+    async fn propose_here(
         &self,
         gw: &impl Gateway,
         who: &str,
@@ -220,7 +311,7 @@ impl Gov {
             audited(self.audit(
                 "proposal",
                 who,
-                json!({"id": id, "nonce": nonce, "gateway": self.gateway, "hash": hash, "version": policy.version.as_ref(), "base": active.version.as_ref(),
+                json!({"id": id, "nonce": nonce, "gateway": self.gateway(), "hash": hash, "version": policy.version.as_ref(), "base": active.version.as_ref(),
                        "kinds": Changes::names(&a.changes.kinds), "escalations": Changes::names(&a.changes.escalations),
                        "needs": a.needs}),
             ))?;
@@ -253,13 +344,11 @@ impl Gov {
             st.proposals.push(p);
             v
         };
-        self.advance(gw).await;
+        self.advance_inner(gw).await;
         Ok(self.proposal_view(&view.id).unwrap_or(view))
     }
 
-    /// Replaces the text of proposal `id` (its proposer only); earlier
-    /// approvals are void.
-    pub async fn revise(
+    async fn revise_here(
         &self,
         gw: &impl Gateway,
         who: &str,
@@ -300,7 +389,7 @@ impl Gov {
             p.rollout = Some(a.plan);
             p.note = Some("revised: earlier approvals are void".into());
         }
-        self.advance(gw).await;
+        self.advance_inner(gw).await;
         self.proposal_view(id)
             .ok_or_else(|| ActionError::NoProposal(id.to_string()))
     }
@@ -324,8 +413,7 @@ impl Gov {
         }
     }
 
-    /// Withdraws the open proposal `id`.
-    pub fn withdraw(
+    fn withdraw_here(
         &self,
         gw: &impl Gateway,
         who: &str,
@@ -342,8 +430,7 @@ impl Gov {
         Ok(view)
     }
 
-    /// A signed approval of proposal `id`, submitted by `who`.
-    pub async fn approve(
+    async fn approve_here(
         &self,
         gw: &impl Gateway,
         who: &str,
@@ -353,6 +440,7 @@ impl Gov {
         let now_s = crate::clock::unix_s();
         let checked = {
             let mut st = lock(&self.state);
+            let gateway = self.gateway();
             let GovState {
                 proposals, used, ..
             } = &mut *st;
@@ -364,7 +452,7 @@ impl Gov {
                     &self.approvers,
                     used,
                     &Subject {
-                        target: p.target(&self.gateway),
+                        target: p.target(&gateway),
                         hash: &p.hash,
                         proposer: &p.proposer,
                         approvals: &p.approvals,
@@ -408,7 +496,7 @@ impl Gov {
         match checked {
             Ok(()) => {
                 gw.count_approval("accepted");
-                self.advance(gw).await;
+                self.advance_inner(gw).await;
                 self.proposal_view(id)
                     .ok_or_else(|| ActionError::NoProposal(id.to_string()))
             }
@@ -419,10 +507,7 @@ impl Gov {
         }
     }
 
-    /// `kiln rollback` by `who`: abort a rollout in shadow or canary, or
-    /// return to the previous version (directly, or through a rollback
-    /// proposal when the policy in force wants approvals for it).
-    pub async fn rollback(
+    async fn rollback_here(
         &self,
         gw: &impl Gateway,
         who: &str,
@@ -449,6 +534,13 @@ impl Gov {
     /// approval, since the active version never changed.
     fn abortable(&self) -> Option<(String, String, Stage)> {
         let st = lock(&self.state);
+        if st.rollout.is_none() {
+            // Run by another replica: it sees the proposal rolled back at
+            // its next tick and ends its shadow or canary.
+            return self
+                .shared_rollout_stage()
+                .filter(|(_, _, stage)| matches!(stage, Stage::Shadow | Stage::Canary));
+        }
         st.rollout
             .as_ref()
             .filter(|a| matches!(a.machine.stage, Stage::Shadow | Stage::Canary))
@@ -515,10 +607,13 @@ impl Gov {
             }
         };
         let view = manual_rollback(active.version.to_string(), to.clone(), who);
+        let elsewhere = self.shared_rollout_stage().map(|(id, _, _)| id);
         {
             let mut st = lock(&self.state);
-            if let Some(a) = st.rollout.take() {
-                if let Some(p) = st.proposals.iter_mut().find(|p| p.id == a.proposal) {
+            // A watch run by another replica ends too: it sees its
+            // proposal rolled back at its next tick.
+            if let Some(id) = st.rollout.take().map(|a| a.proposal).or(elsewhere) {
+                if let Some(p) = st.proposals.iter_mut().find(|p| p.id == id) {
                     p.state = PState::RolledBack;
                     p.note = Some(format!("rolled back by {who}"));
                 }
@@ -555,7 +650,7 @@ impl Gov {
             audited(self.audit(
                 "proposal",
                 who,
-                json!({"id": id, "nonce": nonce, "gateway": self.gateway, "kind": "rollback", "hash": hash, "version": prev.version,
+                json!({"id": id, "nonce": nonce, "gateway": self.gateway(), "kind": "rollback", "hash": hash, "version": prev.version,
                        "base": active.version.as_ref(), "kinds": ["rollback"], "needs": needs, "reason": reason}),
             ))?;
             st.next += 1;
@@ -587,9 +682,7 @@ impl Gov {
         Ok(RollbackOutcome::Proposed(Box::new(view)))
     }
 
-    /// Pauses or throttles a tier or tenant of the active policy for a
-    /// while, on `who`'s word.
-    pub fn add_override(
+    fn add_override_here(
         &self,
         gw: &impl Gateway,
         who: &str,
@@ -671,8 +764,7 @@ impl Gov {
         })
     }
 
-    /// Lifts every override on `scope` `name`; their ids.
-    pub fn lift_override(
+    fn lift_override_here(
         &self,
         who: &str,
         scope: &str,

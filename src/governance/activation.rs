@@ -86,13 +86,18 @@ pub enum ActivationError {
     #[error("the scheduler is not running")]
     #[diagnostic(code(kiln::activate::scheduler_down))]
     SchedulerDown,
+    /// With a shared store: the fleet's governance step could not be had
+    /// (or recorded).
+    #[error(transparent)]
+    #[diagnostic(transparent)]
+    Shared(#[from] super::shared::StepError),
 }
 
 impl ActivationError {
     /// The HTTP status `POST /admin/policy` answers with.
     pub fn status(&self) -> u16 {
         match self {
-            ActivationError::SchedulerDown => 503,
+            ActivationError::SchedulerDown | ActivationError::Shared(_) => 503,
             _ => 422,
         }
     }
@@ -100,7 +105,7 @@ impl ActivationError {
     /// The error `type` of the answer.
     pub fn kind(&self) -> &'static str {
         match self {
-            ActivationError::SchedulerDown => "service_unavailable",
+            ActivationError::SchedulerDown | ActivationError::Shared(_) => "service_unavailable",
             _ => "invalid_policy",
         }
     }

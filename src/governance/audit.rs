@@ -452,6 +452,10 @@ pub struct AuditLog {
     head: String,
     recent: std::collections::VecDeque<Entry>,
     facts: Facts,
+    /// A log whose chain lives in the fleet's shared store: appended
+    /// lines wait here until the governance step that wrote them commits
+    /// them there (see [`AuditLog::take_staged`]).
+    staged: Option<Vec<String>>,
 }
 
 impl AuditLog {
@@ -465,7 +469,59 @@ impl AuditLog {
             head: GENESIS.to_string(),
             recent: std::collections::VecDeque::new(),
             facts: Facts::default(),
+            staged: None,
         }
+    }
+
+    /// The local view of a chain kept in the fleet's shared store: it
+    /// learns the chain line by line ([`AuditLog::absorb`]) and stages what
+    /// this replica appends until a step commits it.
+    pub fn shared() -> AuditLog {
+        AuditLog {
+            staged: Some(Vec::new()),
+            ..AuditLog::memory()
+        }
+    }
+
+    /// The lines appended since the last call (a shared log's), in order.
+    pub fn take_staged(&mut self) -> Vec<String> {
+        self.staged.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Whether appended lines wait to be committed.
+    pub fn has_staged(&self) -> bool {
+        self.staged.as_ref().is_some_and(|s| !s.is_empty())
+    }
+
+    /// What the entries seen so far tell (a shared log learns as it goes).
+    pub fn facts(&self) -> &Facts {
+        &self.facts
+    }
+
+    /// Takes `line`, written by any replica, as the chain's next entry:
+    /// it must follow the head in sequence, chain to it and hash to what
+    /// it records, or the chain was tampered with (or forked) and nothing
+    /// is taken.
+    pub fn absorb(&mut self, line: &str) -> Result<(), AuditError> {
+        let e = check_line(line.as_bytes(), self.seq, &self.head)
+            .map_err(|what| AuditError::Broken {
+                path: "the shared audit chain".into(),
+                line: usize::try_from(self.seq + 1).unwrap_or(usize::MAX),
+                what,
+            })?
+            .ok_or_else(|| AuditError::Broken {
+                path: "the shared audit chain".into(),
+                line: usize::try_from(self.seq + 1).unwrap_or(usize::MAX),
+                what: "an empty line".into(),
+            })?;
+        self.facts.learn(&e);
+        self.seq = e.seq;
+        self.head = e.hash.clone();
+        if self.recent.len() >= Self::KEEP {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(e);
+        Ok(())
     }
 
     /// Opens (or creates) the file and verifies what it holds: a broken
@@ -533,6 +589,7 @@ impl AuditLog {
             head: scanned.verified.head,
             recent: std::collections::VecDeque::new(),
             facts,
+            staged: None,
         };
         if let Some(t) = scanned.torn {
             tracing::warn!(audit = %path.display(), line = t.line, bytes = t.bytes, "the audit log's last line was torn by an interrupted write: truncated");
@@ -622,6 +679,11 @@ impl AuditLog {
             f.flush().map_err(io)?;
             // On disk before anyone is told it happened.
             f.sync_data().map_err(io)?;
+        }
+        if let Some(staged) = self.staged.as_mut() {
+            staged.push(e.line());
+            // A shared log learns from its own entries as from others'.
+            self.facts.learn(&e);
         }
         self.seq = e.seq;
         self.head = e.hash.clone();

@@ -52,6 +52,11 @@ pub struct GovConfig {
     /// The longest pause or throttle an operator may set
     /// (`[governance] max_override`).
     pub max_override_ms: f64,
+    /// The fleet's shared store (`[state] redis`): proposals, approvals,
+    /// used signatures, rollback history and the audit chain live there,
+    /// written one governance step at a time under a lease (see
+    /// [`super::shared`]); `audit` and `state` files are then not used.
+    pub shared: Option<Arc<crate::shared::Store>>,
 }
 
 /// The rollout in progress.
@@ -115,8 +120,23 @@ pub struct Gov {
     pub(super) dry_run_records: usize,
     pub(super) max_override_ms: f64,
     /// The gateway's identity (random, kept in the audit log's first
-    /// `gateway` entry): approvals sign it.
-    pub(super) gateway: String,
+    /// `gateway` entry): approvals sign it. With a shared store it is the
+    /// fleet's, empty until this replica has read (or written) it.
+    pub(super) gateway: Mutex<String>,
+    /// The fleet's shared store, when governance lives there.
+    pub(super) shared: Option<Arc<crate::shared::Store>>,
+    /// What this replica last read from or wrote to the shared store.
+    pub(super) synced: Mutex<super::shared::Synced>,
+    /// This replica's shared steps one at a time: the fleet's lease is
+    /// held per replica, so two tasks of one replica would both hold it.
+    pub(super) fleet_step: tokio::sync::Mutex<()>,
+    /// Whether this replica ran rollouts at its last check (it holds the
+    /// runner's lease).
+    pub(super) leading: AtomicBool,
+    /// The rollout in progress as the replica running it last published
+    /// it (for this replica's views and `kiln rollback` when it runs
+    /// elsewhere).
+    pub(super) shared_rollout: Mutex<Option<RolloutView>>,
     /// The state file, if any.
     state_path: Option<PathBuf>,
     /// The bytes last written there (unchanged state is not rewritten).
@@ -224,6 +244,9 @@ pub(super) fn previous_of(p: &Policy) -> Previous {
 
 impl Gov {
     pub fn new(cfg: GovConfig) -> Result<Gov, GovError> {
+        if cfg.shared.is_some() {
+            return Ok(Gov::shared(cfg));
+        }
         let mut audit = match &cfg.audit {
             Some(path) => AuditLog::open(path)?,
             None => AuditLog::memory(),
@@ -263,7 +286,41 @@ impl Gov {
             .max(facts.highest_proposal.saturating_add(1))
             .max(1);
         state.used.extend(facts.signatures);
-        Ok(Gov {
+        Ok(Gov::assemble(
+            cfg,
+            audit,
+            state,
+            gateway,
+            state_path,
+            restored_active,
+        ))
+    }
+
+    /// Governance kept in the fleet's shared store: nothing is read here
+    /// (the first step reads the store; `Gov::new` cannot wait on it).
+    fn shared(cfg: GovConfig) -> Gov {
+        if cfg.audit.is_some() || cfg.state.is_some() {
+            tracing::warn!("[state] redis is set: the governance state and the audit chain are kept in the shared store, not in the [audit] / [governance] state files");
+        }
+        Gov::assemble(
+            cfg,
+            AuditLog::shared(),
+            GovState::default(),
+            String::new(),
+            None,
+            None,
+        )
+    }
+
+    fn assemble(
+        cfg: GovConfig,
+        audit: AuditLog,
+        state: GovState,
+        gateway: String,
+        state_path: Option<PathBuf>,
+        restored_active: Option<Previous>,
+    ) -> Gov {
+        Gov {
             enabled: cfg.enabled,
             approvers: cfg.approvers,
             audit: Mutex::new(audit),
@@ -287,11 +344,44 @@ impl Gov {
             default_canary_ms: cfg.default_canary_ms,
             dry_run_records: cfg.dry_run_records,
             max_override_ms: cfg.max_override_ms,
-            gateway,
+            gateway: Mutex::new(gateway),
+            shared: cfg.shared,
+            synced: Mutex::new(super::shared::Synced::default()),
+            fleet_step: tokio::sync::Mutex::new(()),
+            leading: AtomicBool::new(false),
+            shared_rollout: Mutex::new(None),
             state_path,
             written: Mutex::new(None),
             restored_active: Mutex::new(restored_active),
-        })
+        }
+    }
+
+    /// The identity approvals sign (the fleet's, with a shared store).
+    pub fn gateway(&self) -> String {
+        lock(&self.gateway).clone()
+    }
+
+    /// The state as the state file (or the shared store, with `all`:
+    /// closed proposals too, so every replica lists the same) holds it.
+    pub(super) fn snapshot(&self, gw: &impl Gateway, all: bool) -> Snapshot {
+        let active = gw.active();
+        let st = lock(&self.state);
+        let mut used: Vec<String> = st.used.iter().cloned().collect();
+        used.sort();
+        Snapshot {
+            format: stored::FORMAT,
+            next: st.next,
+            proposals: st
+                .proposals
+                .iter()
+                .filter(|p| all || stored::kept(p))
+                .map(StoredProposal::of)
+                .collect(),
+            history: st.history.clone(),
+            active: Some(previous_of(&active)),
+            used,
+            last_rollback: st.last_rollback.clone(),
+        }
     }
 
     /// The gateway's clock in ms: wall time since start, times the
@@ -310,27 +400,7 @@ impl Gov {
         };
         // Held across snapshot and write: writes land in the order of states.
         let mut written = lock(&self.written);
-        let active = gw.active();
-        let snap = {
-            let st = lock(&self.state);
-            let mut used: Vec<String> = st.used.iter().cloned().collect();
-            used.sort();
-            Snapshot {
-                format: stored::FORMAT,
-                next: st.next,
-                proposals: st
-                    .proposals
-                    .iter()
-                    .filter(|p| stored::kept(p))
-                    .map(StoredProposal::of)
-                    .collect(),
-                history: st.history.clone(),
-                active: Some(previous_of(&active)),
-                used,
-                last_rollback: st.last_rollback.clone(),
-            }
-        };
-        let bytes = snap.to_bytes();
+        let bytes = self.snapshot(gw, false).to_bytes();
         if written.as_deref() == Some(&bytes[..]) {
             return;
         }
@@ -345,6 +415,11 @@ impl Gov {
     /// rollback` returns to, and the active version is not its own
     /// previous.
     pub fn settle_restored(&self, gw: &impl Gateway) {
+        // With a shared store, the replica that runs rollouts settles what
+        // a stopped one left rolling (see `Gov::reconcile`).
+        if self.shared.is_some() {
+            return;
+        }
         let version = gw.active().version.to_string();
         self.settle_interrupted(&version);
         let Some(before) = lock(&self.restored_active).take() else {
@@ -371,6 +446,12 @@ impl Gov {
     /// from its first stage if it still may (its base is active and its
     /// approvals hold), or goes stale or pending.
     fn settle_interrupted(&self, active: &str) {
+        self.settle_interrupted_except(active, None)
+    }
+
+    /// [`Gov::settle_interrupted`] for every rolling proposal but
+    /// `running` (the rollout this replica runs).
+    pub(super) fn settle_interrupted_except(&self, active: &str, running: Option<&str>) {
         let now_s = crate::clock::unix_s();
         let mut events = Vec::new();
         {
@@ -378,7 +459,7 @@ impl Gov {
             for p in st
                 .proposals
                 .iter_mut()
-                .filter(|p| p.state == PState::Rolling)
+                .filter(|p| p.state == PState::Rolling && Some(p.id.as_str()) != running)
             {
                 let (state, outcome, note) = if p.version == active {
                     (
@@ -426,7 +507,7 @@ impl Gov {
         full: bool,
     ) -> super::view::ProposalView {
         let mut v = p.view(now_s, full);
-        v.gateway = self.gateway.clone();
+        v.gateway = self.gateway();
         v
     }
 
@@ -537,7 +618,7 @@ impl Gov {
         let now_s = crate::clock::unix_s();
         let shadow_now = self.shadow().map(|s| s.counts());
         let st = lock(&self.state);
-        let rollout = st.rollout.as_ref().filter(|a| !a.machine.done()).map(|a| {
+        let local = st.rollout.as_ref().filter(|a| !a.machine.done()).map(|a| {
             let canary = a
                 .machine
                 .plan
@@ -567,6 +648,12 @@ impl Gov {
                 min_samples: self.min_samples,
             }
         });
+        // Run by another replica: as it last published it.
+        let rollout = local.or_else(|| {
+            self.shared
+                .as_ref()
+                .and_then(|_| lock(&self.shared_rollout).clone())
+        });
         StatusView {
             active: active.version.to_string(),
             previous: st.history.last().map(|p| p.version.clone()),
@@ -588,6 +675,7 @@ impl Gov {
     /// A governance step in flight (an activation, say) is seen whole or
     /// not at all: never the new version with the old history.
     pub async fn consistent_status(&self, gw: &impl Gateway) -> StatusView {
+        self.refresh().await;
         let _consistent = self.step.lock().await;
         self.status_view(&gw.active())
     }

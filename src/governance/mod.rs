@@ -26,6 +26,8 @@
 //! * [`overrides`]: pause and throttle a tier or tenant for a while;
 //! * [`audit`]: the append-only, hash-chained JSONL audit log;
 //! * [`state`]: proposals and rollback history kept across restarts;
+//! * [`shared`]: the same, and the audit chain, kept in the fleet's shared
+//!   store, written one step at a time under a lease;
 //! * [`view`]: the admin API's answers and their human rendering.
 
 pub mod actions;
@@ -41,6 +43,7 @@ pub mod proposal;
 pub mod rollout;
 pub mod runner;
 pub mod shadow;
+pub mod shared;
 pub mod state;
 pub mod view;
 

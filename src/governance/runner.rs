@@ -50,6 +50,16 @@ impl Gov {
         files: BTreeMap<String, String>,
         who: &str,
     ) -> Result<Activation, ActivationError> {
+        self.in_step(gw, self.activate_direct_here(gw, files, who))
+            .await
+    }
+
+    async fn activate_direct_here(
+        &self,
+        gw: &impl Gateway,
+        files: BTreeMap<String, String>,
+        who: &str,
+    ) -> Result<Activation, ActivationError> {
         let _one = self.step.lock().await;
         let before = gw.active();
         let r = gw.activate(files).await;
@@ -74,15 +84,63 @@ impl Gov {
         r
     }
 
-    /// One governance step: expire overrides, advance the rollout, start
-    /// the next approved proposal.
+    /// The runner's tick: expire overrides, advance the rollout, start
+    /// the next approved proposal. With a shared store only the replica
+    /// holding the runner's lease advances rollouts (their shadow and
+    /// canary live in its executor, their stages on its clock), each tick
+    /// one fleet-wide step; the others only expire their own overrides.
     pub async fn advance(&self, gw: &impl Gateway) {
+        let Some(store) = self.shared.clone() else {
+            self.advance_here(gw, true).await;
+            return;
+        };
+        let lead = self.may_lead(&store).await;
+        if !lead {
+            self.stop_running_here(gw).await;
+            if !self.any_override.load(Ordering::Relaxed) {
+                return;
+            }
+        }
+        let r: Result<(), super::shared::StepError> = self
+            .in_step(gw, async {
+                if lead {
+                    self.reconcile(gw).await;
+                }
+                self.advance_here(gw, lead).await;
+                Ok(())
+            })
+            .await;
+        if let Err(e) = r {
+            // Every tick retries; a lasting cause shows on admin actions
+            // and in `kiln_shared_state_up`.
+            tracing::debug!(error = %e, "governance tick skipped");
+        }
+    }
+
+    /// A step's own tick, inside an admin action's step: the rollout
+    /// parts only where this replica runs rollouts.
+    pub(super) async fn advance_inner(&self, gw: &impl Gateway) {
+        let lead = match self.shared.clone() {
+            None => true,
+            Some(store) => self.may_lead(&store).await,
+        };
+        if lead && self.shared.is_some() {
+            self.reconcile(gw).await;
+        }
+        self.advance_here(gw, lead).await;
+    }
+
+    async fn advance_here(&self, gw: &impl Gateway, lead: bool) {
         let _one = self.step.lock().await;
         let now = self.now_ms();
         self.expire_overrides(now);
-        self.tick_rollout(gw, now).await;
+        if lead {
+            self.tick_rollout(gw, now).await;
+        }
         self.tidy();
-        self.start_next(gw, now).await;
+        if lead {
+            self.start_next(gw, now).await;
+        }
         self.persist(gw);
     }
 
@@ -728,6 +786,7 @@ route [low] tiny { default => fp16 }
             default_canary_ms: 0.0,
             dry_run_records: 10,
             max_override_ms: 86_400_000.0,
+            shared: None,
         })
         .unwrap()
     }

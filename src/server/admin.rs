@@ -454,5 +454,9 @@ pub async fn activate_here(
 /// The answer to a refused activation, as `POST /admin/policy` gives it.
 pub fn activation_refused(e: &ActivationError) -> Response {
     let status = StatusCode::from_u16(e.status()).unwrap_or(StatusCode::UNPROCESSABLE_ENTITY);
-    (status, axum::Json(e.body())).into_response()
+    let r = (status, axum::Json(e.body())).into_response();
+    match e {
+        ActivationError::Shared(s) => super::governance::retry_after(r, s.retry_after_s()),
+        _ => r,
+    }
 }

@@ -77,6 +77,8 @@ pub fn gov_config(cfg: &ServerConfig, speed: f64) -> GovConfig {
         default_canary_ms: g.default_canary_ms(),
         dry_run_records: g.dry_run_records,
         max_override_ms: g.max_override_ms(),
+        // Set by `start`, which opens the fleet's store.
+        shared: None,
     }
 }
 
@@ -205,6 +207,11 @@ fn refused(e: &ActionError) -> Response {
             )
                 .into_response()
         }
+        ActionError::Shared(s) => {
+            let mut a = ApiError::new(e.status(), e.to_string());
+            a.code = Some(s.error_code().to_string());
+            retry_after(a.into_response(), s.retry_after_s())
+        }
         _ => {
             let mut a = ApiError::new(e.status(), e.to_string());
             a.code = e.code().map(String::from);
@@ -212,6 +219,14 @@ fn refused(e: &ActionError) -> Response {
             a.into_response()
         }
     }
+}
+
+/// A refusal that a retry may pass in `secs`: `Retry-After` says when.
+pub(super) fn retry_after(mut r: Response, secs: u64) -> Response {
+    if let Ok(v) = axum::http::HeaderValue::from_str(&secs.to_string()) {
+        r.headers_mut().insert(axum::http::header::RETRY_AFTER, v);
+    }
+    r
 }
 
 /// `200` with the value as JSON, or the refusal.
@@ -241,6 +256,7 @@ async fn list(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     if let Err(e) = identify(&app, &headers) {
         return e.into_response();
     }
+    app.gov.refresh().await;
     axum::Json(app.gov.proposal_views()).into_response()
 }
 
@@ -248,6 +264,7 @@ async fn show(State(app): State<Arc<App>>, headers: HeaderMap, Path(id): Path<St
     if let Err(e) = identify(&app, &headers) {
         return e.into_response();
     }
+    app.gov.refresh().await;
     answer(
         app.gov
             .proposal_view(&id)
@@ -281,7 +298,7 @@ async fn withdraw(
         Ok(w) => w,
         Err(e) => return e.into_response(),
     };
-    answer(app.gov.withdraw(app.as_ref(), &who, &id))
+    answer(app.gov.withdraw(app.as_ref(), &who, &id).await)
 }
 
 async fn approve(
@@ -379,7 +396,7 @@ async fn add_override(
             .into_response()
         }
     };
-    match app.gov.add_override(app.as_ref(), &who, req) {
+    match app.gov.add_override(app.as_ref(), &who, req).await {
         Ok(o) => (
             StatusCode::CREATED,
             axum::Json(json!({"override": o.view, "replaced": o.replaced})),
@@ -405,7 +422,11 @@ async fn lift_override(
         Ok(w) => w,
         Err(e) => return e.into_response(),
     };
-    match app.gov.lift_override(&who, &scope, &name) {
+    match app
+        .gov
+        .lift_override(app.as_ref(), &who, &scope, &name)
+        .await
+    {
         Ok(ids) => axum::Json(json!({"lifted": ids})).into_response(),
         Err(e) => refused(&e),
     }
@@ -415,5 +436,6 @@ async fn audit(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     if let Err(e) = identify(&app, &headers) {
         return e.into_response();
     }
+    app.gov.refresh().await;
     axum::Json(app.gov.audit_recent(100)).into_response()
 }

@@ -290,8 +290,11 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
     })?;
     let admin_open = !config.has_admin_tokens() && addr.ip().is_loopback();
     let tokenizer = openai::Tokenizer::new().map_err(ServeError::Startup)?;
-    let gov = governance::Gov::new(governance::gov_config(&config, speed))
-        .map_err(ServeError::Governance)?;
+    let mut gov_cfg = governance::gov_config(&config, speed);
+    // Governance lives in the fleet's store too: one audit chain, one set
+    // of proposals and approvals for every replica.
+    gov_cfg.shared = fleet.as_ref().map(|f| f.store.clone());
+    let gov = governance::Gov::new(gov_cfg).map_err(ServeError::Governance)?;
     let store = match &config.batch.store {
         Some(p) => crate::batch::store::Store::open(p),
         None => crate::batch::store::Store::temporary(),

@@ -110,6 +110,49 @@ pub struct SharedPolicy {
     pub files: BTreeMap<String, String>,
 }
 
+/// A hash-chained record as [`Store::chain_read`] found it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ChainRead {
+    /// The state written with the chain's last extension, if any.
+    pub state: Option<Vec<u8>>,
+    /// The chain's head hash (`None` before its first line).
+    pub head: Option<String>,
+    /// How many lines the chain holds.
+    pub len: u64,
+    /// The side record (short-lived, see [`ChainCommit::side`]), if any.
+    pub side: Option<Vec<u8>>,
+    /// The lines from the one asked for to the end.
+    pub lines: Vec<String>,
+}
+
+/// One extension of a hash-chained record (see [`Store::chain_commit`]).
+#[derive(Debug, Clone, Default)]
+pub struct ChainCommit {
+    /// The chain's length and head as the writer read them.
+    pub expected_len: u64,
+    pub expected_head: Option<String>,
+    /// The lines to append and the head they end on.
+    pub lines: Vec<String>,
+    pub new_head: String,
+    /// The state to store with them, if it changed.
+    pub state: Option<Vec<u8>>,
+    /// The side record: `Some(None)` deletes it, `Some(Some(bytes))`
+    /// writes it for `side_ms` (it vanishes when its writer stops
+    /// renewing it).
+    pub side: Option<Option<Vec<u8>>>,
+    pub side_ms: u64,
+}
+
+/// How [`Store::chain_commit`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Committed {
+    Written,
+    /// This replica no longer holds the lease.
+    NotHeld,
+    /// The chain moved since the writer read it.
+    Moved,
+}
+
 /// A connection to the shared store.
 pub struct Store {
     client: redis::Client,
@@ -572,6 +615,104 @@ impl Store {
         self.call(async move { inv.invoke_async::<i64>(&mut c).await })
             .await
             .map(|_| ())
+    }
+
+    fn chain_keys(&self, prefix: &str) -> [String; 4] {
+        [
+            self.key(&[prefix, "state"]),
+            self.key(&[prefix, "audit"]),
+            self.key(&[prefix, "audit", "head"]),
+            self.key(&[prefix, "rollout"]),
+        ]
+    }
+
+    /// The hash-chained record under `prefix` (its state, chain head and
+    /// length, side record, and its lines from `start`), read atomically.
+    pub async fn chain_read(&self, prefix: &str, start: u64) -> Result<ChainRead, StoreError> {
+        let [state, list, head, side] = self.chain_keys(prefix);
+        let mut inv = self.scripts.chain_read.prepare_invoke();
+        inv.key(state).key(list).key(head).key(side).arg(start);
+        let mut c = self.conn.clone();
+        let v: Vec<redis::Value> = self
+            .call(async move { inv.invoke_async(&mut c).await })
+            .await?;
+        let bytes = |v: Option<&redis::Value>| -> Result<Option<Vec<u8>>, StoreError> {
+            match v {
+                Some(redis::Value::BulkString(b)) if b.is_empty() => Ok(None),
+                Some(redis::Value::BulkString(b)) => Ok(Some(b.clone())),
+                Some(redis::Value::SimpleString(s)) if s.is_empty() => Ok(None),
+                Some(redis::Value::SimpleString(s)) => Ok(Some(s.clone().into_bytes())),
+                Some(redis::Value::Nil) => Ok(None),
+                other => Err(StoreError::Protocol {
+                    message: format!("the chain read answered {other:?}"),
+                }),
+            }
+        };
+        let text = |b: Vec<u8>| {
+            String::from_utf8(b).map_err(|e| StoreError::Protocol {
+                message: format!("a chain line is not UTF-8: {e}"),
+            })
+        };
+        let len = match v.get(2) {
+            Some(redis::Value::Int(n)) => (*n).max(0) as u64,
+            other => {
+                return Err(StoreError::Protocol {
+                    message: format!("the chain read's length is {other:?}"),
+                })
+            }
+        };
+        let mut lines = Vec::new();
+        for l in v.iter().skip(4) {
+            if let Some(b) = bytes(Some(l))? {
+                lines.push(text(b)?);
+            }
+        }
+        Ok(ChainRead {
+            state: bytes(v.first())?,
+            head: bytes(v.get(1))?.map(text).transpose()?,
+            len,
+            side: bytes(v.get(3))?,
+            lines,
+        })
+    }
+
+    /// Extends the hash-chained record under `prefix` as `commit` says,
+    /// atomically, if this replica holds the lease `lease` and the chain
+    /// still has the length and head the commit expects.
+    pub async fn chain_commit(
+        &self,
+        prefix: &str,
+        lease: &str,
+        commit: &ChainCommit,
+    ) -> Result<Committed, StoreError> {
+        let [state, list, head, side] = self.chain_keys(prefix);
+        let mut inv = self.scripts.chain_commit.prepare_invoke();
+        inv.key(self.key(&["lease", lease]))
+            .key(list)
+            .key(head)
+            .key(state)
+            .key(side)
+            .arg(&self.replica)
+            .arg(commit.expected_len)
+            .arg(commit.expected_head.as_deref().unwrap_or(""))
+            .arg(&commit.new_head)
+            .arg(if commit.state.is_some() { "1" } else { "0" })
+            .arg(commit.state.as_deref().unwrap_or(b""))
+            .arg(if commit.side.is_some() { "1" } else { "0" })
+            .arg(commit.side.clone().flatten().unwrap_or_default())
+            .arg(commit.side_ms.max(1));
+        for l in &commit.lines {
+            inv.arg(l);
+        }
+        let mut c = self.conn.clone();
+        let n: i64 = self
+            .call(async move { inv.invoke_async(&mut c).await })
+            .await?;
+        Ok(match n {
+            1 => Committed::Written,
+            0 => Committed::NotHeld,
+            _ => Committed::Moved,
+        })
     }
 
     /// The bytes at `key` (under the namespace), if any.

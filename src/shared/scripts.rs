@@ -262,6 +262,54 @@ for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], lease * 4) end
 return mine
 "#;
 
+/// Reads a hash-chained record (governance's) in one step, so its state
+/// and its chain are never seen half written. KEYS: 1 the state, 2 the
+/// chain (a list of lines), 3 the chain's head hash, 4 a side record (the
+/// rollout in progress). ARGV: 1 the first line wanted (0-based).
+/// Returns {state, head, length, side, lines…} ("" for what is missing).
+const CHAIN_READ: &str = r#"
+local st = redis.call('GET', KEYS[1]) or ''
+local head = redis.call('GET', KEYS[3]) or ''
+local len = redis.call('LLEN', KEYS[2])
+local side = redis.call('GET', KEYS[4]) or ''
+local out = {st, head, len, side}
+local from = tonumber(ARGV[1])
+if from < len then
+  local lines = redis.call('LRANGE', KEYS[2], from, -1)
+  for i = 1, #lines do table.insert(out, lines[i]) end
+end
+return out
+"#;
+
+/// Extends a hash-chained record, all or nothing, and only where the
+/// writer still holds the record's lease and the chain still ends where
+/// the writer read it: a writer that lost its lease, or read a chain that
+/// moved since, can never fork it. KEYS: 1 the lease, 2 the chain, 3 its
+/// head, 4 the state, 5 the side record. ARGV: 1 holder, 2 expected length,
+/// 3 expected head ("" for none yet), 4 new head, 5 "1" to write the state,
+/// 6 the state, 7 "1" to write the side record, 8 it ("" deletes it),
+/// 9 its lifetime in ms, 10… lines. Returns 1 (written), 0 (lease not
+/// held) or -1 (the chain moved).
+const CHAIN_COMMIT: &str = r#"
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if redis.call('LLEN', KEYS[2]) ~= tonumber(ARGV[2]) then return -1 end
+local head = redis.call('GET', KEYS[3]) or ''
+if head ~= ARGV[3] then return -1 end
+if #ARGV >= 10 then
+  for i = 10, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
+  redis.call('SET', KEYS[3], ARGV[4])
+end
+if ARGV[5] == '1' then redis.call('SET', KEYS[4], ARGV[6]) end
+if ARGV[7] == '1' then
+  if ARGV[8] == '' then
+    redis.call('DEL', KEYS[5])
+  else
+    redis.call('SET', KEYS[5], ARGV[8], 'PX', tonumber(ARGV[9]))
+  end
+end
+return 1
+"#;
+
 fn with_now(body: &str, level: bool) -> String {
     let mut s = String::from(NOW);
     if level {
@@ -281,6 +329,8 @@ pub struct Scripts {
     pub lease: redis::Script,
     pub unlease: redis::Script,
     pub slots: redis::Script,
+    pub chain_read: redis::Script,
+    pub chain_commit: redis::Script,
 }
 
 impl Scripts {
@@ -293,6 +343,8 @@ impl Scripts {
             lease: redis::Script::new(LEASE),
             unlease: redis::Script::new(UNLEASE),
             slots: redis::Script::new(&with_now(SLOTS, false)),
+            chain_read: redis::Script::new(CHAIN_READ),
+            chain_commit: redis::Script::new(CHAIN_COMMIT),
         }
     }
 }
