@@ -623,3 +623,96 @@ async fn a_rollout_advances_on_one_replica_only() {
         g.stop().await;
     }
 }
+
+async fn chat_status(c: &reqwest::Client, base: &str, key: &str) -> (u16, Value) {
+    let r = c
+        .post(format!("{base}/v1/chat/completions"))
+        .bearer_auth(key)
+        .json(&json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    let s = r.status().as_u16();
+    (s, r.json().await.unwrap_or(Value::Null))
+}
+
+/// An incident control is the fleet's: a tier paused through one replica
+/// is refused on every replica within a tick, ends on all of them when it
+/// is lifted through another, and each is recorded once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_override_set_on_one_replica_holds_on_every_replica() {
+    let Some(redis) = Redis::start() else { return };
+    let ns = namespace();
+    let (gws, bases) = fleet(&redis.url(), &ns).await;
+    let c = client();
+    for b in &bases {
+        assert_eq!(chat_status(&c, b, "k-beta").await.0, 200);
+    }
+    let (s, v) = call(
+        &c,
+        reqwest::Method::POST,
+        format!("{}/admin/overrides", bases[0]),
+        "tok-ops",
+        Some(json!({"scope": "tier", "name": "low", "action": "pause", "for": "10m", "reason": "incident 9"})),
+    )
+    .await;
+    assert_eq!(s, 201, "{v}");
+    let until = std::time::Instant::now() + Duration::from_secs(3);
+    for b in &bases {
+        loop {
+            let (s, e) = chat_status(&c, b, "k-beta").await;
+            if s == 503 {
+                assert_eq!(e["error"]["code"], "paused", "{e}");
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < until,
+                "{b} still serves the paused tier"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(
+            chat_status(&c, b, "k-alpha").await.0,
+            200,
+            "another tier is not paused"
+        );
+    }
+    let (s, v) = call(
+        &c,
+        reqwest::Method::DELETE,
+        format!("{}/admin/overrides/tier/low", bases[2]),
+        "tok-ops",
+        None,
+    )
+    .await;
+    assert!(s == 200 || s == 204, "{s} {v}");
+    let until = std::time::Instant::now() + Duration::from_secs(3);
+    for b in &bases {
+        while chat_status(&c, b, "k-beta").await.0 != 200 {
+            assert!(
+                std::time::Instant::now() < until,
+                "{b} still refuses after the lift"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let lines = redis.audit_lines(&ns).await;
+    let kinds: Vec<String> = lines
+        .iter()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter_map(|v| v["kind"].as_str().map(String::from))
+        .collect();
+    assert_eq!(
+        kinds.iter().filter(|k| *k == "override").count(),
+        1,
+        "{kinds:?}"
+    );
+    assert_eq!(
+        kinds.iter().filter(|k| *k == "override_lifted").count(),
+        1,
+        "{kinds:?}"
+    );
+    for g in gws {
+        g.stop().await;
+    }
+}

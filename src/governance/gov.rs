@@ -387,6 +387,11 @@ impl Gov {
     /// The gateway's clock in ms: wall time since start, times the
     /// simulator's speed (rollout stages, holds, windows and overrides run
     /// on it, like the policy's own durations).
+    /// Policy time per wall time (the simulator's speed).
+    pub fn speed(&self) -> f64 {
+        self.speed
+    }
+
     pub fn now_ms(&self) -> f64 {
         self.clock.elapsed().as_secs_f64() * 1000.0 * self.speed
     }

@@ -97,6 +97,9 @@ impl Gov {
         let lead = self.may_lead(&store).await;
         if !lead {
             self.stop_running_here(gw).await;
+            // What other replicas did (overrides above all: an incident
+            // control set on one replica holds on every one within a tick).
+            self.refresh().await;
             if !self.any_override.load(Ordering::Relaxed) {
                 return;
             }
@@ -133,7 +136,7 @@ impl Gov {
     async fn advance_here(&self, gw: &impl Gateway, lead: bool) {
         let _one = self.step.lock().await;
         let now = self.now_ms();
-        self.expire_overrides(now);
+        self.expire_overrides(now, lead);
         if lead {
             self.tick_rollout(gw, now).await;
         }
@@ -144,10 +147,15 @@ impl Gov {
         self.persist(gw);
     }
 
-    fn expire_overrides(&self, now: f64) {
+    /// Ends overrides whose time is up. In a fleet every replica ends its
+    /// copy at the same time; only the runner records it, once.
+    fn expire_overrides(&self, now: f64, lead: bool) {
         let expired = lock(&self.overrides).expire(now);
         if lock(&self.overrides).is_empty() {
             self.any_override.store(false, Ordering::Relaxed);
+        }
+        if !lead {
+            return;
         }
         for o in expired {
             self.audit_anyway(

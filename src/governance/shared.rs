@@ -23,9 +23,12 @@
 //! `gov-runner` (renewed every tick): a rollout's shadow and canary live
 //! in that replica's executor and its stages run on that replica's clock.
 //! Its live-metrics window (what rollback conditions read) and its
-//! shadow counts are therefore that replica's traffic only; overrides,
-//! too, are enforced by the replica that set them (the chain records
-//! them for the fleet). When the runner stops, another takes the lease
+//! shadow counts are therefore that replica's traffic only. Overrides
+//! (incident pauses and throttles) are the fleet's: every replica reads
+//! the chain each tick and enforces an override another replica recorded
+//! for what is left of it (its start is the entry's time), so all end it
+//! together; only the runner records the expiry, once. A throttle's share
+//! is each replica's own: a 10% throttle admits 10% on every replica. When the runner stops, another takes the lease
 //! once it expires and settles the rollout it left, as a restart does
 //! (`rollout_interrupted`).
 
@@ -313,6 +316,10 @@ impl Gov {
             for l in &read.lines {
                 a.absorb(l).map_err(|e| StepError::Broken(format!("{e}")))?;
             }
+            // Incident controls another replica set are enforced here too.
+            for l in &read.lines {
+                self.follow_override(l);
+            }
             let head = read.head.as_deref().unwrap_or(GENESIS);
             if a.entries() != read.len || a.head() != head {
                 return Err(StepError::Broken(format!(
@@ -347,6 +354,62 @@ impl Gov {
             .as_deref()
             .and_then(|b| serde_json::from_slice::<RolloutView>(b).ok());
         Ok(())
+    }
+
+    /// An override another replica set or lifted (an audit entry read
+    /// from the shared chain) takes effect here for what is left of it: its
+    /// start is the entry's time, so every replica ends it together.
+    fn follow_override(&self, line: &str) {
+        use super::overrides::{Action, NewOverride, Scope};
+        let Ok(e) = serde_json::from_str::<serde_json::Value>(line) else {
+            return;
+        };
+        let d = &e["details"];
+        let (Some(scope), Some(name)) = (
+            d["scope"].as_str().and_then(Scope::parse),
+            d["name"].as_str(),
+        ) else {
+            return;
+        };
+        match e["kind"].as_str() {
+            Some("override") => {
+                let action = match (d["action"].as_str(), d["percent"].as_f64()) {
+                    (Some("pause"), _) => Action::Pause,
+                    (Some("throttle"), Some(p)) if (0.0..=100.0).contains(&p) => {
+                        Action::Throttle { percent: p }
+                    }
+                    _ => return,
+                };
+                let Some(for_ms) = d["for"].as_str().and_then(super::parse_duration_ms) else {
+                    return;
+                };
+                let at = e["at"].as_u64().unwrap_or(0) as f64;
+                let passed = (crate::clock::unix_ms() as f64 - at).max(0.0) * self.speed();
+                let left = for_ms.min(self.max_override_ms) - passed;
+                if left <= 0.0 {
+                    return;
+                }
+                let who = e["actor"].as_str().unwrap_or("kiln");
+                let reason = d["reason"].as_str().map(String::from);
+                lock(&self.overrides).add(
+                    self.now_ms(),
+                    NewOverride {
+                        scope,
+                        name,
+                        action,
+                        for_ms: left,
+                        by: who,
+                        reason,
+                    },
+                );
+                self.any_override.store(true, Ordering::Relaxed);
+                tracing::warn!(scope = scope.name(), name = %name, action = action.name(), by = %who, "override in force (set on another replica)");
+            }
+            Some("override_lifted") => {
+                lock(&self.overrides).lift(scope, name);
+            }
+            _ => {}
+        }
     }
 
     /// Takes the store's state as this replica's (the rollout this replica
