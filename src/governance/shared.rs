@@ -384,7 +384,7 @@ impl Gov {
                     return;
                 };
                 let at = e["at"].as_u64().unwrap_or(0) as f64;
-                let passed = (crate::clock::unix_ms() as f64 - at).max(0.0) * self.speed();
+                let passed = (crate::clock::unix_ms() - at).max(0.0) * self.speed();
                 let left = for_ms.min(self.max_override_ms) - passed;
                 if left <= 0.0 {
                     return;
