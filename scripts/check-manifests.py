@@ -55,7 +55,7 @@ for o in objects:
 by_kind = {}
 for o in objects:
     by_kind.setdefault(o["kind"], {})[o["metadata"]["name"]] = o
-workloads = list(by_kind.get("Deployment", {}).values())
+workloads = list(by_kind.get("Deployment", {}).values()) + list(by_kind.get("StatefulSet", {}).values())
 
 
 def pod_labels(d):
@@ -76,6 +76,9 @@ for d in workloads:
     if not matches(d["spec"]["selector"].get("matchLabels"), pod_labels(d)):
         find(f"{name(d)}: its selector does not match its pod labels")
     volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    # A StatefulSet's claims are volumes of its pods too.
+    for t in d["spec"].get("volumeClaimTemplates", []):
+        volumes[t["metadata"]["name"]] = {"name": t["metadata"]["name"]}
     for v in volumes.values():
         if "configMap" in v and v["configMap"]["name"] not in by_kind.get("ConfigMap", {}):
             find(f"{name(d)}: volume {v['name']} names a ConfigMap not rendered: {v['configMap']['name']}")
