@@ -13,10 +13,10 @@ mod support;
 
 use kiln::server::config::{OnUnavailable, ServerConfig, StateSection};
 use serde_json::{json, Value};
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use support::redis::Redis;
 use support::{client, policy, serve_on_loopback};
 
 pub const POLICY: &str = r#"
@@ -34,84 +34,8 @@ classify { default => tier interactive }
 route [interactive] tiny { default => fp16 }
 "#;
 
-/// A `redis-server` of its own, on a free port; killed when dropped.
-pub struct Redis {
-    child: Child,
-    pub port: u16,
-}
-
-impl Redis {
-    /// `None` (after saying so) where `redis-server` is not installed.
-    pub fn start() -> Option<Redis> {
-        let port = free_port();
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string()])
-            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn();
-        let child = match child {
-            Ok(c) => c,
-            Err(e) => {
-                eprintln!("SKIPPED: redis-server is not installed ({e}); `.ci/run` installs it (apt-get install redis-server)");
-                return None;
-            }
-        };
-        let r = Redis { child, port };
-        let until = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < until {
-            if r.ping() {
-                return Some(r);
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        panic!("redis-server did not answer PING on port {port} within 10s");
-    }
-
-    pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/0", self.port)
-    }
-
-    fn ping(&self) -> bool {
-        use std::io::{Read, Write};
-        let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", self.port)) else {
-            return false;
-        };
-        let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
-        let mut buf = [0u8; 7];
-        s.write_all(b"PING\r\n").is_ok() && s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
-    }
-
-    pub fn stop(mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-static NS: AtomicU64 = AtomicU64::new(0);
-
-/// A namespace of its own per fleet, so cases never share keys.
 fn namespace() -> String {
-    format!(
-        "t{}-{}",
-        std::process::id(),
-        NS.fetch_add(1, Ordering::Relaxed)
-    )
+    support::redis::namespace("t")
 }
 
 fn config(
@@ -483,22 +407,7 @@ async fn while_redis_is_down_the_declared_behaviour_applies_and_sharing_resumes(
         "{m}"
     );
     // Redis returns (same port): sharing resumes, refusals stop.
-    let back = Command::new("redis-server")
-        .args([
-            "--port",
-            &port.to_string(),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let back = Redis { child: back, port };
+    let back = Redis::start_on(port).unwrap();
     let until = Instant::now() + Duration::from_secs(10);
     loop {
         if chat(&c, &refuse.bases[0], "k-capped").await.0 == 200 {

@@ -11,109 +11,25 @@
 
 mod support;
 
+use support::redis::Redis;
+
 use ed25519_dalek::SigningKey;
 use kiln::governance::audit;
 use kiln::governance::keys::{public_hex, Target};
 use kiln::server::config::{hash_secret, OnUnavailable, ServerConfig, StateSection};
 use serde_json::{json, Value};
-use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// Simulated time runs 10× faster: a rollout's 10 s stages last 1 s.
 const SPEED: f64 = 10.0;
 
-/// A `redis-server` of its own, on a free port; killed when dropped.
-struct Redis {
-    child: Child,
-    port: u16,
+/// The shared audit chain's lines, as the store holds them.
+async fn audit_lines(redis: &Redis, ns: &str) -> Vec<String> {
+    redis.list(&format!("{ns}:gov:audit")).await
 }
 
-impl Redis {
-    /// `None` (after saying so) where `redis-server` is not installed.
-    fn start() -> Option<Redis> {
-        let port = free_port();
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string()])
-            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn();
-        let child = match child {
-            Ok(c) => c,
-            Err(e) => {
-                eprintln!("SKIPPED: redis-server is not installed ({e}); `.ci/run` installs it (apt-get install redis-server)");
-                return None;
-            }
-        };
-        let r = Redis { child, port };
-        let until = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < until {
-            if r.ping() {
-                return Some(r);
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        panic!("redis-server did not answer PING on port {port} within 10s");
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/0", self.port)
-    }
-
-    fn ping(&self) -> bool {
-        use std::io::{Read, Write};
-        let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", self.port)) else {
-            return false;
-        };
-        let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
-        let mut buf = [0u8; 7];
-        s.write_all(b"PING\r\n").is_ok() && s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
-    }
-
-    fn stop(mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    /// The shared audit chain's lines, as the store holds them.
-    async fn audit_lines(&self, ns: &str) -> Vec<String> {
-        let client = redis::Client::open(self.url()).unwrap();
-        let mut c = client.get_multiplexed_async_connection().await.unwrap();
-        redis::cmd("LRANGE")
-            .arg(format!("{ns}:gov:audit"))
-            .arg(0)
-            .arg(-1)
-            .query_async(&mut c)
-            .await
-            .unwrap()
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-static NS: AtomicU64 = AtomicU64::new(0);
-
-/// A namespace of its own per fleet, so cases never share keys.
 fn namespace() -> String {
-    format!(
-        "g{}-{}",
-        std::process::id(),
-        NS.fetch_add(1, Ordering::Relaxed)
-    )
+    support::redis::namespace("g")
 }
 
 /// Two platform leads approve any change.
@@ -399,7 +315,7 @@ async fn a_proposal_is_approved_across_replicas_and_a_signature_counts_once() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
-    let es = entries(&redis.audit_lines(&ns).await);
+    let es = entries(&audit_lines(&redis, &ns).await);
     let of = |e: &Value| e["details"]["id"] == id.as_str();
     assert_eq!(count(&es, "proposal", of), 1);
     assert_eq!(count(&es, "approval", of), 2);
@@ -452,7 +368,7 @@ async fn concurrent_actions_on_every_replica_leave_one_chain() {
     }
     assert!(proposed >= 3, "only {proposed} of 9 proposals recorded");
 
-    let es = entries(&redis.audit_lines(&ns).await);
+    let es = entries(&audit_lines(&redis, &ns).await);
     assert_eq!(count(&es, "proposal", |_| true), proposed);
     assert_eq!(count(&es, "proposal_withdrawn", |_| true), withdrawn);
     assert_eq!(count(&es, "gateway", |_| true), 1);
@@ -606,7 +522,7 @@ async fn a_rollout_advances_on_one_replica_only() {
     .await;
     // Ticks go on for a while: nothing is done twice.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let es = entries(&redis.audit_lines(&ns).await);
+    let es = entries(&audit_lines(&redis, &ns).await);
     let stage = |s: &'static str| {
         count(&es, "rollout", |e| {
             e["details"]["id"] == id.as_str() && e["details"]["stage"] == s
@@ -696,7 +612,7 @@ async fn an_override_set_on_one_replica_holds_on_every_replica() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
-    let lines = redis.audit_lines(&ns).await;
+    let lines = audit_lines(&redis, &ns).await;
     let kinds: Vec<String> = lines
         .iter()
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())

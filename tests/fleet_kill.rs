@@ -7,6 +7,8 @@
 //! is not installed.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code may panic
 
+mod support;
+
 use serde_json::json;
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader};
@@ -60,47 +62,6 @@ impl Drop for Proc {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn redis() -> Option<(Proc, u16)> {
-    let port = free_port();
-    let child = Command::new("redis-server")
-        .args([
-            "--port",
-            &port.to_string(),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn();
-    let child = match child {
-        Ok(c) => Proc(c),
-        Err(e) => {
-            eprintln!("SKIPPED: redis-server is not installed ({e}); `.ci/run` installs it (apt-get install redis-server)");
-            return None;
-        }
-    };
-    let until = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < until {
-        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return Some((child, port));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    panic!("redis-server did not listen on {port}");
 }
 
 /// One `kiln serve` replica; SIGKILLed and reaped when dropped.
@@ -205,9 +166,10 @@ async fn status(c: &reqwest::Client, base: &str, key: &str, max_tokens: u64) -> 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_killed_replica_loses_no_accepted_request_and_frees_its_leases() {
-    let Some((_redis, port)) = redis() else {
+    let Some(redis) = support::redis::Redis::start() else {
         return;
     };
+    let port = redis.port;
     let dir = TempDir::new();
     std::fs::write(dir.0.join("fleet.kiln"), POLICY).unwrap();
     let a = Replica::start(&dir.0, "a", port);

@@ -3,6 +3,7 @@
 // Each test binary uses some of these helpers.
 #![allow(dead_code)]
 
+pub mod redis;
 pub mod twin;
 
 use kiln::compile::compile_str;

@@ -1,0 +1,103 @@
+//! A real `redis-server` for the multi-replica tests: its own process on a
+//! free loopback port, no persistence, killed when dropped. Where it is not
+//! installed, [`Redis::start`] says so and the test returns (skipped).
+
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+pub struct Redis {
+    child: Child,
+    pub port: u16,
+}
+
+impl Redis {
+    /// `None` (after saying so) where `redis-server` is not installed.
+    pub fn start() -> Option<Redis> {
+        Redis::start_on(free_port())
+    }
+
+    /// On `port` (a restart on the port a stopped one had).
+    pub fn start_on(port: u16) -> Option<Redis> {
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string()])
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn();
+        let child = match child {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("SKIPPED: redis-server is not installed ({e}); `.ci/run` installs it (apt-get install redis-server)");
+                return None;
+            }
+        };
+        let r = Redis { child, port };
+        let until = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < until {
+            if r.ping() {
+                return Some(r);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("redis-server did not answer PING on port {port} within 10s");
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    fn ping(&self) -> bool {
+        use std::io::{Read, Write};
+        let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", self.port)) else {
+            return false;
+        };
+        let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+        let mut buf = [0u8; 7];
+        s.write_all(b"PING\r\n").is_ok() && s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
+    }
+
+    pub fn stop(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// The list at `key` (the shared audit chain, say), as Redis holds it.
+    pub async fn list(&self, key: &str) -> Vec<String> {
+        let client = redis::Client::open(self.url()).unwrap();
+        let mut c = client.get_multiplexed_async_connection().await.unwrap();
+        redis::cmd("LRANGE")
+            .arg(key)
+            .arg(0)
+            .arg(-1)
+            .query_async(&mut c)
+            .await
+            .unwrap()
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+static NS: AtomicU64 = AtomicU64::new(0);
+
+/// A key namespace of its own per fleet, so cases never share keys.
+pub fn namespace(prefix: &str) -> String {
+    format!(
+        "{prefix}{}-{}",
+        std::process::id(),
+        NS.fetch_add(1, Ordering::Relaxed)
+    )
+}
