@@ -205,6 +205,7 @@ async fn a_quota_holds_over_the_fleet_whatever_the_spread() {
         let f = fleet(&redis.url(), OnUnavailable::Local, speed).await;
         let per_min = admitted_per_minute(&f, weights, speed).await;
         f.stop().await;
+        eprintln!("spread {weights:?}: {per_min:.1} admitted per minute of 600");
         assert!(
             (per_min - 600.0).abs() <= 0.05 * 600.0,
             "spread {weights:?}: {per_min:.0} admitted per minute, not within 5% of 600"
@@ -252,6 +253,10 @@ async fn an_activation_reaches_every_replica_within_a_second() {
                 .iter()
                 .all(|g| g.app.policy.load().version.as_ref() == want);
             if all {
+                eprintln!(
+                    "round {round}: on every replica {} ms after activating on replica {on}",
+                    t0.elapsed().as_millis()
+                );
                 break;
             }
             assert!(
