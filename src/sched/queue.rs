@@ -376,7 +376,7 @@ impl Queues {
                 tiers
                     .iter()
                     .enumerate()
-                    .filter(|(_, tq)| tq.tenants.iter().any(|t| t.len > 0))
+                    .filter(|(_, tq)| tq.len > 0)
                     .map(move |(ti, _)| (*k, ti as TierId))
             })
             .collect();
@@ -830,19 +830,17 @@ impl Queues {
     /// Tenants with work queued for (model, variant) and how much (any
     /// tier): what a fleet splits a shared upstream's slots by.
     pub fn backlog_of(&self, key: (u16, u16)) -> Backlog {
-        let mut per: Vec<usize> = vec![0; self.tenants + 1];
-        if let Some(tiers) = self.by_variant.get(&key) {
-            for tq in tiers {
-                for (slot, t) in tq.tenants.iter().enumerate() {
-                    if let Some(n) = per.get_mut(slot) {
-                        *n += t.len;
-                    }
+        // Only the backlogged tenants of each tier: the exchange runs every
+        // 25 ms on the executor, and most tenants of a big policy are idle.
+        let mut per: std::collections::BTreeMap<usize, usize> = Default::default();
+        for tq in self.by_variant.get(&key).into_iter().flatten() {
+            for &(_, slot) in &tq.backlog {
+                if let Some(t) = tq.tenants.get(slot) {
+                    *per.entry(slot).or_default() += t.len;
                 }
             }
         }
         per.into_iter()
-            .enumerate()
-            .filter(|(_, n)| *n > 0)
             .map(|(slot, n)| (slot.checked_sub(1).map(|t| t as TenantId), n))
             .collect()
     }

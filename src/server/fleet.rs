@@ -110,14 +110,7 @@ impl Claim {
     }
 
     fn release(&self, refund: f64, gpu_seconds: f64) {
-        if let Ok(mut l) = self.fleet.leases.lock() {
-            if let Some(set) = l.get_mut(&self.tenant) {
-                set.remove(&self.member);
-                if set.is_empty() {
-                    l.remove(&self.tenant);
-                }
-            }
-        }
+        self.fleet.forget_lease(&self.tenant, &self.member);
         let fleet = self.fleet.clone();
         let (tenant, member, rate) = (self.tenant.clone(), self.member.clone(), self.tokens_per_s);
         // Not awaited by the request: a slow Redis must not hold a response
@@ -246,13 +239,6 @@ impl Fleet {
                     .insert(member.to_string());
             }
         }
-        let forget = |f: &Fleet| {
-            if let Ok(mut l) = f.leases.lock() {
-                if let Some(s) = l.get_mut(&t.name) {
-                    s.remove(member);
-                }
-            }
-        };
         match self.store.claim(&t.name, member, &limits, need).await {
             Ok(Claimed::Granted) => Gate::Claimed(Arc::new(Claim {
                 fleet: self.clone(),
@@ -264,12 +250,24 @@ impl Fleet {
                 done: AtomicBool::new(false),
             })),
             Ok(Claimed::Refused { limit, retry_ms }) => {
-                forget(self);
+                self.forget_lease(&t.name, member);
                 Gate::Refused { limit, retry_ms }
             }
             Err(_) => {
-                forget(self);
+                self.forget_lease(&t.name, member);
                 Gate::Unavailable
+            }
+        }
+    }
+
+    /// Stops renewing `member`'s concurrency lease.
+    fn forget_lease(&self, tenant: &str, member: &str) {
+        if let Ok(mut l) = self.leases.lock() {
+            if let Some(set) = l.get_mut(tenant) {
+                set.remove(member);
+                if set.is_empty() {
+                    l.remove(tenant);
+                }
             }
         }
     }

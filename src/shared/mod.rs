@@ -9,9 +9,9 @@
 //! from Redis, so replicas' clocks need not agree. This module only talks
 //! to Redis; what to do when it cannot (the operator's `on_unavailable`)
 //! is the gateway's decision, which [`Store::is_up`] informs. A replica
-//! that loses Redis notices on its next call: [`Store`] marks it down,
-//! logs the change once, and marks it up again on the first call that
-//! succeeds (the connection manager reconnects by itself).
+//! that loses Redis notices on its next call: [`Store`] marks it down and
+//! marks it up again on the first call that succeeds (the connection
+//! manager reconnects by itself); the gateway logs the change.
 
 pub mod scripts;
 
@@ -165,13 +165,6 @@ pub struct Store {
     scripts: scripts::Scripts,
 }
 
-const POLICY_PUT: &str = r#"
-local e = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
-redis.call('HSET', KEYS[1], 'version', ARGV[1], 'files', ARGV[2])
-redis.call('PUBLISH', ARGV[3], e)
-return e
-"#;
-
 impl Store {
     /// Opens the store without waiting for Redis: the first call connects,
     /// so a gateway starts (and declares its `on_unavailable` behaviour)
@@ -258,18 +251,16 @@ impl Store {
                 message: format!("no answer within {} ms", CALL_TIMEOUT.as_millis()),
             }),
         };
+        // The gateway's heartbeat reports a change (log line and metric),
+        // saying what its `on_unavailable` does meanwhile.
         match &out {
             Err(StoreError::Unreachable { message }) => {
                 self.failures.fetch_add(1, Ordering::Relaxed);
                 if self.up.swap(false, Ordering::Relaxed) {
-                    tracing::error!(replica = %self.replica, error = %message, "shared state (Redis) unreachable: on_unavailable applies until it answers again");
+                    tracing::debug!(replica = %self.replica, error = %message, "a call to the shared state store failed");
                 }
             }
-            _ => {
-                if !self.up.swap(true, Ordering::Relaxed) {
-                    tracing::warn!(replica = %self.replica, "shared state (Redis) reachable again: shared quotas, fair share and policy sync resume");
-                }
-            }
+            _ => self.up.store(true, Ordering::Relaxed),
         }
         out
     }
@@ -521,8 +512,7 @@ impl Store {
         let json = serde_json::to_string(files).map_err(|e| StoreError::Protocol {
             message: e.to_string(),
         })?;
-        let script = redis::Script::new(POLICY_PUT);
-        let mut inv = script.prepare_invoke();
+        let mut inv = self.scripts.policy.prepare_invoke();
         inv.key(self.key(&["policy"]))
             .arg(version)
             .arg(json)

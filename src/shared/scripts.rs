@@ -310,6 +310,16 @@ end
 return 1
 "#;
 
+/// Makes `files` the fleet's policy under a new epoch and rings the bell.
+/// KEYS: 1 the policy hash. ARGV: 1 version, 2 files (JSON), 3 channel.
+/// Returns the new epoch.
+const POLICY: &str = r#"
+local e = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+redis.call('HSET', KEYS[1], 'version', ARGV[1], 'files', ARGV[2])
+redis.call('PUBLISH', ARGV[3], e)
+return e
+"#;
+
 fn with_now(body: &str, level: bool) -> String {
     let mut s = String::from(NOW);
     if level {
@@ -331,6 +341,7 @@ pub struct Scripts {
     pub slots: redis::Script,
     pub chain_read: redis::Script,
     pub chain_commit: redis::Script,
+    pub policy: redis::Script,
 }
 
 impl Scripts {
@@ -343,6 +354,7 @@ impl Scripts {
             lease: redis::Script::new(LEASE),
             unlease: redis::Script::new(UNLEASE),
             slots: redis::Script::new(&with_now(SLOTS, false)),
+            policy: redis::Script::new(POLICY),
             chain_read: redis::Script::new(CHAIN_READ),
             chain_commit: redis::Script::new(CHAIN_COMMIT),
         }
