@@ -15,6 +15,7 @@ pub mod driver;
 pub mod governance;
 pub mod graph;
 pub mod lang;
+pub mod ops;
 pub mod policy_test;
 pub mod replay;
 pub mod sched;

@@ -35,8 +35,8 @@ const LAYERS: &[&[&str]] = &[
     &["replay"],
     // Semantic and traffic diffs.
     &["diff"],
-    // Governance: proposals, approvals, rollouts, audit.
-    &["governance"],
+    // Governance: proposals, approvals, rollouts, audit; operating (ops).
+    &["governance", "ops"],
     // The gateway.
     &["server"],
     // The command line.

@@ -1,0 +1,4 @@
+//! Operating a fleet from its policy and its recorded traffic: the workload
+//! inventory (`kiln report`), capacity plans (`kiln plan`), and the alerting
+//! rules and dashboards generated from the declared SLOs (`kiln alerts`,
+//! `kiln dashboard`). Reads traffic, replays it and renders; never serves.
