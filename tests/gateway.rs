@@ -810,3 +810,127 @@ async fn tier_and_model_quotas_refuse_with_429_and_say_which() {
     assert_eq!(v["error"]["code"], "model-quota", "{v}");
     srv.stop().await;
 }
+
+// ---------------------------------------------------------------------------
+// Metrics exist at zero before anything happens, for every tier, tenant and
+// pool of the policy, and for a swapped-in policy's new names too.
+
+/// The metric names README's **Metrics** paragraph lists.
+fn readme_metrics() -> Vec<String> {
+    let readme = std::fs::read_to_string("README.md").unwrap();
+    let start = readme
+        .find("**Metrics**")
+        .expect("README lists the metrics");
+    let para = &readme[start..];
+    let para = &para[..para.find("\n\n").unwrap_or(para.len())];
+    let mut names: Vec<String> = para
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .filter_map(|s| s.split('{').next())
+        .filter(|s| s.starts_with("kiln_"))
+        .map(str::to_string)
+        .collect();
+    names.dedup();
+    names
+}
+
+/// Label values of `label` on `metric`'s series in a scrape.
+fn label_values(scrape: &str, metric: &str, label: &str) -> std::collections::BTreeSet<String> {
+    let key = format!("{label}=\"");
+    scrape
+        .lines()
+        .filter(|l| {
+            l.strip_prefix(metric)
+                .is_some_and(|r| r.starts_with('{') || r.starts_with("_bucket{"))
+        })
+        .filter_map(|l| {
+            let at = l.find(&key)? + key.len();
+            Some(l[at..].split('"').next()?.to_string())
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_listed_metric_is_exported_at_zero_from_the_start_and_after_a_swap() {
+    let p = enterprise();
+    let g = p.graph.clone();
+    let srv = serve(p, ServerConfig::default_embedded(), 50.0).await;
+    let base = format!("http://{}", srv.addr);
+    let c = client();
+    let scrape = |c: reqwest::Client, base: String| async move {
+        c.get(format!("{base}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    };
+    let m = scrape(c.clone(), base.clone()).await;
+    let listed = readme_metrics();
+    assert!(listed.len() >= 15, "{listed:?}");
+    let tiers: std::collections::BTreeSet<String> =
+        g.tiers.iter().map(|t| t.name.clone()).collect();
+    let with_fallback: std::collections::BTreeSet<String> = g
+        .tiers
+        .iter()
+        .zip(&g.fallbacks)
+        .filter(|(_, f)| f.as_ref().is_some_and(|f| !f.steps.is_empty()))
+        .map(|(t, _)| t.name.clone())
+        .collect();
+    let pools: std::collections::BTreeSet<String> =
+        g.pools.iter().map(|p| p.name.clone()).collect();
+    for name in &listed {
+        let family = m.contains(&format!("# TYPE {name} "));
+        assert!(
+            family,
+            "{name} is listed in README but not exported before any request"
+        );
+        match name.as_str() {
+            "kiln_policy_info" | "kiln_policy_swaps_total" => {}
+            n if n.starts_with("kiln_replica") || n.starts_with("kiln_kv_cache") => {
+                assert_eq!(label_values(&m, n, "pool"), pools, "{n}");
+            }
+            "kiln_fallbacks_total" => {
+                assert_eq!(label_values(&m, name, "tier"), with_fallback, "{name}");
+            }
+            n => assert_eq!(
+                label_values(&m, n, "tier"),
+                tiers,
+                "{n}: one series per tier"
+            ),
+        }
+    }
+    // Every tenant has its zero series, on every route of its tiers.
+    let tenants = label_values(&m, "kiln_requests_total", "tenant");
+    for t in &g.tenants {
+        assert!(tenants.contains(&t.name), "tenant {} not primed", t.name);
+    }
+    assert!(m.contains("kiln_requests_total{model=\"llama-70b.fp16\",outcome=\"ok\",pool=\"h100\",tenant=\"support-bot\",tier=\"interactive\"} 0"), "{m}");
+    assert!(m.contains("kiln_queue_depth{tenant=\"support-bot\",tier=\"interactive\"} 0"));
+
+    // A swapped-in policy's new tier is primed on the next scrape; the old
+    // series stay (a counter that vanished would break rate()).
+    let text = std::fs::read_to_string("policies/enterprise/enterprise.kiln").unwrap();
+    let renamed = text.replace("interactive", "chat");
+    assert_ne!(renamed, text);
+    let r = c
+        .post(format!("{base}/admin/policy"))
+        .body(renamed)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    let m = scrape(c.clone(), base.clone()).await;
+    let after = label_values(&m, "kiln_ttft_seconds", "tier");
+    assert!(
+        after.contains("chat") && after.contains("interactive"),
+        "{after:?}"
+    );
+    assert!(
+        m.contains("kiln_queue_depth{tenant=\"support-bot\",tier=\"chat\"} 0"),
+        "{m}"
+    );
+    srv.stop().await;
+}

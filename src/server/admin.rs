@@ -62,6 +62,14 @@ pub fn identify(app: &App, headers: &HeaderMap) -> Result<String, ApiError> {
 
 async fn metrics(State(app): State<Arc<App>>) -> Response {
     if let Some(s) = app.exec.snapshot().await {
+        let policy = app.policy.load();
+        let cat = super::metrics::Catalog::of(
+            &policy.graph,
+            s.replicas
+                .iter()
+                .map(|r| (r.pool.as_str(), r.model.as_str(), r.variant.as_str())),
+        );
+        app.metrics.prime(&policy.version, &cat);
         app.metrics.reset_gauges();
         for q in &s.queues {
             app.metrics.set_queue(

@@ -79,7 +79,131 @@ pub struct Metrics {
     /// `None` only if a definition were invalid (a bug the tests catch):
     /// then nothing is recorded and `render` is empty.
     c: Option<Collectors>,
+    /// What [`Metrics::prime`] last exported at zero, and for which policy
+    /// version: the queue and replica gauges are re-zeroed from it after
+    /// each [`Metrics::reset_gauges`].
+    primed: std::sync::Mutex<Option<(String, Catalog)>>,
 }
+
+/// The label values a policy and its replicas can produce. Every series
+/// of it is exported at zero from the first scrape (and again after a
+/// swap), so dashboards and alerts read a flat 0, not "no data", before
+/// anything happened. Old series stay: a counter that vanished would break
+/// `rate()` over the swap.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Catalog {
+    pub tiers: Vec<CatalogTier>,
+    /// (pool, `model.variant`) of each replica group.
+    pub replicas: Vec<(String, String)>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CatalogTier {
+    pub name: String,
+    /// Tenants granted the tier, and `none` (a request no tenant claimed).
+    pub tenants: Vec<String>,
+    /// (pool, `model.variant`) its requests may be served on.
+    pub routes: Vec<(String, String)>,
+    /// Steps of its fallback chain (`kiln_fallbacks_total{step}` 1..=n).
+    pub fallback_steps: u8,
+    /// Whether it declares a TTFT SLO (it can then refuse with `overload`).
+    pub ttft_slo: bool,
+}
+
+impl Catalog {
+    /// What `g` can label, served by `replicas` (pool, model, variant).
+    pub fn of<'a>(
+        g: &crate::graph::DecisionGraph,
+        replicas: impl IntoIterator<Item = (&'a str, &'a str, &'a str)>,
+    ) -> Catalog {
+        use std::collections::BTreeSet;
+        let replicas: BTreeSet<(&str, &str, &str)> = replicas.into_iter().collect();
+        let models = g.models.len();
+        let tiers = g
+            .tiers
+            .iter()
+            .enumerate()
+            .map(|(ti, tier)| {
+                let id = ti as crate::graph::TierId;
+                let mut tenants: Vec<String> = g
+                    .tenants
+                    .iter()
+                    .filter(|t| t.tiers.contains(&id))
+                    .map(|t| t.name.clone())
+                    .collect();
+                tenants.push("none".into());
+                let routes: BTreeSet<(String, String)> = replicas
+                    .iter()
+                    .filter(|(pool, model, _)| {
+                        let routed =
+                            g.models
+                                .iter()
+                                .position(|m| m.name == *model)
+                                .is_some_and(|mi| {
+                                    matches!(g.routes.get(ti * models + mi), Some(Some(_)))
+                                });
+                        let admitted = g
+                            .pools
+                            .iter()
+                            .find(|p| p.name == *pool)
+                            .is_some_and(|p| p.admits(id, None));
+                        routed && admitted
+                    })
+                    .map(|(pool, model, variant)| (pool.to_string(), format!("{model}.{variant}")))
+                    .collect();
+                CatalogTier {
+                    name: tier.name.clone(),
+                    tenants,
+                    routes: routes.into_iter().collect(),
+                    fallback_steps: g
+                        .fallbacks
+                        .get(ti)
+                        .and_then(|f| f.as_ref())
+                        .map_or(0, |f| f.steps.len().min(usize::from(u8::MAX)) as u8),
+                    ttft_slo: tier.slo.ttft.is_some(),
+                }
+            })
+            .collect();
+        let replicas = replicas
+            .iter()
+            .map(|(pool, model, variant)| (pool.to_string(), format!("{model}.{variant}")))
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        Catalog { tiers, replicas }
+    }
+}
+
+/// At most this many series are created by priming: a policy with
+/// thousands of tenants must not turn `/metrics` into megabytes of zeros.
+/// Past it, the per-route series (histograms, tokens, cost) are left to
+/// appear when first used; the per-tier ones are still primed.
+const PRIME_BUDGET: usize = 100_000;
+
+/// Series one (tier, tenant, pool, model) route adds when primed: the
+/// outcomes, three histograms (buckets, sum, count), tokens by kind,
+/// GPU-seconds and cost.
+const SERIES_PER_ROUTE: usize = 6 + 3 * 18 + 2 + 2;
+
+/// The refusals a tier's requests can meet, with the status the gateway
+/// gives each (README, "Errors"): quota and concurrency need a tenant,
+/// overload a TTFT SLO.
+const PRIMED_REJECTS: &[(&str, &str)] = &[
+    ("quota", "429"),
+    ("concurrency", "429"),
+    ("overload", "429"),
+    ("timeout", "503"),
+    ("saturation", "503"),
+];
+
+const OUTCOMES: [Outcome; 6] = [
+    Outcome::Ok,
+    Outcome::Rejected,
+    Outcome::Cancelled,
+    Outcome::UpstreamError,
+    Outcome::Timeout,
+    Outcome::Preempted,
+];
 
 struct Collectors {
     requests: CounterVec,
@@ -373,7 +497,119 @@ impl Metrics {
                 None
             }
         };
-        Metrics { registry, c }
+        Metrics {
+            registry,
+            c,
+            primed: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// Exports every series of `cat` at zero, once per policy `version`
+    /// (a repeat for the same version only re-zeroes the gauges that
+    /// [`Metrics::reset_gauges`] dropped). Returns how many series it
+    /// touched.
+    pub fn prime(&self, version: &str, cat: &Catalog) -> usize {
+        let Some(c) = &self.c else { return 0 };
+        let Ok(mut primed) = self.primed.lock() else {
+            return 0;
+        };
+        if primed
+            .as_ref()
+            .is_some_and(|(v, old)| v == version && old == cat)
+        {
+            drop(primed);
+            self.zero_gauges(cat);
+            return 0;
+        }
+        let routes: usize = cat
+            .tiers
+            .iter()
+            .map(|t| t.tenants.len().saturating_mul(t.routes.len()))
+            .fold(0usize, usize::saturating_add);
+        let with_routes = routes.saturating_mul(SERIES_PER_ROUTE) <= PRIME_BUDGET;
+        if !with_routes {
+            tracing::warn!(
+                routes,
+                "too many tier, tenant and route combinations to export each at zero; per-route series appear when first used"
+            );
+        }
+        let mut b = Budget {
+            left: PRIME_BUDGET,
+            made: 0,
+        };
+        for t in &cat.tiers {
+            for tenant in &t.tenants {
+                let (tier, tenant) = (t.name.as_str(), tenant.as_str());
+                b.touch(&c.preemptions, &[tier, tenant]);
+                b.touch(&c.deadline_misses, &[tier, tenant]);
+                b.touch(&c.batch_deadline_misses, &[tenant, tier]);
+                for step in 1..=t.fallback_steps {
+                    let mut buf = [0u8; 5];
+                    let step = decimal(u16::from(step), &mut buf);
+                    b.touch(&c.fallbacks, &[tier, tenant, step]);
+                }
+                for &(reason, status) in PRIMED_REJECTS {
+                    let needs_tenant = matches!(reason, "quota" | "concurrency");
+                    if (needs_tenant && tenant == "none") || (reason == "overload" && !t.ttft_slo) {
+                        continue;
+                    }
+                    b.touch(&c.rejects, &[tier, tenant, reason, status]);
+                }
+                if !with_routes {
+                    continue;
+                }
+                for (pool, model) in &t.routes {
+                    let v = [tier, tenant, pool.as_str(), model.as_str()];
+                    for o in OUTCOMES {
+                        b.touch(&c.requests, &[v[0], v[1], v[2], v[3], o.as_str()]);
+                    }
+                    for kind in ["prompt", "completion"] {
+                        b.touch(&c.tokens, &[v[0], v[1], v[2], v[3], kind]);
+                    }
+                    b.touch(&c.gpu_seconds, &v);
+                    b.touch(&c.cost, &v);
+                    for h in [&c.queue_wait, &c.ttft, &c.e2e] {
+                        b.touch(h, &v);
+                    }
+                }
+            }
+        }
+        for result in ["ok", "error"] {
+            b.touch(&c.policy_swaps, &[result]);
+        }
+        for action in ["local", "refused"] {
+            b.touch(&c.shared_unclaimed, &[action]);
+        }
+        *primed = Some((version.to_string(), cat.clone()));
+        drop(primed);
+        self.zero_gauges(cat);
+        b.made
+    }
+
+    /// Sets the queue and replica gauges of `cat` that have no series to 0.
+    fn zero_gauges(&self, cat: &Catalog) {
+        let Some(c) = &self.c else { return };
+        for t in &cat.tiers {
+            for tenant in &t.tenants {
+                let v = [t.name.as_str(), tenant.as_str()];
+                let _ = get(&c.queue_depth, &v);
+                let _ = get(&c.queue_oldest, &v);
+            }
+        }
+        for (pool, model) in &cat.replicas {
+            let v = [pool.as_str(), model.as_str()];
+            for g in [
+                &c.replicas,
+                &c.slots_used,
+                &c.slots,
+                &c.kv_used,
+                &c.kv_capacity,
+                &c.kv_usage,
+                &c.busy,
+            ] {
+                let _ = get(g, &v);
+            }
+        }
     }
 
     /// Every metric with at least one series, in Prometheus text exposition
@@ -643,6 +879,14 @@ impl Metrics {
         ] {
             g.reset();
         }
+        let cat = self
+            .primed
+            .lock()
+            .ok()
+            .and_then(|p| p.as_ref().map(|(_, cat)| cat.clone()));
+        if let Some(cat) = cat {
+            self.zero_gauges(&cat);
+        }
     }
 }
 
@@ -722,6 +966,21 @@ fn add_gauge(g: &GaugeVec, values: &[&str], v: f64) -> f64 {
     }
 }
 
+/// Creates series (at zero) until `left` runs out.
+struct Budget {
+    left: usize,
+    made: usize,
+}
+
+impl Budget {
+    fn touch<T: MetricVecBuilder>(&mut self, vec: &MetricVec<T>, values: &[&str]) {
+        if self.left > 0 && get(vec, values).is_some() {
+            self.left -= 1;
+            self.made += 1;
+        }
+    }
+}
+
 /// `n` in decimal, written into `buf` without allocating.
 fn decimal(mut n: u16, buf: &mut [u8; 5]) -> &str {
     let mut i = buf.len();
@@ -738,6 +997,59 @@ fn decimal(mut n: u16, buf: &mut [u8; 5]) -> &str {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn priming_a_huge_policy_stays_within_its_budget() {
+        let m = Metrics::new();
+        let tier = |i: usize| CatalogTier {
+            name: format!("t{i}"),
+            tenants: (0..2_000).map(|n| format!("tenant-{n}")).collect(),
+            routes: vec![("p".into(), "m.v".into()), ("q".into(), "m.v".into())],
+            fallback_steps: 3,
+            ttft_slo: true,
+        };
+        let cat = Catalog {
+            tiers: (0..20).map(tier).collect(),
+            replicas: vec![("p".into(), "m.v".into())],
+        };
+        let made = m.prime("v1", &cat);
+        assert!(made > 0 && made <= PRIME_BUDGET, "{made}");
+        // Per-route series were skipped, per-tier ones kept.
+        let text = m.render();
+        assert!(!text.contains("kiln_ttft_seconds_bucket"));
+        assert!(text.contains("kiln_preemptions_total{tenant=\"tenant-0\",tier=\"t0\"} 0"));
+        // The same version and catalog again creates nothing new.
+        assert_eq!(m.prime("v1", &cat), 0);
+    }
+
+    #[test]
+    fn primed_gauges_come_back_at_zero_after_a_reset() {
+        let m = Metrics::new();
+        let cat = Catalog {
+            tiers: vec![CatalogTier {
+                name: "chat".into(),
+                tenants: vec!["acme".into(), "none".into()],
+                routes: vec![("h100".into(), "llama.fp16".into())],
+                fallback_steps: 1,
+                ttft_slo: false,
+            }],
+            replicas: vec![("h100".into(), "llama.fp16".into())],
+        };
+        m.prime("v1", &cat);
+        m.reset_gauges();
+        m.set_queue("chat", "acme", 4, 1.5);
+        let text = m.render();
+        assert!(
+            text.contains("kiln_queue_depth{tenant=\"acme\",tier=\"chat\"} 4"),
+            "{text}"
+        );
+        assert!(text.contains("kiln_queue_depth{tenant=\"none\",tier=\"chat\"} 0"));
+        assert!(text.contains("kiln_replica_busy_ratio{model=\"llama.fp16\",pool=\"h100\"} 0"));
+        assert!(text.contains("kiln_ttft_seconds_count{model=\"llama.fp16\",pool=\"h100\",tenant=\"acme\",tier=\"chat\"} 0"));
+        // No TTFT SLO: no overload series; no tenant: no quota series.
+        assert!(!text.contains("reason=\"overload\""));
+        assert!(!text.contains("reason=\"quota\",status=\"429\",tenant=\"none\""));
+    }
     use super::*;
 
     const L: Labels<'static> = Labels {
