@@ -934,3 +934,77 @@ async fn every_listed_metric_is_exported_at_zero_from_the_start_and_after_a_swap
     );
     srv.stop().await;
 }
+
+/// Sum of every series of `metric` in a scrape.
+fn metric_sum(scrape: &str, metric: &str) -> f64 {
+    scrape
+        .lines()
+        .filter(|l| l.strip_prefix(metric).is_some_and(|r| r.starts_with('{')))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_costs_reads_the_same_numbers_as_the_metrics() {
+    let srv = serve(enterprise(), ServerConfig::default_embedded(), 50.0).await;
+    let base = format!("http://{}", srv.addr);
+    let c = client();
+    for key in ["key-support-prod", "key-enrichment", "key-enrichment"] {
+        let r = send_chat(&c, &base, key, &chat_body("llama-70b", "hello there", 8)).await;
+        assert_eq!(r.status(), 200, "{key}");
+        let _ = r.bytes().await;
+    }
+    let v: Value = c
+        .get(format!("{base}/admin/costs"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let costs = &v["costs"];
+    assert_eq!(costs["total"]["requests"], 3, "{v}");
+    let total_gpu = costs["total"]["gpu_seconds"].as_f64().unwrap();
+    assert!(total_gpu > 0.0, "{v}");
+    let m = c
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(1.0);
+    assert!(close(metric_sum(&m, "kiln_gpu_seconds_total"), total_gpu));
+    let total_cost = costs["total"]["cost"].as_f64().unwrap();
+    assert!(close(metric_sum(&m, "kiln_cost_usd_total"), total_cost));
+    // enrichment states `cost 2.1/h`; support-bot states none.
+    let tenant = |name: &str| {
+        costs["tenants"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["name"] == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("no row for {name}: {v}"))
+    };
+    let e = tenant("enrichment");
+    assert_eq!(e["requests"], 2);
+    let eg = e["gpu_seconds"].as_f64().unwrap();
+    assert!(
+        eg > 0.0 && close(e["cost"].as_f64().unwrap(), eg * 2.1 / 3600.0),
+        "{e}"
+    );
+    assert_eq!(tenant("support-bot")["cost"].as_f64(), Some(0.0));
+    assert!(close(total_cost, e["cost"].as_f64().unwrap()));
+    for by in ["tiers", "pools", "models"] {
+        let sum: f64 = costs[by]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["gpu_seconds"].as_f64().unwrap())
+            .sum();
+        assert!(close(sum, total_gpu), "{by}: {v}");
+    }
+    srv.stop().await;
+}

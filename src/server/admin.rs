@@ -28,6 +28,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/admin/explain/{id}", get(explain))
         .route("/admin/queues", get(queues))
         .route("/admin/replicas", get(replicas))
+        .route("/admin/costs", get(costs))
         .route("/admin/signals", get(signals))
         .route("/admin/policy", post(swap_policy).get(show_policy))
         .with_state(app)
@@ -220,6 +221,24 @@ async fn queues(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
 
 /// The fleet this gateway shares state with: each live replica, the
 /// policy version and epoch it runs, and whether this one reaches Redis.
+/// GPU-seconds and cost since start: the same figures as
+/// `kiln_gpu_seconds_total` and `kiln_cost_usd_total`, by tenant, tier,
+/// pool, model and batch.
+async fn costs(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&app, &headers) {
+        return e.into_response();
+    }
+    let uptime_s = ((crate::clock::unix_ms() - app.boot_ms as f64) / 1000.0).max(0.0);
+    axum::Json(json!({
+        "version": app.policy.load().version.as_ref(),
+        "since_ms": app.boot_ms,
+        "uptime_s": uptime_s,
+        "rate": "GPU-seconds × the tenant's `cost` per GPU-hour (0 where it states none)",
+        "costs": app.costs.costs(),
+    }))
+    .into_response()
+}
+
 async fn replicas(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     if let Err(e) = authorize(&app, &headers) {
         return e.into_response();

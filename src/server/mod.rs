@@ -13,6 +13,7 @@ pub mod batch_lines;
 pub mod batch_runner;
 pub mod batches;
 pub mod config;
+pub mod costs;
 pub mod decision_log;
 pub mod executor;
 pub mod explain;
@@ -55,6 +56,9 @@ pub struct App {
     pub config: ServerConfig,
     pub tokenizer: openai::Tokenizer,
     pub metrics: metrics::Metrics,
+    /// GPU-seconds and cost since start, per tenant, tier, pool, model and
+    /// batch (`GET /admin/costs`).
+    pub costs: costs::Ledger,
     pub log: decision_log::DecisionLog,
     pub explain: explain::ExplainStore,
     /// Batch items' explains, apart: a 50,000-item batch must not evict
@@ -319,6 +323,7 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         config,
         tokenizer,
         metrics,
+        costs: costs::Ledger::default(),
         log,
         explain,
         explain_batch,

@@ -1206,8 +1206,14 @@ pub(super) fn finish_served(
             .and_then(|t| g.tenants.get(t as usize))
             .and_then(|t| t.cost_per_gpu_hour)
             .unwrap_or(0.0);
-    app.metrics
-        .gpu_seconds(&labels, gpu_seconds, gpu_seconds / 3600.0 * cost_per_h);
+    let cost = gpu_seconds / 3600.0 * cost_per_h;
+    app.metrics.gpu_seconds(&labels, gpu_seconds, cost);
+    app.costs.charge(
+        [tier, &tenant, pool, model],
+        ctx.req.headers.get(BATCH_HEADER).map(String::as_str),
+        gpu_seconds,
+        cost,
+    );
     for _ in 0..s.preempted {
         app.metrics.preempted(tier, &tenant);
     }
