@@ -1,6 +1,7 @@
 //! `kiln alerts` and `kiln dashboard`: the committed rules and dashboard
 //! stay in step with the commands, promtool accepts and unit-tests the
 //! rules, and every metric they use is one the gateway exports.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code may panic
 
 use kiln::ops::{alerts, dashboard};
 use kiln::server::metrics::{Labels, Metrics, Outcome, ReplicaLoad};

@@ -539,7 +539,8 @@ mod tests {
         let v = json!({"groups": [{"name": "g", "rules": [{"a": "x", "b": {"c": "y"}}]}], "e": []});
         assert_eq!(
             to_yaml(&v),
-            "groups:\n  - name: \"g\"\n    rules:\n      - a: \"x\"\n        b:\n          c: \"y\"\ne: []\n"
+            // serde_json's maps are sorted by key.
+            "e: []\ngroups:\n  - name: \"g\"\n    rules:\n      - a: \"x\"\n        b:\n          c: \"y\"\n"
         );
     }
 
