@@ -1,7 +1,9 @@
 //! clap commands, one file a command.
 
+mod alerts;
 mod calibrate;
 mod check;
+mod dashboard;
 mod diff;
 pub(crate) mod explain;
 mod fmt;
@@ -99,6 +101,11 @@ pub enum Command {
     Resume(overrides::ResumeArgs),
     /// Verify an audit log's hash chain.
     Audit(audit::Args),
+    /// Prometheus alerting rules from the policy's SLOs (multi-window burn
+    /// rates, deadline misses, saturation, breakers, rollbacks).
+    Alerts(alerts::Args),
+    /// A Grafana dashboard for the policy's tiers, tenants and fleet.
+    Dashboard(dashboard::Args),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
@@ -144,6 +151,8 @@ pub fn main() -> i32 {
         Command::Throttle(a) => overrides::throttle(a),
         Command::Resume(a) => overrides::resume(a),
         Command::Audit(a) => audit::run(a),
+        Command::Alerts(a) => alerts::run(a),
+        Command::Dashboard(a) => dashboard::run(a),
     }
 }
 

@@ -93,6 +93,12 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
                 },
             );
         }
+        for r in &s.replicas {
+            if let Some(name) = r.backend.strip_prefix("http:") {
+                app.metrics
+                    .set_upstream_breaker(&r.pool, name, !r.available);
+            }
+        }
     }
     let mut resp = app.metrics.render().into_response();
     if let Ok(v) = HeaderValue::from_str(super::metrics::Metrics::content_type()) {

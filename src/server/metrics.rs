@@ -240,6 +240,7 @@ struct Collectors {
     shared_up: GaugeVec,
     shared_errors: CounterVec,
     shared_unclaimed: CounterVec,
+    upstream_breaker: GaugeVec,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -469,6 +470,12 @@ impl Collectors {
                 "kiln_shared_state_unclaimed_total",
                 "Requests decided without the shared store while it was unreachable: served on local limits (`local`) or refused (`refused`).",
                 &["action"],
+            )?,
+            upstream_breaker: gauge(
+                r,
+                "kiln_upstream_breaker_open",
+                "1 while an HTTP upstream's circuit breaker refuses requests (open, or half-open with its trial in flight), 0 while it lets them through.",
+                &["pool", "upstream"],
             )?,
         })
     }
@@ -876,6 +883,7 @@ impl Metrics {
             &c.kv_capacity,
             &c.kv_usage,
             &c.busy,
+            &c.upstream_breaker,
         ] {
             g.reset();
         }
@@ -886,6 +894,15 @@ impl Metrics {
             .and_then(|p| p.as_ref().map(|(_, cat)| cat.clone()));
         if let Some(cat) = cat {
             self.zero_gauges(&cat);
+        }
+    }
+
+    /// An HTTP upstream's breaker as the snapshot saw it, `open` while it
+    /// refuses requests. Refilled with the other gauges.
+    pub fn set_upstream_breaker(&self, pool: &str, upstream: &str, open: bool) {
+        let Some(c) = &self.c else { return };
+        if let Some(g) = get(&c.upstream_breaker, &[pool, upstream]) {
+            g.set(if open { 1.0 } else { 0.0 });
         }
     }
 }
@@ -1339,5 +1356,21 @@ mod tests {
         );
         assert!(out.status.success(), "promtool: {said}");
         assert!(said.trim().is_empty(), "promtool: {said}");
+    }
+
+    #[test]
+    fn upstream_breaker_gauge_follows_the_snapshot() {
+        let m = Metrics::new();
+        m.set_upstream_breaker("h100", "vllm-a", true);
+        m.set_upstream_breaker("h100", "vllm-b", false);
+        let text = m.render();
+        assert!(text.contains("# TYPE kiln_upstream_breaker_open gauge"));
+        assert!(text.contains("kiln_upstream_breaker_open{pool=\"h100\",upstream=\"vllm-a\"} 1"));
+        assert!(text.contains("kiln_upstream_breaker_open{pool=\"h100\",upstream=\"vllm-b\"} 0"));
+        // A replica that vanished from the snapshot stops being exported.
+        m.reset_gauges();
+        m.set_upstream_breaker("h100", "vllm-b", false);
+        let text = m.render();
+        assert!(!text.contains("vllm-a"));
     }
 }

@@ -1,0 +1,568 @@
+//! `kiln alerts`: Prometheus alerting rules generated from a policy's
+//! declared SLOs, on the metrics the gateway exports (`server::metrics`).
+//!
+//! Per tier with a TTFT SLO: multi-window, multi-burn-rate alerts as in the
+//! Google SRE workbook (ch. 5): page at burn rate 14.4 over 1h and 5m, page
+//! at 6 over 6h and 30m, ticket at 3 over 1d and 2h. The SLI is the share of
+//! requests whose first token came within the SLO, refused requests counted
+//! as bad; its error ratio per window is a recording rule, so each alert
+//! only compares two recorded series. The SLO is read from the TTFT
+//! histogram at a bucket bound: the largest bound at or below the SLO (the
+//! gateway's buckets are fixed), which is stricter than the SLO when they
+//! differ; the rule's annotations then say which bound it uses.
+//!
+//! Completion-window tiers: predicted and actual deadline misses. Every
+//! tier: queue oldest wait above its SLO. Fleet: replicas busy, slots full,
+//! an upstream's breaker open, a rollout rolled back.
+//!
+//! The output is YAML written here ([`to_yaml`]): block structure, every
+//! string double-quoted with escapes, so hostile tier names cannot break it.
+//! No YAML crate is needed for that (Cargo.toml has none), and JSON escapes
+//! alone would leave characters YAML refuses.
+
+use crate::graph::{DecisionGraph, Tier};
+use serde_json::{json, Map, Value};
+
+/// The gateway's `kiln_ttft_seconds` buckets (`server::metrics`; a test in
+/// `tests/alerts.rs` checks they agree).
+pub const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
+];
+
+/// Where the runbooks are (`docs/playbooks.md`).
+pub const RUNBOOK: &str = "docs/playbooks.md";
+
+/// The burn-rate alerts: (name suffix, burn rate, long window, short
+/// window, `for`, severity). SRE workbook table 5-8.
+const BURNS: &[(&str, f64, &str, &str, &str, &str)] = &[
+    ("Fast", 14.4, "1h", "5m", "2m", "page"),
+    ("Slow", 6.0, "6h", "30m", "15m", "page"),
+    ("Budget", 3.0, "1d", "2h", "1h", "ticket"),
+];
+
+/// Every window a recording rule is kept for.
+const WINDOWS: &[&str] = &["5m", "30m", "1h", "2h", "6h", "1d"];
+
+#[derive(Debug, thiserror::Error, miette::Diagnostic)]
+pub enum AlertsError {
+    #[error("objective {0} is not a share between 0 and 1 (exclusive)")]
+    #[diagnostic(
+        code(kiln::alerts::objective),
+        help("write it as a percentage below 100%, e.g. `--objective 99%` or `99.9%`")
+    )]
+    Objective(String),
+}
+
+/// Parses `99%`, `99.9%` or `0.99` into a share in (0, 1).
+pub fn parse_objective(s: &str) -> Result<f64, AlertsError> {
+    let t = s.trim();
+    let v = match t.strip_suffix('%') {
+        Some(p) => p.trim().parse::<f64>().map(|x| x / 100.0),
+        None => t.parse::<f64>(),
+    };
+    match v {
+        Ok(x) if x.is_finite() && x > 0.0 && x < 1.0 => Ok(x),
+        _ => Err(AlertsError::Objective(s.to_string())),
+    }
+}
+
+/// What the rules are generated with.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Share of a tier's requests that must meet its SLO, in (0, 1).
+    pub objective: f64,
+    /// The policy as the operator named it, for annotations.
+    pub policy: String,
+}
+
+/// A PromQL string literal's contents: `\` and `"` escaped, and line
+/// breaks, which a selector cannot hold raw.
+pub fn promql_escape(v: &str) -> String {
+    let mut out = String::with_capacity(v.len());
+    for c in v.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// Text for an alert's annotations or labels, which Prometheus expands as
+/// Go templates: a literal `{{` is written as an action printing it.
+pub fn template_escape(v: &str) -> String {
+    v.replace("{{", "{{ \"{{\" }}")
+}
+
+/// `tier="…"`, escaped.
+fn tier_sel(t: &Tier) -> String {
+    format!("tier=\"{}\"", promql_escape(&t.name))
+}
+
+/// A number as PromQL and Prometheus' `le` label write it (`0.5`, `1`),
+/// rounded off float noise.
+fn num(x: f64) -> String {
+    let r = (x * 1e9).round() / 1e9;
+    format!("{r}")
+}
+
+/// The bucket bound the SLO is read at: the largest at or below it (the
+/// smallest if the SLO is below them all), and whether it is the SLO.
+pub fn slo_bucket(slo_s: f64) -> (f64, bool) {
+    let mut best = TTFT_BUCKETS[0];
+    for &b in TTFT_BUCKETS {
+        if b <= slo_s + 1e-12 {
+            best = b;
+        }
+    }
+    (best, (best - slo_s).abs() < 1e-12)
+}
+
+fn runbook(anchor: &str) -> String {
+    format!("{RUNBOOK}#{anchor}")
+}
+
+fn ms(x: f64) -> String {
+    if x >= 3_600_000.0 && x % 3_600_000.0 == 0.0 {
+        format!("{}h", x / 3_600_000.0)
+    } else if x >= 60_000.0 && x % 60_000.0 == 0.0 {
+        format!("{}m", x / 60_000.0)
+    } else if x >= 1000.0 && x % 1000.0 == 0.0 {
+        format!("{}s", x / 1000.0)
+    } else {
+        format!("{}ms", num(x))
+    }
+}
+
+/// Name of the recorded TTFT error ratio over `w`.
+fn ratio_name(w: &str) -> String {
+    format!("kiln:tier_ttft_errors:ratio_rate{w}")
+}
+
+/// The TTFT error ratio of one tier over window `w`: (first tokens after
+/// the bound + refused) / (first tokens + refused). Each side that has no
+/// series yet is taken as 0 of the other's labels, so a tier whose every
+/// request is refused still has a ratio (of 1).
+fn ratio_expr(sel: &str, le: &str, w: &str) -> String {
+    let ft = format!("sum by (tier) (rate(kiln_ttft_seconds_count{{{sel}}}[{w}]))");
+    let good = format!("sum by (tier) (rate(kiln_ttft_seconds_bucket{{{sel},le=\"{le}\"}}[{w}]))");
+    let rej =
+        format!("sum by (tier) (rate(kiln_requests_total{{{sel},outcome=\"rejected\"}}[{w}]))");
+    let ft0 = format!("({ft} or {rej} * 0)");
+    let good0 = format!("({good} or {rej} * 0)");
+    let rej0 = format!("({rej} or {ft} * 0)");
+    format!("({ft0} - {good0} + {rej0}) / ({ft0} + {rej0})")
+}
+
+fn alert(name: &str, expr: String, for_: &str, severity: &str, ann: Value) -> Value {
+    json!({
+        "alert": name,
+        "expr": expr,
+        "for": for_,
+        "labels": { "severity": severity },
+        "annotations": ann,
+    })
+}
+
+/// A tier's alert: its `tier` label set too, so the same alert of two
+/// tiers are two rules (label values are templates: escaped).
+fn tier_alert(t: &Tier, name: &str, expr: String, for_: &str, severity: &str, ann: Value) -> Value {
+    let mut a = alert(name, expr, for_, severity, ann);
+    a["labels"]["tier"] = Value::String(template_escape(&t.name));
+    a
+}
+
+fn annotations(summary: String, description: String, anchor: &str) -> Value {
+    json!({
+        "summary": summary,
+        "description": description,
+        "runbook_url": runbook(anchor),
+    })
+}
+
+/// The rules file for a policy, as a value (`groups:`).
+pub fn rules(g: &DecisionGraph, o: &Options) -> Value {
+    let policy = template_escape(&o.policy);
+    let budget = 1.0 - o.objective;
+    let pct = num(o.objective * 100.0);
+    let mut recording = Vec::new();
+    let mut slo_alerts = Vec::new();
+    let mut saturation = Vec::new();
+    for t in &g.tiers {
+        let sel = tier_sel(t);
+        if let Some(ttft) = t.slo.ttft {
+            let (bound, exact) = slo_bucket(ttft / 1000.0);
+            let le = num(bound);
+            for w in WINDOWS {
+                recording.push(json!({
+                    "record": ratio_name(w),
+                    "expr": ratio_expr(&sel, &le, w),
+                    "labels": { "tier": t.name },
+                }));
+            }
+            let read_at = if exact {
+                format!("read at the histogram bucket le={le}s")
+            } else {
+                format!(
+                    "read at the histogram bucket le={le}s, the largest bound at or below the SLO (stricter than it)"
+                )
+            };
+            for (suffix, rate, long, short, for_, severity) in BURNS {
+                let thr = num(rate * budget);
+                let expr = format!(
+                    "{long_r}{{{sel}}} > {thr} and {short_r}{{{sel}}} > {thr}",
+                    long_r = ratio_name(long),
+                    short_r = ratio_name(short),
+                );
+                slo_alerts.push(tier_alert(
+                t,
+                    &format!("KilnTierTTFTBudgetBurn{suffix}"),
+                    expr,
+                    for_,
+                    severity,
+                    annotations(
+                        format!(
+                            "Tier {{{{ $labels.tier }}}} is burning its TTFT error budget {} times too fast",
+                            num(*rate)
+                        ),
+                        format!(
+                            "Policy {policy}: tier {{{{ $labels.tier }}}} has a TTFT SLO of {} ({pct}% of requests), {read_at}; refused requests count as misses. Over {long} and {short} more than {} of its requests missed it: {} times its error budget of {}.",
+                            ms(ttft),
+                            num(rate * budget * 100.0) + "%",
+                            num(*rate),
+                            num(budget * 100.0) + "%",
+                        ),
+                        "a-tier-is-missing-its-slo",
+                    ),
+                ));
+            }
+            saturation.push(tier_alert(
+                t,
+                "KilnTierQueueWaitAboveSLO",
+                format!(
+                    "max by (tier) (kiln_queue_oldest_wait_seconds{{{sel}}}) > {}",
+                    num(ttft / 1000.0)
+                ),
+                "5m",
+                "ticket",
+                annotations(
+                    "Tier {{ $labels.tier }} has requests waiting longer than its TTFT SLO".into(),
+                    format!(
+                        "Policy {policy}: the oldest queued request of tier {{{{ $labels.tier }}}} has waited more than its TTFT SLO of {} for 5 minutes: its queue is not draining.",
+                        ms(ttft)
+                    ),
+                    "a-tier-is-missing-its-slo",
+                ),
+            ));
+        }
+        if let Some(p95) = t.slo.e2e_p95 {
+            slo_alerts.push(tier_alert(
+                t,
+                "KilnTierE2EP95AboveSLO",
+                format!(
+                    "histogram_quantile(0.95, sum by (tier, le) (rate(kiln_e2e_seconds_bucket{{{sel}}}[30m]))) > {}",
+                    num(p95 / 1000.0)
+                ),
+                "30m",
+                "ticket",
+                annotations(
+                    "Tier {{ $labels.tier }} end-to-end p95 is above its SLO".into(),
+                    format!(
+                        "Policy {policy}: tier {{{{ $labels.tier }}}} has an end-to-end p95 SLO of {}; over the last 30 minutes its p95 was {{{{ $value | humanizeDuration }}}}.",
+                        ms(p95)
+                    ),
+                    "a-tier-is-missing-its-slo",
+                ),
+            ));
+        }
+        if let Some(window) = t.slo.window {
+            slo_alerts.push(tier_alert(
+                t,
+                "KilnTierBatchPredictedMiss",
+                format!("max by (tier) (kiln_batch_predicted_miss{{{sel}}}) > 0"),
+                "10m",
+                "ticket",
+                annotations(
+                    "Tier {{ $labels.tier }} has batches predicted to miss their window".into(),
+                    format!(
+                        "Policy {policy}: at the present rate some batches of tier {{{{ $labels.tier }}}} (completion window SLO {}) will finish after their window; the prediction has held for 10 minutes.",
+                        ms(window)
+                    ),
+                    "a-tier-is-missing-its-slo",
+                ),
+            ));
+            slo_alerts.push(tier_alert(
+                t,
+                "KilnTierDeadlineMisses",
+                format!(
+                    "((({a}) or ({b}) * 0) + (({b}) or ({a}) * 0)) > 0",
+                    a = format!("sum by (tier) (increase(kiln_deadline_misses_total{{{sel}}}[30m]))"),
+                    b = format!("sum by (tier) (increase(kiln_batch_deadline_misses_total{{{sel}}}[30m]))"),
+                ),
+                "0m",
+                "page",
+                annotations(
+                    "Tier {{ $labels.tier }} is missing deadlines".into(),
+                    format!(
+                        "Policy {policy}: requests or batch items of tier {{{{ $labels.tier }}}} (completion window SLO {}) finished after their deadline, or expired unrun, in the last 30 minutes.",
+                        ms(window)
+                    ),
+                    "a-tier-is-missing-its-slo",
+                ),
+            ));
+        }
+    }
+    let fleet = vec![
+        alert(
+            "KilnReplicasBusy",
+            "max by (pool, model) (kiln_replica_busy_ratio) > 0.9".into(),
+            "15m",
+            "ticket",
+            annotations(
+                "Replicas of {{ $labels.pool }}/{{ $labels.model }} are more than 90% busy".into(),
+                format!("Policy {policy}: the replicas serving {{{{ $labels.model }}}} in pool {{{{ $labels.pool }}}} have spent more than 90% of their time running steps for 15 minutes: the pool is at capacity."),
+                "a-tier-is-missing-its-slo",
+            ),
+        ),
+        alert(
+            "KilnReplicaSlotsFull",
+            "sum by (pool, model) (kiln_replica_slots_used) >= sum by (pool, model) (kiln_replica_slots) and sum by (pool, model) (kiln_replica_slots) > 0".into(),
+            "15m",
+            "ticket",
+            annotations(
+                "Every batch slot of {{ $labels.pool }}/{{ $labels.model }} is in use".into(),
+                format!("Policy {policy}: all batch slots of {{{{ $labels.model }}}} in pool {{{{ $labels.pool }}}} have been in use for 15 minutes; new work queues."),
+                "a-tenant-is-flooding",
+            ),
+        ),
+        alert(
+            "KilnUpstreamBreakerOpen",
+            "max by (pool, upstream) (kiln_upstream_breaker_open) > 0".into(),
+            "2m",
+            "page",
+            annotations(
+                "Upstream {{ $labels.upstream }} in pool {{ $labels.pool }} is refused by its circuit breaker".into(),
+                format!("Policy {policy}: the circuit breaker of HTTP upstream {{{{ $labels.upstream }}}} (pool {{{{ $labels.pool }}}}) has been open for 2 minutes: the upstream keeps failing and gets no requests."),
+                "an-upstream-is-down",
+            ),
+        ),
+        alert(
+            "KilnPolicyRolledBack",
+            "sum by (trigger) (increase(kiln_rollbacks_total[10m])) > 0".into(),
+            "0m",
+            "ticket",
+            annotations(
+                "A policy rollout was rolled back ({{ $labels.trigger }})".into(),
+                format!("Policy {policy}: the gateway rolled a policy version back in the last 10 minutes (trigger {{{{ $labels.trigger }}}}). The previous version serves again; find out what was wrong with the new one before it is proposed again."),
+                "a-bad-policy-was-rolled-out",
+            ),
+        ),
+    ];
+    let mut groups = Vec::new();
+    if !recording.is_empty() {
+        groups.push(json!({ "name": "kiln-slo-ratios", "rules": recording }));
+    }
+    if !slo_alerts.is_empty() {
+        groups.push(json!({ "name": "kiln-slo-alerts", "rules": slo_alerts }));
+    }
+    if !saturation.is_empty() {
+        groups.push(json!({ "name": "kiln-saturation", "rules": saturation }));
+    }
+    groups.push(json!({ "name": "kiln-fleet", "rules": fleet }));
+    json!({ "groups": groups })
+}
+
+/// The rules file as YAML, with a header saying where it came from.
+pub fn render(g: &DecisionGraph, o: &Options) -> String {
+    let mut out = String::new();
+    out.push_str("# Generated by `kiln alerts` from the policy ");
+    // A comment runs to the end of its line: keep the name on it.
+    out.push_str(&o.policy.replace(['\n', '\r'], " "));
+    out.push_str(". Do not edit; regenerate.\n");
+    out.push_str(&format!(
+        "# Objective {}% per tier; TTFT SLOs are read at the largest bucket bound of kiln_ttft_seconds at or below them.\n",
+        num(o.objective * 100.0)
+    ));
+    out.push_str(&to_yaml(&rules(g, o)));
+    out
+}
+
+/// Whether YAML may hold `c` unescaped in a double-quoted scalar (its
+/// printable set, less the line breaks beyond `\n`).
+fn yaml_printable(c: char) -> bool {
+    matches!(c, ' '..='~' | '\u{A0}'..='\u{D7FF}' | '\u{E000}'..='\u{FFFD}' | '\u{10000}'..)
+        && !matches!(c, '\u{2028}' | '\u{2029}' | '\u{FEFF}')
+}
+
+/// A double-quoted YAML scalar. The escapes used (`\"`, `\\`, `\n`, `\t`,
+/// `\uXXXX`) are also JSON's, so the result reads back with a JSON parser.
+pub fn yaml_quote(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\t' => out.push_str("\\t"),
+            c if yaml_printable(c) => out.push(c),
+            c => out.push_str(&format!("\\u{:04x}", c as u32)),
+        }
+    }
+    out.push('"');
+    out
+}
+
+fn yaml_key(k: &str) -> String {
+    if !k.is_empty() && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+        k.to_string()
+    } else {
+        yaml_quote(k)
+    }
+}
+
+fn yaml_scalar(v: &Value) -> Option<String> {
+    match v {
+        Value::Null => Some("null".into()),
+        Value::Bool(b) => Some(b.to_string()),
+        Value::Number(n) => Some(n.to_string()),
+        Value::String(s) => Some(yaml_quote(s)),
+        Value::Array(a) if a.is_empty() => Some("[]".into()),
+        Value::Object(m) if m.is_empty() => Some("{}".into()),
+        _ => None,
+    }
+}
+
+/// A value as block-style YAML.
+pub fn to_yaml(v: &Value) -> String {
+    let mut out = String::new();
+    match yaml_scalar(v) {
+        Some(s) => {
+            out.push_str(&s);
+            out.push('\n');
+        }
+        None => write_node(v, 0, &mut out),
+    }
+    out
+}
+
+fn write_map(m: &Map<String, Value>, indent: usize, first_inline: bool, out: &mut String) {
+    for (i, (k, v)) in m.iter().enumerate() {
+        if !(i == 0 && first_inline) {
+            out.push_str(&" ".repeat(indent));
+        }
+        out.push_str(&yaml_key(k));
+        out.push(':');
+        match yaml_scalar(v) {
+            Some(s) => {
+                out.push(' ');
+                out.push_str(&s);
+                out.push('\n');
+            }
+            None => {
+                out.push('\n');
+                write_node(v, indent + 2, out);
+            }
+        }
+    }
+}
+
+fn write_node(v: &Value, indent: usize, out: &mut String) {
+    match v {
+        Value::Object(m) => write_map(m, indent, false, out),
+        Value::Array(a) => {
+            for item in a {
+                out.push_str(&" ".repeat(indent));
+                out.push_str("- ");
+                match (yaml_scalar(item), item) {
+                    (Some(s), _) => {
+                        out.push_str(&s);
+                        out.push('\n');
+                    }
+                    (None, Value::Object(m)) => write_map(m, indent + 2, true, out),
+                    (None, other) => {
+                        out.push('\n');
+                        write_node(other, indent + 2, out);
+                    }
+                }
+            }
+        }
+        other => {
+            if let Some(s) = yaml_scalar(other) {
+                out.push_str(&" ".repeat(indent));
+                out.push_str(&s);
+                out.push('\n');
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn objective_parses_percent_and_share() {
+        assert_eq!(parse_objective("99%").unwrap(), 0.99);
+        assert!((parse_objective("99.9%").unwrap() - 0.999).abs() < 1e-12);
+        assert_eq!(parse_objective("0.95").unwrap(), 0.95);
+        for bad in ["100%", "0", "-1%", "abc", "NaN", "1.5"] {
+            assert!(parse_objective(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn slo_falls_on_or_below_a_bucket() {
+        assert_eq!(slo_bucket(0.5), (0.5, true));
+        assert_eq!(slo_bucket(0.8), (0.5, false));
+        assert_eq!(slo_bucket(1.5), (1.0, false));
+        assert_eq!(slo_bucket(0.0001), (0.001, false));
+        assert_eq!(slo_bucket(1000.0), (60.0, false));
+        assert_eq!(num(1.0), "1");
+        assert_eq!(num(14.4 * 0.01), "0.144");
+    }
+
+    #[test]
+    fn escapes() {
+        assert_eq!(promql_escape("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+        assert_eq!(template_escape("x{{ y }}"), "x{{ \"{{\" }} y }}");
+        assert_eq!(yaml_quote("a\u{85}\u{7f}\""), "\"a\\u0085\\u007f\\\"\"");
+    }
+
+    #[test]
+    fn yaml_layout() {
+        let v = json!({"groups": [{"name": "g", "rules": [{"a": "x", "b": {"c": "y"}}]}], "e": []});
+        assert_eq!(
+            to_yaml(&v),
+            // serde_json's maps are sorted by key.
+            "e: []\ngroups:\n  - name: \"g\"\n    rules:\n      - a: \"x\"\n        b:\n          c: \"y\"\n"
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn quoted_strings_read_back_and_stay_printable(s in any::<String>()) {
+            let q = yaml_quote(&s);
+            let back: String = serde_json::from_str(&q).unwrap();
+            prop_assert_eq!(back, s);
+            prop_assert!(q.chars().all(yaml_printable));
+        }
+
+        #[test]
+        fn promql_escaped_values_have_no_bare_quote(s in any::<String>()) {
+            let e = promql_escape(&s);
+            let mut chars = e.chars();
+            while let Some(c) = chars.next() {
+                prop_assert!(c != '"' && c != '\n');
+                if c == '\\' {
+                    prop_assert!(chars.next().is_some());
+                }
+            }
+        }
+    }
+}

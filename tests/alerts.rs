@@ -1,0 +1,315 @@
+//! `kiln alerts` and `kiln dashboard`: the committed rules and dashboard
+//! stay in step with the commands, promtool accepts and unit-tests the
+//! rules, and every metric they use is one the gateway exports.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code may panic
+
+use kiln::ops::{alerts, dashboard};
+use kiln::server::metrics::{Labels, Metrics, Outcome, ReplicaLoad};
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const ALERTS: &str = "deploy/prometheus/kiln-alerts.yml";
+const ALERTS_TEST: &str = "deploy/prometheus/kiln-alerts.test.yml";
+const DASHBOARD: &str = "deploy/grafana/kiln-dashboard.json";
+
+fn kiln(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "kiln {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn graph(policy: &str) -> kiln::graph::DecisionGraph {
+    kiln::cli::compile_one(&[PathBuf::from(policy)]).unwrap().1
+}
+
+fn options(policy: &str) -> alerts::Options {
+    alerts::Options {
+        objective: 0.99,
+        policy: policy.into(),
+    }
+}
+
+fn policies() -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir("policies")
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_dir())
+        .map(|p| p.display().to_string())
+        .collect();
+    v.sort();
+    assert!(v.len() >= 3, "{v:?}");
+    v
+}
+
+fn promtool() -> bool {
+    let ok = Command::new("promtool")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        println!("SKIPPED: promtool not installed (apt-get install prometheus)");
+    }
+    ok
+}
+
+fn promtool_ok(args: &[&str], dir: &Path) {
+    let out = Command::new("promtool")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "promtool {args:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("kiln-alerts-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn committed_rules_are_the_commands_output() {
+    let committed = std::fs::read_to_string(ALERTS).unwrap();
+    let generated = kiln(&["alerts", "--policy", "policies/enterprise"]);
+    assert!(
+        committed == generated,
+        "{ALERTS} is stale: run `kiln alerts --policy policies/enterprise -o {ALERTS}`"
+    );
+}
+
+#[test]
+fn committed_dashboard_is_the_commands_output() {
+    let committed = std::fs::read_to_string(DASHBOARD).unwrap();
+    let generated = kiln(&["dashboard", "--policy", "policies/enterprise"]);
+    assert!(
+        committed == generated,
+        "{DASHBOARD} is stale: run `kiln dashboard --policy policies/enterprise -o {DASHBOARD}`"
+    );
+}
+
+#[test]
+fn promtool_checks_and_unit_tests_the_committed_rules() {
+    if !promtool() {
+        return;
+    }
+    let dir = Path::new("deploy/prometheus");
+    promtool_ok(&["check", "rules", "kiln-alerts.yml"], dir);
+    promtool_ok(&["test", "rules", "kiln-alerts.test.yml"], dir);
+    assert!(Path::new(ALERTS_TEST).exists());
+}
+
+#[test]
+fn promtool_accepts_the_rules_of_every_shipped_policy() {
+    if !promtool() {
+        return;
+    }
+    let dir = scratch("policies");
+    for p in policies() {
+        let text = alerts::render(&graph(&p), &options(&p));
+        let f = dir.join(format!("{}.yml", p.replace('/', "_")));
+        std::fs::write(&f, text).unwrap();
+        promtool_ok(&["check", "rules", f.to_str().unwrap()], &dir);
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// Tier names and the policy path are hostile input: quotes, backslashes,
+/// line breaks, template braces. The file must stay valid, and the tier
+/// label must come through intact (an alert fires with it).
+#[test]
+fn hostile_tier_names_stay_quoted() {
+    if !promtool() {
+        return;
+    }
+    let mut g = graph("policies/enterprise");
+    let hostile = "we\"ird\\ {{ $labels.x }}\nname: x";
+    g.tiers[0].name = hostile.into();
+    let text = alerts::render(&g, &options("pol\ncies/{{ .Bad }}"));
+    let dir = scratch("hostile");
+    std::fs::write(dir.join("rules.yml"), &text).unwrap();
+    promtool_ok(&["check", "rules", "rules.yml"], &dir);
+    // The queue wait alert of that tier fires on a series with its name.
+    let series = format!(
+        "kiln_queue_oldest_wait_seconds{{tier=\"{}\",tenant=\"t\"}}",
+        alerts::promql_escape(hostile)
+    );
+    let test = format!(
+        "rule_files: [rules.yml]\nevaluation_interval: 1m\ntests:\n  - interval: 1m\n    input_series:\n      - series: {}\n        values: '9x20'\n    promql_expr_test:\n      - expr: ALERTS{{alertname=\"KilnTierQueueWaitAboveSLO\",alertstate=\"firing\"}}\n        eval_time: 10m\n        exp_samples:\n          - labels: {}\n            value: 1\n",
+        alerts::yaml_quote(&series),
+        alerts::yaml_quote(&format!(
+            "ALERTS{{alertname=\"KilnTierQueueWaitAboveSLO\",alertstate=\"firing\",severity=\"ticket\",tier=\"{}\"}}",
+            alerts::promql_escape(hostile)
+        )),
+    );
+    std::fs::write(dir.join("rules.test.yml"), test).unwrap();
+    promtool_ok(&["test", "rules", "rules.test.yml"], &dir);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// Every metric the gateway exports, from `# TYPE` lines after one of
+/// every event (collectors without series are not rendered).
+fn exported() -> BTreeSet<String> {
+    let m = Metrics::new();
+    let l = Labels {
+        tier: "a",
+        tenant: "t",
+        pool: "p",
+        model: "m",
+    };
+    m.request_done(&l, Outcome::Ok);
+    m.rejected("a", "t", "quota", 429);
+    m.queue_wait(&l, 0.1);
+    m.ttft(&l, 0.1);
+    m.e2e(&l, 1.0);
+    m.tokens(&l, 10, 10);
+    m.gpu_seconds(&l, 1.0, 1.0);
+    m.preempted("a", "t");
+    m.fallback("a", "t", 1);
+    m.deadline_miss("a", "t");
+    m.policy_swap(true);
+    m.shared_state(true, 1);
+    m.shared_unclaimed("local");
+    m.set_policy_version("v1");
+    m.set_queue("a", "t", 1, 1.0);
+    m.set_replica(
+        "p",
+        "m",
+        ReplicaLoad {
+            running: 1,
+            slots: 2,
+            kv_used: 1,
+            kv_capacity: 2,
+            busy_fraction: 0.5,
+        },
+    );
+    m.shadow("v2", &["tier"]);
+    m.canary_request("v2");
+    m.rollback("slo");
+    m.override_refusal("pause", "tier", "a");
+    m.approval("ok");
+    m.set_batches(&[("t", "a", [1, 1, 1, 1])], &[("b", "t", "a", true)]);
+    m.batch_deadline_misses("t", "a", 1);
+    m.set_upstream_breaker("p", "u", true);
+    m.render()
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split_whitespace().next())
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn every_metric_used_is_exported_by_the_gateway() {
+    let exported = exported();
+    let mut used = BTreeSet::new();
+    for p in policies() {
+        let g = graph(&p);
+        let rules = alerts::rules(&g, &options(&p));
+        let mut exprs = Vec::new();
+        for group in rules["groups"].as_array().unwrap() {
+            for r in group["rules"].as_array().unwrap() {
+                exprs.push(r["expr"].as_str().unwrap().to_string());
+            }
+        }
+        exprs.extend(dashboard::exprs(&dashboard::dashboard(&g, &p)));
+        assert!(exprs.len() > 10);
+        for e in &exprs {
+            used.extend(dashboard::metric_names(e));
+        }
+    }
+    let missing: Vec<_> = used.difference(&exported).collect();
+    assert!(
+        missing.is_empty(),
+        "not exported by the gateway: {missing:?}"
+    );
+    // The scan found what the rules are built on.
+    for m in [
+        "kiln_ttft_seconds",
+        "kiln_requests_total",
+        "kiln_upstream_breaker_open",
+        "kiln_rollbacks_total",
+        "kiln_policy_info",
+        "kiln_tokens_total",
+    ] {
+        assert!(used.contains(m), "{m} not used");
+    }
+}
+
+#[test]
+fn ttft_buckets_agree_with_the_gateway() {
+    let m = Metrics::new();
+    m.ttft(
+        &Labels {
+            tier: "a",
+            tenant: "t",
+            pool: "p",
+            model: "m",
+        },
+        0.1,
+    );
+    let les: Vec<String> = m
+        .render()
+        .lines()
+        .filter(|l| l.starts_with("kiln_ttft_seconds_bucket"))
+        .filter_map(|l| l.split("le=\"").nth(1))
+        .filter_map(|l| l.split('"').next())
+        .filter(|le| *le != "+Inf")
+        .map(str::to_string)
+        .collect();
+    let ours: Vec<String> = alerts::TTFT_BUCKETS
+        .iter()
+        .map(|b| format!("{b}"))
+        .collect();
+    assert_eq!(les, ours);
+}
+
+#[test]
+fn objective_changes_the_thresholds() {
+    let g = graph("policies/enterprise");
+    let a = alerts::render(&g, &options("policies/enterprise"));
+    let b = alerts::render(
+        &g,
+        &alerts::Options {
+            objective: 0.999,
+            policy: "policies/enterprise".into(),
+        },
+    );
+    assert!(a.contains("> 0.144 and"));
+    assert!(b.contains("> 0.0144 and"));
+    let bad = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args([
+            "alerts",
+            "--policy",
+            "policies/enterprise",
+            "--objective",
+            "100%",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+}
+
+#[test]
+fn snapshot_rules_batch_platform() {
+    let p = "policies/batch-platform";
+    insta::assert_snapshot!(alerts::render(&graph(p), &options(p)));
+}
+
+#[test]
+fn snapshot_dashboard_enterprise() {
+    let p = "policies/enterprise";
+    insta::assert_json_snapshot!(dashboard::dashboard(&graph(p), p));
+}
