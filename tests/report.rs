@@ -51,7 +51,14 @@ fn markdown_and_json_without_policy() {
 
 #[test]
 fn markdown_and_json_with_policy() {
-    let args = [CONV, CODE, "--policy", POLICY, "--start", "2023-11-16T18:15:46Z"];
+    let args = [
+        CONV,
+        CODE,
+        "--policy",
+        POLICY,
+        "--start",
+        "2023-11-16T18:15:46Z",
+    ];
     let md = ok(&kiln(&args));
     assert!(md.contains("## SLO attainment per tier"));
     insta::assert_snapshot!("slice_policy_markdown", md);
@@ -114,7 +121,13 @@ fn html_is_self_contained_and_escapes_hostile_names() {
     assert_eq!(page.matches("<title>00: ").count(), 2);
     // The same page with the policy: tier tables appear.
     ok(&kiln(&[
-        CONV, "--policy", POLICY, "--format", "html", "-o", out.to_str().unwrap(),
+        CONV,
+        "--policy",
+        POLICY,
+        "--format",
+        "html",
+        "-o",
+        out.to_str().unwrap(),
     ]));
     let page = std::fs::read_to_string(&out).unwrap();
     assert!(page.contains("SLO attainment per tier"));

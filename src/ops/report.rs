@@ -29,7 +29,9 @@ pub enum ReportError {
     #[error("--start {value:?} is not an RFC 3339 time: {why}")]
     #[diagnostic(
         code(kiln::report::start),
-        help("give a UTC or offset time such as 2023-11-16T18:15:46Z or 2023-11-16T10:15:46-08:00")
+        help(
+            "give a UTC or offset time such as 2023-11-16T18:15:46Z or 2023-11-16T10:15:46-08:00"
+        )
     )]
     BadStart { value: String, why: &'static str },
 }
@@ -260,11 +262,7 @@ fn row(name: String, recs: &[&Record], f: &Frame) -> Row {
     }
 }
 
-fn rows_by(
-    records: &[Record],
-    f: &Frame,
-    key: impl Fn(usize, &Record) -> String,
-) -> Vec<Row> {
+fn rows_by(records: &[Record], f: &Frame, key: impl Fn(usize, &Record) -> String) -> Vec<Row> {
     let mut by: BTreeMap<String, Vec<&Record>> = BTreeMap::new();
     for (i, r) in records.iter().enumerate() {
         by.entry(key(i, r)).or_default().push(r);
@@ -331,7 +329,10 @@ pub struct Replayed<'a> {
 /// Builds the inventory of `records` (sorted by arrival, as
 /// `traffic::read` returns them; outcome ids are their positions).
 pub fn build(records: &[Record], opts: Options, replayed: Option<Replayed<'_>>) -> Inventory {
-    let t0 = records.iter().map(|r| r.at_ms).fold(f64::INFINITY, f64::min);
+    let t0 = records
+        .iter()
+        .map(|r| r.at_ms)
+        .fold(f64::INFINITY, f64::min);
     let t1 = records
         .iter()
         .map(|r| r.at_ms)
@@ -433,12 +434,7 @@ fn civil_from_days(z: i64) -> (i64, i64, i64) {
 pub fn format_rfc3339(ms: i64) -> String {
     let (y, mo, d) = civil_from_days(ms.div_euclid(86_400_000));
     let r = ms.rem_euclid(86_400_000);
-    let (h, mi, s, frac) = (
-        r / 3_600_000,
-        r / 60_000 % 60,
-        r / 1000 % 60,
-        r % 1000,
-    );
+    let (h, mi, s, frac) = (r / 3_600_000, r / 60_000 % 60, r / 1000 % 60, r % 1000);
     if frac == 0 {
         format!("{y:04}-{mo:02}-{d:02}T{h:02}:{mi:02}:{s:02}Z")
     } else {
@@ -480,7 +476,20 @@ pub fn parse_rfc3339(s: &str) -> Result<i64, ReportError> {
         num(17, 19)?,
     );
     let leap = (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
-    let dim = [31, if leap { 29 } else { 28 }, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31];
+    let dim = [
+        31,
+        if leap { 29 } else { 28 },
+        31,
+        30,
+        31,
+        30,
+        31,
+        31,
+        30,
+        31,
+        30,
+        31,
+    ];
     if !(1..=12).contains(&mo) || d < 1 || d > dim[(mo - 1) as usize] {
         return Err(bad("no such date"));
     }
@@ -610,7 +619,13 @@ pub fn markdown(inv: &Inventory) -> String {
             "\n## Where requests land (tier × tenant, from the replay)\n\n| tier | tenant | requests |\n|---|---|---:|"
         );
         for x in &p.placement {
-            let _ = writeln!(s, "| {} | {} | {} |", md(&x.tier), md(&x.tenant), x.requests);
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} |",
+                md(&x.tier),
+                md(&x.tenant),
+                x.requests
+            );
         }
         for (what, rows) in [("tier", &p.slo_tiers), ("tenant", &p.slo_tenants)] {
             let _ = writeln!(
@@ -644,7 +659,10 @@ pub fn markdown(inv: &Inventory) -> String {
             );
         }
     }
-    let _ = writeln!(s, "\n(hours without arrivals left out)\n\n## Arrivals by weekday\n");
+    let _ = writeln!(
+        s,
+        "\n(hours without arrivals left out)\n\n## Arrivals by weekday\n"
+    );
     let _ = writeln!(
         s,
         "| {} |\n|{}\n| {} |",
@@ -809,8 +827,15 @@ pub fn html(inv: &Inventory) -> String {
         escape(inv.retry_rule)
     );
     let head = [
-        "", "requests", "req/s", "prompt p50/p95/p99", "output p50/p95/p99", "token share",
-        "inter-arrival CV", "peak/mean", "retries",
+        "",
+        "requests",
+        "req/s",
+        "prompt p50/p95/p99",
+        "output p50/p95/p99",
+        "token share",
+        "inter-arrival CV",
+        "peak/mean",
+        "retries",
     ];
     let table = |s: &mut String, title: &str, rows: &[Row], fleet: Option<&Row>| {
         let _ = writeln!(s, "<h2>Per {}</h2>", escape(title));
@@ -832,10 +857,20 @@ pub fn html(inv: &Inventory) -> String {
                 .collect(),
         );
         for (what, rows) in [("tier", &p.slo_tiers), ("tenant", &p.slo_tenants)] {
-            let _ = writeln!(s, "<h2>SLO attainment per {what} (replay, kiln scheduler)</h2>");
+            let _ = writeln!(
+                s,
+                "<h2>SLO attainment per {what} (replay, kiln scheduler)</h2>"
+            );
             html_table(
                 &mut s,
-                &[what, "requests", "rejected", "TTFT attainment", "window attainment", "SLO attainment"],
+                &[
+                    what,
+                    "requests",
+                    "rejected",
+                    "TTFT attainment",
+                    "window attainment",
+                    "SLO attainment",
+                ],
                 rows.iter()
                     .map(|a| {
                         vec![
@@ -853,7 +888,12 @@ pub fn html(inv: &Inventory) -> String {
     }
     s.push_str("<h2>Demand by hour of day (UTC)</h2>\n");
     let hours: Vec<String> = (0..24).map(|h| format!("{h:02}")).collect();
-    s.push_str(&bars_svg("Requests by hour of day (UTC)", &hours, &inv.fleet.by_hour, "#1f77b4"));
+    s.push_str(&bars_svg(
+        "Requests by hour of day (UTC)",
+        &hours,
+        &inv.fleet.by_hour,
+        "#1f77b4",
+    ));
     s.push_str(&bars_svg(
         "Tokens (prompt + output) by hour of day (UTC)",
         &hours,
@@ -861,13 +901,26 @@ pub fn html(inv: &Inventory) -> String {
         "#ff7f0e",
     ));
     let days: Vec<String> = WEEKDAYS.iter().map(|d| d.to_string()).collect();
-    s.push_str(&bars_svg("Requests by weekday", &days, &inv.fleet.by_weekday, "#9467bd"));
+    s.push_str(&bars_svg(
+        "Requests by weekday",
+        &days,
+        &inv.fleet.by_weekday,
+        "#9467bd",
+    ));
     s.push_str("<h2>Token share per tenant</h2>\n");
     s.push_str(&share_svg(&inv.tenants));
     s.push_str("<h2>Token distributions</h2>\n<p class=\"note\">Log-2 buckets: a bar counts the requests with lower bound ≤ tokens &lt; twice it.</p>\n");
     for (title, hist, color) in [
-        ("Prompt tokens per request", &inv.prompt_histogram, "#17becf"),
-        ("Output tokens per request", &inv.output_histogram, "#d62728"),
+        (
+            "Prompt tokens per request",
+            &inv.prompt_histogram,
+            "#17becf",
+        ),
+        (
+            "Output tokens per request",
+            &inv.output_histogram,
+            "#d62728",
+        ),
     ] {
         let labels: Vec<String> = hist.iter().map(bucket_label).collect();
         let values: Vec<u64> = hist.iter().map(|b| b.requests).collect();
@@ -880,7 +933,7 @@ pub fn html(inv: &Inventory) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rand::{Rng, SeedableRng};
+    use rand::{RngExt, SeedableRng};
 
     #[test]
     fn cv_of_a_regular_series_is_zero() {
@@ -903,11 +956,11 @@ mod tests {
             .collect();
         let cv = interarrival_cv(&times).unwrap();
         assert!((cv - 1.0).abs() < 0.03, "cv {cv}");
-        // Bursts (pairs 1 ms apart, 10 s between pairs) are well above 1.
+        // Bursts (ten arrivals 1 ms apart, 10 s between bursts) are well above 1.
         let bursty: Vec<f64> = (0..1000)
-            .map(|i| (i / 2) as f64 * 10_000.0 + (i % 2) as f64)
+            .map(|i| (i / 10) as f64 * 10_000.0 + (i % 10) as f64)
             .collect();
-        assert!(interarrival_cv(&bursty).unwrap() > 0.9);
+        assert!(interarrival_cv(&bursty).unwrap() > 2.5);
     }
 
     #[test]
@@ -916,8 +969,14 @@ mod tests {
         assert_eq!(hour_and_weekday(ASSUMED_START_MS, 0.0), (0, 0));
         assert_eq!(hour_and_weekday(ASSUMED_START_MS, 3_599_999.0), (0, 0));
         assert_eq!(hour_and_weekday(ASSUMED_START_MS, 3_600_000.0), (1, 0));
-        assert_eq!(hour_and_weekday(ASSUMED_START_MS, 86_400_000.0 * 6.5), (12, 6));
-        assert_eq!(hour_and_weekday(ASSUMED_START_MS, 86_400_000.0 * 7.0), (0, 0));
+        assert_eq!(
+            hour_and_weekday(ASSUMED_START_MS, 86_400_000.0 * 6.5),
+            (12, 6)
+        );
+        assert_eq!(
+            hour_and_weekday(ASSUMED_START_MS, 86_400_000.0 * 7.0),
+            (0, 0)
+        );
         // 2023-11-16 was a Thursday.
         let s = parse_rfc3339("2023-11-16T18:15:46Z").unwrap();
         assert_eq!(hour_and_weekday(s, 0.0), (18, 3));
@@ -930,7 +989,10 @@ mod tests {
         let t = parse_rfc3339("2023-11-16T10:15:46.5-08:00").unwrap();
         assert_eq!(format_rfc3339(t), "2023-11-16T18:15:46.500Z");
         assert_eq!(parse_rfc3339("1970-01-01T00:00:00Z").unwrap(), 0);
-        assert_eq!(parse_rfc3339("2024-02-29T00:00:00Z").unwrap() % 86_400_000, 0);
+        assert_eq!(
+            parse_rfc3339("2024-02-29T00:00:00Z").unwrap() % 86_400_000,
+            0
+        );
         for bad in [
             "",
             "2023-11-16",
@@ -984,14 +1046,21 @@ mod tests {
             mk(1000.0, "b", 200, 100),
             mk(3_600_000.0, "a", 0, 600),
         ];
-        recs[1].headers.insert("x-stainless-retry-count".into(), "2".into());
+        recs[1]
+            .headers
+            .insert("x-stainless-retry-count".into(), "2".into());
         let mut not_retry = mk(3_600_000.0, "a", 0, 0);
-        not_retry.headers.insert("x-kiln-retry".into(), "false".into());
+        not_retry
+            .headers
+            .insert("x-kiln-retry".into(), "false".into());
         recs.push(not_retry);
         let inv = build(&recs, Options { start_ms: None }, None);
         assert_eq!(inv.tenants.len(), 2);
         let a = &inv.tenants[0];
-        assert_eq!((a.requests, a.prompt_tokens_total, a.output_tokens_total), (3, 100, 600));
+        assert_eq!(
+            (a.requests, a.prompt_tokens_total, a.output_tokens_total),
+            (3, 100, 600)
+        );
         assert!((a.token_share - 0.7).abs() < 1e-9);
         assert_eq!(inv.tenants[1].retries, 1);
         assert_eq!(inv.fleet.retries, 1);
