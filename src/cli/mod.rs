@@ -9,6 +9,7 @@ pub(crate) mod explain;
 mod fmt;
 mod gpus;
 mod lint;
+mod report;
 mod serve;
 mod simulate;
 mod test;
@@ -65,6 +66,10 @@ pub enum Command {
     Diff(diff::Args),
     /// Replay recorded traffic through the scheduler on simulated GPUs.
     Simulate(simulate::Args),
+    /// The workload inventory of recorded traffic: per tenant, model and
+    /// (with --policy) tier, token percentiles, demand by hour and weekday,
+    /// burstiness and token share; markdown, JSON or a self-contained HTML page.
+    Report(report::Args),
     /// Import and combine recorded traffic (Azure, Mooncake, ServeGen traces).
     Traffic(traffic::Args),
     /// Run the gateway: an OpenAI-compatible server that decides, queues and
@@ -136,6 +141,7 @@ pub fn main() -> i32 {
         Command::Explain(a) => explain::run(a),
         Command::Diff(a) => diff::run(a),
         Command::Simulate(a) => simulate::run(a),
+        Command::Report(a) => report::run(a),
         Command::Traffic(a) => traffic::run(a),
         Command::Serve(a) => serve::run(a),
         Command::HashKey(a) => serve::hash_key(a),

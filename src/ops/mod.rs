@@ -5,3 +5,4 @@
 
 pub mod alerts;
 pub mod dashboard;
+pub mod report;
