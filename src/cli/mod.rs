@@ -7,6 +7,7 @@ pub(crate) mod explain;
 mod fmt;
 mod gpus;
 mod lint;
+mod plan;
 mod serve;
 mod simulate;
 mod test;
@@ -63,6 +64,9 @@ pub enum Command {
     Diff(diff::Args),
     /// Replay recorded traffic through the scheduler on simulated GPUs.
     Simulate(simulate::Args),
+    /// The fewest GPUs per pool at which every tier meets its SLOs on
+    /// recorded traffic, with headroom, found by replaying it.
+    Plan(plan::Args),
     /// Import and combine recorded traffic (Azure, Mooncake, ServeGen traces).
     Traffic(traffic::Args),
     /// Run the gateway: an OpenAI-compatible server that decides, queues and
@@ -129,6 +133,7 @@ pub fn main() -> i32 {
         Command::Explain(a) => explain::run(a),
         Command::Diff(a) => diff::run(a),
         Command::Simulate(a) => simulate::run(a),
+        Command::Plan(a) => plan::run(a),
         Command::Traffic(a) => traffic::run(a),
         Command::Serve(a) => serve::run(a),
         Command::HashKey(a) => serve::hash_key(a),

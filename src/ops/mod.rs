@@ -2,3 +2,5 @@
 //! inventory (`kiln report`), capacity plans (`kiln plan`), and the alerting
 //! rules and dashboards generated from the declared SLOs (`kiln alerts`,
 //! `kiln dashboard`). Reads traffic, replays it and renders; never serves.
+
+pub mod plan;
