@@ -88,6 +88,13 @@ fn the_plan_meets_its_slos_and_one_replica_fewer_does_not() {
         assert_eq!(pool.one_smaller.as_ref().map(|c| c.pass), Some(false));
         assert_eq!(pool.binding_tier, v.binding);
     }
+    for pool in p.pools.iter().filter(|x| x.replicas == 1) {
+        // At one replica the binding tier is one that ran there: the
+        // batch pool serves only the batch tier.
+        if pool.pool == "a100" {
+            assert_eq!(pool.binding_tier.as_deref(), Some("batch"));
+        }
+    }
     assert!(
         shrunk_any,
         "the slice should need more than one replica somewhere: {gpus:?}"
@@ -116,4 +123,30 @@ fn gpu_kind_what_if_and_its_errors() {
     assert!(e.to_string().contains("`nope`"), "{e}");
     let e = plan::apply_gpu_kinds(&mut g, &[("h100".into(), "Z80".into())]).unwrap_err();
     assert!(e.to_string().contains("Z80"), "{e}");
+}
+
+#[test]
+fn a_plan_that_cannot_pass_names_the_failing_tier() {
+    // A TTFT no prefill of these prompts can meet, whatever the GPUs.
+    let text = POLICY.replace("ttft 1s", "ttft 1ms");
+    let g = kiln::compile::compile_str("two-pools.kiln", &text)
+        .graph
+        .expect("policy compiles");
+    let cost = CostModel::from_graph(&g, None).unwrap();
+    let few: Vec<Record> = records().into_iter().take(20).collect();
+    let opts = Options {
+        max_gpus_per_pool: 64,
+        ..Options::default()
+    };
+    let e = Planner::new(g, &cost, &few, opts)
+        .unwrap()
+        .plan(|_, _, _| {})
+        .unwrap_err();
+    match e {
+        plan::PlanError::Infeasible { tier, gpus } => {
+            assert_eq!(tier, "interactive");
+            assert_eq!(gpus, 2 * 64, "both pools at the upper bound");
+        }
+        e => panic!("{e:?}"),
+    }
 }

@@ -39,6 +39,9 @@ pub struct Args {
     /// At most this many replays (1 to 1000).
     #[arg(long, default_value_t = 40)]
     pub max_replays: u32,
+    /// The search's upper bound: at most this many GPUs in one pool.
+    #[arg(long, default_value_t = 4096)]
+    pub max_gpus_per_pool: u32,
     /// Seed for anything random (recorded in the report).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -75,6 +78,9 @@ pub fn run(a: Args) -> i32 {
     if !(1..=1000).contains(&a.max_replays) {
         return usage_error("--max-replays must be 1 to 1000");
     }
+    if !(1..=crate::graph::limits::MAX_POOL_GPUS).contains(&a.max_gpus_per_pool) {
+        return usage_error("--max-gpus-per-pool must be 1 to 4096");
+    }
     let mut kinds = Vec::new();
     for k in &a.gpu_kind {
         match plan::parse_gpu_kind(k) {
@@ -91,6 +97,7 @@ pub fn run(a: Args) -> i32 {
         },
         gpu_kinds: kinds,
         max_replays: a.max_replays,
+        max_gpus_per_pool: a.max_gpus_per_pool,
         seed: a.seed,
     };
     if let Err(e) = opts.validate() {

@@ -9,7 +9,8 @@
 //!
 //! **Search** (deterministic, [`search`]): start at the policy's counts; if
 //! they fail, double every pool until the verdict passes or the upper bound
-//! ([`limits::MAX_POOL_GPUS`] a pool) fails too. Then coordinate descent:
+//! ([`Options::max_gpus_per_pool`], at most [`limits::MAX_POOL_GPUS`])
+//! fails too. Then coordinate descent:
 //! for each pool in declaration order, holding the others, try one round
 //! fewer; when that passes, binary search the smallest passing count below.
 //! Passes repeat until none shrinks, so at the end each pool one round
@@ -91,6 +92,9 @@ pub struct Options {
     /// `(pool, kind)`: replan the pool on another GPU kind.
     pub gpu_kinds: Vec<(String, String)>,
     pub max_replays: u32,
+    /// The search's upper bound per pool (at most
+    /// [`limits::MAX_POOL_GPUS`]).
+    pub max_gpus_per_pool: u32,
     pub seed: u64,
 }
 
@@ -102,6 +106,7 @@ impl Default for Options {
             thresholds: Thresholds::default(),
             gpu_kinds: Vec::new(),
             max_replays: 40,
+            max_gpus_per_pool: limits::MAX_POOL_GPUS,
             seed: 0,
         }
     }
@@ -344,7 +349,8 @@ pub struct PoolPlan {
     /// GPUs × [`HOURS_PER_MONTH`] × `cost_per_gpu_hour`.
     pub cost_per_month: Option<f64>,
     /// The tier that fails first with one replica (round) fewer here; at
-    /// one round, the tier with the least margin at the planned size.
+    /// one round, the tier with the least margin at the planned size among
+    /// those that ran on this pool.
     pub binding_tier: Option<String>,
     /// The verdict with one round fewer in this pool, others as planned.
     pub one_smaller: Option<Check>,
@@ -533,7 +539,10 @@ impl<'a> Planner<'a> {
         let max: Vec<u32> = self
             .searched
             .iter()
-            .map(|&(_, unit)| (limits::MAX_POOL_GPUS / unit.max(1)).max(1))
+            .map(|&(_, unit)| {
+                let cap = self.opts.max_gpus_per_pool.clamp(1, limits::MAX_POOL_GPUS);
+                (cap / unit.max(1)).max(1)
+            })
             .collect();
         let mut reports: Vec<(Vec<u32>, Report)> = Vec::new();
         let mut n = 0u32;
@@ -625,7 +634,12 @@ impl<'a> Planner<'a> {
             let rate = (w > 0.0).then(|| round3(ws / w));
             let binding_tier = match &one_smaller {
                 Some(c) if !c.pass => c.binding.clone(),
-                _ => verdict.binding.clone(),
+                _ => least_margin(&report, th, |t| {
+                    g.tier_id(t)
+                        .and_then(|t| use_.tier_gpu_seconds.get(usize::from(t)))
+                        .is_some_and(|s| *s > 0.0)
+                })
+                .or_else(|| verdict.binding.clone()),
             };
             pools.push(PoolPlan {
                 pool: p.name.clone(),
@@ -662,6 +676,24 @@ impl<'a> Planner<'a> {
             points,
         })
     }
+}
+
+/// The tier with the least margin over its thresholds among those `keep`
+/// names (a pool at one replica: the tiers that ran on it).
+fn least_margin(r: &Report, th: Thresholds, keep: impl Fn(&str) -> bool) -> Option<String> {
+    let mut worst: Option<(f64, &str)> = None;
+    for t in r.tiers.iter().filter(|t| keep(&t.name)) {
+        let margins = [
+            t.ttft_attainment.map(|a| a - th.ttft),
+            t.window_attainment.map(|a| a - th.window),
+        ];
+        for m in margins.into_iter().flatten() {
+            if worst.is_none_or(|(w, _)| m < w) {
+                worst = Some((m, t.name.as_str()));
+            }
+        }
+    }
+    worst.map(|(_, n)| n.to_string())
 }
 
 fn round3(x: f64) -> f64 {

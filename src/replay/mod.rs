@@ -296,6 +296,8 @@ pub struct PoolUse {
     /// GPU-seconds of finished requests on the pool, by tenant id (the
     /// last slot: requests without a tenant).
     pub tenant_gpu_seconds: Vec<f64>,
+    /// The same by tier id (the last slot: requests without a tier).
+    pub tier_gpu_seconds: Vec<f64>,
 }
 
 /// One whole replay of recorded traffic into a report: the deployment
@@ -341,6 +343,7 @@ pub fn replay_by_pool(
         PoolUse {
             busy_gpu_seconds: 0.0,
             tenant_gpu_seconds: vec![0.0; tenants + 1],
+            tier_gpu_seconds: vec![0.0; g.tiers.len() + 1],
         };
         g.pools.len()
     ];
@@ -354,11 +357,16 @@ pub fn replay_by_pool(
         let Some(pool) = o.replica.and_then(|i| replicas.get(i)).map(|r| r.spec.pool) else {
             continue;
         };
+        let Some(u) = pools.get_mut(usize::from(pool)) else {
+            continue;
+        };
         let t = o.tenant.map_or(tenants, |t| (t as usize).min(tenants));
-        if let Some(slot) = pools
-            .get_mut(usize::from(pool))
-            .and_then(|u| u.tenant_gpu_seconds.get_mut(t))
-        {
+        if let Some(slot) = u.tenant_gpu_seconds.get_mut(t) {
+            *slot += o.gpu_seconds;
+        }
+        let tiers = u.tier_gpu_seconds.len() - 1;
+        let t = o.tier.map_or(tiers, |t| usize::from(t).min(tiers));
+        if let Some(slot) = u.tier_gpu_seconds.get_mut(t) {
             *slot += o.gpu_seconds;
         }
     }
