@@ -544,13 +544,13 @@ impl<'a> Planner<'a> {
                 (cap / unit.max(1)).max(1)
             })
             .collect();
-        let mut reports: Vec<(Vec<u32>, Report)> = Vec::new();
+        let mut reports: Vec<(Vec<u32>, Report, Vec<PoolUse>)> = Vec::new();
         let mut n = 0u32;
         let found = search(&start, &max, self.opts.max_replays, |rounds| {
             n += 1;
-            let (_, r, _) = self.replay(rounds, |d, t| progress(n, d, t));
+            let (_, r, u) = self.replay(rounds, |d, t| progress(n, d, t));
             let v = capacity::judge(&r, th);
-            reports.push((rounds.to_vec(), r));
+            reports.push((rounds.to_vec(), r, u));
             v
         });
         let gpus_at = |rounds: &[u32]| -> Vec<u32> {
@@ -560,7 +560,7 @@ impl<'a> Planner<'a> {
         let points: Vec<Point> = reports
             .iter()
             .zip(&found.points)
-            .map(|((rounds, r), (_, v))| {
+            .map(|((rounds, r, _), (_, v))| {
                 let gpus = gpus_at(rounds);
                 Point {
                     total_gpus: gpus.iter().sum(),
@@ -585,17 +585,18 @@ impl<'a> Planner<'a> {
                 gpus: last.map_or(0, |p| p.total_gpus),
             });
         };
-        // The planned size was replayed; find its report.
+        // The planned size was replayed (it passed); reuse that replay.
         let planned = reports
             .iter()
-            .find(|(r, _)| *r == rounds)
-            .map(|(_, r)| r.clone());
-        let (g, report, uses) = match planned {
-            Some(r) => {
-                let (g, _, u) = self.replay(&rounds, |_, _| {});
-                (g, r, u)
+            .find(|(r, _, _)| *r == rounds)
+            .map(|(_, r, u)| (r.clone(), u.clone()));
+        let g = self.sized(&rounds);
+        let (report, uses) = match planned {
+            Some(x) => x,
+            None => {
+                let (_, r, u) = self.replay(&rounds, |_, _| {});
+                (r, u)
             }
-            None => self.replay(&rounds, |_, _| {}),
         };
         let verdict = capacity::judge(&report, th);
         let replicas = self.replicas(&g);
