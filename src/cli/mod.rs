@@ -9,6 +9,7 @@ pub(crate) mod explain;
 mod fmt;
 mod gpus;
 mod lint;
+mod plan;
 mod report;
 mod serve;
 mod simulate;
@@ -70,6 +71,9 @@ pub enum Command {
     /// (with --policy) tier, token percentiles, demand by hour and weekday,
     /// burstiness and token share; markdown, JSON or a self-contained HTML page.
     Report(report::Args),
+    /// The fewest GPUs per pool at which every tier meets its SLOs on
+    /// recorded traffic, with headroom, found by replaying it.
+    Plan(plan::Args),
     /// Import and combine recorded traffic (Azure, Mooncake, ServeGen traces).
     Traffic(traffic::Args),
     /// Run the gateway: an OpenAI-compatible server that decides, queues and
@@ -142,6 +146,7 @@ pub fn main() -> i32 {
         Command::Diff(a) => diff::run(a),
         Command::Simulate(a) => simulate::run(a),
         Command::Report(a) => report::run(a),
+        Command::Plan(a) => plan::run(a),
         Command::Traffic(a) => traffic::run(a),
         Command::Serve(a) => serve::run(a),
         Command::HashKey(a) => serve::hash_key(a),

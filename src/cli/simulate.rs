@@ -3,7 +3,7 @@
 use super::*;
 use crate::replay::{self, capacity, report};
 use crate::sched::route::Routing;
-use crate::sched::{Config, Mode, Scheduler};
+use crate::sched::{Config, Mode};
 use std::sync::Arc;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -86,32 +86,21 @@ fn replay_one(
     scale: f64,
     show: bool,
 ) -> report::Report {
-    let mut plan = replay::plan(g, cost);
-    if mode == Mode::Static {
-        plan.partition_by_tier(g);
-    }
     let cfg = Config {
         mode,
         routing,
         seed,
         ..Config::default()
     };
-    let mut sched = Scheduler::new(g.clone(), plan, cfg);
     let name = run_name(mode, routing);
-    let arrivals = replay::arrivals(records)
-        .into_iter()
-        .map(|(t, a)| (capacity::scale_times(t, scale), a))
-        .collect();
-    let (outcomes, gap) = replay::run_measured(&mut sched, arrivals, |done, total| {
+    replay::replay_at(g, cost, records, cfg, &name, scale, |done, total| {
         if show {
             eprint!("\r{}", progress_bar(&name, done, total));
             if done == total {
                 eprintln!();
             }
         }
-    });
-    let fleet = replay::fleet(&sched, &outcomes, gap);
-    report::build(g, &name, routing.name(), &outcomes, &fleet)
+    })
 }
 
 /// One row of `--capacity`.

@@ -5,4 +5,5 @@
 
 pub mod alerts;
 pub mod dashboard;
+pub mod plan;
 pub mod report;

@@ -287,3 +287,89 @@ pub fn fleet(sched: &Scheduler, outcomes: &[Outcome], service_gap: f64) -> repor
     }
     f
 }
+
+/// What one pool did in a replay, for capacity plans.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct PoolUse {
+    /// GPU-seconds during which a step ran on the pool's replicas.
+    pub busy_gpu_seconds: f64,
+    /// GPU-seconds of finished requests on the pool, by tenant id (the
+    /// last slot: requests without a tenant).
+    pub tenant_gpu_seconds: Vec<f64>,
+    /// The same by tier id (the last slot: requests without a tier).
+    pub tier_gpu_seconds: Vec<f64>,
+}
+
+/// One whole replay of recorded traffic into a report: the deployment
+/// [`plan`] (tier-partitioned for the `static` baseline), a fresh
+/// scheduler, arrival times divided by `scale`, and the fleet's figures.
+/// `kiln simulate` and `kiln plan` both replay through this.
+pub fn replay_at(
+    g: &std::sync::Arc<crate::graph::DecisionGraph>,
+    cost: &crate::backend::cost::CostModel,
+    records: &[crate::traffic::Record],
+    cfg: crate::sched::Config,
+    name: &str,
+    scale: f64,
+    progress: impl FnMut(usize, usize),
+) -> report::Report {
+    replay_by_pool(g, cost, records, cfg, name, scale, progress).0
+}
+
+/// [`replay_at`], with what each pool (by pool id) did.
+pub fn replay_by_pool(
+    g: &std::sync::Arc<crate::graph::DecisionGraph>,
+    cost: &crate::backend::cost::CostModel,
+    records: &[crate::traffic::Record],
+    cfg: crate::sched::Config,
+    name: &str,
+    scale: f64,
+    progress: impl FnMut(usize, usize),
+) -> (report::Report, Vec<PoolUse>) {
+    let mut p = plan(g, cost);
+    if cfg.mode == crate::sched::Mode::Static {
+        p.partition_by_tier(g);
+    }
+    let routing = cfg.routing;
+    let mut sched = Scheduler::new(g.clone(), p, cfg);
+    let arrivals = arrivals(records)
+        .into_iter()
+        .map(|(t, a)| (capacity::scale_times(t, scale), a))
+        .collect();
+    let (outcomes, gap) = run_measured(&mut sched, arrivals, progress);
+    let fleet = fleet(&sched, &outcomes, gap);
+    let tenants = g.tenants.len();
+    let mut pools = vec![
+        PoolUse {
+            busy_gpu_seconds: 0.0,
+            tenant_gpu_seconds: vec![0.0; tenants + 1],
+            tier_gpu_seconds: vec![0.0; g.tiers.len() + 1],
+        };
+        g.pools.len()
+    ];
+    let replicas = sched.replicas();
+    for r in replicas {
+        if let Some(u) = pools.get_mut(usize::from(r.spec.pool)) {
+            u.busy_gpu_seconds += r.busy_seconds * f64::from(r.spec.gpus);
+        }
+    }
+    for o in &outcomes {
+        let Some(pool) = o.replica.and_then(|i| replicas.get(i)).map(|r| r.spec.pool) else {
+            continue;
+        };
+        let Some(u) = pools.get_mut(usize::from(pool)) else {
+            continue;
+        };
+        let t = o.tenant.map_or(tenants, |t| (t as usize).min(tenants));
+        if let Some(slot) = u.tenant_gpu_seconds.get_mut(t) {
+            *slot += o.gpu_seconds;
+        }
+        let tiers = u.tier_gpu_seconds.len() - 1;
+        let t = o.tier.map_or(tiers, |t| usize::from(t).min(tiers));
+        if let Some(slot) = u.tier_gpu_seconds.get_mut(t) {
+            *slot += o.gpu_seconds;
+        }
+    }
+    let rep = report::build(g, name, routing.name(), &outcomes, &fleet);
+    (rep, pools)
+}
