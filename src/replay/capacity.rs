@@ -398,6 +398,7 @@ mod tests {
             prefill_load: 0.0,
             decode_load: 0.0,
             max_service_gap: 0.0,
+            models: vec![],
             tiers: Vec::new(),
             tenants: Vec::new(),
             batches: Vec::new(),

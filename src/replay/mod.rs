@@ -28,6 +28,8 @@ pub struct Outcome {
     pub fallback_step: Option<u8>,
     /// The replica it (last) started on.
     pub replica: Option<usize>,
+    /// The (model, variant) of that replica: what it ran as.
+    pub variant: Option<(u16, u16)>,
     /// Why it did not start on arrival, when it waited.
     pub waited_for: Option<crate::sched::Reason>,
     pub gpu_seconds: f64,
@@ -62,7 +64,7 @@ impl Outcomes {
 }
 
 impl Sink for Outcomes {
-    fn act(&mut self, t: Micros, action: &Action, _: &Scheduler) {
+    fn act(&mut self, t: Micros, action: &Action, sched: &Scheduler) {
         match *action {
             Action::Decided {
                 id,
@@ -96,6 +98,10 @@ impl Sink for Outcomes {
                         o.waited_for = waited_for;
                     }
                     o.replica = Some(replica);
+                    o.variant = sched
+                        .replicas()
+                        .get(replica)
+                        .map(|r| (r.spec.model, r.spec.variant));
                 }
             }
             Action::FirstToken { id } => {

@@ -92,6 +92,10 @@ pub struct Report {
     pub max_service_gap: f64,
     pub tiers: Vec<Group>,
     pub tenants: Vec<Group>,
+    /// Per `model.variant`, over the requests that started on one of its
+    /// replicas (a refused request ran on none); JSON only.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub models: Vec<Group>,
     /// Per batch (the `x-kiln-batch` header of its items), by batch id;
     /// absent when the traffic has no batch items.
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -116,6 +120,10 @@ pub struct BatchGroup {
     /// When its window ends (the latest of its items' deadlines), seconds
     /// from the start of the trace; absent when no item had one.
     pub deadline_s: Option<f64>,
+    /// GPU time its items used, and what it cost at each item's tenant's
+    /// `cost` per GPU-hour.
+    pub gpu_seconds: f64,
+    pub cost: f64,
 }
 
 fn pct(mut v: Vec<f64>) -> Option<Percentiles> {
@@ -211,12 +219,7 @@ fn group<'a>(
         }
         gr.deadline_misses += u64::from(missed_deadline(o));
         gr.gpu_seconds += o.gpu_seconds;
-        let rate = o
-            .tenant
-            .and_then(|t| g.tenants.get(t as usize))
-            .and_then(|t| t.cost_per_gpu_hour)
-            .unwrap_or(0.0);
-        gr.cost += o.gpu_seconds / 3600.0 * rate;
+        gr.cost += cost_of(g, o);
         if let Some(r) = o.waited_for {
             *gr.waits_by_reason.entry(r.name().to_string()).or_default() += 1;
         }
@@ -265,7 +268,17 @@ fn round(x: f64) -> f64 {
 
 /// Per batch id, in id order: items, completions, misses, and the last
 /// finish against the batch's deadline.
-fn batches(outcomes: &[Outcome]) -> Vec<BatchGroup> {
+/// What one request's GPU time cost at its tenant's rate.
+fn cost_of(g: &DecisionGraph, o: &Outcome) -> f64 {
+    let rate = o
+        .tenant
+        .and_then(|t| g.tenants.get(t as usize))
+        .and_then(|t| t.cost_per_gpu_hour)
+        .unwrap_or(0.0);
+    o.gpu_seconds / 3600.0 * rate
+}
+
+fn batches(g: &DecisionGraph, outcomes: &[Outcome]) -> Vec<BatchGroup> {
     let mut by_id: BTreeMap<&str, BatchGroup> = BTreeMap::new();
     let secs = |t: Micros| round(t as f64 / SEC as f64);
     for o in outcomes {
@@ -280,8 +293,12 @@ fn batches(outcomes: &[Outcome]) -> Vec<BatchGroup> {
             deadline_misses: 0,
             finished_s: None,
             deadline_s: None,
+            gpu_seconds: 0.0,
+            cost: 0.0,
         });
         b.items += 1;
+        b.gpu_seconds += o.gpu_seconds;
+        b.cost += cost_of(g, o);
         b.rejected += u64::from(o.rejected.is_some());
         b.deadline_misses += u64::from(missed_deadline(o));
         if let (Some(f), None) = (o.finished, o.rejected) {
@@ -292,7 +309,14 @@ fn batches(outcomes: &[Outcome]) -> Vec<BatchGroup> {
             b.deadline_s = Some(b.deadline_s.map_or(secs(d), |x| x.max(secs(d))));
         }
     }
-    by_id.into_values().collect()
+    by_id
+        .into_values()
+        .map(|mut b| {
+            b.gpu_seconds = round(b.gpu_seconds);
+            b.cost = round(b.cost);
+            b
+        })
+        .collect()
 }
 
 /// A batch's last finish against its deadline, in words.
@@ -378,6 +402,26 @@ pub fn build(
     if anonymous.requests > 0 {
         tenants.push(anonymous);
     }
+    let mut ran_as: BTreeMap<(u16, u16), Vec<&Outcome>> = BTreeMap::new();
+    for o in outcomes {
+        if let Some(v) = o.variant {
+            ran_as.entry(v).or_default().push(o);
+        }
+    }
+    let models: Vec<Group> = ran_as
+        .into_iter()
+        .map(|((m, v), os)| {
+            let model = g.models.get(usize::from(m));
+            let name = format!(
+                "{}.{}",
+                model.map_or("?", |m| m.name.as_str()),
+                model
+                    .and_then(|x| x.variants.get(usize::from(v)))
+                    .map_or("?", |v| v.name.as_str())
+            );
+            group(g, name, os.into_iter(), duration_s)
+        })
+        .collect();
     let util = if duration_s > 0.0 && gpus > 0 {
         busy_gpu_seconds / (duration_s * f64::from(gpus))
     } else {
@@ -415,7 +459,8 @@ pub fn build(
         max_service_gap: round(service_gap),
         tiers,
         tenants,
-        batches: batches(outcomes),
+        models,
+        batches: batches(g, outcomes),
     }
 }
 
