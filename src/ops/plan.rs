@@ -635,11 +635,12 @@ impl<'a> Planner<'a> {
             let rate = (w > 0.0).then(|| round3(ws / w));
             let binding_tier = match &one_smaller {
                 Some(c) if !c.pass => c.binding.clone(),
-                _ => least_margin(&report, th, |t| {
+                _ => capacity::least_margin(&report, th, |t| {
                     g.tier_id(t)
                         .and_then(|t| use_.tier_gpu_seconds.get(usize::from(t)))
                         .is_some_and(|s| *s > 0.0)
                 })
+                .map(|(_, tier)| tier)
                 .or_else(|| verdict.binding.clone()),
             };
             pools.push(PoolPlan {
@@ -677,24 +678,6 @@ impl<'a> Planner<'a> {
             points,
         })
     }
-}
-
-/// The tier with the least margin over its thresholds among those `keep`
-/// names (a pool at one replica: the tiers that ran on it).
-fn least_margin(r: &Report, th: Thresholds, keep: impl Fn(&str) -> bool) -> Option<String> {
-    let mut worst: Option<(f64, &str)> = None;
-    for t in r.tiers.iter().filter(|t| keep(&t.name)) {
-        let margins = [
-            t.ttft_attainment.map(|a| a - th.ttft),
-            t.window_attainment.map(|a| a - th.window),
-        ];
-        for m in margins.into_iter().flatten() {
-            if worst.is_none_or(|(w, _)| m < w) {
-                worst = Some((m, t.name.as_str()));
-            }
-        }
-    }
-    worst.map(|(_, n)| n.to_string())
 }
 
 fn round3(x: f64) -> f64 {

@@ -44,8 +44,23 @@ pub struct Verdict {
 /// Whether every tier with a TTFT SLO, and every completion-window tier,
 /// meets its threshold in `r`.
 pub fn judge(r: &Report, th: Thresholds) -> Verdict {
+    let worst = least_margin(r, th, |_| true);
+    Verdict {
+        pass: worst.as_ref().is_none_or(|(m, _)| *m >= -1e-9),
+        binding: worst.map(|(_, n)| n),
+    }
+}
+
+/// The tier with the least margin over its thresholds (negative: it
+/// fails) among those `keep` names, and that margin; `None` when none of
+/// them has a TTFT SLO or a window.
+pub fn least_margin(
+    r: &Report,
+    th: Thresholds,
+    keep: impl Fn(&str) -> bool,
+) -> Option<(f64, String)> {
     let mut worst: Option<(f64, &str)> = None;
-    for t in &r.tiers {
+    for t in r.tiers.iter().filter(|t| keep(&t.name)) {
         let margins = [
             t.ttft_attainment.map(|a| a - th.ttft),
             t.window_attainment.map(|a| a - th.window),
@@ -56,10 +71,7 @@ pub fn judge(r: &Report, th: Thresholds) -> Verdict {
             }
         }
     }
-    Verdict {
-        pass: worst.is_none_or(|(m, _)| m >= -1e-9),
-        binding: worst.map(|(_, n)| n.to_string()),
-    }
+    worst.map(|(m, n)| (m, n.to_string()))
 }
 
 /// Search bounds and budget.
