@@ -14,7 +14,7 @@ use kiln::traffic::{self, Record};
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
-const POLICY: &str = include_str!("../examples/azure-hour/two-pools.kiln");
+const POLICY: &str = include_str!("../examples/azure-two-pools/two-pools.kiln");
 
 fn graph() -> DecisionGraph {
     let c = kiln::compile::compile_str("two-pools.kiln", POLICY);
