@@ -136,24 +136,6 @@ fn tenant_of(r: &Record) -> String {
         .unwrap_or_else(|| "-".into())
 }
 
-/// Nearest-rank percentiles, as `traffic stats` computes them.
-pub fn percentiles(mut v: Vec<u64>) -> Percentiles {
-    v.sort_unstable();
-    let at = |q: f64| -> u64 {
-        if v.is_empty() {
-            return 0;
-        }
-        let rank = (q * v.len() as f64).ceil() as usize;
-        v[rank.clamp(1, v.len()) - 1]
-    };
-    Percentiles {
-        p50: at(0.50),
-        p95: at(0.95),
-        p99: at(0.99),
-        max: v.last().copied().unwrap_or(0),
-    }
-}
-
 /// Coefficient of variation (population) of the gaps between sorted
 /// arrival times; `None` under two gaps or when every gap is 0.
 pub fn interarrival_cv(sorted_ms: &[f64]) -> Option<f64> {
@@ -248,8 +230,8 @@ fn row(name: String, recs: &[&Record], f: &Frame) -> Row {
         } else {
             0.0
         },
-        prompt_tokens: percentiles(recs.iter().map(|r| r.prompt_tokens).collect()),
-        output_tokens: percentiles(recs.iter().map(|r| r.output_tokens).collect()),
+        prompt_tokens: Percentiles::of(recs.iter().map(|r| r.prompt_tokens).collect()),
+        output_tokens: Percentiles::of(recs.iter().map(|r| r.output_tokens).collect()),
         prompt_tokens_total: pt,
         output_tokens_total: ot,
         token_share: share,

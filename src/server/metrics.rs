@@ -260,6 +260,19 @@ const TT: &[&str] = &["tier", "tenant"];
 const PM: &[&str] = &["pool", "model"];
 
 impl Collectors {
+    /// The gauges of one (pool, model) replica group.
+    fn replica_gauges(&self) -> [&GaugeVec; 7] {
+        [
+            &self.replicas,
+            &self.slots_used,
+            &self.slots,
+            &self.kv_used,
+            &self.kv_capacity,
+            &self.kv_usage,
+            &self.busy,
+        ]
+    }
+
     fn new(r: &Registry) -> prometheus::Result<Collectors> {
         let policy_swaps = counter(
             r,
@@ -605,15 +618,7 @@ impl Metrics {
         }
         for (pool, model) in &cat.replicas {
             let v = [pool.as_str(), model.as_str()];
-            for g in [
-                &c.replicas,
-                &c.slots_used,
-                &c.slots,
-                &c.kv_used,
-                &c.kv_capacity,
-                &c.kv_usage,
-                &c.busy,
-            ] {
+            for g in c.replica_gauges() {
                 let _ = get(g, &v);
             }
         }
@@ -873,18 +878,11 @@ impl Metrics {
     /// snapshot.
     pub fn reset_gauges(&self) {
         let Some(c) = &self.c else { return };
-        for g in [
+        for g in c.replica_gauges().into_iter().chain([
             &c.queue_depth,
             &c.queue_oldest,
-            &c.replicas,
-            &c.slots_used,
-            &c.slots,
-            &c.kv_used,
-            &c.kv_capacity,
-            &c.kv_usage,
-            &c.busy,
             &c.upstream_breaker,
-        ] {
+        ]) {
             g.reset();
         }
         let cat = self

@@ -14,7 +14,8 @@ pub struct Percentiles {
 }
 
 impl Percentiles {
-    fn of(mut v: Vec<u64>) -> Self {
+    /// Nearest-rank percentiles of `v` (0 for an empty one).
+    pub fn of(mut v: Vec<u64>) -> Self {
         v.sort_unstable();
         let at = |q: f64| -> u64 {
             if v.is_empty() {
