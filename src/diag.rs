@@ -510,7 +510,6 @@ pub fn to_sarif(diags: &[Diagnostic], sources: &SourceMap) -> serde_json::Value 
                 "name": c.name(),
                 "shortDescription": { "text": c.rationale() },
                 "defaultConfiguration": { "level": if c.is_lint() { "warning" } else { "error" } },
-                "helpUri": format!("https://kiln.dev/docs/diagnostics#{}", c.name()),
             })
         })
         .collect();
@@ -550,7 +549,6 @@ pub fn to_sarif(diags: &[Diagnostic], sources: &SourceMap) -> serde_json::Value 
             "tool": { "driver": {
                 "name": "kiln",
                 "version": env!("CARGO_PKG_VERSION"),
-                "informationUri": "https://kiln.dev",
                 "rules": rules,
             }},
             "results": results,

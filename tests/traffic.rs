@@ -336,6 +336,13 @@ fn cli_imports_merges_and_exits_by_convention() {
     );
     let lib = import::azure(conv(), &mapping()).unwrap().records;
     assert_eq!(std::fs::read(&out).unwrap(), bytes(&lib));
+    // A successful import says what it wrote, on stderr (stdout may be the data).
+    let said = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        said.contains(&format!("imported {} requests (1 tenant,", lib.len()))
+            && said.contains(&format!("to {out_s}")),
+        "{said}"
+    );
 
     // Standard output, merge with time scale.
     let o = kiln(&["traffic", "merge", &out_s, "--time-scale", "2", "-o", "-"]);

@@ -56,7 +56,8 @@ pub enum Command {
     Check(check::Args),
     /// Check, then apply judgement rules (shadowed rules, oversubscribed quotas, …).
     Lint(lint::Args),
-    /// Print policies in the canonical layout, comments kept.
+    /// Rewrite policy files in place in the canonical layout, comments kept
+    /// (--check changes nothing and shows the diff).
     Fmt(fmt::Args),
     /// Run the policy tests (*.test.toml beside the policies) and report rule coverage.
     Test(test::Args),

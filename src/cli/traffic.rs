@@ -264,10 +264,40 @@ fn import(src: Source) -> i32 {
     match result {
         Ok(Loaded { records, skipped }) => {
             report_skipped(input, &skipped);
-            output(common.output.as_deref(), &records)
+            let code = output(common.output.as_deref(), &records);
+            if code == EXIT_OK {
+                summarise_written("imported", input, common.output.as_deref(), &records);
+            }
+            code
         }
         Err(e) => fail(&e),
     }
+}
+
+/// Says on stderr what was written (stdout may be the JSONL itself), so an
+/// import that succeeds is never silent: `imported 19366 requests (1
+/// tenant, 3599.2 s) from … to …`.
+fn summarise_written(verb: &str, from: &Path, to: Option<&Path>, records: &[Record]) {
+    let tenants: std::collections::BTreeSet<&str> = records
+        .iter()
+        .map(|r| r.tenant.as_deref().or(r.api_key.as_deref()).unwrap_or("-"))
+        .collect();
+    let span_s = match (records.first(), records.last()) {
+        (Some(a), Some(b)) => (b.at_ms - a.at_ms) / 1000.0,
+        _ => 0.0,
+    };
+    let to = match to {
+        Some(p) if p != Path::new("-") => p.display().to_string(),
+        _ => "standard output".to_string(),
+    };
+    eprintln!(
+        "{verb} {} request{} ({} tenant{}, {span_s:.1} s) from {} to {to}",
+        records.len(),
+        if records.len() == 1 { "" } else { "s" },
+        tenants.len(),
+        if tenants.len() == 1 { "" } else { "s" },
+        from.display(),
+    );
 }
 
 fn read_all(inputs: &[PathBuf], skip_malformed: bool) -> Result<Vec<Vec<Record>>, i32> {

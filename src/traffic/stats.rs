@@ -41,8 +41,14 @@ pub struct Stats {
     pub count: usize,
     /// From the first to the last arrival, seconds.
     pub duration_s: f64,
-    /// Requests per second over the whole trace's span.
-    pub rate: f64,
+    /// Requests per second over this row's own span (its first to its last
+    /// arrival); `None` with fewer than two requests, where no rate can be
+    /// read off. A tenant active for ten minutes of a day-long trace gets
+    /// its rate in those ten minutes.
+    pub rate: Option<f64>,
+    /// Requests per second over the whole trace's span: the tenant's share
+    /// of the trace's load, so the rows add up to `(all)`.
+    pub rate_over_trace: f64,
     pub prompt_tokens: Percentiles,
     pub output_tokens: Percentiles,
 }
@@ -62,7 +68,8 @@ fn summarise(name: String, recs: &[&Record], span_s: f64) -> Stats {
         tenant: name,
         count: recs.len(),
         duration_s,
-        rate: if span_s > 0.0 {
+        rate: (recs.len() >= 2 && duration_s > 0.0).then(|| recs.len() as f64 / duration_s),
+        rate_over_trace: if span_s > 0.0 {
             recs.len() as f64 / span_s
         } else {
             0.0
@@ -72,8 +79,9 @@ fn summarise(name: String, recs: &[&Record], span_s: f64) -> Stats {
     }
 }
 
-/// One row per tenant (by name), then `(all)`. Rates are over the span of
-/// the whole trace, so they add up.
+/// One row per tenant (by name), then `(all)`. `rate` is each row's own
+/// (over its own span); `rate_over_trace` is over the whole trace, so those
+/// add up.
 pub fn stats(records: &[Record]) -> Vec<Stats> {
     let mut by: BTreeMap<String, Vec<&Record>> = BTreeMap::new();
     for r in records {
@@ -97,17 +105,25 @@ pub fn stats(records: &[Record]) -> Vec<Stats> {
 /// A plain-text table of [`stats`].
 pub fn render(rows: &[Stats]) -> String {
     let mut s = format!(
-        "{:<20} {:>9} {:>10} {:>9}  {:>27}  {:>27}\n",
-        "tenant", "requests", "span s", "req/s", "prompt p50/p95/p99/max", "output p50/p95/p99/max"
+        "{:<20} {:>9} {:>10} {:>9} {:>11}  {:>27}  {:>27}\n",
+        "tenant",
+        "requests",
+        "span s",
+        "req/s",
+        "trace req/s",
+        "prompt p50/p95/p99/max",
+        "output p50/p95/p99/max"
     );
     let p = |x: &Percentiles| format!("{}/{}/{}/{}", x.p50, x.p95, x.p99, x.max);
     for r in rows {
         s.push_str(&format!(
-            "{:<20} {:>9} {:>10.1} {:>9.3}  {:>27}  {:>27}\n",
+            "{:<20} {:>9} {:>10.1} {:>9} {:>11.3}  {:>27}  {:>27}\n",
             r.tenant,
             r.count,
             r.duration_s,
-            r.rate,
+            r.rate
+                .map_or_else(|| "-".to_string(), |x| format!("{x:.3}")),
+            r.rate_over_trace,
             p(&r.prompt_tokens),
             p(&r.output_tokens)
         ));
@@ -144,8 +160,46 @@ mod tests {
             }
         );
         assert!((s[2].duration_s - 9.9).abs() < 1e-9);
-        assert!((s[0].rate + s[1].rate - s[2].rate).abs() < 1e-9);
+        assert!((s[0].rate_over_trace + s[1].rate_over_trace - s[2].rate_over_trace).abs() < 1e-9);
+        // Tenant a arrives every 400 ms from 0 to 9.6 s: 25 requests over its
+        // own 9.6 s, not over the trace's 9.9 s.
+        let own = s[0].rate.unwrap_or_default();
+        assert!((own - 25.0 / 9.6).abs() < 1e-9, "{own}");
+        assert!(render(&s).contains("trace req/s"));
         assert!(render(&s).contains("(all)"));
         assert_eq!(stats(&[]).len(), 1);
+    }
+
+    #[test]
+    fn a_tenant_active_for_part_of_the_trace_gets_its_own_rate() {
+        // One tenant busy for the first 10 s at 10 req/s, another trickling
+        // over an hour: the busy one's rate is 10/s, not 100 over an hour.
+        let mut recs: Vec<Record> = (0..100)
+            .map(|i| Record {
+                at_ms: f64::from(i) * 100.0,
+                tenant: Some("burst".into()),
+                ..Record::default()
+            })
+            .collect();
+        recs.extend((0..=6).map(|i| Record {
+            at_ms: f64::from(i) * 600_000.0,
+            tenant: Some("slow".into()),
+            ..Record::default()
+        }));
+        recs.push(Record {
+            at_ms: 5.0,
+            tenant: Some("once".into()),
+            ..Record::default()
+        });
+        let s = stats(&recs);
+        let row = |n: &str| s.iter().find(|r| r.tenant == n).cloned();
+        let burst = row("burst").unwrap_or_else(|| panic!("burst row"));
+        assert!((burst.rate.unwrap_or_default() - 100.0 / 9.9).abs() < 1e-9);
+        assert!((burst.rate_over_trace - 100.0 / 3600.0).abs() < 1e-9);
+        // One request has no rate of its own.
+        assert_eq!(row("once").map(|r| r.rate), Some(None));
+        assert!(render(&s)
+            .lines()
+            .any(|l| l.starts_with("once") && l.contains(" - ")));
     }
 }
