@@ -541,6 +541,17 @@ fn percent_signals_are_shares() {
         let (_, d) = diagnose(&with("when tenant == app", &format!("when {sig} >= 100%")));
         assert_eq!(d.errors().count(), 0, "{sig} >= 100%");
     }
+    // A share given as a property: above 100% is refused as one, with a span.
+    let text = with(
+        "  slo { ttft 500ms }\n",
+        "  slo { ttft 500ms }\n  reserve { gpu 150% }\n",
+    );
+    let (_, d) = diagnose(&text);
+    let e = d.errors().next().expect("an error");
+    assert_eq!(e.code, Code::OutOfRange);
+    assert!(e.message.contains("above 100%"), "{}", e.message);
+    let span = e.span.expect("a span");
+    assert_eq!(&text[span.start as usize..span.end as usize], "150%");
 }
 
 fn tier_at(text: &str, time: &str) -> String {

@@ -254,6 +254,15 @@ impl Compiler<'_> {
         if value.is_finite() && (0.0..=max).contains(&value) {
             return Some(value);
         }
+        if ty == Ty::Percent {
+            // Every percentage kiln reads is a share of a whole.
+            self.err(
+                Diagnostic::error(Code::OutOfRange, format!("{what} is above 100%"))
+                    .at(v.span, "a share is at most 100%")
+                    .help(format!("write {what} as a percentage from 0% to 100%")),
+            );
+            return None;
+        }
         self.out_of_range(v.span, what, &format!("{what} is at most {shown}"));
         None
     }
