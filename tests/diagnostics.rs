@@ -273,6 +273,30 @@ fn cases() -> Vec<(&'static str, String, Code)> {
             plus("# kiln:allow(unused-defintion)\npool spare { gpus 2 kind \"L4\" memory 24GB }"),
             Code::UnknownLint,
         ),
+        (
+            "duplicate_api_key",
+            with("  tiers [chat, bulk]\n}", "  tiers [chat, bulk]\n  api_keys [\"key-app\"]\n}")
+                + "\ntenant other {\n  owner \"o@example.com\"\n  tiers [bulk]\n  api_keys [\"key-other\", \"key-app\"]\n}\n",
+            Code::DuplicateDefinition,
+        ),
+        (
+            "duplicate_api_key_same_tenant",
+            with("  tiers [chat, bulk]\n}", "  tiers [chat, bulk]\n  api_keys [\"key-app\", \"key-app\"]\n}"),
+            Code::DuplicateDefinition,
+        ),
+        ("time_hour_out_of_range", with("when tenant == app", "when time in 09:00..25:00"), Code::OutOfRange),
+        ("time_minute_out_of_range", with("when tenant == app", "when time >= 09:75"), Code::OutOfRange),
+        ("time_end_of_day_not_range_end", with("when tenant == app", "when time == 24:00"), Code::OutOfRange),
+        ("time_range_empty", with("when tenant == app", "when time in 09:00..09:00"), Code::InvalidValue),
+        ("syntax_unpadded_time", with("when tenant == app", "when time in 9:00..18:00"), Code::Syntax),
+        ("syntax_unpadded_minutes", with("when tenant == app", "when time >= 09:5"), Code::Syntax),
+        ("percent_share_above_100", with("when tenant == app", "when pool(gpu).utilization < 900%"), Code::OutOfRange),
+        ("duration_without_unit", with("ttft 500ms", "ttft 500"), Code::UnitMismatch),
+        (
+            "duration_without_unit_seconds",
+            plus("admit chat {\n  when estimated_wait > 2 => queue max_wait 2\n  default => accept\n}"),
+            Code::UnitMismatch,
+        ),
     ]
 }
 
@@ -435,5 +459,163 @@ fn completion_windows_are_checked_with_spans_and_help() {
         assert_eq!(&text[span.start as usize..span.end as usize], at, "{list}");
         assert!(e.help.is_some(), "{list}");
         assert_eq!(d.errors().count(), 1, "{list}");
+    }
+}
+
+/// Every duration a policy gives, written as a bare number, is refused
+/// with the number and its likeliest unit in the help (ms from 50, else s).
+#[test]
+fn every_duration_without_a_unit_suggests_one() {
+    let admit = |outcome: &str| {
+        plus(&format!(
+            "admit chat {{\n  when estimated_wait > 2s => {outcome}\n  default => accept\n}}"
+        ))
+    };
+    let cases: Vec<(String, &str)> = vec![
+        (with("ttft 500ms", "ttft 500"), "`500ms`"),
+        (
+            with("slo { ttft 500ms }", "slo { ttft 500ms p95 30 }"),
+            "`30s`",
+        ),
+        (
+            with("slo { window 6h }", "slo { window 21600 }"),
+            "`21600ms`",
+        ),
+        (
+            with("  preemptible\n}", "  preemptible\n  signal_window 60\n}"),
+            "`60ms`",
+        ),
+        (
+            with(
+                "  preemptible\n}",
+                "  preemptible\n  completion_windows [24]\n}",
+            ),
+            "`24s`",
+        ),
+        (
+            with(
+                "  slo { ttft 500ms }\n",
+                "  slo { ttft 500ms }\n  fair_share { window 10 }\n",
+            ),
+            "`10s`",
+        ),
+        (admit("queue max_wait 2"), "`2s`"),
+        (admit("reject 429 \"busy\" retry_after 30"), "`30s`"),
+        (
+            with("when tenant == app", "when tier(chat).oldest_wait > 200"),
+            "`200ms`",
+        ),
+    ];
+    for (text, want) in cases {
+        let (_, d) = diagnose(&text);
+        let e = d
+            .errors()
+            .next()
+            .unwrap_or_else(|| panic!("no error for {want}"));
+        assert_eq!(e.code, Code::UnitMismatch, "{want}: {}", e.message);
+        let help = e.help.as_deref().unwrap_or("");
+        assert!(help.contains(want), "{want}: {help}");
+        assert_eq!(d.errors().count(), 1, "{want}");
+    }
+}
+
+/// Percentages of signals that are shares stop at 100%; properties that
+/// are shares too (`reserve`, `borrow`, …) were already capped there.
+#[test]
+fn percent_signals_are_shares() {
+    for sig in [
+        "pool(gpu).utilization",
+        "pool(gpu).kv_occupancy",
+        "tier(chat).slo_attainment",
+        "tier(chat).error_rate",
+        "tier(chat).fallback_rate",
+        "error_rate",
+    ] {
+        let (_, d) = diagnose(&with("when tenant == app", &format!("when {sig} > 101%")));
+        assert!(
+            d.errors()
+                .any(|e| e.code == Code::OutOfRange && e.message.contains("share")),
+            "{sig}: {:?}",
+            d.items.iter().map(|x| &x.message).collect::<Vec<_>>()
+        );
+        let (_, d) = diagnose(&with("when tenant == app", &format!("when {sig} >= 100%")));
+        assert_eq!(d.errors().count(), 0, "{sig} >= 100%");
+    }
+    // A share given as a property: above 100% is refused as one, with a span.
+    let text = with(
+        "  slo { ttft 500ms }\n",
+        "  slo { ttft 500ms }\n  reserve { gpu 150% }\n",
+    );
+    let (_, d) = diagnose(&text);
+    let e = d.errors().next().expect("an error");
+    assert_eq!(e.code, Code::OutOfRange);
+    assert!(e.message.contains("above 100%"), "{}", e.message);
+    let span = e.span.expect("a span");
+    assert_eq!(&text[span.start as usize..span.end as usize], "150%");
+}
+
+fn tier_at(text: &str, time: &str) -> String {
+    use kiln::graph::{Request, Signals, SignalsInput};
+    let g = compile_str("p.kiln", text).graph.expect("compiles");
+    let req: Request = serde_json::from_str(r#"{"tenant": "app", "model": "m"}"#).unwrap();
+    let sig = Signals::resolve(
+        &g,
+        &SignalsInput {
+            time: Some(time.into()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    // `kiln explain` decides through `explain`: the same path, traced.
+    let (d, _trace) = g.explain(&req, &sig);
+    g.view(&d).tier
+}
+
+/// A time range holds from its start (included) to its end (excluded);
+/// a start after the end wraps midnight; `24:00` ends a range at midnight.
+#[test]
+fn time_ranges_at_their_edges() {
+    let night = with("when tenant == app", "when time in 22:00..06:00");
+    for (t, tier) in [
+        ("21:59", "bulk"),
+        ("22:00", "chat"),
+        ("23:59", "chat"),
+        ("00:00", "chat"),
+        ("05:59", "chat"),
+        ("06:00", "bulk"),
+        ("12:00", "bulk"),
+    ] {
+        assert_eq!(tier_at(&night, t), tier, "22:00..06:00 at {t}");
+    }
+    let evening = with("when tenant == app", "when time in 18:00..24:00");
+    for (t, tier) in [
+        ("17:59", "bulk"),
+        ("18:00", "chat"),
+        ("23:59", "chat"),
+        ("00:00", "bulk"),
+    ] {
+        assert_eq!(tier_at(&evening, t), tier, "18:00..24:00 at {t}");
+    }
+    let day = with("when tenant == app", "when time in 09:00..18:00");
+    for (t, tier) in [
+        ("08:59", "bulk"),
+        ("09:00", "chat"),
+        ("17:59", "chat"),
+        ("18:00", "bulk"),
+        ("23:30", "bulk"),
+    ] {
+        assert_eq!(tier_at(&day, t), tier, "09:00..18:00 at {t}");
+    }
+    // A signal file's `time` is checked as strictly as the policy's.
+    let g = compile_str("p.kiln", &day).graph.unwrap();
+    for bad in ["25:00", "24:00", "09:60", "9:00"] {
+        let r = kiln::graph::Signals::resolve(
+            &g,
+            &kiln::graph::SignalsInput {
+                time: Some(bad.into()),
+                ..Default::default()
+            },
+        );
+        assert!(r.is_err(), "time {bad} accepted");
     }
 }

@@ -154,8 +154,66 @@ fn plot_writes_an_svg() {
     ]);
     assert_eq!(c, 0, "{e}");
     let svg = std::fs::read_to_string(&p).unwrap();
+    let _ = std::fs::remove_file(&p);
     assert!(svg.starts_with("<svg"));
     assert!(svg.contains("tier interactive") && svg.contains("polyline"));
+    // interactive's 500ms TTFT SLO is a dashed line, the axes say what
+    // they measure, and tiers without traffic are named, not drawn.
+    assert!(svg.contains("SLO 500 ms") && svg.contains("stroke-dasharray=\"6,4\""));
+    assert!(svg.contains("time to first token (ms)") && svg.contains(">100%<"));
+    assert!(svg.contains("no traffic") && svg.contains("agentic"));
+    assert!(!svg.contains("tier agentic:"), "an idle tier has no panel");
+    insta::assert_snapshot!("diff_plot_svg", svg);
+}
+
+#[test]
+fn markdown_starts_with_the_verdict_and_a_summary() {
+    let (c, out, e) = kiln(&[
+        "diff",
+        OLD,
+        NEW,
+        "--traffic",
+        TRAFFIC,
+        "--format",
+        "markdown",
+        "--fail-if",
+        "tenant:analytics rejected +0",
+        "--fail-if",
+        "tier:interactive ttft_p95 +10%",
+    ]);
+    assert_eq!(c, 1, "{e}");
+    let at = |needle: &str| {
+        out.find(needle)
+            .unwrap_or_else(|| panic!("no {needle:?} in\n{out}"))
+    };
+    assert!(at("**Gates: FAILED**: 1 of 2 tripped") < at("**Summary.**"));
+    assert!(at("**Summary.**") < at("### Policy changes"));
+    assert!(at("### Policy changes") < at("### Impact"));
+    let summary = out.lines().find(|l| l.starts_with("**Summary.**")).unwrap();
+    assert!(
+        summary.contains("`route [evaluation] llama-70b`"),
+        "{summary}"
+    );
+    assert!(
+        summary.contains("250 (33.3%) are decided differently"),
+        "{summary}"
+    );
+    assert!(
+        summary.contains("worst SLO movement is tier `evaluation`"),
+        "{summary}"
+    );
+    assert!(out.contains("<details><summary>8 sample requests"), "{out}");
+    assert!(
+        out.contains("unchanged metrics of the changed tiers"),
+        "{out}"
+    );
+    insta::assert_snapshot!("diff_markdown_gated", out);
+    // Without gates or traffic the verdict says so, and the summary still
+    // says what changes.
+    let (c, out, _) = kiln(&["diff", OLD, NEW, "--format", "markdown"]);
+    assert_eq!(c, 0);
+    assert!(out.contains("**Gates: none set**"), "{out}");
+    assert!(out.contains("pass `--traffic`"), "{out}");
 }
 
 /// A policy change that reserves half the GPU for the batch tier: batch

@@ -201,11 +201,18 @@ impl Compiler<'_> {
                         ),
                     )
                     .at(v.span, format!("this is {}", ty_article(t.ty)))
-                    .help(format!("write {what} as {}", ty.describe())),
+                    .help(
+                        units::missing_unit(ty, v)
+                            .unwrap_or_else(|| format!("write {what} as {}", ty.describe())),
+                    ),
                 );
                 None
             }
             Some(Err(e)) => {
+                if let Some(d) = units::bad_time(v) {
+                    self.err(d);
+                    return None;
+                }
                 self.err(
                     Diagnostic::error(Code::InvalidValue, format!("{what}: {}", e.0))
                         .at(v.span, "not a valid quantity")
@@ -246,6 +253,15 @@ impl Compiler<'_> {
         };
         if value.is_finite() && (0.0..=max).contains(&value) {
             return Some(value);
+        }
+        if ty == Ty::Percent {
+            // Every percentage kiln reads is a share of a whole.
+            self.err(
+                Diagnostic::error(Code::OutOfRange, format!("{what} is above 100%"))
+                    .at(v.span, "a share is at most 100%")
+                    .help(format!("write {what} as a percentage from 0% to 100%")),
+            );
+            return None;
         }
         self.out_of_range(v.span, what, &format!("{what} is at most {shown}"));
         None
@@ -1152,7 +1168,7 @@ impl Compiler<'_> {
             Some(p) => list_items(p)
                 .into_iter()
                 .filter_map(|v| match &v.kind {
-                    ValueKind::Str(s) => Some(s.clone()),
+                    ValueKind::Str(s) => self.api_key(s, &d.name.name, v.span),
                     _ => {
                         self.err(
                             Diagnostic::error(Code::UnitMismatch, "API key ids are strings")

@@ -4,6 +4,7 @@
 
 mod dead;
 mod decls;
+mod keys;
 mod lint;
 mod rules;
 mod subst;
@@ -207,6 +208,8 @@ pub(crate) struct Compiler<'s> {
     pub classify_span: Option<Span>,
     /// `served_by` properties of each model, lowered once every model is.
     pub served_by: Vec<(ModelId, ast::Property)>,
+    /// Each API key seen so far: the tenant it was given to and where.
+    pub api_keys: HashMap<String, (String, Span)>,
 }
 
 impl<'s> Compiler<'s> {
@@ -227,6 +230,7 @@ impl<'s> Compiler<'s> {
             fallback_uses: Vec::new(),
             classify_span: None,
             served_by: Vec::new(),
+            api_keys: HashMap::new(),
         }
     }
 

@@ -956,12 +956,27 @@ impl Compiler<'_> {
                     );
                     return Cond::True;
                 }
+                // `18:00..24:00`: until midnight (ranges exclude their end).
+                let end_of_day = ty == Ty::TimeOfDay
+                    && matches!(&b.kind, ValueKind::TimeOfDay(c) if c.is_end_of_day());
                 let (Some(Const::Num(x)), Some(Const::Num(y))) = (
                     self.constant(ty, lhs, &Operand::Lit((**a).clone())),
-                    self.constant(ty, lhs, &Operand::Lit((**b).clone())),
+                    if end_of_day {
+                        Some(Const::Num(24.0 * 60.0))
+                    } else {
+                        self.constant(ty, lhs, &Operand::Lit((**b).clone()))
+                    },
                 ) else {
                     return Cond::True;
                 };
+                if ty == Ty::TimeOfDay && x == y {
+                    self.err(
+                        Diagnostic::error(Code::InvalidValue, "this time range is empty")
+                            .at(set.span, "from a time to itself")
+                            .help("a range includes its start and excludes its end, so this one never holds; give two different times (a range may wrap midnight: `22:00..06:00`)"),
+                    );
+                    return Cond::True;
+                }
                 if x > y && ty != Ty::TimeOfDay {
                     self.err(
                         Diagnostic::error(Code::InvalidValue, "the range's start is above its end")
@@ -1175,6 +1190,10 @@ impl Compiler<'_> {
     /// The constant on the other side of a test, typed by the signal.
     fn constant(&mut self, ty: Ty, sig_op: &Operand, o: &Operand) -> Option<Const> {
         let sig_text = format::operand(sig_op);
+        let bare = match o {
+            Operand::Lit(v) => units::missing_unit(ty, v),
+            Operand::Ref(_) => None,
+        };
         let mismatch = |this: &mut Self, found: String, span: Span| {
             this.err(
                 Diagnostic::error(
@@ -1186,7 +1205,10 @@ impl Compiler<'_> {
                 )
                 .at(span, format!("this is {found}"))
                 .also(sig_op.span(), ty_article(ty))
-                .help(format!("compare it with {}", ty.describe())),
+                .help(
+                    bare.clone()
+                        .unwrap_or_else(|| format!("compare it with {}", ty.describe())),
+                ),
             );
             None
         };
@@ -1276,6 +1298,23 @@ impl Compiler<'_> {
             },
             _ => match o {
                 Operand::Lit(v) => match units::literal(v) {
+                    // Every percentage signal is a share of a whole
+                    // (utilization, occupancy, attainment, rates, quota
+                    // left), so above 100% it is a typo, never a threshold.
+                    Some(Ok(t))
+                        if t.ty == ty && ty == Ty::Percent && t.value > limits::MAX_PERCENT =>
+                    {
+                        self.err(
+                            Diagnostic::error(
+                                Code::OutOfRange,
+                                format!("`{sig_text}` is a share, from 0% to 100%: it never reaches `{}`", format::value(v)),
+                            )
+                            .at(v.span, "above 100%")
+                            .also(sig_op.span(), "a share of a whole")
+                            .help("compare it with a percentage from 0% to 100% (like `90%`)"),
+                        );
+                        None
+                    }
                     Some(Ok(t)) if t.ty == ty => self
                         .in_type_range(v, t.value, ty, "the compared value")
                         .map(Const::Num),
@@ -1285,11 +1324,11 @@ impl Compiler<'_> {
                         v.span,
                     ),
                     Some(Err(e)) => {
-                        self.err(
+                        self.err(units::bad_time(v).unwrap_or_else(|| {
                             Diagnostic::error(Code::InvalidValue, e.0)
                                 .at(v.span, "not a valid quantity")
-                                .help(format!("write {}", ty.describe())),
-                        );
+                                .help(format!("write {}", ty.describe()))
+                        }));
                         None
                     }
                     None => mismatch(self, describe_operand(o), v.span),

@@ -38,8 +38,8 @@ pub fn reports(r: &DiffReport) -> Option<(&Report, &Report)> {
 pub struct DryRun {
     pub decisions: traffic::DecisionDiff,
     pub impact: traffic::Impact,
-    /// Per tier name: TTFTs (ms) under the old and the new policy.
-    pub ttfts: Vec<(String, Vec<f64>, Vec<f64>)>,
+    /// Per tier: TTFTs (ms) and TTFT SLO under the old and the new policy.
+    pub ttfts: Vec<plot::Panel>,
 }
 
 /// One replay of the traffic under one policy.
@@ -88,20 +88,29 @@ pub fn dry_run(
         (h.join(), n)
     });
     let ro = ro.ok()?;
+    let slo = |g: &crate::graph::DecisionGraph, name: &str| {
+        g.tier_id(name)
+            .and_then(|t| g.tiers.get(t as usize))
+            .and_then(|t| t.slo.ttft)
+    };
     let mut ttfts = Vec::new();
     for t in &old.tiers {
-        ttfts.push((
-            t.name.clone(),
-            plot::ttfts(&ro.1, old.tier_id(&t.name)),
-            plot::ttfts(&rn.1, new.tier_id(&t.name)),
-        ));
+        ttfts.push(plot::Panel {
+            tier: t.name.clone(),
+            old: plot::ttfts(&ro.1, old.tier_id(&t.name)),
+            new: plot::ttfts(&rn.1, new.tier_id(&t.name)),
+            slo_old: slo(old, &t.name),
+            slo_new: slo(new, &t.name),
+        });
     }
     for t in new.tiers.iter().filter(|t| old.tier_id(&t.name).is_none()) {
-        ttfts.push((
-            t.name.clone(),
-            Vec::new(),
-            plot::ttfts(&rn.1, new.tier_id(&t.name)),
-        ));
+        ttfts.push(plot::Panel {
+            tier: t.name.clone(),
+            old: Vec::new(),
+            new: plot::ttfts(&rn.1, new.tier_id(&t.name)),
+            slo_old: None,
+            slo_new: slo(new, &t.name),
+        });
     }
     Some(DryRun {
         decisions,

@@ -115,12 +115,34 @@ pub enum ValueKind {
     Quantity(Quantity),
     Str(String),
     Bool(bool),
-    /// Minutes after midnight, from `HH:MM`.
-    TimeOfDay(u16),
+    /// `HH:MM` as written; [`Clock::minutes`] checks it is a real time.
+    TimeOfDay(Clock),
     /// `name` or `model.variant`.
     Path(Vec<Ident>),
     List(Vec<Value>),
     Range(Box<Value>, Box<Value>),
+}
+
+/// A time of day as written (`09:30`): two digits each, not yet checked,
+/// so that the compiler can point at `25:00` or `09:75` instead of the
+/// parser failing with "expected …".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Clock {
+    pub hour: u8,
+    pub minute: u8,
+}
+
+impl Clock {
+    /// Minutes after midnight; `None` past `23:59` (hours 00–23, minutes 00–59).
+    pub fn minutes(self) -> Option<u16> {
+        (self.hour < 24 && self.minute < 60)
+            .then(|| u16::from(self.hour) * 60 + u16::from(self.minute))
+    }
+
+    /// `24:00`: the end of the day, allowed only as the end of a range.
+    pub fn is_end_of_day(self) -> bool {
+        self.hour == 24 && self.minute == 0
+    }
 }
 
 /// A number with its unit, exactly as written: `500ms`, `2M/min`, `80GB`.

@@ -562,7 +562,7 @@ pub fn value(v: &Value) -> String {
         ValueKind::Quantity(q) => q.raw.clone(),
         ValueKind::Str(s) => format!("\"{}\"", escape(s)),
         ValueKind::Bool(b) => b.to_string(),
-        ValueKind::TimeOfDay(m) => format!("{:02}:{:02}", m / 60, m % 60),
+        ValueKind::TimeOfDay(c) => format!("{:02}:{:02}", c.hour, c.minute),
         ValueKind::Path(p) => path(p),
         ValueKind::List(items) => format!(
             "[{}]",

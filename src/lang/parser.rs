@@ -386,6 +386,9 @@ fn syntax_error(file: FileId, text: &str, e: pest::error::Error<Rule>) -> Diagno
     } else {
         format!("expected {}", join_or(&expected))
     };
+    if let Some(d) = unpadded_time(file, text, start) {
+        return d;
+    }
     if let Some(d) = unclosed_block(file, text, start) {
         return d;
     }
@@ -396,6 +399,47 @@ fn syntax_error(file: FileId, text: &str, e: pest::error::Error<Rule>) -> Diagno
     Diagnostic::error(Code::Syntax, format!("unexpected {found}"))
         .at(Span::new(file, start, end), label)
         .help(help)
+}
+
+/// `9:00` or `09:5`: the grammar's times of day have two digits on each
+/// side, so the parser stops at the `:`; say how to write it instead.
+fn unpadded_time(file: FileId, text: &str, pos: usize) -> Option<Diagnostic> {
+    let clockish = |c: u8| c.is_ascii_digit() || c == b':';
+    let b = text.as_bytes();
+    let mut lo = pos.min(b.len());
+    while lo > 0 && b.get(lo - 1).copied().is_some_and(clockish) {
+        lo -= 1;
+    }
+    let mut hi = pos.min(b.len());
+    while b.get(hi).copied().is_some_and(clockish) {
+        hi += 1;
+    }
+    let tok = text.get(lo..hi)?;
+    let (h, m) = tok.split_once(':')?;
+    let digits = |x: &str| (1..=2).contains(&x.len()) && x.bytes().all(|c| c.is_ascii_digit());
+    if !digits(h) || !digits(m) || (h.len() == 2 && m.len() == 2) {
+        return None;
+    }
+    let (hour, minute): (u32, u32) = (h.parse().ok()?, m.parse().ok()?);
+    let fixed = if m.len() == 1 {
+        // `09:5`: 09:05 or 09:50? Offer both.
+        format!("`{hour:02}:0{minute}` or `{hour:02}:{minute}0`")
+    } else {
+        format!("`{hour:02}:{minute:02}`")
+    };
+    Some(
+        Diagnostic::error(
+            Code::Syntax,
+            format!("`{tok}` is not a time of day as kiln writes it"),
+        )
+        .at(
+            Span::new(file, lo, hi),
+            "times of day have two-digit hours and minutes",
+        )
+        .help(format!(
+            "write {fixed} (24-hour `HH:MM`, from `00:00` to `23:59`)"
+        )),
+    )
 }
 
 const TOP_KEYWORDS: [&str; 11] = [
@@ -856,9 +900,9 @@ impl Builder<'_> {
             Rule::bool => ValueKind::Bool(p.as_str() == "true"),
             Rule::time_of_day => {
                 let s = p.as_str();
-                let h: u16 = s.get(0..2).and_then(|x| x.parse().ok()).unwrap_or(0);
-                let m: u16 = s.get(3..5).and_then(|x| x.parse().ok()).unwrap_or(0);
-                ValueKind::TimeOfDay(h * 60 + m)
+                let hour: u8 = s.get(0..2).and_then(|x| x.parse().ok()).unwrap_or(0);
+                let minute: u8 = s.get(3..5).and_then(|x| x.parse().ok()).unwrap_or(0);
+                ValueKind::TimeOfDay(Clock { hour, minute })
             }
             Rule::path | Rule::name => ValueKind::Path(self.path(p)),
             Rule::list => ValueKind::List(p.kids().map(|v| self.value(v)).collect()),

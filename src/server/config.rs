@@ -676,7 +676,8 @@ impl ServerConfig {
             });
         }
         let is_hash = |h: &str| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit());
-        for k in &self.keys {
+        let mut key_tenants: BTreeMap<String, (usize, &str)> = BTreeMap::new();
+        for (i, k) in self.keys.iter().enumerate() {
             if !is_hash(&k.sha256) {
                 return Err(ConfigError::Invalid {
                     message: format!(
@@ -685,6 +686,32 @@ impl ServerConfig {
                     ),
                     help: Some(
                         "store keys hashed: `kiln hash-key YOUR-KEY` prints the value".into(),
+                    ),
+                });
+            }
+            // One key, one tenant: a repeat would authenticate as whichever
+            // entry is found first, silently.
+            if let Some((first, tenant)) =
+                key_tenants.insert(k.sha256.to_ascii_lowercase(), (i, k.tenant.as_str()))
+            {
+                let message = if tenant == k.tenant {
+                    format!(
+                        "[[keys]] entries {} and {} are the same key, both for tenant `{tenant}`",
+                        first + 1,
+                        i + 1
+                    )
+                } else {
+                    format!(
+                        "[[keys]] entries {} and {} are the same key for two tenants, `{tenant}` and `{}`: it would authenticate as `{tenant}` only",
+                        first + 1,
+                        i + 1,
+                        k.tenant
+                    )
+                };
+                return Err(ConfigError::Invalid {
+                    message,
+                    help: Some(
+                        "keys must be unique per tenant: give each tenant its own key (`kiln hash-key NEW-KEY` prints the hash) and remove the repeat".into(),
                     ),
                 });
             }
@@ -1042,6 +1069,33 @@ mod tests {
         let e = ServerConfig::parse("t", "[[keys]]\nsha256 = \"hunter2\"\ntenant = \"a\"\n")
             .unwrap_err();
         assert!(e.to_string().contains("not a SHA-256"), "{e}");
+    }
+
+    #[test]
+    fn one_key_for_two_tenants_is_refused() {
+        let h = hash_secret("shared");
+        let text = format!(
+            "[[keys]]\nsha256 = \"{h}\"\ntenant = \"a\"\n[[keys]]\nsha256 = \"{}\"\ntenant = \"b\"\n",
+            h.to_ascii_uppercase()
+        );
+        match ServerConfig::parse("t", &text).unwrap_err() {
+            ConfigError::Invalid { message, help } => {
+                assert!(message.contains("entries 1 and 2"), "{message}");
+                assert!(message.contains("`a` and `b`"), "{message}");
+                assert!(help.unwrap_or_default().contains("unique per tenant"));
+            }
+            other => panic!("{other:?}"),
+        }
+        let same = format!(
+            "[[keys]]\nsha256 = \"{h}\"\ntenant = \"a\"\n[[keys]]\nsha256 = \"{h}\"\ntenant = \"a\"\n"
+        );
+        let e = ServerConfig::parse("t", &same).unwrap_err();
+        assert!(e.to_string().contains("same key"), "{e}");
+        let other = hash_secret("other");
+        let fine = format!(
+            "[[keys]]\nsha256 = \"{h}\"\ntenant = \"a\"\n[[keys]]\nsha256 = \"{other}\"\ntenant = \"a\"\n"
+        );
+        assert!(ServerConfig::parse("t", &fine).is_ok());
     }
 
     #[test]

@@ -191,7 +191,8 @@ pub fn parse_literal(text: &str) -> Option<Result<Typed, UnitError>> {
     Some(quantity(parts))
 }
 
-/// `HH:MM` as minutes after midnight (the grammar's `time_of_day`).
+/// `HH:MM` as minutes after midnight (the grammar's `time_of_day`);
+/// `None` past `23:59`.
 pub fn time_of_day(t: &str) -> Option<u32> {
     let b = t.as_bytes();
     if b.len() != 5
@@ -205,7 +206,8 @@ pub fn time_of_day(t: &str) -> Option<u32> {
     }
     let h = u32::from(b[0] - b'0') * 10 + u32::from(b[1] - b'0');
     let m = u32::from(b[3] - b'0') * 10 + u32::from(b[4] - b'0');
-    Some(h * 60 + m)
+    // `25:00` or `09:75` is no time of day: never a quiet 01:00 tomorrow.
+    (h < 24 && m < 60).then_some(h * 60 + m)
 }
 
 const UNITS: [&str; 15] = [
@@ -404,11 +406,13 @@ mod tests {
         assert_eq!(v("8k"), Some(Ok((Ty::Count, 8000.0))));
         assert_eq!(v("70B"), Some(Ok((Ty::Count, 70e9))));
         assert_eq!(v("09:30"), Some(Ok((Ty::TimeOfDay, 570.0))));
+        assert_eq!(v("23:59"), Some(Ok((Ty::TimeOfDay, 1439.0))));
         assert_eq!(v("1.5h"), Some(Ok((Ty::Duration, 5_400_000.0))));
         assert!(matches!(v("2M/min"), Some(Ok((Ty::Rate, _)))));
         assert!(matches!(v("2Ms"), Some(Err(_))));
         for bad in [
-            "", "s", "2 s", "2sec", "2mo", "1.", "-1", "2/x", "9:30", "2s/min/s", "abc",
+            "", "s", "2 s", "2sec", "2mo", "1.", "-1", "2/x", "9:30", "2s/min/s", "abc", "25:00",
+            "24:00", "09:60", "99:99",
         ] {
             assert!(!matches!(v(bad), Some(Ok(_))), "{bad:?} parsed");
         }
