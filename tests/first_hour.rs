@@ -81,3 +81,37 @@ async fn every_enterprise_tenant_has_a_try_out_key() {
     assert_eq!(r.status(), 401);
     srv.stop().await;
 }
+
+#[tokio::test]
+async fn a_policy_key_that_kiln_toml_gives_another_tenant_stops_the_start() {
+    let text = std::fs::read_to_string(root().join("policies/enterprise/enterprise.kiln")).unwrap();
+    let p = support::policy("enterprise.kiln", &text);
+    // key-support-prod is support-bot's in the policy; here it says copilot.
+    let cfg = ServerConfig::parse(
+        "clash.toml",
+        &format!(
+            "[[keys]]\nsha256 = \"{}\"\ntenant = \"copilot\"\nname = \"ops\"\n",
+            kiln::server::config::hash_secret("key-support-prod")
+        ),
+    )
+    .unwrap();
+    let r = kiln::server::start(kiln::server::ServeOptions {
+        policy: p,
+        config: cfg,
+        listen: "127.0.0.1:0".into(),
+        clock: None,
+    })
+    .await;
+    match r {
+        Err(e @ kiln::server::ServeError::KeyClash(_)) => {
+            let msg = e.to_string();
+            assert!(
+                msg.contains("`support-bot`") && msg.contains("`copilot`"),
+                "{msg}"
+            );
+            assert!(!msg.contains("key-support-prod"), "{msg}");
+        }
+        Err(e) => panic!("wrong error: {e}"),
+        Ok(_) => panic!("a clashing key must stop the start"),
+    }
+}

@@ -83,6 +83,13 @@ pub enum ActivationError {
     #[error("{0}; the active policy is unchanged")]
     #[diagnostic(code(kiln::activate::deploy))]
     Deploy(DeployError),
+    /// A key the new policy gives one tenant that kiln.toml maps to another.
+    #[error("{0}; the active policy is unchanged")]
+    #[diagnostic(
+        code(kiln::activate::key_clash),
+        help("a key authenticates one tenant: fix the policy's api_keys or kiln.toml's [[keys]] entry")
+    )]
+    KeyClash(String),
     #[error("the scheduler is not running")]
     #[diagnostic(code(kiln::activate::scheduler_down))]
     SchedulerDown,

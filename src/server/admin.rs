@@ -409,6 +409,9 @@ pub fn compile_upload(
     let Some(graph) = graph else {
         return Err(ActivationError::NoGraph);
     };
+    if let Some(clash) = app.config.key_clash(&graph) {
+        return Err(ActivationError::KeyClash(clash));
+    }
     let policy = Policy::new(graph, sources);
     let (plan, notes) = crate::backend::deploy::replan(
         &policy.graph,

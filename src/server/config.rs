@@ -866,6 +866,37 @@ impl ServerConfig {
         Ok(())
     }
 
+    /// A key the policy gives one tenant that `[[keys]]` maps to another:
+    /// the config's entry is looked up first, so the policy's word would be
+    /// silently overruled. Refused at start and at a swap. The message names
+    /// the entry and both tenants, never the key.
+    pub fn key_clash(&self, g: &crate::graph::DecisionGraph) -> Option<String> {
+        if !self.policy_keys {
+            return None;
+        }
+        for t in &g.tenants {
+            for key in &t.api_keys {
+                let h = hash_secret(key);
+                let entry = self.keys.iter().enumerate().find(|(_, k)| {
+                    constant_time_eq(k.sha256.to_ascii_lowercase().as_bytes(), h.as_bytes())
+                });
+                if let Some((i, k)) = entry {
+                    if k.tenant != t.name {
+                        let label = k
+                            .name
+                            .as_deref()
+                            .map_or_else(|| format!("entry {}", i + 1), |n| format!("`{n}`"));
+                        return Some(format!(
+                            "kiln.toml's [[keys]] {label} maps a key the policy gives to tenant `{}` to tenant `{}`",
+                            t.name, k.tenant
+                        ));
+                    }
+                }
+            }
+        }
+        None
+    }
+
     /// The tenant a key authenticates as, by hash.
     pub fn tenant_for_key(&self, key: &str) -> Option<&str> {
         if self.keys.is_empty() {
@@ -1062,6 +1093,37 @@ mod tests {
         .unwrap();
         assert_eq!(c.tenant_for_key("s3cret"), Some("acme"));
         assert_eq!(c.tenant_for_key("s3cret "), None);
+    }
+
+    #[test]
+    fn a_policy_key_mapped_to_another_tenant_is_a_clash() {
+        let g = crate::compile::compile_str(
+            "p.kiln",
+            "pool p { gpus 1 kind \"L4\" memory 24GB }\nmodel m { variant a { memory 10GB pools [p] } }\ntier t { priority 1 slo { ttft 1s } }\ntenant a { owner \"a@x\" tiers [t] api_keys [\"k1\"] }\ntenant b { owner \"b@x\" tiers [t] }\nclassify { default => tier t }\nroute t m { default => a }\n",
+        )
+        .graph
+        .unwrap();
+        let cfg = |tenant: &str| {
+            ServerConfig::parse(
+                "t",
+                &format!(
+                    "[[keys]]\nsha256 = \"{}\"\ntenant = \"{tenant}\"\nname = \"ops\"\n",
+                    hash_secret("k1")
+                ),
+            )
+            .unwrap()
+        };
+        let msg = cfg("b").key_clash(&g).unwrap();
+        assert!(
+            msg.contains("`ops`") && msg.contains("`a`") && msg.contains("`b`"),
+            "{msg}"
+        );
+        assert!(!msg.contains("k1"));
+        // The same tenant twice is no clash; nor is it with policy keys off.
+        assert_eq!(cfg("a").key_clash(&g), None);
+        let mut off = cfg("b");
+        off.policy_keys = false;
+        assert_eq!(off.key_clash(&g), None);
     }
 
     #[test]

@@ -122,6 +122,13 @@ pub enum ServeError {
     #[error("{0}")]
     #[diagnostic(code(kiln::serve::startup))]
     Startup(String),
+    /// A policy key that kiln.toml maps to another tenant.
+    #[error("{0}")]
+    #[diagnostic(
+        code(kiln::serve::key_clash),
+        help("a key authenticates one tenant: fix the [[keys]] entry's tenant, or remove the key from the policy's api_keys")
+    )]
+    KeyClash(String),
     /// The policy does not fit the configured backends.
     #[error(transparent)]
     #[diagnostic(transparent)]
@@ -223,6 +230,9 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         listen,
         clock,
     } = opts;
+    if let Some(clash) = config.key_clash(&policy.graph) {
+        return Err(ServeError::KeyClash(clash));
+    }
     let calibration = match &config.sim.calibration {
         Some(p) => Some(Calibration::load(p).map_err(|e| ServeError::Sim(e.to_string()))?),
         None => None,
