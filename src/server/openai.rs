@@ -143,9 +143,11 @@ impl GenerationRequest {
                 }
             }
         }
-        if req.n.is_some_and(|n| n != 1) {
+        // `n` above 1 is the backend's to honour or refuse
+        // (`surface::unsupported_field`); 0 is no request.
+        if req.n == Some(0) {
             return Err(ApiError::bad_request(
-                "kiln serves n = 1 only; send separate requests".into(),
+                "`n` must be at least 1".into(),
                 Some("n"),
             ));
         }
@@ -314,6 +316,10 @@ pub struct PromptTokens {
 
 /// An error in OpenAI's shape: `{"error": {"message", "type", "param",
 /// "code"}}`, with the HTTP status and, for 429 and 503, Retry-After.
+/// `code` is never `null`: without a specific one the status gives it
+/// ([`default_code`]). A refusal of a request kiln recorded also carries
+/// `x-kiln-request-id`, `x-kiln-explain` and, where a policy was
+/// consulted, `x-kiln-policy-version`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApiError {
     pub status: u16,
@@ -322,6 +328,38 @@ pub struct ApiError {
     pub code: Option<String>,
     pub param: Option<&'static str>,
     pub retry_after_s: Option<u64>,
+    /// The request's id (`x-kiln-request-id`).
+    pub request_id: Option<String>,
+    /// Whether `/admin/explain/{request_id}` holds an entry for it.
+    pub explained: bool,
+    /// The policy version consulted (`x-kiln-policy-version`).
+    pub policy_version: Option<String>,
+}
+
+/// The code an error without a more specific one answers with: what its
+/// status means, in OpenAI's vocabulary where it has a word for it.
+pub fn default_code(status: u16) -> &'static str {
+    match status {
+        400 => "invalid_request_error",
+        401 => "invalid_api_key",
+        403 => "permission_denied",
+        404 => "not_found",
+        405 => "method_not_allowed",
+        408 => "request_timeout",
+        409 => "conflict",
+        411 => "length_required",
+        413 => "request_too_large",
+        415 => "unsupported_media_type",
+        422 => "unprocessable_entity",
+        429 => "rate_limit_exceeded",
+        431 => "request_header_fields_too_large",
+        501 => "not_implemented",
+        502 => "upstream_error",
+        503 => "service_unavailable",
+        504 => "timeout",
+        _ if status >= 500 => "internal_error",
+        _ => "invalid_request_error",
+    }
 }
 
 impl ApiError {
@@ -341,6 +379,9 @@ impl ApiError {
             code: None,
             param: None,
             retry_after_s: None,
+            request_id: None,
+            explained: false,
+            policy_version: None,
         }
     }
 
@@ -361,13 +402,36 @@ impl ApiError {
         self
     }
 
+    /// Names the request this error answers (and, when `explained`, the
+    /// explain entry that records it); an id already set is kept.
+    pub fn for_request(mut self, id: &str, explained: bool) -> ApiError {
+        if self.request_id.is_none() {
+            self.request_id = Some(id.to_string());
+            self.explained = explained;
+        }
+        self
+    }
+
+    pub fn policy_version(mut self, v: Option<&str>) -> ApiError {
+        if self.policy_version.is_none() {
+            self.policy_version = v.map(str::to_string);
+        }
+        self
+    }
+
+    pub fn code_or_default(&self) -> &str {
+        self.code
+            .as_deref()
+            .unwrap_or_else(|| default_code(self.status))
+    }
+
     pub fn body(&self) -> Value {
         json!({
             "error": {
                 "message": self.message,
                 "type": self.kind,
                 "param": self.param,
-                "code": self.code,
+                "code": self.code_or_default(),
             }
         })
     }
@@ -377,9 +441,25 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         let mut resp = (status, axum::Json(self.body())).into_response();
+        let h = resp.headers_mut();
         if let Some(s) = self.retry_after_s {
             if let Ok(v) = HeaderValue::from_str(&s.to_string()) {
-                resp.headers_mut().insert("retry-after", v);
+                h.insert("retry-after", v);
+            }
+        }
+        if let Some(id) = &self.request_id {
+            if let Ok(v) = HeaderValue::from_str(id) {
+                h.insert("x-kiln-request-id", v);
+            }
+            if self.explained {
+                if let Ok(v) = HeaderValue::from_str(&format!("/admin/explain/{id}")) {
+                    h.insert("x-kiln-explain", v);
+                }
+            }
+        }
+        if let Some(pv) = self.policy_version.as_deref() {
+            if let Ok(v) = HeaderValue::from_str(pv) {
+                h.insert("x-kiln-policy-version", v);
             }
         }
         resp
