@@ -246,9 +246,12 @@ async fn errors_have_openai_shape_and_status() {
     assert!(r.headers().contains_key("retry-after"));
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["error"]["code"], "quota");
-    // models
+    // models: the policy has keys, so listing them takes one
+    let r = c.get(format!("{base}/v1/models")).send().await.unwrap();
+    assert_eq!(r.status(), 401);
     let v: Value = c
         .get(format!("{base}/v1/models"))
+        .bearer_auth("k-alpha")
         .send()
         .await
         .unwrap()
