@@ -915,7 +915,13 @@ async fn every_listed_metric_is_exported_at_zero_from_the_start_and_after_a_swap
     for t in &g.tenants {
         assert!(tenants.contains(&t.name), "tenant {} not primed", t.name);
     }
-    assert!(m.contains("kiln_requests_total{model=\"llama-70b.fp16\",outcome=\"ok\",pool=\"h100\",tenant=\"support-bot\",tier=\"interactive\"} 0"), "{m}");
+    // The variant is a label of its own, not folded into `model`.
+    assert!(m.contains("kiln_requests_total{model=\"llama-70b\",outcome=\"ok\",pool=\"h100\",tenant=\"support-bot\",tier=\"interactive\",variant=\"fp16\"} 0"), "{m}");
+    for metric in ["kiln_requests_total", "kiln_replica_slots", "kiln_ttft_seconds"] {
+        let models = label_values(&m, metric, "model");
+        assert!(models.iter().all(|x| !x.contains('.')), "{metric}: {models:?}");
+        assert!(label_values(&m, metric, "variant").contains("fp16"), "{metric}");
+    }
     assert!(m.contains("kiln_queue_depth{tenant=\"support-bot\",tier=\"interactive\"} 0"));
 
     // A swapped-in policy's new tier is primed on the next scrape; the old
