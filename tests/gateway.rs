@@ -917,10 +917,20 @@ async fn every_listed_metric_is_exported_at_zero_from_the_start_and_after_a_swap
     }
     // The variant is a label of its own, not folded into `model`.
     assert!(m.contains("kiln_requests_total{model=\"llama-70b\",outcome=\"ok\",pool=\"h100\",tenant=\"support-bot\",tier=\"interactive\",variant=\"fp16\"} 0"), "{m}");
-    for metric in ["kiln_requests_total", "kiln_replica_slots", "kiln_ttft_seconds"] {
+    for metric in [
+        "kiln_requests_total",
+        "kiln_replica_slots",
+        "kiln_ttft_seconds",
+    ] {
         let models = label_values(&m, metric, "model");
-        assert!(models.iter().all(|x| !x.contains('.')), "{metric}: {models:?}");
-        assert!(label_values(&m, metric, "variant").contains("fp16"), "{metric}");
+        assert!(
+            models.iter().all(|x| !x.contains('.')),
+            "{metric}: {models:?}"
+        );
+        assert!(
+            label_values(&m, metric, "variant").contains("fp16"),
+            "{metric}"
+        );
     }
     assert!(m.contains("kiln_queue_depth{tenant=\"support-bot\",tier=\"interactive\"} 0"));
 

@@ -163,7 +163,8 @@ async fn every_refusal_has_a_code_an_id_and_an_explain_entry() {
     let r = c.post(&url).json(&chat("tiny")).send().await.unwrap();
     refusal(&c, &base, r, 401, "missing_api_key", true).await;
     // 413: over the body limit
-    let big = json!({"model": "tiny", "messages": [{"role": "user", "content": "w ".repeat(2000)}]});
+    let big =
+        json!({"model": "tiny", "messages": [{"role": "user", "content": "w ".repeat(2000)}]});
     let r = c
         .post(&url)
         .bearer_auth("k-alpha")
@@ -245,25 +246,43 @@ async fn models_are_authenticated_and_filtered_by_tenant() {
         .await
         .unwrap();
     refusal(&c, &base, r, 401, "invalid_api_key", true).await;
-    let get = |key: &'static str, path: &str| {
-        c.get(format!("{base}{path}")).bearer_auth(key).send()
-    };
-    let v: Value = get("k-alpha", "/v1/models").await.unwrap().json().await.unwrap();
+    let get =
+        |key: &'static str, path: &str| c.get(format!("{base}{path}")).bearer_auth(key).send();
+    let v: Value = get("k-alpha", "/v1/models")
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(v["object"], "list");
     assert_eq!(ids(&v), ["tiny", "big"]);
-    let v: Value = get("k-beta", "/v1/models").await.unwrap().json().await.unwrap();
+    let v: Value = get("k-beta", "/v1/models")
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(ids(&v), ["tiny"]);
     // One model: served, or 404 model_not_found when unknown or forbidden.
     let r = get("k-beta", "/v1/models/tiny").await.unwrap();
     assert_eq!(r.status(), 200);
     let v: Value = r.json().await.unwrap();
-    assert_eq!((v["id"].as_str(), v["object"].as_str()), (Some("tiny"), Some("model")));
+    assert_eq!(
+        (v["id"].as_str(), v["object"].as_str()),
+        (Some("tiny"), Some("model"))
+    );
     for m in ["big", "gpt-9"] {
         let r = get("k-beta", &format!("/v1/models/{m}")).await.unwrap();
         let (v, _) = refusal(&c, &base, r, 404, "model_not_found", true).await;
-        assert!(v["error"]["message"].as_str().unwrap().contains("available: tiny"));
+        assert!(v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("available: tiny"));
     }
-    assert_eq!(get("k-alpha", "/v1/models/big").await.unwrap().status(), 200);
+    assert_eq!(
+        get("k-alpha", "/v1/models/big").await.unwrap().status(),
+        200
+    );
     srv.stop().await;
 
     // A policy without keys: everything, to anyone.
@@ -291,18 +310,63 @@ async fn unknown_paths_and_methods_answer_in_json() {
     let base = format!("http://{}", srv.addr);
     let c = client();
     let cases: &[(reqwest::Method, &str, u16, &str)] = &[
-        (reqwest::Method::POST, "/v1/embeddings", 404, "unsupported_endpoint"),
-        (reqwest::Method::POST, "/v1/images/generations", 404, "unsupported_endpoint"),
-        (reqwest::Method::POST, "/v1/audio/speech", 404, "unsupported_endpoint"),
-        (reqwest::Method::POST, "/v1/moderations", 404, "unsupported_endpoint"),
+        (
+            reqwest::Method::POST,
+            "/v1/embeddings",
+            404,
+            "unsupported_endpoint",
+        ),
+        (
+            reqwest::Method::POST,
+            "/v1/images/generations",
+            404,
+            "unsupported_endpoint",
+        ),
+        (
+            reqwest::Method::POST,
+            "/v1/audio/speech",
+            404,
+            "unsupported_endpoint",
+        ),
+        (
+            reqwest::Method::POST,
+            "/v1/moderations",
+            404,
+            "unsupported_endpoint",
+        ),
         (reqwest::Method::GET, "/", 404, "unknown_url"),
         (reqwest::Method::GET, "/v1/foo", 404, "unknown_url"),
-        (reqwest::Method::POST, "/v1/chat/completions/", 404, "unknown_url"),
+        (
+            reqwest::Method::POST,
+            "/v1/chat/completions/",
+            404,
+            "unknown_url",
+        ),
         (reqwest::Method::GET, "/admin/nope", 404, "unknown_url"),
-        (reqwest::Method::GET, "/v1/chat/completions", 405, "method_not_allowed"),
-        (reqwest::Method::DELETE, "/v1/models", 405, "method_not_allowed"),
-        (reqwest::Method::OPTIONS, "/v1/chat/completions", 405, "method_not_allowed"),
-        (reqwest::Method::PUT, "/admin/policy", 405, "method_not_allowed"),
+        (
+            reqwest::Method::GET,
+            "/v1/chat/completions",
+            405,
+            "method_not_allowed",
+        ),
+        (
+            reqwest::Method::DELETE,
+            "/v1/models",
+            405,
+            "method_not_allowed",
+        ),
+        (
+            reqwest::Method::OPTIONS,
+            "/v1/chat/completions",
+            405,
+            "method_not_allowed",
+        ),
+        (
+            reqwest::Method::PUT,
+            "/admin/policy",
+            405,
+            "method_not_allowed",
+        ),
     ];
     for (m, path, status, code) in cases {
         let r = c
@@ -315,7 +379,8 @@ async fn unknown_paths_and_methods_answer_in_json() {
         let h = r.headers().clone();
         assert!(h.contains_key("x-kiln-request-id"), "{m} {path}: {h:?}");
         let text = r.text().await.unwrap();
-        let v: Value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("{m} {path}: {text:?}"));
+        let v: Value =
+            serde_json::from_str(&text).unwrap_or_else(|_| panic!("{m} {path}: {text:?}"));
         assert_eq!(v["error"]["code"], *code, "{m} {path}: {v}");
     }
     // A trailing slash says which path was meant.
@@ -365,8 +430,14 @@ async fn fields_the_simulator_cannot_honour_are_refused_by_name() {
         b
     };
     for (extra, param) in [
-        (json!({"tools": [{"type": "function", "function": {"name": "f"}}]}), "tools"),
-        (json!({"response_format": {"type": "json_object"}}), "response_format"),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f"}}]}),
+            "tools",
+        ),
+        (
+            json!({"response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
         (json!({"logprobs": true, "top_logprobs": 2}), "logprobs"),
         (json!({"n": 2}), "n"),
         (json!({"logit_bias": {"1": 5}}), "logit_bias"),
@@ -382,14 +453,23 @@ async fn fields_the_simulator_cannot_honour_are_refused_by_name() {
         let (v, _) = refusal(&c, &base, r, 400, "unsupported_parameter", true).await;
         assert_eq!(v["error"]["param"], param, "{extra}: {v}");
         let msg = v["error"]["message"].as_str().unwrap();
-        assert!(msg.contains("sim") && msg.contains("HTTP upstream"), "{msg}");
+        assert!(
+            msg.contains("sim") && msg.contains("HTTP upstream"),
+            "{msg}"
+        );
     }
     // An image part.
     let img = json!({"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is it"},
         {"type": "image_url", "image_url": {"url": "https://example.com/x.png"}}
     ]}]});
-    let r = c.post(&url).bearer_auth("k-alpha").json(&img).send().await.unwrap();
+    let r = c
+        .post(&url)
+        .bearer_auth("k-alpha")
+        .json(&img)
+        .send()
+        .await
+        .unwrap();
     let (v, _) = refusal(&c, &base, r, 400, "unsupported_parameter", true).await;
     assert_eq!(v["error"]["param"], "messages");
     // Fields the simulator can honour (or that change nothing it does).
@@ -397,7 +477,13 @@ async fn fields_the_simulator_cannot_honour_are_refused_by_name() {
         "temperature": 0.3, "top_p": 0.9, "seed": 1, "user": "u",
         "stream_options": null, "max_completion_tokens": 3, "n": 1
     }));
-    let r = c.post(&url).bearer_auth("k-alpha").json(&fine).send().await.unwrap();
+    let r = c
+        .post(&url)
+        .bearer_auth("k-alpha")
+        .json(&fine)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
     srv.stop().await;
 }
@@ -408,7 +494,10 @@ async fn recording_upstream() -> (String, Arc<Mutex<Vec<Value>>>, tokio::task::J
     use axum::routing::{get, post};
     use axum::{Json, Router};
     let seen: Arc<Mutex<Vec<Value>>> = Arc::default();
-    async fn chat(State(seen): State<Arc<Mutex<Vec<Value>>>>, Json(body): Json<Value>) -> Json<Value> {
+    async fn chat(
+        State(seen): State<Arc<Mutex<Vec<Value>>>>,
+        Json(body): Json<Value>,
+    ) -> Json<Value> {
         seen.lock().unwrap().push(body);
         Json(json!({
             "id": "x", "object": "chat.completion", "created": 0, "model": "up",

@@ -591,7 +591,10 @@ impl Metrics {
                     let (m, variant) = model_variant(model);
                     let v = [tier, tenant, pool.as_str(), m, variant];
                     for o in OUTCOMES {
-                        b.touch(&c.requests, &[tier, tenant, pool.as_str(), m, variant, o.as_str()]);
+                        b.touch(
+                            &c.requests,
+                            &[tier, tenant, pool.as_str(), m, variant, o.as_str()],
+                        );
                     }
                     for kind in ["prompt", "completion"] {
                         b.touch(&c.tokens, &[tier, tenant, pool.as_str(), m, variant, kind]);
@@ -693,7 +696,11 @@ impl Metrics {
         let Some(c) = &self.c else { return };
         let [tier, tenant, pool, model, variant] = l.values();
         for (kind, n) in [("prompt", prompt), ("completion", completion)] {
-            add(&c.tokens, &[tier, tenant, pool, model, variant, kind], n as f64);
+            add(
+                &c.tokens,
+                &[tier, tenant, pool, model, variant, kind],
+                n as f64,
+            );
         }
     }
 
@@ -1071,7 +1078,8 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("kiln_queue_depth{tenant=\"none\",tier=\"chat\"} 0"));
-        assert!(text.contains("kiln_replica_busy_ratio{model=\"llama\",pool=\"h100\",variant=\"fp16\"} 0"));
+        assert!(text
+            .contains("kiln_replica_busy_ratio{model=\"llama\",pool=\"h100\",variant=\"fp16\"} 0"));
         assert!(text.contains("kiln_ttft_seconds_count{model=\"llama\",pool=\"h100\",tenant=\"acme\",tier=\"chat\",variant=\"fp16\"} 0"));
         // No TTFT SLO: no overload series; no tenant: no quota series.
         assert!(!text.contains("reason=\"overload\""));
@@ -1270,7 +1278,9 @@ mod tests {
             "kiln_queue_oldest_wait_seconds{tenant=\"support-bot\",tier=\"interactive\"} 0.125\n"
         ));
         assert!(text.contains("kiln_replicas{model=\"llama-8b\",pool=\"l4\",variant=\"none\"} 1\n"));
-        assert!(text.contains("kiln_kv_cache_usage_ratio{model=\"llama-8b\",pool=\"l4\",variant=\"none\"} 0.25\n"));
+        assert!(text.contains(
+            "kiln_kv_cache_usage_ratio{model=\"llama-8b\",pool=\"l4\",variant=\"none\"} 0.25\n"
+        ));
         // Counters and histograms are not gauges: they stay.
         assert!(text.contains("kiln_deadline_misses_total{tenant=\"none\",tier=\"batch\"} 1\n"));
         // Nothing left at all: the family disappears.
@@ -1316,8 +1326,12 @@ mod tests {
             text.contains("le=\"0.001\"} 1\n"),
             "negative wait counts as 0"
         );
-        assert!(text.contains("kiln_kv_cache_usage_ratio{model=\"m\",pool=\"p\",variant=\"none\"} 0\n"));
-        assert!(text.contains("kiln_replica_busy_ratio{model=\"m\",pool=\"p\",variant=\"none\"} 0\n"));
+        assert!(
+            text.contains("kiln_kv_cache_usage_ratio{model=\"m\",pool=\"p\",variant=\"none\"} 0\n")
+        );
+        assert!(
+            text.contains("kiln_replica_busy_ratio{model=\"m\",pool=\"p\",variant=\"none\"} 0\n")
+        );
     }
 
     #[test]

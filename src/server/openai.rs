@@ -328,9 +328,18 @@ pub struct ApiError {
     pub code: Option<String>,
     pub param: Option<&'static str>,
     pub retry_after_s: Option<u64>,
-    /// The request's id (`x-kiln-request-id`).
-    pub request_id: Option<String>,
-    /// Whether `/admin/explain/{request_id}` holds an entry for it.
+    /// The request it answers, where kiln recorded one (boxed: most
+    /// errors are built and dropped on paths that never set it).
+    pub recorded: Option<Box<Recorded>>,
+}
+
+/// The request a refusal answers, as its headers name it.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Recorded {
+    /// `x-kiln-request-id`.
+    pub id: String,
+    /// Whether `/admin/explain/{id}` holds an entry for it
+    /// (`x-kiln-explain`).
     pub explained: bool,
     /// The policy version consulted (`x-kiln-policy-version`).
     pub policy_version: Option<String>,
@@ -379,9 +388,7 @@ impl ApiError {
             code: None,
             param: None,
             retry_after_s: None,
-            request_id: None,
-            explained: false,
-            policy_version: None,
+            recorded: None,
         }
     }
 
@@ -405,16 +412,22 @@ impl ApiError {
     /// Names the request this error answers (and, when `explained`, the
     /// explain entry that records it); an id already set is kept.
     pub fn for_request(mut self, id: &str, explained: bool) -> ApiError {
-        if self.request_id.is_none() {
-            self.request_id = Some(id.to_string());
-            self.explained = explained;
+        if self.recorded.is_none() {
+            self.recorded = Some(Box::new(Recorded {
+                id: id.to_string(),
+                explained,
+                policy_version: None,
+            }));
         }
         self
     }
 
+    /// The version consulted, on an error [`ApiError::for_request`] named.
     pub fn policy_version(mut self, v: Option<&str>) -> ApiError {
-        if self.policy_version.is_none() {
-            self.policy_version = v.map(str::to_string);
+        if let Some(r) = self.recorded.as_mut() {
+            if r.policy_version.is_none() {
+                r.policy_version = v.map(str::to_string);
+            }
         }
         self
     }
@@ -447,19 +460,19 @@ impl IntoResponse for ApiError {
                 h.insert("retry-after", v);
             }
         }
-        if let Some(id) = &self.request_id {
-            if let Ok(v) = HeaderValue::from_str(id) {
+        if let Some(r) = &self.recorded {
+            if let Ok(v) = HeaderValue::from_str(&r.id) {
                 h.insert("x-kiln-request-id", v);
             }
-            if self.explained {
-                if let Ok(v) = HeaderValue::from_str(&format!("/admin/explain/{id}")) {
+            if r.explained {
+                if let Ok(v) = HeaderValue::from_str(&format!("/admin/explain/{}", r.id)) {
                     h.insert("x-kiln-explain", v);
                 }
             }
-        }
-        if let Some(pv) = self.policy_version.as_deref() {
-            if let Ok(v) = HeaderValue::from_str(pv) {
-                h.insert("x-kiln-policy-version", v);
+            if let Some(pv) = r.policy_version.as_deref() {
+                if let Ok(v) = HeaderValue::from_str(pv) {
+                    h.insert("x-kiln-policy-version", v);
+                }
             }
         }
         resp

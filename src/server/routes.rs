@@ -446,7 +446,10 @@ async fn admit_and_run(
     // Where no backend passes fields through, a field none can honour is
     // refused before the request waits in a queue.
     if !app.backends.iter().any(|b| matches!(b, Backend::Http(_))) {
-        let name = app.backends.first().map_or_else(|| "sim".to_string(), Backend::name);
+        let name = app
+            .backends
+            .first()
+            .map_or_else(|| "sim".to_string(), Backend::name);
         if let Some(err) = super::surface::unsupported_field(ctx.endpoint, &ctx.body, &name) {
             finish_refused(&ctx, None, "unsupported_parameter", &err);
             return Err(err);
@@ -619,7 +622,8 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
                 let name = backend.name();
                 // Decided and routed here: a field this backend cannot
                 // honour is refused (an HTTP upstream would get it as sent).
-                if let Some(err) = super::surface::unsupported_field(ctx.endpoint, &ctx.body, &name) {
+                if let Some(err) = super::surface::unsupported_field(ctx.endpoint, &ctx.body, &name)
+                {
                     finish_refused(&ctx, Some(&started.d), "unsupported_parameter", &err);
                     return Err(err);
                 }

@@ -36,7 +36,7 @@ pub fn explain_refusal(
     tenant: Option<&str>,
     err: ApiError,
 ) -> ApiError {
-    if err.request_id.is_some() {
+    if err.recorded.is_some() {
         return err;
     }
     let rid = new_request_id(app);
@@ -177,8 +177,8 @@ fn visible_models(app: &App, headers: &HeaderMap) -> Result<Vec<String>, ApiErro
     if !keys_required(app, g) {
         return Ok(g.models.iter().map(|m| m.name.clone()).collect());
     }
-    let tenant = authenticate(app, g, headers)
-        .map_err(|e| explain_refusal(app, "/v1/models", None, e))?;
+    let tenant =
+        authenticate(app, g, headers).map_err(|e| explain_refusal(app, "/v1/models", None, e))?;
     Ok(usable_models(g, tenant.as_deref()))
 }
 
@@ -208,7 +208,7 @@ pub async fn get_model(
         Ok(ms) => ms,
         Err(e) => return e.into_response(),
     };
-    if ms.iter().any(|m| *m == id) {
+    if ms.contains(&id) {
         return axum::Json(model_object(&app, &id)).into_response();
     }
     let err = ApiError::new(
@@ -247,7 +247,8 @@ pub fn list_or_none(ms: &[String]) -> String {
 // ---- request fields --------------------------------------------------------
 
 /// The backends that accept the fields refused on the others.
-const PASS_THROUGH: &str = "HTTP upstream backends (`backend = \"http\"`) pass it through unchanged";
+const PASS_THROUGH: &str =
+    "HTTP upstream backends (`backend = \"http\"`) pass it through unchanged";
 
 /// A field a backend that generates its own tokens (the simulator, a CUDA
 /// replica) cannot honour: kiln refuses rather than ignore it. `None` when
@@ -276,7 +277,10 @@ pub fn unsupported_field(endpoint: Endpoint, body: &Value, backend: &str) -> Opt
     };
     for k in ["tools", "functions"] {
         if set(k).is_some_and(nonempty) {
-            return refuse(if k == "tools" { "tools" } else { "functions" }, "(tool calling)");
+            return refuse(
+                if k == "tools" { "tools" } else { "functions" },
+                "(tool calling)",
+            );
         }
     }
     if set("tool_choice").is_some_and(|v| v.as_str() != Some("none")) {
@@ -290,7 +294,8 @@ pub fn unsupported_field(endpoint: Endpoint, body: &Value, backend: &str) -> Opt
         return refuse("response_format", "(structured output)");
     }
     // Chat's `logprobs` is a flag; completions' a count.
-    if set("logprobs").is_some_and(|v| v.as_bool() == Some(true) || v.as_u64().is_some_and(|n| n > 0))
+    if set("logprobs")
+        .is_some_and(|v| v.as_bool() == Some(true) || v.as_u64().is_some_and(|n| n > 0))
     {
         return refuse("logprobs", "(token log probabilities)");
     }
@@ -307,7 +312,10 @@ pub fn unsupported_field(endpoint: Endpoint, body: &Value, backend: &str) -> Opt
         return refuse("logit_bias", "(token biases)");
     }
     if set("stop").is_some_and(nonempty) {
-        return refuse("stop", "(stop sequences: its text is generated, not decoded)");
+        return refuse(
+            "stop",
+            "(stop sequences: its text is generated, not decoded)",
+        );
     }
     if set("suffix").is_some_and(nonempty) {
         return refuse("suffix", "(insertion)");
@@ -337,11 +345,15 @@ pub fn unsupported_field(endpoint: Endpoint, body: &Value, backend: &str) -> Opt
                     let kind = clip(kind);
                     return refuse(
                         "messages",
-                        &format!("has a `{kind}` content part (messages[{i}].content[{j}]; text only)"),
+                        &format!(
+                            "has a `{kind}` content part (messages[{i}].content[{j}]; text only)"
+                        ),
                     );
                 }
             }
-            if m.get("tool_calls").is_some_and(nonempty) || m.get("function_call").is_some_and(nonempty) {
+            if m.get("tool_calls").is_some_and(nonempty)
+                || m.get("function_call").is_some_and(nonempty)
+            {
                 return refuse("messages", &format!("has tool calls (messages[{i}])"));
             }
         }
@@ -507,7 +519,10 @@ mod tests {
             (json!({"tools": [{"type": "function"}]}), "tools"),
             (json!({"tool_choice": "auto"}), "tool_choice"),
             (json!({"functions": [{"name": "f"}]}), "functions"),
-            (json!({"response_format": {"type": "json_object"}}), "response_format"),
+            (
+                json!({"response_format": {"type": "json_object"}}),
+                "response_format",
+            ),
             (json!({"logprobs": true}), "logprobs"),
             (json!({"top_logprobs": 3}), "top_logprobs"),
             (json!({"n": 2}), "n"),
