@@ -618,6 +618,40 @@ mod tests {
     }
 
     #[test]
+    fn a_code_is_never_null_and_a_recorded_refusal_names_itself() {
+        for status in [
+            400, 401, 403, 404, 405, 408, 413, 429, 431, 500, 502, 503, 504, 418,
+        ] {
+            let b = ApiError::new(status, "x").body();
+            assert!(b["error"]["code"].is_string(), "{status}: {b}");
+        }
+        assert_eq!(
+            ApiError::new(413, "x").body()["error"]["code"],
+            "request_too_large"
+        );
+        // A specific code wins over the status's.
+        assert_eq!(
+            ApiError::new(404, "x").code("model_not_found").body()["error"]["code"],
+            "model_not_found"
+        );
+        let r = ApiError::new(429, "slow down")
+            .for_request("abc-7", true)
+            .policy_version(Some("sha256:1"))
+            // A second id does not replace the first.
+            .for_request("other", false)
+            .into_response();
+        let h = r.headers();
+        assert_eq!(h["x-kiln-request-id"], "abc-7");
+        assert_eq!(h["x-kiln-explain"], "/admin/explain/abc-7");
+        assert_eq!(h["x-kiln-policy-version"], "sha256:1");
+        let r = ApiError::new(401, "no")
+            .for_request("abc-8", false)
+            .into_response();
+        assert!(!r.headers().contains_key("x-kiln-explain"));
+        assert!(!r.headers().contains_key("x-kiln-policy-version"));
+    }
+
+    #[test]
     fn error_shape_is_openai() {
         let e = ApiError::new(429, "slow down")
             .retry_after(Some(3))
