@@ -246,9 +246,12 @@ async fn errors_have_openai_shape_and_status() {
     assert!(r.headers().contains_key("retry-after"));
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["error"]["code"], "quota");
-    // models
+    // models: the policy has keys, so listing them takes one
+    let r = c.get(format!("{base}/v1/models")).send().await.unwrap();
+    assert_eq!(r.status(), 401);
     let v: Value = c
         .get(format!("{base}/v1/models"))
+        .bearer_auth("k-alpha")
         .send()
         .await
         .unwrap()
@@ -912,7 +915,23 @@ async fn every_listed_metric_is_exported_at_zero_from_the_start_and_after_a_swap
     for t in &g.tenants {
         assert!(tenants.contains(&t.name), "tenant {} not primed", t.name);
     }
-    assert!(m.contains("kiln_requests_total{model=\"llama-70b.fp16\",outcome=\"ok\",pool=\"h100\",tenant=\"support-bot\",tier=\"interactive\"} 0"), "{m}");
+    // The variant is a label of its own, not folded into `model`.
+    assert!(m.contains("kiln_requests_total{model=\"llama-70b\",outcome=\"ok\",pool=\"h100\",tenant=\"support-bot\",tier=\"interactive\",variant=\"fp16\"} 0"), "{m}");
+    for metric in [
+        "kiln_requests_total",
+        "kiln_replica_slots",
+        "kiln_ttft_seconds",
+    ] {
+        let models = label_values(&m, metric, "model");
+        assert!(
+            models.iter().all(|x| !x.contains('.')),
+            "{metric}: {models:?}"
+        );
+        assert!(
+            label_values(&m, metric, "variant").contains("fp16"),
+            "{metric}"
+        );
+    }
     assert!(m.contains("kiln_queue_depth{tenant=\"support-bot\",tier=\"interactive\"} 0"));
 
     // A swapped-in policy's new tier is primed on the next scrape; the old

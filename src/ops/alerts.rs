@@ -319,23 +319,23 @@ pub fn rules(g: &DecisionGraph, o: &Options) -> Value {
     let fleet = vec![
         alert(
             "KilnReplicasBusy",
-            "max by (pool, model) (kiln_replica_busy_ratio) > 0.9".into(),
+            "max by (pool, model, variant) (kiln_replica_busy_ratio) > 0.9".into(),
             "15m",
             "ticket",
             annotations(
-                "Replicas of {{ $labels.pool }}/{{ $labels.model }} are more than 90% busy".into(),
-                format!("Policy {policy}: the replicas serving {{{{ $labels.model }}}} in pool {{{{ $labels.pool }}}} have spent more than 90% of their time running steps for 15 minutes: the pool is at capacity."),
+                "Replicas of {{ $labels.pool }}/{{ $labels.model }}.{{ $labels.variant }} are more than 90% busy".into(),
+                format!("Policy {policy}: the replicas serving {{{{ $labels.model }}}}.{{{{ $labels.variant }}}} in pool {{{{ $labels.pool }}}} have spent more than 90% of their time running steps for 15 minutes: the pool is at capacity."),
                 "a-tier-is-missing-its-slo",
             ),
         ),
         alert(
             "KilnReplicaSlotsFull",
-            "sum by (pool, model) (kiln_replica_slots_used) >= sum by (pool, model) (kiln_replica_slots) and sum by (pool, model) (kiln_replica_slots) > 0".into(),
+            "sum by (pool, model, variant) (kiln_replica_slots_used) >= sum by (pool, model, variant) (kiln_replica_slots) and sum by (pool, model, variant) (kiln_replica_slots) > 0".into(),
             "15m",
             "ticket",
             annotations(
-                "Every batch slot of {{ $labels.pool }}/{{ $labels.model }} is in use".into(),
-                format!("Policy {policy}: all batch slots of {{{{ $labels.model }}}} in pool {{{{ $labels.pool }}}} have been in use for 15 minutes; new work queues."),
+                "Every batch slot of {{ $labels.pool }}/{{ $labels.model }}.{{ $labels.variant }} is in use".into(),
+                format!("Policy {policy}: all batch slots of {{{{ $labels.model }}}}.{{{{ $labels.variant }}}} in pool {{{{ $labels.pool }}}} have been in use for 15 minutes; new work queues."),
                 "a-tenant-is-flooding",
             ),
         ),

@@ -208,8 +208,8 @@ pub fn dashboard(g: &DecisionGraph, policy: &str) -> Value {
         "GPU busy ratio".into(),
         "percentunit",
         vec![target(
-            "avg by (pool, model) (kiln_replica_busy_ratio)".into(),
-            "{{pool}} / {{model}}",
+            "avg by (pool, model, variant) (kiln_replica_busy_ratio)".into(),
+            "{{pool}} / {{model}}.{{variant}}",
             0,
         )],
         None,
@@ -234,13 +234,13 @@ pub fn dashboard(g: &DecisionGraph, policy: &str) -> Value {
         "short",
         vec![
             target(
-                "sum by (pool, model) (kiln_replica_slots_used)".into(),
-                "{{pool}} / {{model}} used",
+                "sum by (pool, model, variant) (kiln_replica_slots_used)".into(),
+                "{{pool}} / {{model}}.{{variant}} used",
                 0,
             ),
             target(
-                "sum by (pool, model) (kiln_replica_slots)".into(),
-                "{{pool}} / {{model}} slots",
+                "sum by (pool, model, variant) (kiln_replica_slots)".into(),
+                "{{pool}} / {{model}}.{{variant}} slots",
                 1,
             ),
         ],

@@ -152,11 +152,17 @@ async fn explain(
     if let Err(e) = authorize(&app, &headers) {
         return e.into_response();
     }
-    let Some(e) = app.explain.get(&id).or_else(|| app.explain_batch.get(&id)) else {
+    let Some(e) = app
+        .explain
+        .get(&id)
+        .or_else(|| app.explain_batch.get(&id))
+        .or_else(|| app.explain_early.get(&id))
+    else {
         return ApiError::new(
             404,
             format!("no recent request `{id}` (the gateway keeps the last 10,000)"),
         )
+        .code("request_not_found")
         .into_response();
     };
     let (decision, trace) = match (&e.graph, &e.signals) {

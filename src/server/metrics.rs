@@ -35,9 +35,18 @@ pub struct Labels<'a> {
 }
 
 impl Labels<'_> {
-    fn values(&self) -> [&str; 4] {
-        [self.tier, self.tenant, self.pool, self.model]
+    /// tier, tenant, pool, model, variant: `model` may be `model.variant`
+    /// (a route), split here into its own label.
+    fn values(&self) -> [&str; 5] {
+        let (model, variant) = model_variant(self.model);
+        [self.tier, self.tenant, self.pool, model, variant]
     }
+}
+
+/// `model.variant` as the `model` and `variant` labels (`none` for a
+/// variant a name does not carry).
+pub fn model_variant(name: &str) -> (&str, &str) {
+    name.split_once('.').unwrap_or((name, "none"))
 }
 
 /// How a request ended, the `outcome` label of `kiln_requests_total`.
@@ -255,9 +264,9 @@ impl Default for Metrics {
     }
 }
 
-const RTPM: &[&str] = &["tier", "tenant", "pool", "model"];
+const RTPM: &[&str] = &["tier", "tenant", "pool", "model", "variant"];
 const TT: &[&str] = &["tier", "tenant"];
-const PM: &[&str] = &["pool", "model"];
+const PM: &[&str] = &["pool", "model", "variant"];
 
 impl Collectors {
     /// The gauges of one (pool, model) replica group.
@@ -289,7 +298,7 @@ impl Collectors {
                 r,
                 "kiln_requests_total",
                 "Requests finished, by how they ended (ok, rejected, cancelled, upstream_error, timeout, preempted: a stream ended because its upstream work was preempted).",
-                &["tier", "tenant", "pool", "model", "outcome"],
+                &["tier", "tenant", "pool", "model", "variant", "outcome"],
             )?,
             rejects: counter(
                 r,
@@ -319,7 +328,7 @@ impl Collectors {
                 r,
                 "kiln_tokens_total",
                 "Tokens processed, by kind: prompt (input) or completion (output).",
-                &["tier", "tenant", "pool", "model", "kind"],
+                &["tier", "tenant", "pool", "model", "variant", "kind"],
             )?,
             gpu_seconds: counter(
                 r,
@@ -579,12 +588,16 @@ impl Metrics {
                     continue;
                 }
                 for (pool, model) in &t.routes {
-                    let v = [tier, tenant, pool.as_str(), model.as_str()];
+                    let (m, variant) = model_variant(model);
+                    let v = [tier, tenant, pool.as_str(), m, variant];
                     for o in OUTCOMES {
-                        b.touch(&c.requests, &[v[0], v[1], v[2], v[3], o.as_str()]);
+                        b.touch(
+                            &c.requests,
+                            &[tier, tenant, pool.as_str(), m, variant, o.as_str()],
+                        );
                     }
                     for kind in ["prompt", "completion"] {
-                        b.touch(&c.tokens, &[v[0], v[1], v[2], v[3], kind]);
+                        b.touch(&c.tokens, &[tier, tenant, pool.as_str(), m, variant, kind]);
                     }
                     b.touch(&c.gpu_seconds, &v);
                     b.touch(&c.cost, &v);
@@ -617,7 +630,8 @@ impl Metrics {
             }
         }
         for (pool, model) in &cat.replicas {
-            let v = [pool.as_str(), model.as_str()];
+            let (m, variant) = model_variant(model);
+            let v = [pool.as_str(), m, variant];
             for g in c.replica_gauges() {
                 let _ = get(g, &v);
             }
@@ -643,10 +657,10 @@ impl Metrics {
     /// A request ended.
     pub fn request_done(&self, l: &Labels, outcome: Outcome) {
         let Some(c) = &self.c else { return };
-        let [tier, tenant, pool, model] = l.values();
+        let [tier, tenant, pool, model, variant] = l.values();
         add(
             &c.requests,
-            &[tier, tenant, pool, model, outcome.as_str()],
+            &[tier, tenant, pool, model, variant, outcome.as_str()],
             1.0,
         );
     }
@@ -680,9 +694,13 @@ impl Metrics {
 
     pub fn tokens(&self, l: &Labels, prompt: u64, completion: u64) {
         let Some(c) = &self.c else { return };
-        let [tier, tenant, pool, model] = l.values();
+        let [tier, tenant, pool, model, variant] = l.values();
         for (kind, n) in [("prompt", prompt), ("completion", completion)] {
-            add(&c.tokens, &[tier, tenant, pool, model, kind], n as f64);
+            add(
+                &c.tokens,
+                &[tier, tenant, pool, model, variant, kind],
+                n as f64,
+            );
         }
     }
 
@@ -780,7 +798,8 @@ impl Metrics {
             busy_fraction,
         } = load;
         let Some(c) = &self.c else { return };
-        let v = [pool, model];
+        let (model, variant) = model_variant(model);
+        let v = [pool, model, variant];
         let n = add_gauge(&c.replicas, &v, 1.0).max(1.0);
         add_gauge(&c.slots_used, &v, running as f64);
         add_gauge(&c.slots, &v, slots as f64);
@@ -1059,8 +1078,9 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("kiln_queue_depth{tenant=\"none\",tier=\"chat\"} 0"));
-        assert!(text.contains("kiln_replica_busy_ratio{model=\"llama.fp16\",pool=\"h100\"} 0"));
-        assert!(text.contains("kiln_ttft_seconds_count{model=\"llama.fp16\",pool=\"h100\",tenant=\"acme\",tier=\"chat\"} 0"));
+        assert!(text
+            .contains("kiln_replica_busy_ratio{model=\"llama\",pool=\"h100\",variant=\"fp16\"} 0"));
+        assert!(text.contains("kiln_ttft_seconds_count{model=\"llama\",pool=\"h100\",tenant=\"acme\",tier=\"chat\",variant=\"fp16\"} 0"));
         // No TTFT SLO: no overload series; no tenant: no quota series.
         assert!(!text.contains("reason=\"overload\""));
         assert!(!text.contains("reason=\"quota\",status=\"429\",tenant=\"none\""));
@@ -1162,16 +1182,16 @@ mod tests {
     fn renders_expected_series_after_events() {
         let text = populated().render();
         for want in [
-            "kiln_requests_total{model=\"llama-70b\",outcome=\"ok\",pool=\"h100\",tenant=\"support-bot\",tier=\"interactive\"} 2",
-            "kiln_requests_total{model=\"none\",outcome=\"rejected\",pool=\"none\",tenant=\"none\",tier=\"batch\"} 1",
+            "kiln_requests_total{model=\"llama-70b\",outcome=\"ok\",pool=\"h100\",tenant=\"support-bot\",tier=\"interactive\",variant=\"none\"} 2",
+            "kiln_requests_total{model=\"none\",outcome=\"rejected\",pool=\"none\",tenant=\"none\",tier=\"batch\",variant=\"none\"} 1",
             "kiln_rejects_total{reason=\"quota\",status=\"429\",tenant=\"none\",tier=\"batch\"} 1",
-            "kiln_queue_wait_seconds_bucket{model=\"llama-70b\",pool=\"h100\",tenant=\"support-bot\",tier=\"interactive\",le=\"0.001\"} 1",
-            "kiln_queue_wait_seconds_count{model=\"llama-70b\",pool=\"h100\",tenant=\"support-bot\",tier=\"interactive\"} 2",
-            "kiln_ttft_seconds_sum{model=\"llama-70b\",pool=\"h100\",tenant=\"support-bot\",tier=\"interactive\"} 0.625",
-            "kiln_e2e_seconds_bucket{model=\"llama-70b\",pool=\"h100\",tenant=\"none\",tier=\"batch\",le=\"600\"} 1",
-            "kiln_tokens_total{kind=\"completion\",model=\"llama-70b\",pool=\"h100\",tenant=\"support-bot\",tier=\"interactive\"} 250",
-            "kiln_gpu_seconds_total{model=\"llama-70b\",pool=\"h100\",tenant=\"support-bot\",tier=\"interactive\"} 1.5",
-            "kiln_cost_usd_total{model=\"llama-70b\",pool=\"h100\",tenant=\"support-bot\",tier=\"interactive\"} 0.00125",
+            "kiln_queue_wait_seconds_bucket{model=\"llama-70b\",pool=\"h100\",tenant=\"support-bot\",tier=\"interactive\",variant=\"none\",le=\"0.001\"} 1",
+            "kiln_queue_wait_seconds_count{model=\"llama-70b\",pool=\"h100\",tenant=\"support-bot\",tier=\"interactive\",variant=\"none\"} 2",
+            "kiln_ttft_seconds_sum{model=\"llama-70b\",pool=\"h100\",tenant=\"support-bot\",tier=\"interactive\",variant=\"none\"} 0.625",
+            "kiln_e2e_seconds_bucket{model=\"llama-70b\",pool=\"h100\",tenant=\"none\",tier=\"batch\",variant=\"none\",le=\"600\"} 1",
+            "kiln_tokens_total{kind=\"completion\",model=\"llama-70b\",pool=\"h100\",tenant=\"support-bot\",tier=\"interactive\",variant=\"none\"} 250",
+            "kiln_gpu_seconds_total{model=\"llama-70b\",pool=\"h100\",tenant=\"support-bot\",tier=\"interactive\",variant=\"none\"} 1.5",
+            "kiln_cost_usd_total{model=\"llama-70b\",pool=\"h100\",tenant=\"support-bot\",tier=\"interactive\",variant=\"none\"} 0.00125",
             "kiln_preemptions_total{tenant=\"none\",tier=\"batch\"} 1",
             "kiln_fallbacks_total{step=\"1\",tenant=\"support-bot\",tier=\"interactive\"} 1",
             "kiln_deadline_misses_total{tenant=\"none\",tier=\"batch\"} 1",
@@ -1180,13 +1200,13 @@ mod tests {
             "kiln_policy_info{version=\"3f2a9c1\"} 1",
             "kiln_queue_depth{tenant=\"none\",tier=\"batch\"} 120",
             "kiln_queue_oldest_wait_seconds{tenant=\"none\",tier=\"batch\"} 42.25",
-            "kiln_replicas{model=\"llama-70b\",pool=\"h100\"} 2",
-            "kiln_replica_slots_used{model=\"llama-70b\",pool=\"h100\"} 16",
-            "kiln_replica_slots{model=\"llama-70b\",pool=\"h100\"} 128",
-            "kiln_kv_cache_used_tokens{model=\"llama-70b\",pool=\"h100\"} 400000",
-            "kiln_kv_cache_capacity_tokens{model=\"llama-70b\",pool=\"h100\"} 2000000",
-            "kiln_kv_cache_usage_ratio{model=\"llama-70b\",pool=\"h100\"} 0.2",
-            "kiln_replica_busy_ratio{model=\"llama-70b\",pool=\"h100\"} 0.5",
+            "kiln_replicas{model=\"llama-70b\",pool=\"h100\",variant=\"none\"} 2",
+            "kiln_replica_slots_used{model=\"llama-70b\",pool=\"h100\",variant=\"none\"} 16",
+            "kiln_replica_slots{model=\"llama-70b\",pool=\"h100\",variant=\"none\"} 128",
+            "kiln_kv_cache_used_tokens{model=\"llama-70b\",pool=\"h100\",variant=\"none\"} 400000",
+            "kiln_kv_cache_capacity_tokens{model=\"llama-70b\",pool=\"h100\",variant=\"none\"} 2000000",
+            "kiln_kv_cache_usage_ratio{model=\"llama-70b\",pool=\"h100\",variant=\"none\"} 0.2",
+            "kiln_replica_busy_ratio{model=\"llama-70b\",pool=\"h100\",variant=\"none\"} 0.5",
             "# HELP kiln_ttft_seconds Time from arrival at the gateway to the first output token.",
             "# TYPE kiln_e2e_seconds histogram",
             "# TYPE kiln_requests_total counter",
@@ -1252,13 +1272,15 @@ mod tests {
         );
         let text = m.render();
         assert!(!text.contains("tenant=\"none\"}"), "{text}");
-        assert!(!text.contains("model=\"llama-70b\",pool=\"h100\"}"));
+        assert!(!text.contains("model=\"llama-70b\",pool=\"h100\",variant=\"none\"}"));
         assert!(text.contains("kiln_queue_depth{tenant=\"support-bot\",tier=\"interactive\"} 1\n"));
         assert!(text.contains(
             "kiln_queue_oldest_wait_seconds{tenant=\"support-bot\",tier=\"interactive\"} 0.125\n"
         ));
-        assert!(text.contains("kiln_replicas{model=\"llama-8b\",pool=\"l4\"} 1\n"));
-        assert!(text.contains("kiln_kv_cache_usage_ratio{model=\"llama-8b\",pool=\"l4\"} 0.25\n"));
+        assert!(text.contains("kiln_replicas{model=\"llama-8b\",pool=\"l4\",variant=\"none\"} 1\n"));
+        assert!(text.contains(
+            "kiln_kv_cache_usage_ratio{model=\"llama-8b\",pool=\"l4\",variant=\"none\"} 0.25\n"
+        ));
         // Counters and histograms are not gauges: they stay.
         assert!(text.contains("kiln_deadline_misses_total{tenant=\"none\",tier=\"batch\"} 1\n"));
         // Nothing left at all: the family disappears.
@@ -1304,8 +1326,12 @@ mod tests {
             text.contains("le=\"0.001\"} 1\n"),
             "negative wait counts as 0"
         );
-        assert!(text.contains("kiln_kv_cache_usage_ratio{model=\"m\",pool=\"p\"} 0\n"));
-        assert!(text.contains("kiln_replica_busy_ratio{model=\"m\",pool=\"p\"} 0\n"));
+        assert!(
+            text.contains("kiln_kv_cache_usage_ratio{model=\"m\",pool=\"p\",variant=\"none\"} 0\n")
+        );
+        assert!(
+            text.contains("kiln_replica_busy_ratio{model=\"m\",pool=\"p\",variant=\"none\"} 0\n")
+        );
     }
 
     #[test]

@@ -26,6 +26,7 @@ pub mod metrics;
 pub mod openai;
 pub mod prefix;
 pub mod routes;
+pub mod surface;
 
 use crate::backend::cost::Calibration;
 use crate::backend::{deploy, Backend};
@@ -65,6 +66,10 @@ pub struct App {
     /// the interactive requests someone is debugging, nor grow the
     /// gateway past a small fixed share (a tenth of the entries and bytes).
     pub explain_batch: explain::ExplainStore,
+    /// Requests refused before they were recorded (a bad key, a body that
+    /// does not parse), apart too: a flood of them must not evict the
+    /// explains of the requests kiln decided.
+    pub explain_early: explain::ExplainStore,
     pub next_id: AtomicU64,
     pub backends: Arc<Vec<Backend>>,
     pub calibration: Option<Calibration>,
@@ -212,16 +217,6 @@ impl Running {
     }
 }
 
-/// Unknown paths and methods answer in OpenAI's error shape too.
-async fn not_found(uri: axum::http::Uri) -> openai::ApiError {
-    openai::ApiError::new(404, format!("no such endpoint: {}", uri.path())).code("not_found")
-}
-
-async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> openai::ApiError {
-    openai::ApiError::new(405, format!("{} does not accept {method}", uri.path()))
-        .code("method_not_allowed")
-}
-
 /// Builds everything and starts serving on `opts.listen`.
 pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
     let ServeOptions {
@@ -325,6 +320,8 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
     let explain = explain::ExplainStore::new(10_000, config.limits.explain_max_bytes);
     let explain_batch =
         explain::ExplainStore::new(1_000, (config.limits.explain_max_bytes / 10).max(1));
+    let explain_early =
+        explain::ExplainStore::new(1_000, (config.limits.explain_max_bytes / 10).max(1));
     let conn_limits = listen::ConnLimits::from_config(&config.limits);
     let app = Arc::new(App {
         exec: exec_handle,
@@ -337,6 +334,7 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         log,
         explain,
         explain_batch,
+        explain_early,
         next_id: AtomicU64::new(1),
         backends,
         calibration,
@@ -363,11 +361,15 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         .merge(batches::router(app.clone()))
         .merge(admin::router(app.clone()))
         .merge(governance::router(app.clone()))
-        .fallback(not_found)
-        .method_not_allowed_fallback(method_not_allowed)
+        .fallback(surface::not_found)
+        .method_not_allowed_fallback(surface::method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(
             app.clone(),
             limits::guard,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            app.clone(),
+            surface::stamp,
         ));
     let runner = governance::spawn_runner(app.clone());
     let batch_runner = batch_runner::spawn(app.clone());

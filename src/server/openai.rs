@@ -143,9 +143,11 @@ impl GenerationRequest {
                 }
             }
         }
-        if req.n.is_some_and(|n| n != 1) {
+        // `n` above 1 is the backend's to honour or refuse
+        // (`surface::unsupported_field`); 0 is no request.
+        if req.n == Some(0) {
             return Err(ApiError::bad_request(
-                "kiln serves n = 1 only; send separate requests".into(),
+                "`n` must be at least 1".into(),
                 Some("n"),
             ));
         }
@@ -314,6 +316,10 @@ pub struct PromptTokens {
 
 /// An error in OpenAI's shape: `{"error": {"message", "type", "param",
 /// "code"}}`, with the HTTP status and, for 429 and 503, Retry-After.
+/// `code` is never `null`: without a specific one the status gives it
+/// ([`default_code`]). A refusal of a request kiln recorded also carries
+/// `x-kiln-request-id`, `x-kiln-explain` and, where a policy was
+/// consulted, `x-kiln-policy-version`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApiError {
     pub status: u16,
@@ -322,6 +328,47 @@ pub struct ApiError {
     pub code: Option<String>,
     pub param: Option<&'static str>,
     pub retry_after_s: Option<u64>,
+    /// The request it answers, where kiln recorded one (boxed: most
+    /// errors are built and dropped on paths that never set it).
+    pub recorded: Option<Box<Recorded>>,
+}
+
+/// The request a refusal answers, as its headers name it.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Recorded {
+    /// `x-kiln-request-id`.
+    pub id: String,
+    /// Whether `/admin/explain/{id}` holds an entry for it
+    /// (`x-kiln-explain`).
+    pub explained: bool,
+    /// The policy version consulted (`x-kiln-policy-version`).
+    pub policy_version: Option<String>,
+}
+
+/// The code an error without a more specific one answers with: what its
+/// status means, in OpenAI's vocabulary where it has a word for it.
+pub fn default_code(status: u16) -> &'static str {
+    match status {
+        400 => "invalid_request_error",
+        401 => "invalid_api_key",
+        403 => "permission_denied",
+        404 => "not_found",
+        405 => "method_not_allowed",
+        408 => "request_timeout",
+        409 => "conflict",
+        411 => "length_required",
+        413 => "request_too_large",
+        415 => "unsupported_media_type",
+        422 => "unprocessable_entity",
+        429 => "rate_limit_exceeded",
+        431 => "request_header_fields_too_large",
+        501 => "not_implemented",
+        502 => "upstream_error",
+        503 => "service_unavailable",
+        504 => "timeout",
+        _ if status >= 500 => "internal_error",
+        _ => "invalid_request_error",
+    }
 }
 
 impl ApiError {
@@ -341,6 +388,7 @@ impl ApiError {
             code: None,
             param: None,
             retry_after_s: None,
+            recorded: None,
         }
     }
 
@@ -361,13 +409,42 @@ impl ApiError {
         self
     }
 
+    /// Names the request this error answers (and, when `explained`, the
+    /// explain entry that records it); an id already set is kept.
+    pub fn for_request(mut self, id: &str, explained: bool) -> ApiError {
+        if self.recorded.is_none() {
+            self.recorded = Some(Box::new(Recorded {
+                id: id.to_string(),
+                explained,
+                policy_version: None,
+            }));
+        }
+        self
+    }
+
+    /// The version consulted, on an error [`ApiError::for_request`] named.
+    pub fn policy_version(mut self, v: Option<&str>) -> ApiError {
+        if let Some(r) = self.recorded.as_mut() {
+            if r.policy_version.is_none() {
+                r.policy_version = v.map(str::to_string);
+            }
+        }
+        self
+    }
+
+    pub fn code_or_default(&self) -> &str {
+        self.code
+            .as_deref()
+            .unwrap_or_else(|| default_code(self.status))
+    }
+
     pub fn body(&self) -> Value {
         json!({
             "error": {
                 "message": self.message,
                 "type": self.kind,
                 "param": self.param,
-                "code": self.code,
+                "code": self.code_or_default(),
             }
         })
     }
@@ -377,9 +454,25 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         let mut resp = (status, axum::Json(self.body())).into_response();
+        let h = resp.headers_mut();
         if let Some(s) = self.retry_after_s {
             if let Ok(v) = HeaderValue::from_str(&s.to_string()) {
-                resp.headers_mut().insert("retry-after", v);
+                h.insert("retry-after", v);
+            }
+        }
+        if let Some(r) = &self.recorded {
+            if let Ok(v) = HeaderValue::from_str(&r.id) {
+                h.insert("x-kiln-request-id", v);
+            }
+            if r.explained {
+                if let Ok(v) = HeaderValue::from_str(&format!("/admin/explain/{}", r.id)) {
+                    h.insert("x-kiln-explain", v);
+                }
+            }
+            if let Some(pv) = r.policy_version.as_deref() {
+                if let Ok(v) = HeaderValue::from_str(pv) {
+                    h.insert("x-kiln-policy-version", v);
+                }
             }
         }
         resp
@@ -522,6 +615,40 @@ mod tests {
         let p = t.prompt(&r, usize::MAX);
         assert_eq!(p.prefix_blocks.len(), prefix::MAX_PREFIX_BLOCKS);
         assert_eq!(p.count, toks.len() as u64);
+    }
+
+    #[test]
+    fn a_code_is_never_null_and_a_recorded_refusal_names_itself() {
+        for status in [
+            400, 401, 403, 404, 405, 408, 413, 429, 431, 500, 502, 503, 504, 418,
+        ] {
+            let b = ApiError::new(status, "x").body();
+            assert!(b["error"]["code"].is_string(), "{status}: {b}");
+        }
+        assert_eq!(
+            ApiError::new(413, "x").body()["error"]["code"],
+            "request_too_large"
+        );
+        // A specific code wins over the status's.
+        assert_eq!(
+            ApiError::new(404, "x").code("model_not_found").body()["error"]["code"],
+            "model_not_found"
+        );
+        let r = ApiError::new(429, "slow down")
+            .for_request("abc-7", true)
+            .policy_version(Some("sha256:1"))
+            // A second id does not replace the first.
+            .for_request("other", false)
+            .into_response();
+        let h = r.headers();
+        assert_eq!(h["x-kiln-request-id"], "abc-7");
+        assert_eq!(h["x-kiln-explain"], "/admin/explain/abc-7");
+        assert_eq!(h["x-kiln-policy-version"], "sha256:1");
+        let r = ApiError::new(401, "no")
+            .for_request("abc-8", false)
+            .into_response();
+        assert!(!r.headers().contains_key("x-kiln-explain"));
+        assert!(!r.headers().contains_key("x-kiln-policy-version"));
     }
 
     #[test]

@@ -28,7 +28,7 @@ use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use serde_json::{json, Value};
+use serde_json::Value;
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -39,7 +39,8 @@ pub fn router(app: Arc<App>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
-        .route("/v1/models", get(models))
+        .route("/v1/models", get(super::surface::list_models))
+        .route("/v1/models/{id}", get(super::surface::get_model))
         .with_state(app)
 }
 
@@ -49,18 +50,6 @@ async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Re
 
 async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
     generate(app, Endpoint::Completions, headers, body).await
-}
-
-async fn models(State(app): State<Arc<App>>) -> Response {
-    let p = app.policy.load();
-    let created = (app.boot_ms / 1000) as i64;
-    let data: Vec<Value> = p
-        .graph
-        .models
-        .iter()
-        .map(|m| json!({"id": m.name, "object": "model", "created": created, "owned_by": "kiln"}))
-        .collect();
-    axum::Json(json!({"object": "list", "data": data})).into_response()
 }
 
 /// Cancels the request in the scheduler unless disarmed: dropped with the
@@ -223,9 +212,10 @@ impl Ctx {
 }
 
 async fn generate(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body) -> Response {
-    match generate_inner(app, endpoint, headers, body).await {
+    match generate_inner(app.clone(), endpoint, headers, body).await {
         Ok(r) => r,
-        Err(e) => e.into_response(),
+        // Refused before it was recorded (its key, its body): explained too.
+        Err(e) => super::surface::explain_refusal(&app, endpoint.path(), None, e).into_response(),
     }
 }
 
@@ -417,7 +407,7 @@ async fn decide_and_serve(
         replica: None,
         clock: explain::ClockTimes::default(),
     });
-    let mut ctx = Ctx {
+    let ctx = Ctx {
         app: app.clone(),
         endpoint,
         id,
@@ -435,6 +425,36 @@ async fn decide_and_serve(
         window,
         claim: None,
     };
+    // Every refusal from here on names the request, its explain entry and
+    // the version that decided it.
+    let (rid, entry) = (ctx.rid.clone(), ctx.explain.clone());
+    admit_and_run(app, ctx, max_tokens, prompt_tokens)
+        .await
+        .map_err(|e| {
+            let ms = received.elapsed().as_secs_f64() * 1000.0;
+            super::surface::explain_recorded(e, &rid, &entry, ms, &policy.version)
+        })
+}
+
+/// The fleet's claim (where there is a fleet), then [`run`].
+async fn admit_and_run(
+    app: Arc<App>,
+    mut ctx: Ctx,
+    max_tokens: u64,
+    prompt_tokens: u64,
+) -> Result<Response, ApiError> {
+    // Where no backend passes fields through, a field none can honour is
+    // refused before the request waits in a queue.
+    if !app.backends.iter().any(|b| matches!(b, Backend::Http(_))) {
+        let name = app
+            .backends
+            .first()
+            .map_or_else(|| "sim".to_string(), Backend::name);
+        if let Some(err) = super::surface::unsupported_field(ctx.endpoint, &ctx.body, &name) {
+            finish_refused(&ctx, None, "unsupported_parameter", &err);
+            return Err(err);
+        }
+    }
     if let Some(fleet) = app.fleet.clone() {
         fleet.wait_for_version().await;
         let need = prompt_tokens as f64 + max_tokens as f64;
@@ -600,6 +620,13 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
         match backend {
             Backend::Sim | Backend::Cuda(_) => {
                 let name = backend.name();
+                // Decided and routed here: a field this backend cannot
+                // honour is refused (an HTTP upstream would get it as sent).
+                if let Some(err) = super::surface::unsupported_field(ctx.endpoint, &ctx.body, &name)
+                {
+                    finish_refused(&ctx, Some(&started.d), "unsupported_parameter", &err);
+                    return Err(err);
+                }
                 return Ok(serve_scheduled(ctx, guard, rx, started, &name).await);
             }
             Backend::Http(u) => {
@@ -1024,21 +1051,27 @@ fn refusal(
 ) -> ApiError {
     let app = &ctx.app;
     let (tier, tenant) = decided_names(d);
-    let policy_msg = d.and_then(|d| {
+    let (policy_msg, policy_reason) = d.map_or((None, None), |d| {
         let dec = d.policy_graph.decide(&ctx.req, &d.policy_signals);
-        d.policy_graph.view(&dec).message
+        let v = d.policy_graph.view(&dec);
+        (v.message, v.reason)
     });
+    let not_allowed = policy_reason.as_deref() == Some("model-not-allowed");
     let msg = match reason {
-        Reason::Policy => policy_msg.unwrap_or_else(|| {
-            if status == 404 {
-                format!(
-                    "the model `{}` does not exist or tier `{tier}` may not use it (GET /v1/models lists models)",
-                    ctx.client_model
-                )
-            } else {
-                "the policy refused this request".into()
-            }
-        }),
+        // Not found (or not for this tier): which model was asked for, and
+        // which this tenant may use.
+        Reason::Policy if status == 404 || not_allowed => {
+            let tenant = ctx.req.tenant.as_deref().unwrap_or("none");
+            let g = d.map_or_else(|| app.policy.load().graph.clone(), |d| d.graph.clone());
+            let usable = super::surface::usable_models(&g, ctx.req.tenant.as_deref());
+            format!(
+                "{}: the model `{}` does not exist or tier `{tier}` may not use it; models available to tenant {tenant}: {} (GET /v1/models lists them)",
+                policy_msg.unwrap_or_else(|| "not found".into()),
+                ctx.client_model.chars().take(100).collect::<String>(),
+                super::surface::list_or_none(&usable),
+            )
+        }
+        Reason::Policy => policy_msg.unwrap_or_else(|| "the policy refused this request".into()),
         Reason::Quota => format!("tenant {tenant} is over its token or request quota"),
         Reason::TierQuota => format!(
             "tier {tier} is over its quota (tokens, requests, concurrent requests or GPU-seconds its requests share)"
@@ -1068,10 +1101,12 @@ fn refusal(
         (429 | 503, None) => Some(1),
         _ => None,
     };
-    let code = if status == 404 {
-        "model_not_found".to_string()
-    } else {
-        reason.name().to_string()
+    // The policy's own reason where it gives one (`model-not-allowed`,
+    // `pool-fenced`), as a code.
+    let code = match (status, reason, policy_reason) {
+        (404, _, _) => "model_not_found".to_string(),
+        (_, Reason::Policy, Some(r)) => r.replace('-', "_"),
+        _ => reason.name().to_string(),
     };
     ApiError::new(status, msg).code(code).retry_after(retry)
 }
@@ -1092,6 +1127,12 @@ fn decided_names(d: Option<&Decided>) -> (String, String) {
 }
 
 fn finish_rejected(ctx: &Ctx, d: Option<&Decided>, reason: Reason, err: &ApiError) {
+    finish_refused(ctx, d, reason.name(), err);
+}
+
+/// [`finish_rejected`] for a refusal with a reason the scheduler does not
+/// name (`unsupported_parameter`).
+fn finish_refused(ctx: &Ctx, d: Option<&Decided>, reason: &str, err: &ApiError) {
     let app = &ctx.app;
     let (tier, mut tenant) = decided_names(d);
     // Refused before the policy decided (the fleet's quota): the tenant
@@ -1099,13 +1140,12 @@ fn finish_rejected(ctx: &Ctx, d: Option<&Decided>, reason: Reason, err: &ApiErro
     if let (None, Some(t)) = (d, ctx.req.tenant.as_ref()) {
         tenant = t.clone();
     }
-    app.metrics
-        .rejected(&tier, &tenant, reason.name(), err.status);
+    app.metrics.rejected(&tier, &tenant, reason, err.status);
     explain::note(
         &ctx.explain,
         ctx.ms(),
         format!("refused with {}: {}", err.status, err.message),
-        Some(reason.name()),
+        Some(reason),
     );
     if let Ok(mut e) = ctx.explain.lock() {
         e.outcome = Some(format!("rejected {}", err.status));
@@ -1114,7 +1154,7 @@ fn finish_rejected(ctx: &Ctx, d: Option<&Decided>, reason: Reason, err: &ApiErro
     if let Some(dec) = rec.decision.as_mut() {
         dec.admission = Some("reject".into());
         dec.status = Some(err.status);
-        dec.reason = Some(reason.name().to_string());
+        dec.reason = Some(reason.to_string());
     }
     rec.e2e_ms = Some(round3(ctx.ms()));
     app.log.write(rec);

@@ -111,6 +111,65 @@ def test_models_list(client):
     assert ids == ["llama-70b", "llama-8b"], ids
 
 
+def test_models_retrieve_and_refusals(client, kiln):
+    m = client.models.retrieve(MODEL)
+    assert (m.id, m.object) == (MODEL, "model"), m
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-17")
+    err = assert_openai_error(e.value.response.content)
+    assert err["code"] == "model_not_found", err
+    # The policy has keys: listing models takes one.
+    bad = OpenAI(base_url=f"{kiln.base}/v1", api_key="not-a-key", timeout=TIMEOUT, max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.models.list()
+    assert assert_openai_error(e.value.response.content)["code"] == "invalid_api_key"
+    assert e.value.response.headers.get("x-kiln-explain"), dict(e.value.response.headers)
+    bad.close()
+
+
+def test_refusals_name_their_request_and_explain_it(client, kiln):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-17", messages=MSGS, max_tokens=4)
+    h = e.value.response.headers
+    rid = h.get("x-kiln-request-id")
+    assert rid and h.get("x-kiln-explain") == f"/admin/explain/{rid}", dict(h)
+    assert h.get("x-kiln-policy-version") == kiln.version, dict(h)
+    msg = assert_openai_error(e.value.response.content)["message"]
+    assert "gpt-17" in msg and "llama-70b" in msg, msg
+    ex = kiln.get_json(h["x-kiln-explain"])
+    assert ex["id"] == rid
+    assert any(ev["event"].startswith("refused with 404") for ev in ex["scheduler"]["events"]), ex
+
+
+def test_fields_the_simulator_cannot_honour_are_refused(client):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4, tools=tools)
+    err = assert_openai_error(e.value.response.content)
+    assert (err["code"], err["param"]) == ("unsupported_parameter", "tools"), err
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=MODEL, messages=MSGS, max_tokens=4, response_format={"type": "json_object"}
+        )
+    assert assert_openai_error(e.value.response.content)["param"] == "response_format"
+    # Sampling settings are fine.
+    r = client.chat.completions.create(
+        model=MODEL, messages=MSGS, max_tokens=4, temperature=0.2, top_p=0.9, seed=3, user="u"
+    )
+    assert r.choices[0].message.content
+
+
+def test_unserved_endpoints_say_so(client, kiln):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.embeddings.create(model=MODEL, input="hello")
+    err = assert_openai_error(e.value.response.content)
+    assert err["code"] == "unsupported_endpoint", err
+    assert e.value.response.headers.get("x-kiln-request-id")
+    status, _, body = kiln.get("/v1/foo")
+    assert status == 404
+    assert assert_openai_error(body)["code"] == "unknown_url"
+
+
 def test_raw_response_headers_and_explain(client, kiln):
     raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=MSGS, max_tokens=8)
     assert raw.headers.get("x-kiln-tier") == "interactive"
