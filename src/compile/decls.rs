@@ -93,6 +93,8 @@ struct CacheSettings {
     ttl_us: u64,
     shared: bool,
     fields_similarity: Option<f32>,
+    /// `similarity` was written (valid or not).
+    similarity_seen: bool,
 }
 
 /// Fields of one block, checked against its schema.
@@ -783,6 +785,7 @@ impl Compiler<'_> {
             let s = self.cache_settings(e, SEMANTIC_CACHE_FIELDS, &format!("the semantic cache of {what}"), 5_000, 3_600 * 1_000_000);
             let similarity = match s.fields_similarity {
                 Some(x) => x,
+                None if s.similarity_seen => 1.0,
                 None => {
                     self.err(
                         Diagnostic::error(
@@ -820,6 +823,7 @@ impl Compiler<'_> {
             ttl_us,
             shared: false,
             fields_similarity: None,
+            similarity_seen: false,
         };
         if p.body.is_none() && p.args.values().is_empty() {
             return out;
@@ -880,6 +884,7 @@ impl Compiler<'_> {
             };
         }
         if let Some(sim) = s.get("similarity") {
+            out.similarity_seen = true;
             if let Some(v) = self.one(sim, "0.92") {
                 let x = match units::literal(v) {
                     Some(Ok(t)) if t.ty == Ty::Count => Some(t.value),
