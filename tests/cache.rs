@@ -484,3 +484,39 @@ fn content_keys_match_between_the_gateway_and_the_core() {
     b["user"] = json!("someone");
     assert_eq!(content_key(&a), content_key(&b));
 }
+
+#[test]
+fn simulate_replays_hits_per_tier_reproducibly() {
+    // 40 requests a second apart over four distinct prompts of two tenants:
+    // after each (tenant, prompt) pair's first answer, the rest are hits.
+    let records: Vec<kiln::traffic::Record> = (0..40u64)
+        .map(|i| {
+            let tenant = if i % 2 == 0 { "a" } else { "b" };
+            let prompt = (i / 2) % 4;
+            kiln::traffic::Record {
+                at_ms: (i * 1000) as f64,
+                tenant: Some(tenant.into()),
+                model: "m".into(),
+                prompt_tokens: 200,
+                max_tokens: 50,
+                output_tokens: 50,
+                cache_key: (prompt < 3).then(|| format!("{:064x}", prompt + 1)),
+                ..Default::default()
+            }
+        })
+        .collect();
+    let text = POLICY.replace(" quota { requests 3/min }", "");
+    let g = graph_of(&text);
+    let cost = kiln::backend::cost::CostModel::from_graph(&g, None).unwrap();
+    let run = || {
+        kiln::replay::replay_at(&g, &cost, &records, Config::default(), "kiln", 1.0, |_, _| {})
+    };
+    let rep = run();
+    let chat = rep.tiers.iter().find(|t| t.name == "chat").unwrap();
+    // 30 cacheable (3 prompts × 2 tenants × 5), 6 first answers: 24 hits.
+    assert_eq!(chat.cache_hits, Some(24));
+    assert_eq!(chat.requests, 40);
+    let json = serde_json::to_string_pretty(&rep.tiers).unwrap();
+    assert_eq!(json, serde_json::to_string_pretty(&run().tiers).unwrap(), "bit for bit");
+    insta::assert_snapshot!("simulate_cache_markdown", kiln::replay::report::markdown(&[rep]));
+}
