@@ -177,8 +177,20 @@ pub(super) fn hex(k: &Key) -> String {
     k.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// After a cacheable request missed: counts the miss, and stores `body`
-/// when it is a complete answer (`finish_reason` stop or length) of at
+/// A cacheable request its tier's cache did not hold: counted as it
+/// misses (whatever becomes of it after).
+pub(super) fn missed(ctx: &Ctx, d: &Decided) {
+    let tier = d
+        .graph
+        .tiers
+        .get(d.tier as usize)
+        .map_or("?", |t| t.name.as_str());
+    let tenant = tenant_name(&d.graph, d.tenant);
+    ctx.app.metrics.cache_lookup(tier, &tenant, false);
+}
+
+/// After a cacheable request missed: stores `body` when it is a complete
+/// answer (`finish_reason` stop or length) of at
 /// most the byte bound. Called once, as the answer is served whole.
 pub(super) fn store(ctx: &Ctx, d: &Decided, body: &Value) {
     let Some(key) = d.cache else { return };
@@ -189,8 +201,6 @@ pub(super) fn store(ctx: &Ctx, d: &Decided, body: &Value) {
         .get(d.tier as usize)
         .map_or("?", |t| t.name.as_str())
         .to_string();
-    let tenant = tenant_name(&g, d.tenant);
-    app.metrics.cache_lookup(&tier, &tenant, false);
     let finish = body["choices"][0]["finish_reason"].as_str();
     if !matches!(finish, Some("stop" | "length")) {
         return;

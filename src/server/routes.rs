@@ -888,6 +888,7 @@ async fn wait_inner(
             Progress::CacheMiss { key } => {
                 if let Some(d) = decided.as_mut() {
                     d.cache = Some(key);
+                    super::cache::missed(ctx, d);
                 }
             }
             Progress::CacheHit { key, payload } => {
