@@ -50,7 +50,9 @@ fn bench(c: &mut Criterion) {
         k
     };
     for i in 0..10_000u64 {
-        caches.insert(0, key(i), 1500, Some(payload.clone()), 0).unwrap();
+        caches
+            .insert(0, key(i), 1500, Some(payload.clone()), 0)
+            .unwrap();
     }
     let mut i = 0u64;
     grp.bench_function("get (hit, 10k entries)", |b| {

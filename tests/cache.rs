@@ -40,10 +40,7 @@ route [chat, open] m { default => fp16 }
 // ---------------------------------------------------------------- language
 
 fn diagnose(cache: &str) -> String {
-    let text = POLICY.replace(
-        "cache { exact { entries 100, ttl 10m } }",
-        cache,
-    );
+    let text = POLICY.replace("cache { exact { entries 100, ttl 10m } }", cache);
     let c = compile_str("policy.kiln", &text);
     c.diagnostics
         .items
@@ -64,7 +61,10 @@ fn cache_settings_compile_into_the_tier() {
     let g = c.graph.unwrap();
     let t = &g.tiers[0].cache;
     let e = t.exact.unwrap();
-    assert_eq!((e.max_entries, e.ttl_us, e.shared), (500, 7_200_000_000, false));
+    assert_eq!(
+        (e.max_entries, e.ttl_us, e.shared),
+        (500, 7_200_000_000, false)
+    );
     let s = t.semantic.unwrap();
     assert_eq!((s.max_entries, s.ttl_us), (5000, 3_600_000_000));
     assert!((s.min_similarity - 0.92).abs() < 1e-6);
@@ -79,12 +79,24 @@ fn cache_diagnostics_render_as_snapshotted() {
         ("cache_ttl_too_short", "cache { exact { ttl 500ms } }"),
         ("cache_ttl_too_long", "cache { exact { ttl 8d } }"),
         ("cache_ttl_not_a_duration", "cache { exact { ttl 10 } }"),
-        ("cache_similarity_zero", "cache { semantic { similarity 0 } }"),
-        ("cache_similarity_above_one", "cache { semantic { similarity 1.5 } }"),
-        ("cache_semantic_without_similarity", "cache { semantic { entries 10 } }"),
+        (
+            "cache_similarity_zero",
+            "cache { semantic { similarity 0 } }",
+        ),
+        (
+            "cache_similarity_above_one",
+            "cache { semantic { similarity 1.5 } }",
+        ),
+        (
+            "cache_semantic_without_similarity",
+            "cache { semantic { entries 10 } }",
+        ),
         ("cache_unknown_key", "cache { exact { entires 10 } }"),
         ("cache_unknown_kind", "cache { exactly { entries 10 } }"),
-        ("cache_declared_twice", "exact_cache cache { exact { entries 10 } }"),
+        (
+            "cache_declared_twice",
+            "exact_cache cache { exact { entries 10 } }",
+        ),
     ];
     for (name, cache) in cases {
         let out = diagnose(cache);
@@ -136,9 +148,15 @@ fn the_gateway_refuses_to_start_a_semantic_cache() {
     let g = compile_str("p.kiln", &text).graph.unwrap();
     let err = kiln::backend::deploy::servable_caches(&g).unwrap_err();
     let shown = format!("{err}");
-    assert!(shown.contains("tier `chat` declares a semantic cache"), "{shown}");
+    assert!(
+        shown.contains("tier `chat` declares a semantic cache"),
+        "{shown}"
+    );
     let help = miette::Diagnostic::help(&err).unwrap().to_string();
-    assert!(help.starts_with("semantic caching needs the embedding model"), "{help}");
+    assert!(
+        help.starts_with("semantic caching needs the embedding model"),
+        "{help}"
+    );
 }
 
 // ---------------------------------------------------------------- scheduler
@@ -205,7 +223,9 @@ fn drain(s: &mut Scheduler, mut now: u64, first: Vec<Action>) -> (u64, Vec<Actio
             })
             .filter(|t| *t > now)
             .collect();
-        let Some(&next) = steps.iter().min() else { break };
+        let Some(&next) = steps.iter().min() else {
+            break;
+        };
         now = next;
         let step_done: Vec<usize> = all
             .iter()
@@ -238,22 +258,38 @@ fn a_finished_answer_is_hit_by_its_tenant_only() {
     let g = graph();
     let mut s = sched(&g, true);
     let k = Some([7u8; 32]);
-    let first = s.handle(0, Event::Arrive(arrival(1, "a", false, k))).to_vec();
-    assert!(first.iter().any(|a| matches!(a, Action::CacheMiss { id: 1, .. })));
+    let first = s
+        .handle(0, Event::Arrive(arrival(1, "a", false, k)))
+        .to_vec();
+    assert!(first
+        .iter()
+        .any(|a| matches!(a, Action::CacheMiss { id: 1, .. })));
     let (now, acts) = drain(&mut s, 0, first);
-    assert!(acts.iter().any(|a| matches!(a, Action::Finished { id: 1, .. })));
-    let again = s.handle(now + 1, Event::Arrive(arrival(2, "a", false, k))).to_vec();
+    assert!(acts
+        .iter()
+        .any(|a| matches!(a, Action::Finished { id: 1, .. })));
+    let again = s
+        .handle(now + 1, Event::Arrive(arrival(2, "a", false, k)))
+        .to_vec();
     assert!(hit(&again, 2), "{again:?}");
     assert!(
-        !again.iter().any(|a| matches!(a, Action::Started { .. } | Action::Step { .. })),
+        !again
+            .iter()
+            .any(|a| matches!(a, Action::Started { .. } | Action::Step { .. })),
         "a hit takes no replica: {again:?}"
     );
     // Another tenant of the same (per-tenant) tier misses.
-    let other = s.handle(now + 2, Event::Arrive(arrival(3, "b", false, k))).to_vec();
+    let other = s
+        .handle(now + 2, Event::Arrive(arrival(3, "b", false, k)))
+        .to_vec();
     assert!(!hit(&other, 3));
     // Not cacheable: never looked up.
-    let plain = s.handle(now + 3, Event::Arrive(arrival(4, "a", false, None))).to_vec();
-    assert!(!plain.iter().any(|a| matches!(a, Action::CacheHit { .. } | Action::CacheMiss { .. })));
+    let plain = s
+        .handle(now + 3, Event::Arrive(arrival(4, "a", false, None)))
+        .to_vec();
+    assert!(!plain
+        .iter()
+        .any(|a| matches!(a, Action::CacheHit { .. } | Action::CacheMiss { .. })));
 }
 
 #[test]
@@ -261,9 +297,13 @@ fn a_shared_tier_answers_every_tenant() {
     let g = graph();
     let mut s = sched(&g, true);
     let k = Some([9u8; 32]);
-    let first = s.handle(0, Event::Arrive(arrival(1, "a", true, k))).to_vec();
+    let first = s
+        .handle(0, Event::Arrive(arrival(1, "a", true, k)))
+        .to_vec();
     let (now, _) = drain(&mut s, 0, first);
-    let b = s.handle(now + 1, Event::Arrive(arrival(2, "b", true, k))).to_vec();
+    let b = s
+        .handle(now + 1, Event::Arrive(arrival(2, "b", true, k)))
+        .to_vec();
     assert!(hit(&b, 2), "{b:?}");
 }
 
@@ -272,20 +312,33 @@ fn a_hit_is_charged_to_the_requests_quota() {
     let g = graph();
     let mut s = sched(&g, true);
     let k = Some([3u8; 32]);
-    let first = s.handle(0, Event::Arrive(arrival(1, "a", false, k))).to_vec();
+    let first = s
+        .handle(0, Event::Arrive(arrival(1, "a", false, k)))
+        .to_vec();
     let (mut now, _) = drain(&mut s, 0, first);
     // Tenant a may make 3 requests a minute: one spent, two hits, then a
     // refusal although the answer is cached.
     for id in 2..=3 {
         now += 1;
-        let acts = s.handle(now, Event::Arrive(arrival(id, "a", false, k))).to_vec();
+        let acts = s
+            .handle(now, Event::Arrive(arrival(id, "a", false, k)))
+            .to_vec();
         assert!(hit(&acts, id), "{acts:?}");
     }
     now += 1;
-    let acts = s.handle(now, Event::Arrive(arrival(4, "a", false, k))).to_vec();
+    let acts = s
+        .handle(now, Event::Arrive(arrival(4, "a", false, k)))
+        .to_vec();
     assert!(!hit(&acts, 4));
     assert!(
-        acts.iter().any(|a| matches!(a, Action::Reject { id: 4, status: 429, .. })),
+        acts.iter().any(|a| matches!(
+            a,
+            Action::Reject {
+                id: 4,
+                status: 429,
+                ..
+            }
+        )),
         "{acts:?}"
     );
 }
@@ -381,7 +434,10 @@ async fn the_gateway_answers_a_repeated_deterministic_request_from_the_cache() {
     let r2 = send("k-a", body(0.0, None, false)).await;
     assert_eq!(r2.status(), 200);
     assert_eq!(r2.headers()["x-kiln-cache"], "hit");
-    let id2 = r2.headers()["x-kiln-request-id"].to_str().unwrap().to_string();
+    let id2 = r2.headers()["x-kiln-request-id"]
+        .to_str()
+        .unwrap()
+        .to_string();
     assert!(r2.headers().contains_key("x-kiln-explain"));
     let b2: Value = r2.json().await.unwrap();
     assert_eq!(b1["choices"], b2["choices"], "the same answer");
@@ -426,14 +482,30 @@ async fn the_gateway_answers_a_repeated_deterministic_request_from_the_cache() {
     assert!(e.to_string().contains("served from the exact cache"), "{e}");
 
     // Counted: three hits for a; only the misses reached a replica.
-    let m = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+    let m = c
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     let a_chat = r#"tenant="a",tier="chat""#;
     assert_eq!(metric(&m, "kiln_cache_hits_total", a_chat), 3.0, "{m}");
     assert_eq!(metric(&m, "kiln_cache_misses_total", a_chat), 2.0, "{m}");
-    assert_eq!(metric(&m, "kiln_cache_misses_total", r#"tenant="b",tier="chat""#), 1.0);
-    assert!(metric(&m, "kiln_cache_entries", r#"tier="chat""#) >= 3.0, "{m}");
+    assert_eq!(
+        metric(&m, "kiln_cache_misses_total", r#"tenant="b",tier="chat""#),
+        1.0
+    );
+    assert!(
+        metric(&m, "kiln_cache_entries", r#"tier="chat""#) >= 3.0,
+        "{m}"
+    );
     let on_gpu = metric(&m, "kiln_requests_total", r#"outcome="ok",pool="p""#);
-    assert_eq!(on_gpu, 5.0, "2 + 1 misses and 2 sampled requests ran on the replica: {m}");
+    assert_eq!(
+        on_gpu, 5.0,
+        "2 + 1 misses and 2 sampled requests ran on the replica: {m}"
+    );
 
     // The log: a hit, with its content hash (the replay's cache_key).
     srv.app.log.flush().await;
@@ -461,13 +533,24 @@ async fn the_gateway_answers_a_repeated_deterministic_request_from_the_cache() {
     let g = graph_of(&text);
     let cost = kiln::backend::cost::CostModel::from_graph(&g, None).unwrap();
     let run = |records: &[kiln::traffic::Record]| {
-        kiln::replay::replay_at(&g, &cost, records, Config::default(), "kiln", 1.0, |_, _| {})
+        kiln::replay::replay_at(
+            &g,
+            &cost,
+            records,
+            Config::default(),
+            "kiln",
+            1.0,
+            |_, _| {},
+        )
     };
     let rep = run(&records);
     let chat = rep.tiers.iter().find(|t| t.name == "chat").unwrap();
     assert!(chat.cache_hits.unwrap_or(0) >= 3, "{:?}", chat);
     // Bit for bit: the same report again.
-    assert_eq!(serde_json::to_string(&rep).unwrap(), serde_json::to_string(&run(&records)).unwrap());
+    assert_eq!(
+        serde_json::to_string(&rep).unwrap(),
+        serde_json::to_string(&run(&records)).unwrap()
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -509,7 +592,15 @@ fn simulate_replays_hits_per_tier_reproducibly() {
     let g = graph_of(&text);
     let cost = kiln::backend::cost::CostModel::from_graph(&g, None).unwrap();
     let run = || {
-        kiln::replay::replay_at(&g, &cost, &records, Config::default(), "kiln", 1.0, |_, _| {})
+        kiln::replay::replay_at(
+            &g,
+            &cost,
+            &records,
+            Config::default(),
+            "kiln",
+            1.0,
+            |_, _| {},
+        )
     };
     let rep = run();
     let chat = rep.tiers.iter().find(|t| t.name == "chat").unwrap();
@@ -517,6 +608,13 @@ fn simulate_replays_hits_per_tier_reproducibly() {
     assert_eq!(chat.cache_hits, Some(24));
     assert_eq!(chat.requests, 40);
     let json = serde_json::to_string_pretty(&rep.tiers).unwrap();
-    assert_eq!(json, serde_json::to_string_pretty(&run().tiers).unwrap(), "bit for bit");
-    insta::assert_snapshot!("simulate_cache_markdown", kiln::replay::report::markdown(&[rep]));
+    assert_eq!(
+        json,
+        serde_json::to_string_pretty(&run().tiers).unwrap(),
+        "bit for bit"
+    );
+    insta::assert_snapshot!(
+        "simulate_cache_markdown",
+        kiln::replay::report::markdown(&[rep])
+    );
 }

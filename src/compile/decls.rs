@@ -774,7 +774,13 @@ impl Compiler<'_> {
                 );
             }
             let d = ExactSpec::DEFAULT;
-            let s = self.cache_settings(e, EXACT_CACHE_FIELDS, &format!("the exact cache of {what}"), d.max_entries, d.ttl_us);
+            let s = self.cache_settings(
+                e,
+                EXACT_CACHE_FIELDS,
+                &format!("the exact cache of {what}"),
+                d.max_entries,
+                d.ttl_us,
+            );
             cache.exact = Some(ExactSpec {
                 max_entries: s.entries,
                 ttl_us: s.ttl_us,
@@ -782,7 +788,13 @@ impl Compiler<'_> {
             });
         }
         if let Some(e) = c.get("semantic") {
-            let s = self.cache_settings(e, SEMANTIC_CACHE_FIELDS, &format!("the semantic cache of {what}"), 5_000, 3_600 * 1_000_000);
+            let s = self.cache_settings(
+                e,
+                SEMANTIC_CACHE_FIELDS,
+                &format!("the semantic cache of {what}"),
+                5_000,
+                3_600 * 1_000_000,
+            );
             let similarity = match s.fields_similarity {
                 Some(x) => x,
                 None if s.similarity_seen => 1.0,

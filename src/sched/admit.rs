@@ -374,17 +374,7 @@ impl Scheduler {
             }
             // Decided, allowed by the policy and routed: an answer in the
             // tier's exact cache needs no replica, memory or token quota.
-            if *name == "route"
-                && self.cache_lookup(
-                    a.id,
-                    arrival.cache,
-                    a.tier,
-                    a.tenant,
-                    a.target,
-                    a.output,
-                    a.quota_claimed,
-                )
-            {
+            if *name == "route" && self.cache_lookup(&a, arrival.cache) {
                 return;
             }
         }

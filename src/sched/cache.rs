@@ -295,7 +295,8 @@ impl Caches {
             self.bytes = self.bytes.saturating_sub(old.bytes);
         }
         let max_entries = s.spec.max_entries.max(1) as usize;
-        while s.lru.len() >= max_entries || self.bytes.saturating_add(bytes) > bounds.max_total_bytes
+        while s.lru.len() >= max_entries
+            || self.bytes.saturating_add(bytes) > bounds.max_total_bytes
         {
             let Some((_, e)) = s.lru.remove_lru() else {
                 return Err(NotStored::Full);
@@ -369,7 +370,11 @@ mod tests {
         let c = json!({"model":"m","temperature":0,"messages":[{"role":"user","content":"hi!"}]});
         assert_ne!(content_key(&a), content_key(&c));
         let d = json!({"model":"m","temperature":0,"max_tokens":5,"messages":[{"role":"user","content":"hi"}]});
-        assert_ne!(content_key(&a), content_key(&d), "max_tokens changes the answer");
+        assert_ne!(
+            content_key(&a),
+            content_key(&d),
+            "max_tokens changes the answer"
+        );
         // A nested `user` (a message field) is content, not the end user.
         let e = json!({"model":"m","temperature":0,"messages":[{"role":"user","content":"hi","user":"x"}]});
         assert_ne!(content_key(&a), content_key(&e));
@@ -402,7 +407,10 @@ mod tests {
             scoped_key(&c, "ab", Some("c"), "m"),
             scoped_key(&c, "a", Some("bc"), "m")
         );
-        assert_eq!(parse_key(&show_key(&a)).map(|k| k[..16].to_vec()), Some(a[..16].to_vec()));
+        assert_eq!(
+            parse_key(&show_key(&a)).map(|k| k[..16].to_vec()),
+            Some(a[..16].to_vec())
+        );
         assert_eq!(parse_key("zz"), None);
     }
 
@@ -440,7 +448,10 @@ mod tests {
             max_total_bytes: 3 * (1_000 + ENTRY_OVERHEAD),
         };
         let mut c = Caches::new(&g, bounds);
-        assert_eq!(c.insert(0, key(9), 1_001, None, 0), Err(NotStored::TooLarge));
+        assert_eq!(
+            c.insert(0, key(9), 1_001, None, 0),
+            Err(NotStored::TooLarge)
+        );
         for i in 0..10 {
             c.insert(0, key(i), 1_000, None, 0).unwrap();
             assert!(c.total_bytes() <= bounds.max_total_bytes);
@@ -450,7 +461,10 @@ mod tests {
         // Replacing an entry does not count it twice.
         c.insert(0, key(9), 1_000, None, 0).unwrap();
         c.insert(0, key(9), 10, None, 0).unwrap();
-        assert_eq!(c.total_bytes(), 2 * (1_000 + ENTRY_OVERHEAD) + 10 + ENTRY_OVERHEAD);
+        assert_eq!(
+            c.total_bytes(),
+            2 * (1_000 + ENTRY_OVERHEAD) + 10 + ENTRY_OVERHEAD
+        );
     }
 
     #[test]

@@ -832,21 +832,13 @@ impl Scheduler {
     /// GPU-seconds are not: it uses none), [`Action::CacheHit`] answers it
     /// and `true` says it is done; a quota refusal is a refusal like any
     /// other (also `true`). On a miss, [`Action::CacheMiss`] gives the key.
-    fn cache_lookup(
-        &mut self,
-        id: ReqId,
-        content: Option<cache::Key>,
-        tier: TierId,
-        tenant: Option<TenantId>,
-        target: Option<crate::graph::Target>,
-        output: u32,
-        quota_claimed: bool,
-    ) -> bool {
+    fn cache_lookup(&mut self, a: &admit::Admitting<'_>, content: Option<cache::Key>) -> bool {
+        let (id, tier, tenant, target, output, quota_claimed) =
+            (a.id, a.tier, a.tenant, a.target, a.output, a.quota_claimed);
         if self.cfg.mode != Mode::Kiln {
             return false;
         }
-        let (Some(content), Some(spec), Some(target)) =
-            (content, self.caches.spec(tier), target)
+        let (Some(content), Some(spec), Some(target)) = (content, self.caches.spec(tier), target)
         else {
             return false;
         };

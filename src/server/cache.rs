@@ -147,12 +147,18 @@ fn sse_events(ctx: &Ctx, body: &Value) -> Bytes {
             let mut delta = serde_json::Map::new();
             delta.insert("role".into(), json!("assistant"));
             delta.insert("content".into(), m["content"].clone());
-            chunks.push(base(json!([{"index": 0, "delta": delta, "logprobs": null, "finish_reason": null}])));
-            chunks.push(base(json!([{"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish}])));
+            chunks.push(base(
+                json!([{"index": 0, "delta": delta, "logprobs": null, "finish_reason": null}]),
+            ));
+            chunks.push(base(
+                json!([{"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish}]),
+            ));
         }
         Endpoint::Completions => {
             chunks.push(base(json!([{"index": 0, "text": choice["text"], "logprobs": null, "finish_reason": null}])));
-            chunks.push(base(json!([{"index": 0, "text": "", "logprobs": null, "finish_reason": finish}])));
+            chunks.push(base(
+                json!([{"index": 0, "text": "", "logprobs": null, "finish_reason": finish}]),
+            ));
         }
     }
     if ctx.include_usage {

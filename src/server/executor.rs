@@ -482,7 +482,11 @@ impl Sink for Handlers {
                     }
                 }
             }
-            Action::CacheHit { id, key, ref payload } => {
+            Action::CacheHit {
+                id,
+                key,
+                ref payload,
+            } => {
                 if let Some(e) = self.reqs.remove(&id) {
                     // One request, no tokens, no GPU time.
                     if let Some(c) = &e.claim {

@@ -515,7 +515,9 @@ impl Kept {
 /// Adds text to the gathered answer; drops it past the byte bound.
 fn keep(kept: &mut Option<Kept>, text: &str) {
     if let Some(k) = kept.as_mut() {
-        if (k.text.len() + text.len()) as u64 > crate::sched::cache::Bounds::default().max_entry_bytes {
+        if (k.text.len() + text.len()) as u64
+            > crate::sched::cache::Bounds::default().max_entry_bytes
+        {
             *kept = None;
         } else {
             k.text.push_str(text);
@@ -664,7 +666,8 @@ impl Generation {
                 }
                 if self.kept.is_some() {
                     let c = &v["choices"][0];
-                    if !c["delta"]["tool_calls"].is_null() || !c["delta"]["function_call"].is_null() {
+                    if !c["delta"]["tool_calls"].is_null() || !c["delta"]["function_call"].is_null()
+                    {
                         self.kept = None;
                     }
                     let t = c["delta"]["content"].as_str().or(c["text"].as_str());
@@ -705,7 +708,14 @@ impl Generation {
                         Producer::Scheduler => "kiln-sim",
                         Producer::Upstream => "",
                     };
-                    let body = full_body(&self.ctx, &k.text, prompt, self.tally.output(), finish, fingerprint);
+                    let body = full_body(
+                        &self.ctx,
+                        &k.text,
+                        prompt,
+                        self.tally.output(),
+                        finish,
+                        fingerprint,
+                    );
                     super::cache::store(&self.ctx, &self.s.d, &body);
                 }
                 let mut b = Vec::new();
