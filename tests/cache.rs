@@ -157,6 +157,21 @@ fn the_gateway_refuses_to_start_a_semantic_cache() {
         help.starts_with("semantic caching needs the embedding model"),
         "{help}"
     );
+    // `kiln serve` itself refuses to start.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let started = rt.block_on(kiln::server::start(kiln::server::ServeOptions {
+        policy: policy("p.kiln", &text),
+        config: ServerConfig::default_embedded(),
+        listen: "127.0.0.1:0".into(),
+        clock: None,
+    }));
+    let Err(e) = started else {
+        panic!("a policy with a semantic cache started")
+    };
+    assert!(e.to_string().contains("semantic cache"), "{e}");
 }
 
 // ---------------------------------------------------------------- scheduler
@@ -359,8 +374,7 @@ proptest! {
         let mut now = 0u64;
         for (i, (content, tenant, open)) in ops.into_iter().enumerate() {
             let id = i as u64;
-            let name = if tenant == 0 { "b" } else { "b2" };
-            let name = if name == "b2" { "a" } else { name };
+            let name = ["a", "b"][usize::from(tenant)];
             let first = s
                 .handle(now, Event::Arrive(arrival(id, name, open, Some([content; 32]))))
                 .to_vec();
@@ -552,6 +566,61 @@ async fn the_gateway_answers_a_repeated_deterministic_request_from_the_cache() {
         serde_json::to_string(&run(&records)).unwrap()
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_answer_is_stored_and_served_whole() {
+    let text = POLICY.replace(" quota { requests 3/min }", "");
+    let srv = serve_on_loopback(
+        policy("cache.kiln", &text),
+        ServerConfig::default_embedded(),
+    )
+    .await;
+    let url = format!("http://{}/v1/chat/completions", srv.addr);
+    let c = client(Duration::from_secs(60));
+    let r = c
+        .post(&url)
+        .bearer_auth("k-b")
+        .json(&body(0.0, Some(1), true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.headers()["x-kiln-cache"], "miss");
+    let sse = r.text().await.unwrap();
+    let streamed: String = sse
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|l| *l != "[DONE]")
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter_map(|v| {
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_string)
+        })
+        .collect();
+    assert!(!streamed.is_empty(), "{sse}");
+    // The answer lands in the cache just after the stream ends.
+    let mut hit = None;
+    for _ in 0..50 {
+        let r = c
+            .post(&url)
+            .bearer_auth("k-b")
+            .json(&body(0.0, Some(1), false))
+            .send()
+            .await
+            .unwrap();
+        let h = r.headers()["x-kiln-cache"].to_str().unwrap().to_string();
+        let v: Value = r.json().await.unwrap();
+        if h == "hit" {
+            hit = Some(v);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let v = hit.expect("the streamed answer was stored");
+    assert_eq!(v["choices"][0]["message"]["content"], json!(streamed));
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    srv.stop().await;
 }
 
 fn graph_of(text: &str) -> Arc<DecisionGraph> {
