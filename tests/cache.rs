@@ -134,6 +134,12 @@ fn diff_reports_cache_changes_per_tier() {
     let new = compile_str("new.kiln", &new_text).graph.unwrap();
     let d = kiln::diff::semantic::semantic(&old, &new);
     let text = kiln::diff::semantic::render_human(&d);
+    let change = d
+        .changes
+        .iter()
+        .find(|c| c.field.as_deref() == Some("cache.exact"))
+        .unwrap();
+    assert!(change.escalation, "answers now cross tenants: {change:?}");
     assert!(text.contains("cache.exact"), "{text}");
     assert!(text.contains("100 entries, ttl 10m"), "{text}");
     assert!(text.contains("200 entries, ttl 10m, shared"), "{text}");

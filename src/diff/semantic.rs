@@ -811,11 +811,14 @@ fn tiers(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
                         flag(b.prefix_affinity),
                         tc,
                     );
-                    out.field(
+                    // Answers starting to cross tenants is an escalation.
+                    let shares = |c: Option<crate::graph::ExactSpec>| c.is_some_and(|e| e.shared);
+                    out.directed(
                         &subject,
                         "cache.exact",
-                        exact_cache(a.cache.exact),
-                        exact_cache(b.cache.exact),
+                        (exact_cache(a.cache.exact), exact_cache(b.cache.exact)),
+                        shares(b.cache.exact) && !shares(a.cache.exact),
+                        tc,
                         tc,
                     );
                     out.field(
