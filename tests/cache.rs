@@ -688,6 +688,8 @@ fn simulate_replays_hits_per_tier_reproducibly() {
         serde_json::to_string_pretty(&run().tiers).unwrap(),
         "bit for bit"
     );
+    assert!(kiln::replay::report::human(std::slice::from_ref(&rep))
+        .contains("cache hits, tier chat: 24 of 40 requests (60.0%)"));
     insta::assert_snapshot!(
         "simulate_cache_markdown",
         kiln::replay::report::markdown(&[rep])

@@ -639,6 +639,19 @@ pub fn human(reports: &[Report]) -> String {
             }
         }
         reclaimed(&mut s, &r.tiers);
+        for t in r.tiers.iter().filter(|t| t.cache_hits.is_some()) {
+            let hits = t.cache_hits.unwrap_or(0);
+            let share = if t.requests > 0 {
+                hits as f64 / t.requests as f64 * 100.0
+            } else {
+                0.0
+            };
+            let _ = writeln!(
+                s,
+                "  cache hits, tier {}: {} of {} requests ({:.1}%)",
+                t.name, hits, t.requests, share
+            );
+        }
         if !r.batches.is_empty() {
             let _ = writeln!(
                 s,
