@@ -95,6 +95,15 @@ fn golden_substitution_declaration() {
 }
 
 #[test]
+fn golden_cache_block() {
+    let text = "tier t { priority 1 cache {exact{entries 10k,ttl 10m,shared}   # per tier\n semantic { similarity 0.92 entries 5000 ttl 1h } } }\ntier u { priority 2 exact_cache }\n";
+    let out = fmt(text).expect("parses");
+    insta::assert_snapshot!("fmt_cache", out);
+    assert_eq!(fmt(&out).as_deref(), Some(out.as_str()));
+    assert_eq!(comment_texts(text), comment_texts(&out));
+}
+
+#[test]
 fn shipped_policies_are_formatted_and_sound() {
     for (name, text) in shipped() {
         assert_eq!(

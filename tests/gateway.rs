@@ -903,6 +903,17 @@ async fn every_listed_metric_is_exported_at_zero_from_the_start_and_after_a_swap
             "kiln_fallbacks_total" => {
                 assert_eq!(label_values(&m, name, "tier"), with_fallback, "{name}");
             }
+            // Only tiers with an exact cache have cache series.
+            n if n.starts_with("kiln_cache") => {
+                let cached: std::collections::BTreeSet<String> = g
+                    .tiers
+                    .iter()
+                    .filter(|t| t.cache.exact.is_some())
+                    .map(|t| t.name.clone())
+                    .collect();
+                assert!(!cached.is_empty(), "the test policy should cache a tier");
+                assert_eq!(label_values(&m, n, "tier"), cached, "{n}");
+            }
             n => assert_eq!(
                 label_values(&m, n, "tier"),
                 tiers,

@@ -85,6 +85,7 @@ fn arrivals(list: Vec<A>) -> Vec<(Micros, Arrival)> {
                 x.at_ms * MS,
                 Arrival {
                     quota_claimed: false,
+                    cache: None,
                     window: x.window_ms.map(|w| w * MS),
                     id: i as u64,
                     request: Request {
@@ -552,6 +553,7 @@ route t m { default => fp16 }
             at_ms * MS,
             Arrival {
                 quota_claimed: false,
+                cache: None,
                 window: None,
                 id,
                 request: Request {
@@ -919,6 +921,7 @@ route t m { default => fp16 }
                     at * MS,
                     Arrival {
                         quota_claimed: false,
+                        cache: None,
                         window: None,
                         id: conv * 100 + turn,
                         request: Request {

@@ -61,6 +61,7 @@ fn sched(g: &Arc<DecisionGraph>, kv: u64) -> Scheduler {
 fn arrival(id: ReqId, tenant: &str, model: &str, prompt: u64, output: u32) -> Arrival {
     Arrival {
         quota_claimed: false,
+        cache: None,
         window: None,
         id,
         request: Request {
@@ -718,10 +719,11 @@ fn check(ops: &[(u64, Op)], kv: u64) {
                 }
                 Action::Finished { id, .. }
                 | Action::Reject { id, .. }
-                | Action::Cancelled { id } => {
+                | Action::Cancelled { id }
+                | Action::CacheHit { id, .. } => {
                     *ended.entry(id).or_default() += 1;
                 }
-                Action::Decided { .. } | Action::FirstToken { .. } => {}
+                Action::Decided { .. } | Action::FirstToken { .. } | Action::CacheMiss { .. } => {}
             }
         }
         let reps = s.replicas();

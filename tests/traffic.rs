@@ -469,7 +469,7 @@ prop_compose! {
         reason in proptest::option::of(text()),
         waited_for in proptest::option::of(text()),
     ) -> Decision {
-        Decision { tier, tenant, route, substituted_for, admission, status, fallback_step, reason, waited_for }
+        Decision { tier, tenant, route, substituted_for, admission, status, fallback_step, reason, waited_for, cache: None }
     }
 }
 
@@ -499,6 +499,7 @@ prop_compose! {
             v: 1, at_ms, id, tenant, api_key, model, headers, tags, session,
             prompt_tokens, max_tokens, output_tokens, prefix_blocks,
             policy_version, decision, queue_ms, ttft_ms, e2e_ms, deadline_ms,
+            cache_key: None,
         }
     }
 }

@@ -69,6 +69,26 @@ pub enum DeployError {
     #[error("{0}")]
     #[diagnostic(code(kiln::serve::startup))]
     Startup(String),
+    /// A tier asks for a semantic cache, which the gateway does not serve
+    /// yet: it refuses the policy rather than appear to have a cache it
+    /// does not have.
+    #[error("tier `{tier}` declares a semantic cache (`cache {{ semantic {{ … }} }}`), which this gateway cannot serve")]
+    #[diagnostic(
+        code(kiln::serve::semantic_cache),
+        help("semantic caching needs the embedding model: this build of `kiln serve` does not load one yet. Remove `semantic {{ … }}` from the tier's `cache` block (an `exact {{ entries 10000, ttl 10m }}` cache is served today); `kiln check` and `kiln diff` still read it")
+    )]
+    SemanticCache { tier: String },
+}
+
+/// Refuses a policy whose tiers ask for a cache this gateway cannot serve
+/// (a semantic cache).
+pub fn servable_caches(g: &DecisionGraph) -> Result<(), DeployError> {
+    match g.tiers.iter().find(|t| t.cache.semantic.is_some()) {
+        Some(t) => Err(DeployError::SemanticCache {
+            tier: t.name.clone(),
+        }),
+        None => Ok(()),
+    }
 }
 
 /// A planned deployment: the scheduler's replicas, the backend table they
@@ -101,6 +121,7 @@ pub fn deploy(
     pools: &PoolBackends,
     calibration: Option<&Calibration>,
 ) -> Result<Deployment, DeployError> {
+    servable_caches(g)?;
     let (mut plan, notes) = plan(g, pools, calibration)?;
     let mut backends = http_backends(pools)?;
     if !super::cuda::serve::cuda_pools(g, pools).is_empty() {
@@ -125,6 +146,7 @@ pub fn replan(
     calibration: Option<&Calibration>,
     backends: &[Backend],
 ) -> Result<(Plan, Vec<String>), DeployError> {
+    servable_caches(g)?;
     let (mut plan, notes) = plan(g, pools, calibration)?;
     super::cuda::serve::retag(g, pools, &mut plan, backends)?;
     Ok((plan, notes))

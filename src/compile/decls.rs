@@ -52,6 +52,7 @@ const TIER_FIELDS: &[&str] = &[
     "models",
     "prefix_affinity",
     "exact_cache",
+    "cache",
     "signal_window",
     "on_preempt",
     "reserve",
@@ -61,6 +62,9 @@ const TIER_FIELDS: &[&str] = &[
     "description",
 ];
 const FAIR_SHARE_FIELDS: &[&str] = &["window"];
+const CACHE_FIELDS: &[&str] = &["exact", "semantic"];
+const EXACT_CACHE_FIELDS: &[&str] = &["entries", "ttl", "shared"];
+const SEMANTIC_CACHE_FIELDS: &[&str] = &["similarity", "entries", "ttl", "shared"];
 const SLO_FIELDS: &[&str] = &["ttft", "p95", "window"];
 const BATCH_FIELDS: &[&str] = &["max_wait"];
 const TENANT_FIELDS: &[&str] = &[
@@ -82,6 +86,16 @@ const QUOTA_FIELDS: &[&str] = &["tokens", "requests", "concurrent", "gpu_seconds
 const COHORT_FIELDS: &[&str] = &["owner", "description"];
 const ROLLOUT_FIELDS: &[&str] = &["shadow", "canary"];
 const CANARY_FIELDS: &[&str] = &["share", "tenants", "duration"];
+
+/// One cache block's settings, checked.
+struct CacheSettings {
+    entries: u32,
+    ttl_us: u64,
+    shared: bool,
+    fields_similarity: Option<f32>,
+    /// `similarity` was written (valid or not).
+    similarity_seen: bool,
+}
 
 /// Fields of one block, checked against its schema.
 pub(crate) struct Fields<'a> {
@@ -683,7 +697,7 @@ impl Compiler<'_> {
         let backfill_only = self.flag(&f, "backfill_only");
         let may_starve = self.flag(&f, "may_starve");
         let prefix_affinity = self.flag(&f, "prefix_affinity");
-        let exact_cache = self.flag(&f, "exact_cache");
+        let cache = self.tier_cache(&f, &what);
         let preempts: Vec<TierId> = self
             .prop_names(f.get("preempts"), DeclKind::Tier)
             .into_iter()
@@ -735,7 +749,7 @@ impl Compiler<'_> {
             may_starve,
             models,
             prefix_affinity,
-            exact_cache,
+            cache,
             signal_window,
             on_preempt,
             reserve,
@@ -744,6 +758,186 @@ impl Compiler<'_> {
             completion_windows,
             span: d.name.span,
         });
+    }
+
+    /// `exact_cache` (an exact cache with the defaults) or `cache { exact {
+    /// entries 10000, ttl 10m, shared } semantic { similarity 0.92,
+    /// entries 5000, ttl 1h } }`: every number checked, an unknown key
+    /// named with a "did you mean".
+    fn tier_cache(&mut self, f: &Fields, what: &str) -> TierCache {
+        let flag = self.flag(f, "exact_cache");
+        let mut cache = TierCache {
+            exact: flag.then_some(ExactSpec::DEFAULT),
+            semantic: None,
+        };
+        let Some(p) = f.get("cache") else {
+            return cache;
+        };
+        let Some(b) = self.sub_body(Some(p)) else {
+            return cache;
+        };
+        let c = self.fields(b, CACHE_FIELDS, &format!("the cache of {what}"), &[]);
+        if let Some(e) = c.get("exact") {
+            if let (true, Some(flag_p)) = (flag, f.get("exact_cache")) {
+                self.err(
+                    Diagnostic::error(
+                        Code::DuplicateDefinition,
+                        format!("{what} declares its exact cache twice"),
+                    )
+                    .at(e.key.span, "declared again here")
+                    .also(flag_p.key.span, "first declared here")
+                    .help("keep `cache { exact { … } }` (it sets the size and time to live) and remove `exact_cache`"),
+                );
+            }
+            let d = ExactSpec::DEFAULT;
+            let s = self.cache_settings(
+                e,
+                EXACT_CACHE_FIELDS,
+                &format!("the exact cache of {what}"),
+                d.max_entries,
+                d.ttl_us,
+            );
+            cache.exact = Some(ExactSpec {
+                max_entries: s.entries,
+                ttl_us: s.ttl_us,
+                shared: s.shared,
+            });
+        }
+        if let Some(e) = c.get("semantic") {
+            let s = self.cache_settings(
+                e,
+                SEMANTIC_CACHE_FIELDS,
+                &format!("the semantic cache of {what}"),
+                5_000,
+                3_600 * 1_000_000,
+            );
+            let similarity = match s.fields_similarity {
+                Some(x) => x,
+                None if s.similarity_seen => 1.0,
+                None => {
+                    self.err(
+                        Diagnostic::error(
+                            Code::MissingField,
+                            format!("the semantic cache of {what} needs `similarity`"),
+                        )
+                        .at(e.key.span, "`similarity` is missing")
+                        .help("add `similarity 0.92`: how close (cosine, above 0 and at most 1) a prompt must be to a cached one to reuse its answer"),
+                    );
+                    1.0
+                }
+            };
+            cache.semantic = Some(SemanticSpec {
+                min_similarity: similarity,
+                max_entries: s.entries,
+                ttl_us: s.ttl_us,
+                shared: s.shared,
+            });
+        }
+        cache
+    }
+
+    /// The settings of one cache block (`exact { … }`, `semantic { … }`);
+    /// a bare `exact` takes the defaults.
+    fn cache_settings(
+        &mut self,
+        p: &Property,
+        allowed: &[&str],
+        what: &str,
+        entries: u32,
+        ttl_us: u64,
+    ) -> CacheSettings {
+        let mut out = CacheSettings {
+            entries,
+            ttl_us,
+            shared: false,
+            fields_similarity: None,
+            similarity_seen: false,
+        };
+        if p.body.is_none() && p.args.values().is_empty() {
+            return out;
+        }
+        let Some(b) = self.sub_body(Some(p)) else {
+            return out;
+        };
+        let s = self.fields(b, allowed, what, &[]);
+        if let Some(e) = s.get("entries") {
+            if let Some(v) = self.one(e, "10000") {
+                match self.quantity_of_type(v, Ty::Count, "`entries`") {
+                    Some(x) if (1.0..=limits::MAX_CACHE_ENTRIES).contains(&x) && x.fract() == 0.0 => {
+                        out.entries = x as u32;
+                    }
+                    Some(x) if x.is_finite() && x >= 1.0 && x.fract() != 0.0 => self.err(
+                        Diagnostic::error(Code::InvalidValue, "`entries` is a whole number")
+                            .at(v.span, "not a whole number")
+                            .help("write how many answers the cache keeps, like `entries 10000`"),
+                    ),
+                    Some(_) => self.err(
+                        Diagnostic::error(Code::OutOfRange, "`entries` is out of range")
+                            .at(v.span, "not from 1 to 1000000")
+                            .help("a cache keeps from 1 to 1000000 answers (`entries 10000`); kiln's limits keep every allocation a policy causes small"),
+                    ),
+                    None => {}
+                }
+            }
+        }
+        if let Some(t) = s.get("ttl") {
+            if let Some(v) = self.one(t, "10m") {
+                match self.quantity_of_type(v, Ty::Duration, "`ttl`") {
+                    Some(x) if (limits::MIN_CACHE_TTL_MS..=limits::MAX_CACHE_TTL_MS).contains(&x) => {
+                        out.ttl_us = (x * 1000.0).round() as u64;
+                    }
+                    Some(_) => self.err(
+                        Diagnostic::error(Code::OutOfRange, "`ttl` is out of range")
+                            .at(v.span, "not from 1s to 7d")
+                            .help("a cached answer lives from 1s to 7d (`ttl 10m`); past its time to live it is served fresh again"),
+                    ),
+                    None => {}
+                }
+            }
+        }
+        if let Some(sh) = s.get("shared") {
+            out.shared = match (sh.args.values(), &sh.body) {
+                ([], None) => true,
+                ([v], None) if matches!(v.kind, ValueKind::Bool(_)) => {
+                    matches!(v.kind, ValueKind::Bool(true))
+                }
+                _ => {
+                    self.err(
+                        Diagnostic::error(Code::InvalidValue, "`shared` takes no value")
+                            .at(sh.span, "remove the value")
+                            .help("write `shared` to let the tier's tenants reuse each other's answers; leave it out to keep each tenant's own"),
+                    );
+                    false
+                }
+            };
+        }
+        if let Some(sim) = s.get("similarity") {
+            out.similarity_seen = true;
+            if let Some(v) = self.one(sim, "0.92") {
+                let x = match units::literal(v) {
+                    Some(Ok(t)) if t.ty == Ty::Count => Some(t.value),
+                    Some(Ok(t)) if t.ty == Ty::Percent => Some(t.value / 100.0),
+                    _ => None,
+                };
+                match x {
+                    Some(x) if x > 0.0 && x <= 1.0 => out.fields_similarity = Some(x as f32),
+                    Some(_) => self.err(
+                        Diagnostic::error(Code::OutOfRange, "`similarity` is out of range")
+                            .at(v.span, "not above 0 and at most 1")
+                            .help("write the least cosine similarity that reuses an answer, above 0 and at most 1, like `similarity 0.92`"),
+                    ),
+                    None => self.err(
+                        Diagnostic::error(
+                            Code::UnitMismatch,
+                            format!("`similarity` is a number, found `{}`", format::value(v)),
+                        )
+                        .at(v.span, "expected a number")
+                        .help("write the least cosine similarity that reuses an answer, above 0 and at most 1, like `similarity 0.92`"),
+                    ),
+                }
+            }
+        }
+        out
     }
 
     /// `on_preempt requeue|reject`: only on a preemptible tier, where it

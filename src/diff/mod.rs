@@ -51,7 +51,10 @@ pub fn replay(
     mut progress: impl FnMut(usize, usize),
 ) -> (Report, Vec<crate::replay::Outcome>) {
     use crate::sched::{Config, Scheduler};
-    let cfg = Config::default();
+    let cfg = Config {
+        cache_on_finish: true,
+        ..Config::default()
+    };
     let mut sched = Scheduler::new(g.clone(), crate::replay::plan(g, cost), cfg);
     let (outcomes, gap) =
         crate::replay::run_measured(&mut sched, crate::replay::arrivals(records), &mut progress);

@@ -378,6 +378,33 @@ fn flag(b: bool) -> String {
     if b { "yes" } else { "no" }.to_string()
 }
 
+/// A tier's exact cache as `kiln diff` shows it.
+fn exact_cache(c: Option<crate::graph::ExactSpec>) -> String {
+    match c {
+        None => "none".to_string(),
+        Some(c) => format!(
+            "{} entries, ttl {}{}",
+            c.max_entries,
+            dur(c.ttl_us as f64 / 1000.0),
+            if c.shared { ", shared" } else { "" }
+        ),
+    }
+}
+
+/// A tier's semantic cache as `kiln diff` shows it.
+fn semantic_cache(c: Option<crate::graph::SemanticSpec>) -> String {
+    match c {
+        None => "none".to_string(),
+        Some(c) => format!(
+            "similarity {}, {} entries, ttl {}{}",
+            c.min_similarity,
+            c.max_entries,
+            dur(c.ttl_us as f64 / 1000.0),
+            if c.shared { ", shared" } else { "" }
+        ),
+    }
+}
+
 fn list<S: AsRef<str>>(xs: &[S]) -> String {
     let v: Vec<&str> = xs.iter().map(AsRef::as_ref).collect();
     format!("[{}]", v.join(", "))
@@ -784,11 +811,21 @@ fn tiers(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
                         flag(b.prefix_affinity),
                         tc,
                     );
+                    // Answers starting to cross tenants is an escalation.
+                    let shares = |c: Option<crate::graph::ExactSpec>| c.is_some_and(|e| e.shared);
+                    out.directed(
+                        &subject,
+                        "cache.exact",
+                        (exact_cache(a.cache.exact), exact_cache(b.cache.exact)),
+                        shares(b.cache.exact) && !shares(a.cache.exact),
+                        tc,
+                        tc,
+                    );
                     out.field(
                         &subject,
-                        "exact_cache",
-                        flag(a.exact_cache),
-                        flag(b.exact_cache),
+                        "cache.semantic",
+                        semantic_cache(a.cache.semantic),
+                        semantic_cache(b.cache.semantic),
                         tc,
                     );
                     out.field(

@@ -48,3 +48,9 @@ pub const MIN_COMPLETION_WINDOW_MS: f64 = 60_000.0;
 pub const MAX_COMPLETION_WINDOW_MS: f64 = 7.0 * 86_400_000.0;
 pub const DEFAULT_COMPLETION_WINDOW_MS: f64 = 86_400_000.0;
 pub const MAX_FAIR_SHARE_WINDOW_MS: f64 = 30.0 * 86_400_000.0;
+
+/// A tier's response cache (`cache { exact { … } semantic { … } }`):
+/// entries from 1 to 1,000,000, a time to live from 1 second to 7 days.
+pub const MAX_CACHE_ENTRIES: f64 = 1_000_000.0;
+pub const MIN_CACHE_TTL_MS: f64 = 1_000.0;
+pub const MAX_CACHE_TTL_MS: f64 = 7.0 * 86_400_000.0;

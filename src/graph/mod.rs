@@ -173,8 +173,9 @@ pub struct Tier {
     pub models: Option<Vec<ModelId>>,
     /// Prefer the replica that already holds the request's prompt prefix.
     pub prefix_affinity: bool,
-    /// Identical deterministic requests may be answered from a cache.
-    pub exact_cache: bool,
+    /// The tier's response caches (`exact_cache`, `cache { exact { … }
+    /// semantic { … } }`); empty when it has none.
+    pub cache: TierCache,
     /// Sliding window of its measured signals, ms.
     pub signal_window: f64,
     /// What a preempted request of this (preemptible) tier becomes.
@@ -194,6 +195,53 @@ pub struct Tier {
     /// [1h, 24h]`); never empty: `[24h]` when the policy names none.
     pub completion_windows: Vec<f64>,
     pub span: Span,
+}
+
+/// A tier's response caches, as the policy declares them.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct TierCache {
+    /// Identical deterministic requests are answered from a cache
+    /// (`exact_cache`, or `cache { exact { entries 10000, ttl 10m } }`).
+    pub exact: Option<ExactSpec>,
+    /// Requests whose prompt embeds close to a cached one's are answered
+    /// from it (`cache { semantic { similarity 0.92 } }`). The gateway
+    /// does not serve it yet and refuses to start a policy that asks for it.
+    pub semantic: Option<SemanticSpec>,
+}
+
+impl TierCache {
+    pub fn is_empty(&self) -> bool {
+        self.exact.is_none() && self.semantic.is_none()
+    }
+}
+
+/// An exact-response cache: at most `max_entries` answers, each kept for
+/// `ttl_us`; keyed by tenant unless `shared`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExactSpec {
+    pub max_entries: u32,
+    pub ttl_us: u64,
+    /// Tenants of the tier share answers (default: each tenant its own).
+    pub shared: bool,
+}
+
+impl ExactSpec {
+    /// What the bare `exact_cache` flag (and `cache { exact }`) means.
+    pub const DEFAULT: ExactSpec = ExactSpec {
+        max_entries: 10_000,
+        ttl_us: 600 * 1_000_000,
+        shared: false,
+    };
+}
+
+/// A semantic cache: an answer is reused for a prompt whose embedding is at
+/// least `min_similarity` (cosine) from the cached prompt's.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SemanticSpec {
+    pub min_similarity: f32,
+    pub max_entries: u32,
+    pub ttl_us: u64,
+    pub shared: bool,
 }
 
 /// A tier's reserved share of one pool.

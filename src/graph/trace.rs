@@ -171,5 +171,35 @@ pub fn render(
     }
     s.push_str(&parts.join(" · "));
     s.push('\n');
+    if let Some(line) = g
+        .tier_id(&v.tier)
+        .and_then(|t| g.tiers.get(t as usize))
+        .and_then(|t| cache_line(&t.cache))
+    {
+        s.push_str(&line);
+        s.push('\n');
+    }
     s
+}
+
+/// What `kiln explain` says of the decided tier's caches, if it has any.
+fn cache_line(c: &super::TierCache) -> Option<String> {
+    let mut parts = Vec::new();
+    if let Some(e) = c.exact {
+        parts.push(format!(
+            "exact ({} entries, ttl {}, {}): a deterministic request (temperature 0 or a seed, one choice) already answered is served from it, with no queue and no GPU time",
+            e.max_entries,
+            show(Ty::Duration, e.ttl_us as f64 / 1000.0),
+            if e.shared { "shared by the tier's tenants" } else { "per tenant" }
+        ));
+    }
+    if let Some(sm) = c.semantic {
+        parts.push(format!(
+            "semantic (similarity {}, {} entries, ttl {}): not served by this gateway yet",
+            sm.min_similarity,
+            sm.max_entries,
+            show(Ty::Duration, sm.ttl_us as f64 / 1000.0)
+        ));
+    }
+    (!parts.is_empty()).then(|| format!("cache: {}", parts.join("; ")))
 }

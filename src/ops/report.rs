@@ -292,6 +292,7 @@ pub fn replay(
         mode: Mode::Kiln,
         routing: Routing::Kiln,
         seed: 0,
+        cache_on_finish: true,
         ..Config::default()
     };
     let mut sched = Scheduler::new(g.clone(), replay::plan(g, cost), cfg);

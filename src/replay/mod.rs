@@ -38,6 +38,9 @@ pub struct Outcome {
     pub deadline: Option<Micros>,
     /// The batch it belongs to (its `x-kiln-batch` header), if any.
     pub batch: Option<String>,
+    /// Answered from its tier's exact cache: started, first token and
+    /// finished at its arrival, no replica, no GPU time.
+    pub cache_hit: bool,
 }
 
 /// Runs every arrival (sorted by time) to completion or rejection.
@@ -120,8 +123,19 @@ impl Sink for Outcomes {
                     o.preemptions += 1;
                 }
             }
+            Action::CacheHit { id, .. } => {
+                if let Some(o) = self.get(id) {
+                    o.cache_hit = true;
+                    o.started = Some(t);
+                    o.first_token = Some(t);
+                    o.finished = Some(t);
+                }
+            }
             // Timers are the driver's; the replay never cancels.
-            Action::Step { .. } | Action::WakeAt(_) | Action::Cancelled { .. } => {}
+            Action::Step { .. }
+            | Action::WakeAt(_)
+            | Action::Cancelled { .. }
+            | Action::CacheMiss { .. } => {}
         }
     }
 }
@@ -237,6 +251,10 @@ pub fn arrivals(records: &[crate::traffic::Record]) -> Vec<(Micros, Arrival)> {
                     output_tokens: r.output_tokens.min(u64::from(u32::MAX)) as u32,
                     prefix_blocks: r.prefix_blocks.clone(),
                     quota_claimed: false,
+                    cache: r
+                        .cache_key
+                        .as_deref()
+                        .and_then(crate::sched::cache::parse_key),
                 },
             )
         })
@@ -337,6 +355,11 @@ pub fn replay_by_pool(
         p.partition_by_tier(g);
     }
     let routing = cfg.routing;
+    // A replay stores what missed its tier's cache as it finishes.
+    let cfg = crate::sched::Config {
+        cache_on_finish: true,
+        ..cfg
+    };
     let mut sched = Scheduler::new(g.clone(), p, cfg);
     let arrivals = arrivals(records)
         .into_iter()

@@ -55,6 +55,10 @@ pub struct Group {
     /// tenant's `cost` per GPU-hour (0 where a tenant states none).
     pub gpu_seconds: f64,
     pub cost: f64,
+    /// Requests answered from their tier's exact cache (no queue, no GPU
+    /// time); absent for a tier without one and a group with none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache_hits: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -192,12 +196,15 @@ fn group<'a>(
         deadline_misses: 0,
         gpu_seconds: 0.0,
         cost: 0.0,
+        cache_hits: None,
     };
+    let mut hits = 0u64;
     let (mut ttft, mut e2e) = (Vec::new(), Vec::new());
     let mut met = 0u64;
     // (with the SLO, met it) for TTFT and for the completion window
     let (mut ttft_slo, mut window_slo) = ((0u64, 0u64), (0u64, 0u64));
     for o in items {
+        hits += u64::from(o.cache_hit);
         gr.requests += 1;
         let slo = o.tier.and_then(|t| g.tiers.get(t as usize)).map(|t| &t.slo);
         let served = o.rejected.is_none();
@@ -242,6 +249,7 @@ fn group<'a>(
     }
     gr.gpu_seconds = round(gr.gpu_seconds);
     gr.cost = round(gr.cost);
+    gr.cache_hits = (hits > 0).then_some(hits);
     gr.ttft_ms = pct(ttft);
     gr.e2e_ms = pct(e2e);
     if gr.requests > 0 {
@@ -370,12 +378,16 @@ pub fn build(
         .iter()
         .enumerate()
         .map(|(i, t)| {
-            group(
+            let mut gr = group(
                 g,
                 t.name.clone(),
                 outcomes.iter().filter(|o| o.tier == Some(i as u16)),
                 duration_s,
-            )
+            );
+            if t.cache.exact.is_some() {
+                gr.cache_hits = Some(gr.cache_hits.unwrap_or(0));
+            }
+            gr
         })
         .filter(|gr| gr.requests > 0)
         .collect();
@@ -534,6 +546,21 @@ pub fn markdown(reports: &[Report]) -> String {
             }
             s.push('\n');
         }
+        let cached: Vec<&Group> = r.tiers.iter().filter(|t| t.cache_hits.is_some()).collect();
+        if !cached.is_empty() {
+            let _ = writeln!(s, "| tier | cache hits | of requests |");
+            let _ = writeln!(s, "|---|---:|---:|");
+            for t in cached {
+                let hits = t.cache_hits.unwrap_or(0);
+                let share = if t.requests > 0 {
+                    hits as f64 / t.requests as f64 * 100.0
+                } else {
+                    0.0
+                };
+                let _ = writeln!(s, "| {} | {} | {:.1}% |", t.name, hits, share);
+            }
+            s.push('\n');
+        }
         if !r.batches.is_empty() {
             let _ = writeln!(
                 s,
@@ -612,6 +639,19 @@ pub fn human(reports: &[Report]) -> String {
             }
         }
         reclaimed(&mut s, &r.tiers);
+        for t in r.tiers.iter().filter(|t| t.cache_hits.is_some()) {
+            let hits = t.cache_hits.unwrap_or(0);
+            let share = if t.requests > 0 {
+                hits as f64 / t.requests as f64 * 100.0
+            } else {
+                0.0
+            };
+            let _ = writeln!(
+                s,
+                "  cache hits, tier {}: {} of {} requests ({:.1}%)",
+                t.name, hits, t.requests, share
+            );
+        }
         if !r.batches.is_empty() {
             let _ = writeln!(
                 s,

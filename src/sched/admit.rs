@@ -362,7 +362,7 @@ impl Scheduler {
             deadline,
             quota_claimed: arrival.quota_claimed,
         };
-        for (_, gate) in GATES {
+        for (name, gate) in GATES {
             if let Err(r) = gate(self, &mut a) {
                 self.out.push(super::Action::Reject {
                     id: a.id,
@@ -370,6 +370,11 @@ impl Scheduler {
                     status: r.status,
                     retry_after: r.retry_after,
                 });
+                return;
+            }
+            // Decided, allowed by the policy and routed: an answer in the
+            // tier's exact cache needs no replica, memory or token quota.
+            if *name == "route" && self.cache_lookup(&a, arrival.cache) {
                 return;
             }
         }

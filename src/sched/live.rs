@@ -409,6 +409,12 @@ impl Live {
                 Action::Cancelled { id } => {
                     self.open.remove(&id);
                 }
+                // Answered at once from the tier's cache: served, on time.
+                Action::CacheHit { id, .. } => {
+                    if let Some(o) = self.open.remove(&id) {
+                        self.end(now, &o, true, false, false, Some(0.0));
+                    }
+                }
                 _ => {}
             }
         }

@@ -29,6 +29,7 @@
 //!   policy version by name while requests wait and run.
 
 mod admit;
+pub mod cache;
 pub mod canary;
 pub mod forecast;
 pub mod live;
@@ -179,6 +180,9 @@ pub struct Arrival {
     /// names (by `tenant` or its key) was claimed; a rule that moves it to
     /// another tenant is charged here, at [`Config::quota_scale`].
     pub quota_claimed: bool,
+    /// The request's content hash ([`cache::content_key`]) when it is
+    /// cacheable; `None` when it is not (it is then never looked up).
+    pub cache: Option<cache::Key>,
 }
 
 // An arrival (with its own window) is a little over clippy's 200 bytes;
@@ -274,6 +278,19 @@ pub enum Action {
     /// The request was cancelled ([`Event::Cancel`]); nothing more will
     /// happen to it.
     Cancelled { id: ReqId },
+    /// Answered from its tier's exact cache, after the policy decided it and
+    /// its requests quota was charged: it takes no queue, replica or GPU
+    /// time; nothing more will happen to it. `payload` is what was stored
+    /// (`None` in a replay).
+    CacheHit {
+        id: ReqId,
+        key: cache::Key,
+        payload: Option<std::sync::Arc<str>>,
+    },
+    /// Cacheable and not in its tier's cache: it goes on through admission,
+    /// and a complete answer may be stored under `key`
+    /// ([`Scheduler::cache_store`]).
+    CacheMiss { id: ReqId, key: cache::Key },
 }
 
 /// One (tier, tenant) queue, for the gateway's `/admin/queues` and metrics.
@@ -332,6 +349,12 @@ pub struct Config {
     /// external replica runs nothing until the fleet grants it slots
     /// ([`Scheduler::set_slot_cap`]), so no start or swap can overshoot.
     pub shared_upstreams: bool,
+    /// Memory bounds of the exact caches beyond each tier's `entries`.
+    pub cache_bounds: cache::Bounds,
+    /// A replay: a request that missed its tier's cache is stored as it
+    /// finishes (its answer's size estimated from its output tokens). The
+    /// gateway stores answers itself once they are complete.
+    pub cache_on_finish: bool,
 }
 
 /// A replica for `spec` under `cfg` (see [`Config::shared_upstreams`]).
@@ -360,6 +383,8 @@ impl Default for Config {
             backfill_slack: 0.1,
             quota_scale: 1.0,
             shared_upstreams: false,
+            cache_bounds: cache::Bounds::default(),
+            cache_on_finish: false,
         }
     }
 }
@@ -513,6 +538,11 @@ pub struct Scheduler {
     scratch: Scratch,
     /// Per pool, the tiers reserving a share of it ([`reserve`]).
     reserves: Vec<Vec<(TierId, f64)>>,
+    /// The tiers' exact caches ([`cache`]).
+    caches: cache::Caches,
+    /// Requests that missed their tier's cache, until they end: where a
+    /// complete answer would be stored (replays, [`Config::cache_on_finish`]).
+    cache_pending: HashMap<ReqId, (TierId, cache::Key, u32)>,
 }
 
 /// Per-pool sums [`Scheduler::refresh_signals`] builds on every arrival.
@@ -553,7 +583,10 @@ impl Scheduler {
         let pinned = vec![0; replicas.len()];
         let live = live::Live::new(&graph);
         let reserves = Scheduler::reserves_of(&graph);
+        let caches = cache::Caches::new(&graph, cfg.cache_bounds);
         Scheduler {
+            caches,
+            cache_pending: HashMap::default(),
             graph,
             cfg,
             now: 0,
@@ -745,8 +778,109 @@ impl Scheduler {
             }
         }
         self.settle();
+        self.settle_cache();
         self.live.observe(&self.graph, self.now, &self.out);
         &self.out
+    }
+
+    /// The tiers' exact caches (for metrics and tests).
+    pub fn caches(&self) -> &cache::Caches {
+        &self.caches
+    }
+
+    /// Stores a complete answer of `tier` under `key` (the gateway's, once
+    /// the answer was served whole). Ignored unless the tier has an exact
+    /// cache; an answer over the byte bound is not kept.
+    pub fn cache_store(
+        &mut self,
+        now: Micros,
+        tier: TierId,
+        key: cache::Key,
+        payload: std::sync::Arc<str>,
+    ) -> Result<(), cache::NotStored> {
+        self.now = self.now.max(now);
+        let bytes = payload.len() as u64;
+        self.caches
+            .insert(tier, key, bytes, Some(payload), self.now)
+    }
+
+    /// After every event: requests that ended leave the pending stores; in
+    /// a replay, those that finished are stored.
+    fn settle_cache(&mut self) {
+        if self.cache_pending.is_empty() {
+            return;
+        }
+        for a in &self.out {
+            let (id, finished) = match *a {
+                Action::Finished { id, .. } => (id, true),
+                Action::Reject { id, .. } | Action::Cancelled { id } => (id, false),
+                _ => continue,
+            };
+            let Some((tier, key, output)) = self.cache_pending.remove(&id) else {
+                continue;
+            };
+            if finished && self.cfg.cache_on_finish {
+                // About four bytes of answer per output token.
+                let bytes = u64::from(output).saturating_mul(4);
+                let _ = self.caches.insert(tier, key, bytes, None, self.now);
+            }
+        }
+    }
+
+    /// Looks an admitted-so-far arrival up in its tier's exact cache. On a
+    /// hit its requests quota is charged (one request; tokens and
+    /// GPU-seconds are not: it uses none), [`Action::CacheHit`] answers it
+    /// and `true` says it is done; a quota refusal is a refusal like any
+    /// other (also `true`). On a miss, [`Action::CacheMiss`] gives the key.
+    fn cache_lookup(&mut self, a: &admit::Admitting<'_>, content: Option<cache::Key>) -> bool {
+        let (id, tier, tenant, target, output, quota_claimed) =
+            (a.id, a.tier, a.tenant, a.target, a.output, a.quota_claimed);
+        if self.cfg.mode != Mode::Kiln {
+            return false;
+        }
+        let (Some(content), Some(spec), Some(target)) = (content, self.caches.spec(tier), target)
+        else {
+            return false;
+        };
+        let g = self.graph.clone();
+        let tier_name = g.tiers.get(tier as usize).map_or("", |t| t.name.as_str());
+        let tenant_name = if spec.shared {
+            None
+        } else {
+            Some(
+                tenant
+                    .and_then(|t| g.tenants.get(t as usize))
+                    .map_or("", |t| t.name.as_str()),
+            )
+        };
+        let variant = g.variant_name(target.model, target.variant);
+        let key = cache::scoped_key(&content, tier_name, tenant_name, &variant);
+        let payload = match self.caches.get(tier, &key, self.now) {
+            Some(e) => e.payload.clone(),
+            None => {
+                if self.cfg.cache_on_finish {
+                    self.cache_pending.insert(id, (tier, key, output));
+                }
+                self.out.push(Action::CacheMiss { id, key });
+                return false;
+            }
+        };
+        if let (Some(t), false) = (tenant, quota_claimed) {
+            match self.quotas.reserve(&g, t, 0.0, self.now) {
+                Ok(_) => self.quotas.release(t, 0.0, 0.0),
+                Err((reason, retry)) => {
+                    self.out.push(Action::Reject {
+                        id,
+                        reason,
+                        status: 429,
+                        retry_after: Some(retry),
+                    });
+                    return true;
+                }
+            }
+        }
+        self.out.push(Action::CacheHit { id, key, payload });
+        true
     }
 
     /// After every event: timers fire, expired waits are refused, idle

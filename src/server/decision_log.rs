@@ -592,6 +592,7 @@ mod tests {
                 fallback_step: None,
                 reason: None,
                 waited_for: Some("saturation".into()),
+                cache: None,
             }),
             queue_ms: Some(12.25),
             ttft_ms: Some(180.5),

@@ -65,6 +65,15 @@ pub enum Progress {
     Preempted {
         by: ReqId,
     },
+    /// Answered from its tier's exact cache: nothing more will come.
+    CacheHit {
+        key: crate::sched::cache::Key,
+        payload: Option<Arc<str>>,
+    },
+    /// Cacheable, not cached: a complete answer may be stored under `key`.
+    CacheMiss {
+        key: crate::sched::cache::Key,
+    },
 }
 
 /// A request a canary version decided: its version, graph, and the
@@ -83,6 +92,16 @@ pub enum Command {
         claim: Option<Arc<super::fleet::Claim>>,
     },
     Cancel(ReqId),
+    /// Stores a complete answer in a tier's exact cache (ignored when the
+    /// graph it was decided with is no longer the active one); the reply is
+    /// how many answers the tier's cache holds afterwards.
+    CacheStore {
+        graph: Arc<DecisionGraph>,
+        tier: TierId,
+        key: crate::sched::cache::Key,
+        payload: Arc<str>,
+        done: oneshot::Sender<usize>,
+    },
     /// An HTTP upstream produced the request's first token.
     FirstToken(ReqId),
     /// An HTTP upstream finished the request.
@@ -463,6 +482,23 @@ impl Sink for Handlers {
                     }
                 }
             }
+            Action::CacheHit {
+                id,
+                key,
+                ref payload,
+            } => {
+                if let Some(e) = self.reqs.remove(&id) {
+                    // One request, no tokens, no GPU time.
+                    if let Some(c) = &e.claim {
+                        c.finish(0, 0.0);
+                    }
+                    let _ = e.events.send(Progress::CacheHit {
+                        key,
+                        payload: payload.clone(),
+                    });
+                }
+            }
+            Action::CacheMiss { id, key } => self.send(id, Progress::CacheMiss { key }),
         }
     }
 
@@ -702,6 +738,19 @@ impl<C: Clock> Executor<C> {
                 if self.handlers.reqs.remove(&id).is_some() {
                     self.feed(now, Event::Cancel { id });
                 }
+            }
+            Command::CacheStore {
+                graph,
+                tier,
+                key,
+                payload,
+                done,
+            } => {
+                let sched = self.driver.sched_mut();
+                if Arc::ptr_eq(&graph, &self.handlers.graph) {
+                    let _ = sched.cache_store(now, tier, key, payload);
+                }
+                let _ = done.send(sched.caches().len(tier));
             }
             Command::Complete { id, output_tokens } => {
                 self.feed(now, Event::Complete { id, output_tokens });

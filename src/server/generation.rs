@@ -459,6 +459,7 @@ async fn respond(
             std::future::ready(next)
         })
         .boxed();
+    let s_cache = s.d.cache;
     let gen = Generation {
         ctx,
         guard,
@@ -471,6 +472,7 @@ async fn respond(
             upstream: producer == Producer::Upstream,
         },
         created: created(),
+        kept: Kept::for_request(&s_cache),
     };
     if gen.ctx.stream {
         Ok(gen.stream(headers, pieces))
@@ -489,6 +491,38 @@ struct Generation {
     producer: Producer,
     tally: Tally,
     created: i64,
+    /// A streamed answer of a cacheable miss, gathered to be stored.
+    kept: Option<Kept>,
+}
+
+/// A streamed answer gathered for the exact cache, up to its byte bound;
+/// given up (`None`) past it, or when it calls tools (a stream's tool
+/// calls come in pieces kiln does not reassemble).
+struct Kept {
+    text: String,
+    finish: Option<String>,
+}
+
+impl Kept {
+    fn for_request(cache: &Option<crate::sched::cache::Key>) -> Option<Kept> {
+        cache.map(|_| Kept {
+            text: String::new(),
+            finish: None,
+        })
+    }
+}
+
+/// Adds text to the gathered answer; drops it past the byte bound.
+fn keep(kept: &mut Option<Kept>, text: &str) {
+    if let Some(k) = kept.as_mut() {
+        if (k.text.len() + text.len()) as u64
+            > crate::sched::cache::Bounds::default().max_entry_bytes
+        {
+            *kept = None;
+        } else {
+            k.text.push_str(text);
+        }
+    }
 }
 
 impl Generation {
@@ -569,6 +603,7 @@ impl Generation {
                     if gpu_seconds > 0.0 {
                         headers.push(("x-kiln-gpu-seconds", format!("{gpu_seconds:.6}")));
                     }
+                    super::cache::store(&self.ctx, &self.s.d, &body);
                     return Ok(with_headers(axum::Json(body).into_response(), headers));
                 }
                 Piece::Failed { err, outcome } => {
@@ -610,6 +645,7 @@ impl Generation {
                 let mut b = Vec::new();
                 for i in 0..u64::from(n) {
                     let t = sim_text(self.tally.produced + i, 1);
+                    keep(&mut self.kept, &t);
                     let c = chunk(&self.ctx, self.created, Some(&t), false, None);
                     b.extend_from_slice(&sse(&c));
                 }
@@ -627,6 +663,18 @@ impl Generation {
                 if has_text {
                     self.tally.first_token(&self.ctx);
                     self.tally.produced += 1;
+                }
+                if self.kept.is_some() {
+                    let c = &v["choices"][0];
+                    if !c["delta"]["tool_calls"].is_null() || !c["delta"]["function_call"].is_null()
+                    {
+                        self.kept = None;
+                    }
+                    let t = c["delta"]["content"].as_str().or(c["text"].as_str());
+                    keep(&mut self.kept, t.unwrap_or(""));
+                    if let (Some(k), Some(f)) = (self.kept.as_mut(), c["finish_reason"].as_str()) {
+                        k.finish = Some(f.to_string());
+                    }
                 }
                 let choices_empty = v["choices"].as_array().is_none_or(|c| c.is_empty());
                 let include_usage = self.ctx.include_usage;
@@ -649,6 +697,27 @@ impl Generation {
             }
             Piece::End { gpu_seconds, at } => {
                 self.settle(MetricOutcome::Ok, gpu_seconds, at, 200);
+                if let Some(k) = self.kept.take() {
+                    let finish = match (self.producer, &k.finish) {
+                        (Producer::Scheduler, _) => "length",
+                        (Producer::Upstream, Some(f)) => f.as_str(),
+                        (Producer::Upstream, None) => "",
+                    };
+                    let prompt = self.ctx.req.prompt_tokens;
+                    let fingerprint = match self.producer {
+                        Producer::Scheduler => "kiln-sim",
+                        Producer::Upstream => "",
+                    };
+                    let body = full_body(
+                        &self.ctx,
+                        &k.text,
+                        prompt,
+                        self.tally.output(),
+                        finish,
+                        fingerprint,
+                    );
+                    super::cache::store(&self.ctx, &self.s.d, &body);
+                }
                 let mut b = Vec::new();
                 if self.producer == Producer::Scheduler {
                     let c = chunk(&self.ctx, self.created, None, false, Some("length"));

@@ -117,6 +117,8 @@ pub struct CatalogTier {
     pub fallback_steps: u8,
     /// Whether it declares a TTFT SLO (it can then refuse with `overload`).
     pub ttft_slo: bool,
+    /// Whether it has an exact response cache (`kiln_cache_*{kind="exact"}`).
+    pub exact_cache: bool,
 }
 
 impl Catalog {
@@ -170,6 +172,7 @@ impl Catalog {
                         .and_then(|f| f.as_ref())
                         .map_or(0, |f| f.steps.len().min(usize::from(u8::MAX)) as u8),
                     ttft_slo: tier.slo.ttft.is_some(),
+                    exact_cache: tier.cache.exact.is_some(),
                 }
             })
             .collect();
@@ -250,6 +253,9 @@ struct Collectors {
     shared_errors: CounterVec,
     shared_unclaimed: CounterVec,
     upstream_breaker: GaugeVec,
+    cache_hits: CounterVec,
+    cache_misses: CounterVec,
+    cache_entries: GaugeVec,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -499,6 +505,24 @@ impl Collectors {
                 "1 while an HTTP upstream's circuit breaker refuses requests (open, or half-open with its trial in flight), 0 while it lets them through.",
                 &["pool", "upstream"],
             )?,
+            cache_hits: counter(
+                r,
+                "kiln_cache_hits_total",
+                "Requests answered from their tier's response cache (`kind` exact): no queue, no replica, no GPU time.",
+                &["tier", "tenant", "kind"],
+            )?,
+            cache_misses: counter(
+                r,
+                "kiln_cache_misses_total",
+                "Cacheable requests (temperature 0 or a seed, one choice) their tier's response cache did not hold.",
+                &["tier", "tenant", "kind"],
+            )?,
+            cache_entries: gauge(
+                r,
+                "kiln_cache_entries",
+                "Answers held by each tier's response cache.",
+                &["tier", "kind"],
+            )?,
         })
     }
 }
@@ -572,6 +596,10 @@ impl Metrics {
                 b.touch(&c.preemptions, &[tier, tenant]);
                 b.touch(&c.deadline_misses, &[tier, tenant]);
                 b.touch(&c.batch_deadline_misses, &[tenant, tier]);
+                if t.exact_cache {
+                    b.touch(&c.cache_hits, &[tier, tenant, "exact"]);
+                    b.touch(&c.cache_misses, &[tier, tenant, "exact"]);
+                }
                 for step in 1..=t.fallback_steps {
                     let mut buf = [0u8; 5];
                     let step = decimal(u16::from(step), &mut buf);
@@ -622,6 +650,9 @@ impl Metrics {
     /// Sets the queue and replica gauges of `cat` that have no series to 0.
     fn zero_gauges(&self, cat: &Catalog) {
         let Some(c) = &self.c else { return };
+        for t in cat.tiers.iter().filter(|t| t.exact_cache) {
+            let _ = get(&c.cache_entries, &[t.name.as_str(), "exact"]);
+        }
         for t in &cat.tiers {
             for tenant in &t.tenants {
                 let v = [t.name.as_str(), tenant.as_str()];
@@ -755,6 +786,24 @@ impl Metrics {
     }
 
     /// A request decided without the shared store (`local` or `refused`).
+    /// A cacheable request of `tier` was answered from its cache (`hit`)
+    /// or served fresh.
+    pub fn cache_lookup(&self, tier: &str, tenant: &str, hit: bool) {
+        let Some(c) = &self.c else { return };
+        let vec = if hit { &c.cache_hits } else { &c.cache_misses };
+        if let Some(e) = get(vec, &[tier, tenant, "exact"]) {
+            e.inc();
+        }
+    }
+
+    /// How many answers the tier's exact cache holds.
+    pub fn cache_entries(&self, tier: &str, entries: usize) {
+        let Some(c) = &self.c else { return };
+        if let Some(g) = get(&c.cache_entries, &[tier, "exact"]) {
+            g.set(entries as f64);
+        }
+    }
+
     pub fn shared_unclaimed(&self, action: &str) {
         let Some(c) = &self.c else { return };
         if let Some(e) = get(&c.shared_unclaimed, &[action]) {
@@ -1041,6 +1090,7 @@ mod tests {
             routes: vec![("p".into(), "m.v".into()), ("q".into(), "m.v".into())],
             fallback_steps: 3,
             ttft_slo: true,
+            exact_cache: false,
         };
         let cat = Catalog {
             tiers: (0..20).map(tier).collect(),
@@ -1066,6 +1116,7 @@ mod tests {
                 routes: vec![("h100".into(), "llama.fp16".into())],
                 fallback_steps: 1,
                 ttft_slo: false,
+                exact_cache: false,
             }],
             replicas: vec![("h100".into(), "llama.fp16".into())],
         };

@@ -12,6 +12,7 @@ pub mod admin;
 pub mod batch_lines;
 pub mod batch_runner;
 pub mod batches;
+mod cache;
 pub mod config;
 pub mod costs;
 pub mod decision_log;

@@ -163,17 +163,20 @@ pub(super) fn authenticate(
 }
 
 pub(super) struct Decided {
-    tier: TierId,
-    tenant: Option<TenantId>,
-    fallback_step: Option<u8>,
+    pub(super) tier: TierId,
+    pub(super) tenant: Option<TenantId>,
+    pub(super) fallback_step: Option<u8>,
     /// The version that decided (a canary's, when it did).
-    version: Arc<str>,
+    pub(super) version: Arc<str>,
     /// The active graph: `tier` and `tenant` are its ids.
-    graph: Arc<DecisionGraph>,
+    pub(super) graph: Arc<DecisionGraph>,
     /// The graph and signals that decided (a canary's, when it did).
-    policy_graph: Arc<DecisionGraph>,
-    policy_signals: Arc<Signals>,
-    canary: bool,
+    pub(super) policy_graph: Arc<DecisionGraph>,
+    pub(super) policy_signals: Arc<Signals>,
+    pub(super) canary: bool,
+    /// Missed its tier's exact cache: a complete answer is stored under
+    /// this key ([`super::cache`]).
+    pub(super) cache: Option<crate::sched::cache::Key>,
 }
 
 pub(super) struct Ctx {
@@ -198,6 +201,8 @@ pub(super) struct Ctx {
     pub(super) window: Option<crate::sched::Micros>,
     /// Its claim on the tenant's quota across the fleet (`[state]`).
     pub(super) claim: Option<Arc<super::fleet::Claim>>,
+    /// Its content hash when it is cacheable and a tier has an exact cache.
+    pub(super) cache_content: Option<crate::sched::cache::Key>,
 }
 
 impl Ctx {
@@ -407,7 +412,9 @@ async fn decide_and_serve(
         replica: None,
         clock: explain::ClockTimes::default(),
     });
+    let cache_content = super::cache::content(&policy.graph, &raw);
     let ctx = Ctx {
+        cache_content,
         app: app.clone(),
         endpoint,
         id,
@@ -567,6 +574,9 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
             }
         };
         let (started, backend, rx, guard) = match waited {
+            Waited::CacheHit { d, key, payload } => {
+                return Ok(super::cache::serve_hit(&ctx, d, &key, payload));
+            }
             Waited::Started {
                 started,
                 backend,
@@ -700,6 +710,7 @@ fn submit(
         output_tokens: max_tokens.min(u64::from(u32::MAX)) as u32,
         prefix_blocks: ctx.prefix_blocks.clone(),
         quota_claimed: ctx.claim.as_ref().is_some_and(|c| !c.is_done()),
+        cache: ctx.cache_content,
     };
     let mut guard = CancelGuard {
         id: ctx.id,
@@ -728,6 +739,12 @@ enum Waited {
     /// A policy swap removed what it was decided for: decide it again
     /// (when `may_redecide`; otherwise that is a refusal like any other).
     PolicyChanged,
+    /// Answered from its tier's exact cache.
+    CacheHit {
+        d: Decided,
+        key: crate::sched::cache::Key,
+        payload: Option<Arc<str>>,
+    },
 }
 
 /// Logs and explains a request whose client went away while it waited in
@@ -827,6 +844,7 @@ async fn wait_inner(
                     policy_graph: pgraph,
                     policy_signals: psignals,
                     canary: canary.is_some(),
+                    cache: None,
                 };
                 // An override refusal returns here; the guard cancels the
                 // request in the scheduler.
@@ -893,6 +911,19 @@ async fn wait_inner(
                     rx,
                     guard,
                 });
+            }
+            Progress::CacheMiss { key } => {
+                if let Some(d) = decided.as_mut() {
+                    d.cache = Some(key);
+                    super::cache::missed(ctx, d);
+                }
+            }
+            Progress::CacheHit { key, payload } => {
+                guard.armed = false;
+                let Some(d) = decided.take() else {
+                    return Err(ApiError::new(500, "answered before a decision"));
+                };
+                return Ok(Waited::CacheHit { d, key, payload });
             }
             Progress::Tokens(_) | Progress::FirstToken | Progress::Finished { .. } => {}
         }
@@ -975,7 +1006,7 @@ pub(super) struct Started {
     pub(super) preempted: u32,
 }
 
-fn tenant_name(g: &DecisionGraph, t: Option<TenantId>) -> String {
+pub(super) fn tenant_name(g: &DecisionGraph, t: Option<TenantId>) -> String {
     t.and_then(|t| g.tenants.get(t as usize))
         .map(|t| t.name.clone())
         .unwrap_or_else(|| "none".into())
@@ -990,7 +1021,7 @@ fn override_error(app: &App, r: &crate::governance::overrides::Refused) -> ApiEr
 }
 
 /// One finished request for the rollback conditions' live metrics.
-fn record_live(
+pub(super) fn record_live(
     ctx: &Ctx,
     d: Option<&Decided>,
     ttft_s: Option<f64>,
@@ -1168,11 +1199,11 @@ fn finish_refused(ctx: &Ctx, d: Option<&Decided>, reason: &str, err: &ApiError) 
     );
 }
 
-fn round3(x: f64) -> f64 {
+pub(super) fn round3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
 }
 
-fn base_record(ctx: &Ctx, d: Option<&Decided>) -> Record {
+pub(super) fn base_record(ctx: &Ctx, d: Option<&Decided>) -> Record {
     let req = match d {
         Some(d) => recorded_request(&ctx.req, &[&d.graph, &d.policy_graph]),
         None => recorded_request(&ctx.req, &[&ctx.app.policy.load().graph]),
@@ -1286,6 +1317,7 @@ pub(super) fn finish_served(
     if app.log.is_enabled() {
         let mut rec = base_record(ctx, Some(&s.d));
         rec.output_tokens = output_tokens;
+        rec.cache_key = ctx.cache_content.as_ref().map(super::cache::hex);
         let sub = served_substitution(ctx, s);
         if let Some(dec) = rec.decision.as_mut() {
             dec.route = Some(s.route.clone());
@@ -1299,6 +1331,7 @@ pub(super) fn finish_served(
                 .into(),
             );
             dec.waited_for = s.waited_for.map(|r| r.name().to_string());
+            dec.cache = s.d.cache.map(|_| "miss".to_string());
             // The status the client got (an upstream's 502 is not a 200),
             // and why an admitted request did not end as served.
             dec.status = Some(status);
@@ -1381,6 +1414,7 @@ pub(super) fn kiln_headers(ctx: &Ctx, s: &Started, backend: &str) -> Vec<(&'stat
         ("x-kiln-queue-ms", format!("{:.3}", s.queue_s * 1000.0)),
         ("x-kiln-explain", format!("/admin/explain/{}", ctx.rid)),
     ];
+    h.extend(super::cache::miss_header(&s.d));
     if let Some(w) = s.waited_for {
         h.push(("x-kiln-waited-for", w.name().to_string()));
     }

@@ -93,6 +93,11 @@ pub struct Record {
     /// The replay gives the item what is left of it as its own window.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deadline_ms: Option<f64>,
+    /// The request's content hash (64 hex digits) when it was cacheable
+    /// (deterministic: temperature 0 or a seed, one choice): the replay
+    /// looks it up in its tier's exact cache as the gateway did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_key: Option<String>,
 }
 
 /// The decision the gateway took, as recorded.
@@ -129,6 +134,10 @@ pub struct Decision {
     /// `saturation`, …), when it waited.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waited_for: Option<String>,
+    /// `hit` when the tier's exact cache answered it (no queue, no GPU),
+    /// `miss` when it was cacheable and served fresh.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache: Option<String>,
 }
 
 impl Default for Record {
@@ -153,6 +162,7 @@ impl Default for Record {
             ttft_ms: None,
             e2e_ms: None,
             deadline_ms: None,
+            cache_key: None,
         }
     }
 }
