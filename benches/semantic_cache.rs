@@ -58,13 +58,23 @@ fn main() {
     };
     let t = Instant::now();
     let m = Embedder::load(&dir).unwrap_or_else(|e| panic!("{:?}", miette::Report::new(e)));
-    println!("model: {} ({} dimensions, {} tokens at most), loaded in {:.0} ms", dir.display(), m.dim(), m.max_tokens(), t.elapsed().as_secs_f64() * 1e3);
+    println!(
+        "model: {} ({} dimensions, {} tokens at most), loaded in {:.0} ms",
+        dir.display(),
+        m.dim(),
+        m.max_tokens(),
+        t.elapsed().as_secs_f64() * 1e3
+    );
     println!(
         "threads: RAYON_NUM_THREADS={}",
         std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "unset (all cores)".into())
     );
 
-    let tsv = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/benches/semantic/banking77-test-slice.tsv")).unwrap();
+    let tsv = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/benches/semantic/banking77-test-slice.tsv"
+    ))
+    .unwrap();
     let mut prompts: Vec<(String, String)> = tsv
         .lines()
         .skip(1)
@@ -132,7 +142,10 @@ fn main() {
         let s = Instant::now();
         for i in 0..n {
             let base = &vecs[i % vecs.len()];
-            let v: Vec<f32> = base.iter().map(|x| x + (rng.random::<f32>() - 0.5) * 0.05).collect();
+            let v: Vec<f32> = base
+                .iter()
+                .map(|x| x + (rng.random::<f32>() - 0.5) * 0.05)
+                .collect();
             c.insert("bank", v, i, 0).unwrap();
         }
         let insert_us = s.elapsed().as_secs_f64() * 1e6 / n as f64;
@@ -145,6 +158,9 @@ fn main() {
             times.push(s.elapsed().as_secs_f64() * 1e6);
         }
         assert_eq!(c.len(), n);
-        println!("lookup at {n} entries: {} ({hits} hits); insert {insert_us:.2} µs each", summary(times));
+        println!(
+            "lookup at {n} entries: {} ({hits} hits); insert {insert_us:.2} µs each",
+            summary(times)
+        );
     }
 }

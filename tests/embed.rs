@@ -36,7 +36,11 @@ fn model() -> Option<&'static Embedder> {
             };
             match Embedder::load(&dir) {
                 Ok(m) => Some(m),
-                Err(e) => panic!("{MODEL_ENV}={}: {:?}", dir.display(), miette::Report::new(e)),
+                Err(e) => panic!(
+                    "{MODEL_ENV}={}: {:?}",
+                    dir.display(),
+                    miette::Report::new(e)
+                ),
             }
         })
         .as_ref()
@@ -99,7 +103,10 @@ fn paraphrases_score_high_and_unrelated_prompts_low() {
     let reset = e("How do I reset my password?");
     // Reference cosines (numpy): 0.9368, 0.8945, 0.1260, 0.0234.
     let pairs = [
-        (cos(&reset, &e("I forgot my password, how can I reset it?")), 0.9368),
+        (
+            cos(&reset, &e("I forgot my password, how can I reset it?")),
+            0.9368,
+        ),
         (
             cos(
                 &e("Summarise this article about GPU scheduling."),
@@ -107,7 +114,13 @@ fn paraphrases_score_high_and_unrelated_prompts_low() {
             ),
             0.8945,
         ),
-        (cos(&reset, &e("What is the boiling point of water at sea level?")), 0.1260),
+        (
+            cos(
+                &reset,
+                &e("What is the boiling point of water at sea level?"),
+            ),
+            0.1260,
+        ),
         (
             cos(
                 &e("Write a haiku about autumn leaves."),
@@ -179,8 +192,12 @@ fn hostile_text_is_embedded_in_bounded_time() {
 #[test]
 fn embedding_is_deterministic() {
     let Some(m) = model() else { return };
-    let a = m.embed("Is there a way to know when my card will arrive?").unwrap();
-    let b = m.embed("Is there a way to know when my card will arrive?").unwrap();
+    let a = m
+        .embed("Is there a way to know when my card will arrive?")
+        .unwrap();
+    let b = m
+        .embed("Is there a way to know when my card will arrive?")
+        .unwrap();
     assert_eq!(a, b);
 }
 

@@ -150,7 +150,8 @@ impl<V: Clone> SemanticCache<V> {
         self.expire(now_us);
         let best = self.scope_ids.get(scope).and_then(|&sid| {
             let s = self.scopes.get(sid as usize)?.as_ref()?;
-            nearest(&s.rows, &s.expires_us, q.len(), &q, now_us).map(|(row, sim)| (s.slots.get(row).copied(), sim))
+            nearest(&s.rows, &s.expires_us, q.len(), &q, now_us)
+                .map(|(row, sim)| (s.slots.get(row).copied(), sim))
         });
         match best {
             Some((Some(slot), sim)) if sim >= self.min_similarity => {
@@ -311,7 +312,9 @@ impl<V: Clone> SemanticCache<V> {
                 .entries
                 .get(slot)
                 .and_then(Option::as_ref)
-                .is_none_or(|e| e.seq != seq || now_us >= e.inserted_us.saturating_add(self.ttl_us));
+                .is_none_or(|e| {
+                    e.seq != seq || now_us >= e.inserted_us.saturating_add(self.ttl_us)
+                });
             if !expired {
                 break;
             }
@@ -330,13 +333,18 @@ impl<V: Clone> SemanticCache<V> {
         self.by_insert.remove(&e.seq);
         self.by_use.remove(&e.used);
         let dim = self.dim.unwrap_or(0);
-        let Some(s) = self.scopes.get_mut(e.scope as usize).and_then(Option::as_mut) else {
+        let Some(s) = self
+            .scopes
+            .get_mut(e.scope as usize)
+            .and_then(Option::as_mut)
+        else {
             return;
         };
         // Swap the last row into the removed one.
         let last = s.slots.len().saturating_sub(1);
         if e.row != last {
-            s.rows.copy_within(last * dim..(last + 1) * dim, e.row * dim);
+            s.rows
+                .copy_within(last * dim..(last + 1) * dim, e.row * dim);
             if let Some(&moved) = s.slots.get(last) {
                 if let Some(m) = self.entries.get_mut(moved).and_then(Option::as_mut) {
                     m.row = e.row;
@@ -447,9 +455,18 @@ mod tests {
         assert_eq!(c.lookup("tenant-b/m", &unit(0.0), 1).unwrap(), None);
         assert_eq!(c.lookup("tenant-a/m2", &unit(0.0), 1).unwrap(), None);
         c.insert("tenant-b/m", unit(0.0), "b", 2).unwrap();
-        assert_eq!(c.lookup("tenant-a/m", &unit(0.0), 3).unwrap().unwrap().0, "a");
-        assert_eq!(c.lookup("tenant-b/m", &unit(0.0), 3).unwrap().unwrap().0, "b");
-        assert_eq!((c.scope_len("tenant-a/m"), c.scope_len("tenant-b/m")), (1, 1));
+        assert_eq!(
+            c.lookup("tenant-a/m", &unit(0.0), 3).unwrap().unwrap().0,
+            "a"
+        );
+        assert_eq!(
+            c.lookup("tenant-b/m", &unit(0.0), 3).unwrap().unwrap().0,
+            "b"
+        );
+        assert_eq!(
+            (c.scope_len("tenant-a/m"), c.scope_len("tenant-b/m")),
+            (1, 1)
+        );
     }
 
     #[test]
@@ -464,7 +481,11 @@ mod tests {
         for (min, hit) in [(sim, true), (above, false)] {
             let mut c = SemanticCache::new(10, HOUR, min);
             c.insert("s", unit(0.0), (), 0).unwrap();
-            assert_eq!(c.lookup("s", &unit(0.4), 0).unwrap().is_some(), hit, "{min}");
+            assert_eq!(
+                c.lookup("s", &unit(0.4), 0).unwrap().is_some(),
+                hit,
+                "{min}"
+            );
         }
     }
 

@@ -72,7 +72,9 @@ pub enum EmbedError {
     #[error("cannot load the tokenizer `{}`: {message}", path.display())]
     #[diagnostic(
         code(kiln::embed::tokenizer),
-        help("tokenizer.json must be a Hugging Face tokenizers file (the one saved with the model)")
+        help(
+            "tokenizer.json must be a Hugging Face tokenizers file (the one saved with the model)"
+        )
     )]
     Tokenizer { path: PathBuf, message: String },
 
@@ -168,7 +170,8 @@ impl Embedder {
             path: tok_path.clone(),
             message,
         };
-        let mut tokenizer = Tokenizer::from_bytes(&tok_bytes).map_err(|e| tok_err(e.to_string()))?;
+        let mut tokenizer =
+            Tokenizer::from_bytes(&tok_bytes).map_err(|e| tok_err(e.to_string()))?;
         tokenizer
             .with_truncation(Some(TruncationParams {
                 direction: TruncationDirection::Right,
