@@ -55,14 +55,14 @@ pub enum EmbedError {
     )]
     TooLarge { path: PathBuf, bytes: u64, max: u64 },
 
-    #[error("`{}` is not a BERT configuration: {message}", path.display())]
+    #[error("`{}` is not a BERT configuration: {message}", src.name())]
     #[diagnostic(
         code(kiln::embed::config),
         help("config.json must be the Hugging Face BertModel configuration the model was saved with (model_type \"bert\")")
     )]
     Config {
-        path: PathBuf,
         message: String,
+        /// The file (its path is the source's name).
         #[source_code]
         src: NamedSource<String>,
         #[label("here")]
@@ -131,7 +131,6 @@ impl Embedder {
         let config: Config = serde_json::from_str(&config_text).map_err(|e| {
             let span = offset_of(&config_text, e.line(), e.column());
             EmbedError::Config {
-                path: config_path.clone(),
                 message: e.to_string(),
                 src: NamedSource::new(config_path.display().to_string(), config_text.clone()),
                 span: SourceSpan::from((span, 0)),
@@ -139,7 +138,6 @@ impl Embedder {
         })?;
         if config.model_type.as_deref().is_some_and(|t| t != "bert") {
             return Err(EmbedError::Config {
-                path: config_path.clone(),
                 message: format!(
                     "model_type is {:?}; only \"bert\" encoders are supported",
                     config.model_type.as_deref().unwrap_or_default()
