@@ -12,6 +12,7 @@ pub mod compile;
 pub mod diag;
 pub mod diff;
 pub mod driver;
+pub mod embed;
 pub mod governance;
 pub mod graph;
 pub mod lang;

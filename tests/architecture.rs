@@ -20,7 +20,7 @@ const LAYERS: &[&[&str]] = &[
     // The decision graph: what a compiled policy is, and deciding with it.
     &["graph"],
     // What reads or produces graphs: the compiler, the scheduler core,
-    // recorded traffic, policy tests.
+    // recorded traffic, policy tests; the semantic cache's engine.
     &[
         "compile",
         "sched",
@@ -28,6 +28,7 @@ const LAYERS: &[&[&str]] = &[
         "policy_test",
         "batch",
         "shared",
+        "embed",
     ],
     // The driver (the one interpreter of scheduler actions); backends.
     &["driver", "backend"],
