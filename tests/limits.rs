@@ -151,9 +151,9 @@ fn a_huge_number_in_any_field_is_an_out_of_range_error() {
         assert!(c.has_errors(), "field {{{i}}}");
         assert!(d.span.is_some(), "field {{{i}}}: no span");
         assert!(
-            d.help
-                .as_deref()
-                .is_some_and(|h| h.contains("at most") || h.contains("from 0 to")),
+            d.help.as_deref().is_some_and(|h| h.contains("at most")
+                || h.contains("from 0 to")
+                || h.contains("from 0% to")),
             "field {{{i}}}: help {:?}",
             d.help
         );

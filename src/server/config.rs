@@ -1099,7 +1099,7 @@ mod tests {
     fn a_policy_key_mapped_to_another_tenant_is_a_clash() {
         let g = crate::compile::compile_str(
             "p.kiln",
-            "pool p { gpus 1 kind \"L4\" memory 24GB }\nmodel m { variant a { memory 10GB pools [p] } }\ntier t { priority 1 slo { ttft 1s } }\ntenant a { owner \"a@x\" tiers [t] api_keys [\"k1\"] }\ntenant b { owner \"b@x\" tiers [t] }\nclassify { default => tier t }\nroute t m { default => a }\n",
+            "pool p { gpus 1 kind \"L4\" memory 24GB }\nmodel m { variant fp16 { memory 10GB pools [p] } }\ntier t { priority 1 slo { ttft 1s } }\ntenant a { owner \"a@x\" tiers [t] api_keys [\"k1\"] }\ntenant b { owner \"b@x\" tiers [t] }\nclassify { default => tier t }\nroute t m { default => fp16 }\n",
         )
         .graph
         .unwrap();
