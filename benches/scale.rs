@@ -33,6 +33,7 @@ fn arrival(id: u64) -> Arrival {
     Arrival {
         quota_claimed: false,
         cache: None,
+        semantic: None,
         window: None,
         id,
         request: Request {

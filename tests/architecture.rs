@@ -17,10 +17,12 @@ const LAYERS: &[&[&str]] = &[
     // Diagnostics; the language (text → AST).
     &["diag"],
     &["lang"],
-    // The decision graph: what a compiled policy is, and deciding with it.
-    &["graph"],
+    // The decision graph: what a compiled policy is, and deciding with it;
+    // the semantic cache's engine (it depends on no other module, and the
+    // scheduler keeps the tiers' semantic caches).
+    &["graph", "embed"],
     // What reads or produces graphs: the compiler, the scheduler core,
-    // recorded traffic, policy tests; the semantic cache's engine.
+    // recorded traffic, policy tests.
     &[
         "compile",
         "sched",
@@ -28,7 +30,6 @@ const LAYERS: &[&[&str]] = &[
         "policy_test",
         "batch",
         "shared",
-        "embed",
     ],
     // The driver (the one interpreter of scheduler actions); backends.
     &["driver", "backend"],

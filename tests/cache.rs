@@ -152,7 +152,8 @@ fn the_gateway_refuses_to_start_a_semantic_cache() {
         "cache { semantic { similarity 0.9 } }",
     );
     let g = compile_str("p.kiln", &text).graph.unwrap();
-    let err = kiln::backend::deploy::servable_caches(&g).unwrap_err();
+    let err = kiln::backend::deploy::servable_caches(&g, false).unwrap_err();
+    assert!(kiln::backend::deploy::servable_caches(&g, true).is_ok());
     let shown = format!("{err}");
     assert!(
         shown.contains("tier `chat` declares a semantic cache"),
@@ -228,6 +229,7 @@ fn arrival(id: u64, tenant: &str, open: bool, content: Option<cache::Key>) -> Ar
         window: None,
         quota_claimed: false,
         cache: content,
+        semantic: None,
     }
 }
 
@@ -693,5 +695,144 @@ fn simulate_replays_hits_per_tier_reproducibly() {
     insta::assert_snapshot!(
         "simulate_cache_markdown",
         kiln::replay::report::markdown(&[rep])
+    );
+}
+
+// ---------------------------------------------------------------- semantic cache (scheduler)
+
+const SEMANTIC: &str = r#"
+pool p { gpus 1 kind "H100-80GB" memory 80GB }
+model m {
+  params 1B
+  kv_per_token 32KB
+  variant fp16 { memory 10GB pools [p] max_batch 4 }
+}
+tier chat { priority 10 slo { ttft 10s } cache { semantic { similarity 0.9, entries 2, ttl 10m } } }
+tenant a { owner "o@a" tiers [chat] api_keys ["k-a"] }
+tenant b { owner "o@b" tiers [chat] api_keys ["k-b"] }
+classify { default => tier chat }
+route chat m { default => fp16 }
+"#;
+
+fn probe(context: u8, v: &[f32]) -> Option<kiln::sched::semantic::Probe> {
+    Some(kiln::sched::semantic::Probe {
+        context: [context; 32],
+        vector: v.into(),
+    })
+}
+
+fn semantic_arrival(
+    id: u64,
+    tenant: &str,
+    content: u8,
+    p: Option<kiln::sched::semantic::Probe>,
+) -> Arrival {
+    Arrival {
+        semantic: p,
+        ..arrival(id, tenant, false, Some([content; 32]))
+    }
+}
+
+#[test]
+fn a_similar_question_in_the_same_context_and_tenant_is_a_semantic_hit() {
+    let g = Arc::new(compile_str("s.kiln", SEMANTIC).graph.unwrap());
+    let mut s = sched(&g, false);
+    let first = s
+        .handle(
+            0,
+            Event::Arrive(semantic_arrival(1, "a", 1, probe(5, &[1.0, 0.0, 0.0]))),
+        )
+        .to_vec();
+    let key = first
+        .iter()
+        .find_map(|a| match a {
+            Action::CacheMiss { id: 1, key } => Some(*key),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("a semantic tier's cacheable request misses first: {first:?}"));
+    let (now, _) = drain(&mut s, 0, first);
+    // The gateway stores the complete answer under the miss's key.
+    let _ = s.cache_store(now, 0, key, Arc::from("{\"answer\":1}"));
+    assert_eq!(s.semantic_caches().len(0), 1);
+    // Another wording (cosine 0.995) of the same question: a hit, with its similarity.
+    let near = s
+        .handle(
+            now + 1,
+            Event::Arrive(semantic_arrival(2, "a", 2, probe(5, &[1.0, 0.1, 0.0]))),
+        )
+        .to_vec();
+    let sim = near.iter().find_map(|a| match a {
+        Action::CacheHit {
+            id: 2,
+            similarity,
+            payload,
+            ..
+        } => {
+            assert_eq!(payload.as_deref(), Some("{\"answer\":1}"));
+            *similarity
+        }
+        _ => None,
+    });
+    assert!(sim.is_some_and(|x| x > 0.99 && x <= 1.0), "{near:?}");
+    assert!(!near
+        .iter()
+        .any(|a| matches!(a, Action::Started { .. } | Action::Step { .. })));
+    // Another tenant, another context (system prompt, max_tokens…), a
+    // question too far (cosine 0.71): misses.
+    for (id, tenant, context, v) in [
+        (3, "b", 5u8, [1.0f32, 0.1, 0.0]),
+        (4, "a", 6, [1.0, 0.1, 0.0]),
+        (5, "a", 5, [1.0, 1.0, 0.0]),
+    ] {
+        let acts = s
+            .handle(
+                now + 10,
+                Event::Arrive(semantic_arrival(id, tenant, id as u8, probe(context, &v))),
+            )
+            .to_vec();
+        assert!(!hit(&acts, id), "{id}: {acts:?}");
+    }
+    // Without a probe (no embedder, not cacheable), nothing is compared.
+    let none = s
+        .handle(now + 20, Event::Arrive(semantic_arrival(6, "a", 6, None)))
+        .to_vec();
+    assert!(!hit(&none, 6));
+    // A vector of the wrong dimension is a miss, not a failure.
+    let bad = s
+        .handle(
+            now + 21,
+            Event::Arrive(semantic_arrival(7, "a", 7, probe(5, &[1.0, 0.0]))),
+        )
+        .to_vec();
+    assert!(!hit(&bad, 7), "{bad:?}");
+}
+
+#[test]
+fn the_gateway_starts_a_semantic_cache_only_with_an_embedding_model() {
+    let g = compile_str("s.kiln", SEMANTIC).graph.unwrap();
+    assert!(kiln::backend::deploy::servable_caches(&g, false).is_err());
+    // A model directory that is not there (or a build without the feature)
+    // stops the start with its own message.
+    let cfg = ServerConfig::parse(
+        "k.toml",
+        "[cache]\nembedding_model = \"/nonexistent/model\"\n",
+    )
+    .unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let started = rt.block_on(kiln::server::start(kiln::server::ServeOptions {
+        policy: policy("s.kiln", SEMANTIC),
+        config: cfg,
+        listen: "127.0.0.1:0".into(),
+        clock: None,
+    }));
+    let Err(e) = started else {
+        panic!("started without its embedding model")
+    };
+    assert!(
+        e.to_string().contains("cannot load the embedding model"),
+        "{e}"
     );
 }

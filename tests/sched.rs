@@ -86,6 +86,7 @@ fn arrivals(list: Vec<A>) -> Vec<(Micros, Arrival)> {
                 Arrival {
                     quota_claimed: false,
                     cache: None,
+                    semantic: None,
                     window: x.window_ms.map(|w| w * MS),
                     id: i as u64,
                     request: Request {
@@ -554,6 +555,7 @@ route t m { default => fp16 }
             Arrival {
                 quota_claimed: false,
                 cache: None,
+                semantic: None,
                 window: None,
                 id,
                 request: Request {
@@ -922,6 +924,7 @@ route t m { default => fp16 }
                     Arrival {
                         quota_claimed: false,
                         cache: None,
+                        semantic: None,
                         window: None,
                         id: conv * 100 + turn,
                         request: Request {

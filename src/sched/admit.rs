@@ -374,7 +374,7 @@ impl Scheduler {
             }
             // Decided, allowed by the policy and routed: an answer in the
             // tier's exact cache needs no replica, memory or token quota.
-            if *name == "route" && self.cache_lookup(&a, arrival.cache) {
+            if *name == "route" && self.cache_lookup(&a, arrival.cache, arrival.semantic.as_ref()) {
                 return;
             }
         }

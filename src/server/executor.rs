@@ -69,6 +69,8 @@ pub enum Progress {
     CacheHit {
         key: crate::sched::cache::Key,
         payload: Option<Arc<str>>,
+        /// A semantic cache's similarity; `None` for the exact cache.
+        similarity: Option<f32>,
     },
     /// Cacheable, not cached: a complete answer may be stored under `key`.
     CacheMiss {
@@ -100,7 +102,8 @@ pub enum Command {
         tier: TierId,
         key: crate::sched::cache::Key,
         payload: Arc<str>,
-        done: oneshot::Sender<usize>,
+        /// The entries the tier's exact and semantic caches hold after.
+        done: oneshot::Sender<(usize, usize)>,
     },
     /// An HTTP upstream produced the request's first token.
     FirstToken(ReqId),
@@ -486,6 +489,7 @@ impl Sink for Handlers {
                 id,
                 key,
                 ref payload,
+                similarity,
             } => {
                 if let Some(e) = self.reqs.remove(&id) {
                     // One request, no tokens, no GPU time.
@@ -495,6 +499,7 @@ impl Sink for Handlers {
                     let _ = e.events.send(Progress::CacheHit {
                         key,
                         payload: payload.clone(),
+                        similarity,
                     });
                 }
             }
@@ -750,7 +755,7 @@ impl<C: Clock> Executor<C> {
                 if Arc::ptr_eq(&graph, &self.handlers.graph) {
                     let _ = sched.cache_store(now, tier, key, payload);
                 }
-                let _ = done.send(sched.caches().len(tier));
+                let _ = done.send((sched.caches().len(tier), sched.semantic_caches().len(tier)));
             }
             Command::Complete { id, output_tokens } => {
                 self.feed(now, Event::Complete { id, output_tokens });

@@ -119,6 +119,8 @@ pub struct CatalogTier {
     pub ttft_slo: bool,
     /// Whether it has an exact response cache (`kiln_cache_*{kind="exact"}`).
     pub exact_cache: bool,
+    /// Whether it has a semantic cache (`kiln_cache_*{kind="semantic"}`).
+    pub semantic_cache: bool,
 }
 
 impl Catalog {
@@ -173,6 +175,7 @@ impl Catalog {
                         .map_or(0, |f| f.steps.len().min(usize::from(u8::MAX)) as u8),
                     ttft_slo: tier.slo.ttft.is_some(),
                     exact_cache: tier.cache.exact.is_some(),
+                    semantic_cache: tier.cache.semantic.is_some(),
                 }
             })
             .collect();
@@ -508,7 +511,7 @@ impl Collectors {
             cache_hits: counter(
                 r,
                 "kiln_cache_hits_total",
-                "Requests answered from their tier's response cache (`kind` exact): no queue, no replica, no GPU time.",
+                "Requests answered from their tier's response cache (`kind` exact or semantic): no queue, no replica, no GPU time.",
                 &["tier", "tenant", "kind"],
             )?,
             cache_misses: counter(
@@ -600,6 +603,10 @@ impl Metrics {
                     b.touch(&c.cache_hits, &[tier, tenant, "exact"]);
                     b.touch(&c.cache_misses, &[tier, tenant, "exact"]);
                 }
+                if t.semantic_cache {
+                    b.touch(&c.cache_hits, &[tier, tenant, "semantic"]);
+                    b.touch(&c.cache_misses, &[tier, tenant, "semantic"]);
+                }
                 for step in 1..=t.fallback_steps {
                     let mut buf = [0u8; 5];
                     let step = decimal(u16::from(step), &mut buf);
@@ -650,6 +657,9 @@ impl Metrics {
     /// Sets the queue and replica gauges of `cat` that have no series to 0.
     fn zero_gauges(&self, cat: &Catalog) {
         let Some(c) = &self.c else { return };
+        for t in cat.tiers.iter().filter(|t| t.semantic_cache) {
+            let _ = get(&c.cache_entries, &[t.name.as_str(), "semantic"]);
+        }
         for t in cat.tiers.iter().filter(|t| t.exact_cache) {
             let _ = get(&c.cache_entries, &[t.name.as_str(), "exact"]);
         }
@@ -785,25 +795,25 @@ impl Metrics {
         }
     }
 
-    /// A request decided without the shared store (`local` or `refused`).
-    /// A cacheable request of `tier` was answered from its cache (`hit`)
-    /// or served fresh.
-    pub fn cache_lookup(&self, tier: &str, tenant: &str, hit: bool) {
+    /// A cacheable request of `tier` was answered from its `kind`
+    /// (`exact` or `semantic`) cache (`hit`) or served fresh.
+    pub fn cache_lookup(&self, tier: &str, tenant: &str, kind: &str, hit: bool) {
         let Some(c) = &self.c else { return };
         let vec = if hit { &c.cache_hits } else { &c.cache_misses };
-        if let Some(e) = get(vec, &[tier, tenant, "exact"]) {
+        if let Some(e) = get(vec, &[tier, tenant, kind]) {
             e.inc();
         }
     }
 
-    /// How many answers the tier's exact cache holds.
-    pub fn cache_entries(&self, tier: &str, entries: usize) {
+    /// How many answers the tier's `kind` cache holds.
+    pub fn cache_entries(&self, tier: &str, kind: &str, entries: usize) {
         let Some(c) = &self.c else { return };
-        if let Some(g) = get(&c.cache_entries, &[tier, "exact"]) {
+        if let Some(g) = get(&c.cache_entries, &[tier, kind]) {
             g.set(entries as f64);
         }
     }
 
+    /// A request decided without the shared store (`local` or `refused`).
     pub fn shared_unclaimed(&self, action: &str) {
         let Some(c) = &self.c else { return };
         if let Some(e) = get(&c.shared_unclaimed, &[action]) {
@@ -1091,6 +1101,7 @@ mod tests {
             fallback_steps: 3,
             ttft_slo: true,
             exact_cache: false,
+            semantic_cache: false,
         };
         let cat = Catalog {
             tiers: (0..20).map(tier).collect(),
@@ -1117,6 +1128,7 @@ mod tests {
                 fallback_steps: 1,
                 ttft_slo: false,
                 exact_cache: false,
+                semantic_cache: false,
             }],
             replicas: vec![("h100".into(), "llama.fp16".into())],
         };

