@@ -55,6 +55,7 @@ pub enum Code {
     SignalRedefined,
     UnknownLint,
     ReserveOnDedicatedPool,
+    InfeasibleSlo,
 }
 
 impl Code {
@@ -93,6 +94,7 @@ impl Code {
         Code::SignalRedefined,
         Code::UnknownLint,
         Code::ReserveOnDedicatedPool,
+        Code::InfeasibleSlo,
     ];
 
     /// The stable short name.
@@ -132,6 +134,7 @@ impl Code {
             Code::ReserveOversubscribed => "reserve-oversubscribed",
             Code::ReserveUnreachable => "reserve-unreachable",
             Code::ReserveOnDedicatedPool => "reserve-on-dedicated-pool",
+            Code::InfeasibleSlo => "infeasible-slo",
         }
     }
 
@@ -206,6 +209,9 @@ impl Code {
             }
             Code::ReserveOnDedicatedPool => {
                 "a pool only one tier can use is already all that tier's: a reserve there changes nothing"
+            }
+            Code::InfeasibleSlo => {
+                "a TTFT SLO below the zero-load prefill time of ordinary prompts refuses them all as infeasible"
             }
             Code::UnknownLint => {
                 "a `kiln:allow` naming no lint silences nothing, so the warning it meant to silence still shows, or a typo hides that it never did"

@@ -269,6 +269,11 @@ fn cases() -> Vec<(&'static str, String, Code)> {
             Code::ReserveOnDedicatedPool,
         ),
         (
+            "infeasible_slo",
+            with("  slo { ttft 500ms }\n", "  slo { ttft 1ms }\n"),
+            Code::InfeasibleSlo,
+        ),
+        (
             "unknown_lint",
             plus("# kiln:allow(unused-defintion)\npool spare { gpus 2 kind \"L4\" memory 24GB }"),
             Code::UnknownLint,
@@ -305,6 +310,10 @@ fn diagnose(text: &str) -> (kiln::source::SourceMap, Diagnostics) {
     let mut all = c.diagnostics.clone();
     if !c.has_errors() {
         all.extend(lint(&c));
+        // The cost model's lints, as `kiln lint` runs them.
+        if let Some(g) = &c.graph {
+            all.extend(kiln::ops::feasibility::lint(g));
+        }
     }
     all.sort();
     (c.sources.clone(), all)

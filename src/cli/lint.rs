@@ -37,6 +37,9 @@ pub fn run(a: Args) -> i32 {
     for (set, c) in &compiled {
         let mut all = c.diagnostics.clone();
         all.extend(crate::compile::lint(c));
+        if let Some(g) = &c.graph {
+            all.extend(crate::ops::feasibility::lint(g));
+        }
         all.sort();
         let errors = all.errors().count();
         let warnings = all.warnings().count();

@@ -9,7 +9,7 @@ mod lint;
 mod rules;
 mod subst;
 pub mod units;
-mod validate;
+pub(crate) mod validate;
 
 use crate::diag::{did_you_mean, Code, Diagnostic, Diagnostics};
 use crate::graph::*;

@@ -524,7 +524,7 @@ impl Compiler<'_> {
             self.err(
                 Diagnostic::error(Code::InvalidOutcome, "an admit rule decides one thing")
                     .at(o.span, "more than one outcome")
-                    .help("write one of: accept, queue 30s, delay until 20:00, degrade …, reject …, fallback"),
+                    .help("write one of: accept, queue 30s, hold, delay until 20:00, degrade …, reject …, fallback"),
             );
             return None;
         };
@@ -541,6 +541,12 @@ impl Compiler<'_> {
             },
             OutcomeItem::Delay { until, .. } => AdmitOutcome::Delay {
                 until: self.quantity(until, Ty::TimeOfDay, "`delay until`")? as u16,
+            },
+            OutcomeItem::Hold { max_wait, .. } => AdmitOutcome::Hold {
+                max_wait: match max_wait {
+                    Some(w) => Some(self.quantity(w, Ty::Duration, "the hold's max wait")?),
+                    None => None,
+                },
             },
             OutcomeItem::Degrade {
                 variant,
@@ -576,7 +582,7 @@ impl Compiler<'_> {
                 self.err(
                     Diagnostic::error(Code::InvalidOutcome, "not an admission outcome")
                         .at(other.span(), "admit cannot decide this")
-                        .help("write one of: accept, queue 30s, delay until 20:00, degrade variant int4, degrade max_tokens 256, reject 429 \"…\", fallback"),
+                        .help("write one of: accept, queue 30s, hold max_wait 30m, delay until 20:00, degrade variant int4, degrade max_tokens 256, reject 429 \"…\", fallback"),
                 );
                 return None;
             }

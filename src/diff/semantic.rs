@@ -1972,6 +1972,10 @@ fn admission(v: &DecisionView) -> String {
             Some(w) => format!("queue {}", dur(w)),
             None => "queue".into(),
         },
+        "hold" => match v.max_wait_ms {
+            Some(w) => format!("hold max_wait {}", dur(w)),
+            None => "hold".into(),
+        },
         "delay" => match &v.delay_until {
             Some(u) => format!("delay until {u}"),
             None => "delay".into(),

@@ -27,6 +27,11 @@ pub enum Admission<'g> {
     Delay {
         until: u16,
     },
+    /// Queued, with the tier held out of dispatch while the rule's
+    /// condition is true; waits at most `max_wait` ms when given.
+    Hold {
+        max_wait: Option<f64>,
+    },
     /// Accepted on a cheaper variant or a smaller max_tokens.
     Degrade,
     Reject(&'g Reject),
@@ -38,6 +43,7 @@ impl Admission<'_> {
             Admission::Accept => "accept",
             Admission::Queue { .. } => "queue",
             Admission::Delay { .. } => "delay",
+            Admission::Hold { .. } => "hold",
             Admission::Degrade => "degrade",
             Admission::Reject(_) => "reject",
         }
@@ -352,6 +358,11 @@ impl DecisionGraph {
                 }
             }
             AdmitOutcome::Delay { until } => d.admission = Admission::Delay { until: *until },
+            AdmitOutcome::Hold { max_wait } => {
+                d.admission = Admission::Hold {
+                    max_wait: *max_wait,
+                }
+            }
             AdmitOutcome::Degrade {
                 variant,
                 max_tokens,

@@ -418,6 +418,11 @@ pub enum AdmitOutcome {
     Delay {
         until: u16,
     },
+    /// Keep the tier's work out of dispatch while the condition holds;
+    /// each request waits at most `max_wait` ms (else the tier's bound).
+    Hold {
+        max_wait: Option<f64>,
+    },
     Degrade {
         variant: Option<u16>,
         max_tokens: Option<u64>,

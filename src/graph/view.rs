@@ -97,6 +97,7 @@ impl DecisionGraph {
         };
         match d.admission {
             Admission::Queue { max_wait } => v.max_wait_ms = Some(max_wait),
+            Admission::Hold { max_wait } => v.max_wait_ms = max_wait,
             Admission::Delay { until } => {
                 v.delay_until = Some(format!("{:02}:{:02}", until / 60, until % 60))
             }

@@ -201,6 +201,11 @@ pub enum OutcomeItem {
         until: Value,
         span: Span,
     },
+    /// `hold [max_wait D]`.
+    Hold {
+        max_wait: Option<Value>,
+        span: Span,
+    },
     Degrade {
         variant: Option<Vec<Ident>>,
         max_tokens: Option<Value>,
@@ -221,6 +226,7 @@ impl OutcomeItem {
             OutcomeItem::Accept(s) | OutcomeItem::Fallback(s) => *s,
             OutcomeItem::Queue { span, .. }
             | OutcomeItem::Delay { span, .. }
+            | OutcomeItem::Hold { span, .. }
             | OutcomeItem::Degrade { span, .. }
             | OutcomeItem::Target { span, .. } => *span,
             OutcomeItem::Reject(r) => r.span,

@@ -479,6 +479,10 @@ fn outcome_item(i: &OutcomeItem) -> String {
         OutcomeItem::Fallback(_) => "fallback".into(),
         OutcomeItem::Queue { max_wait, .. } => format!("queue {}", value(max_wait)),
         OutcomeItem::Delay { until, .. } => format!("delay until {}", value(until)),
+        OutcomeItem::Hold { max_wait, .. } => match max_wait {
+            Some(w) => format!("hold max_wait {}", value(w)),
+            None => "hold".into(),
+        },
         OutcomeItem::Degrade {
             variant,
             max_tokens,

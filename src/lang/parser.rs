@@ -793,6 +793,13 @@ impl Builder<'_> {
                 max_wait: self.value(q.kids().next()?),
                 span,
             },
+            Rule::out_hold => OutcomeItem::Hold {
+                max_wait: q
+                    .kids()
+                    .find(|k| k.as_rule() == Rule::value)
+                    .map(|v| self.value(v)),
+                span,
+            },
             Rule::out_delay => OutcomeItem::Delay {
                 until: self.value(q.kids().next()?),
                 span,

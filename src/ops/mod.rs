@@ -5,5 +5,6 @@
 
 pub mod alerts;
 pub mod dashboard;
+pub mod feasibility;
 pub mod plan;
 pub mod report;

@@ -71,6 +71,13 @@ pub(super) struct Admitting<'g> {
     pub quota_claimed: bool,
 }
 
+/// At most this many queued requests are shed for one arrival (each is
+/// shed once, so over a run shedding costs O(1) per arrival).
+const SHED_PER_ARRIVAL: usize = 16;
+
+/// How many tenants' newest requests are checked, last in fair order first.
+const TAILS_CHECKED: usize = 4;
+
 type Gate = fn(&mut Scheduler, &mut Admitting<'_>) -> Result<(), Refusal>;
 
 /// The gates, in order (see the module docs).
@@ -82,6 +89,7 @@ pub(super) const GATES: &[(&str, Gate)] = &[
     ("fits in KV memory", fits_kv),
     ("retry budget", retry_budget),
     ("quota", quota),
+    ("feasible within SLO", feasible),
     ("wait within SLO", wait_within_slo),
 ];
 
@@ -241,11 +249,58 @@ fn tenant_quota(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal>
     }
 }
 
-/// An early, honest refusal instead of a timeout: the estimated wait
-/// against the tier's TTFT SLO (or the request's completion window: its
-/// own, else its tier's). Gives back the quota the previous gate reserved.
+/// Gives back the quotas the `quota` gate reserved for a request that is
+/// refused after it.
+fn release_reserved(s: &mut Scheduler, a: &mut Admitting<'_>) {
+    if let Some(t) = a.tenant {
+        s.quotas.release(t, a.reserved, 0.0);
+    }
+    a.reserved = 0.0;
+    if let Some(q) = a.scoped.take() {
+        s.scoped.release(q, 0.0);
+    }
+}
+
+/// A request that could not meet its tier's TTFT SLO even alone on the
+/// fastest idle replica of its route is refused as `infeasible`: its own
+/// prefill is the cause, not the load or another tenant, and it is never
+/// counted as a fairness or overload refusal.
+fn feasible(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal> {
+    if s.cfg.mode != Mode::Kiln || a.graph.tiers[a.tier as usize].slo.ttft.is_none() {
+        return Ok(());
+    }
+    let Some(limit) = s.wait_limit(a.tier, a.window) else {
+        return Ok(());
+    };
+    let idle = a
+        .candidates
+        .iter()
+        .filter_map(|&r| s.replicas.get(r))
+        .map(|r| r.idle_first_token_time(a.req.prompt_tokens))
+        .min()
+        .unwrap_or(0);
+    if idle <= limit {
+        return Ok(());
+    }
+    release_reserved(s, a);
+    Err(Refusal::new(Reason::Infeasible, 413, None))
+}
+
+/// An early, honest refusal instead of a timeout: the request's own wait,
+/// from its place in the order fair share will serve it (its start tag:
+/// the tiers ranked ahead, its tenant's queue, and what each other tenant
+/// may take before its counter passes this one's), against the tier's TTFT
+/// SLO (or the request's completion window: its own, else its tier's).
+/// Work of tenants above their share that this request goes ahead of is
+/// not its concern here: once it is queued, [`Scheduler::shed_over_share`]
+/// sheds what can no longer be served in time, from the fair tail. Gives
+/// back the quota the previous gate reserved when it refuses.
 fn wait_within_slo(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal> {
     if s.cfg.mode != Mode::Kiln {
+        return Ok(());
+    }
+    // Held work waits by the policy's choice, within its hold's bound.
+    if matches!(a.admission, Admission::Hold { .. }) {
         return Ok(());
     }
     let Some(limit) = s.wait_limit(a.tier, a.window) else {
@@ -261,6 +316,7 @@ fn wait_within_slo(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refus
         prompt: a.req.prompt_tokens,
         output: a.output,
         window: a.window,
+        own: None,
     };
     let e = s.estimate_for(&q, &a.candidates);
     a.est_start = Some(e.raw_start);
@@ -268,20 +324,13 @@ fn wait_within_slo(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refus
     if est <= limit {
         return Ok(());
     }
-    if let Some(t) = a.tenant {
-        s.quotas.release(t, a.reserved, 0.0);
-    }
-    if let Some(q) = a.scoped.take() {
-        s.scoped.release(q, 0.0);
-    }
-    // Shed from those above their fair share first: when the tier is
-    // full, a tenant whose counter is above another backlogged tenant's
-    // is refused for fairness; one at the front is refused only when the
-    // tier itself is overloaded (and then every tenant behind it is too).
+    release_reserved(s, a);
     // Work whose limit is its completion window (its own or its tier's)
     // is refused because it would miss it; in a tier with a TTFT SLO and
     // no window, a request's own window does not set the limit, so its
-    // refusal is the tier's usual one.
+    // refusal is the tier's usual one: `fairness` when its tenant is above
+    // its weighted share (it is itself the fair tail), `overload` when
+    // even served in fair order it could not start in time.
     let slo = &a.graph.tiers[a.tier as usize].slo;
     let by_window = slo.window.is_some() || slo.ttft.is_none();
     let reason = if a.deadline.is_some() && by_window {
@@ -328,6 +377,9 @@ impl Scheduler {
             None => graph.decide(&req, if baseline { &self.idle } else { &self.signals }),
         };
         let tier = session_tier.unwrap_or(d.tier);
+        if let (Admission::Hold { .. }, false) = (d.admission, baseline) {
+            self.start_hold(tier, &req);
+        }
         let window = self.request_window(tier, arrival.window);
         let deadline = window.map(|w| self.now.saturating_add(w));
         self.out.push(super::Action::Decided {
@@ -378,7 +430,123 @@ impl Scheduler {
                 return;
             }
         }
+        let shed = (self.cfg.mode == Mode::Kiln)
+            .then(|| {
+                a.target
+                    .map(|t| ((t.model, t.variant), a.candidates.clone()))
+            })
+            .flatten();
+        let (id, tier) = (a.id, a.tier);
         self.enqueue(a, arrival.prefix_blocks);
+        if let Some((key, candidates)) = shed {
+            self.shed_over_share(key, tier, id, &candidates);
+        }
+    }
+
+    /// Keeps admission's word after a request went ahead of others in fair
+    /// order: while the queued request fair share would serve last (the
+    /// newest of the tenant furthest above its weighted share,
+    /// [`super::queue::Queues::fair_tail`]) can no longer get its first
+    /// token within the tier's TTFT SLO, it is shed (`fairness`, 429). So
+    /// under overload what is shed comes from the tenants served above
+    /// their share, and a tenant within its share is not refused while such
+    /// work could be shed instead. Bounded per arrival; never the request
+    /// just admitted (`protect`).
+    fn shed_over_share(
+        &mut self,
+        key: (u16, u16),
+        tier: TierId,
+        protect: ReqId,
+        candidates: &[usize],
+    ) {
+        if self
+            .graph
+            .tiers
+            .get(tier as usize)
+            .and_then(|t| t.slo.ttft)
+            .is_none()
+        {
+            return;
+        }
+        let Some(limit) = self.wait_limit(tier, None) else {
+            return;
+        };
+        let mut shed = 0;
+        'scan: while shed < SHED_PER_ARRIVAL {
+            let tails = self
+                .queues
+                .fair_tails(&self.graph, key, tier, TAILS_CHECKED);
+            for (tenant, id, before_cost, before_tokens) in tails {
+                if id == protect {
+                    // It was just promised its place: nothing after it in
+                    // fair order is shed for it, nothing before it is late
+                    // because of it.
+                    return;
+                }
+                if self.shed_if_late(
+                    key,
+                    tier,
+                    tenant,
+                    id,
+                    (before_cost, before_tokens),
+                    candidates,
+                    limit,
+                ) {
+                    shed += 1;
+                    continue 'scan;
+                }
+            }
+            return;
+        }
+    }
+
+    /// Sheds queued request `id` (`fairness`, 429) if it can no longer get
+    /// its first token within the tier's TTFT `limit`; whether it did.
+    #[allow(clippy::too_many_arguments)]
+    fn shed_if_late(
+        &mut self,
+        key: (u16, u16),
+        tier: TierId,
+        tenant: Option<TenantId>,
+        id: ReqId,
+        before: (f64, f64),
+        candidates: &[usize],
+        limit: Micros,
+    ) -> bool {
+        let (before_cost, before_tokens) = before;
+        {
+            let Some(w) = self.queues.get(id) else {
+                return false;
+            };
+            let q = super::Estimating {
+                key,
+                tier,
+                tenant,
+                prompt: u64::from(w.prompt_tokens),
+                output: w.output_tokens.saturating_sub(w.generated),
+                window: None,
+                own: Some((before_cost, before_tokens)),
+            };
+            let waited = self.now.saturating_sub(w.arrival);
+            let e = self.estimate_for(&q, candidates);
+            if e.first_token.saturating_add(waited) <= limit {
+                return false;
+            }
+            let Some(w) = self.queues.remove(id) else {
+                return false;
+            };
+            self.unpin(&w);
+            // It was counted as admitted work; it no longer is.
+            let cost = self.cfg.vtc_input_weight * f64::from(w.prompt_tokens)
+                + self.cfg.vtc_output_weight * f64::from(w.output_tokens);
+            if let Some((c, t)) = self.incoming.get_mut(&(key, tier, w.tenant)) {
+                c.add(self.now, -cost);
+                t.add(self.now, -(w.tokens() as f64));
+            }
+            let retry = e.first_token.saturating_add(waited).saturating_sub(limit);
+            self.reject(id, Reason::Fairness, 429, Some(retry.max(SEC)));
+        }
+        true
     }
 
     /// Holds an admitted request: parked until its `delay` time or while a
@@ -387,6 +555,9 @@ impl Scheduler {
         let graph = a.graph;
         let Some(target) = a.target else { return };
         let tier = &graph.tiers[a.tier as usize];
+        if let Some(t) = self.tier_admitted.get_mut(a.tier as usize) {
+            *t = Some(self.now);
+        }
         self.held.insert(
             a.id,
             super::Held {
@@ -398,6 +569,9 @@ impl Scheduler {
         let max_wait = match a.admission {
             Admission::Queue { max_wait } if !a.baseline => {
                 Some(self.now.saturating_add((max_wait * 1000.0) as Micros))
+            }
+            Admission::Hold { max_wait } if !a.baseline => {
+                Some(self.now.saturating_add(self.hold_bound(max_wait, a.window)))
             }
             _ => None,
         };
@@ -432,6 +606,8 @@ impl Scheduler {
         };
         let cost = self.cfg.vtc_input_weight * f64::from(w.prompt_tokens)
             + self.cfg.vtc_output_weight * f64::from(w.output_tokens);
+        let rate = self.drain_rate((w.model, w.variant));
+        self.queues.set_rate((w.model, w.variant), rate);
         let (c, t) = self
             .incoming
             .entry(((w.model, w.variant), w.tier, w.tenant))
@@ -458,9 +634,12 @@ impl Scheduler {
                 return;
             }
         }
-        // Why it will wait, if it does: no room on any replica of its route,
-        // or (backfill) capacity reserved for others.
-        if w.backfill {
+        // Why it will wait, if it does: its tier held by the policy, no room
+        // on any replica of its route, or (backfill) capacity reserved for
+        // others.
+        if self.queues.is_held(a.tier) {
+            w.waiting_for = Some(Reason::Held);
+        } else if w.backfill {
             w.waiting_for = Some(Reason::Backfill);
         } else if a.candidates.iter().all(|&r| {
             self.replicas[r].free_seq_slots() == 0

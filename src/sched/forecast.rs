@@ -69,6 +69,7 @@ impl Scheduler {
             prompt: req.prompt_tokens,
             output,
             window: None,
+            own: None,
         };
         let start = self.estimate_for(&q, &reps).raw_start as f64 / SEC as f64;
         // Each item's work at the replicas' saturated (roofline) throughput,

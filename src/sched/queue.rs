@@ -235,6 +235,10 @@ struct Loc {
     order: Order,
 }
 
+/// A returning tenant's credit, as a share of its tier's fair-share window
+/// ([`Queues::credit`]).
+pub const CREDIT_PER_WINDOW: f64 = 1.0 / 60.0;
+
 /// What is ordered ahead of a new request, for its wait estimate.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Ahead {
@@ -264,6 +268,13 @@ pub struct Queues {
     pins: BTreeSet<(Micros, ReqId)>,
     parked: HashMap<ReqId, Waiting>,
     aging: Vec<Option<Micros>>,
+    /// Tiers the policy holds out of dispatch ([`super::hold`]).
+    held: Vec<bool>,
+    /// Fair-share weight by tenant slot (0: no tenant).
+    weights: Vec<f64>,
+    /// Tokens per second each (model, variant) has lately started
+    /// ([`Queues::set_rate`]), to turn a credit in seconds into service.
+    rates: HashMap<(u16, u16), f64>,
     priority: Vec<i64>,
     /// Backfill-only tiers (they take only capacity nothing else wants).
     backfill: Vec<bool>,
@@ -343,6 +354,9 @@ impl Queues {
                 })
                 .collect(),
             vtc: (cfg.vtc_input_weight, cfg.vtc_output_weight),
+            weights: std::iter::once(1.0)
+                .chain(g.tenants.iter().map(|t| t.weight.max(1e-9)))
+                .collect(),
             ..Queues::default()
         }
     }
@@ -538,14 +552,26 @@ impl Queues {
             },
         );
         let (now, decay) = (self.now, self.decay_of(tier));
-        let tiers = self.tiers_for(key);
-        let Some(tq) = tiers.get_mut(tier) else {
+        let Some(was_idle) = self
+            .tiers_for(key)
+            .get(tier)
+            .map(|tq| tq.tenants.get(slot).is_some_and(|t| t.len == 0))
+        else {
             return;
         };
-        let was_idle = tq.tenants.get(slot).is_some_and(|t| t.len == 0);
+        let credit = if was_idle {
+            self.credit(key, tier, slot)
+        } else {
+            0.0
+        };
+        let tiers = self.by_variant.get_mut(&key);
+        let Some(tq) = tiers.and_then(|t| t.get_mut(tier)) else {
+            return;
+        };
         if was_idle {
             // VTC lift: a tenant that becomes backlogged starts no lower than
-            // the least-served backlogged tenant, so idling banks no credit.
+            // the least-served backlogged tenant less its bounded credit
+            // ([`Queues::credit`]), so idling banks little.
             // (Not when a request is put back: that tenant never left.)
             let floor = tq
                 .backlog
@@ -555,7 +581,7 @@ impl Queues {
             if let Some(t) = tq.tenants.get_mut(slot) {
                 if lift {
                     let mine = t.served_at(now, decay);
-                    t.served = floor.map_or(mine, |f| mine.max(f));
+                    t.served = floor.map_or(mine, |f| mine.max(f - credit));
                     t.at = now;
                 }
                 tq.backlog.insert((t.rank(decay), slot));
@@ -904,6 +930,7 @@ impl Queues {
         tier: TierId,
         tenant: Option<TenantId>,
         cost: f64,
+        own: Option<(f64, f64)>,
         incoming: &dyn Fn(usize) -> (f64, f64),
     ) -> Ahead {
         let Some(tiers) = self.by_variant.get(&key) else {
@@ -913,7 +940,8 @@ impl Queues {
         let mine = self.tier_rank(cfg, tiers, ti);
         let mut out = Ahead::default();
         for (i, tq) in tiers.iter().enumerate() {
-            if i == ti || tq.len == 0 {
+            // A held tier's work starts after this request, whatever its rank.
+            if i == ti || tq.len == 0 || self.is_held(i as TierId) {
                 continue;
             }
             if self.served_before(cfg, tiers, i, ti, mine) {
@@ -939,14 +967,24 @@ impl Queues {
             .map(|t| t.served_at(now, decay));
         let mut counter = me.served_at(now, decay);
         if me.len == 0 {
-            counter = floor.map_or(counter, |f| counter.max(f));
+            let credit = self.credit(key, ti, slot);
+            counter = floor.map_or(counter, |f| counter.max(f - credit));
         }
         let mine = cost / Self::weight(g, tenant);
         // Above its share: another backlogged tenant has received less by
         // more than this one request would add.
         out.above_share = floor.is_some_and(|f| counter > f + mine + 1e-9);
-        let reach = counter + me.cost / Self::weight(g, tenant) + mine;
-        out.tokens += me.tokens as f64;
+        // Its own tenant's work queued before it: all of it for a new
+        // request, what precedes it for one already queued.
+        let (own_cost, own_tokens) = own.unwrap_or((me.cost, me.tokens as f64));
+        // Its start tag: the tenant's counter once the work before it is
+        // served. Others go first until their counters pass it. (Not its
+        // finish tag: that counted a request's own size against its place,
+        // so a low-weight tenant's long prompts were refused and its long
+        // ones alone were not, and what it was served in requests drifted
+        // from what it was served in tokens.)
+        let reach = counter + own_cost.max(0.0) / Self::weight(g, tenant);
+        out.tokens += own_tokens.max(0.0);
         for (s, b) in tq.tenants.iter().enumerate() {
             if s == slot {
                 continue;
@@ -954,8 +992,10 @@ impl Queues {
             let w = Self::weight(g, s.checked_sub(1).map(|t| t as TenantId));
             let mut theirs = b.served_at(now, decay);
             if b.len == 0 {
-                // Idle now: it is lifted to the floor when it comes back.
-                theirs = floor.map_or(theirs, |f| theirs.max(f));
+                // Idle now: it is lifted to the floor (less its credit)
+                // when it comes back.
+                let credit = self.credit(key, ti, s);
+                theirs = floor.map_or(theirs, |f| theirs.max(f - credit));
             }
             let gap = (reach - theirs).max(0.0) * w;
             if gap <= 0.0 {
@@ -974,6 +1014,71 @@ impl Queues {
             }
         }
         out
+    }
+
+    /// The queued requests fair share would serve last in `tier` on (model,
+    /// variant), at most `n`, last first: of each backlogged tenant its
+    /// newest request, ordered by the tenant's *start tag* for it (its
+    /// counter once the rest of its queue is served, in weighted service). What admission sheds first when
+    /// the tier cannot serve everything in time: the first belongs to the
+    /// tenant furthest above its weighted share, and shedding the newest
+    /// keeps the choice blind to request size. Each comes with its tenant,
+    /// and the fair-share cost and tokens of its tenant's work before it.
+    /// Requests put back after a preemption are never chosen (they were
+    /// started once).
+    pub fn fair_tails(
+        &self,
+        g: &DecisionGraph,
+        key: (u16, u16),
+        tier: TierId,
+        n: usize,
+    ) -> Vec<(Option<TenantId>, ReqId, f64, f64)> {
+        let ti = tier as usize;
+        let Some(tq) = self.by_variant.get(&key).and_then(|t| t.get(ti)) else {
+            return Vec::new();
+        };
+        let (now, decay) = (self.now, self.decay_of(ti));
+        let mut all: Vec<(f64, Option<TenantId>, ReqId, f64, f64)> = Vec::new();
+        for &(_, slot) in &tq.backlog {
+            let Some(t) = tq.tenants.get(slot) else {
+                continue;
+            };
+            let Some((order, w)) = t
+                .maps
+                .values()
+                .filter_map(|m| m.iter().next_back())
+                .max_by_key(|(o, _)| **o)
+            else {
+                continue;
+            };
+            if order.band == 0 || w.started {
+                continue;
+            }
+            let tenant = slot.checked_sub(1).map(|x| x as TenantId);
+            let before_cost = (t.cost - self.cost_of(w)).max(0.0);
+            let before_tokens = t.tokens.saturating_sub(w.tokens()) as f64;
+            let tag = t.served_at(now, decay) + before_cost / Self::weight(g, tenant);
+            all.push((tag, tenant, w.id, before_cost, before_tokens));
+        }
+        // Highest start tag first (ties by request id: deterministic).
+        all.sort_by(|a, b| b.0.total_cmp(&a.0).then(b.2.cmp(&a.2)));
+        all.into_iter()
+            .take(n)
+            .map(|(_, t, id, c, k)| (t, id, c, k))
+            .collect()
+    }
+
+    /// A queued request, by id (for its size and arrival).
+    pub fn get(&self, id: ReqId) -> Option<&Waiting> {
+        let loc = self.index.get(&id)?;
+        self.by_variant
+            .get(&loc.key)?
+            .get(loc.tier)?
+            .tenants
+            .get(loc.slot)?
+            .maps
+            .get(&loc.home)?
+            .get(&loc.order)
     }
 
     /// Per (tier, tenant): requests queued and parked, the earliest
@@ -1118,7 +1223,63 @@ impl Queues {
 
     /// Whether tier `ti` may give work to `slot` at all.
     fn tier_open(&self, ti: usize, slot: &Slot) -> bool {
-        slot.only_tier.is_none_or(|t| t as usize == ti)
+        slot.only_tier.is_none_or(|t| t as usize == ti) && !self.is_held(ti as TierId)
+    }
+
+    /// The credit a tenant coming back to tier `ti` on `key` keeps from
+    /// its idle time, in its counter's units: a tenant that used less than
+    /// its share may be served ahead of the others for up to
+    /// [`CREDIT_PER_WINDOW`] of the tier's fair-share window (10 s of the
+    /// default 10 min) at its weight's part of the recent throughput. Plain
+    /// VTC lifts it to the least-served backlogged counter and so forgets
+    /// everything: a tenant asking just under its share was then refused
+    /// in every burst, and the window changed nothing. Bounded, so idling
+    /// banks no more than that.
+    fn credit(&self, key: (u16, u16), ti: usize, slot: usize) -> f64 {
+        let Some(window) = self.decay_of(ti) else {
+            return 0.0;
+        };
+        let rate = self.rates.get(&key).copied().unwrap_or(0.0);
+        let Some(tq) = self.by_variant.get(&key).and_then(|t| t.get(ti)) else {
+            return 0.0;
+        };
+        let mut w: f64 = tq
+            .backlog
+            .iter()
+            .filter(|&&(_, s)| s != slot)
+            .map(|&(_, s)| self.weights.get(s).copied().unwrap_or(1.0))
+            .sum();
+        w += self.weights.get(slot).copied().unwrap_or(1.0);
+        let secs = window as f64 / 1e6 * CREDIT_PER_WINDOW;
+        // Counter units per second per unit of weight: the tier's cost
+        // rate (tokens at the input weight) over the weights sharing it.
+        let credit = rate * self.vtc.0 * secs / w.max(1e-9);
+        if credit.is_finite() {
+            credit.max(0.0)
+        } else {
+            0.0
+        }
+    }
+
+    /// Tokens per second (model, variant) has lately started: what a
+    /// returning tenant's credit is measured against.
+    pub fn set_rate(&mut self, key: (u16, u16), tokens_per_s: f64) {
+        if tokens_per_s.is_finite() && tokens_per_s >= 0.0 {
+            self.rates.insert(key, tokens_per_s);
+        }
+    }
+
+    /// Holds tier `t` out of dispatch, or lets it go again.
+    pub fn set_held(&mut self, t: TierId, held: bool) {
+        let t = t as usize;
+        if self.held.len() <= t {
+            self.held.resize(t + 1, false);
+        }
+        self.held[t] = held;
+    }
+
+    pub fn is_held(&self, t: TierId) -> bool {
+        self.held.get(t as usize).copied().unwrap_or(false)
     }
 
     fn choose(&self, cfg: &Config, now: Micros, slot: &Slot) -> Option<ReqId> {

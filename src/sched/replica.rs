@@ -506,12 +506,32 @@ impl Replica {
                 context += u64::from(s.w.prompt_tokens) + u64::from(s.generated);
             }
         }
+        self.prefill_time(pending.saturating_add(tokens.max(1)), decodes, context)
+    }
+
+    /// The time before a prompt of `tokens` gets its first token here when
+    /// nothing else runs: its zero-load TTFT, what no wait can improve.
+    pub fn idle_first_token_time(&self, tokens: u64) -> Micros {
+        self.prefill_time(tokens.max(1), 0, 0)
+    }
+
+    /// Steps to prefill `work` tokens beside `decodes` decoding sequences
+    /// of `context` tokens, chunked as the engine chunks it: full chunks of
+    /// the step's token budget, then one step with the remainder. (Pricing
+    /// the remainder as a full chunk made every prompt just over a chunk
+    /// cost two full steps, and refused it on an idle replica.)
+    fn prefill_time(&self, work: u64, decodes: u32, context: u64) -> Micros {
         let budget = u64::from(self.spec.max_batch_tokens.saturating_sub(decodes).max(1));
-        let work = pending.saturating_add(tokens.max(1));
-        let steps = work.div_ceil(budget);
-        let chunk = work.min(budget) as u32;
-        let step = sane_secs(self.spec.cost.step_time(chunk, decodes, context));
-        (steps as f64 * step * SEC as f64) as Micros
+        let (full, rest) = (work / budget, work % budget);
+        let mut secs = 0.0;
+        if full > 0 {
+            secs +=
+                full as f64 * sane_secs(self.spec.cost.step_time(budget as u32, decodes, context));
+        }
+        if rest > 0 {
+            secs += sane_secs(self.spec.cost.step_time(rest as u32, decodes, context));
+        }
+        (secs * SEC as f64) as Micros
     }
 
     /// Leading prompt blocks this replica holds (in use or cached), in tokens.

@@ -1135,6 +1135,10 @@ fn refusal(
         Reason::Concurrency => format!("tenant {tenant} has as many requests in flight as its quota allows"),
         Reason::Overload => format!("the estimated wait exceeds tier {tier}'s time-to-first-token SLO; retry later"),
         Reason::Deadline => format!("tier {tier}'s completion window cannot be met at the current backlog"),
+        Reason::Infeasible => format!(
+            "the prompt's prefill alone takes longer than tier {tier}'s time-to-first-token SLO, even on an idle replica: shorten the prompt or use a tier with a longer SLO"
+        ),
+        Reason::Held => format!("tier {tier}'s work is held by the policy and its queue bound passed; retry later"),
         Reason::Saturation if status == 413 => {
             "the prompt plus max_tokens is larger than any replica of the routed model can hold".into()
         }
