@@ -787,6 +787,23 @@ fn finish_left(ctx: &Ctx, d: Option<&Decided>) {
     if let Ok(mut e) = ctx.explain.lock() {
         e.outcome = Some("cancelled while queued".into());
     }
+    // Counted like every other end (`kiln_requests_total{outcome="cancelled"}`):
+    // no pool served it, and no tokens or GPU time were used.
+    let (tier, tenant) = decided_names(d);
+    // Only a model the policy knows becomes a label value.
+    let model = match d {
+        Some(d) if d.graph.model_id(&ctx.req.model).is_some() => ctx.req.model.as_str(),
+        _ => "none",
+    };
+    let labels = Labels {
+        tier: &tier,
+        tenant: &tenant,
+        pool: "none",
+        model,
+    };
+    ctx.app
+        .metrics
+        .request_done(&labels, MetricOutcome::Cancelled);
     if ctx.app.log.is_enabled() {
         let mut rec = base_record(ctx, d);
         let dec = rec.decision.get_or_insert_with(LogDecision::default);
@@ -946,7 +963,7 @@ async fn wait_inner(
                     similarity,
                 });
             }
-            Progress::Tokens(_) | Progress::FirstToken | Progress::Finished { .. } => {}
+            Progress::Tokens { .. } | Progress::FirstToken | Progress::Finished { .. } => {}
         }
     }
 }
@@ -1257,6 +1274,8 @@ pub(super) fn base_record(ctx: &Ctx, d: Option<&Decided>) -> Record {
 }
 
 /// What one served request adds to the log, metrics and explain store.
+/// `status` is the one the client got; `None` when no answer went out (a
+/// client that left before its whole answer was ready).
 pub(super) fn finish_served(
     ctx: &Ctx,
     s: &Started,
@@ -1264,7 +1283,7 @@ pub(super) fn finish_served(
     ttft_s: Option<f64>,
     outcome: MetricOutcome,
     gpu_seconds: f64,
-    status: u16,
+    status: Option<u16>,
 ) {
     let app = &ctx.app;
     let g = &s.d.graph;
@@ -1355,7 +1374,7 @@ pub(super) fn finish_served(
             dec.cache = s.d.cache.map(|_| "miss".to_string());
             // The status the client got (an upstream's 502 is not a 200),
             // and why an admitted request did not end as served.
-            dec.status = Some(status);
+            dec.status = status;
             dec.reason = match outcome {
                 MetricOutcome::Ok | MetricOutcome::Rejected => None,
                 MetricOutcome::Cancelled => Some("client_disconnected".into()),
