@@ -376,3 +376,90 @@ proptest! {
         rt.block_on(run_ends(ends));
     }
 }
+
+/// A tenant allowed one request a minute, and a policy that reads one
+/// header (`x-team`).
+const QUOTA_POLICY: &str = r#"
+pool gpu { gpus 1 kind "H100-80GB" memory 80GB }
+model tiny {
+  params 1B
+  kv_per_token 32KB
+  variant fp16 { memory 4GB pools [gpu] max_batch 4 }
+}
+tier high { priority 100 slo { p95 600s } }
+tier low { priority 10 slo { p95 600s } }
+tenant beta { owner "b@x" tiers [high, low] api_keys ["k-beta"] quota { requests 1/min } }
+classify {
+  when header("x-team") == "gold" => tier high
+  default => tier low
+}
+route [high, low] tiny { default => fp16 }
+"#;
+
+/// Issue 27: a keyed tenant cannot fill the decision log with its own
+/// bytes. A served request's record keeps at most 4 KiB of headers (the
+/// policy's first); a refused one keeps only the headers the policy reads.
+/// Before the fix each refused request below wrote its ~56 KB of
+/// `x-kiln-*` headers to the log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headers_a_record_keeps_are_bounded_and_refusals_keep_none_of_the_clients() {
+    let dir = TempDir::new("headers");
+    let text = format!(
+        "[log]\npath = \"{}\"\n[sim]\nspeed = 50.0\n",
+        dir.log().display()
+    );
+    let cfg = ServerConfig::parse("kiln.toml", &text).unwrap();
+    let srv = serve_on_loopback(policy("quota.kiln", QUOTA_POLICY), cfg).await;
+    let base = format!("http://{}", srv.addr);
+    let c = support::client(Duration::from_secs(30));
+    let big = "v".repeat(7000);
+    let mut statuses = Vec::new();
+    for _ in 0..6 {
+        let mut req = c
+            .post(format!("{base}/v1/chat/completions"))
+            .bearer_auth("k-beta")
+            .header("x-team", "gold");
+        for i in 0..8 {
+            req = req.header(format!("x-kiln-note-{i}"), big.as_str());
+        }
+        let r = req
+            .json(&json!({"model": "tiny", "max_tokens": 2,
+                          "messages": [{"role": "user", "content": "hi"}]}))
+            .send()
+            .await
+            .unwrap();
+        statuses.push(r.status().as_u16());
+        let _ = r.bytes().await;
+    }
+    assert_eq!(statuses, vec![200, 429, 429, 429, 429, 429]);
+    let lines = log_lines(&srv, &dir).await;
+    assert_eq!(lines.len(), 6);
+    let header_bytes = |l: &Value| -> usize {
+        l["headers"]
+            .as_object()
+            .map(|h| {
+                h.iter()
+                    .map(|(k, v)| k.len() + v.as_str().unwrap().len())
+                    .sum()
+            })
+            .unwrap_or(0)
+    };
+    // Served: the policy's header, then as many `x-kiln-*` as fit.
+    let served = &lines[0];
+    assert_eq!(served["headers"]["x-team"], "gold", "{served}");
+    assert!(header_bytes(served) <= 4096, "{}", header_bytes(served));
+    for l in &lines[1..] {
+        assert_eq!(l["decision"]["reason"], "quota", "{l}");
+        // Refused: the header the policy reads, so a replay refuses it the
+        // same way; none of the client's free-form ones.
+        let h = l["headers"].as_object().unwrap();
+        assert_eq!(h.len(), 1, "{l}");
+        assert_eq!(h["x-team"], "gold");
+        assert!(l.to_string().len() < 2048, "{}", l.to_string().len());
+    }
+    // Explain keeps the same.
+    let rid = lines[1]["id"].as_str().unwrap();
+    let e = get_json(&c, format!("{base}/admin/explain/{rid}")).await;
+    assert!(!e.to_string().contains("x-kiln-note"), "{e}");
+    srv.stop().await;
+}

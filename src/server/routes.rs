@@ -86,35 +86,100 @@ fn private_header(name: &str) -> bool {
     ) || name.starts_with("x-stainless")
 }
 
+/// Header bytes (names plus values) one record of a request keeps at most,
+/// in the decision log and in explain. A client controls its headers:
+/// without a bound, a few large `x-kiln-*` headers a request (up to the
+/// header caps, about 60 KB) would let any keyed tenant rotate the log's
+/// history out. The headers the policy reads come first, so a replay still
+/// decides the request as the gateway did unless they alone pass the bound.
+pub(super) const MAX_RECORDED_HEADER_BYTES: usize = 4 * 1024;
+
 /// The headers a record of this request keeps (the decision log and
 /// explain): those the deciding policies read (`header("…")` in their
-/// classify, route and admit rules) and `x-kiln-*`, never a credential.
+/// classify, route and admit rules) and `x-kiln-*`, never a credential,
+/// at most [`MAX_RECORDED_HEADER_BYTES`] of them.
 /// Everything else (tokens, cookies, provider keys under any name) stays
 /// out: recorded by allow-list, not by a list of secrets.
 pub(super) fn recorded_headers(
     headers: &BTreeMap<String, String>,
     graphs: &[&DecisionGraph],
 ) -> BTreeMap<String, String> {
+    kept_headers(headers, graphs, true)
+}
+
+/// What a refused request's record keeps: only the headers the policy
+/// reads (so a replay refuses it the same way) and the batch runner's own,
+/// none of the client's free-form `x-kiln-*` headers: a refusal costs the
+/// log a line, not the client's choice of bytes.
+fn refused_headers(
+    headers: &BTreeMap<String, String>,
+    graphs: &[&DecisionGraph],
+) -> BTreeMap<String, String> {
+    kept_headers(headers, graphs, false)
+}
+
+fn kept_headers(
+    headers: &BTreeMap<String, String>,
+    graphs: &[&DecisionGraph],
+    kiln: bool,
+) -> BTreeMap<String, String> {
     if headers.is_empty() {
         return BTreeMap::new();
     }
     let read: Vec<String> = graphs.iter().flat_map(|g| g.headers_read()).collect();
-    headers
-        .iter()
-        .filter(|(k, _)| {
-            let k = k.to_ascii_lowercase();
-            (k.starts_with("x-kiln-") || read.contains(&k))
-                && !super::decision_log::secret_header(&k)
-        })
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect()
+    let mut kept = BTreeMap::new();
+    let mut left = MAX_RECORDED_HEADER_BYTES;
+    // The policy's headers (and the runner's batch id) first, then the
+    // client's `x-kiln-*`; a header that does not fit in what is left is
+    // skipped whole (never cut: a cut value would replay as another one).
+    for policy_pass in [true, false] {
+        for (k, v) in headers {
+            let name = k.to_ascii_lowercase();
+            if super::decision_log::secret_header(&name) {
+                continue;
+            }
+            let wanted = if policy_pass {
+                read.contains(&name) || name == BATCH_HEADER
+            } else {
+                kiln && name.starts_with("x-kiln-") && !read.contains(&name) && name != BATCH_HEADER
+            };
+            let size = k.len() + v.len();
+            if wanted && size <= left {
+                left -= size;
+                kept.insert(k.clone(), v.clone());
+            }
+        }
+    }
+    kept
 }
 
-/// The request as records keep it: only [`recorded_headers`].
+/// Bytes of `x-kiln-tags` tags one record keeps at most (the tags a
+/// client sends are its own choice of bytes, like its headers).
+const MAX_RECORDED_TAG_BYTES: usize = 1024;
+
+/// The request as records keep it: only [`recorded_headers`], and its tags
+/// up to [`MAX_RECORDED_TAG_BYTES`].
 fn recorded_request(req: &Request, graphs: &[&DecisionGraph]) -> Request {
+    let mut left = MAX_RECORDED_TAG_BYTES;
+    let tags = req
+        .tags
+        .iter()
+        .take_while(|t| {
+            let fits = t.len() <= left;
+            left = left.saturating_sub(t.len());
+            fits
+        })
+        .cloned()
+        .collect();
     Request {
         headers: recorded_headers(&req.headers, graphs),
-        ..req.clone()
+        tags,
+        api_key: req.api_key.clone(),
+        tenant: req.tenant.clone(),
+        model: req.model.clone(),
+        session: req.session.clone(),
+        prompt_tokens: req.prompt_tokens,
+        max_tokens: req.max_tokens,
     }
 }
 
@@ -1216,10 +1281,25 @@ fn finish_refused(ctx: &Ctx, d: Option<&Decided>, reason: &str, err: &ApiError) 
         format!("refused with {}: {}", err.status, err.message),
         Some(reason),
     );
+    // A refusal keeps none of the client's free-form headers.
+    let policy = ctx.app.policy.load();
+    let graphs: Vec<&DecisionGraph> = match d {
+        Some(d) => vec![&d.graph, &d.policy_graph],
+        None => vec![&policy.graph],
+    };
+    let headers = refused_headers(&ctx.req.headers, &graphs);
     if let Ok(mut e) = ctx.explain.lock() {
         e.outcome = Some(format!("rejected {}", err.status));
+        e.request.headers = headers.clone();
     }
     let mut rec = base_record(ctx, d);
+    rec.headers = headers;
+    // The model and session names are the client's bytes too; no model or
+    // session a policy serves is this long.
+    truncate_chars(&mut rec.model, MAX_REFUSED_NAME_BYTES);
+    if let Some(sn) = rec.session.as_mut() {
+        truncate_chars(sn, MAX_REFUSED_NAME_BYTES);
+    }
     if let Some(dec) = rec.decision.as_mut() {
         dec.admission = Some("reject".into());
         dec.status = Some(err.status);
@@ -1235,6 +1315,20 @@ fn finish_refused(ctx: &Ctx, d: Option<&Decided>, reason: &str, err: &ApiError) 
         err.status >= 500,
         false,
     );
+}
+
+/// Bytes of a refused request's model and session names a record keeps.
+const MAX_REFUSED_NAME_BYTES: usize = 256;
+
+/// Cuts `s` to at most `max` bytes, on a character boundary.
+fn truncate_chars(s: &mut String, max: usize) {
+    if s.len() > max {
+        let mut end = max;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+    }
 }
 
 pub(super) fn round3(x: f64) -> f64 {
