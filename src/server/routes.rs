@@ -1185,11 +1185,44 @@ fn refusal(
 ) -> ApiError {
     let app = &ctx.app;
     let (tier, tenant) = decided_names(d);
+    let mut route: Option<(String, Option<String>)> = None;
     let (policy_msg, policy_reason) = d.map_or((None, None), |d| {
-        let dec = d.policy_graph.decide(&ctx.req, &d.policy_signals);
-        let v = d.policy_graph.view(&dec);
+        let g = &d.policy_graph;
+        let dec = g.decide(&ctx.req, &d.policy_signals);
+        route = dec.target.map(|t| {
+            let pool = t
+                .pool
+                .and_then(|p| g.pools.get(p as usize))
+                .map(|p| p.name.clone());
+            (g.variant_name(t.model, t.variant), pool)
+        });
+        let v = g.view(&dec);
         (v.message, v.reason)
     });
+    // No capacity refusal is a 429 when the route's upstreams are all down:
+    // that is an outage, and its wait estimate is unbounded (it was
+    // answered `429 overload` with Retry-After 2^62 µs).
+    let capacity = matches!(
+        reason,
+        Reason::Overload
+            | Reason::Fairness
+            | Reason::Deadline
+            | Reason::Saturation
+            | Reason::Gang
+            | Reason::Timeout
+    ) && matches!(status, 429 | 503);
+    if let (true, Some((variant, pool))) = (capacity, &route) {
+        if let Some(secs) = outage_retry(app, variant, pool.as_deref()) {
+            return ApiError::new(
+                503,
+                format!(
+                    "every upstream serving `{variant}` is down (its circuit breakers are open); the first may take requests again in about {secs} s"
+                ),
+            )
+            .code("upstream_unavailable")
+            .retry_after(Some(secs));
+        }
+    }
     let not_allowed = policy_reason.as_deref() == Some("model-not-allowed");
     let msg = match reason {
         // Not found (or not for this tier): which model was asked for, and
@@ -1231,6 +1264,8 @@ fn refusal(
         other => format!("refused: {}", other.name()),
     };
     let retry = match (status, retry_after) {
+        // A wait estimate is a guess: never one past the hour.
+        (429 | 503, Some(r)) if capacity => Some(secs_ceil(app, r).min(MAX_CAPACITY_RETRY_S)),
         (429 | 503, Some(r)) => Some(secs_ceil(app, r)),
         (429 | 503, None) => Some(1),
         _ => None,
@@ -1243,6 +1278,48 @@ fn refusal(
         _ => reason.name().to_string(),
     };
     ApiError::new(status, msg).code(code).retry_after(retry)
+}
+
+/// The longest Retry-After an outage answers with: a breaker reopens (for
+/// its trial) within its `open_for`, but an upstream's own Retry-After may
+/// hold it open longer; clients should look again within a minute.
+const MAX_OUTAGE_RETRY_S: u64 = 60;
+
+/// The longest Retry-After of a capacity refusal (`overload`, `fairness`,
+/// …), whose estimate may be unbounded.
+const MAX_CAPACITY_RETRY_S: u64 = 3600;
+
+/// When the route (`model.variant`, on `pool` if it names one) is served
+/// by HTTP upstreams and every one is down (breaker open, or its half-open
+/// trial taken): the seconds until the first may take a request again,
+/// from 1 to [`MAX_OUTAGE_RETRY_S`]. `None` when one is ready, or when no
+/// upstream serves the route (a simulated or GPU replica does).
+fn outage_retry(app: &App, variant: &str, pool: Option<&str>) -> Option<u64> {
+    use crate::backend::http::BreakerState;
+    let now = std::time::Instant::now();
+    let mut earliest: Option<std::time::Duration> = None;
+    for b in app.backends.iter() {
+        let Backend::Http(u) = b else { continue };
+        // Named `pool/model.variant#i` by the deployment.
+        let Some((p, rest)) = u.name().split_once('/') else {
+            continue;
+        };
+        let Some((mv, _)) = rest.rsplit_once('#') else {
+            continue;
+        };
+        if mv != variant || pool.is_some_and(|want| want != p) {
+            continue;
+        }
+        if u.ready() {
+            return None;
+        }
+        let wait = match u.state() {
+            BreakerState::Open { until } => until.saturating_duration_since(now),
+            _ => std::time::Duration::ZERO,
+        };
+        earliest = Some(earliest.map_or(wait, |e| e.min(wait)));
+    }
+    earliest.map(|w| (w.as_secs_f64().ceil() as u64).clamp(1, MAX_OUTAGE_RETRY_S))
 }
 
 /// The tier and tenant a decision named (`none` where it named none).
