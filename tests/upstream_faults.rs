@@ -772,3 +772,32 @@ async fn every_upstream_down_is_a_503_with_a_bounded_retry_after() {
     assert!(seen.iter().all(|(s, _)| *s == 200), "recovered: {seen:?}");
     srv.stop().await;
 }
+
+/// Issue 27: a policy that sets no queue bound (no `admit … queue
+/// max_wait`) still hangs nothing. With every upstream hanging, requests
+/// that never started waited for as long as the upstreams hung (27 of 40
+/// still waiting after 400 s): `[limits] upstream_budget` only starts at a
+/// first upstream start. `[limits] default_queue_bound` bounds the wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_queue_bound_in_the_policy_nothing_hangs() {
+    let unbounded = POLICY.replace("admit high { default => queue max_wait 2s }\n", "");
+    assert_ne!(unbounded, POLICY);
+    let ma = Mock::start("a", Mode::Hang).await;
+    let mb = Mock::start("b", Mode::Hang).await;
+    let urls = [ma.url(), mb.url()];
+    let mut cfg = config(&urls, BUDGET, "1s");
+    assert_eq!(
+        cfg.limits.default_queue_bound,
+        Duration::from_secs(300),
+        "the documented default"
+    );
+    cfg.limits.default_queue_bound = QUEUE;
+    let srv = serve_on_loopback(policy("faults.kiln", &unbounded), cfg).await;
+    let base = format!("http://{}", srv.addr);
+    let n = load(&base, 40, 40, QUEUE + BUDGET + SLACK).await;
+    println!("{HEADER}\n{}", row("a and b hang, no max_wait", &n));
+    assert_eq!(n.hung, 0, "{n:?}");
+    assert_eq!(n.explicit, 40, "{n:?}");
+    assert!(!n.statuses.contains_key(&429), "{n:?}");
+    srv.stop().await;
+}

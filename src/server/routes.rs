@@ -1254,7 +1254,9 @@ fn refusal(
             "the prompt plus max_tokens is larger than any replica of the routed model can hold".into()
         }
         Reason::Saturation | Reason::Gang => "no replica can serve this route now".into(),
-        Reason::Timeout => format!("waited longer than tier {tier}'s max queue time"),
+        Reason::Timeout => format!(
+            "waited longer than its queue bound (tier {tier}'s `queue max_wait`, or `[limits] default_queue_bound` where the policy sets none)"
+        ),
         Reason::RetryBudget => format!("tenant {tenant} has spent its retry budget"),
         Reason::SessionBudget => "this agent session has used all the steps its tenant allows".into(),
         Reason::PolicyChanged => "the policy changed while this request waited; retry".into(),
