@@ -533,6 +533,13 @@ async fn admit_and_run(
         }
     }
     if let Some(fleet) = app.fleet.clone() {
+        // A client that leaves while the fleet's store is consulted is
+        // recorded as cancelled, like one that leaves while queued.
+        let mut left = LeftWhileQueued {
+            ctx: &ctx,
+            decided: None,
+            armed: true,
+        };
         fleet.wait_for_version().await;
         let need = prompt_tokens as f64 + max_tokens as f64;
         let gate = fleet
@@ -544,6 +551,8 @@ async fn admit_and_run(
                 prompt_tokens as f64,
             )
             .await;
+        left.armed = false;
+        drop(left);
         match gate {
             super::fleet::Gate::Claimed(c) => ctx.claim = Some(c),
             super::fleet::Gate::Free => {}
