@@ -628,3 +628,27 @@ fn time_ranges_at_their_edges() {
         assert!(r.is_err(), "time {bad} accepted");
     }
 }
+
+/// Issue 27: `kiln lint` tells the author which queue bound applies to a
+/// tier that sets none (the gateway's `[limits] default_queue_bound`), as
+/// a note: never a finding, so the base policy stays lint-clean.
+#[test]
+fn lint_notes_name_the_queue_bound_that_applies() {
+    let c = compile_str("policy.kiln", BASE);
+    let notes = kiln::compile::lint_notes(&c);
+    insta::assert_snapshot!("lint_notes_queue_bound", notes.join("\n"));
+    // A tier whose admission always queues with a bound gets none.
+    let c = compile_str(
+        "policy.kiln",
+        &plus("admit chat {\n  default => queue max_wait 2s\n}\n"),
+    );
+    assert!(!c.has_errors());
+    let notes = kiln::compile::lint_notes(&c);
+    assert_eq!(notes.len(), 1, "{notes:?}");
+    assert!(notes[0].starts_with("tier `bulk`"), "{notes:?}");
+    // The note names the gateway's own default.
+    assert_eq!(
+        kiln::units::duration::parse(kiln::compile::DEFAULT_QUEUE_BOUND_TEXT),
+        Ok(kiln::server::config::DEFAULT_QUEUE_BOUND)
+    );
+}

@@ -116,17 +116,20 @@ async fn oversized_headers_get_431_with_an_openai_body() {
 async fn the_explain_store_is_bounded_in_bytes() {
     let mut cfg = base_cfg();
     cfg.sim.speed = 50.0;
-    cfg.limits.explain_max_bytes = 256 * 1024;
+    cfg.limits.explain_max_bytes = 64 * 1024;
     let srv = serve(cfg).await;
     let base = format!("http://{}", srv.addr);
     let c = client();
-    // 60 requests with 15 KB of recorded (x-kiln-*) headers each: ~1 MB
-    // that the store may not keep.
+    // 60 requests with about 4 KB of recorded (x-kiln-*) headers each (a
+    // record keeps at most 4 KiB of them): ~240 KB that the store may not
+    // keep.
     for i in 0..60 {
         let r = c
             .post(format!("{base}/v1/chat/completions"))
             .bearer_auth("k-alpha")
-            .header("x-kiln-note", format!("{i}-{}", "p".repeat(15 * 1024)))
+            .header("x-kiln-note-a", format!("{i}-{}", "p".repeat(1300)))
+            .header("x-kiln-note-b", format!("{i}-{}", "q".repeat(1300)))
+            .header("x-kiln-note-c", format!("{i}-{}", "r".repeat(1300)))
             .json(&chat(1))
             .send()
             .await
@@ -134,7 +137,7 @@ async fn the_explain_store_is_bounded_in_bytes() {
         assert_eq!(r.status(), 200);
     }
     let (n, bytes) = srv.app.explain.usage();
-    assert!(bytes <= 256 * 1024, "{bytes} bytes in {n} entries");
+    assert!(bytes <= 64 * 1024, "{bytes} bytes in {n} entries");
     assert!((1..60).contains(&n), "{n} entries");
     srv.stop().await;
 }

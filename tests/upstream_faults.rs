@@ -674,3 +674,130 @@ async fn an_upstream_429_is_answered_with_its_retry_after() {
         .contains("queue is full"));
     srv.stop().await;
 }
+
+/// [`POLICY`] with a time-to-first-token SLO, so that admission estimates
+/// the wait (which is unbounded with every replica down).
+const TTFT_POLICY: &str = r#"
+pool gpu { gpus 2 kind "H100-80GB" memory 80GB }
+model tiny {
+  params 1B
+  kv_per_token 32KB
+  variant fp16 { memory 4GB pools [gpu] max_batch 16 }
+}
+tier high { priority 100 slo { ttft 2s } }
+tenant alpha { owner "a@x" tiers [high] api_keys ["k-alpha"] }
+classify { default => tier high }
+admit high { default => queue max_wait 2s }
+route [high] tiny { default => fp16 }
+"#;
+
+/// Sends `n` plain requests one after another; returns each answer's
+/// status and Retry-After (seconds, where it has one).
+async fn statuses(base: &str, n: usize) -> Vec<(u16, Option<u64>)> {
+    let c = support::client(QUEUE + BUDGET + SLACK);
+    let mut out = Vec::new();
+    for i in 0..n {
+        let r = c
+            .post(format!("{base}/v1/chat/completions"))
+            .bearer_auth("k-alpha")
+            .json(
+                &json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                          "max_tokens": 5, "stream": i % 2 == 1}),
+            )
+            .send()
+            .await
+            .unwrap();
+        let s = r.status().as_u16();
+        let ra = r
+            .headers()
+            .get("retry-after")
+            .map(|v| v.to_str().unwrap().parse::<u64>().unwrap());
+        let _ = r.bytes().await;
+        out.push((s, ra));
+    }
+    out
+}
+
+/// Issue 27: with every upstream down the answer is an outage's, 503 with
+/// a Retry-After no later than the earliest breaker's reopening (capped at
+/// 60 s), never a 429 `overload` with the unbounded wait estimate as its
+/// Retry-After (it was `4611686018427`: 2^62 µs). Double faults: both
+/// refuse; one refuses and one hangs; both refuse, then one recovers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_upstream_down_is_a_503_with_a_bounded_retry_after() {
+    let outage = |seen: &[(u16, Option<u64>)], what: &str| {
+        for (s, ra) in seen {
+            assert_ne!(*s, 429, "{what}: an outage answered 429: {seen:?}");
+            if *s == 503 {
+                let ra = ra.unwrap_or_else(|| panic!("{what}: 503 without Retry-After"));
+                assert!((1..=60).contains(&ra), "{what}: Retry-After {ra}: {seen:?}");
+            }
+        }
+    };
+    for (a, b) in [(Mode::Refuse, Mode::Refuse), (Mode::Refuse, Mode::Hang)] {
+        let ma = Mock::start("a", a).await;
+        let mb = Mock::start("b", b).await;
+        let urls = [ma.url(), mb.url()];
+        let srv = serve_on_loopback(
+            policy("faults.kiln", TTFT_POLICY),
+            config(&urls, BUDGET, "1s"),
+        )
+        .await;
+        let base = format!("http://{}", srv.addr);
+        // Once both breakers are open the gateway knows it is an outage.
+        assert!(readyz_becomes(&base, 503, Duration::from_secs(10)).await);
+        let seen = statuses(&base, 6).await;
+        let what = format!("{a:?} and {b:?}");
+        assert!(seen.iter().any(|(s, _)| *s == 503), "{what}: {seen:?}");
+        outage(&seen, &what);
+        srv.stop().await;
+    }
+    // Down, then one recovers: 503 while down, served after.
+    let ma = Mock::start("a", Mode::Refuse).await;
+    let mb = Mock::start("b", Mode::Refuse).await;
+    let urls = [ma.url(), mb.url()];
+    let srv = serve_on_loopback(
+        policy("faults.kiln", TTFT_POLICY),
+        config(&urls, BUDGET, "1s"),
+    )
+    .await;
+    let base = format!("http://{}", srv.addr);
+    assert!(readyz_becomes(&base, 503, Duration::from_secs(10)).await);
+    let seen = statuses(&base, 4).await;
+    outage(&seen, "both down");
+    assert!(seen.iter().all(|(s, _)| *s == 503), "{seen:?}");
+    mb.set(Mode::Healthy).await;
+    assert!(readyz_becomes(&base, 200, Duration::from_secs(10)).await);
+    let seen = statuses(&base, 4).await;
+    assert!(seen.iter().all(|(s, _)| *s == 200), "recovered: {seen:?}");
+    srv.stop().await;
+}
+
+/// Issue 27: a policy that sets no queue bound (no `admit … queue
+/// max_wait`) still hangs nothing. With every upstream hanging, requests
+/// that never started waited for as long as the upstreams hung (27 of 40
+/// still waiting after 400 s): `[limits] upstream_budget` only starts at a
+/// first upstream start. `[limits] default_queue_bound` bounds the wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_queue_bound_in_the_policy_nothing_hangs() {
+    let unbounded = POLICY.replace("admit high { default => queue max_wait 2s }\n", "");
+    assert_ne!(unbounded, POLICY);
+    let ma = Mock::start("a", Mode::Hang).await;
+    let mb = Mock::start("b", Mode::Hang).await;
+    let urls = [ma.url(), mb.url()];
+    let mut cfg = config(&urls, BUDGET, "1s");
+    assert_eq!(
+        cfg.limits.default_queue_bound,
+        Duration::from_secs(300),
+        "the documented default"
+    );
+    cfg.limits.default_queue_bound = QUEUE;
+    let srv = serve_on_loopback(policy("faults.kiln", &unbounded), cfg).await;
+    let base = format!("http://{}", srv.addr);
+    let n = load(&base, 40, 40, QUEUE + BUDGET + SLACK).await;
+    println!("{HEADER}\n{}", row("a and b hang, no max_wait", &n));
+    assert_eq!(n.hung, 0, "{n:?}");
+    assert_eq!(n.explicit, 40, "{n:?}");
+    assert!(!n.statuses.contains_key(&429), "{n:?}");
+    srv.stop().await;
+}

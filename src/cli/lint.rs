@@ -47,6 +47,11 @@ pub fn run(a: Args) -> i32 {
         match a.format {
             LintFormat::Human => {
                 print_human(&all, &c.sources);
+                // Which bounds apply where the policy sets none: notes,
+                // never findings.
+                for n in crate::compile::lint_notes(c) {
+                    println!("note: {n}");
+                }
                 if errors + warnings == 0 {
                     println!("ok: {} is lint-clean", set.name);
                 } else {

@@ -8,6 +8,53 @@ use crate::lang::comments;
 use crate::source::Span;
 use std::collections::{HashMap, HashSet};
 
+/// `[limits] default_queue_bound`'s default in `kiln.toml`, as the notes
+/// name it (`tests/diagnostics.rs` checks it is the gateway's).
+pub const DEFAULT_QUEUE_BOUND_TEXT: &str = "5m";
+
+/// Notes for the author, not findings (they never fail `kiln lint` and
+/// are not diagnostics): which queue bound applies to each tier whose
+/// admission can accept a request without `queue max_wait`. Such a request
+/// waits at most the gateway's `[limits] default_queue_bound` (or until
+/// its completion window ends, if later), not forever.
+pub fn notes(c: &Compiled) -> Vec<String> {
+    let Some(g) = &c.graph else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for (t, tier) in g.tiers.iter().enumerate() {
+        let unbounded = match g.admits.get(t).and_then(Option::as_ref) {
+            None => true,
+            Some(rs) => rs
+                .rules
+                .iter()
+                .map(|(_, _, o)| o)
+                .chain(std::iter::once(&rs.default.1))
+                .any(|o| {
+                    matches!(
+                        o,
+                        crate::graph::AdmitOutcome::Accept
+                            | crate::graph::AdmitOutcome::Delay { .. }
+                            | crate::graph::AdmitOutcome::Degrade { .. }
+                    )
+                }),
+        };
+        if !unbounded {
+            continue;
+        }
+        let window = if tier.slo.window.is_some() {
+            ", or when their completion window ends if that is later"
+        } else {
+            ""
+        };
+        out.push(format!(
+            "tier `{}` admits requests without a queue bound: the gateway refuses one still waiting after `[limits] default_queue_bound` ({DEFAULT_QUEUE_BOUND_TEXT} unless kiln.toml sets another{window}) with 503; to choose the tier's own, write `admit {} {{ default => queue max_wait 30s }}`",
+            tier.name, tier.name
+        ));
+    }
+    out
+}
+
 /// Lints a compiled policy (errors must be absent for the graph checks to
 /// run; syntax-level lints need only the AST).
 pub fn lint(c: &Compiled) -> Diagnostics {

@@ -19,6 +19,8 @@ use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 pub use lint::lint;
+pub use lint::notes as lint_notes;
+pub use lint::DEFAULT_QUEUE_BOUND_TEXT;
 
 /// The result of compiling a policy.
 #[derive(Debug)]

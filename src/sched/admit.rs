@@ -573,6 +573,12 @@ impl Scheduler {
             Admission::Hold { max_wait } if !a.baseline => {
                 Some(self.now.saturating_add(self.hold_bound(max_wait, a.window)))
             }
+            // No bound from the policy: the configured default, or its
+            // completion window if that ends later.
+            _ if !a.baseline => self.cfg.default_max_wait.map(|w| {
+                let bound = self.now.saturating_add(w);
+                a.deadline.map_or(bound, |d| d.max(bound))
+            }),
             _ => None,
         };
         let prompt = a.req.prompt_tokens.min(u64::from(u32::MAX)) as u32;

@@ -373,6 +373,13 @@ pub struct Config {
     /// finishes (its answer's size estimated from its output tokens). The
     /// gateway stores answers itself once they are complete.
     pub cache_on_finish: bool,
+    /// How long an admitted request whose admission set no queue bound
+    /// (anything but `queue max_wait`) may wait in the queue before it is
+    /// refused with `timeout`; a request with a completion window waits at
+    /// least until its deadline. `None` (the default, and every replay's
+    /// unless set) waits without a bound. The gateway sets it from
+    /// `[limits] default_queue_bound`, so that nothing it accepted hangs.
+    pub default_max_wait: Option<Micros>,
 }
 
 /// A replica for `spec` under `cfg` (see [`Config::shared_upstreams`]).
@@ -403,6 +410,7 @@ impl Default for Config {
             shared_upstreams: false,
             cache_bounds: cache::Bounds::default(),
             cache_on_finish: false,
+            default_max_wait: None,
         }
     }
 }

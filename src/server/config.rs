@@ -402,6 +402,19 @@ pub struct Limits {
         deserialize_with = "crate::units::duration::deserialize"
     )]
     pub upstream_budget: std::time::Duration,
+    /// How long an accepted request whose tier's admission sets no queue
+    /// bound (`queue max_wait`) may wait for a replica before it is
+    /// refused (503 `timeout`, or `upstream_unavailable` while every
+    /// upstream of its route is down); a request with a completion window
+    /// waits until its deadline if that is later. On the scheduler's clock,
+    /// like `max_wait`. With [`Self::upstream_budget`] it makes "nothing
+    /// hangs" hold for every policy: without it, a request queued while
+    /// every upstream was down waited for as long as they were.
+    #[serde(
+        default = "default_queue_bound",
+        deserialize_with = "crate::units::duration::deserialize"
+    )]
+    pub default_queue_bound: std::time::Duration,
     /// Times a request that failed on an upstream (5xx, 429, timeout,
     /// broken connection, bad JSON) before any byte reached the client is
     /// tried again on another replica.
@@ -455,6 +468,12 @@ fn default_redecide() -> u32 {
 fn default_upstream_budget() -> std::time::Duration {
     std::time::Duration::from_secs(300)
 }
+/// `[limits] default_queue_bound`'s default, as `kiln lint` names it.
+pub const DEFAULT_QUEUE_BOUND: std::time::Duration = std::time::Duration::from_secs(300);
+
+fn default_queue_bound() -> std::time::Duration {
+    DEFAULT_QUEUE_BOUND
+}
 fn default_upstream_retries() -> u32 {
     2
 }
@@ -500,6 +519,7 @@ impl Default for Limits {
             default_max_tokens: default_max_tokens(),
             max_redecide: default_redecide(),
             upstream_budget: default_upstream_budget(),
+            default_queue_bound: default_queue_bound(),
             upstream_retries: default_upstream_retries(),
             max_header_count: default_header_count(),
             max_header_value_bytes: default_header_value(),
@@ -878,6 +898,7 @@ impl ServerConfig {
         for (field, v) in [
             ("header_read_timeout", self.limits.header_read_timeout),
             ("body_read_timeout", self.limits.body_read_timeout),
+            ("default_queue_bound", self.limits.default_queue_bound),
         ] {
             if v.is_zero() {
                 return Err(ConfigError::Invalid {

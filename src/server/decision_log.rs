@@ -6,7 +6,8 @@
 //! into a bounded channel with `try_send`, and a line that does not fit is
 //! counted as dropped ([`DecisionLog::dropped`]), never waited for. A
 //! dedicated thread serialises the records into a buffered file, flushing
-//! at least every [`FLUSH_EVERY`] and whenever [`DecisionLog::flush`] asks,
+//! every [`FLUSH_LINES`] lines or [`FLUSH_EVERY`] after the oldest unflushed
+//! one, whichever comes first, and whenever [`DecisionLog::flush`] asks,
 //! and rotates the file by size: `path` → `path.1` → `path.2` … up to
 //! `keep`, the oldest deleted. I/O errors are logged (`tracing::warn!`) and
 //! counted, never fatal: the writer drops what it could not write and
@@ -33,8 +34,20 @@ use tokio::sync::oneshot;
 /// boxed, so the channel itself stays small (a pointer a slot).
 pub const CHANNEL_CAPACITY: usize = 16 * 1024;
 
-/// Buffered lines reach the file at least this often.
-pub const FLUSH_EVERY: Duration = Duration::from_millis(200);
+/// Buffered lines reach the file (the operating system's page cache,
+/// which survives the process) at most this long after they were written.
+/// With [`FLUSH_LINES`] this bounds what a `kill -9` loses: the lines of the
+/// last few milliseconds, never more than `FLUSH_LINES - 1` buffered lines
+/// (plus any still in the channel, normally none). A flush is one `write`
+/// system call, so even at thousands of requests a second this costs
+/// little; it does not wait for the disk (only [`DecisionLog::flush`]
+/// does), so a power loss may still lose more.
+pub const FLUSH_EVERY: Duration = Duration::from_millis(10);
+
+/// Buffered lines are flushed once this many wait, even within
+/// [`FLUSH_EVERY`]: a burst (a batch's items ending together) is not held
+/// in memory as a whole.
+pub const FLUSH_LINES: u64 = 16;
 
 /// Request headers that carry credentials: never written, whatever the
 /// caller passes. The gateway records headers by allow-list already (what
@@ -343,7 +356,9 @@ impl Writer {
             match msg {
                 Ok(Msg::Record(rec)) => {
                     self.record(*rec);
-                    if self.deadline.is_some_and(|d| Instant::now() >= d) {
+                    if self.unflushed >= FLUSH_LINES
+                        || self.deadline.is_some_and(|d| Instant::now() >= d)
+                    {
                         self.flush();
                     }
                 }

@@ -49,8 +49,13 @@ pub enum Progress {
         /// Scheduler time of the start, for queue-wait accounting.
         at: Micros,
     },
-    /// Simulated backends: this many more output tokens exist.
-    Tokens(u32),
+    /// Simulated backends: `n` more output tokens exist, and the sequence
+    /// has used `gpu_seconds` so far (what a client that leaves now is
+    /// charged).
+    Tokens {
+        n: u32,
+        gpu_seconds: f64,
+    },
     FirstToken,
     Finished {
         gpu_seconds: f64,
@@ -465,7 +470,10 @@ impl Sink for Handlers {
                         c.finish(e.target.max(e.sent), gpu_seconds);
                     }
                     if e.target > e.sent {
-                        let _ = e.events.send(Progress::Tokens(e.target - e.sent));
+                        let _ = e.events.send(Progress::Tokens {
+                            n: e.target - e.sent,
+                            gpu_seconds,
+                        });
                     }
                     let _ = e.events.send(Progress::Finished {
                         gpu_seconds,
@@ -516,7 +524,10 @@ impl Sink for Handlers {
         for s in &rep.running {
             if let Some(e) = self.reqs.get_mut(&s.w.id) {
                 if s.generated > e.sent {
-                    let _ = e.events.send(Progress::Tokens(s.generated - e.sent));
+                    let _ = e.events.send(Progress::Tokens {
+                        n: s.generated - e.sent,
+                        gpu_seconds: s.gpu_seconds,
+                    });
                     e.sent = s.generated;
                 }
             }

@@ -24,8 +24,9 @@ use tokio::sync::mpsc;
 
 /// One step of a generation, from whichever backend produced it.
 enum Piece {
-    /// `n` more tokens the scheduler produced; kiln renders their text.
-    Tokens(u32),
+    /// `n` more tokens the scheduler produced (kiln renders their text),
+    /// with the GPU time the sequence has used so far.
+    Tokens { n: u32, gpu_seconds: f64 },
     /// A streaming chunk an upstream sent, in OpenAI's shape.
     Chunk(Value),
     /// A non-streaming upstream's whole answer.
@@ -68,7 +69,7 @@ pub(super) async fn serve_scheduled(
     let pieces = tokio_stream::wrappers::UnboundedReceiverStream::new(rx)
         .filter_map(|p| async move {
             match p {
-                Progress::Tokens(n) => Some(Piece::Tokens(n)),
+                Progress::Tokens { n, gpu_seconds } => Some(Piece::Tokens { n, gpu_seconds }),
                 Progress::Finished { gpu_seconds, at } => Some(Piece::End {
                     gpu_seconds,
                     at: Some(at),
@@ -210,10 +211,12 @@ pub(super) async fn serve_upstream(
                 Err(e) => Err(e),
             }
         };
+        let left = LeftBeforeAnswer::new(&ctx, &s);
         let raced = tokio::select! {
             first = open => Raced::Done(first),
             by = preemption(&mut rx) => Raced::Preempted(by),
         };
+        left.disarm();
         let first = match raced {
             Raced::Done(first) => first,
             Raced::Preempted(by) => return Err(requeued(ctx, guard, rx, s, by)),
@@ -268,10 +271,12 @@ pub(super) async fn serve_upstream(
         }
     } else {
         let call = tokio::time::timeout_at(deadline, up.complete(path, body));
+        let left = LeftBeforeAnswer::new(&ctx, &s);
         let raced = tokio::select! {
             r = call => Raced::Done(r),
             by = preemption(&mut rx) => Raced::Preempted(by),
         };
+        left.disarm();
         let answer = match raced {
             Raced::Done(r) => r,
             Raced::Preempted(by) => return Err(requeued(ctx, guard, rx, s, by)),
@@ -302,6 +307,54 @@ pub(super) async fn serve_upstream(
     respond(ctx, guard, s, headers, pieces, Producer::Upstream)
         .await
         .map_err(HttpFail::Fatal)
+}
+
+/// Records a request whose client went away while its upstream call had
+/// not answered yet (the handler, and this with it, is dropped mid-wait):
+/// cancelled, with nothing produced. The request's [`CancelGuard`], dropped
+/// just after, cancels it in the scheduler (which charges the prompt).
+struct LeftBeforeAnswer<'a> {
+    ctx: &'a Ctx,
+    s: &'a Started,
+    armed: bool,
+}
+
+impl<'a> LeftBeforeAnswer<'a> {
+    fn new(ctx: &'a Ctx, s: &'a Started) -> Self {
+        LeftBeforeAnswer {
+            ctx,
+            s,
+            armed: true,
+        }
+    }
+
+    /// The wait ended some other way: whoever handles that records it.
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for LeftBeforeAnswer<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        explain::note(
+            &self.ctx.explain,
+            self.ctx.ms(),
+            "the client went away before the upstream answered: cancelled",
+            Some("client_disconnected"),
+        );
+        finish_served(
+            self.ctx,
+            self.s,
+            0,
+            None,
+            MetricOutcome::Cancelled,
+            0.0,
+            None,
+        );
+    }
 }
 
 /// A call cut short by a preemption before the answer began: the call
@@ -356,7 +409,7 @@ fn before_answer(
             MetricOutcome::Timeout,
         ),
     };
-    finish_served(&ctx, s, 0, None, outcome, 0.0, err.status);
+    finish_served(&ctx, s, 0, None, outcome, 0.0, Some(err.status));
     HttpFail::Fatal(err)
 }
 
@@ -412,6 +465,9 @@ struct Tally {
     /// An upstream produces the tokens: the scheduler learns of the first
     /// one from here (for the tier's TTFT signals).
     upstream: bool,
+    /// GPU time the scheduler's replica has spent on it so far (0 on an
+    /// upstream, whose GPU time kiln does not see).
+    gpu_seconds: f64,
 }
 
 impl Tally {
@@ -470,6 +526,7 @@ async fn respond(
             usage_completion: None,
             ttft: None,
             upstream: producer == Producer::Upstream,
+            gpu_seconds: 0.0,
         },
         created: created(),
         kept: Kept::for_request(&s_cache),
@@ -536,7 +593,7 @@ impl Generation {
         outcome: MetricOutcome,
         gpu_seconds: f64,
         at: Option<Micros>,
-        status: u16,
+        status: Option<u16>,
     ) {
         self.guard.armed = false;
         if let Some(at) = at {
@@ -563,11 +620,12 @@ impl Generation {
         );
     }
 
-    fn tokens(&mut self, n: u32) {
+    fn tokens(&mut self, n: u32, gpu_seconds: f64) {
         if n > 0 {
             self.tally.first_token(&self.ctx);
         }
         self.tally.produced += u64::from(n);
+        self.tally.gpu_seconds = self.tally.gpu_seconds.max(gpu_seconds);
     }
 
     async fn whole(
@@ -578,7 +636,7 @@ impl Generation {
         let mut answer: Option<Value> = None;
         while let Some(p) = pieces.next().await {
             match p {
-                Piece::Tokens(n) => self.tokens(n),
+                Piece::Tokens { n, gpu_seconds } => self.tokens(n, gpu_seconds),
                 Piece::Chunk(_) => {}
                 Piece::Whole(mut v) => {
                     // A whole answer's first token is its last.
@@ -592,7 +650,7 @@ impl Generation {
                 }
                 Piece::Preempted(by) => self.preempted(by),
                 Piece::End { gpu_seconds, at } => {
-                    self.settle(MetricOutcome::Ok, gpu_seconds, at, 200);
+                    self.settle(MetricOutcome::Ok, gpu_seconds, at, Some(200));
                     let body = answer.unwrap_or_else(|| {
                         let n = self.tally.produced;
                         let prompt = self.ctx.req.prompt_tokens;
@@ -607,13 +665,13 @@ impl Generation {
                     return Ok(with_headers(axum::Json(body).into_response(), headers));
                 }
                 Piece::Failed { err, outcome } => {
-                    self.settle(outcome, 0.0, None, err.status);
+                    self.settle(outcome, 0.0, None, Some(err.status));
                     return Err(err);
                 }
             }
         }
         // Every source ends with `End` or `Failed`.
-        self.settle(MetricOutcome::UpstreamError, 0.0, None, 503);
+        self.settle(MetricOutcome::UpstreamError, 0.0, None, Some(503));
         Err(ApiError::new(503, "the scheduler stopped"))
     }
 
@@ -640,8 +698,8 @@ impl Generation {
     /// The bytes one piece adds to the event stream, if any.
     fn frame(&mut self, p: Piece) -> Option<Bytes> {
         match p {
-            Piece::Tokens(0) => None,
-            Piece::Tokens(n) => {
+            Piece::Tokens { n: 0, .. } => None,
+            Piece::Tokens { n, gpu_seconds } => {
                 let mut b = Vec::new();
                 for i in 0..u64::from(n) {
                     let t = sim_text(self.tally.produced + i, 1);
@@ -649,7 +707,7 @@ impl Generation {
                     let c = chunk(&self.ctx, self.created, Some(&t), false, None);
                     b.extend_from_slice(&sse(&c));
                 }
-                self.tokens(n);
+                self.tokens(n, gpu_seconds);
                 Some(Bytes::from(b))
             }
             Piece::Chunk(mut v) => {
@@ -696,7 +754,7 @@ impl Generation {
                 None
             }
             Piece::End { gpu_seconds, at } => {
-                self.settle(MetricOutcome::Ok, gpu_seconds, at, 200);
+                self.settle(MetricOutcome::Ok, gpu_seconds, at, Some(200));
                 if let Some(k) = self.kept.take() {
                     let finish = match (self.producer, &k.finish) {
                         (Producer::Scheduler, _) => "length",
@@ -743,9 +801,40 @@ impl Generation {
                     );
                 }
                 // The stream's 200 went out with its headers.
-                self.settle(outcome, 0.0, None, 200);
+                self.settle(outcome, 0.0, None, Some(200));
                 Some(sse(&err.body()))
             }
+        }
+    }
+}
+
+/// The client went away before the answer ended: the response stream (or
+/// the handler awaiting a whole answer) was dropped with the generation in
+/// it. The request ends here as `cancelled`, charged for the tokens and GPU
+/// time it used so far, and is recorded once, through the same
+/// [`Generation::settle`] as every other end (metrics, `/admin/costs`,
+/// explain, the decision log). Every other end disarms the guard first, so
+/// this runs only for a request nothing else ended.
+impl Drop for Generation {
+    fn drop(&mut self) {
+        if !self.guard.armed {
+            return;
+        }
+        explain::note(
+            &self.ctx.explain,
+            self.ctx.ms(),
+            "the client went away before the answer ended: cancelled",
+            Some("client_disconnected"),
+        );
+        // A stream's 200 went out with its headers; a whole answer's never did.
+        let status = self.ctx.stream.then_some(200);
+        let gpu_seconds = self.tally.gpu_seconds;
+        self.settle(MetricOutcome::Cancelled, gpu_seconds, None, status);
+        // `settle` disarmed the guard and told an upstream's scheduler entry
+        // (it reports the output, then cancels); a scheduled replica's
+        // sequence is cancelled here, freeing its slot and memory at once.
+        if self.producer == Producer::Scheduler {
+            self.ctx.app.exec.send(Command::Cancel(self.ctx.id));
         }
     }
 }

@@ -269,7 +269,17 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         }
         None => None,
     };
-    let mut sched_cfg = SchedConfig::default();
+    let mut sched_cfg = SchedConfig {
+        // Nothing accepted waits without a bound, whatever the policy says.
+        default_max_wait: Some(
+            config
+                .limits
+                .default_queue_bound
+                .as_micros()
+                .min(crate::sched::Micros::MAX as u128) as crate::sched::Micros,
+        ),
+        ..SchedConfig::default()
+    };
     if let Some(f) = &fleet {
         // What this replica enforces alone: requests the fleet did not
         // claim (the store unreachable under `on_unavailable = "local"`).

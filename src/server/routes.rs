@@ -86,35 +86,100 @@ fn private_header(name: &str) -> bool {
     ) || name.starts_with("x-stainless")
 }
 
+/// Header bytes (names plus values) one record of a request keeps at most,
+/// in the decision log and in explain. A client controls its headers:
+/// without a bound, a few large `x-kiln-*` headers a request (up to the
+/// header caps, about 60 KB) would let any keyed tenant rotate the log's
+/// history out. The headers the policy reads come first, so a replay still
+/// decides the request as the gateway did unless they alone pass the bound.
+pub(super) const MAX_RECORDED_HEADER_BYTES: usize = 4 * 1024;
+
 /// The headers a record of this request keeps (the decision log and
 /// explain): those the deciding policies read (`header("…")` in their
-/// classify, route and admit rules) and `x-kiln-*`, never a credential.
+/// classify, route and admit rules) and `x-kiln-*`, never a credential,
+/// at most [`MAX_RECORDED_HEADER_BYTES`] of them.
 /// Everything else (tokens, cookies, provider keys under any name) stays
 /// out: recorded by allow-list, not by a list of secrets.
 pub(super) fn recorded_headers(
     headers: &BTreeMap<String, String>,
     graphs: &[&DecisionGraph],
 ) -> BTreeMap<String, String> {
+    kept_headers(headers, graphs, true)
+}
+
+/// What a refused request's record keeps: only the headers the policy
+/// reads (so a replay refuses it the same way) and the batch runner's own,
+/// none of the client's free-form `x-kiln-*` headers: a refusal costs the
+/// log a line, not the client's choice of bytes.
+fn refused_headers(
+    headers: &BTreeMap<String, String>,
+    graphs: &[&DecisionGraph],
+) -> BTreeMap<String, String> {
+    kept_headers(headers, graphs, false)
+}
+
+fn kept_headers(
+    headers: &BTreeMap<String, String>,
+    graphs: &[&DecisionGraph],
+    kiln: bool,
+) -> BTreeMap<String, String> {
     if headers.is_empty() {
         return BTreeMap::new();
     }
     let read: Vec<String> = graphs.iter().flat_map(|g| g.headers_read()).collect();
-    headers
-        .iter()
-        .filter(|(k, _)| {
-            let k = k.to_ascii_lowercase();
-            (k.starts_with("x-kiln-") || read.contains(&k))
-                && !super::decision_log::secret_header(&k)
-        })
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect()
+    let mut kept = BTreeMap::new();
+    let mut left = MAX_RECORDED_HEADER_BYTES;
+    // The policy's headers (and the runner's batch id) first, then the
+    // client's `x-kiln-*`; a header that does not fit in what is left is
+    // skipped whole (never cut: a cut value would replay as another one).
+    for policy_pass in [true, false] {
+        for (k, v) in headers {
+            let name = k.to_ascii_lowercase();
+            if super::decision_log::secret_header(&name) {
+                continue;
+            }
+            let wanted = if policy_pass {
+                read.contains(&name) || name == BATCH_HEADER
+            } else {
+                kiln && name.starts_with("x-kiln-") && !read.contains(&name) && name != BATCH_HEADER
+            };
+            let size = k.len() + v.len();
+            if wanted && size <= left {
+                left -= size;
+                kept.insert(k.clone(), v.clone());
+            }
+        }
+    }
+    kept
 }
 
-/// The request as records keep it: only [`recorded_headers`].
+/// Bytes of `x-kiln-tags` tags one record keeps at most (the tags a
+/// client sends are its own choice of bytes, like its headers).
+const MAX_RECORDED_TAG_BYTES: usize = 1024;
+
+/// The request as records keep it: only [`recorded_headers`], and its tags
+/// up to [`MAX_RECORDED_TAG_BYTES`].
 fn recorded_request(req: &Request, graphs: &[&DecisionGraph]) -> Request {
+    let mut left = MAX_RECORDED_TAG_BYTES;
+    let tags = req
+        .tags
+        .iter()
+        .take_while(|t| {
+            let fits = t.len() <= left;
+            left = left.saturating_sub(t.len());
+            fits
+        })
+        .cloned()
+        .collect();
     Request {
         headers: recorded_headers(&req.headers, graphs),
-        ..req.clone()
+        tags,
+        api_key: req.api_key.clone(),
+        tenant: req.tenant.clone(),
+        model: req.model.clone(),
+        session: req.session.clone(),
+        prompt_tokens: req.prompt_tokens,
+        max_tokens: req.max_tokens,
     }
 }
 
@@ -468,6 +533,13 @@ async fn admit_and_run(
         }
     }
     if let Some(fleet) = app.fleet.clone() {
+        // A client that leaves while the fleet's store is consulted is
+        // recorded as cancelled, like one that leaves while queued.
+        let mut left = LeftWhileQueued {
+            ctx: &ctx,
+            decided: None,
+            armed: true,
+        };
         fleet.wait_for_version().await;
         let need = prompt_tokens as f64 + max_tokens as f64;
         let gate = fleet
@@ -479,6 +551,8 @@ async fn admit_and_run(
                 prompt_tokens as f64,
             )
             .await;
+        left.armed = false;
+        drop(left);
         match gate {
             super::fleet::Gate::Claimed(c) => ctx.claim = Some(c),
             super::fleet::Gate::Free => {}
@@ -787,6 +861,23 @@ fn finish_left(ctx: &Ctx, d: Option<&Decided>) {
     if let Ok(mut e) = ctx.explain.lock() {
         e.outcome = Some("cancelled while queued".into());
     }
+    // Counted like every other end (`kiln_requests_total{outcome="cancelled"}`):
+    // no pool served it, and no tokens or GPU time were used.
+    let (tier, tenant) = decided_names(d);
+    // Only a model the policy knows becomes a label value.
+    let model = match d {
+        Some(d) if d.graph.model_id(&ctx.req.model).is_some() => ctx.req.model.as_str(),
+        _ => "none",
+    };
+    let labels = Labels {
+        tier: &tier,
+        tenant: &tenant,
+        pool: "none",
+        model,
+    };
+    ctx.app
+        .metrics
+        .request_done(&labels, MetricOutcome::Cancelled);
     if ctx.app.log.is_enabled() {
         let mut rec = base_record(ctx, d);
         let dec = rec.decision.get_or_insert_with(LogDecision::default);
@@ -946,7 +1037,7 @@ async fn wait_inner(
                     similarity,
                 });
             }
-            Progress::Tokens(_) | Progress::FirstToken | Progress::Finished { .. } => {}
+            Progress::Tokens { .. } | Progress::FirstToken | Progress::Finished { .. } => {}
         }
     }
 }
@@ -1103,11 +1194,44 @@ fn refusal(
 ) -> ApiError {
     let app = &ctx.app;
     let (tier, tenant) = decided_names(d);
+    let mut route: Option<(String, Option<String>)> = None;
     let (policy_msg, policy_reason) = d.map_or((None, None), |d| {
-        let dec = d.policy_graph.decide(&ctx.req, &d.policy_signals);
-        let v = d.policy_graph.view(&dec);
+        let g = &d.policy_graph;
+        let dec = g.decide(&ctx.req, &d.policy_signals);
+        route = dec.target.map(|t| {
+            let pool = t
+                .pool
+                .and_then(|p| g.pools.get(p as usize))
+                .map(|p| p.name.clone());
+            (g.variant_name(t.model, t.variant), pool)
+        });
+        let v = g.view(&dec);
         (v.message, v.reason)
     });
+    // No capacity refusal is a 429 when the route's upstreams are all down:
+    // that is an outage, and its wait estimate is unbounded (it was
+    // answered `429 overload` with Retry-After 2^62 µs).
+    let capacity = matches!(
+        reason,
+        Reason::Overload
+            | Reason::Fairness
+            | Reason::Deadline
+            | Reason::Saturation
+            | Reason::Gang
+            | Reason::Timeout
+    ) && matches!(status, 429 | 503);
+    if let (true, Some((variant, pool))) = (capacity, &route) {
+        if let Some(secs) = outage_retry(app, variant, pool.as_deref()) {
+            return ApiError::new(
+                503,
+                format!(
+                    "every upstream serving `{variant}` is down (its circuit breakers are open); the first may take requests again in about {secs} s"
+                ),
+            )
+            .code("upstream_unavailable")
+            .retry_after(Some(secs));
+        }
+    }
     let not_allowed = policy_reason.as_deref() == Some("model-not-allowed");
     let msg = match reason {
         // Not found (or not for this tier): which model was asked for, and
@@ -1143,7 +1267,9 @@ fn refusal(
             "the prompt plus max_tokens is larger than any replica of the routed model can hold".into()
         }
         Reason::Saturation | Reason::Gang => "no replica can serve this route now".into(),
-        Reason::Timeout => format!("waited longer than tier {tier}'s max queue time"),
+        Reason::Timeout => format!(
+            "waited longer than its queue bound (tier {tier}'s `queue max_wait`, or `[limits] default_queue_bound` where the policy sets none)"
+        ),
         Reason::RetryBudget => format!("tenant {tenant} has spent its retry budget"),
         Reason::SessionBudget => "this agent session has used all the steps its tenant allows".into(),
         Reason::PolicyChanged => "the policy changed while this request waited; retry".into(),
@@ -1153,6 +1279,8 @@ fn refusal(
         other => format!("refused: {}", other.name()),
     };
     let retry = match (status, retry_after) {
+        // A wait estimate is a guess: never one past the hour.
+        (429 | 503, Some(r)) if capacity => Some(secs_ceil(app, r).min(MAX_CAPACITY_RETRY_S)),
         (429 | 503, Some(r)) => Some(secs_ceil(app, r)),
         (429 | 503, None) => Some(1),
         _ => None,
@@ -1165,6 +1293,48 @@ fn refusal(
         _ => reason.name().to_string(),
     };
     ApiError::new(status, msg).code(code).retry_after(retry)
+}
+
+/// The longest Retry-After an outage answers with: a breaker reopens (for
+/// its trial) within its `open_for`, but an upstream's own Retry-After may
+/// hold it open longer; clients should look again within a minute.
+const MAX_OUTAGE_RETRY_S: u64 = 60;
+
+/// The longest Retry-After of a capacity refusal (`overload`, `fairness`,
+/// …), whose estimate may be unbounded.
+const MAX_CAPACITY_RETRY_S: u64 = 3600;
+
+/// When the route (`model.variant`, on `pool` if it names one) is served
+/// by HTTP upstreams and every one is down (breaker open, or its half-open
+/// trial taken): the seconds until the first may take a request again,
+/// from 1 to [`MAX_OUTAGE_RETRY_S`]. `None` when one is ready, or when no
+/// upstream serves the route (a simulated or GPU replica does).
+fn outage_retry(app: &App, variant: &str, pool: Option<&str>) -> Option<u64> {
+    use crate::backend::http::BreakerState;
+    let now = std::time::Instant::now();
+    let mut earliest: Option<std::time::Duration> = None;
+    for b in app.backends.iter() {
+        let Backend::Http(u) = b else { continue };
+        // Named `pool/model.variant#i` by the deployment.
+        let Some((p, rest)) = u.name().split_once('/') else {
+            continue;
+        };
+        let Some((mv, _)) = rest.rsplit_once('#') else {
+            continue;
+        };
+        if mv != variant || pool.is_some_and(|want| want != p) {
+            continue;
+        }
+        if u.ready() {
+            return None;
+        }
+        let wait = match u.state() {
+            BreakerState::Open { until } => until.saturating_duration_since(now),
+            _ => std::time::Duration::ZERO,
+        };
+        earliest = Some(earliest.map_or(wait, |e| e.min(wait)));
+    }
+    earliest.map(|w| (w.as_secs_f64().ceil() as u64).clamp(1, MAX_OUTAGE_RETRY_S))
 }
 
 /// The tier and tenant a decision named (`none` where it named none).
@@ -1203,10 +1373,25 @@ fn finish_refused(ctx: &Ctx, d: Option<&Decided>, reason: &str, err: &ApiError) 
         format!("refused with {}: {}", err.status, err.message),
         Some(reason),
     );
+    // A refusal keeps none of the client's free-form headers.
+    let policy = ctx.app.policy.load();
+    let graphs: Vec<&DecisionGraph> = match d {
+        Some(d) => vec![&d.graph, &d.policy_graph],
+        None => vec![&policy.graph],
+    };
+    let headers = refused_headers(&ctx.req.headers, &graphs);
     if let Ok(mut e) = ctx.explain.lock() {
         e.outcome = Some(format!("rejected {}", err.status));
+        e.request.headers = headers.clone();
     }
     let mut rec = base_record(ctx, d);
+    rec.headers = headers;
+    // The model and session names are the client's bytes too; no model or
+    // session a policy serves is this long.
+    truncate_chars(&mut rec.model, MAX_REFUSED_NAME_BYTES);
+    if let Some(sn) = rec.session.as_mut() {
+        truncate_chars(sn, MAX_REFUSED_NAME_BYTES);
+    }
     if let Some(dec) = rec.decision.as_mut() {
         dec.admission = Some("reject".into());
         dec.status = Some(err.status);
@@ -1222,6 +1407,20 @@ fn finish_refused(ctx: &Ctx, d: Option<&Decided>, reason: &str, err: &ApiError) 
         err.status >= 500,
         false,
     );
+}
+
+/// Bytes of a refused request's model and session names a record keeps.
+const MAX_REFUSED_NAME_BYTES: usize = 256;
+
+/// Cuts `s` to at most `max` bytes, on a character boundary.
+fn truncate_chars(s: &mut String, max: usize) {
+    if s.len() > max {
+        let mut end = max;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+    }
 }
 
 pub(super) fn round3(x: f64) -> f64 {
@@ -1261,6 +1460,8 @@ pub(super) fn base_record(ctx: &Ctx, d: Option<&Decided>) -> Record {
 }
 
 /// What one served request adds to the log, metrics and explain store.
+/// `status` is the one the client got; `None` when no answer went out (a
+/// client that left before its whole answer was ready).
 pub(super) fn finish_served(
     ctx: &Ctx,
     s: &Started,
@@ -1268,7 +1469,7 @@ pub(super) fn finish_served(
     ttft_s: Option<f64>,
     outcome: MetricOutcome,
     gpu_seconds: f64,
-    status: u16,
+    status: Option<u16>,
 ) {
     let app = &ctx.app;
     let g = &s.d.graph;
@@ -1359,7 +1560,7 @@ pub(super) fn finish_served(
             dec.cache = s.d.cache.map(|_| "miss".to_string());
             // The status the client got (an upstream's 502 is not a 200),
             // and why an admitted request did not end as served.
-            dec.status = Some(status);
+            dec.status = status;
             dec.reason = match outcome {
                 MetricOutcome::Ok | MetricOutcome::Rejected => None,
                 MetricOutcome::Cancelled => Some("client_disconnected".into()),

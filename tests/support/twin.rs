@@ -134,28 +134,43 @@ pub async fn gateway_seen(p: Policy, records: &[Record]) -> Vec<Seen> {
         for (k, v) in &r.headers {
             req = req.header(k, v);
         }
-        tasks.push(tokio::spawn(
-            async move { req.send().await.map(|r| r.status()) },
-        ));
+        // Records are matched to arrivals by the id the gateway answered
+        // with: a refused request's record keeps none of the client's
+        // `x-kiln-*` headers (the index header above).
+        tasks.push(tokio::spawn(async move {
+            req.send().await.map(|r| {
+                let rid = r
+                    .headers()
+                    .get("x-kiln-request-id")
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_string);
+                (r.status(), rid, i)
+            })
+        }));
         // The arrival is fed before the clock moves on.
         wait_for_arrivals(&http, &base, i as u64 + 1).await;
     }
     // Run out the clock: every timer fires, in order, at its own time.
     clock.advance_to(u64::MAX / 4);
+    let mut index_of: BTreeMap<String, usize> = BTreeMap::new();
     for t in tasks {
-        let status = tokio::time::timeout(Duration::from_secs(60), t)
+        let (status, rid, i) = tokio::time::timeout(Duration::from_secs(60), t)
             .await
             .expect("every request ends")
             .unwrap()
             .expect("the gateway answers");
         assert!(status.as_u16() < 500 || status.as_u16() == 503, "{status}");
+        index_of.insert(rid.expect("every answer names its request"), i);
     }
     running.app.log.flush().await;
 
     let mut got: BTreeMap<usize, Seen> = BTreeMap::new();
     for line in std::fs::read_to_string(&log).unwrap().lines() {
         let rec: Record = serde_json::from_str(line).unwrap();
-        let i: usize = rec.headers["x-kiln-replay-index"].parse().unwrap();
+        let i: usize = match rec.headers.get("x-kiln-replay-index") {
+            Some(v) => v.parse().unwrap(),
+            None => index_of[rec.id.as_deref().unwrap()],
+        };
         assert_eq!(
             rec.prefix_blocks,
             blocks_sent(records[i].prompt_tokens),
