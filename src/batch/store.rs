@@ -38,12 +38,37 @@ pub enum StoreError {
     #[error("batch store: {0}")]
     #[diagnostic(
         code(kiln::batch::store),
-        help("the database may be full or damaged: check the disk and `sqlite3 FILE 'pragma integrity_check'`")
+        help("the database may be damaged: check the disk and `sqlite3 FILE 'pragma integrity_check'`")
     )]
-    Sql(#[from] rusqlite::Error),
+    Sql(rusqlite::Error),
+    #[error("batch store is full: {0}")]
+    #[diagnostic(
+        code(kiln::batch::store_full),
+        help("free disk space, raise `[batch] max_store_bytes`, or delete old files (`DELETE /v1/files/ID`); writes resume by themselves")
+    )]
+    Full(rusqlite::Error),
     #[error("batch store: a lock was poisoned")]
     #[diagnostic(code(kiln::batch::store_lock), help("restart the gateway"))]
     Poisoned,
+}
+
+impl From<rusqlite::Error> for StoreError {
+    /// A full disk (or `max_page_count` reached) is its own error: callers
+    /// answer it with 507 and pause, instead of retrying at once.
+    fn from(e: rusqlite::Error) -> Self {
+        if e.sqlite_error_code() == Some(rusqlite::ErrorCode::DiskFull) {
+            StoreError::Full(e)
+        } else {
+            StoreError::Sql(e)
+        }
+    }
+}
+
+impl StoreError {
+    /// The store is out of room (disk full or `[batch] max_store_bytes`).
+    pub fn is_full(&self) -> bool {
+        matches!(self, StoreError::Full(_))
+    }
 }
 
 const SCHEMA: &str = "
@@ -156,6 +181,13 @@ impl Store {
             std::fs::create_dir_all(dir).map_err(|e| err(e.to_string()))?;
         }
         let write = Connection::open(path).map_err(|e| err(e.to_string()))?;
+        // Freed pages go back to the file system (`reclaim`) instead of
+        // staying in the file: a refused upload must not keep its size.
+        // Only a new database takes this (SQLite sets it before the first
+        // table); an older one keeps its pages for reuse.
+        write
+            .pragma_update(None, "auto_vacuum", "INCREMENTAL")
+            .map_err(|e| err(e.to_string()))?;
         configure(&write).map_err(|e| err(e.to_string()))?;
         write
             .execute_batch(SCHEMA)
@@ -186,6 +218,43 @@ impl Store {
         let mut s = Store::open(&path)?;
         s.temp = Some(Arc::new(TempFile(path)));
         Ok(s)
+    }
+
+    /// Caps the database at about `bytes` (SQLite's `max_page_count`):
+    /// past it, writes fail as on a full disk ([`StoreError::Full`]).
+    pub fn limit_bytes(&self, bytes: u64) -> Result<(), StoreError> {
+        for conn in [&self.write, &self.read] {
+            let c = lock(conn)?;
+            let page: i64 = c.query_row("PRAGMA page_size", [], |r| r.get(0))?;
+            let pages = (bytes / page.max(512) as u64).max(1);
+            let _: i64 = c.query_row(&format!("PRAGMA max_page_count = {pages}"), [], |r| {
+                r.get(0)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Gives freed pages back to the file system: the free list (on a
+    /// database made with incremental auto-vacuum) and the WAL. Best
+    /// effort: called after space was freed, and a failure here only
+    /// means the space is reused later instead of returned now.
+    pub fn reclaim(&self) {
+        if let Ok(c) = lock(&self.write) {
+            let _ = c.execute_batch("PRAGMA incremental_vacuum;");
+            let _ = c.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()));
+        }
+    }
+
+    /// Bytes the database file and its WAL take on disk now.
+    pub fn disk_bytes(&self) -> u64 {
+        let Some(p) = &self.path else { return 0 };
+        let mut wal = p.clone().into_os_string();
+        wal.push("-wal");
+        [p.clone(), PathBuf::from(wal)]
+            .iter()
+            .filter_map(|f| std::fs::metadata(f).ok())
+            .map(|m| m.len())
+            .sum()
     }
 
     /// Runs `f` on a blocking thread (SQLite calls block).
@@ -283,6 +352,8 @@ impl Store {
             [id],
         )?;
         tx.commit()?;
+        drop(c);
+        self.reclaim();
         Ok(true)
     }
 
@@ -425,6 +496,16 @@ impl Store {
         Ok(n == 1)
     }
 
+    /// Sets a batch's errors object (OpenAI's `errors`), status unchanged.
+    pub fn set_errors(&self, id: &str, errors: &serde_json::Value) -> Result<(), StoreError> {
+        let c = lock(&self.write)?;
+        c.execute(
+            "UPDATE batches SET errors = ?1 WHERE id = ?2",
+            params![errors.to_string(), id],
+        )?;
+        Ok(())
+    }
+
     /// A failed batch: its errors object (OpenAI's `errors`).
     pub fn fail(&self, id: &str, errors: &serde_json::Value, at: i64) -> Result<(), StoreError> {
         let c = lock(&self.write)?;
@@ -475,14 +556,15 @@ impl Store {
         Ok(n == 1)
     }
 
-    /// Writes many results in one transaction (expired or cancelled
-    /// items); returns how many were new. Expired items count as failed
-    /// (`count_failed`); cancelled ones, which never ran, count as neither.
+    /// Writes many results in one transaction (items a batch's end left
+    /// unrun); returns how many were new. Every one counts as failed (as
+    /// OpenAI counts a cancelled batch's unrun requests); `missed` also
+    /// counts them as deadline misses (expired).
     pub fn put_results(
         &self,
         batch: &str,
         rs: &[ItemResult],
-        count_failed: bool,
+        missed: bool,
     ) -> Result<u64, StoreError> {
         let mut c = lock(&self.write)?;
         let tx = c.transaction()?;
@@ -495,10 +577,10 @@ impl Store {
                 new += ins.execute(params![batch, r.line as i64, r.ok, r.text])? as u64;
             }
         }
-        if count_failed && new > 0 {
+        if new > 0 {
             tx.execute(
-                "UPDATE batches SET failed = failed + ?1, deadline_misses = deadline_misses + ?1 WHERE id = ?2",
-                params![new as i64, batch],
+                "UPDATE batches SET failed = failed + ?1, deadline_misses = deadline_misses + ?2 WHERE id = ?3",
+                params![new as i64, if missed { new as i64 } else { 0 }, batch],
             )?;
         }
         tx.commit()?;
@@ -707,8 +789,17 @@ impl Drop for Upload<'_> {
     /// An upload not committed leaves nothing.
     fn drop(&mut self) {
         if !self.done {
-            if let Ok(c) = lock(&self.store.write) {
-                let _ = c.execute("DELETE FROM lines WHERE file_id = ?1", [&self.file]);
+            // One statement, one transaction; then the space goes back
+            // (a refused 200 MB upload must not leave the store 200 MB
+            // larger). A failure here is swept at the next open.
+            let deleted = match lock(&self.store.write) {
+                Ok(c) => c
+                    .execute("DELETE FROM lines WHERE file_id = ?1", [&self.file])
+                    .is_ok(),
+                Err(_) => false,
+            };
+            if deleted {
+                self.store.reclaim();
             }
         }
     }
