@@ -932,3 +932,98 @@ pub async fn estimate_for_lines(
     let speed = app.speed;
     Some((f.secs / speed, tier))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_up_to_its_cap_and_jitter_keeps_at_least_half() {
+        let (base, max) = (Duration::from_secs(1), Duration::from_secs(60));
+        assert_eq!(backoff(base, max, 1, 1.0), Duration::from_secs(1));
+        assert_eq!(backoff(base, max, 3, 1.0), Duration::from_secs(4));
+        assert_eq!(backoff(base, max, 40, 1.0), max);
+        assert_eq!(backoff(base, max, 3, 0.0), Duration::from_secs(2));
+        // Out-of-range jitter is clamped, never a longer or negative wait.
+        assert_eq!(backoff(base, max, 1, 7.0), base);
+        assert_eq!(backoff(base, max, 1, -1.0), base / 2);
+    }
+
+    #[test]
+    fn jitter_is_deterministic_in_range_and_spreads_items() {
+        assert_eq!(jitter("batch_a", 7, 2), jitter("batch_a", 7, 2));
+        let xs: Vec<f64> = (0..1000).map(|l| jitter("batch_a", l, 1)).collect();
+        assert!(xs.iter().all(|x| (0.0..1.0).contains(x)));
+        let mean = xs.iter().sum::<f64>() / xs.len() as f64;
+        assert!((0.4..0.6).contains(&mean), "{mean}");
+        assert_ne!(jitter("batch_a", 7, 1), jitter("batch_a", 7, 2));
+        assert_ne!(jitter("batch_a", 7, 1), jitter("batch_b", 7, 1));
+    }
+
+    #[test]
+    fn answers_are_final_refused_for_now_or_failed() {
+        assert_eq!(Outcome::of(200), Outcome::Done);
+        assert_eq!(Outcome::of(400), Outcome::Done);
+        assert_eq!(Outcome::of(404), Outcome::Done);
+        assert_eq!(Outcome::of(429), Outcome::Refused);
+        assert_eq!(Outcome::of(503), Outcome::Refused);
+        assert_eq!(Outcome::of(500), Outcome::Failed);
+        assert_eq!(Outcome::of(502), Outcome::Failed);
+        assert_eq!(Outcome::of(504), Outcome::Failed);
+    }
+
+    #[test]
+    fn the_failure_budget_waits_for_enough_outcomes() {
+        let mut c = crate::server::config::BatchSection {
+            max_failed_share: 0.5,
+            min_outcomes_for_budget: 100,
+            ..Default::default()
+        };
+        let row = |total, completed, failed| BatchRow {
+            counts: crate::batch::RequestCounts {
+                total,
+                completed,
+                failed,
+            },
+            ..test_row()
+        };
+        // Too few outcomes yet, however bad.
+        assert!(!over_budget(&c, &row(1000, 0, 99)));
+        assert!(over_budget(&c, &row(1000, 49, 51)));
+        assert!(!over_budget(&c, &row(1000, 50, 50)));
+        // A batch smaller than the minimum is judged on all of it.
+        assert!(over_budget(&c, &row(10, 4, 6)));
+        c.max_failed_share = 1.0;
+        assert!(!over_budget(&c, &row(1000, 0, 1000)));
+    }
+
+    fn test_row() -> BatchRow {
+        BatchRow {
+            id: "batch_t".into(),
+            owner: None,
+            input_file_id: "file-t".into(),
+            endpoint: "/v1/chat/completions".into(),
+            completion_window: "24h".into(),
+            window_s: 86_400.0,
+            status: BatchStatus::InProgress,
+            created_at: 0,
+            expires_at: 86_400,
+            in_progress_at: None,
+            finalizing_at: None,
+            completed_at: None,
+            failed_at: None,
+            expired_at: None,
+            cancelling_at: None,
+            cancelled_at: None,
+            counts: crate::batch::RequestCounts::default(),
+            metadata: None,
+            errors: None,
+            output_file_id: None,
+            error_file_id: None,
+            tier: None,
+            predicted_finish: None,
+            gpu_seconds: 0.0,
+            deadline_misses: 0,
+        }
+    }
+}

@@ -370,6 +370,12 @@ async fn read_form(
                 );
                 let mut buf: Vec<u8> = Vec::new();
                 let mut n = 0u64;
+                // Once the worker has stopped (a full store, too many
+                // lines), the rest of the body is read and dropped before
+                // the answer: a client still sending would otherwise see a
+                // reset connection instead of the error (and SDKs send the
+                // whole upload again).
+                let mut stopped: Option<ApiError> = None;
                 loop {
                     let chunk = tokio::time::timeout(idle, field.chunk())
                         .await
@@ -384,17 +390,33 @@ async fn read_form(
                         )
                         .code("file_too_large"));
                     }
+                    if stopped.is_some() {
+                        continue;
+                    }
                     let mut rest: &[u8] = &chunk;
                     while let Some(i) = rest.iter().position(|&b| b == b'\n') {
                         n += 1;
-                        if buf.is_empty() {
-                            send_line(tx, n, &rest[..i]).await?;
+                        let sent = if buf.is_empty() {
+                            send_line(tx, n, &rest[..i]).await
                         } else {
                             buf.extend_from_slice(&rest[..i]);
-                            send_line(tx, n, &buf).await?;
+                            let r = send_line(tx, n, &buf).await;
                             buf.clear();
+                            r
+                        };
+                        match sent {
+                            Ok(()) => {}
+                            Err(e) if e.code.as_deref() == Some(WORKER_STOPPED) => {
+                                stopped = Some(e);
+                                break;
+                            }
+                            Err(e) => return Err(e),
                         }
                         rest = &rest[i + 1..];
+                    }
+                    if stopped.is_some() {
+                        buf.clear();
+                        continue;
                     }
                     buf.extend_from_slice(rest);
                     if buf.len() > max_line {
@@ -404,6 +426,9 @@ async fn read_form(
                             message: format!("is longer than {max_line} bytes, the largest request body this gateway accepts"),
                         }));
                     }
+                }
+                if let Some(e) = stopped {
+                    return Err(e);
                 }
                 if !buf.is_empty() {
                     send_line(tx, n + 1, &buf).await?;
