@@ -453,11 +453,14 @@ fn model_of(text: &str) -> Option<String> {
 /// Failed outcomes in a row after which a batch pauses its sending.
 const FAIL_STREAK_PAUSE: u32 = 5;
 
-/// Whether a running batch is past its failure budget.
+/// Whether a running batch is past its failure budget. A batch whose
+/// every item has an outcome is not: it is done, and completes with its
+/// failures in the error file (the budget stops a batch early).
 fn over_budget(c: &super::config::BatchSection, b: &BatchRow) -> bool {
     let done = b.counts.completed + b.counts.failed;
     c.max_failed_share < 1.0
-        && done >= c.min_outcomes_for_budget.min(b.counts.total).max(1)
+        && done < b.counts.total
+        && done >= c.min_outcomes_for_budget.max(1)
         && b.counts.failed as f64 > c.max_failed_share * done as f64
 }
 
@@ -622,13 +625,18 @@ async fn serve(app: &Arc<App>, b: &BatchRow, it: &ItemLine) -> ItemResult {
                 let asked = Duration::from_secs_f64(
                     retry_after.unwrap_or(1.0).min(3600.0) / speed.max(1.0),
                 );
+                // The gateway's own refusals run on its clock (the
+                // simulator's speed applies), an upstream's failures below
+                // on the wall's.
                 let own = backoff(
                     cfg.retry_base,
                     cfg.retry_max,
                     refusals,
                     jitter(&b.id, it.line, refusals),
-                );
-                Some(asked.max(own.min(Duration::from_secs(30))))
+                )
+                .min(Duration::from_secs(30))
+                .div_f64(speed.max(1.0));
+                Some(asked.max(own))
             }
             Outcome::Failed => {
                 failures = failures.saturating_add(1);
@@ -991,8 +999,10 @@ mod tests {
         assert!(!over_budget(&c, &row(1000, 0, 99)));
         assert!(over_budget(&c, &row(1000, 49, 51)));
         assert!(!over_budget(&c, &row(1000, 50, 50)));
-        // A batch smaller than the minimum is judged on all of it.
-        assert!(over_budget(&c, &row(10, 4, 6)));
+        // A batch with every outcome is done, not stopped: it completes.
+        c.min_outcomes_for_budget = 5;
+        assert!(!over_budget(&c, &row(10, 4, 6)));
+        assert!(over_budget(&c, &row(10, 2, 4)));
         c.max_failed_share = 1.0;
         assert!(!over_budget(&c, &row(1000, 0, 1000)));
     }
