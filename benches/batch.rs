@@ -32,6 +32,14 @@
 //!    gateway's peak VmRSS (sampled every 100 ms).
 //! 5. The batch's finish against its window (bounded wait), its counts.
 //!
+//! `BATCH_BENCH_INGEST=1` runs only the store's ingest instead: 50,000
+//! trace-sized lines (prompts capped at `BATCH_BENCH_INGEST_CAP` tokens,
+//! default 150: about 64 MB) validated and written as `POST /v1/files`
+//! does (`batch_lines::line`, then `Store::upload`, 2,000 lines a
+//! transaction), and, in the same run, the same lines through the old
+//! layout (the `lines` table WITHOUT ROWID, the same statements): wall
+//! time and the database's size after each.
+//!
 //! Load is stated against capacity: the pool's utilization
 //! (`pool(P).utilization`, work done over roofline capacity) read from
 //! `/admin/signals` at the end of phase 3 is what interactive traffic
@@ -414,8 +422,118 @@ async fn run(t: &Target, sizes: &[(u64, u64)]) {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The old layout of the `lines` table, for the ingest comparison.
+const OLD_LINES: &str = "CREATE TABLE lines (file_id TEXT NOT NULL, line INTEGER NOT NULL, custom_id TEXT NOT NULL, text TEXT NOT NULL, PRIMARY KEY (file_id, line)) WITHOUT ROWID;
+CREATE UNIQUE INDEX lines_custom_id ON lines (file_id, custom_id);";
+
+fn db_size(p: &Path) -> u64 {
+    let wal = p.with_extension("db-wal");
+    [p.to_path_buf(), wal]
+        .iter()
+        .filter_map(|f| std::fs::metadata(f).ok())
+        .map(|m| m.len())
+        .sum()
+}
+
+fn ingest(sizes: &[(u64, u64)]) {
+    use kiln::server::batch_lines;
+    let n = env_f("BATCH_BENCH_ITEMS", 50_000.0) as usize;
+    let cap = env_f("BATCH_BENCH_INGEST_CAP", 150.0) as u64;
+    let lines: Vec<String> = (0..n)
+        .map(|i| {
+            let (ctx, gen) = sizes[(i * 7919) % sizes.len()];
+            json!({"custom_id": format!("item-{i}"), "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "llama-8b", "max_tokens": gen.clamp(1, 512),
+                         "messages": [{"role": "user", "content": words(ctx.min(cap), i as u64)}]}})
+            .to_string()
+        })
+        .collect();
+    let mb = lines.iter().map(|l| l.len() + 1).sum::<usize>() as f64 / 1e6;
+    let known = |m: &str| m == "llama-8b";
+    let dir = std::env::temp_dir().join(format!("kiln-batch-ingest-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    // New: the store as the gateway writes an upload.
+    let new_path = dir.join("new.db");
+    let store = kiln::batch::store::Store::open(&new_path).unwrap();
+    let t = Instant::now();
+    {
+        let mut up = store.upload("file-bench");
+        for (i, l) in lines.iter().enumerate() {
+            let v = batch_lines::line(l, i as u64 + 1, &known).unwrap();
+            assert!(up
+                .line(i as u64, i as u64 + 1, &v.custom_id, l)
+                .unwrap()
+                .is_none());
+        }
+        let row = kiln::batch::FileRow {
+            id: "file-bench".into(),
+            owner: None,
+            purpose: "batch".into(),
+            filename: "b.jsonl".into(),
+            bytes: (mb * 1e6) as u64,
+            created_at: 0,
+            lines: n as u64,
+            endpoint: Some("/v1/chat/completions".into()),
+            batch_id: None,
+            ok: None,
+        };
+        assert!(up.commit(&row).unwrap().is_none());
+    }
+    let new_s = t.elapsed().as_secs_f64();
+    store.reclaim();
+    let new_mb = db_size(&new_path) as f64 / 1e6;
+    drop(store);
+    // Old: the WITHOUT ROWID layout, the statements the old upload ran.
+    let old_path = dir.join("old.db");
+    let c = rusqlite::Connection::open(&old_path).unwrap();
+    c.pragma_update(None, "journal_mode", "WAL").unwrap();
+    c.pragma_update(None, "synchronous", "NORMAL").unwrap();
+    c.execute_batch(OLD_LINES).unwrap();
+    let mut c = c;
+    let t = Instant::now();
+    for (k, chunk) in lines.chunks(2000).enumerate() {
+        let mut parsed = Vec::with_capacity(chunk.len());
+        for (j, l) in chunk.iter().enumerate() {
+            let i = k * 2000 + j;
+            parsed.push((
+                i,
+                batch_lines::line(l, i as u64 + 1, &known)
+                    .unwrap()
+                    .custom_id,
+            ));
+        }
+        let tx = c.transaction().unwrap();
+        {
+            let mut st = tx
+                .prepare_cached("INSERT OR IGNORE INTO lines (file_id, line, custom_id, text) VALUES (?1, ?2, ?3, ?4)")
+                .unwrap();
+            for ((i, id), l) in parsed.iter().zip(chunk) {
+                st.execute(rusqlite::params!["file-bench", *i as i64, id, l])
+                    .unwrap();
+            }
+        }
+        tx.commit().unwrap();
+    }
+    let old_s = t.elapsed().as_secs_f64();
+    let _ = c.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()));
+    let old_mb = db_size(&old_path) as f64 / 1e6;
+    drop(c);
+    println!(
+        "ingest {n} lines ({mb:.1} MB), validate + store: rowid layout {new_s:.2} s ({:.0} MB/s), store {new_mb:.1} MB; old WITHOUT ROWID layout {old_s:.2} s, store {old_mb:.1} MB; {:.2}x faster, {:.2}x smaller",
+        mb / new_s,
+        old_s / new_s,
+        old_mb / new_mb
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 fn main() {
     let sizes = sizes();
+    if std::env::var("BATCH_BENCH_INGEST").is_ok_and(|v| v == "1") {
+        ingest(&sizes);
+        return;
+    }
     let dir = std::env::temp_dir().join(format!("kiln-batch-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let bench_policy = dir.join("bench.kiln");

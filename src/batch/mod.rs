@@ -255,8 +255,9 @@ pub fn short_id(id: &str) -> &str {
 }
 
 /// Parses a completion window: `24h`, `90m`, `2d`, `3600s`; seconds.
+/// Strict, as OpenAI's enum is: no spaces around it (`"1h "` is refused,
+/// not read as `1h`).
 pub fn parse_window(s: &str) -> Option<f64> {
-    let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit() && c != '.')?;
     let (n, unit) = s.split_at(split);
     let n: f64 = n.parse().ok()?;
@@ -285,6 +286,9 @@ mod tests {
         assert_eq!(parse_window("0h"), None);
         assert_eq!(parse_window("24w"), None);
         assert_eq!(parse_window("1e999h"), None);
+        assert_eq!(parse_window("1h "), None);
+        assert_eq!(parse_window(" 24h"), None);
+        assert_eq!(parse_window("2 h"), None);
     }
 
     #[test]

@@ -38,12 +38,37 @@ pub enum StoreError {
     #[error("batch store: {0}")]
     #[diagnostic(
         code(kiln::batch::store),
-        help("the database may be full or damaged: check the disk and `sqlite3 FILE 'pragma integrity_check'`")
+        help("the database may be damaged: check the disk and `sqlite3 FILE 'pragma integrity_check'`")
     )]
-    Sql(#[from] rusqlite::Error),
+    Sql(rusqlite::Error),
+    #[error("batch store is full: {0}")]
+    #[diagnostic(
+        code(kiln::batch::store_full),
+        help("free disk space, raise `[batch] max_store_bytes`, or delete old files (`DELETE /v1/files/ID`); writes resume by themselves")
+    )]
+    Full(rusqlite::Error),
     #[error("batch store: a lock was poisoned")]
     #[diagnostic(code(kiln::batch::store_lock), help("restart the gateway"))]
     Poisoned,
+}
+
+impl From<rusqlite::Error> for StoreError {
+    /// A full disk (or `max_page_count` reached) is its own error: callers
+    /// answer it with 507 and pause, instead of retrying at once.
+    fn from(e: rusqlite::Error) -> Self {
+        if e.sqlite_error_code() == Some(rusqlite::ErrorCode::DiskFull) {
+            StoreError::Full(e)
+        } else {
+            StoreError::Sql(e)
+        }
+    }
+}
+
+impl StoreError {
+    /// The store is out of room (disk full or `[batch] max_store_bytes`).
+    pub fn is_full(&self) -> bool {
+        matches!(self, StoreError::Full(_))
+    }
 }
 
 const SCHEMA: &str = "
@@ -60,13 +85,17 @@ CREATE TABLE IF NOT EXISTS files (
     batch_id TEXT,
     ok INTEGER
 );
+-- `lines` and `results` are rowid tables: their rows hold whole requests
+-- and answers (a kilobyte and more), which a WITHOUT ROWID table stores
+-- inside its B-tree pages at a few rows a page: 3.6x the bytes written
+-- (a 66 MB file took 236 MB) and 5x the time (`migrate_layout`).
 CREATE TABLE IF NOT EXISTS lines (
     file_id TEXT NOT NULL,
     line INTEGER NOT NULL,
     custom_id TEXT NOT NULL,
     text TEXT NOT NULL,
     PRIMARY KEY (file_id, line)
-) WITHOUT ROWID;
+);
 CREATE UNIQUE INDEX IF NOT EXISTS lines_custom_id ON lines (file_id, custom_id);
 CREATE TABLE IF NOT EXISTS batches (
     id TEXT PRIMARY KEY,
@@ -105,7 +134,7 @@ CREATE TABLE IF NOT EXISTS results (
     ok INTEGER NOT NULL,
     text TEXT NOT NULL,
     PRIMARY KEY (batch_id, line)
-) WITHOUT ROWID;
+);
 ";
 
 /// The batch store. Cheap to clone; every call blocks on SQLite, so async
@@ -137,6 +166,38 @@ fn lock(m: &Mutex<Connection>) -> Result<MutexGuard<'_, Connection>, StoreError>
     m.lock().map_err(|_| StoreError::Poisoned)
 }
 
+/// Moves a database made with the old layout (`lines` and `results`
+/// WITHOUT ROWID) to rowid tables, in one transaction, once: same names,
+/// columns and keys, so every query reads both the same. `SCHEMA` then
+/// makes the indexes again.
+fn migrate_layout(c: &Connection) -> Result<(), rusqlite::Error> {
+    for (table, cols) in [
+        ("lines", "file_id TEXT NOT NULL, line INTEGER NOT NULL, custom_id TEXT NOT NULL, text TEXT NOT NULL, PRIMARY KEY (file_id, line)"),
+        ("results", "batch_id TEXT NOT NULL, line INTEGER NOT NULL, ok INTEGER NOT NULL, text TEXT NOT NULL, PRIMARY KEY (batch_id, line)"),
+    ] {
+        let sql: Option<String> = c
+            .query_row(
+                "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?1",
+                [table],
+                |r| r.get(0),
+            )
+            .optional()?;
+        if !sql.is_some_and(|s| s.to_ascii_uppercase().contains("WITHOUT ROWID")) {
+            continue;
+        }
+        tracing::info!(table, "batch store: moving to the rowid layout (once)");
+        c.execute_batch(&format!(
+            "BEGIN IMMEDIATE;
+             ALTER TABLE {table} RENAME TO {table}_old;
+             CREATE TABLE {table} ({cols});
+             INSERT INTO {table} SELECT * FROM {table}_old;
+             DROP TABLE {table}_old;
+             COMMIT;"
+        ))?;
+    }
+    Ok(())
+}
+
 fn configure(c: &Connection) -> Result<(), rusqlite::Error> {
     c.busy_timeout(std::time::Duration::from_secs(10))?;
     c.pragma_update(None, "journal_mode", "WAL")?;
@@ -156,7 +217,15 @@ impl Store {
             std::fs::create_dir_all(dir).map_err(|e| err(e.to_string()))?;
         }
         let write = Connection::open(path).map_err(|e| err(e.to_string()))?;
+        // Freed pages go back to the file system (`reclaim`) instead of
+        // staying in the file: a refused upload must not keep its size.
+        // Only a new database takes this (SQLite sets it before the first
+        // table); an older one keeps its pages for reuse.
+        write
+            .pragma_update(None, "auto_vacuum", "INCREMENTAL")
+            .map_err(|e| err(e.to_string()))?;
         configure(&write).map_err(|e| err(e.to_string()))?;
+        migrate_layout(&write).map_err(|e| err(e.to_string()))?;
         write
             .execute_batch(SCHEMA)
             .map_err(|e| err(e.to_string()))?;
@@ -186,6 +255,43 @@ impl Store {
         let mut s = Store::open(&path)?;
         s.temp = Some(Arc::new(TempFile(path)));
         Ok(s)
+    }
+
+    /// Caps the database at about `bytes` (SQLite's `max_page_count`):
+    /// past it, writes fail as on a full disk ([`StoreError::Full`]).
+    pub fn limit_bytes(&self, bytes: u64) -> Result<(), StoreError> {
+        for conn in [&self.write, &self.read] {
+            let c = lock(conn)?;
+            let page: i64 = c.query_row("PRAGMA page_size", [], |r| r.get(0))?;
+            let pages = (bytes / page.max(512) as u64).max(1);
+            let _: i64 = c.query_row(&format!("PRAGMA max_page_count = {pages}"), [], |r| {
+                r.get(0)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Gives freed pages back to the file system: the free list (on a
+    /// database made with incremental auto-vacuum) and the WAL. Best
+    /// effort: called after space was freed, and a failure here only
+    /// means the space is reused later instead of returned now.
+    pub fn reclaim(&self) {
+        if let Ok(c) = lock(&self.write) {
+            let _ = c.execute_batch("PRAGMA incremental_vacuum;");
+            let _ = c.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()));
+        }
+    }
+
+    /// Bytes the database file and its WAL take on disk now.
+    pub fn disk_bytes(&self) -> u64 {
+        let Some(p) = &self.path else { return 0 };
+        let mut wal = p.clone().into_os_string();
+        wal.push("-wal");
+        [p.clone(), PathBuf::from(wal)]
+            .iter()
+            .filter_map(|f| std::fs::metadata(f).ok())
+            .map(|m| m.len())
+            .sum()
     }
 
     /// Runs `f` on a blocking thread (SQLite calls block).
@@ -283,6 +389,8 @@ impl Store {
             [id],
         )?;
         tx.commit()?;
+        drop(c);
+        self.reclaim();
         Ok(true)
     }
 
@@ -425,6 +533,16 @@ impl Store {
         Ok(n == 1)
     }
 
+    /// Sets a batch's errors object (OpenAI's `errors`), status unchanged.
+    pub fn set_errors(&self, id: &str, errors: &serde_json::Value) -> Result<(), StoreError> {
+        let c = lock(&self.write)?;
+        c.execute(
+            "UPDATE batches SET errors = ?1 WHERE id = ?2",
+            params![errors.to_string(), id],
+        )?;
+        Ok(())
+    }
+
     /// A failed batch: its errors object (OpenAI's `errors`).
     pub fn fail(&self, id: &str, errors: &serde_json::Value, at: i64) -> Result<(), StoreError> {
         let c = lock(&self.write)?;
@@ -475,14 +593,15 @@ impl Store {
         Ok(n == 1)
     }
 
-    /// Writes many results in one transaction (expired or cancelled
-    /// items); returns how many were new. Expired items count as failed
-    /// (`count_failed`); cancelled ones, which never ran, count as neither.
+    /// Writes many results in one transaction (items a batch's end left
+    /// unrun); returns how many were new. Every one counts as failed (as
+    /// OpenAI counts a cancelled batch's unrun requests); `missed` also
+    /// counts them as deadline misses (expired).
     pub fn put_results(
         &self,
         batch: &str,
         rs: &[ItemResult],
-        count_failed: bool,
+        missed: bool,
     ) -> Result<u64, StoreError> {
         let mut c = lock(&self.write)?;
         let tx = c.transaction()?;
@@ -495,10 +614,10 @@ impl Store {
                 new += ins.execute(params![batch, r.line as i64, r.ok, r.text])? as u64;
             }
         }
-        if count_failed && new > 0 {
+        if new > 0 {
             tx.execute(
-                "UPDATE batches SET failed = failed + ?1, deadline_misses = deadline_misses + ?1 WHERE id = ?2",
-                params![new as i64, batch],
+                "UPDATE batches SET failed = failed + ?1, deadline_misses = deadline_misses + ?2 WHERE id = ?3",
+                params![new as i64, if missed { new as i64 } else { 0 }, batch],
             )?;
         }
         tx.commit()?;
@@ -707,8 +826,17 @@ impl Drop for Upload<'_> {
     /// An upload not committed leaves nothing.
     fn drop(&mut self) {
         if !self.done {
-            if let Ok(c) = lock(&self.store.write) {
-                let _ = c.execute("DELETE FROM lines WHERE file_id = ?1", [&self.file]);
+            // One statement, one transaction; then the space goes back
+            // (a refused 200 MB upload must not leave the store 200 MB
+            // larger). A failure here is swept at the next open.
+            let deleted = match lock(&self.store.write) {
+                Ok(c) => c
+                    .execute("DELETE FROM lines WHERE file_id = ?1", [&self.file])
+                    .is_ok(),
+                Err(_) => false,
+            };
+            if deleted {
+                self.store.reclaim();
             }
         }
     }
@@ -922,6 +1050,89 @@ mod tests {
         stored(&s, "file-b", 1);
         assert!(s.delete_file("file-b").unwrap());
         assert!(!s.insert_batch(&batch("batch_b", "file-b", 1)).unwrap());
+    }
+
+    #[test]
+    fn a_full_store_says_so_and_a_refused_upload_gives_its_space_back() {
+        let s = Store::temporary().unwrap();
+        let empty = s.disk_bytes();
+        s.limit_bytes(1024 * 1024).unwrap();
+        let err = {
+            let mut up = s.upload("file-big");
+            let mut err = None;
+            for i in 0..5000u64 {
+                if let Err(e) = up.line(i, i + 1, &format!("c{i}"), &"x".repeat(1000)) {
+                    err = Some(e);
+                    break;
+                }
+            }
+            err
+            // Dropped: its rows go, and their pages with them.
+        };
+        let err = err.expect("a 5 MB upload fills a 1 MiB store");
+        assert!(err.is_full(), "{err}");
+        assert!(
+            s.disk_bytes() < empty + 64 * 1024,
+            "{} bytes kept after the refused upload (empty: {empty})",
+            s.disk_bytes()
+        );
+        // What fits still goes in.
+        stored(&s, "file-small", 10);
+        assert_eq!(s.lines("file-small", 0, 100).unwrap().len(), 10);
+    }
+
+    #[test]
+    fn a_store_of_the_old_layout_is_moved_and_keeps_its_rows() {
+        let dir = std::env::temp_dir().join(format!("kiln-store-layout-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("old.db");
+        {
+            let c = Connection::open(&path).unwrap();
+            c.execute_batch(
+                "CREATE TABLE lines (file_id TEXT NOT NULL, line INTEGER NOT NULL, custom_id TEXT NOT NULL, text TEXT NOT NULL, PRIMARY KEY (file_id, line)) WITHOUT ROWID;
+                 CREATE UNIQUE INDEX lines_custom_id ON lines (file_id, custom_id);
+                 CREATE TABLE results (batch_id TEXT NOT NULL, line INTEGER NOT NULL, ok INTEGER NOT NULL, text TEXT NOT NULL, PRIMARY KEY (batch_id, line)) WITHOUT ROWID;
+                 CREATE TABLE files (id TEXT PRIMARY KEY, owner TEXT, purpose TEXT NOT NULL, filename TEXT NOT NULL, bytes INTEGER NOT NULL, created_at INTEGER NOT NULL, lines INTEGER NOT NULL, endpoint TEXT, batch_id TEXT, ok INTEGER);
+                 INSERT INTO files VALUES ('file-a', 't', 'batch', 'f.jsonl', 10, 1, 2, '/v1/chat/completions', NULL, NULL);
+                 INSERT INTO lines VALUES ('file-a', 0, 'c0', 'line 0'), ('file-a', 1, 'c1', 'line 1');
+                 INSERT INTO results VALUES ('batch_a', 0, 1, 'first');",
+            )
+            .unwrap();
+        }
+        let s = Store::open(&path).unwrap();
+        assert_eq!(
+            s.lines("file-a", 0, 10).unwrap(),
+            vec![(0, "line 0".to_string()), (1, "line 1".to_string())]
+        );
+        assert_eq!(
+            s.results("batch_a", true, 0, 10).unwrap(),
+            vec![(0, "first".to_string())]
+        );
+        let c = lock(&s.write).unwrap();
+        let sql: String = c
+            .query_row(
+                "SELECT sql FROM sqlite_master WHERE name = 'lines'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert!(!sql.to_ascii_uppercase().contains("WITHOUT ROWID"), "{sql}");
+        // The keys hold as before: a repeated custom_id or line is refused.
+        assert!(c
+            .execute("INSERT INTO lines VALUES ('file-a', 2, 'c0', 'x')", [])
+            .is_err());
+        assert_eq!(
+            c.execute(
+                "INSERT OR IGNORE INTO results VALUES ('batch_a', 0, 0, 'again')",
+                []
+            )
+            .unwrap(),
+            0
+        );
+        drop(c);
+        drop(s);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -18,6 +18,20 @@
 //! **Crash-safe.** An item's result is written once ([`crate::batch::store`]);
 //! after a restart every batch resumes from its items without a result, so
 //! items that were in flight at the crash run again.
+//!
+//! **Failures stay the batch's.** An item the upstream answers with a 5xx
+//! (or that times out) is tried at most `[batch] max_attempts` times, each
+//! try after an exponential backoff with jitter, then goes to the error
+//! file; a 4xx goes there at once. Its 5xx answers do not count against
+//! the upstream's circuit breaker (`CallClass::Batch`), so a few poison
+//! items cannot open the breaker online traffic needs; while a model's
+//! upstreams are out of service (breaker open) no item of it is sent, and
+//! a batch whose items keep failing pauses before sending more. Past the
+//! failure budget (`[batch] max_failed_share`) the batch stops as `failed`.
+//!
+//! **A full store pauses, it does not spin.** A result that cannot be
+//! written is kept and written again with backoff; meanwhile no item is
+//! sent (a model call whose result cannot be stored is wasted GPU time).
 
 use super::openai::Endpoint;
 use super::App;
@@ -25,6 +39,7 @@ use crate::batch::store::{ItemResult, Store, StoreError};
 use crate::batch::{BatchRow, BatchStatus, ItemLine};
 use serde_json::{json, Value};
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, Notify};
@@ -37,6 +52,13 @@ pub struct Batches {
     pub wake: Arc<Notify>,
     /// Items in flight per batch, for listings (the runner's count).
     pub in_flight: std::sync::Mutex<HashMap<String, u64>>,
+    /// Whether each model has a replica in service (up, its breaker
+    /// letting requests through), from the runner's last snapshot. A model
+    /// not listed is taken as in service.
+    pub serving: std::sync::Mutex<HashMap<String, bool>>,
+    /// Results waiting to be written because the store refused them: while
+    /// any does, no item is sent.
+    pub store_waiting: AtomicUsize,
 }
 
 impl Batches {
@@ -45,7 +67,24 @@ impl Batches {
             store,
             wake: Arc::new(Notify::new()),
             in_flight: std::sync::Mutex::new(HashMap::new()),
+            serving: std::sync::Mutex::new(HashMap::new()),
+            store_waiting: AtomicUsize::new(0),
         }
+    }
+
+    /// Whether `model`'s items may be sent now.
+    pub fn model_serving(&self, model: Option<&str>) -> bool {
+        let Some(m) = model else { return true };
+        self.serving
+            .lock()
+            .ok()
+            .and_then(|s| s.get(m).copied())
+            .unwrap_or(true)
+    }
+
+    /// Whether the store takes writes (no result is waiting for it).
+    pub fn store_writable(&self) -> bool {
+        self.store_waiting.load(Ordering::SeqCst) == 0
     }
 
     pub fn in_flight_of(&self, batch: &str) -> u64 {
@@ -63,8 +102,10 @@ pub use crate::batch::now_s;
 struct Done {
     batch: String,
     line: u64,
-    /// Wrote a new result (false: it already had one, or the store failed).
+    /// Wrote a new result (false: it already had one).
     wrote: bool,
+    /// The result is a failure (error file).
+    failed: bool,
 }
 
 /// One running batch, as the runner tracks it.
@@ -78,6 +119,12 @@ struct Live {
     /// When recent items finished, for the observed rate.
     finished: VecDeque<Instant>,
     last_forecast: Option<Instant>,
+    /// The model its items call (from its first item).
+    model: Option<String>,
+    /// Failed outcomes in a row: a batch whose items keep failing pauses.
+    fail_streak: u32,
+    /// No new item is sent before this.
+    paused_until: Option<Instant>,
 }
 
 impl Live {
@@ -88,6 +135,9 @@ impl Live {
             exhausted: false,
             finished: VecDeque::new(),
             last_forecast: None,
+            model: None,
+            fail_streak: 0,
+            paused_until: None,
         }
     }
 
@@ -112,23 +162,35 @@ async fn run(app: Arc<App>) {
     let mut tasks = tokio::task::JoinSet::new();
     // The fleet's batch slots, refreshed every few seconds.
     let mut slots: (Option<Instant>, usize) = (None, 0);
+    // Consecutive failed passes (the store failing): the runner backs off.
+    let mut failing = 0u32;
     loop {
         while tasks.try_join_next().is_some() {}
         tokio::select! {
             d = done_rx.recv() => {
                 if let Some(d) = d {
-                    finished(&mut live, d);
+                    finished(&app, &mut live, d);
                 }
                 while let Ok(d) = done_rx.try_recv() {
-                    finished(&mut live, d);
+                    finished(&app, &mut live, d);
                 }
             }
             _ = wake.notified() => {}
             _ = tokio::time::sleep(Duration::from_millis(250)) => {}
         }
-        if let Err(e) = step(&app, &mut live, &done_tx, &mut tasks, &mut slots).await {
-            tracing::warn!(error = %e, "batch runner: the store failed; retrying");
-            tokio::time::sleep(Duration::from_secs(1)).await;
+        match step(&app, &mut live, &done_tx, &mut tasks, &mut slots).await {
+            Ok(()) => failing = 0,
+            Err(e) => {
+                failing = failing.saturating_add(1);
+                let wait = backoff(
+                    Duration::from_millis(250),
+                    Duration::from_secs(10),
+                    failing,
+                    jitter("runner", u64::from(failing), 0),
+                );
+                tracing::warn!(error = %e, retry_in = ?wait, "batch runner: the store failed; retrying");
+                tokio::time::sleep(wait).await;
+            }
         }
         if let Ok(mut m) = app.batches.in_flight.lock() {
             m.clear();
@@ -139,9 +201,27 @@ async fn run(app: Arc<App>) {
     }
 }
 
-fn finished(live: &mut HashMap<String, Live>, d: Done) {
+fn finished(app: &App, live: &mut HashMap<String, Live>, d: Done) {
     if let Some(l) = live.get_mut(&d.batch) {
         l.in_flight.remove(&d.line);
+        if d.failed {
+            l.fail_streak = l.fail_streak.saturating_add(1);
+            // Items failing one after another: wait before sending more,
+            // longer each time (a failing batch backs off, it does not
+            // hammer its upstream).
+            if l.fail_streak >= FAIL_STREAK_PAUSE {
+                let c = &app.config.batch;
+                let wait = backoff(
+                    c.retry_base,
+                    c.retry_max,
+                    l.fail_streak - FAIL_STREAK_PAUSE + 1,
+                    jitter(&d.batch, d.line, l.fail_streak),
+                );
+                l.paused_until = Some(Instant::now() + wait);
+            }
+        } else {
+            l.fail_streak = 0;
+        }
         if d.wrote {
             let now = Instant::now();
             l.finished.push_back(now);
@@ -184,7 +264,11 @@ async fn step(
     // many again waiting (so a finished item's slot refills at once),
     // never more than `[batch] max_in_flight`: what the gateway holds for
     // batches is bounded by the scheduler's capacity, not by the files.
-    if slots.0.is_none_or(|t| t.elapsed() > Duration::from_secs(2)) {
+    // Refreshed often: the health gate below reads it.
+    if slots
+        .0
+        .is_none_or(|t| t.elapsed() > Duration::from_millis(250))
+    {
         if let Some(s) = app.exec.snapshot().await {
             slots.1 = s
                 .replicas
@@ -192,6 +276,14 @@ async fn step(
                 .filter(|r| r.up && !r.draining)
                 .map(|r| r.slots as usize)
                 .sum::<usize>();
+            let mut serving: HashMap<String, bool> = HashMap::new();
+            for r in &s.replicas {
+                *serving.entry(r.model.clone()).or_insert(false) |=
+                    r.up && r.available && !r.draining;
+            }
+            if let Ok(mut m) = app.batches.serving.lock() {
+                *m = serving;
+            }
         }
         slots.0 = Some(Instant::now());
     }
@@ -221,9 +313,14 @@ async fn step(
                 l.abort_all();
                 close(app, b, Closing::Expired).await?;
             }
+            BatchStatus::InProgress if over_budget(&app.config.batch, b) => {
+                l.abort_all();
+                tracing::warn!(batch = %b.id, failed = b.counts.failed, completed = b.counts.completed,
+                    "batch failed: too many of its items failed (`[batch] max_failed_share`)");
+                close(app, b, Closing::Failed).await?;
+            }
             BatchStatus::InProgress => {
-                // Every result of a running batch is counted (only a
-                // cancel writes uncounted ones, and ends the batch).
+                // Every result of a running batch is counted.
                 let had = b.counts.completed + b.counts.failed;
                 if had >= b.counts.total {
                     let id = b.id.clone();
@@ -288,6 +385,15 @@ async fn top_up(
     done: &mpsc::UnboundedSender<Done>,
     tasks: &mut tokio::task::JoinSet<()>,
 ) -> Result<(), StoreError> {
+    // Nothing is sent while a result waits for the store, while the
+    // batch's model has no replica in service, or while the batch pauses
+    // after a run of failures.
+    if !app.batches.store_writable()
+        || !app.batches.model_serving(l.model.as_deref())
+        || l.paused_until.is_some_and(|t| Instant::now() < t)
+    {
+        return Ok(());
+    }
     if l.exhausted {
         if !l.in_flight.is_empty() {
             return Ok(());
@@ -319,6 +425,9 @@ async fn top_up(
         if l.in_flight.contains_key(&it.line) {
             continue;
         }
+        if l.model.is_none() {
+            l.model = model_of(&it.text);
+        }
         let line = it.line;
         let h = tasks.spawn(item(app.clone(), b.clone(), it, done.clone()));
         l.in_flight.insert(line, h);
@@ -335,19 +444,95 @@ fn endpoint_of(b: &BatchRow) -> Endpoint {
     super::batch_lines::endpoint(&b.endpoint).unwrap_or(Endpoint::Chat)
 }
 
-/// Runs one item to its result and stores it.
+/// The model a stored input line calls.
+fn model_of(text: &str) -> Option<String> {
+    let v: Value = serde_json::from_str(text).ok()?;
+    Some(v.get("body")?.get("model")?.as_str()?.to_string())
+}
+
+/// Failed outcomes in a row after which a batch pauses its sending.
+const FAIL_STREAK_PAUSE: u32 = 5;
+
+/// Whether a running batch is past its failure budget. A batch whose
+/// every item has an outcome is not: it is done, and completes with its
+/// failures in the error file (the budget stops a batch early).
+fn over_budget(c: &super::config::BatchSection, b: &BatchRow) -> bool {
+    let done = b.counts.completed + b.counts.failed;
+    c.max_failed_share < 1.0
+        && done < b.counts.total
+        && done >= c.min_outcomes_for_budget.max(1)
+        && b.counts.failed as f64 > c.max_failed_share * done as f64
+}
+
+/// A deterministic fraction in [0, 1) from a key: the jitter of one
+/// item's try, the same on every run (tests and replays repeat).
+fn jitter(key: &str, line: u64, attempt: u32) -> f64 {
+    // FNV-1a over the key, then splitmix64 over it with the line and try.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in key.bytes() {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    let mut z = h ^ line.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (u64::from(attempt) << 32);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^= z >> 31;
+    (z >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// The wait before try `n` (1: the first retry): `base` doubled each
+/// time, at most `max`, then scaled into [1/2, 1] by `jitter` ("equal
+/// jitter": never shorter than half, and items that failed together
+/// spread out).
+fn backoff(base: Duration, max: Duration, n: u32, jitter: f64) -> Duration {
+    let doubled = 2f64.powi(n.saturating_sub(1).min(30) as i32);
+    let full = (base.as_secs_f64() * doubled).min(max.as_secs_f64());
+    Duration::from_secs_f64(full * (0.5 + 0.5 * jitter.clamp(0.0, 1.0)))
+}
+
+/// Counts a result waiting for the store while it lives.
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Runs one item to its result and stores it. A result the store refuses
+/// is kept and written again with backoff, never run again: the model
+/// call is not repeated for a store fault.
 async fn item(app: Arc<App>, b: BatchRow, it: ItemLine, done: mpsc::UnboundedSender<Done>) {
     let r = serve(&app, &b, &it).await;
     let missed = r.missed;
+    let failed = !r.ok;
     let store = app.batches.store.clone();
-    let id = b.id.clone();
-    let wrote = match store.run(move |s| s.put_result(&id, &r)).await {
-        Ok(w) => w,
-        Err(e) => {
-            tracing::warn!(batch = %b.id, line = it.line, error = %e, "cannot store a batch result; the item will run again");
-            false
+    let mut waiting: Option<Waiting<'_>> = None;
+    let mut tries = 0u32;
+    let wrote = loop {
+        let (id, r) = (b.id.clone(), r.clone());
+        match store.run(move |s| s.put_result(&id, &r)).await {
+            Ok(w) => break w,
+            Err(e) => {
+                tries = tries.saturating_add(1);
+                if waiting.is_none() {
+                    app.batches.store_waiting.fetch_add(1, Ordering::SeqCst);
+                    waiting = Some(Waiting(&app.batches.store_waiting));
+                }
+                let wait = backoff(
+                    Duration::from_millis(50),
+                    Duration::from_secs(5),
+                    tries,
+                    jitter(&b.id, it.line, tries),
+                );
+                if tries == 1 || tries.is_power_of_two() {
+                    tracing::warn!(batch = %b.id, line = it.line, error = %e, retry_in = ?wait,
+                        "cannot store a batch result; sending is paused until it is written");
+                }
+                tokio::time::sleep(wait).await;
+            }
         }
     };
+    drop(waiting);
     if wrote && missed {
         app.metrics.batch_deadline_misses(
             b.owner.as_deref().unwrap_or("none"),
@@ -359,6 +544,7 @@ async fn item(app: Arc<App>, b: BatchRow, it: ItemLine, done: mpsc::UnboundedSen
         batch: b.id,
         line: it.line,
         wrote,
+        failed,
     });
 }
 
@@ -367,20 +553,39 @@ fn request_line_id(b: &BatchRow, line: u64) -> String {
     format!("batch_req_{}_{line}", crate::batch::short_id(&b.id))
 }
 
-/// Serves an item through the gateway, retrying what it refuses for now.
+/// Serves an item through the gateway. What the gateway refuses for now
+/// (429, 503: quota, saturation, an upstream out of service) waits as
+/// asked and comes back, until the window ends; what an upstream fails
+/// (5xx, timeout) is tried at most `[batch] max_attempts` times; a 4xx is
+/// final at once. Every wait is a backoff with jitter, and nothing is sent
+/// while the item's model has no replica in service or the store is full.
 async fn serve(app: &Arc<App>, b: &BatchRow, it: &ItemLine) -> ItemResult {
     let body = serde_json::from_str::<Value>(&it.text)
         .ok()
         .and_then(|mut v| v.get_mut("body").map(Value::take))
         .unwrap_or(Value::Null);
+    let model = body
+        .get("model")
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    let cfg = &app.config.batch;
     let speed = app.speed;
-    let mut upstream_failures = 0u32;
+    let mut failures = 0u32;
+    let mut refusals = 0u32;
     loop {
-        let left_s = b.expires_at as f64 - crate::clock::unix_ms() / 1000.0;
-        if left_s <= 0.0 {
+        // Wait (bounded by the window) for the model to be in service and
+        // the store to take writes.
+        while !(app.batches.model_serving(model.as_deref()) && app.batches.store_writable()) {
+            if left_s(b) <= 0.0 {
+                return expired_line(b, it);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let left = left_s(b);
+        if left <= 0.0 {
             return expired_line(b, it);
         }
-        let window = (left_s * speed * 1e6) as crate::sched::Micros;
+        let window = (left * speed * 1e6) as crate::sched::Micros;
         let resp = crate::server::routes::serve_batch_item(
             app.clone(),
             endpoint_of(b),
@@ -404,31 +609,67 @@ async fn serve(app: &Arc<App>, b: &BatchRow, it: &ItemLine) -> ItemResult {
                     .and_then(|v| v.parse::<f64>().ok())
                     .filter(|v| v.is_finite() && *v >= 0.0)
                     .unwrap_or(0.0),
-                header("retry-after").and_then(|v| v.parse::<f64>().ok()),
+                header("retry-after")
+                    .and_then(|v| v.parse::<f64>().ok())
+                    .filter(|v| v.is_finite() && *v >= 0.0),
             )
         };
         let bytes = axum::body::to_bytes(resp.into_body(), 64 * 1024 * 1024)
             .await
             .unwrap_or_default();
         let body_v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-        // Refused for now: wait as asked (in wall time) and try again.
-        let transient = matches!(status, 429 | 503)
-            || (matches!(status, 500 | 502 | 504) && {
-                upstream_failures += 1;
-                upstream_failures <= 3
-            });
-        if transient {
-            let wait = retry_after.unwrap_or(1.0).clamp(0.05, 30.0) / speed.max(1.0);
-            let left = b.expires_at as f64 - crate::clock::unix_ms() / 1000.0;
-            if left <= wait {
+        let wait = match Outcome::of(status) {
+            Outcome::Done => None,
+            Outcome::Refused => {
+                refusals = refusals.saturating_add(1);
+                let asked = Duration::from_secs_f64(
+                    retry_after.unwrap_or(1.0).min(3600.0) / speed.max(1.0),
+                );
+                // The gateway's own refusals run on its clock (the
+                // simulator's speed applies), an upstream's failures below
+                // on the wall's.
+                let own = backoff(
+                    cfg.retry_base,
+                    cfg.retry_max,
+                    refusals,
+                    jitter(&b.id, it.line, refusals),
+                )
+                .min(Duration::from_secs(30))
+                .div_f64(speed.max(1.0));
+                Some(asked.max(own))
+            }
+            Outcome::Failed => {
+                failures = failures.saturating_add(1);
+                (failures < cfg.max_attempts).then(|| {
+                    backoff(
+                        cfg.retry_base,
+                        cfg.retry_max,
+                        failures,
+                        jitter(&b.id, it.line, failures),
+                    )
+                })
+            }
+        };
+        if let Some(wait) = wait {
+            let left = left_s(b);
+            if left <= wait.as_secs_f64() {
                 tokio::time::sleep(Duration::from_secs_f64(left.max(0.0))).await;
                 return expired_line(b, it);
             }
-            tokio::time::sleep(Duration::from_secs_f64(wait.max(0.01))).await;
+            tokio::time::sleep(wait.max(Duration::from_millis(10))).await;
             continue;
         }
         let ok = (200..300).contains(&status);
         let missed = crate::clock::unix_ms() / 1000.0 > b.expires_at as f64;
+        // An item that failed every try says so (the response is the last).
+        let error = (Outcome::of(status) == Outcome::Failed).then(|| {
+            json!({
+                "code": "retries_exhausted",
+                "message": format!(
+                    "the upstream failed this request on each of {failures} tries (`[batch] max_attempts`); the response is the last one"
+                ),
+            })
+        });
         let text = json!({
             "id": request_line_id(b, it.line),
             "custom_id": it.custom_id,
@@ -437,7 +678,7 @@ async fn serve(app: &Arc<App>, b: &BatchRow, it: &ItemLine) -> ItemResult {
                 "request_id": rid,
                 "body": body_v,
             },
-            "error": null,
+            "error": error,
         })
         .to_string();
         return ItemResult {
@@ -447,6 +688,33 @@ async fn serve(app: &Arc<App>, b: &BatchRow, it: &ItemLine) -> ItemResult {
             gpu_seconds: gpu,
             missed,
         };
+    }
+}
+
+/// Wall seconds left in a batch's window.
+fn left_s(b: &BatchRow) -> f64 {
+    b.expires_at as f64 - crate::clock::unix_ms() / 1000.0
+}
+
+/// What a gateway answer means for a batch item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    /// An answer to keep: 2xx, or a 4xx (the request's own fault: trying
+    /// again gives the same).
+    Done,
+    /// The gateway refused it for now (429, 503): not a try.
+    Refused,
+    /// An upstream failed it (5xx, timeout): one try.
+    Failed,
+}
+
+impl Outcome {
+    fn of(status: u16) -> Outcome {
+        match status {
+            429 | 503 => Outcome::Refused,
+            500..=599 => Outcome::Failed,
+            _ => Outcome::Done,
+        }
     }
 }
 
@@ -464,6 +732,8 @@ fn expired_line(b: &BatchRow, it: &ItemLine) -> ItemResult {
 enum Closing {
     Expired,
     Cancelled,
+    /// Past its failure budget.
+    Failed,
 }
 
 fn unrun_line(b: &BatchRow, line: u64, custom_id: &str, why: Closing) -> String {
@@ -476,6 +746,10 @@ fn unrun_line(b: &BatchRow, line: u64, custom_id: &str, why: Closing) -> String 
             "batch_cancelled",
             "The batch was cancelled before this request ran.",
         ),
+        Closing::Failed => (
+            "batch_failed",
+            "The batch was stopped before this request ran: too many of its requests failed (`[batch] max_failed_share`).",
+        ),
     };
     json!({
         "id": request_line_id(b, line),
@@ -486,8 +760,10 @@ fn unrun_line(b: &BatchRow, line: u64, custom_id: &str, why: Closing) -> String 
     .to_string()
 }
 
-/// Ends an expired or cancelled batch: every item without a result gets
-/// an error line saying why, then the files and the status, together.
+/// Ends an expired, cancelled or failed batch: every item without a
+/// result gets an error line saying why and counts as failed (so
+/// `completed + failed = total`, as OpenAI reports), then the files and
+/// the status, together.
 async fn close(app: &Arc<App>, b: &BatchRow, why: Closing) -> Result<(), StoreError> {
     let b = b.clone();
     let missed = app
@@ -513,16 +789,37 @@ async fn close(app: &Arc<App>, b: &BatchRow, why: Closing) -> Result<(), StoreEr
                 missed += s.put_results(&b.id, &rs, why == Closing::Expired)?;
             }
             let now = now_s();
-            if why == Closing::Expired {
-                s.transition(
-                    &b.id,
-                    &[BatchStatus::InProgress],
-                    BatchStatus::Finalizing,
-                    now,
-                )?;
-                s.finalize(&b.id, BatchStatus::Expired, now)?;
-            } else {
-                s.finalize(&b.id, BatchStatus::Cancelled, now)?;
+            match why {
+                Closing::Expired | Closing::Failed => {
+                    s.transition(
+                        &b.id,
+                        &[BatchStatus::InProgress],
+                        BatchStatus::Finalizing,
+                        now,
+                    )?;
+                }
+                Closing::Cancelled => {}
+            }
+            match why {
+                Closing::Expired => {
+                    s.finalize(&b.id, BatchStatus::Expired, now)?;
+                }
+                Closing::Cancelled => {
+                    s.finalize(&b.id, BatchStatus::Cancelled, now)?;
+                }
+                Closing::Failed => {
+                    let errors = json!({"object": "list", "data": [{
+                        "code": "too_many_failures",
+                        "message": format!(
+                            "{} of its {} finished requests failed, more than `[batch] max_failed_share` allows; the batch was stopped and its unrun requests are in the error file",
+                            b.counts.failed, b.counts.completed + b.counts.failed
+                        ),
+                        "param": null,
+                        "line": null,
+                    }]});
+                    s.set_errors(&b.id, &errors)?;
+                    s.finalize(&b.id, BatchStatus::Failed, now)?;
+                }
             }
             Ok((missed, b))
         })
@@ -642,4 +939,101 @@ pub async fn estimate_for_lines(
     let tier = graph.tiers.get(f.tier as usize)?.name.clone();
     let speed = app.speed;
     Some((f.secs / speed, tier))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_up_to_its_cap_and_jitter_keeps_at_least_half() {
+        let (base, max) = (Duration::from_secs(1), Duration::from_secs(60));
+        assert_eq!(backoff(base, max, 1, 1.0), Duration::from_secs(1));
+        assert_eq!(backoff(base, max, 3, 1.0), Duration::from_secs(4));
+        assert_eq!(backoff(base, max, 40, 1.0), max);
+        assert_eq!(backoff(base, max, 3, 0.0), Duration::from_secs(2));
+        // Out-of-range jitter is clamped, never a longer or negative wait.
+        assert_eq!(backoff(base, max, 1, 7.0), base);
+        assert_eq!(backoff(base, max, 1, -1.0), base / 2);
+    }
+
+    #[test]
+    fn jitter_is_deterministic_in_range_and_spreads_items() {
+        assert_eq!(jitter("batch_a", 7, 2), jitter("batch_a", 7, 2));
+        let xs: Vec<f64> = (0..1000).map(|l| jitter("batch_a", l, 1)).collect();
+        assert!(xs.iter().all(|x| (0.0..1.0).contains(x)));
+        let mean = xs.iter().sum::<f64>() / xs.len() as f64;
+        assert!((0.4..0.6).contains(&mean), "{mean}");
+        assert_ne!(jitter("batch_a", 7, 1), jitter("batch_a", 7, 2));
+        assert_ne!(jitter("batch_a", 7, 1), jitter("batch_b", 7, 1));
+    }
+
+    #[test]
+    fn answers_are_final_refused_for_now_or_failed() {
+        assert_eq!(Outcome::of(200), Outcome::Done);
+        assert_eq!(Outcome::of(400), Outcome::Done);
+        assert_eq!(Outcome::of(404), Outcome::Done);
+        assert_eq!(Outcome::of(429), Outcome::Refused);
+        assert_eq!(Outcome::of(503), Outcome::Refused);
+        assert_eq!(Outcome::of(500), Outcome::Failed);
+        assert_eq!(Outcome::of(502), Outcome::Failed);
+        assert_eq!(Outcome::of(504), Outcome::Failed);
+    }
+
+    #[test]
+    fn the_failure_budget_waits_for_enough_outcomes() {
+        let mut c = crate::server::config::BatchSection {
+            max_failed_share: 0.5,
+            min_outcomes_for_budget: 100,
+            ..Default::default()
+        };
+        let row = |total, completed, failed| BatchRow {
+            counts: crate::batch::RequestCounts {
+                total,
+                completed,
+                failed,
+            },
+            ..test_row()
+        };
+        // Too few outcomes yet, however bad.
+        assert!(!over_budget(&c, &row(1000, 0, 99)));
+        assert!(over_budget(&c, &row(1000, 49, 51)));
+        assert!(!over_budget(&c, &row(1000, 50, 50)));
+        // A batch with every outcome is done, not stopped: it completes.
+        c.min_outcomes_for_budget = 5;
+        assert!(!over_budget(&c, &row(10, 4, 6)));
+        assert!(over_budget(&c, &row(10, 2, 4)));
+        c.max_failed_share = 1.0;
+        assert!(!over_budget(&c, &row(1000, 0, 1000)));
+    }
+
+    fn test_row() -> BatchRow {
+        BatchRow {
+            id: "batch_t".into(),
+            owner: None,
+            input_file_id: "file-t".into(),
+            endpoint: "/v1/chat/completions".into(),
+            completion_window: "24h".into(),
+            window_s: 86_400.0,
+            status: BatchStatus::InProgress,
+            created_at: 0,
+            expires_at: 86_400,
+            in_progress_at: None,
+            finalizing_at: None,
+            completed_at: None,
+            failed_at: None,
+            expired_at: None,
+            cancelling_at: None,
+            cancelled_at: None,
+            counts: crate::batch::RequestCounts::default(),
+            metadata: None,
+            errors: None,
+            output_file_id: None,
+            error_file_id: None,
+            tier: None,
+            predicted_finish: None,
+            gpu_seconds: 0.0,
+            deadline_misses: 0,
+        }
+    }
 }

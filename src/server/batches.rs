@@ -51,8 +51,34 @@ pub fn router(app: Arc<App>) -> Router {
 
 fn store_error(e: StoreError) -> ApiError {
     tracing::error!(error = %e, "batch store");
+    if e.is_full() {
+        // 507 Insufficient Storage: the request was fine, the gateway has
+        // no room for it; nothing of it was kept.
+        return ApiError::new(
+            507,
+            "the batch store is full (disk, or `[batch] max_store_bytes`); nothing was stored: try again later or delete old files (DELETE /v1/files/ID)",
+        )
+        .code("insufficient_storage");
+    }
     ApiError::new(500, format!("the batch store failed: {e}")).code("store_error")
 }
+
+/// A count with thousands separators (50,000).
+fn grouped(n: u64) -> String {
+    let d = n.to_string();
+    let mut out = String::new();
+    for (i, c) in d.chars().enumerate() {
+        if i > 0 && (d.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// The code of the reader's error when the worker stopped taking lines:
+/// the worker's own error then says why.
+const WORKER_STOPPED: &str = "upload_stopped";
 
 fn not_found(what: &str, id: &str) -> ApiError {
     ApiError::new(404, format!("No such {what}: '{id}'")).code("not_found")
@@ -158,12 +184,13 @@ async fn upload_inner(
                     if items >= max_requests {
                         return Err(UploadError::Api(
                             ApiError::new(
-                                400,
+                                413,
                                 format!(
-                                    "line {n}: the file has more than {max_requests} requests, the most one batch file may hold; split it into several batches"
+                                    "line {n}: a batch file holds at most {} lines (requests), and this one has more (`[batch] max_requests`); split it into several batches",
+                                    grouped(max_requests)
                                 ),
                             )
-                            .code("too_many_requests_in_file"),
+                            .code("too_many_lines"),
                         ));
                     }
                     if let Some((n, cid)) = up.line(items, n, &v.custom_id, &text)? {
@@ -231,12 +258,16 @@ async fn upload_inner(
         }
         Err(e) => {
             drop(tx);
-            // A bad line the worker found explains better than the read's
-            // error (which is then only "the worker stopped").
-            if let Ok(Err(UploadError::Line(l))) = worker.await {
-                return Err(line_error(&l));
+            // What the worker stopped at (a bad line, too many lines, a
+            // full store) explains better than the read's error, which is
+            // then only "the worker stopped".
+            match worker.await {
+                Ok(Err(UploadError::Line(l))) => return Err(line_error(&l)),
+                Ok(Err(UploadError::Api(w))) if e.code.as_deref() == Some(WORKER_STOPPED) => {
+                    return Err(w)
+                }
+                _ => return Err(e),
             }
-            return Err(e);
         }
     }
     drop(tx);
@@ -277,7 +308,7 @@ async fn send_line(
     }
     tx.send(Msg::Line(n, text.to_string()))
         .await
-        .map_err(|_| ApiError::new(400, "the upload was refused"))
+        .map_err(|_| ApiError::new(400, "the upload was refused").code(WORKER_STOPPED))
 }
 
 /// Reads the form: `purpose`, and the `file` part split into lines for the
@@ -339,6 +370,12 @@ async fn read_form(
                 );
                 let mut buf: Vec<u8> = Vec::new();
                 let mut n = 0u64;
+                // Once the worker has stopped (a full store, too many
+                // lines), the rest of the body is read and dropped before
+                // the answer: a client still sending would otherwise see a
+                // reset connection instead of the error (and SDKs send the
+                // whole upload again).
+                let mut stopped: Option<ApiError> = None;
                 loop {
                     let chunk = tokio::time::timeout(idle, field.chunk())
                         .await
@@ -353,17 +390,33 @@ async fn read_form(
                         )
                         .code("file_too_large"));
                     }
+                    if stopped.is_some() {
+                        continue;
+                    }
                     let mut rest: &[u8] = &chunk;
                     while let Some(i) = rest.iter().position(|&b| b == b'\n') {
                         n += 1;
-                        if buf.is_empty() {
-                            send_line(tx, n, &rest[..i]).await?;
+                        let sent = if buf.is_empty() {
+                            send_line(tx, n, &rest[..i]).await
                         } else {
                             buf.extend_from_slice(&rest[..i]);
-                            send_line(tx, n, &buf).await?;
+                            let r = send_line(tx, n, &buf).await;
                             buf.clear();
+                            r
+                        };
+                        match sent {
+                            Ok(()) => {}
+                            Err(e) if e.code.as_deref() == Some(WORKER_STOPPED) => {
+                                stopped = Some(e);
+                                break;
+                            }
+                            Err(e) => return Err(e),
                         }
                         rest = &rest[i + 1..];
+                    }
+                    if stopped.is_some() {
+                        buf.clear();
+                        continue;
                     }
                     buf.extend_from_slice(rest);
                     if buf.len() > max_line {
@@ -373,6 +426,9 @@ async fn read_form(
                             message: format!("is longer than {max_line} bytes, the largest request body this gateway accepts"),
                         }));
                     }
+                }
+                if let Some(e) = stopped {
+                    return Err(e);
                 }
                 if !buf.is_empty() {
                     send_line(tx, n + 1, &buf).await?;

@@ -166,6 +166,59 @@ pub struct BatchSection {
     pub max_requests: u64,
     #[serde(default = "default_batch_bytes")]
     pub max_file_bytes: u64,
+    /// Tries of one item that an upstream answers with a 5xx (or that
+    /// times out) before the item goes to the error file. Refusals by the
+    /// gateway itself (429, 503) are not tries: they wait and come back.
+    #[serde(default = "default_batch_attempts")]
+    pub max_attempts: u32,
+    /// The first wait before an item is tried again; each further try
+    /// waits twice as long (at most `retry_max`), with deterministic
+    /// jitter (from the batch id, line and try) so items that failed
+    /// together do not return together.
+    #[serde(
+        default = "default_batch_retry_base",
+        deserialize_with = "crate::units::duration::deserialize"
+    )]
+    pub retry_base: std::time::Duration,
+    #[serde(
+        default = "default_batch_retry_max",
+        deserialize_with = "crate::units::duration::deserialize"
+    )]
+    pub retry_max: std::time::Duration,
+    /// The failure budget: once at least `min_outcomes_for_budget` items
+    /// have an outcome and more than this share of them failed, the batch
+    /// stops (status `failed`, code `too_many_failures`): its unrun items
+    /// go to the error file and what did run stays in the output file.
+    /// 1.0 turns the budget off.
+    #[serde(default = "default_batch_failed_share")]
+    pub max_failed_share: f64,
+    #[serde(default = "default_batch_min_outcomes")]
+    pub min_outcomes_for_budget: u64,
+    /// The most the store's database may grow to, in bytes (SQLite's
+    /// `max_page_count`); past it writes fail as on a full disk (uploads
+    /// get 507, the runner pauses). None: only the disk limits it.
+    #[serde(default)]
+    pub max_store_bytes: Option<u64>,
+}
+
+fn default_batch_attempts() -> u32 {
+    3
+}
+
+fn default_batch_retry_base() -> std::time::Duration {
+    std::time::Duration::from_secs(1)
+}
+
+fn default_batch_retry_max() -> std::time::Duration {
+    std::time::Duration::from_secs(60)
+}
+
+fn default_batch_failed_share() -> f64 {
+    0.5
+}
+
+fn default_batch_min_outcomes() -> u64 {
+    100
 }
 
 fn default_batch_in_flight() -> usize {
@@ -187,6 +240,12 @@ impl Default for BatchSection {
             max_in_flight: default_batch_in_flight(),
             max_requests: default_batch_requests(),
             max_file_bytes: default_batch_bytes(),
+            max_attempts: default_batch_attempts(),
+            retry_base: default_batch_retry_base(),
+            retry_max: default_batch_retry_max(),
+            max_failed_share: default_batch_failed_share(),
+            min_outcomes_for_budget: default_batch_min_outcomes(),
+            max_store_bytes: None,
         }
     }
 }
@@ -728,6 +787,38 @@ impl ServerConfig {
             return Err(ConfigError::Invalid {
                 message: "`[batch] max_requests` and `max_file_bytes` must be above 0".into(),
                 help: Some("leave them out for OpenAI's limits (50,000 requests, 200 MB)".into()),
+            });
+        }
+        if b.max_attempts == 0 || b.max_attempts > 100 {
+            return Err(ConfigError::Invalid {
+                message: format!(
+                    "`[batch] max_attempts = {}` is out of range",
+                    b.max_attempts
+                ),
+                help: Some("give 1 to 100 tries per item (the default is 3)".into()),
+            });
+        }
+        if b.retry_base.is_zero() || b.retry_base > b.retry_max {
+            return Err(ConfigError::Invalid {
+                message: "`[batch] retry_base` must be above 0 and at most `retry_max`".into(),
+                help: Some("leave them out for 1s doubling up to 60s".into()),
+            });
+        }
+        if !(b.max_failed_share > 0.0 && b.max_failed_share <= 1.0) {
+            return Err(ConfigError::Invalid {
+                message: format!(
+                    "`[batch] max_failed_share = {}` is out of range",
+                    b.max_failed_share
+                ),
+                help: Some("give a share above 0 and at most 1.0 (1.0: no failure budget)".into()),
+            });
+        }
+        if b.max_store_bytes.is_some_and(|n| n < 1024 * 1024) {
+            return Err(ConfigError::Invalid {
+                message: "`[batch] max_store_bytes` is below 1 MiB".into(),
+                help: Some(
+                    "give room for the files you upload and their results, or leave it out".into(),
+                ),
             });
         }
         let is_hash = |h: &str| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit());

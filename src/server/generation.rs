@@ -270,7 +270,14 @@ pub(super) async fn serve_upstream(
             Err(e) => return Err(before_answer(ctx, guard, &s, &up, &attempt, e)),
         }
     } else {
-        let call = tokio::time::timeout_at(deadline, up.complete(path, body));
+        // A batch item (it has a window) calls as a batch: its 5xx
+        // answers do not count against the breaker.
+        let class = if ctx.window.is_some() {
+            crate::backend::http::CallClass::Batch
+        } else {
+            crate::backend::http::CallClass::Online
+        };
+        let call = tokio::time::timeout_at(deadline, up.complete_as(path, body, class));
         let left = LeftBeforeAnswer::new(&ctx, &s);
         let raced = tokio::select! {
             r = call => Raced::Done(r),

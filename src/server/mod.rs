@@ -333,6 +333,9 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         None => crate::batch::store::Store::temporary(),
     }
     .map_err(ServeError::Batch)?;
+    if let Some(n) = config.batch.max_store_bytes {
+        store.limit_bytes(n).map_err(ServeError::Batch)?;
+    }
     let metrics = metrics::Metrics::new();
     metrics.set_policy_version(&policy.version);
     for b in backends.iter() {

@@ -237,6 +237,21 @@ impl Upstream {
     /// The whole exchange is bounded by `timeout`. Dropping the future
     /// closes the connection.
     pub async fn complete(&self, path: &str, body: Value) -> Result<Value, UpstreamError> {
+        self.complete_as(path, body, CallClass::Online).await
+    }
+
+    /// [`Upstream::complete`] for a class of caller. A batch item's 5xx
+    /// answer tells the breaker nothing: the upstream answered, and a
+    /// batch's failing items (the same few, tried again) must not open a
+    /// breaker that online traffic needs. Timeouts and broken connections
+    /// still count, and a batch item's success still closes a half-open
+    /// breaker (a batch-only upstream is not left half-open).
+    pub async fn complete_as(
+        &self,
+        path: &str,
+        body: Value,
+        class: CallClass,
+    ) -> Result<Value, UpstreamError> {
         let payload = self.prepare(body, false)?;
         let mut call = self.begin()?;
         let request = self.post(path, payload, "application/json");
@@ -272,7 +287,14 @@ impl Upstream {
             serde_json::from_slice(&bytes)
                 .map_err(|e| self.protocol(format!("the answer is not JSON: {e}")))
         });
-        call.finish(self.outcome(answer.as_ref().err()));
+        match answer.as_ref().err() {
+            Some(UpstreamError::Status { status, .. })
+                if class == CallClass::Batch && *status >= 500 =>
+            {
+                call.neutral()
+            }
+            e => call.finish(self.outcome(e)),
+        }
         answer
     }
 
@@ -598,6 +620,25 @@ impl Call<'_> {
         self.settled = true;
         record(&self.upstream.breaker, &self.upstream.name, outcome);
     }
+
+    /// An outcome that says nothing about the upstream: no count, and a
+    /// trial it held is free for the next call.
+    fn neutral(&mut self) {
+        self.settled = true;
+        if self.trial {
+            lock(&self.upstream.breaker).release_trial();
+        }
+    }
+}
+
+/// Who a call is for: what its failures tell the breaker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallClass {
+    /// A client's request: every upstream failure counts.
+    Online,
+    /// A batch item: an answered 5xx does not count (see
+    /// [`Upstream::complete_as`]).
+    Batch,
 }
 
 /// A response's `Retry-After`, where it has a usable one.

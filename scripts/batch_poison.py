@@ -1,0 +1,99 @@
+"""The poison-items scenario of tests/batch_faults.rs against a kiln binary,
+as a process, so that two builds can be compared (issue 30):
+
+    python3 scripts/batch_poison.py target/debug/kiln
+
+A loopback mock upstream answers 500 at once to
+items req-N with N % 50 == 7 (2%), 200 after 40 ms to the rest; breaker
+opens after 2 failures in a row for 2 s. 1,000 items and 40 interactive
+requests alongside; bounded to 60 s. Prints one JSON line."""
+import json, os, socket, subprocess, sys, tempfile, threading, time, collections
+from http.server import ThreadingHTTPServer, BaseHTTPRequestHandler
+import requests
+
+calls = collections.Counter(); lock = threading.Lock()
+class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *a): pass
+    def _send(self, code, obj):
+        b = json.dumps(obj).encode()
+        self.send_response(code); self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(b))); self.end_headers(); self.wfile.write(b)
+    def do_GET(self): self._send(200, {"ok": True})
+    def do_POST(self):
+        n = int(self.headers.get("content-length", 0)); req = json.loads(self.rfile.read(n))
+        p = req["messages"][0]["content"]
+        with lock: calls[p] += 1
+        if p.startswith("req-") and int(p[4:]) % 50 == 7:
+            return self._send(500, {"error": {"message": "always fails"}})
+        time.sleep(0.04)
+        self._send(200, {"id": "x", "object": "chat.completion", "created": 0, "model": "up",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok " + p}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}})
+up = ThreadingHTTPServer(("127.0.0.1", 0), H); threading.Thread(target=up.serve_forever, daemon=True).start()
+d = tempfile.mkdtemp()
+open(f"{d}/p.kiln", "w").write('''
+pool gpu { gpus 1 kind "H100-80GB" memory 80GB }
+model tiny {
+  params 1B
+  kv_per_token 32KB
+  variant fp16 { memory 4GB pools [gpu] max_batch 16 }
+}
+tier interactive { priority 100 slo { ttft 5s } preempts [batch] }
+tier batch { priority 10 slo { window 24h } preemptible }
+tenant alpha { owner "a@x" tiers [interactive, batch] api_keys ["k-alpha"] }
+classify {
+  when header("x-kiln-batch") != "" => tier batch
+  default => tier interactive
+}
+route [interactive, batch] tiny { default => fp16 }
+''')
+open(f"{d}/k.toml", "w").write(f'''[pools.gpu]
+backend = "http"
+[[pools.gpu.upstreams]]
+model = "tiny"
+variant = "fp16"
+url = "http://127.0.0.1:{up.server_address[1]}"
+concurrency = 16
+timeout = "10s"
+health_interval = "200ms"
+failure_threshold = 2
+open_for = "2s"
+''')
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+gw = subprocess.Popen([sys.argv[1], "serve", "--policy", f"{d}/p.kiln", "--config", f"{d}/k.toml",
+    "--listen", f"127.0.0.1:{port}", "--batch-store", f"{d}/b.db"], stdout=subprocess.DEVNULL, stderr=open(f"{d}/log", "w"))
+base = f"http://127.0.0.1:{port}"; H_ = {"authorization": "Bearer k-alpha"}
+try:
+    for _ in range(100):
+        try:
+            if requests.get(base + "/healthz", timeout=1).ok: break
+        except Exception: time.sleep(0.1)
+    N = 1000
+    lines = "".join(json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+        "body": {"model": "tiny", "messages": [{"role": "user", "content": f"req-{i}"}], "max_tokens": 8}}) + "\n" for i in range(N))
+    f = requests.post(base + "/v1/files", headers=H_, files={"file": ("in.jsonl", lines)}, data={"purpose": "batch"}, timeout=30).json()
+    b = requests.post(base + "/v1/batches", headers=H_, json={"input_file_id": f["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}, timeout=30).json()
+    t0 = time.time(); statuses = collections.Counter(); opened = 0
+    def inter():
+        for i in range(40):
+            r = requests.post(base + "/v1/chat/completions", headers=H_, json={"model": "tiny", "messages": [{"role": "user", "content": f"online-{i}"}], "max_tokens": 8}, timeout=30)
+            statuses[r.status_code] += 1; time.sleep(0.1)
+    th = threading.Thread(target=inter); th.start()
+    done = None
+    while time.time() - t0 < 60:
+        q = requests.get(base + "/admin/queues", timeout=5).json()
+        if not all(r["available"] and r["up"] for r in q["replicas"]): opened += 1
+        bb = requests.get(base + f"/v1/batches/{b['id']}", headers=H_, timeout=5).json()
+        if bb["status"] in ("completed", "failed", "expired", "cancelled"): done = bb; break
+        time.sleep(0.05)
+    took = time.time() - t0
+    th.join(timeout=60)
+    poison = [k for k in calls if k.startswith("req-") and int(k[4:]) % 50 == 7]
+    pc = collections.Counter(calls[k] for k in poison)
+    print(json.dumps({"binary": sys.argv[1], "terminal": done is not None, "status": done and done["status"],
+        "counts": done and done["request_counts"], "seconds": round(took, 2),
+        "polls_with_breaker_not_closed": opened, "interactive_statuses": dict(statuses),
+        "tries_per_poison_item": dict(pc), "breaker_opened_log_lines": open(f"{d}/log").read().count("circuit breaker opened")}))
+finally:
+    gw.terminate(); gw.wait(timeout=10); up.shutdown()
