@@ -195,10 +195,11 @@ fn cache_line(c: &super::TierCache) -> Option<String> {
     }
     if let Some(sm) = c.semantic {
         parts.push(format!(
-            "semantic (similarity {}, {} entries, ttl {}): not served by this gateway yet",
+            "semantic (similarity {}, {} entries, ttl {}, {}): a deterministic request whose question (the last user message, or its last paragraph) is at least that similar to a cached one, identical in everything else (system prompt, earlier turns, tools, images, the text before the compared part) and in its numbers, dates, names and negations, is served from it when no exact answer is; its lookup is skipped (`x-kiln-cache: skipped`) when the embedding does not finish within the gateway's budget",
             sm.min_similarity,
             sm.max_entries,
-            show(Ty::Duration, sm.ttl_us as f64 / 1000.0)
+            show(Ty::Duration, sm.ttl_us as f64 / 1000.0),
+            if sm.shared { "shared by the tier's tenants" } else { "per tenant" }
         ));
     }
     (!parts.is_empty()).then(|| format!("cache: {}", parts.join("; ")))
