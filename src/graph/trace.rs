@@ -204,3 +204,26 @@ fn cache_line(c: &super::TierCache) -> Option<String> {
     }
     (!parts.is_empty()).then(|| format!("cache: {}", parts.join("; ")))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn explain_describes_the_semantic_cache_as_it_acts() {
+        let c = super::super::TierCache {
+            exact: Some(super::super::ExactSpec {
+                max_entries: 500,
+                ttl_us: 600_000_000,
+                shared: false,
+            }),
+            semantic: Some(super::super::SemanticSpec {
+                min_similarity: 0.95,
+                max_entries: 5000,
+                ttl_us: 3_600_000_000,
+                shared: true,
+            }),
+        };
+        insta::assert_snapshot!(cache_line(&c).unwrap_or_default());
+    }
+}
