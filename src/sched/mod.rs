@@ -845,10 +845,11 @@ impl Scheduler {
     }
 
     /// Drops the semantic caches' expired entries at `now` (before their
-    /// sizes are reported).
+    /// sizes are reported). The scheduler's own time is left as it is: a
+    /// scrape must not move it (a replay and the gateway agree to the
+    /// microsecond).
     pub fn purge_semantic(&mut self, now: Micros) {
-        self.now = self.now.max(now);
-        self.semantic.purge(self.now);
+        self.semantic.purge(now.max(self.now));
     }
 
     /// After every event: requests that ended leave the pending stores; in

@@ -282,6 +282,37 @@ mod tests {
     use super::*;
 
     #[test]
+    fn stored_answers_are_bounded_in_bytes() {
+        let g = super::super::testkit::graph(
+            "pool p { gpus 1 kind \"H100-80GB\" memory 80GB }\n\
+             model m { variant fp16 { memory 10GB pools [p] } }\n\
+             tier a { priority 2 cache { semantic { similarity 0.9, entries 100, ttl 1h } } }\n\
+             classify { default => tier a }\nroute [a] m { default => fp16 }\n",
+        );
+        let each = SemanticCache::<Arc<str>>::entry_bytes(50, 3);
+        let bounds = Bounds {
+            max_entry_bytes: 60,
+            max_total_bytes: 2 * each,
+        };
+        let mut c = SemanticCaches::new(&g, bounds);
+        let answer: Arc<str> = Arc::from("x".repeat(50));
+        for i in 0..3u8 {
+            let v: Arc<[f32]> = Arc::from(vec![1.0, f32::from(i), 0.0]);
+            c.note_miss([i; 32], 0, format!("s{i}"), v);
+            assert!(c.store(&[i; 32], answer.clone(), 0));
+            assert!(c.total_bytes() <= bounds.max_total_bytes);
+        }
+        assert_eq!(c.len(0), 2, "the least recently used made room");
+        // An answer over the entry bound is not kept.
+        c.note_miss([9; 32], 0, "s9".into(), Arc::from(vec![0.0, 1.0, 0.0]));
+        assert!(!c.store(&[9; 32], Arc::from("y".repeat(61)), 0));
+        assert_eq!(c.len(0), 2);
+        // Expired entries go at a purge.
+        c.purge(3_600_000_001);
+        assert_eq!((c.len(0), c.total_bytes()), (0, 0));
+    }
+
+    #[test]
     fn scopes_separate_tenant_shared_variant_and_context() {
         let c = [1u8; 32];
         let d = [2u8; 32];
