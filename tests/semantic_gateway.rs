@@ -288,10 +288,17 @@ impl Gateway {
 }
 
 async fn gateway(budget: &str) -> Option<(kiln::server::Running, Gateway, Arc<Upstream>)> {
+    gateway_with(HTTP_POLICY, budget).await
+}
+
+async fn gateway_with(
+    policy: &str,
+    budget: &str,
+) -> Option<(kiln::server::Running, Gateway, Arc<Upstream>)> {
     let dir = model_dir()?;
     let (up, url) = mock_upstream().await;
     let srv = support::serve_on_loopback(
-        support::policy("h.kiln", HTTP_POLICY),
+        support::policy("h.kiln", policy),
         http_config(&url, dir, budget),
     )
     .await;
@@ -423,5 +430,24 @@ async fn a_skipped_lookup_says_so_and_is_counted() {
             && l.ends_with(" 0")),
         "{m}"
     );
+    srv.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_entries_gauge_falls_as_entries_expire() {
+    let policy = HTTP_POLICY.replace("ttl 10m", "ttl 2s");
+    let Some((srv, g, _up)) = gateway_with(&policy, "10s").await else {
+        return;
+    };
+    let entries = |m: &str| {
+        m.lines()
+            .find(|l| l.starts_with("kiln_cache_entries") && l.contains("kind=\"semantic\""))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+    };
+    g.stored(user("How do I reset my password?", None)).await;
+    assert_eq!(entries(&g.metrics().await), Some(1.0));
+    // No request after the answer expires: the scrape itself drops it.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    assert_eq!(entries(&g.metrics().await), Some(0.0));
     srv.stop().await;
 }
