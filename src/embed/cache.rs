@@ -71,6 +71,8 @@ pub struct CacheStats {
 
 struct Entry<V> {
     scope: u32,
+    /// What it costs of [`SemanticCache::bytes`].
+    bytes: u64,
     /// Row of this entry in its scope's `rows`.
     row: usize,
     value: V,
@@ -109,8 +111,15 @@ pub struct SemanticCache<V> {
     by_use: BTreeMap<u64, usize>,
     clock: u64,
     len: usize,
+    /// Bytes held: each entry's value (as the caller weighs it), vector and
+    /// [`ENTRY_OVERHEAD`].
+    bytes: u64,
     stats: CacheStats,
 }
+
+/// Bytes an entry costs beyond its value and its vector: its slot, its
+/// places in both orders and its scope's bookkeeping.
+pub const ENTRY_OVERHEAD: u64 = 128;
 
 impl<V: Clone> SemanticCache<V> {
     /// A cache of at most `max_entries` entries (0: it stores nothing),
@@ -132,6 +141,7 @@ impl<V: Clone> SemanticCache<V> {
             by_use: BTreeMap::new(),
             clock: 0,
             len: 0,
+            bytes: 0,
             stats: CacheStats::default(),
         }
     }
@@ -175,12 +185,29 @@ impl<V: Clone> SemanticCache<V> {
     }
 
     /// Caches `value` under `v` in `scope`, dropping expired entries and
-    /// then, if the cache is full, the least recently used one.
+    /// then, if the cache is full, the least recently used one. The value
+    /// weighs nothing in [`SemanticCache::bytes`]; see
+    /// [`SemanticCache::insert_sized`].
     pub fn insert(
         &mut self,
         scope: &str,
         v: Vec<f32>,
         value: V,
+        now_us: u64,
+    ) -> Result<(), CacheError> {
+        self.insert_sized(scope, v, value, 0, now_us)
+    }
+
+    /// [`SemanticCache::insert`] of a value of `value_bytes` bytes: the
+    /// entry then costs that, its vector and [`ENTRY_OVERHEAD`] of
+    /// [`SemanticCache::bytes`] (a caller bounds bytes with
+    /// [`SemanticCache::evict_lru`]).
+    pub fn insert_sized(
+        &mut self,
+        scope: &str,
+        v: Vec<f32>,
+        value: V,
+        value_bytes: u64,
         now_us: u64,
     ) -> Result<(), CacheError> {
         let v = self.normalised(&v)?;
@@ -230,8 +257,13 @@ impl<V: Clone> SemanticCache<V> {
         s.slots.push(slot);
         s.expires_us.push(now_us.saturating_add(self.ttl_us));
         self.clock += 1;
+        let bytes = value_bytes
+            .saturating_add(v.len() as u64 * 4)
+            .saturating_add(ENTRY_OVERHEAD);
+        self.bytes = self.bytes.saturating_add(bytes);
         let e = Entry {
             scope: sid,
+            bytes,
             row,
             value,
             inserted_us: now_us,
@@ -250,9 +282,38 @@ impl<V: Clone> SemanticCache<V> {
     }
 
     /// Live and not yet dropped entries, over all scopes (expired entries
-    /// are dropped by the next lookup or insert).
+    /// are dropped by the next lookup, insert or [`SemanticCache::purge`]).
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Bytes the entries hold (see [`SemanticCache::insert_sized`]).
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// The cost [`SemanticCache::insert_sized`] will charge for a value of
+    /// `value_bytes` and a vector of `dim` dimensions.
+    pub fn entry_bytes(value_bytes: u64, dim: usize) -> u64 {
+        value_bytes
+            .saturating_add(dim as u64 * 4)
+            .saturating_add(ENTRY_OVERHEAD)
+    }
+
+    /// Drops every entry whose time to live has passed at `now_us` (so a
+    /// count of entries falls as they expire, not only at the next insert).
+    pub fn purge(&mut self, now_us: u64) {
+        self.expire(now_us);
+    }
+
+    /// Drops the least recently used entry; `false` when there is none.
+    pub fn evict_lru(&mut self) -> bool {
+        let Some((_, slot)) = self.by_use.pop_first() else {
+            return false;
+        };
+        self.remove(slot);
+        self.stats.evicted += 1;
+        true
     }
 
     pub fn is_empty(&self) -> bool {
@@ -330,6 +391,7 @@ impl<V: Clone> SemanticCache<V> {
         };
         self.free.push(slot);
         self.len -= 1;
+        self.bytes = self.bytes.saturating_sub(e.bytes);
         self.by_insert.remove(&e.seq);
         self.by_use.remove(&e.used);
         let dim = self.dim.unwrap_or(0);
@@ -540,6 +602,23 @@ mod tests {
     }
 
     #[test]
+    fn bytes_count_values_vectors_and_overhead_and_fall_as_entries_go() {
+        let mut c = SemanticCache::new(10, 1_000, 0.9);
+        let each = SemanticCache::<()>::entry_bytes(100, 3);
+        assert_eq!(each, 100 + 12 + ENTRY_OVERHEAD);
+        c.insert_sized("s", unit(0.0), (), 100, 0).unwrap();
+        c.insert_sized("t", unit(1.0), (), 100, 500).unwrap();
+        assert_eq!(c.bytes(), 2 * each);
+        assert!(c.evict_lru());
+        assert_eq!((c.len(), c.bytes()), (1, each));
+        assert_eq!(c.scope_len("s"), 0, "the least recently used went");
+        // Expiry without a lookup or insert: purge drops it.
+        c.purge(1_500);
+        assert_eq!((c.len(), c.bytes()), (0, 0));
+        assert!(!c.evict_lru());
+    }
+
+    #[test]
     fn a_cache_of_no_entries_stores_nothing() {
         let mut c = SemanticCache::new(0, HOUR, 0.0);
         c.insert("s", unit(0.0), (), 0).unwrap();
@@ -603,6 +682,7 @@ mod tests {
                     prop_assert!(sim >= 0.95);
                 }
                 prop_assert!(c.len() <= max);
+                prop_assert_eq!(c.bytes(), c.len() as u64 * SemanticCache::<String>::entry_bytes(0, 3));
                 let held: usize = (0..3).map(|s| c.scope_len(&format!("scope-{s}"))).sum();
                 prop_assert_eq!(held, c.len());
                 prop_assert_eq!(c.by_use.len(), c.len());

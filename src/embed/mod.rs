@@ -11,26 +11,27 @@
 //!   a local model directory (`KILN_EMBED_MODEL`); no download at run
 //!   time.
 //!
+//! - [`guard`] (pure): a question's signature (negations, numbers, dates,
+//!   names, words of direction); two questions are compared only when
+//!   their signatures are equal.
+//!
 //! # How the gateway uses it
 //!
-//! For a request whose tier allows the semantic cache:
-//!
-//! 1. Embed the prompt on a blocking thread (`tokio::task::spawn_blocking`,
-//!    or a small bounded pool so a burst cannot queue unbounded CPU work),
-//!    under a time budget (`tokio::time::timeout`); an error, or a budget
-//!    overrun, is a miss, never a failed request. Embedding costs about as
-//!    much as its tokens (at most `Embedder::max_tokens`; figures in
-//!    BENCHMARKS.md).
-//! 2. `lookup(scope, &v, now_us)` on the tier's cache, under a mutex (it is
-//!    a scan over the scope, sub-millisecond at policy sizes): a hit
-//!    answers from the cache; count hits and misses for metrics.
-//! 3. On a miss, serve the request and `insert(scope, v, answer, now_us)`
-//!    once the answer is complete.
+//! `crate::sched::semantic` and `crate::server` (`server/cache.rs`): the
+//! request is split into its question and the rest (hashed exactly, images
+//! included); `Embedder::embed_question` embeds the question's last part
+//! (at most `QUESTION_TOKENS` tokens; the text before it is hashed
+//! exactly), on a blocking thread, one per core, under a time budget; a
+//! request that misses the budget is served fresh and says so
+//! (`x-kiln-cache: skipped`). The scheduler looks the vector up in the
+//! decided tier's cache, in a scope of the context hash (with the guard's
+//! signature), tier, tenant and variant, and stores the answer of a miss.
 
 mod cache;
+pub mod guard;
 #[cfg(feature = "semantic-cache")]
 mod model;
 
 pub use cache::{CacheError, CacheStats, SemanticCache};
 #[cfg(feature = "semantic-cache")]
-pub use model::{EmbedError, Embedder, MODEL_ENV};
+pub use model::{EmbedError, Embedder, MODEL_ENV, QUESTION_TOKENS};

@@ -117,6 +117,9 @@ fn inference(e: candle_core::Error) -> EmbedError {
 pub struct Embedder {
     model: BertModel,
     tokenizer: Tokenizer,
+    /// The same tokenizer without truncation: where a long question's
+    /// compared part begins ([`Embedder::question_start`]).
+    whole: Tokenizer,
     max_tokens: usize,
     dim: usize,
 }
@@ -179,6 +182,10 @@ impl Embedder {
             }))
             .map_err(|e| tok_err(e.to_string()))?;
         tokenizer.with_padding(None);
+        let mut whole = tokenizer.clone();
+        whole
+            .with_truncation(None)
+            .map_err(|e| tok_err(e.to_string()))?;
 
         let w_path = dir.join("model.safetensors");
         let weights = read_bytes(&w_path)?;
@@ -192,6 +199,7 @@ impl Embedder {
         Ok(Embedder {
             model,
             tokenizer,
+            whole,
             max_tokens,
             dim: config.hidden_size,
         })
@@ -248,6 +256,38 @@ impl Embedder {
         Ok(mean.into_iter().map(|x| x / norm).collect())
     }
 
+    /// Where the part of a question that the semantic cache compares by
+    /// embedding begins (a byte offset of `text`, at a character boundary);
+    /// everything before it is compared exactly (the gateway hashes it
+    /// into the scope). The last paragraph when the text has several and
+    /// it is at most [`QUESTION_TOKENS`]; else 0 (the whole text) when that
+    /// fits; else the last line, or sentence, within the last
+    /// [`QUESTION_TOKENS`] tokens. Why: in the embedding of a long text a
+    /// short question is diluted, so two texts that share a long context
+    /// and differ in their question score near 1.0 (and the model sees
+    /// only its first 256 tokens anyway).
+    pub fn question_start(&self, text: &str) -> Result<usize, EmbedError> {
+        let budget = QUESTION_TOKENS.min(self.max_tokens.saturating_sub(2));
+        // Only the end of a long text can hold the compared part.
+        let from = suffix_start(text, budget.saturating_mul(BYTES_PER_TOKEN));
+        let tail = text.get(from..).unwrap_or_default();
+        let enc = self
+            .whole
+            .encode(tail, false)
+            .map_err(|e| EmbedError::Tokenize {
+                message: e.to_string(),
+            })?;
+        let starts: Vec<usize> = enc.get_offsets().iter().map(|&(s, _)| s + from).collect();
+        Ok(pick_start(text, &starts, budget, from))
+    }
+
+    /// [`Embedder::question_start`] and the embedding of the text from it.
+    pub fn embed_question(&self, text: &str) -> Result<(usize, Vec<f32>), EmbedError> {
+        let start = self.question_start(text)?;
+        let v = self.embed(text.get(start..).unwrap_or(text))?;
+        Ok((start, v))
+    }
+
     /// Dimensions of an embedding (384 for all-MiniLM-L6-v2).
     pub fn dim(&self) -> usize {
         self.dim
@@ -270,6 +310,73 @@ impl Embedder {
                 message: e.to_string(),
             })
     }
+}
+
+/// Tokens of a question compared by embedding ([`Embedder::question_start`]):
+/// about 90 English words. Longer questions keep their last paragraph (or
+/// sentences) within this many tokens for the embedding; the rest must
+/// match exactly.
+pub const QUESTION_TOKENS: usize = 128;
+
+/// Where the compared part of `text` begins, given the byte offsets at
+/// which its tokens start (from `from` on, ascending) and the most tokens
+/// the part may have. The last paragraph (after the last blank line) when
+/// there is one and it fits: a paragraph before the question is context,
+/// compared exactly, whatever the length. Else 0 when the whole text fits.
+/// Else, within the last `budget` tokens, the last line, else the last
+/// sentence, else those tokens.
+fn pick_start(text: &str, starts: &[usize], budget: usize, from: usize) -> usize {
+    let body = text.trim_end();
+    let tokens_from = |cut: usize| starts.iter().filter(|&&s| s >= cut).count();
+    let last_break = |hay: &str, pat: &str| {
+        hay.rfind(pat)
+            .map(|i| i + pat.len())
+            .filter(|&i| hay.get(i..).is_some_and(|r| !r.trim().is_empty()))
+    };
+    if let Some(p) = last_break(body, "\n\n") {
+        if p >= from && tokens_from(p) <= budget {
+            return p;
+        }
+    }
+    if from == 0 && starts.len() <= budget {
+        return 0;
+    }
+    // The earliest offset from which at most `budget` tokens remain.
+    let Some(&limit) = starts.get(starts.len().saturating_sub(budget)) else {
+        return from;
+    };
+    let rest = body.get(limit..).unwrap_or_default();
+    let sentence = || {
+        let ends: Vec<usize> = rest
+            .char_indices()
+            .zip(rest.chars().skip(1))
+            .filter(|((_, c), n)| matches!(c, '.' | '?' | '!') && n.is_whitespace())
+            .map(|((i, _), _)| i + 2)
+            .filter(|&i| rest.get(i..).is_some_and(|r| !r.trim().is_empty()))
+            .collect();
+        ends.last().copied()
+    };
+    let cut = last_break(rest, "\n")
+        .or_else(sentence)
+        .map_or(limit, |i| limit + i);
+    let mut cut = cut.min(text.len());
+    while !text.is_char_boundary(cut) {
+        cut += 1;
+    }
+    cut
+}
+
+/// Byte offset at which the last `max` bytes of `text` begin, at a
+/// character boundary.
+fn suffix_start(text: &str, max: usize) -> usize {
+    if text.len() <= max {
+        return 0;
+    }
+    let mut start = text.len() - max;
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    start
 }
 
 /// At most `max` bytes of `text`, cut at a character boundary.

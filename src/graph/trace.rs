@@ -195,11 +195,35 @@ fn cache_line(c: &super::TierCache) -> Option<String> {
     }
     if let Some(sm) = c.semantic {
         parts.push(format!(
-            "semantic (similarity {}, {} entries, ttl {}): not served by this gateway yet",
+            "semantic (similarity {}, {} entries, ttl {}, {}): a deterministic request whose question (the last user message, or its last paragraph) is at least that similar to a cached one, identical in everything else (system prompt, earlier turns, tools, images, the text before the compared part) and in its numbers, dates, names and negations, is served from it when no exact answer is; its lookup is skipped (`x-kiln-cache: skipped`) when the embedding does not finish within the gateway's budget",
             sm.min_similarity,
             sm.max_entries,
-            show(Ty::Duration, sm.ttl_us as f64 / 1000.0)
+            show(Ty::Duration, sm.ttl_us as f64 / 1000.0),
+            if sm.shared { "shared by the tier's tenants" } else { "per tenant" }
         ));
     }
     (!parts.is_empty()).then(|| format!("cache: {}", parts.join("; ")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn explain_describes_the_semantic_cache_as_it_acts() {
+        let c = super::super::TierCache {
+            exact: Some(super::super::ExactSpec {
+                max_entries: 500,
+                ttl_us: 600_000_000,
+                shared: false,
+            }),
+            semantic: Some(super::super::SemanticSpec {
+                min_similarity: 0.95,
+                max_entries: 5000,
+                ttl_us: 3_600_000_000,
+                shared: true,
+            }),
+        };
+        insta::assert_snapshot!(cache_line(&c).unwrap_or_default());
+    }
 }

@@ -196,6 +196,9 @@ pub struct Entry {
     /// The answer's body (the gateway's); `None` in a replay, which only
     /// needs to know that there is one.
     pub payload: Option<Arc<str>>,
+    /// The request's content hash, where the caller gave it
+    /// ([`Caches::insert_content`]).
+    pub content: Option<Key>,
 }
 
 /// Why an answer was not stored.
@@ -220,6 +223,20 @@ pub struct Caches {
     tiers: Vec<Option<TierStore>>,
     bounds: Bounds,
     bytes: u64,
+    /// Entries per content hash, over every tier and scope
+    /// ([`Caches::holds_content`]).
+    contents: rustc_hash::FxHashMap<Key, u32>,
+}
+
+/// One entry fewer under `e`'s content hash.
+fn forget(contents: &mut rustc_hash::FxHashMap<Key, u32>, e: &Entry) {
+    let Some(c) = e.content else { return };
+    if let Some(n) = contents.get_mut(&c) {
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            contents.remove(&c);
+        }
+    }
 }
 
 impl Caches {
@@ -240,6 +257,7 @@ impl Caches {
             tiers,
             bounds,
             bytes: 0,
+            contents: rustc_hash::FxHashMap::default(),
         }
     }
 
@@ -265,6 +283,7 @@ impl Caches {
             if let Some(e) = s.lru.remove(key) {
                 s.bytes = s.bytes.saturating_sub(e.bytes);
                 self.bytes = self.bytes.saturating_sub(e.bytes);
+                forget(&mut self.contents, &e);
             }
             return None;
         }
@@ -282,6 +301,20 @@ impl Caches {
         payload: Option<Arc<str>>,
         now: Micros,
     ) -> Result<(), NotStored> {
+        self.insert_content(tier, key, None, answer_bytes, payload, now)
+    }
+
+    /// [`Caches::insert`] of the answer to a request of content hash
+    /// `content` (counted for [`Caches::holds_content`]).
+    pub fn insert_content(
+        &mut self,
+        tier: TierId,
+        key: Key,
+        content: Option<Key>,
+        answer_bytes: u64,
+        payload: Option<Arc<str>>,
+        now: Micros,
+    ) -> Result<(), NotStored> {
         let bounds = self.bounds;
         let Some(s) = self.tiers.get_mut(tier as usize).and_then(Option::as_mut) else {
             return Err(NotStored::NoCache);
@@ -293,6 +326,7 @@ impl Caches {
         if let Some(old) = s.lru.remove(&key) {
             s.bytes = s.bytes.saturating_sub(old.bytes);
             self.bytes = self.bytes.saturating_sub(old.bytes);
+            forget(&mut self.contents, &old);
         }
         let max_entries = s.spec.max_entries.max(1) as usize;
         while s.lru.len() >= max_entries
@@ -303,6 +337,10 @@ impl Caches {
             };
             s.bytes = s.bytes.saturating_sub(e.bytes);
             self.bytes = self.bytes.saturating_sub(e.bytes);
+            forget(&mut self.contents, &e);
+        }
+        if let Some(c) = content {
+            *self.contents.entry(c).or_insert(0) += 1;
         }
         let expires = now.saturating_add(s.spec.ttl_us);
         s.lru.insert(
@@ -311,6 +349,7 @@ impl Caches {
                 expires,
                 bytes,
                 payload,
+                content,
             },
         );
         s.bytes = s.bytes.saturating_add(bytes);
@@ -322,6 +361,12 @@ impl Caches {
     /// evicted).
     pub fn len(&self, tier: TierId) -> usize {
         self.store(tier).map_or(0, |s| s.lru.len())
+    }
+
+    /// Whether an answer to a request of content hash `content` is stored
+    /// in any tier and scope (possibly expired, until it is touched).
+    pub fn holds_content(&self, content: &Key) -> bool {
+        self.contents.contains_key(content)
     }
 
     /// Bytes held by every tier's answers.
@@ -423,6 +468,28 @@ mod tests {
         assert!(c.get(0, &key(1), 1_000 + 2_000_000).is_none());
         assert_eq!(c.len(0), 0, "an expired entry is dropped when touched");
         assert_eq!(c.total_bytes(), 0);
+    }
+
+    #[test]
+    fn content_hashes_are_known_while_their_entries_are_held() {
+        let g = graph("cache { exact { entries 2, ttl 2s } }");
+        let mut c = Caches::new(&g, Bounds::default());
+        let (a, b, d) = (key(10), key(11), key(12));
+        c.insert_content(0, key(1), Some(a), 10, None, 0).unwrap();
+        c.insert_content(0, key(2), Some(a), 10, None, 0).unwrap();
+        assert!(c.holds_content(&a) && !c.holds_content(&b));
+        // Evicted by the entry bound: one of the two answers of `a` left.
+        c.insert_content(0, key(3), Some(b), 10, None, 0).unwrap();
+        assert!(c.holds_content(&a) && c.holds_content(&b));
+        c.insert_content(0, key(4), Some(d), 10, None, 0).unwrap();
+        assert!(!c.holds_content(&a), "both answers of a were evicted");
+        // Expired and touched: forgotten.
+        assert!(c.get(0, &key(3), 3_000_000).is_none());
+        assert!(!c.holds_content(&b));
+        // Replaced under the same key: counted once.
+        c.insert_content(0, key(4), Some(d), 10, None, 0).unwrap();
+        assert!(c.get(0, &key(4), 3_000_000).is_none());
+        assert!(!c.holds_content(&d));
     }
 
     #[test]

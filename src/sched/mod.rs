@@ -629,7 +629,7 @@ impl Scheduler {
         let live = live::Live::new(&graph);
         let reserves = Scheduler::reserves_of(&graph);
         let caches = cache::Caches::new(&graph, cfg.cache_bounds);
-        let semantic = semantic::SemanticCaches::new(&graph);
+        let semantic = semantic::SemanticCaches::new(&graph, cfg.cache_bounds);
         Scheduler {
             caches,
             semantic,
@@ -852,13 +852,41 @@ impl Scheduler {
         key: cache::Key,
         payload: std::sync::Arc<str>,
     ) -> Result<(), cache::NotStored> {
+        self.cache_store_content(now, tier, key, None, payload)
+    }
+
+    /// [`Scheduler::cache_store`] of a request whose content hash is
+    /// `content`: [`Scheduler::exact_holds`] then knows it.
+    pub fn cache_store_content(
+        &mut self,
+        now: Micros,
+        tier: TierId,
+        key: cache::Key,
+        content: Option<cache::Key>,
+        payload: std::sync::Arc<str>,
+    ) -> Result<(), cache::NotStored> {
         self.now = self.now.max(now);
         let bytes = payload.len() as u64;
         if payload.len() as u64 <= self.caches.bounds().max_entry_bytes {
             self.semantic.store(&key, payload.clone(), self.now);
         }
         self.caches
-            .insert(tier, key, bytes, Some(payload), self.now)
+            .insert_content(tier, key, content, bytes, Some(payload), self.now)
+    }
+
+    /// Whether some tier's exact cache holds an answer for a request of
+    /// this content hash, in any scope (the gateway then does not embed the
+    /// request for the semantic cache: the exact lookup comes first).
+    pub fn exact_holds(&self, content: &cache::Key) -> bool {
+        self.caches.holds_content(content)
+    }
+
+    /// Drops the semantic caches' expired entries at `now` (before their
+    /// sizes are reported). The scheduler's own time is left as it is: a
+    /// scrape must not move it (a replay and the gateway agree to the
+    /// microsecond).
+    pub fn purge_semantic(&mut self, now: Micros) {
+        self.semantic.purge(now.max(self.now));
     }
 
     /// After every event: requests that ended leave the pending stores; in

@@ -4,27 +4,120 @@
 //! classified, routed and admitted the request), charged the same way (one
 //! request of the requests quota, no tokens, no GPU time).
 //!
-//! The gateway embeds the request's question (the last user message, or a
-//! completion's prompt) before the request reaches the scheduler, and
-//! hashes everything else of the request ([`Probe::context`]): the system
-//! prompt, earlier turns, `max_tokens`, sampling fields. Only requests whose
-//! context is identical are compared, by cosine similarity of their
-//! questions, so a cached answer is never reused for another system prompt,
-//! another conversation, another length limit or another tool set. The scope
-//! also binds the tier, the tenant (unless `shared`) and the routed
-//! `model.variant`, as the exact cache's key does.
+//! The gateway splits a request ([`question`]) into its question (the text
+//! of the last user message, or a completion's prompt) and everything else,
+//! hashed exactly: the system prompt, earlier turns, `max_tokens`, tools,
+//! sampling fields, and every non-text part of the last message (images,
+//! audio, files: hashed as sent, in place, so another image or none is
+//! another scope). It then embeds the question's compared part
+//! (`embed::Embedder::question_start`: the last paragraph, or the last
+//! [`crate::embed`] window of a long text) and folds into the context hash
+//! ([`context`]) the question's text before that part, exactly, and its
+//! guard signature ([`crate::embed::guard`]: negations, numbers, dates,
+//! names). Only requests whose context is identical are compared, by
+//! cosine similarity of their compared parts; so a cached answer is never
+//! reused for another system prompt, conversation, length limit, tool set,
+//! image, long document, or a question differing in a number, a date, a
+//! name or a negation. The scope also binds the tier, the tenant (unless
+//! `shared`) and the routed `model.variant`, as the exact cache's key does.
+//! The end user (`user`) is not part of it, as for the exact cache.
 //!
 //! Pure: the vectors come in with the arrival, time is the scheduler's.
 //! A replay has no prompts, hence no probes: `kiln simulate` counts no
 //! semantic hits (README says so).
 
-use super::cache::Key;
+use super::cache::{self, Bounds, Key};
 use super::Micros;
 use crate::embed::SemanticCache;
 use crate::graph::{DecisionGraph, SemanticSpec, TierId};
 use hashlink::LinkedHashMap;
 use rustc_hash::FxHashMap as HashMap;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
 use std::sync::Arc;
+
+/// A cacheable request split for the semantic cache.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Question {
+    /// The content hash of the request with its question's text left out
+    /// (non-text parts stay, in place).
+    pub rest: Key,
+    /// The question's text (a chat message's text parts joined by `\n`).
+    pub text: String,
+}
+
+/// The question of a cacheable request: the last message's text when it is
+/// the user's (`chat`), or the prompt (a completion, when it is one
+/// string). `None` when the request is not cacheable or has no such text.
+pub fn question(body: &Value, chat: bool) -> Option<Question> {
+    let mut rest = body.clone();
+    let text = if chat {
+        let msgs = rest.get_mut("messages")?.as_array_mut()?;
+        let last = msgs.last_mut()?;
+        if last.get("role").and_then(Value::as_str) != Some("user") {
+            return None;
+        }
+        let content = last.get_mut("content")?;
+        match content {
+            Value::String(s) => {
+                let t = std::mem::take(s);
+                *content = Value::Null;
+                t
+            }
+            Value::Array(parts) => {
+                // Text parts give their text and keep their place; any
+                // other part (an image, audio, a file) stays as it is, so
+                // it is hashed exactly into the context.
+                let mut texts = Vec::new();
+                for p in parts.iter_mut() {
+                    let is_text = match p.get("type") {
+                        Some(t) => t.as_str() == Some("text"),
+                        None => true,
+                    };
+                    if !is_text {
+                        continue;
+                    }
+                    if let Some(t) = p.get_mut("text") {
+                        if let Value::String(s) = t {
+                            texts.push(std::mem::take(s));
+                        }
+                        *t = Value::Null;
+                    }
+                }
+                texts.join("\n")
+            }
+            _ => return None,
+        }
+    } else {
+        let p = rest.get_mut("prompt")?;
+        let t = p.as_str()?.to_string();
+        *p = Value::Null;
+        t
+    };
+    if text.trim().is_empty() {
+        return None;
+    }
+    let rest = cache::content_key(&rest)?;
+    Some(Question { rest, text })
+}
+
+/// The context hash a probe is compared under: the request without its
+/// question ([`Question::rest`]), the question's text before `start` (where
+/// its embedded part begins), exactly, and the guard signature of the whole
+/// question.
+pub fn context(rest: &Key, text: &str, start: usize) -> Key {
+    let mut h = Sha256::new();
+    h.update(b"kiln-semantic-context-v2\n");
+    h.update(rest);
+    let head = text.get(..start).unwrap_or(text);
+    h.update((head.len() as u64).to_le_bytes());
+    h.update(head.as_bytes());
+    for part in crate::embed::guard::signature(text) {
+        h.update((part.len() as u64).to_le_bytes());
+        h.update(part.as_bytes());
+    }
+    h.finalize().into()
+}
 
 /// What the gateway computed for a cacheable request while some tier of
 /// the policy has a semantic cache.
@@ -51,11 +144,15 @@ struct Tier {
 pub struct SemanticCaches {
     tiers: HashMap<TierId, Tier>,
     pending: LinkedHashMap<Key, (TierId, String, Arc<[f32]>)>,
+    /// The same bounds as the exact caches', counted apart: an answer of
+    /// at most `max_entry_bytes`, all tiers' entries (answers, vectors,
+    /// bookkeeping) at most `max_total_bytes`.
+    bounds: Bounds,
 }
 
 impl SemanticCaches {
-    /// Empty caches for the tiers of `g` that declare one.
-    pub fn new(g: &DecisionGraph) -> SemanticCaches {
+    /// Empty caches for the tiers of `g` that declare one, within `bounds`.
+    pub fn new(g: &DecisionGraph, bounds: Bounds) -> SemanticCaches {
         let tiers = g
             .tiers
             .iter()
@@ -70,6 +167,7 @@ impl SemanticCaches {
         SemanticCaches {
             tiers,
             pending: LinkedHashMap::new(),
+            bounds,
         }
     }
 
@@ -121,22 +219,56 @@ impl SemanticCaches {
     }
 
     /// Stores the answer of a noted miss; `false` when `key` was not noted
-    /// (or was dropped) or the cache refused the vector.
+    /// (or was dropped), the answer is over the entry bound, other tiers
+    /// hold the whole byte bound, or the cache refused the vector. The
+    /// tier's least recently used entries make room.
     pub fn store(&mut self, key: &Key, payload: Arc<str>, now: Micros) -> bool {
         let Some((tier, scope, vector)) = self.pending.remove(key) else {
             return false;
         };
+        let answer = payload.len() as u64;
+        if answer > self.bounds.max_entry_bytes {
+            return false;
+        }
+        let need = SemanticCache::<Arc<str>>::entry_bytes(answer, vector.len());
+        let others: u64 = self
+            .tiers
+            .iter()
+            .filter(|(id, _)| **id != tier)
+            .map(|(_, t)| t.cache.bytes())
+            .sum();
         let Some(t) = self.tiers.get_mut(&tier) else {
             return false;
         };
+        t.cache.purge(now);
+        while others.saturating_add(t.cache.bytes()).saturating_add(need)
+            > self.bounds.max_total_bytes
+        {
+            if !t.cache.evict_lru() {
+                return false;
+            }
+        }
         t.cache
-            .insert(&scope, vector.to_vec(), payload, now)
+            .insert_sized(&scope, vector.to_vec(), payload, answer, now)
             .is_ok()
+    }
+
+    /// Drops every tier's expired entries (the gateway does before it
+    /// reports how many there are).
+    pub fn purge(&mut self, now: Micros) {
+        for t in self.tiers.values_mut() {
+            t.cache.purge(now);
+        }
     }
 
     /// Entries cached for `tier`.
     pub fn len(&self, tier: TierId) -> usize {
         self.tiers.get(&tier).map_or(0, |t| t.cache.len())
+    }
+
+    /// Bytes all tiers' semantic caches hold.
+    pub fn total_bytes(&self) -> u64 {
+        self.tiers.values().map(|t| t.cache.bytes()).sum()
     }
 
     /// Misses waiting for their answer.
@@ -148,6 +280,37 @@ impl SemanticCaches {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stored_answers_are_bounded_in_bytes() {
+        let g = super::super::testkit::graph(
+            "pool p { gpus 1 kind \"H100-80GB\" memory 80GB }\n\
+             model m { variant fp16 { memory 10GB pools [p] } }\n\
+             tier a { priority 2 cache { semantic { similarity 0.9, entries 100, ttl 1h } } }\n\
+             classify { default => tier a }\nroute [a] m { default => fp16 }\n",
+        );
+        let each = SemanticCache::<Arc<str>>::entry_bytes(50, 3);
+        let bounds = Bounds {
+            max_entry_bytes: 60,
+            max_total_bytes: 2 * each,
+        };
+        let mut c = SemanticCaches::new(&g, bounds);
+        let answer: Arc<str> = Arc::from("x".repeat(50));
+        for i in 0..3u8 {
+            let v: Arc<[f32]> = Arc::from(vec![1.0, f32::from(i), 0.0]);
+            c.note_miss([i; 32], 0, format!("s{i}"), v);
+            assert!(c.store(&[i; 32], answer.clone(), 0));
+            assert!(c.total_bytes() <= bounds.max_total_bytes);
+        }
+        assert_eq!(c.len(0), 2, "the least recently used made room");
+        // An answer over the entry bound is not kept.
+        c.note_miss([9; 32], 0, "s9".into(), Arc::from(vec![0.0, 1.0, 0.0]));
+        assert!(!c.store(&[9; 32], Arc::from("y".repeat(61)), 0));
+        assert_eq!(c.len(0), 2);
+        // Expired entries go at a purge.
+        c.purge(3_600_000_001);
+        assert_eq!((c.len(0), c.total_bytes()), (0, 0));
+    }
 
     #[test]
     fn scopes_separate_tenant_shared_variant_and_context() {

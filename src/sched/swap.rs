@@ -270,7 +270,7 @@ impl Scheduler {
         self.graph = graph.clone();
         // Tier ids and caches change with the version: start them afresh.
         self.caches = super::cache::Caches::new(&graph, self.cfg.cache_bounds);
-        self.semantic = super::semantic::SemanticCaches::new(&graph);
+        self.semantic = super::semantic::SemanticCaches::new(&graph, self.cfg.cache_bounds);
         self.cache_pending.clear();
         let (by_variant, replicas) = (&self.by_variant, &self.replicas);
         let dropped = self.queues.remap(&graph, &self.cfg, &map, |w| {

@@ -93,6 +93,9 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
                 },
             );
         }
+        for (tier, n) in &s.semantic_entries {
+            app.metrics.cache_entries(tier, "semantic", *n);
+        }
         for r in &s.replicas {
             if let Some(name) = r.backend.strip_prefix("http:") {
                 app.metrics

@@ -37,22 +37,24 @@ pub(super) fn content(g: &DecisionGraph, body: &Value) -> Option<Key> {
 }
 
 /// What the gateway needs of an embedding model: a blocking call giving
-/// the text's vector, `None` when it cannot (a miss, never a failure).
+/// where the question's compared part begins and that part's vector,
+/// `None` when it cannot (a skipped lookup, never a failure).
 pub trait EmbedText: Send + Sync {
-    fn embed_text(&self, text: &str) -> Option<Vec<f32>>;
+    fn embed_question(&self, text: &str) -> Option<(usize, Vec<f32>)>;
 }
 
 #[cfg(feature = "semantic-cache")]
 impl EmbedText for crate::embed::Embedder {
-    fn embed_text(&self, text: &str) -> Option<Vec<f32>> {
-        self.embed(text).ok()
+    fn embed_question(&self, text: &str) -> Option<(usize, Vec<f32>)> {
+        crate::embed::Embedder::embed_question(self, text).ok()
     }
 }
 
-/// Loads `[cache] embedding_model` at start; `None` without one.
+/// Loads `[cache] embedding_model` at start; `None` without one. The
+/// model's own error (with its help) is kept.
 pub(super) fn load_embedder(
     c: &super::config::CacheSection,
-) -> Result<Option<Arc<dyn EmbedText>>, String> {
+) -> Result<Option<Arc<dyn EmbedText>>, super::ServeError> {
     let Some(dir) = &c.embedding_model else {
         return Ok(None);
     };
@@ -60,99 +62,146 @@ pub(super) fn load_embedder(
     {
         match crate::embed::Embedder::load(dir) {
             Ok(e) => Ok(Some(Arc::new(e))),
-            Err(e) => Err(format!("{}: {e}", dir.display())),
+            Err(e) => Err(super::ServeError::EmbeddingModel(Box::new(e))),
         }
     }
     #[cfg(not(feature = "semantic-cache"))]
     {
-        Err(format!(
+        Err(super::ServeError::Embedder(format!(
             "{}: this kiln was built without `--features semantic-cache`",
             dir.display()
-        ))
+        )))
     }
 }
 
-/// Embeddings computed at once; more requests go on without the semantic
-/// cache rather than queue CPU work behind a burst.
-static EMBEDDING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-const MAX_EMBEDDING: usize = 4;
+/// Why a request's semantic lookup was skipped (`x-kiln-cache-skipped`,
+/// `kiln_cache_skipped_total{reason}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Skip {
+    /// Every embedding slot stayed taken for the whole budget.
+    Busy,
+    /// The embedding started but did not finish within the budget.
+    Budget,
+    /// The model could not embed the text.
+    Error,
+    /// Some tier's exact cache held the request's content, so it was not
+    /// embedded (an exact hit must not wait for an embedding), but the
+    /// decided tier and tenant had no exact answer.
+    Exact,
+}
+
+impl Skip {
+    pub(super) const ALL: [Skip; 4] = [Skip::Busy, Skip::Budget, Skip::Error, Skip::Exact];
+
+    pub(super) fn as_str(self) -> &'static str {
+        match self {
+            Skip::Busy => "busy",
+            Skip::Budget => "budget",
+            Skip::Error => "error",
+            Skip::Exact => "exact",
+        }
+    }
+}
+
+/// What became of a request's semantic lookup before the scheduler.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(super) enum Semantic {
+    /// Not asked: no tier has a semantic cache, no model, the request is
+    /// not cacheable or has no question.
+    #[default]
+    None,
+    /// Embedded: compared by the decided tier's semantic cache.
+    Probe(crate::sched::semantic::Probe),
+    /// Not embedded, and why.
+    Skipped(Skip),
+}
+
+impl Semantic {
+    pub(super) fn probe(&self) -> Option<crate::sched::semantic::Probe> {
+        match self {
+            Semantic::Probe(p) => Some(p.clone()),
+            _ => None,
+        }
+    }
+}
+
+/// Embeddings computed at once: one per core (the work is CPU-bound; more
+/// at once would only make each slower). A request waits for a slot
+/// within its budget rather than skip at once.
+fn slots() -> &'static Arc<tokio::sync::Semaphore> {
+    static SLOTS: std::sync::OnceLock<Arc<tokio::sync::Semaphore>> = std::sync::OnceLock::new();
+    SLOTS.get_or_init(|| {
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+        Arc::new(tokio::sync::Semaphore::new(cores.clamp(1, 8)))
+    })
+}
 
 /// The question a semantic cache compares (the last user message's text,
-/// or a completion's prompt) and the hash of everything else, so only
-/// requests alike in all but the question are compared. `None` when the
-/// request has no such text.
-pub(super) fn question(body: &Value, endpoint: Endpoint) -> Option<(Key, String)> {
-    let mut rest = body.clone();
-    let text = match endpoint {
-        Endpoint::Completions => {
-            let p = rest.get_mut("prompt")?;
-            let t = p.as_str()?.to_string();
-            *p = Value::Null;
-            t
-        }
-        Endpoint::Chat => {
-            let msgs = rest.get_mut("messages")?.as_array_mut()?;
-            let last = msgs.last_mut()?;
-            if last.get("role").and_then(Value::as_str) != Some("user") {
-                return None;
-            }
-            let content = last.get_mut("content")?;
-            let t = match &*content {
-                Value::String(s) => s.clone(),
-                Value::Array(parts) => parts
-                    .iter()
-                    .filter_map(|p| p.get("text").and_then(Value::as_str))
-                    .collect::<Vec<_>>()
-                    .join("\n"),
-                _ => return None,
-            };
-            *content = Value::Null;
-            t
-        }
-    };
-    if text.trim().is_empty() {
-        return None;
-    }
-    let context = cache::content_key(&rest)?;
-    Some((context, text))
+/// or a completion's prompt) and the hash of everything else
+/// ([`crate::sched::semantic::question`]).
+pub(super) fn question(
+    body: &Value,
+    endpoint: Endpoint,
+) -> Option<crate::sched::semantic::Question> {
+    crate::sched::semantic::question(body, endpoint == Endpoint::Chat)
 }
 
 /// The semantic cache's probe for a cacheable request, when a tier has a
-/// semantic cache and an embedding model is loaded: the question embedded
-/// off the async runtime, under `[cache] embedding_budget` (at most 10 s).
-/// Any failure is `None`.
+/// semantic cache and an embedding model is loaded: skipped when some
+/// tier's exact cache holds the request (the exact lookup comes first and
+/// must not wait); otherwise the question embedded off the async runtime
+/// (waiting for one of [`slots`]), all within `[cache] embedding_budget`
+/// (at most 10 s). A request that does not make it is
+/// [`Semantic::Skipped`], and says so.
 pub(super) async fn probe(
     app: &super::App,
     g: &DecisionGraph,
     body: &Value,
     endpoint: Endpoint,
     cacheable: bool,
-) -> Option<crate::sched::semantic::Probe> {
-    use std::sync::atomic::Ordering;
-    let embedder = app.embedder.clone()?;
+) -> Semantic {
+    let Some(embedder) = app.embedder.clone() else {
+        return Semantic::None;
+    };
     if !cacheable || !g.tiers.iter().any(|t| t.cache.semantic.is_some()) {
-        return None;
+        return Semantic::None;
     }
-    let (context, text) = question(body, endpoint)?;
-    if EMBEDDING.fetch_add(1, Ordering::AcqRel) >= MAX_EMBEDDING {
-        EMBEDDING.fetch_sub(1, Ordering::AcqRel);
-        return None;
+    let Some(q) = question(body, endpoint) else {
+        return Semantic::None;
+    };
+    if g.tiers.iter().any(|t| t.cache.exact.is_some()) {
+        if let Some(content) = cache::content_key(body) {
+            if app.exec.exact_holds(content).await {
+                return Semantic::Skipped(Skip::Exact);
+            }
+        }
     }
-    let job = tokio::task::spawn_blocking(move || {
-        let v = embedder.embed_text(&text);
-        EMBEDDING.fetch_sub(1, Ordering::AcqRel);
-        v
-    });
     let budget = app
         .config
         .cache
         .embedding_budget
         .min(std::time::Duration::from_secs(10));
-    let vector = tokio::time::timeout(budget, job).await.ok()?.ok()??;
-    Some(crate::sched::semantic::Probe {
-        context,
-        vector: vector.into(),
-    })
+    let deadline = tokio::time::Instant::now() + budget;
+    let permit = match tokio::time::timeout_at(deadline, slots().clone().acquire_owned()).await {
+        Ok(Ok(p)) => p,
+        Ok(Err(_)) => return Semantic::Skipped(Skip::Error),
+        Err(_) => return Semantic::Skipped(Skip::Busy),
+    };
+    let job = tokio::task::spawn_blocking(move || {
+        // The slot is held until the work ends, even past the budget.
+        let _permit = permit;
+        let (start, vector) = embedder.embed_question(&q.text)?;
+        let context = crate::sched::semantic::context(&q.rest, &q.text, start);
+        Some((context, vector))
+    });
+    match tokio::time::timeout_at(deadline, job).await {
+        Err(_) => Semantic::Skipped(Skip::Budget),
+        Ok(Ok(Some((context, vector)))) => Semantic::Probe(crate::sched::semantic::Probe {
+            context,
+            vector: vector.into(),
+        }),
+        Ok(_) => Semantic::Skipped(Skip::Error),
+    }
 }
 
 /// The headers every cache answer and cacheable miss carries.
@@ -343,10 +392,15 @@ pub(super) fn missed(ctx: &Ctx, d: &Decided) {
     if caches.is_some_and(|c| c.exact.is_some()) {
         ctx.app.metrics.cache_lookup(tier, &tenant, "exact", false);
     }
-    if caches.is_some_and(|c| c.semantic.is_some()) && ctx.semantic_probe.is_some() {
-        ctx.app
-            .metrics
-            .cache_lookup(tier, &tenant, "semantic", false);
+    if caches.is_some_and(|c| c.semantic.is_some()) {
+        match &ctx.semantic_probe {
+            Semantic::Probe(_) => ctx
+                .app
+                .metrics
+                .cache_lookup(tier, &tenant, "semantic", false),
+            Semantic::Skipped(why) => ctx.app.metrics.cache_skipped(why.as_str()),
+            Semantic::None => {}
+        }
     }
 }
 
@@ -385,6 +439,7 @@ pub(super) fn store(ctx: &Ctx, d: &Decided, body: &Value) {
         graph: g,
         tier: d.tier,
         key,
+        content: ctx.cache_content,
         payload,
         done: tx,
     });
@@ -403,9 +458,25 @@ pub(super) fn store(ctx: &Ctx, d: &Decided, body: &Value) {
     }
 }
 
-/// A cacheable miss's headers: `x-kiln-cache: miss`.
-pub(super) fn miss_header(d: &Decided) -> Option<(&'static str, String)> {
-    d.cache.map(|_| (HEADER, "miss".to_string()))
+/// A cacheable miss's headers: `x-kiln-cache: miss`, or `skipped` with
+/// `x-kiln-cache-skipped: REASON` when its tier has a semantic cache whose
+/// lookup was skipped ([`Skip`]).
+pub(super) fn miss_headers(ctx: &Ctx, d: &Decided) -> Vec<(&'static str, String)> {
+    if d.cache.is_none() {
+        return Vec::new();
+    }
+    let semantic = d
+        .graph
+        .tiers
+        .get(d.tier as usize)
+        .is_some_and(|t| t.cache.semantic.is_some());
+    match &ctx.semantic_probe {
+        Semantic::Skipped(why) if semantic => vec![
+            (HEADER, "skipped".to_string()),
+            ("x-kiln-cache-skipped", why.as_str().to_string()),
+        ],
+        _ => vec![(HEADER, "miss".to_string())],
+    }
 }
 
 #[cfg(test)]
@@ -421,32 +492,19 @@ mod tests {
 
     #[test]
     fn the_question_is_compared_and_everything_else_must_match() {
-        let (ctx, q) = question(&chat("s", "How do I reset it?", 8), Endpoint::Chat).unwrap();
-        assert_eq!(q, "How do I reset it?");
+        let q = |b: &Value| question(b, Endpoint::Chat).unwrap();
+        let a = q(&chat("s", "How do I reset it?", 8));
+        assert_eq!(a.text, "How do I reset it?");
         // Another question, same context.
-        let (ctx2, _) = question(&chat("s", "Reset how?", 8), Endpoint::Chat).unwrap();
-        assert_eq!(ctx, ctx2);
+        assert_eq!(a.rest, q(&chat("s", "Reset how?", 8)).rest);
         // Another system prompt or length limit: another context.
-        assert_ne!(
-            ctx,
-            question(&chat("t", "How do I reset it?", 8), Endpoint::Chat)
-                .unwrap()
-                .0
-        );
-        assert_ne!(
-            ctx,
-            question(&chat("s", "How do I reset it?", 9), Endpoint::Chat)
-                .unwrap()
-                .0
-        );
+        assert_ne!(a.rest, q(&chat("t", "How do I reset it?", 8)).rest);
+        assert_ne!(a.rest, q(&chat("s", "How do I reset it?", 9)).rest);
         // Text parts are joined; a last message that is not the user's, an
         // empty question or a sampled request have none.
         let parts = json!({"temperature": 0, "messages": [{"role": "user", "content": [
             {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]});
-        assert_eq!(
-            question(&parts, Endpoint::Chat).map(|x| x.1),
-            Some("a\nb".into())
-        );
+        assert_eq!(q(&parts).text, "a\nb");
         let assistant =
             json!({"temperature": 0, "messages": [{"role": "assistant", "content": "x"}]});
         assert!(question(&assistant, Endpoint::Chat).is_none());
@@ -455,8 +513,54 @@ mod tests {
         assert!(question(&sampled, Endpoint::Chat).is_none());
         let completion = json!({"temperature": 0, "prompt": "Once upon"});
         assert_eq!(
-            question(&completion, Endpoint::Completions).map(|x| x.1),
+            question(&completion, Endpoint::Completions).map(|x| x.text),
             Some("Once upon".into())
+        );
+    }
+
+    #[test]
+    fn images_and_other_parts_are_part_of_the_context() {
+        let with = |image: Option<&str>| {
+            let mut parts = vec![json!({"type": "text", "text": "What is in this picture?"})];
+            if let Some(url) = image {
+                parts.push(json!({"type": "image_url", "image_url": {"url": url}}));
+            }
+            json!({"temperature": 0, "messages": [{"role": "user", "content": parts}]})
+        };
+        let a = question(&with(Some("data:image/png;base64,AAAA")), Endpoint::Chat).unwrap();
+        let b = question(&with(Some("data:image/png;base64,BBBB")), Endpoint::Chat).unwrap();
+        let none = question(&with(None), Endpoint::Chat).unwrap();
+        assert_eq!(a.text, b.text);
+        assert_ne!(a.rest, b.rest, "another image");
+        assert_ne!(a.rest, none.rest, "no image");
+        let again = question(&with(Some("data:image/png;base64,AAAA")), Endpoint::Chat).unwrap();
+        assert_eq!(a.rest, again.rest);
+    }
+
+    #[test]
+    fn the_head_of_a_long_question_and_its_guarded_details_are_exact() {
+        use crate::sched::semantic::context;
+        let rest = [7u8; 32];
+        let doc = "Clause 1. The supplier delivers.\n\n";
+        let a = format!("{doc}What is the notice period?");
+        let b = format!("{doc}Who pays for shipping?");
+        let start = |t: &str| t.rfind("\n\n").map_or(0, |i| i + 2);
+        // Same head (the document), compared parts differ: one context.
+        assert_eq!(context(&rest, &a, start(&a)), context(&rest, &b, start(&b)));
+        // Another head: another context.
+        let c = format!(
+            "Clause 2. The buyer pays.\n\n{}",
+            "What is the notice period?"
+        );
+        assert_ne!(context(&rest, &a, start(&a)), context(&rest, &c, start(&c)));
+        // A guarded detail: another context.
+        assert_ne!(
+            context(&rest, "Send my March invoice", 0),
+            context(&rest, "Send my August invoice", 0)
+        );
+        assert_ne!(
+            context(&rest, "How do I reset my password?", 0),
+            context(&rest, "How do I not reset my password?", 0)
         );
     }
 }

@@ -106,9 +106,17 @@ pub enum Command {
         graph: Arc<DecisionGraph>,
         tier: TierId,
         key: crate::sched::cache::Key,
+        /// The request's content hash ([`Command::ExactHolds`]).
+        content: Option<crate::sched::cache::Key>,
         payload: Arc<str>,
         /// The entries the tier's exact and semantic caches hold after.
         done: oneshot::Sender<(usize, usize)>,
+    },
+    /// Whether some tier's exact cache holds an answer for this content
+    /// hash (the gateway then does not embed the request).
+    ExactHolds {
+        content: crate::sched::cache::Key,
+        reply: oneshot::Sender<bool>,
     },
     /// An HTTP upstream produced the request's first token.
     FirstToken(ReqId),
@@ -202,6 +210,10 @@ pub struct Snapshot {
     pub in_flight: usize,
     /// Arrivals the scheduler has been given since the start.
     pub arrivals: u64,
+    /// Entries each tier's semantic cache holds, expired ones dropped
+    /// (for `kiln_cache_entries`, so it falls as entries expire).
+    #[serde(skip)]
+    pub semantic_entries: Vec<(String, usize)>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -240,6 +252,15 @@ impl ExecHandle {
             return None;
         }
         rx.await.ok()
+    }
+
+    /// See [`Command::ExactHolds`]; `false` when the executor is gone.
+    pub async fn exact_holds(&self, content: crate::sched::cache::Key) -> bool {
+        let (tx, rx) = oneshot::channel();
+        if !self.send(Command::ExactHolds { content, reply: tx }) {
+            return false;
+        }
+        rx.await.unwrap_or(false)
     }
 
     /// The active graph and live signals, for rollback conditions.
@@ -759,12 +780,13 @@ impl<C: Clock> Executor<C> {
                 graph,
                 tier,
                 key,
+                content,
                 payload,
                 done,
             } => {
                 let sched = self.driver.sched_mut();
                 if Arc::ptr_eq(&graph, &self.handlers.graph) {
-                    let _ = sched.cache_store(now, tier, key, payload);
+                    let _ = sched.cache_store_content(now, tier, key, content, payload);
                 }
                 let _ = done.send((sched.caches().len(tier), sched.semantic_caches().len(tier)));
             }
@@ -813,7 +835,11 @@ impl<C: Clock> Executor<C> {
                 }
             }
             Command::Snapshot(reply) => {
+                self.driver.sched_mut().purge_semantic(now);
                 let _ = reply.send(self.snapshot());
+            }
+            Command::ExactHolds { content, reply } => {
+                let _ = reply.send(self.driver.sched().exact_holds(&content));
             }
             Command::SetCanary { canary, done } => {
                 match canary {
@@ -943,6 +969,18 @@ impl<C: Clock> Executor<C> {
             replicas,
             in_flight: self.handlers.reqs.len(),
             arrivals: self.arrivals,
+            semantic_entries: g
+                .tiers
+                .iter()
+                .enumerate()
+                .filter(|(_, t)| t.cache.semantic.is_some())
+                .map(|(i, t)| {
+                    (
+                        t.name.clone(),
+                        sched.semantic_caches().len(i as crate::graph::TierId),
+                    )
+                })
+                .collect(),
         }
     }
 }

@@ -259,6 +259,7 @@ struct Collectors {
     cache_hits: CounterVec,
     cache_misses: CounterVec,
     cache_entries: GaugeVec,
+    cache_skipped: CounterVec,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -526,6 +527,12 @@ impl Collectors {
                 "Answers held by each tier's response cache.",
                 &["tier", "kind"],
             )?,
+            cache_skipped: counter(
+                r,
+                "kiln_cache_skipped_total",
+                "Cacheable requests of a tier with a semantic cache whose semantic lookup was skipped (`reason`: busy, every embedding slot taken for the whole budget; budget, the embedding overran it; error, the model failed; exact, an exact cache held the content for another tier or tenant): served fresh, `x-kiln-cache: skipped`.",
+                &["reason"],
+            )?,
         })
     }
 }
@@ -647,6 +654,11 @@ impl Metrics {
         }
         for action in ["local", "refused"] {
             b.touch(&c.shared_unclaimed, &[action]);
+        }
+        if cat.tiers.iter().any(|t| t.semantic_cache) {
+            for reason in super::cache::Skip::ALL {
+                b.touch(&c.cache_skipped, &[reason.as_str()]);
+            }
         }
         *primed = Some((version.to_string(), cat.clone()));
         drop(primed);
@@ -801,6 +813,14 @@ impl Metrics {
         let Some(c) = &self.c else { return };
         let vec = if hit { &c.cache_hits } else { &c.cache_misses };
         if let Some(e) = get(vec, &[tier, tenant, kind]) {
+            e.inc();
+        }
+    }
+
+    /// A semantic lookup was skipped, for `reason`.
+    pub fn cache_skipped(&self, reason: &str) {
+        let Some(c) = &self.c else { return };
+        if let Some(e) = get(&c.cache_skipped, &[reason]) {
             e.inc();
         }
     }

