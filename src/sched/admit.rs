@@ -75,6 +75,10 @@ pub(super) struct Admitting<'g> {
 /// shed once, so over a run shedding costs O(1) per arrival).
 const SHED_PER_ARRIVAL: usize = 16;
 
+/// Queued work is shed when its estimated first token would come later
+/// than this part of the tier's TTFT SLO.
+const SHED_MARGIN: f64 = 0.95;
+
 /// How many tenants' newest requests are checked, last in fair order first.
 const TAILS_CHECKED: usize = 4;
 
@@ -529,7 +533,9 @@ impl Scheduler {
             };
             let waited = self.now.saturating_sub(w.arrival);
             let e = self.estimate_for(&q, candidates);
-            if e.first_token.saturating_add(waited) <= limit {
+            // A little short of the SLO: an estimate that only just fits
+            // is a coin toss, and the promise was to the admitted request.
+            if e.first_token.saturating_add(waited) as f64 <= SHED_MARGIN * limit as f64 {
                 return false;
             }
             let Some(w) = self.queues.remove(id) else {
