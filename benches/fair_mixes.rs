@@ -169,13 +169,16 @@ fn mix(seed: u64) -> Mix {
     Mix { tenants, demand }
 }
 
+/// Per tenant: (tokens, requests).
+type PerTenant = BTreeMap<String, (f64, f64)>;
+
 /// Per tenant: (tokens finished, requests finished) of requests that
 /// started inside `window` (seconds), and per reason the refusals.
 fn served(
     recs: &[Record],
     o: &[Outcome],
     window: (f64, f64),
-) -> (BTreeMap<String, (f64, f64)>, BTreeMap<&'static str, usize>) {
+) -> (PerTenant, BTreeMap<&'static str, usize>) {
     let mut m: BTreeMap<String, (f64, f64)> = BTreeMap::new();
     let mut why = BTreeMap::new();
     let mut per: BTreeMap<(String, &'static str), usize> = BTreeMap::new();
