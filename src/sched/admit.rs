@@ -69,6 +69,8 @@ pub(super) struct Admitting<'g> {
     /// Its tenant's quotas were claimed across the fleet
     /// ([`Arrival::quota_claimed`]).
     pub quota_claimed: bool,
+    /// Its prompt's prefix blocks ([`Arrival::prefix_blocks`]).
+    pub prefix_blocks: &'g [u64],
 }
 
 /// At most this many queued requests are shed for one arrival (each is
@@ -276,11 +278,16 @@ fn feasible(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal> {
     let Some(limit) = s.wait_limit(a.tier, a.window) else {
         return Ok(());
     };
+    // What a replica holds of its prefix in its cache it does not prefill
+    // (long shared conversation prefixes are the common case).
     let idle = a
         .candidates
         .iter()
         .filter_map(|&r| s.replicas.get(r))
-        .map(|r| r.idle_first_token_time(a.req.prompt_tokens))
+        .map(|r| {
+            let cached = u64::from(r.cached_prefix_tokens(a.prefix_blocks));
+            r.idle_first_token_time(a.req.prompt_tokens.saturating_sub(cached))
+        })
         .min()
         .unwrap_or(0);
     if idle <= limit {
@@ -417,6 +424,7 @@ impl Scheduler {
             window,
             deadline,
             quota_claimed: arrival.quota_claimed,
+            prefix_blocks: &arrival.prefix_blocks,
         };
         for (name, gate) in GATES {
             if let Err(r) = gate(self, &mut a) {
@@ -441,7 +449,7 @@ impl Scheduler {
             })
             .flatten();
         let (id, tier) = (a.id, a.tier);
-        self.enqueue(a, arrival.prefix_blocks);
+        self.enqueue(a);
         if let Some((key, candidates)) = shed {
             self.shed_over_share(key, tier, id, &candidates);
         }
@@ -557,13 +565,11 @@ impl Scheduler {
 
     /// Holds an admitted request: parked until its `delay` time or while a
     /// batch forms, else queued, noting why it will wait if it does.
-    fn enqueue(&mut self, a: Admitting<'_>, prefix_blocks: Vec<u64>) {
+    fn enqueue(&mut self, a: Admitting<'_>) {
+        let prefix_blocks = a.prefix_blocks.to_vec();
         let graph = a.graph;
         let Some(target) = a.target else { return };
         let tier = &graph.tiers[a.tier as usize];
-        if let Some(t) = self.tier_admitted.get_mut(a.tier as usize) {
-            *t = Some(self.now);
-        }
         self.held.insert(
             a.id,
             super::Held {

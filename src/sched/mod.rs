@@ -475,10 +475,6 @@ impl Misestimate {
 
 type MisKey = ((u16, u16), TierId, Option<TenantId>);
 
-/// A tier that admitted work within this long keeps the step cap on: its
-/// next request should not wait behind a long step of capped prefill.
-const STEP_CAP_MEMORY: Micros = 60 * SEC;
-
 /// Queued work started recently is counted over about this long.
 pub const DRAIN_WINDOW: Micros = 10 * SEC;
 
@@ -559,9 +555,6 @@ pub struct Scheduler {
     /// When a request of each tier last started (to tell a request that
     /// was overtaken by a higher tier from one that only lacked room).
     tier_started: Vec<Micros>,
-    /// When a request of each tier was last admitted (queued), if ever:
-    /// the step cap protects tiers that have recently had work.
-    tier_admitted: Vec<Option<Micros>>,
     /// Per tier, while the policy holds it ([`hold`]): the request the
     /// hold is re-decided with.
     holds: Vec<Option<Request>>,
@@ -652,7 +645,6 @@ impl Scheduler {
             last_canary: false,
             out: Vec::new(),
             tier_started: vec![0; graph_tiers],
-            tier_admitted: vec![None; graph_tiers],
             holds: vec![None; graph_tiers],
             drain: HashMap::default(),
             misestimate: HashMap::default(),
@@ -2113,33 +2105,25 @@ impl Scheduler {
     /// a TTFT SLO: a quarter of the tightest TTFT SLO of the policy, so a
     /// first token waits at most about that for the step in flight.
     /// The cap on capped prefill in replica `r`'s next step: a quarter of
-    /// the tightest TTFT SLO among the tiers with work on it or queued.
-    /// Only tiers that have such work count: a tier whose requests are all
-    /// refused (an impossible SLO) or that is idle protects nothing, and
-    /// must not slow the pool's other work.
+    /// the tightest TTFT SLO among the tiers that replica could meet at
+    /// all. A tier whose SLO not even a one-token prompt meets on an idle
+    /// replica (`ttft 1ms`) has all its requests refused as `infeasible`:
+    /// it protects nothing, and capping steps for it slowed the whole pool
+    /// twelvefold.
     fn step_cap(&self, r: usize) -> Option<f64> {
         if self.cfg.mode != Mode::Kiln {
             return None;
         }
-        let present = |t: usize| {
-            self.tier_admitted
-                .get(t)
-                .copied()
-                .flatten()
-                .is_some_and(|at| self.now.saturating_sub(at) < STEP_CAP_MEMORY)
-                || self.queues.tier_len(t as TierId) > 0
-                || self
-                    .replicas
-                    .get(r)
-                    .is_some_and(|x| x.running.iter().any(|s| s.w.tier as usize == t))
-        };
+        let floor = self
+            .replicas
+            .get(r)
+            .map_or(0, |x| x.idle_first_token_time(1));
         self.graph
             .tiers
             .iter()
-            .enumerate()
-            .filter_map(|(i, t)| t.slo.ttft.map(|ms| (i, ms)))
-            .filter(|&(i, _)| present(i))
-            .map(|(_, ms)| ms / 1000.0 / 4.0)
+            .filter_map(|t| t.slo.ttft)
+            .filter(|&ms| (ms * 1000.0) as Micros >= floor)
+            .map(|ms| ms / 1000.0 / 4.0)
             .min_by(f64::total_cmp)
     }
 

@@ -252,7 +252,6 @@ impl Scheduler {
         self.live
             .remap(&graph, |t| map.tier(t), |t| map.tenant(t), |p| map.pool(p));
         self.tier_started = vec![0; graph.tiers.len()];
-        self.tier_admitted = vec![None; graph.tiers.len()];
         // A new version decides anew whether to hold.
         self.holds = vec![None; graph.tiers.len()];
         self.signals = Signals::idle(&graph);
