@@ -140,7 +140,12 @@ proptest! {
             .filter(|o| o.first_token.is_some_and(|f| f - o.arrival <= 2 * SEC))
             .count();
         let share = met as f64 / admitted.len().max(1) as f64;
-        prop_assert!(share >= 0.93, "{met} of {} admitted met the SLO at {load:.2}x", admitted.len());
+        // (0.93 before admission estimated from the start tag: a request's
+        // own size no longer counts against its place, so long prompts are
+        // no longer refused first, and at up to 3x overload over two
+        // minutes 92.6-93.0% of admitted ones meet it; over ten minutes at
+        // 1.5x, BENCHMARKS.md: 99%.)
+        prop_assert!(share >= 0.92, "{met} of {} admitted met the SLO at {load:.2}x", admitted.len());
         // Overloaded, it refuses early, with a reason: it does not admit all.
         prop_assert!(admitted.len() < o.len());
         for x in o.iter().filter_map(|o| o.rejected) {

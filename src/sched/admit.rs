@@ -78,8 +78,11 @@ pub(super) struct Admitting<'g> {
 const SHED_PER_ARRIVAL: usize = 16;
 
 /// Queued work is shed when its estimated first token would come later
-/// than this part of the tier's TTFT SLO.
-const SHED_MARGIN: f64 = 0.95;
+/// than this part of the tier's TTFT SLO. (0.95 kept two more points of
+/// admitted attainment under 3x overload, but shed the bursts of tenants
+/// asking under their share: on generated mixes the least any of them got
+/// of what it asked fell from 90% to 62%.)
+const SHED_MARGIN: f64 = 1.0;
 
 /// How many tenants' newest requests are checked, last in fair order first.
 const TAILS_CHECKED: usize = 4;
@@ -541,8 +544,6 @@ impl Scheduler {
             };
             let waited = self.now.saturating_sub(w.arrival);
             let e = self.estimate_for(&q, candidates);
-            // A little short of the SLO: an estimate that only just fits
-            // is a coin toss, and the promise was to the admitted request.
             if e.first_token.saturating_add(waited) as f64 <= SHED_MARGIN * limit as f64 {
                 return false;
             }
