@@ -331,3 +331,49 @@ proptest! {
         }
     }
 }
+
+/// `fair_share { window }` acts: a tenant that idled keeps a credit of a
+/// sixtieth of the window (at its weight's part of the recent throughput)
+/// when it comes back, so after a minute of idling its burst beside a
+/// backlogged tenant is served sooner under a 1-day window than under a
+/// 5-second one (which forgets its idling at once, as plain VTC does).
+#[test]
+fn the_fair_share_window_changes_who_goes_first_after_idling() {
+    let cap = capacity();
+    let run_with = |window: &str| {
+        let g = policy(
+            &[("a", 1.0), ("b", 1.0)],
+            &format!("fair_share {{ window {window} }}"),
+        );
+        let mut recs = synth::poisson(sizes(), "llama-8b", &loads(&["a"], 2.0 * cap), 90.0, 4);
+        // b's burst after 60 s of idling: a tenth of a second's arrivals.
+        let burst = synth::poisson(sizes(), "llama-8b", &loads(&["b"], 40.0 * cap), 0.25, 5);
+        recs.extend(burst.into_iter().map(|mut r| {
+            r.at_ms += 60_000.0;
+            r
+        }));
+        recs.sort_by(|x, y| x.at_ms.total_cmp(&y.at_ms));
+        let o = run(&g, Mode::Kiln, &recs);
+        let b: Vec<&Outcome> = recs
+            .iter()
+            .zip(&o)
+            .filter(|(r, _)| r.tenant.as_deref() == Some("b"))
+            .map(|(_, o)| o)
+            .collect();
+        let served = b.iter().filter(|o| o.first_token.is_some()).count();
+        let ttft: u64 = b
+            .iter()
+            .filter_map(|o| Some(o.first_token? - o.arrival))
+            .sum::<u64>()
+            / served.max(1) as u64;
+        (b.len(), served, ttft)
+    };
+    let (n, short_served, short_ttft) = run_with("5s");
+    let (_, long_served, long_ttft) = run_with("1d");
+    eprintln!("b's burst of {n}: window 5s served {short_served}, mean TTFT {short_ttft} µs; window 1d served {long_served}, mean TTFT {long_ttft} µs");
+    assert!(n >= 10, "{n}");
+    assert!(
+        long_served > short_served || (long_served == short_served && long_ttft * 10 < short_ttft * 9),
+        "the window changed nothing: 5s {short_served} served, {short_ttft} µs; 1d {long_served} served, {long_ttft} µs"
+    );
+}
