@@ -101,7 +101,14 @@ fn loads(names: &[&str], rate: f64) -> Vec<synth::Load> {
 const SECS: f64 = 120.0;
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 6, ..ProptestConfig::default() })]
+    // A fixed seed: these are statistical bounds over short runs, so CI
+    // draws the same generated cases every time (the saved regressions run
+    // first; `cargo bench --bench fair_mixes` covers more mixes, longer).
+    #![proptest_config(ProptestConfig {
+        cases: 6,
+        rng_seed: proptest::test_runner::RngSeed::Fixed(0x6b696c6e),
+        ..ProptestConfig::default()
+    })]
 
     /// Three tenants, each offering the whole pool's capacity (so each is
     /// backlogged whatever its weight): each is served in proportion to its
@@ -291,7 +298,14 @@ fn l4_capacity() -> f64 {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 6, ..ProptestConfig::default() })]
+    // A fixed seed: these are statistical bounds over short runs, so CI
+    // draws the same generated cases every time (the saved regressions run
+    // first; `cargo bench --bench fair_mixes` covers more mixes, longer).
+    #![proptest_config(ProptestConfig {
+        cases: 6,
+        rng_seed: proptest::test_runner::RngSeed::Fixed(0x6b696c6e),
+        ..ProptestConfig::default()
+    })]
 
     /// Generated mixes, not hand-picked ones: random weights (1 to 8) and
     /// random demands (each tenant 1.5x to 3x the pool's capacity, so all
