@@ -445,7 +445,13 @@ impl Scheduler {
                 return;
             }
         }
-        let shed = (self.cfg.mode == Mode::Kiln)
+        // Only tiers with a TTFT SLO shed (and only they pay for the copy).
+        let ttft = a
+            .graph
+            .tiers
+            .get(a.tier as usize)
+            .is_some_and(|t| t.slo.ttft.is_some());
+        let shed = (self.cfg.mode == Mode::Kiln && ttft)
             .then(|| {
                 a.target
                     .map(|t| ((t.model, t.variant), a.candidates.clone()))
@@ -461,7 +467,7 @@ impl Scheduler {
     /// Keeps admission's word after a request went ahead of others in fair
     /// order: while the queued request fair share would serve last (the
     /// newest of the tenant furthest above its weighted share,
-    /// [`super::queue::Queues::fair_tail`]) can no longer get its first
+    /// [`super::queue::Queues::fair_tails`]) can no longer get its first
     /// token within the tier's TTFT SLO, it is shed (`fairness`, 429). So
     /// under overload what is shed comes from the tenants served above
     /// their share, and a tenant within its share is not refused while such

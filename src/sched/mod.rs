@@ -2114,10 +2114,7 @@ impl Scheduler {
         if self.cfg.mode != Mode::Kiln {
             return None;
         }
-        let floor = self
-            .replicas
-            .get(r)
-            .map_or(0, |x| x.idle_first_token_time(1));
+        let floor = self.replicas.get(r).map_or(0, |x| x.idle_floor);
         self.graph
             .tiers
             .iter()

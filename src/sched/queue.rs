@@ -235,6 +235,16 @@ struct Loc {
     order: Order,
 }
 
+/// What every idle tenant's credit on one queue is made of
+/// ([`Queues::credit_basis`]).
+#[derive(Debug, Clone, Copy)]
+struct CreditBasis {
+    /// The tier's recent cost rate times the credit span.
+    cost: f64,
+    /// The weight of its backlogged tenants.
+    backlog_weight: f64,
+}
+
 /// A returning tenant's credit, as a share of its tier's fair-share window
 /// ([`Queues::credit`]).
 pub const CREDIT_PER_WINDOW: f64 = 1.0 / 60.0;
@@ -560,7 +570,7 @@ impl Queues {
             return;
         };
         let credit = if was_idle {
-            self.credit(key, tier, slot)
+            self.credit(self.credit_basis(key, tier), slot)
         } else {
             0.0
         };
@@ -965,9 +975,11 @@ impl Queues {
             .first()
             .and_then(|&(_, s)| tq.tenants.get(s))
             .map(|t| t.served_at(now, decay));
+        // Computed once: each idle tenant's credit is a division of it.
+        let basis = self.credit_basis(key, ti);
         let mut counter = me.served_at(now, decay);
         if me.len == 0 {
-            let credit = self.credit(key, ti, slot);
+            let credit = self.credit(basis, slot);
             counter = floor.map_or(counter, |f| counter.max(f - credit));
         }
         let mine = cost / Self::weight(g, tenant);
@@ -994,7 +1006,7 @@ impl Queues {
             if b.len == 0 {
                 // Idle now: it is lifted to the floor (less its credit)
                 // when it comes back.
-                let credit = self.credit(key, ti, s);
+                let credit = self.credit(basis, s);
                 theirs = floor.map_or(theirs, |f| theirs.max(f - credit));
             }
             let gap = (reach - theirs).max(0.0) * w;
@@ -1235,25 +1247,35 @@ impl Queues {
     /// everything: a tenant asking just under its share was then refused
     /// in every burst, and the window changed nothing. Bounded, so idling
     /// banks no more than that.
-    fn credit(&self, key: (u16, u16), ti: usize, slot: usize) -> f64 {
+    fn credit_basis(&self, key: (u16, u16), ti: usize) -> CreditBasis {
+        let none = CreditBasis {
+            cost: 0.0,
+            backlog_weight: 0.0,
+        };
         let Some(window) = self.decay_of(ti) else {
-            return 0.0;
+            return none;
         };
         let rate = self.rates.get(&key).copied().unwrap_or(0.0);
         let Some(tq) = self.by_variant.get(&key).and_then(|t| t.get(ti)) else {
-            return 0.0;
+            return none;
         };
-        let mut w: f64 = tq
-            .backlog
-            .iter()
-            .filter(|&&(_, s)| s != slot)
-            .map(|&(_, s)| self.weights.get(s).copied().unwrap_or(1.0))
-            .sum();
-        w += self.weights.get(slot).copied().unwrap_or(1.0);
-        let secs = window as f64 / 1e6 * CREDIT_PER_WINDOW;
-        // Counter units per second per unit of weight: the tier's cost
+        // Counter units per second per unit of weight are the tier's cost
         // rate (tokens at the input weight) over the weights sharing it.
-        let credit = rate * self.vtc.0 * secs / w.max(1e-9);
+        let secs = window as f64 / 1e6 * CREDIT_PER_WINDOW;
+        CreditBasis {
+            cost: rate * self.vtc.0 * secs,
+            backlog_weight: tq
+                .backlog
+                .iter()
+                .map(|&(_, s)| self.weights.get(s).copied().unwrap_or(1.0))
+                .sum(),
+        }
+    }
+
+    /// The credit of idle tenant `slot` (not in the backlog) under `basis`.
+    fn credit(&self, basis: CreditBasis, slot: usize) -> f64 {
+        let w = basis.backlog_weight + self.weights.get(slot).copied().unwrap_or(1.0);
+        let credit = basis.cost / w.max(1e-9);
         if credit.is_finite() {
             credit.max(0.0)
         } else {

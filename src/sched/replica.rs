@@ -284,6 +284,10 @@ pub struct Replica {
     /// steps (for throughput against the roofline in reports).
     pub prefilled_tokens: u64,
     pub decoded_tokens: u64,
+    /// The zero-load time to a one-token prompt's first token: no TTFT
+    /// SLO below it can be met here (kept, as the step cap reads it on
+    /// every step).
+    pub idle_floor: Micros,
 }
 
 /// What [`Replica::make_room`] took off a replica.
@@ -363,7 +367,7 @@ impl Replica {
     pub fn new(spec: ReplicaSpec) -> Replica {
         let rate = throughput(&spec);
         let prefill_secs = prefill_secs_per_token(&spec);
-        Replica {
+        let mut r = Replica {
             prefill_secs,
             spec,
             running: Vec::new(),
@@ -381,7 +385,10 @@ impl Replica {
             rate,
             prefilled_tokens: 0,
             decoded_tokens: 0,
-        }
+            idle_floor: 0,
+        };
+        r.idle_floor = r.idle_first_token_time(1);
+        r
     }
 
     /// Takes a new spec (a policy swap) keeping what runs, its step in
@@ -392,6 +399,7 @@ impl Replica {
         self.rate = throughput(&spec);
         self.prefill_secs = prefill_secs_per_token(&spec);
         self.spec = spec;
+        self.idle_floor = self.idle_first_token_time(1);
     }
 
     /// KV blocks in the pool.
