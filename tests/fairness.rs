@@ -391,3 +391,42 @@ fn the_fair_share_window_changes_who_goes_first_after_idling() {
         "the window changed nothing: 5s {short_served} served, {short_ttft} µs; 1d {long_served} served, {long_ttft} µs"
     );
 }
+
+/// The report's `busy` is a true load figure: a light trickle (about a
+/// tenth of what the replica can do) keeps a step running most of the
+/// time, yet uses little of the replica's capacity; a backlog uses most of
+/// it. (`busy` once counted any step as busy and read 92% at 30% load.)
+#[test]
+fn busy_is_the_share_of_capacity_used_not_of_time_stepping() {
+    let g = policy(&[("a", 1.0)], "");
+    let cost = CostModel::from_graph(&g, None).expect("cost model");
+    let cap = capacity();
+    let report = |rate: f64| {
+        let recs = synth::poisson(
+            sizes(),
+            "llama-8b",
+            &[synth::Load {
+                tenant: "a".into(),
+                rate_per_s: rate,
+            }],
+            120.0,
+            7,
+        );
+        replay::replay_at(&g, &cost, &recs, Config::default(), "kiln", 1.0, |_, _| {})
+    };
+    let light = report(0.1 * cap);
+    let stepping = light.stepping.unwrap_or(0.0);
+    assert!(
+        light.busy < 0.3,
+        "busy {} at a tenth of capacity",
+        light.busy
+    );
+    assert!(
+        stepping > light.busy,
+        "stepping {stepping}, busy {}",
+        light.busy
+    );
+    let heavy = report(3.0 * cap);
+    assert!(heavy.busy > 0.6, "busy {} in a backlog", heavy.busy);
+    assert!(heavy.busy > 3.0 * light.busy);
+}

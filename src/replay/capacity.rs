@@ -404,6 +404,7 @@ mod tests {
             duration_s: 0.0,
             gpus: 1,
             busy: 0.0,
+            stepping: None,
             prefill_tok_s: 0.0,
             decode_tok_s: 0.0,
             prefill_capacity_tok_s: 0.0,

@@ -295,6 +295,7 @@ pub fn fleet(sched: &Scheduler, outcomes: &[Outcome], service_gap: f64) -> repor
     };
     for r in sched.replicas() {
         f.busy_gpu_seconds += r.busy_seconds * f64::from(r.spec.gpus);
+        f.work_gpu_seconds += r.work_seconds * f64::from(r.spec.gpus);
         f.prefilled_tokens += r.prefilled_tokens;
         f.decoded_tokens += r.decoded_tokens;
         if r.spec.external {

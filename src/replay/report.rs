@@ -71,10 +71,15 @@ pub struct Report {
     /// From the first arrival to the last completion, seconds.
     pub duration_s: f64,
     pub gpus: u32,
-    /// GPU-seconds during which a step ran, over available GPU-seconds,
-    /// 0–1. A replica running any step counts busy however little of its
-    /// capacity the step used: see `prefill_load` and `decode_load`.
+    /// The share of the fleet's capacity the run used, 0–1: each step's
+    /// work priced at the replica's saturated (roofline) throughput, over
+    /// available GPU-seconds. A true load figure: a replica stepping a
+    /// small batch all the time is lightly loaded, not busy.
     pub busy: f64,
+    /// GPU-seconds during which any step ran, over available GPU-seconds
+    /// (what `busy` used to be: near 1 for any steady trickle); JSON only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stepping: Option<f64>,
     /// Prompt tokens prefilled per second over the run (on replicas that
     /// run their steps here; external upstreams are not counted).
     pub prefill_tok_s: f64,
@@ -346,6 +351,8 @@ fn batch_timing(b: &BatchGroup) -> String {
 pub struct Fleet {
     /// Summed over replicas (step time × the replica's GPUs).
     pub busy_gpu_seconds: f64,
+    /// The same steps' work at the roofline's saturated throughput.
+    pub work_gpu_seconds: f64,
     pub gpus: u32,
     /// The largest VTC service gap seen.
     pub service_gap: f64,
@@ -364,8 +371,12 @@ pub fn build(
     outcomes: &[Outcome],
     fleet: &Fleet,
 ) -> Report {
-    let (busy_gpu_seconds, gpus, service_gap) =
-        (fleet.busy_gpu_seconds, fleet.gpus, fleet.service_gap);
+    let (busy_gpu_seconds, work_gpu_seconds, gpus, service_gap) = (
+        fleet.busy_gpu_seconds,
+        fleet.work_gpu_seconds,
+        fleet.gpus,
+        fleet.service_gap,
+    );
     let start = outcomes.iter().map(|o| o.arrival).min().unwrap_or(0);
     let end = outcomes
         .iter()
@@ -434,11 +445,14 @@ pub fn build(
             group(g, name, os.into_iter(), duration_s)
         })
         .collect();
-    let util = if duration_s > 0.0 && gpus > 0 {
-        busy_gpu_seconds / (duration_s * f64::from(gpus))
-    } else {
-        0.0
+    let of_fleet = |gpu_s: f64| {
+        if duration_s > 0.0 && gpus > 0 {
+            gpu_s / (duration_s * f64::from(gpus))
+        } else {
+            0.0
+        }
     };
+    let (util, stepping) = (of_fleet(work_gpu_seconds), of_fleet(busy_gpu_seconds));
     let per_s = |tokens: u64| {
         if duration_s > 0.0 {
             tokens as f64 / duration_s
@@ -462,6 +476,7 @@ pub fn build(
         duration_s: round(duration_s),
         gpus,
         busy: round(util.min(1.0)),
+        stepping: Some(round(stepping.min(1.0))),
         prefill_tok_s: round(prefill),
         decode_tok_s: round(decode),
         prefill_capacity_tok_s: round(finite(fleet.prefill_capacity_tok_s)),

@@ -71,7 +71,17 @@ pub(super) struct Admitting<'g> {
     pub quota_claimed: bool,
     /// Its prompt's prefix blocks ([`Arrival::prefix_blocks`]).
     pub prefix_blocks: &'g [u64],
+    /// It could not meet its TTFT SLO even alone, but a replica of its
+    /// route was idle: it is served late rather than refused
+    /// ([`feasible`]).
+    pub best_effort: bool,
 }
+
+/// A tier whose TTFT SLO a prompt of this many tokens meets on an idle
+/// replica is a possible one: there a longer prompt that cannot meet it is
+/// its own size's fault, and may be served late on an idle replica
+/// ([`feasible`]). Below it (a 1 ms SLO) every request is refused.
+const POSSIBLE_PROMPT_TOKENS: u64 = 1024;
 
 /// At most this many queued requests are shed for one arrival (each is
 /// shed once, so over a run shedding costs O(1) per arrival).
@@ -296,6 +306,24 @@ fn feasible(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal> {
     if idle <= limit {
         return Ok(());
     }
+    // Served late rather than refused when a replica of its route runs
+    // nothing and the tier's SLO is a possible one: a conversation's long
+    // first turn fills the prefix cache its next turns hit in time (on the
+    // Mooncake trace refusing it refused the whole conversation). Its
+    // prefill ranks below its tier's other work and it is never shed, so
+    // it takes only capacity nothing else wants.
+    let (mut idle_replica, mut possible) = (false, false);
+    for x in a.candidates.iter().filter_map(|&r| s.replicas.get(r)) {
+        if !x.up || x.draining || x.slot_cap == Some(0) {
+            continue;
+        }
+        idle_replica |= x.running.is_empty();
+        possible |= x.idle_first_token_time(POSSIBLE_PROMPT_TOKENS) <= limit;
+    }
+    if idle_replica && possible {
+        a.best_effort = true;
+        return Ok(());
+    }
     release_reserved(s, a);
     Err(Refusal::new(Reason::Infeasible, 413, None))
 }
@@ -313,8 +341,9 @@ fn wait_within_slo(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refus
     if s.cfg.mode != Mode::Kiln {
         return Ok(());
     }
-    // Held work waits by the policy's choice, within its hold's bound.
-    if matches!(a.admission, Admission::Hold { .. }) {
+    // Held work waits by the policy's choice, within its hold's bound;
+    // best-effort work was admitted knowing it will be late.
+    if matches!(a.admission, Admission::Hold { .. }) || a.best_effort {
         return Ok(());
     }
     let Some(limit) = s.wait_limit(a.tier, a.window) else {
@@ -323,14 +352,24 @@ fn wait_within_slo(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refus
     let Some(target) = a.target else {
         return Ok(());
     };
+    let key = (target.model, target.variant);
+    let reference = s.note_prompt_size(
+        key,
+        a.tier,
+        a.req.prompt_tokens,
+        a.prefix_blocks,
+        &a.candidates,
+    );
     let q = super::Estimating {
-        key: (target.model, target.variant),
+        key,
         tier: a.tier,
         tenant: a.tenant,
         prompt: a.req.prompt_tokens,
         output: a.output,
         window: a.window,
         own: None,
+        prefix: a.prefix_blocks,
+        reference,
     };
     let e = s.estimate_for(&q, &a.candidates);
     a.est_start = Some(e.raw_start);
@@ -428,6 +467,7 @@ impl Scheduler {
             deadline,
             quota_claimed: arrival.quota_claimed,
             prefix_blocks: &arrival.prefix_blocks,
+            best_effort: false,
         };
         for (name, gate) in GATES {
             if let Err(r) = gate(self, &mut a) {
@@ -539,6 +579,10 @@ impl Scheduler {
             let Some(w) = self.queues.get(id) else {
                 return false;
             };
+            // Admitted knowing it would be late; it waits for no one.
+            if w.best_effort {
+                return false;
+            }
             let q = super::Estimating {
                 key,
                 tier,
@@ -547,6 +591,8 @@ impl Scheduler {
                 output: w.output_tokens.saturating_sub(w.generated),
                 window: None,
                 own: Some((before_cost, before_tokens)),
+                prefix: &w.prefix_blocks,
+                reference: self.size_reference(key, tier),
             };
             let waited = self.now.saturating_sub(w.arrival);
             let e = self.estimate_for(&q, candidates);
@@ -628,6 +674,7 @@ impl Scheduler {
             gpu_seconds: 0.0,
             started: false,
             orphan: false,
+            best_effort: a.best_effort,
         };
         let cost = self.cfg.vtc_input_weight * f64::from(w.prompt_tokens)
             + self.cfg.vtc_output_weight * f64::from(w.output_tokens);

@@ -70,6 +70,8 @@ impl Scheduler {
             output,
             window: None,
             own: None,
+            prefix: &[],
+            reference: 0,
         };
         let start = self.estimate_for(&q, &reps).raw_start as f64 / SEC as f64;
         // Each item's work at the replicas' saturated (roofline) throughput,

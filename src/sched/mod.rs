@@ -42,6 +42,7 @@ mod reserve;
 pub mod route;
 pub mod scoped;
 pub mod semantic;
+mod sizes;
 pub mod swap;
 #[cfg(test)]
 mod testkit;
@@ -380,6 +381,12 @@ pub struct Config {
     /// unless set) waits without a bound. The gateway sets it from
     /// `[limits] default_queue_bound`, so that nothing it accepted hangs.
     pub default_max_wait: Option<Micros>,
+    /// Admission is blind to a prompt's size below this quantile of the
+    /// tier's recent prompts (each is priced as that long), so a tenant's
+    /// place in fair order, not the length of its prompts, decides what of
+    /// it is admitted; `None` prices each prompt as it is. See
+    /// `docs/fair-admission.md`.
+    pub admission_size_quantile: Option<f64>,
 }
 
 /// A replica for `spec` under `cfg` (see [`Config::shared_upstreams`]).
@@ -411,12 +418,13 @@ impl Default for Config {
             cache_bounds: cache::Bounds::default(),
             cache_on_finish: false,
             default_max_wait: None,
+            admission_size_quantile: Some(0.9),
         }
     }
 }
 
 /// The request an estimate is for.
-pub(crate) struct Estimating {
+pub(crate) struct Estimating<'a> {
     pub key: (u16, u16),
     pub tier: TierId,
     pub tenant: Option<TenantId>,
@@ -427,6 +435,13 @@ pub(crate) struct Estimating {
     /// For a request already queued: the fair-share cost and tokens of its
     /// tenant's work queued before it (a new one has all of it before it).
     pub own: Option<(f64, f64)>,
+    /// Its prompt's prefix blocks: what a replica holds of them it does not
+    /// prefill again.
+    pub prefix: &'a [u64],
+    /// Admission's size-neutral reference ([`sizes`]): a prompt shorter
+    /// than this many tokens (after its cached prefix) is priced as this
+    /// long; 0 prices each prompt as it is.
+    pub reference: u64,
 }
 
 /// A wait estimate: when the request would start (as estimated from the
@@ -549,6 +564,9 @@ pub struct Scheduler {
     /// larger factor, was refused more and fell below its share; on
     /// generated mixes the worst deviation went from 7% to over 200%.)
     misestimate: HashMap<((u16, u16), TierId), Misestimate>,
+    /// Recent sizes of prompts to prefill, per (model, variant) and tier:
+    /// admission's size-neutral reference ([`sizes`]).
+    sizes: HashMap<((u16, u16), TierId), sizes::Sizes>,
     /// Work admitted lately per (model, variant, tier, tenant), as
     /// (fair-share cost, tokens), for what will arrive while one waits.
     incoming: HashMap<MisKey, (Drain, Drain)>,
@@ -648,6 +666,7 @@ impl Scheduler {
             holds: vec![None; graph_tiers],
             drain: HashMap::default(),
             misestimate: HashMap::default(),
+            sizes: HashMap::default(),
             incoming: HashMap::default(),
             router,
             pinned,
@@ -1460,8 +1479,13 @@ impl Scheduler {
             (ahead.tokens, 1.0)
         };
         // A replica takes new work at its next step boundary.
-        let (mut rate, mut prefill) = (0.0, Micros::MAX);
+        let (mut rate, mut prefill, mut prefill_ref) = (0.0, Micros::MAX, Micros::MAX);
         let (mut room_at, mut boundary) = (Micros::MAX, Micros::MAX);
+        // A replica running nothing, with room: dispatch runs on every
+        // event, so whatever still waits cannot use it (pinned to another
+        // replica by prefix affinity, or held), and a new request starts
+        // there at once, whatever the queue holds.
+        let mut idle_now = false;
         for &r in replicas {
             let Some(rep) = self.replicas.get(r).filter(|x| x.up && !x.draining) else {
                 continue;
@@ -1476,9 +1500,19 @@ impl Scheduler {
             // (paged KV: the output's blocks come as it decodes).
             if rep.free_seq_slots() > 0 && rep.kv_free() >= q.prompt {
                 room_at = room_at.min(step_left);
+                idle_now |= rep.running.is_empty() && step_left == 0 && rep.slot_cap != Some(0);
             }
             rate += rep.throughput_tokens_per_s();
-            prefill = prefill.min(rep.first_token_time(q.prompt, self.start_rank(r, q.tier)));
+            let cached = u64::from(rep.cached_prefix_tokens(q.prefix));
+            let tokens = q.prompt.saturating_sub(cached);
+            let rank = self.start_rank(r, q.tier);
+            let own = rep.first_token_time(tokens, rank);
+            prefill = prefill.min(own);
+            prefill_ref = prefill_ref.min(if q.reference > tokens {
+                rep.first_token_time(q.reference, rank)
+            } else {
+                own
+            });
         }
         if prefill == Micros::MAX {
             return Estimate {
@@ -1488,7 +1522,9 @@ impl Scheduler {
             };
         }
         let rate = rate.max(self.drain_rate(q.key)) * share;
-        let start = if ahead_tokens <= 0.0 {
+        let start = if idle_now && self.cfg.mode == Mode::Kiln {
+            0
+        } else if ahead_tokens <= 0.0 {
             if room_at < Micros::MAX {
                 room_at
             } else {
@@ -1513,7 +1549,12 @@ impl Scheduler {
         } else {
             (((ahead_tokens / rate) * SEC as f64) as Micros).saturating_add(boundary)
         };
-        let above_share = self.above_share(q.key, q.tier, q.tenant);
+        let above_share = self.above_share(q.key, q.tier, q.tenant) || ahead.above_share;
+        // Size-neutral pricing ([`sizes`]) for a tenant that others are
+        // ahead of in fair order: that is where its short prompts would
+        // pass where its long ones fail. A tenant alone, or at the head of
+        // fair order, is priced at its own size.
+        let prefill = if above_share { prefill_ref } else { prefill };
         // Corrected by how far off such estimates have been lately.
         let factor = self
             .misestimate
@@ -1523,8 +1564,49 @@ impl Scheduler {
         Estimate {
             raw_start: start,
             first_token: corrected.saturating_add(prefill),
-            above_share: above_share || ahead.above_share,
+            above_share,
         }
+    }
+
+    /// Notes the size of an arriving prompt (what the best of `replicas`
+    /// would prefill of it, after its cached prefix) among its route and
+    /// tier's recent ones; returns admission's size-neutral reference
+    /// ([`sizes`]), in tokens (0: none yet, or turned off).
+    fn note_prompt_size(
+        &mut self,
+        key: (u16, u16),
+        tier: TierId,
+        prompt: u64,
+        prefix: &[u64],
+        replicas: &[usize],
+    ) -> u64 {
+        if self.cfg.admission_size_quantile.is_none() {
+            return 0;
+        }
+        let cached = replicas
+            .iter()
+            .filter_map(|&r| self.replicas.get(r))
+            .map(|r| u64::from(r.cached_prefix_tokens(prefix)))
+            .max()
+            .unwrap_or(0);
+        self.sizes
+            .entry((key, tier))
+            .or_default()
+            .record(prompt.saturating_sub(cached));
+        self.size_reference(key, tier)
+    }
+
+    /// Admission's size-neutral reference for (model, variant) and tier,
+    /// in tokens: the configured quantile of recent prompt sizes, once 50
+    /// have been seen (0 until then, or when turned off).
+    fn size_reference(&self, key: (u16, u16), tier: TierId) -> u64 {
+        let Some(q) = self.cfg.admission_size_quantile else {
+            return 0;
+        };
+        self.sizes
+            .get(&(key, tier))
+            .and_then(|s| s.quantile(q, 50))
+            .unwrap_or(0)
     }
 
     /// Whether `tenant` has lately been admitted more of its tier's work
@@ -1582,6 +1664,8 @@ impl Scheduler {
                         output: d.max_tokens.min(u64::from(u32::MAX)) as u32,
                         window,
                         own: None,
+                        prefix: &[],
+                        reference: 0,
                     };
                     self.estimate_for(&q, &reps).first_token
                 }
@@ -1696,6 +1780,7 @@ impl Scheduler {
         }
         let (prefill, decodes, context) = rep.step_shape;
         let work = rep.saturated_secs(prefill, decodes, context);
+        rep.work_seconds += work;
         let pool = rep.spec.pool;
         let done = rep.finish_step(now, &mut self.out);
         self.live.work(now, pool, work);
@@ -1897,7 +1982,10 @@ impl Scheduler {
             w.affinity = None;
             w.pin_until = 0;
             let now = self.now;
-            let rank = self.start_rank(r, w.tier);
+            // Best-effort work prefills after its tier's other work.
+            let rank = self
+                .start_rank(r, w.tier)
+                .saturating_sub(i64::from(w.best_effort));
             let mut seq = Seq::from_waiting(w, cached);
             seq.rank = rank;
             // Work without a first-token deadline must not make steps long
@@ -2520,6 +2608,8 @@ mod tests {
             output: 10,
             window: None,
             own: None,
+            prefix: &[],
+            reference: 0,
         };
         let est = s.estimate_for(&q, &[ext]).first_token;
         assert!(est < u64::MAX / 4, "{est}");

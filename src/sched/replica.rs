@@ -260,6 +260,9 @@ pub struct Replica {
     blocks: Blocks,
     /// Seconds the replica has spent running steps (for utilization).
     pub busy_seconds: f64,
+    /// The work of those steps at the roofline's saturated throughput
+    /// ([`Self::saturated_secs`]): what of its capacity it really used.
+    pub work_seconds: f64,
     /// Duration of the step in flight (or the last one), seconds.
     pub last_step: f64,
     /// Steps take at most this long (seconds) for capped sequences'
@@ -377,6 +380,7 @@ impl Replica {
             draining: false,
             blocks: Blocks::default(),
             busy_seconds: 0.0,
+            work_seconds: 0.0,
             last_step: 0.0,
             step_cap: None,
             backfill_slack: None,

@@ -101,6 +101,7 @@ pub fn waiting(id: ReqId, tier: u16, tenant: Option<u32>) -> Waiting {
         gpu_seconds: 0.0,
         started: false,
         orphan: false,
+        best_effort: false,
     }
 }
 
