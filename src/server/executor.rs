@@ -91,12 +91,23 @@ pub struct CanaryDecided {
     pub signals: Arc<Signals>,
 }
 
+/// What a request holds on a quota outside this executor (the fleet's
+/// shared quota, [`super::fleet::Claim`]), settled as the scheduler reports
+/// how the request ended. A trait, so that the executor, which the fleet
+/// drives, does not depend on the fleet.
+pub trait Settle: Send + Sync {
+    /// Ended having produced `output` tokens and used `gpu_seconds`.
+    fn finish(&self, output: u32, gpu_seconds: f64);
+    /// Refused before it ran: everything is given back.
+    fn refund(&self);
+}
+
 pub enum Command {
     Submit {
         arrival: Arrival,
         events: mpsc::UnboundedSender<Progress>,
         /// Its claim on the fleet's shared quota, released as it ends.
-        claim: Option<Arc<super::fleet::Claim>>,
+        claim: Option<Arc<dyn Settle>>,
     },
     Cancel(ReqId),
     /// Stores a complete answer in a tier's exact cache (ignored when the
@@ -310,7 +321,7 @@ impl ExecHandle {
 
 struct Entry {
     events: mpsc::UnboundedSender<Progress>,
-    claim: Option<Arc<super::fleet::Claim>>,
+    claim: Option<Arc<dyn Settle>>,
     /// Tokens reported to the handler so far, and the sequence's length.
     sent: u32,
     target: u32,

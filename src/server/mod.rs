@@ -8,7 +8,9 @@
 //! comes back per request over a channel. [`admin`] serves explain, queues,
 //! metrics, health and the atomic policy swap.
 
+pub mod activation;
 pub mod admin;
+pub mod auth;
 pub mod batch_lines;
 pub mod batch_runner;
 pub mod batches;
@@ -385,9 +387,14 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
     // local policy in force until it answers).
     let fleet_tasks = match &fleet {
         Some(f) => {
-            let _ = tokio::time::timeout(std::time::Duration::from_secs(5), fleet::follow(&app, f))
-                .await;
-            fleet::spawn(app.clone(), f.clone())
+            let _ = tokio::time::timeout(
+                std::time::Duration::from_secs(5),
+                activation::follow(&app, f),
+            )
+            .await;
+            let mut tasks = fleet::spawn(app.clone(), f.clone());
+            tasks.push(activation::spawn_sync(app.clone(), f.clone()));
+            tasks
         }
         None => Vec::new(),
     };

@@ -9,6 +9,7 @@
 //! the scheduler if the client goes away at any point, so its capacity is
 //! freed at once. At the end one decision-log line and the metrics.
 
+use super::auth::authenticate;
 use super::executor::{Command, Progress};
 use super::explain::{self, Shared};
 use super::generation::{
@@ -180,50 +181,6 @@ fn recorded_request(req: &Request, graphs: &[&DecisionGraph]) -> Request {
         session: req.session.clone(),
         prompt_tokens: req.prompt_tokens,
         max_tokens: req.max_tokens,
-    }
-}
-
-/// The key from `Authorization: Bearer` (or `x-api-key`).
-fn bearer(headers: &HeaderMap) -> Option<&str> {
-    if let Some(v) = headers.get("authorization").and_then(|v| v.to_str().ok()) {
-        let v = v.trim();
-        let key = v
-            .strip_prefix("Bearer ")
-            .or_else(|| v.strip_prefix("bearer "))
-            .unwrap_or(v);
-        return Some(key.trim()).filter(|k| !k.is_empty());
-    }
-    headers
-        .get("x-api-key")
-        .and_then(|v| v.to_str().ok())
-        .filter(|k| !k.is_empty())
-}
-
-/// The tenant a caller is: by a hashed key from the config, or a key the
-/// policy declares. `Ok(None)` is an anonymous caller, where allowed.
-pub(super) fn authenticate(
-    app: &App,
-    g: &DecisionGraph,
-    headers: &HeaderMap,
-) -> Result<Option<String>, ApiError> {
-    match bearer(headers) {
-        Some(key) => {
-            if let Some(t) = app.config.tenant_for_key(key) {
-                return Ok(Some(t.to_string()));
-            }
-            if app.config.policy_keys {
-                if let Some(t) = g.tenant_for_key(key) {
-                    return Ok(g.tenants.get(t as usize).map(|t| t.name.clone()));
-                }
-            }
-            Err(ApiError::new(401, "the API key is not valid").code("invalid_api_key"))
-        }
-        None if app.config.allow_anonymous => Ok(None),
-        None => Err(ApiError::new(
-            401,
-            "missing API key: send `Authorization: Bearer YOUR-KEY`",
-        )
-        .code("missing_api_key")),
     }
 }
 
@@ -805,7 +762,10 @@ fn submit(
     if !ctx.app.exec.send(Command::Submit {
         arrival,
         events: tx,
-        claim: ctx.claim.clone(),
+        claim: ctx
+            .claim
+            .clone()
+            .map(|c| c as Arc<dyn super::executor::Settle>),
     }) {
         guard.armed = false;
         return Err(ApiError::new(503, "the gateway is shutting down").retry_after(Some(1)));
