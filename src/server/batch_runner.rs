@@ -586,7 +586,7 @@ async fn serve(app: &Arc<App>, b: &BatchRow, it: &ItemLine) -> ItemResult {
             return expired_line(b, it);
         }
         let window = (left * speed * 1e6) as crate::sched::Micros;
-        let resp = crate::server::routes::serve_batch_item(
+        let resp = crate::server::request::pipeline::serve_batch_item(
             app.clone(),
             endpoint_of(b),
             b.owner.clone(),

@@ -21,13 +21,13 @@ pub mod decision_log;
 pub mod executor;
 pub mod explain;
 pub mod fleet;
-mod generation;
 pub mod governance;
 pub mod limits;
 pub mod listen;
 pub mod metrics;
 pub mod openai;
 pub mod prefix;
+mod request;
 pub mod routes;
 pub mod surface;
 

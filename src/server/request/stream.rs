@@ -5,14 +5,15 @@
 //! server-sent events, with the same finish handling, usage chunk,
 //! time-to-first-token, accounting and cancellation for every backend.
 
-use super::executor::{Command, Progress};
-use super::explain;
-use super::metrics::Outcome as MetricOutcome;
-use super::openai::{ApiError, Endpoint};
-use super::routes::{finish_served, kiln_headers, with_headers, CancelGuard, Ctx, Started};
+use super::recorder::{finish_served, kiln_headers, with_headers};
+use super::{CancelGuard, Ctx, Started};
 use crate::backend::http::{Upstream, UpstreamError};
 use crate::backend::Backend;
 use crate::sched::{Micros, Reason, ReqId};
+use crate::server::executor::{Command, Progress};
+use crate::server::explain;
+use crate::server::metrics::Outcome as MetricOutcome;
+use crate::server::openai::{ApiError, Endpoint};
 use axum::body::{Body, Bytes};
 use axum::http::HeaderValue;
 use axum::response::{IntoResponse, Response};
@@ -58,7 +59,7 @@ enum Producer {
 }
 
 /// Serves a request started on a simulated or GPU replica.
-pub(super) async fn serve_scheduled(
+pub(in crate::server) async fn serve_scheduled(
     ctx: Ctx,
     guard: CancelGuard,
     rx: mpsc::UnboundedReceiver<Progress>,
@@ -94,23 +95,23 @@ pub(super) async fn serve_scheduled(
 /// How many times a request no upstream received is queued again.
 /// Enough for a dead upstream's breaker to open (5 failures by default)
 /// and the request to reach a live one; refused connections fail at once.
-pub(super) const RESEND_UNSENT: u32 = 8;
+pub(in crate::server) const RESEND_UNSENT: u32 = 8;
 
 /// What a call to an upstream may still do if it fails before any byte
 /// reached the client.
-pub(super) struct Attempt {
+pub(in crate::server) struct Attempt {
     /// Go back to the queue if the upstream never received it.
-    pub(super) may_resend: bool,
+    pub(in crate::server) may_resend: bool,
     /// Go back to the queue, for another replica, after an upstream
     /// failure (5xx, 429, timeout, broken connection, protocol error).
-    pub(super) may_retry: bool,
+    pub(in crate::server) may_retry: bool,
     /// When the request's upstream budget runs out.
-    pub(super) deadline: tokio::time::Instant,
+    pub(in crate::server) deadline: tokio::time::Instant,
     /// The budget, for messages.
-    pub(super) budget: std::time::Duration,
+    pub(in crate::server) budget: std::time::Duration,
 }
 
-pub(super) enum HttpFail {
+pub(in crate::server) enum HttpFail {
     Fatal(ApiError),
     /// The upstream never saw the request (`Unsent`), or failed before any
     /// byte reached the client (`Failed`): it may go to another replica.
@@ -125,12 +126,12 @@ pub(super) enum HttpFail {
 }
 
 /// A request preempted off an upstream, still the scheduler's.
-pub(super) struct Requeued {
-    pub(super) ctx: Ctx,
-    pub(super) rx: mpsc::UnboundedReceiver<Progress>,
-    pub(super) guard: CancelGuard,
-    pub(super) started: Started,
-    pub(super) by: ReqId,
+pub(in crate::server) struct Requeued {
+    pub(in crate::server) ctx: Ctx,
+    pub(in crate::server) rx: mpsc::UnboundedReceiver<Progress>,
+    pub(in crate::server) guard: CancelGuard,
+    pub(in crate::server) started: Started,
+    pub(in crate::server) by: ReqId,
 }
 
 /// Resolves when the scheduler announces that it preempted this request;
@@ -174,7 +175,7 @@ enum Before {
 /// Serves a request started on an HTTP upstream. Until the first byte of
 /// the answer, a failure may send it back to the queue (per `attempt`);
 /// the whole exchange ends by `attempt.deadline`.
-pub(super) async fn serve_upstream(
+pub(in crate::server) async fn serve_upstream(
     ctx: Ctx,
     guard: CancelGuard,
     mut rx: mpsc::UnboundedReceiver<Progress>,
@@ -429,7 +430,7 @@ fn another_ready(ctx: &Ctx, up: &Arc<Upstream>) -> bool {
 }
 
 /// The answer when a request's upstream budget runs out.
-pub(super) fn budget_error(rid: &str, budget: std::time::Duration) -> ApiError {
+pub(in crate::server) fn budget_error(rid: &str, budget: std::time::Duration) -> ApiError {
     ApiError::new(
         504,
         format!(
