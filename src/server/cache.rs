@@ -209,6 +209,7 @@ pub(super) fn hex(k: &Key) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn chat(system: &str, user: &str, max_tokens: u64) -> Value {
         json!({

@@ -22,6 +22,7 @@
 //! - [`headers`]: what a record keeps of the client's headers.
 
 pub(in crate::server) mod cache;
+pub(in crate::server) mod gates;
 pub(in crate::server) mod headers;
 pub(in crate::server) mod pipeline;
 pub(in crate::server) mod recorder;

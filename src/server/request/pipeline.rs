@@ -3,15 +3,17 @@
 //! backend it started on, and back to the queue when an upstream did not
 //! serve it.
 
+use super::gates;
 use super::headers::{recorded_headers, recorded_request};
-use super::recorder::{finish_left, finish_refused, finish_rejected, tenant_name};
-use super::refusal::{override_error, refusal};
+use super::recorder::{
+    finish_overridden, finish_refused, finish_rejected, tenant_name, LeftWhileQueued,
+};
+use super::refusal::refusal;
 use super::stream::{
     budget_error, serve_scheduled, serve_upstream, Attempt, HttpFail, RESEND_UNSENT,
 };
 use super::{served_substitution, Arrived, CancelGuard, Ctx, Decided, Started, BATCH_HEADER};
 use crate::backend::Backend;
-use crate::governance::overrides::Scope;
 use crate::graph::{Request, ResponseModel};
 use crate::sched::{Arrival, Reason};
 use crate::server::executor::{Command, Progress};
@@ -109,15 +111,7 @@ pub(in crate::server) async fn decide_and_serve(
         prompt_tokens,
         max_tokens,
     };
-    // Incident controls: a paused or throttled tenant is refused here.
-    if let Some(r) = app.gov.check_override(Scope::Tenant, req.tenant.as_deref()) {
-        app.metrics.override_refusal(
-            r.action.name(),
-            "tenant",
-            req.tenant.as_deref().unwrap_or("none"),
-        );
-        return Err(override_error(&app, &r));
-    }
+    gates::on_arrival(&app, &req)?;
     let id = app.next_id.fetch_add(1, Ordering::Relaxed);
     let rid = format!("{:x}-{id}", app.boot_ms);
     let store = if window.is_some() {
@@ -165,7 +159,7 @@ pub(in crate::server) async fn decide_and_serve(
     // Every refusal from here on names the request, its explain entry and
     // the version that decided it.
     let (rid, entry) = (ctx.rid.clone(), ctx.explain.clone());
-    admit_and_run(app, ctx, max_tokens, prompt_tokens)
+    admit_and_run(ctx, max_tokens, prompt_tokens)
         .await
         .map_err(|e| {
             let ms = received.elapsed().as_secs_f64() * 1000.0;
@@ -173,89 +167,16 @@ pub(in crate::server) async fn decide_and_serve(
         })
 }
 
-/// The fleet's claim (where there is a fleet), then [`run`].
+/// The gateway's gates before the scheduler ([`gates::before_scheduler`]),
+/// then [`run`].
 async fn admit_and_run(
-    app: Arc<App>,
     mut ctx: Ctx,
     max_tokens: u64,
     prompt_tokens: u64,
 ) -> Result<Response, ApiError> {
-    // Where no backend passes fields through, a field none can honour is
-    // refused before the request waits in a queue.
-    if !app.backends.iter().any(|b| matches!(b, Backend::Http(_))) {
-        let name = app
-            .backends
-            .first()
-            .map_or_else(|| "sim".to_string(), Backend::name);
-        if let Some(err) = crate::server::surface::unsupported_field(ctx.endpoint, &ctx.body, &name)
-        {
-            finish_refused(&ctx, None, "unsupported_parameter", &err);
-            return Err(err);
-        }
-    }
-    if let Some(fleet) = app.fleet.clone() {
-        // A client that leaves while the fleet's store is consulted is
-        // recorded as cancelled, like one that leaves while queued.
-        let mut left = LeftWhileQueued {
-            ctx: &ctx,
-            decided: None,
-            armed: true,
-        };
-        fleet.wait_for_version().await;
-        let need = prompt_tokens as f64 + max_tokens as f64;
-        let gate = fleet
-            .claim(
-                &app.policy.load().graph,
-                &ctx.req,
-                &ctx.rid,
-                need,
-                prompt_tokens as f64,
-            )
-            .await;
-        left.armed = false;
-        drop(left);
-        match gate {
-            crate::server::fleet::Gate::Claimed(c) => ctx.claim = Some(c),
-            crate::server::fleet::Gate::Free => {}
-            crate::server::fleet::Gate::Refused { limit, retry_ms } => {
-                let reason = if limit == "concurrency" {
-                    Reason::Concurrency
-                } else {
-                    Reason::Quota
-                };
-                let tenant = ctx.req.tenant.as_deref().unwrap_or("none");
-                let msg = match reason {
-                    Reason::Concurrency => format!(
-                        "tenant {tenant} has as many requests in flight as its quota allows (counted over every replica)"
-                    ),
-                    _ => format!(
-                        "tenant {tenant} is over its {limit} quota (counted over every replica)"
-                    ),
-                };
-                let secs = ((retry_ms as f64 / 1000.0 / app.speed).ceil() as u64).max(1);
-                let err = ApiError::new(429, msg)
-                    .code(reason.name())
-                    .retry_after(Some(secs));
-                finish_rejected(&ctx, None, reason, &err);
-                return Err(err);
-            }
-            crate::server::fleet::Gate::Unavailable => match fleet.on_unavailable {
-                crate::server::config::OnUnavailable::Local => {
-                    app.metrics.shared_unclaimed("local")
-                }
-                crate::server::config::OnUnavailable::Refuse => {
-                    app.metrics.shared_unclaimed("refused");
-                    let err = ApiError::new(
-                        503,
-                        "the gateway's shared state (Redis) is unreachable and this fleet refuses requests until it answers (`[state] on_unavailable = \"refuse\"`)",
-                    )
-                    .code(Reason::SharedState.name())
-                    .retry_after(Some(1));
-                    finish_rejected(&ctx, None, Reason::SharedState, &err);
-                    return Err(err);
-                }
-            },
-        }
+    if let Err(r) = gates::before_scheduler(&mut ctx, max_tokens, prompt_tokens).await {
+        finish_refused(&ctx, None, r.reason, &r.err);
+        return Err(r.err);
     }
     run(ctx, max_tokens).await
 }
@@ -379,11 +300,9 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
                 let name = backend.name();
                 // Decided and routed here: a field this backend cannot
                 // honour is refused (an HTTP upstream would get it as sent).
-                if let Some(err) =
-                    crate::server::surface::unsupported_field(ctx.endpoint, &ctx.body, &name)
-                {
-                    finish_refused(&ctx, Some(&started.d), "unsupported_parameter", &err);
-                    return Err(err);
+                if let Err(r) = gates::on_start(&ctx, &name) {
+                    finish_refused(&ctx, Some(&started.d), r.reason, &r.err);
+                    return Err(r.err);
                 }
                 return Ok(serve_scheduled(ctx, guard, rx, started, &name).await);
             }
@@ -498,23 +417,6 @@ enum Waited {
         payload: Option<Arc<str>>,
         similarity: Option<f32>,
     },
-}
-
-/// Logs and explains a request whose client went away while it waited in
-/// the scheduler: the handler (and this guard with it) is dropped
-/// mid-wait. Disarmed once waiting ends any other way.
-struct LeftWhileQueued<'a> {
-    ctx: &'a Ctx,
-    decided: Option<Decided>,
-    armed: bool,
-}
-
-impl Drop for LeftWhileQueued<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            finish_left(self.ctx, self.decided.as_ref());
-        }
-    }
 }
 
 /// Follows the request through the scheduler until it starts on a replica
@@ -710,19 +612,9 @@ fn note_decided(ctx: &Ctx, d: &Decided) -> Result<(), ApiError> {
             app.metrics.shadow(&sh.version, &fields);
         }
     }
-    // Incident controls: a paused or throttled tier.
-    if let Some(r) = app.gov.check_override(Scope::Tier, Some(tname)) {
-        app.metrics.override_refusal(r.action.name(), "tier", tname);
-        explain::note(
-            &ctx.explain,
-            ctx.ms(),
-            format!("refused with {}: {}", r.status, r.message),
-            Some(r.code),
-        );
-        if let Ok(mut e) = ctx.explain.lock() {
-            e.outcome = Some(format!("refused by an override {}", r.status));
-        }
-        return Err(override_error(app, &r));
+    if let Err((r, err)) = gates::on_decision(ctx, d) {
+        finish_overridden(ctx, &r);
+        return Err(err);
     }
     explain::note(
         &ctx.explain,

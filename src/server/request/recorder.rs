@@ -14,7 +14,7 @@ use crate::traffic::{Decision as LogDecision, Record};
 use axum::http::HeaderValue;
 use axum::response::Response;
 
-pub(in crate::server) fn finish_left(ctx: &Ctx, d: Option<&Decided>) {
+fn finish_left(ctx: &Ctx, d: Option<&Decided>) {
     let reason = "client_disconnected";
     explain::note(
         &ctx.explain,
@@ -446,5 +446,37 @@ pub(in crate::server) fn miss_headers(ctx: &Ctx, d: &Decided) -> Vec<(&'static s
             ("x-kiln-cache-skipped", why.as_str().to_string()),
         ],
         _ => vec![(HEADER, "miss".to_string())],
+    }
+}
+
+/// Logs and explains a request whose client went away while it waited in
+/// the scheduler: the handler (and this guard with it) is dropped
+/// mid-wait. Disarmed once waiting ends any other way.
+pub(in crate::server) struct LeftWhileQueued<'a> {
+    pub(in crate::server) ctx: &'a Ctx,
+    pub(in crate::server) decided: Option<Decided>,
+    pub(in crate::server) armed: bool,
+}
+
+impl Drop for LeftWhileQueued<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            finish_left(self.ctx, self.decided.as_ref());
+        }
+    }
+}
+
+/// A request an operator's override on its decided tier refused: explain
+/// says so (the answer is explained by its caller, like any refusal
+/// returned from the pipeline).
+pub(in crate::server) fn finish_overridden(ctx: &Ctx, r: &crate::governance::overrides::Refused) {
+    explain::note(
+        &ctx.explain,
+        ctx.ms(),
+        format!("refused with {}: {}", r.status, r.message),
+        Some(r.code),
+    );
+    if let Ok(mut e) = ctx.explain.lock() {
+        e.outcome = Some(format!("refused by an override {}", r.status));
     }
 }
