@@ -9,7 +9,7 @@
 use super::auth::authenticate;
 use super::openai::{ApiError, Endpoint, GenerationRequest};
 use super::request::headers::private_header;
-use super::request::pipeline::decide_and_serve;
+use super::request::pipeline::run_request;
 use super::request::{Arrived, BATCH_HEADER};
 use super::App;
 use axum::body::Body;
@@ -104,5 +104,7 @@ async fn generate_inner(
         session,
         window: None,
     };
-    decide_and_serve(app, endpoint, greq, raw, big, arrived).await
+    Ok(run_request(app, endpoint, greq, raw, big, arrived)
+        .await?
+        .into_response())
 }

@@ -2,13 +2,11 @@
 //! the content hash and the semantic probe): answering a hit, counting a
 //! miss, storing a complete answer.
 
-use super::recorder::{base_record, record_live, round3, tenant_name, with_headers};
+use super::recorder::{hit_headers, record, tenant_name, with_headers, End};
 use super::{Ctx, Decided};
 use crate::sched::cache::{self, Key};
-use crate::server::cache::{hex, Semantic, HEADER};
+use crate::server::cache::Semantic;
 use crate::server::executor::Command;
-use crate::server::explain;
-use crate::server::metrics::{Labels, Outcome as MetricOutcome};
 use crate::server::openai::Endpoint;
 use axum::body::{Body, Bytes};
 use axum::http::HeaderValue;
@@ -24,18 +22,6 @@ pub(in crate::server) fn serve_hit(
     payload: Option<Arc<str>>,
     similarity: Option<f32>,
 ) -> Response {
-    let kind = if similarity.is_some() {
-        "semantic"
-    } else {
-        "exact"
-    };
-    let app = &ctx.app;
-    let g = &d.graph;
-    let tier = g
-        .tiers
-        .get(d.tier as usize)
-        .map_or("?", |t| t.name.as_str());
-    let tenant = tenant_name(g, d.tenant);
     let shown = cache::show_key(key);
     let Some(mut body) = payload.and_then(|p| serde_json::from_str::<Value>(&p).ok()) else {
         // A replay's entries have no body; the gateway's always do.
@@ -53,72 +39,16 @@ pub(in crate::server) fn serve_hit(
         o.insert("model".into(), json!(ctx.client_model));
     }
     let completion = body["usage"]["completion_tokens"].as_u64().unwrap_or(0);
-    let e2e = ctx.received.elapsed().as_secs_f64();
-    // Measured like any served request, on the route `cache`.
-    let labels = Labels {
-        tier,
-        tenant: &tenant,
-        pool: "cache",
-        model: &ctx.client_model,
-    };
-    app.metrics.cache_lookup(tier, &tenant, kind, true);
-    app.metrics.request_done(&labels, MetricOutcome::Ok);
-    app.metrics.e2e(&labels, e2e);
-    app.metrics.ttft(&labels, e2e);
-    explain::note(
-        &ctx.explain,
-        ctx.ms(),
-        match similarity {
-            Some(sim) => format!(
-                "served from the semantic cache of tier {tier} (a cached question {sim:.3} similar, answer key {shown}): no queue, no replica, no GPU time; {completion} tokens"
-            ),
-            None => format!(
-                "served from the exact cache of tier {tier} (key {shown}): no queue, no replica, no GPU time; {completion} tokens"
-            ),
+    record(
+        ctx,
+        End::CacheHit {
+            d: &d,
+            shown: &shown,
+            similarity,
+            completion,
         },
-        None,
     );
-    if let Ok(mut e) = ctx.explain.lock() {
-        e.outcome = Some("served from the cache".into());
-        e.replica = Some("cache".into());
-    }
-    if app.log.is_enabled() {
-        let mut rec = base_record(ctx, Some(&d));
-        rec.output_tokens = completion;
-        rec.cache_key = ctx.cache_content.as_ref().map(hex);
-        if let Some(dec) = rec.decision.as_mut() {
-            dec.route = Some("cache".into());
-            dec.cache = Some(
-                if similarity.is_some() {
-                    "semantic_hit"
-                } else {
-                    "hit"
-                }
-                .into(),
-            );
-        }
-        rec.ttft_ms = Some(round3(e2e * 1000.0));
-        rec.e2e_ms = Some(round3(e2e * 1000.0));
-        rec.queue_ms = Some(0.0);
-        app.log.write(rec);
-    }
-    record_live(ctx, Some(&d), Some(e2e), e2e, false, true);
-    let headers = vec![
-        ("x-kiln-request-id", ctx.rid.clone()),
-        ("x-kiln-policy-version", d.version.to_string()),
-        ("x-kiln-tier", tier.to_string()),
-        ("x-kiln-tenant", tenant.clone()),
-        ("x-kiln-route", "cache".to_string()),
-        ("x-kiln-queue-ms", "0.000".to_string()),
-        ("x-kiln-explain", format!("/admin/explain/{}", ctx.rid)),
-        (HEADER, "hit".to_string()),
-        ("x-kiln-cache-kind", kind.to_string()),
-        ("x-kiln-cache-key", shown),
-    ];
-    let mut headers = headers;
-    if let Some(sim) = similarity {
-        headers.push(("x-kiln-cache-similarity", format!("{sim:.4}")));
-    }
+    let headers = hit_headers(ctx, &d, &shown, similarity);
     if ctx.stream {
         let events = sse_events(ctx, &body);
         let mut resp = Response::new(Body::from(events));

@@ -105,7 +105,7 @@ pub(in crate::server) async fn before_scheduler(
     ctx: &mut Ctx,
     max_tokens: u64,
     prompt_tokens: u64,
-) -> Result<(), Refused> {
+) -> Result<(), Box<Refused>> {
     for gate in gates_at(At::BeforeScheduler) {
         match gate {
             Gate::UnsupportedField => unsupported_field(ctx)?,
@@ -118,7 +118,7 @@ pub(in crate::server) async fn before_scheduler(
 
 /// Where no backend passes fields through, a field none can honour is
 /// refused before the request waits in a queue.
-fn unsupported_field(ctx: &Ctx) -> Result<(), Refused> {
+fn unsupported_field(ctx: &Ctx) -> Result<(), Box<Refused>> {
     let app = &ctx.app;
     if !app.backends.iter().any(|b| matches!(b, Backend::Http(_))) {
         let name = app
@@ -127,10 +127,10 @@ fn unsupported_field(ctx: &Ctx) -> Result<(), Refused> {
             .map_or_else(|| "sim".to_string(), Backend::name);
         if let Some(err) = crate::server::surface::unsupported_field(ctx.endpoint, &ctx.body, &name)
         {
-            return Err(Refused {
+            return Err(Box::new(Refused {
                 reason: "unsupported_parameter",
                 err,
-            });
+            }));
         }
     }
     Ok(())
@@ -138,7 +138,11 @@ fn unsupported_field(ctx: &Ctx) -> Result<(), Refused> {
 
 /// The fleet's claim on the tenant's shared quota (where there is a
 /// fleet).
-async fn fleet_quota(ctx: &mut Ctx, max_tokens: u64, prompt_tokens: u64) -> Result<(), Refused> {
+async fn fleet_quota(
+    ctx: &mut Ctx,
+    max_tokens: u64,
+    prompt_tokens: u64,
+) -> Result<(), Box<Refused>> {
     let app = ctx.app.clone();
     let Some(fleet) = app.fleet.clone() else {
         return Ok(());
@@ -185,10 +189,10 @@ async fn fleet_quota(ctx: &mut Ctx, max_tokens: u64, prompt_tokens: u64) -> Resu
             let err = ApiError::new(429, msg)
                 .code(reason.name())
                 .retry_after(Some(secs));
-            return Err(Refused {
+            return Err(Box::new(Refused {
                 reason: reason.name(),
                 err,
-            });
+            }));
         }
         Claim::Unavailable => match fleet.on_unavailable {
             OnUnavailable::Local => app.metrics.shared_unclaimed("local"),
@@ -200,10 +204,10 @@ async fn fleet_quota(ctx: &mut Ctx, max_tokens: u64, prompt_tokens: u64) -> Resu
                 )
                 .code(Reason::SharedState.name())
                 .retry_after(Some(1));
-                return Err(Refused {
+                return Err(Box::new(Refused {
                     reason: Reason::SharedState.name(),
                     err,
-                });
+                }));
             }
         },
     }
@@ -215,7 +219,7 @@ async fn fleet_quota(ctx: &mut Ctx, max_tokens: u64, prompt_tokens: u64) -> Resu
 pub(in crate::server) fn on_decision(
     ctx: &Ctx,
     d: &Decided,
-) -> Result<(), (crate::governance::overrides::Refused, ApiError)> {
+) -> Result<(), Box<(crate::governance::overrides::Refused, ApiError)>> {
     for gate in gates_at(At::Decided) {
         if gate == Gate::TierOverride {
             let tname = d
@@ -230,7 +234,7 @@ pub(in crate::server) fn on_decision(
                     .metrics
                     .override_refusal(r.action.name(), "tier", tname);
                 let err = override_error(&ctx.app, &r);
-                return Err((r, err));
+                return Err(Box::new((r, err)));
             }
         }
     }
@@ -240,16 +244,16 @@ pub(in crate::server) fn on_decision(
 /// The gates once it started on a replica that is not an HTTP upstream
 /// (one passes fields through as sent): a field that backend cannot
 /// honour is refused.
-pub(in crate::server) fn on_start(ctx: &Ctx, backend: &str) -> Result<(), Refused> {
+pub(in crate::server) fn on_start(ctx: &Ctx, backend: &str) -> Result<(), Box<Refused>> {
     for gate in gates_at(At::Started) {
         if gate == Gate::ReplicaField {
             if let Some(err) =
                 crate::server::surface::unsupported_field(ctx.endpoint, &ctx.body, backend)
             {
-                return Err(Refused {
+                return Err(Box::new(Refused {
                     reason: "unsupported_parameter",
                     err,
-                });
+                }));
             }
         }
     }

@@ -33,8 +33,9 @@ use crate::graph::{DecisionGraph, Request, ResponseModel, Signals, TenantId, Tie
 use crate::sched::{Reason, ReqId};
 use crate::server::executor::Command;
 use crate::server::explain::Shared;
-use crate::server::openai::Endpoint;
+use crate::server::openai::{ApiError, Endpoint};
 use crate::server::App;
+use axum::response::{IntoResponse, Response};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -169,3 +170,64 @@ pub(in crate::server) fn served_substitution(ctx: &Ctx, s: &Started) -> Option<S
         response_model: declared.unwrap_or_default(),
     })
 }
+
+/// How a request's run through the pipeline ended
+/// ([`pipeline::run_request`]). Every end is recorded (explain, log,
+/// metrics, costs) by the time it is returned, except a stream's: the
+/// stream inside `Served` records its own end as it finishes, or as the
+/// client drops it.
+pub(in crate::server) enum Outcome {
+    /// Started on a replica and answered there: a whole body or a stream.
+    /// Its status is the answer's (an upstream's error before a byte of a
+    /// whole answer was sent is `Failed`, not this).
+    Served {
+        rid: String,
+        response: Response,
+        /// What the whole answer cost on a scheduled replica (0 for a
+        /// stream, whose cost is known at its end, and for an upstream).
+        gpu_seconds: f64,
+    },
+    /// Answered from its tier's exact or semantic cache.
+    CacheHit { rid: String, response: Response },
+    /// Refused: by a gate, the policy or the scheduler (`Retry-After` in
+    /// the error where a retry may pass).
+    Refused(ApiError),
+    /// Admitted but not served: an upstream's failure, its budget, the
+    /// scheduler stopping.
+    Failed(ApiError),
+}
+
+impl Outcome {
+    /// An error the pipeline answers with, as a refusal or a failure: 5xx
+    /// other than 503 (a refusal to retry later) is a failure.
+    fn of_error(err: ApiError) -> Outcome {
+        match err.status {
+            503 => Outcome::Refused(err),
+            500..=599 => Outcome::Failed(err),
+            _ => Outcome::Refused(err),
+        }
+    }
+
+    /// The request id kiln recorded it under, where it did.
+    pub(in crate::server) fn rid(&self) -> Option<&str> {
+        match self {
+            Outcome::Served { rid, .. } | Outcome::CacheHit { rid, .. } => Some(rid),
+            Outcome::Refused(e) | Outcome::Failed(e) => e.recorded.as_ref().map(|r| r.id.as_str()),
+        }
+    }
+}
+
+impl IntoResponse for Outcome {
+    fn into_response(self) -> Response {
+        match self {
+            Outcome::Served { response, .. } | Outcome::CacheHit { response, .. } => response,
+            Outcome::Refused(e) | Outcome::Failed(e) => e.into_response(),
+        }
+    }
+}
+
+/// What a whole answer cost on a scheduled replica, carried with its
+/// response from [`stream`] to the pipeline's [`Outcome::Served`] (the
+/// `x-kiln-gpu-seconds` header is the client's copy of the same number).
+#[derive(Debug, Clone, Copy)]
+pub(in crate::server) struct GpuSeconds(pub(in crate::server) f64);

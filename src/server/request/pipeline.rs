@@ -5,14 +5,15 @@
 
 use super::gates;
 use super::headers::{recorded_headers, recorded_request};
-use super::recorder::{
-    finish_overridden, finish_refused, finish_rejected, tenant_name, LeftWhileQueued,
-};
+use super::recorder::{note, record, tenant_name, End, LeftWhileQueued};
 use super::refusal::refusal;
 use super::stream::{
     budget_error, serve_scheduled, serve_upstream, Attempt, HttpFail, RESEND_UNSENT,
 };
-use super::{served_substitution, Arrived, CancelGuard, Ctx, Decided, Started, BATCH_HEADER};
+use super::{
+    served_substitution, Arrived, CancelGuard, Ctx, Decided, GpuSeconds, Outcome, Started,
+    BATCH_HEADER,
+};
 use crate::backend::Backend;
 use crate::graph::{Request, ResponseModel};
 use crate::sched::{Arrival, Reason};
@@ -20,7 +21,7 @@ use crate::server::executor::{Command, Progress};
 use crate::server::explain;
 use crate::server::openai::{ApiError, Endpoint, GenerationRequest};
 use crate::server::App;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
@@ -30,20 +31,21 @@ use tokio::sync::mpsc;
 
 /// One batch item, decided and served like any request of its tenant: the
 /// same classify, admission, routing, queues, log and explain. The answer
-/// is never a stream; the runner stores its status and body.
-pub async fn serve_batch_item(
+/// is never a stream; the runner stores its status and body, and bills
+/// what [`Outcome::Served`] says it cost.
+pub(in crate::server) async fn serve_batch_item(
     app: Arc<App>,
     endpoint: Endpoint,
     tenant: Option<String>,
     batch: &str,
     body: Value,
     window: crate::sched::Micros,
-) -> Response {
+) -> Outcome {
     let received = Instant::now();
     let received_ms = crate::clock::unix_ms();
     let greq = match GenerationRequest::from_value(endpoint, &body) {
         Ok(g) => g,
-        Err(e) => return e.into_response(),
+        Err(e) => return Outcome::Refused(e),
     };
     let arrived = Arrived {
         received,
@@ -55,20 +57,24 @@ pub async fn serve_batch_item(
         window: Some(window),
     };
     let big = false;
-    match decide_and_serve(app, endpoint, greq, body, big, arrived).await {
-        Ok(r) => r,
-        Err(e) => e.into_response(),
+    match run_request(app, endpoint, greq, body, big, arrived).await {
+        Ok(o) => o,
+        Err(e) => Outcome::Refused(e),
     }
 }
 
-pub(in crate::server) async fn decide_and_serve(
+/// Runs an arrived request through the pipeline: counts its prompt, the
+/// gateway's gates, the scheduler, the backend it starts on. `Err` is a
+/// refusal before the request was recorded (its prompt could not be
+/// counted, an operator paused its tenant): its adapter explains it.
+pub(in crate::server) async fn run_request(
     app: Arc<App>,
     endpoint: Endpoint,
     greq: GenerationRequest,
     raw: Value,
     big: bool,
     arrived: Arrived,
-) -> Result<Response, ApiError> {
+) -> Result<Outcome, ApiError> {
     let Arrived {
         received,
         received_ms,
@@ -159,12 +165,19 @@ pub(in crate::server) async fn decide_and_serve(
     // Every refusal from here on names the request, its explain entry and
     // the version that decided it.
     let (rid, entry) = (ctx.rid.clone(), ctx.explain.clone());
-    admit_and_run(ctx, max_tokens, prompt_tokens)
-        .await
-        .map_err(|e| {
+    Ok(match admit_and_run(ctx, max_tokens, prompt_tokens).await {
+        Ok(o) => o,
+        Err(e) => {
             let ms = received.elapsed().as_secs_f64() * 1000.0;
-            crate::server::surface::explain_recorded(e, &rid, &entry, ms, &policy.version)
-        })
+            Outcome::of_error(crate::server::surface::explain_recorded(
+                e,
+                &rid,
+                &entry,
+                ms,
+                &policy.version,
+            ))
+        }
+    })
 }
 
 /// The gateway's gates before the scheduler ([`gates::before_scheduler`]),
@@ -173,9 +186,17 @@ async fn admit_and_run(
     mut ctx: Ctx,
     max_tokens: u64,
     prompt_tokens: u64,
-) -> Result<Response, ApiError> {
+) -> Result<Outcome, ApiError> {
     if let Err(r) = gates::before_scheduler(&mut ctx, max_tokens, prompt_tokens).await {
-        finish_refused(&ctx, None, r.reason, &r.err);
+        let r = *r;
+        record(
+            &ctx,
+            End::Refused {
+                d: None,
+                reason: r.reason,
+                err: &r.err,
+            },
+        );
         return Err(r.err);
     }
     run(ctx, max_tokens).await
@@ -190,7 +211,7 @@ async fn admit_and_run(
 /// failed before any byte reached the client while another is ready.
 /// From its first start on an upstream, everything (calls, retries, the
 /// waits in the queue between them) ends within `limits.upstream_budget`.
-async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
+async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Outcome, ApiError> {
     let app = ctx.app.clone();
     let limits = &app.config.limits;
     let mut redecided = 0u32;
@@ -224,13 +245,19 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
                         let err = last_error
                             .take()
                             .unwrap_or_else(|| budget_error(&ctx.rid, limits.upstream_budget));
-                        explain::note(
-                            &ctx.explain,
-                            ctx.ms(),
+                        note(
+                            &ctx,
                             "the upstream budget ran out while it waited for another replica",
                             Some(Reason::Timeout.name()),
                         );
-                        finish_rejected(&ctx, None, Reason::Timeout, &err);
+                        record(
+                            &ctx,
+                            End::Refused {
+                                d: None,
+                                reason: Reason::Timeout.name(),
+                                err: &err,
+                            },
+                        );
                         return Err(err);
                     }
                 }
@@ -243,7 +270,10 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
                 payload,
                 similarity,
             } => {
-                return Ok(super::cache::serve_hit(&ctx, d, &key, payload, similarity));
+                return Ok(Outcome::CacheHit {
+                    rid: ctx.rid.clone(),
+                    response: super::cache::serve_hit(&ctx, d, &key, payload, similarity),
+                });
             }
             Waited::Started {
                 started,
@@ -253,9 +283,8 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
             } => (started, backend, rx, guard),
             Waited::PolicyChanged => {
                 redecided += 1;
-                explain::note(
-                    &ctx.explain,
-                    ctx.ms(),
+                note(
+                    &ctx,
                     "re-decided under the new policy version",
                     Some(Reason::PolicyChanged.name()),
                 );
@@ -276,10 +305,9 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
             }
         }
         if let Some(x) = &sub {
-            explain::note(
-                &ctx.explain,
-                ctx.ms(),
-                format!(
+            note(
+        &ctx,
+        format!(
                     "substituted: `{}` serves this request for `{}` (served_by); the response's `model` is `{}`",
                     x.served,
                     x.asked,
@@ -301,10 +329,22 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
                 // Decided and routed here: a field this backend cannot
                 // honour is refused (an HTTP upstream would get it as sent).
                 if let Err(r) = gates::on_start(&ctx, &name) {
-                    finish_refused(&ctx, Some(&started.d), r.reason, &r.err);
+                    let r = *r;
+                    record(
+                        &ctx,
+                        End::Refused {
+                            d: Some(&started.d),
+                            reason: r.reason,
+                            err: &r.err,
+                        },
+                    );
                     return Err(r.err);
                 }
-                return Ok(serve_scheduled(ctx, guard, rx, started, &name).await);
+                let rid = ctx.rid.clone();
+                return Ok(served(
+                    rid,
+                    serve_scheduled(ctx, guard, rx, started, &name).await,
+                ));
             }
             Backend::Http(u) => {
                 let at = *deadline
@@ -316,18 +356,18 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
                     deadline: at,
                     budget: limits.upstream_budget,
                 };
+                let rid = ctx.rid.clone();
                 let (back, err, what) = match serve_upstream(ctx, guard, rx, started, u, attempt)
                     .await
                 {
-                    Ok(r) => return Ok(r),
+                    Ok(r) => return Ok(served(rid, r)),
                     Err(HttpFail::Fatal(e)) => return Err(e),
                     Err(HttpFail::Preempted(p)) => {
                         let p = *p;
                         ctx = p.ctx;
-                        explain::note(
-                            &ctx.explain,
-                            ctx.ms(),
-                            format!(
+                        note(
+        &ctx,
+        format!(
                                 "preempted by request {} on the upstream: its call there was cancelled; the scheduler holds it again",
                                 p.by
                             ),
@@ -351,15 +391,27 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Response, ApiError> {
                 };
                 ctx = *back;
                 app.exec.send(Command::CheckHealth);
-                explain::note(
-                    &ctx.explain,
-                    ctx.ms(),
+                note(
+                    &ctx,
                     format!("{what} ({} {})", err.status, err.message),
                     Some(Reason::Saturation.name()),
                 );
                 last_error = Some(err);
             }
         }
+    }
+}
+
+/// A response from a replica, as the pipeline's outcome.
+fn served(rid: String, response: Response) -> Outcome {
+    let gpu_seconds = response
+        .extensions()
+        .get::<GpuSeconds>()
+        .map_or(0.0, |g| g.0);
+    Outcome::Served {
+        rid,
+        response,
+        gpu_seconds,
     }
 }
 
@@ -497,14 +549,20 @@ async fn wait_inner(
             } => {
                 guard.armed = false;
                 let err = refusal(ctx, decided.as_ref(), reason, status, retry_after);
-                finish_rejected(ctx, decided.as_ref(), reason, &err);
+                record(
+                    ctx,
+                    End::Refused {
+                        d: decided.as_ref(),
+                        reason: reason.name(),
+                        err: &err,
+                    },
+                );
                 return Err(err);
             }
             Progress::Preempted { by } => {
                 preempted += 1;
-                explain::note(
-                    &ctx.explain,
-                    ctx.ms(),
+                note(
+                    ctx,
                     format!("preempted by request {by}; queued again at the head"),
                     Some(Reason::Preempted.name()),
                 );
@@ -521,9 +579,8 @@ async fn wait_inner(
                     guard.armed = false;
                     return Err(ApiError::new(500, "started before a decision"));
                 };
-                explain::note(
-                    &ctx.explain,
-                    ctx.ms(),
+                note(
+                    ctx,
                     format!("started on replica {replica} ({route})"),
                     waited_for.map(Reason::name),
                 );
@@ -592,9 +649,8 @@ fn note_decided(ctx: &Ctx, d: &Decided) -> Result<(), ApiError> {
     if d.canary {
         app.gov.count_canary();
         app.metrics.canary_request(&d.version);
-        explain::note(
-            &ctx.explain,
-            ctx.ms(),
+        note(
+            ctx,
             format!("decided by the canary version {}", d.version),
             None,
         );
@@ -612,16 +668,12 @@ fn note_decided(ctx: &Ctx, d: &Decided) -> Result<(), ApiError> {
             app.metrics.shadow(&sh.version, &fields);
         }
     }
-    if let Err((r, err)) = gates::on_decision(ctx, d) {
-        finish_overridden(ctx, &r);
+    if let Err(refused) = gates::on_decision(ctx, d) {
+        let (r, err) = *refused;
+        record(ctx, End::Overridden(&r));
         return Err(err);
     }
-    explain::note(
-        &ctx.explain,
-        ctx.ms(),
-        format!("decided: tier {tname}"),
-        None,
-    );
+    note(ctx, format!("decided: tier {tname}"), None);
     if let Some(step) = d.fallback_step {
         let tn = tenant_name(&d.graph, d.tenant);
         app.metrics.fallback(tname, &tn, step.saturating_add(1));

@@ -1,12 +1,15 @@
 //! How a request ended, written once: explain, the decision log, metrics,
 //! costs, the rollback conditions' live samples, and the `x-kiln-*`
-//! response headers.
+//! response headers. [`record`] is the one entry: every end of a request
+//! ([`End`]) is written there, whoever ended it (the pipeline, a gate, the
+//! stream, a cache hit, a client that left); [`note`] adds the steps of
+//! its life to explain on the way.
 
 use super::headers::{recorded_request, refused_headers};
 use super::{served_substitution, Ctx, Decided, Started, BATCH_HEADER};
 use crate::graph::{DecisionGraph, TenantId};
 use crate::sched::Reason;
-use crate::server::cache::{Semantic, HEADER};
+use crate::server::cache::{hex, Semantic, HEADER};
 use crate::server::explain;
 use crate::server::metrics::{Labels, Outcome as MetricOutcome};
 use crate::server::openai::ApiError;
@@ -14,7 +17,68 @@ use crate::traffic::{Decision as LogDecision, Record};
 use axum::http::HeaderValue;
 use axum::response::Response;
 
-fn finish_left(ctx: &Ctx, d: Option<&Decided>) {
+/// How a request ended, as [`record`] writes it.
+pub(in crate::server) enum End<'a> {
+    /// Refused by a gate or the scheduler, with its reason code.
+    Refused {
+        d: Option<&'a Decided>,
+        reason: &'a str,
+        err: &'a ApiError,
+    },
+    /// Refused by an operator's override on its decided tier.
+    Overridden(&'a crate::governance::overrides::Refused),
+    /// The client went away before it started (while queued, or while the
+    /// fleet's store was consulted).
+    Left { d: Option<&'a Decided> },
+    /// It started on a replica and ended there: served, cancelled by the
+    /// client mid-answer (charged for what it used), failed, preempted.
+    /// `status` is the one the client got; `None` when no answer went out.
+    Ran {
+        s: &'a Started,
+        output_tokens: u64,
+        ttft_s: Option<f64>,
+        outcome: MetricOutcome,
+        gpu_seconds: f64,
+        status: Option<u16>,
+    },
+    /// Answered from its tier's cache (`similarity` for a semantic hit).
+    CacheHit {
+        d: &'a Decided,
+        shown: &'a str,
+        similarity: Option<f32>,
+        completion: u64,
+    },
+}
+
+/// The one place a request's end is written.
+pub(in crate::server) fn record(ctx: &Ctx, end: End<'_>) {
+    match end {
+        End::Refused { d, reason, err } => refused(ctx, d, reason, err),
+        End::Overridden(r) => overridden(ctx, r),
+        End::Left { d } => left(ctx, d),
+        End::Ran {
+            s,
+            output_tokens,
+            ttft_s,
+            outcome,
+            gpu_seconds,
+            status,
+        } => ran(ctx, s, output_tokens, ttft_s, outcome, gpu_seconds, status),
+        End::CacheHit {
+            d,
+            shown,
+            similarity,
+            completion,
+        } => cache_hit(ctx, d, shown, similarity, completion),
+    }
+}
+
+/// A step of the request's life, for explain.
+pub(in crate::server) fn note(ctx: &Ctx, event: impl Into<String>, reason: Option<&str>) {
+    explain::note(&ctx.explain, ctx.ms(), event, reason);
+}
+
+fn left(ctx: &Ctx, d: Option<&Decided>) {
     let reason = "client_disconnected";
     explain::note(
         &ctx.explain,
@@ -54,23 +118,9 @@ fn finish_left(ctx: &Ctx, d: Option<&Decided>) {
     }
 }
 
-pub(in crate::server) fn finish_rejected(
-    ctx: &Ctx,
-    d: Option<&Decided>,
-    reason: Reason,
-    err: &ApiError,
-) {
-    finish_refused(ctx, d, reason.name(), err);
-}
-
-/// [`finish_rejected`] for a refusal with a reason the scheduler does not
-/// name (`unsupported_parameter`).
-pub(in crate::server) fn finish_refused(
-    ctx: &Ctx,
-    d: Option<&Decided>,
-    reason: &str,
-    err: &ApiError,
-) {
+/// A refusal, by the scheduler (`reason` is its [`Reason`]'s name) or a
+/// gate (its code, such as `unsupported_parameter`).
+fn refused(ctx: &Ctx, d: Option<&Decided>, reason: &str, err: &ApiError) {
     let app = &ctx.app;
     let (tier, mut tenant) = decided_names(d);
     // Refused before the policy decided (the fleet's quota): the tenant
@@ -174,7 +224,7 @@ pub(in crate::server) fn base_record(ctx: &Ctx, d: Option<&Decided>) -> Record {
 /// What one served request adds to the log, metrics and explain store.
 /// `status` is the one the client got; `None` when no answer went out (a
 /// client that left before its whole answer was ready).
-pub(in crate::server) fn finish_served(
+fn ran(
     ctx: &Ctx,
     s: &Started,
     output_tokens: u64,
@@ -461,15 +511,20 @@ pub(in crate::server) struct LeftWhileQueued<'a> {
 impl Drop for LeftWhileQueued<'_> {
     fn drop(&mut self) {
         if self.armed {
-            finish_left(self.ctx, self.decided.as_ref());
+            record(
+                self.ctx,
+                End::Left {
+                    d: self.decided.as_ref(),
+                },
+            );
         }
     }
 }
 
 /// A request an operator's override on its decided tier refused: explain
-/// says so (the answer is explained by its caller, like any refusal
-/// returned from the pipeline).
-pub(in crate::server) fn finish_overridden(ctx: &Ctx, r: &crate::governance::overrides::Refused) {
+/// says so (the answer is explained by the pipeline, like any refusal it
+/// returns; the override's metric is the gate's).
+fn overridden(ctx: &Ctx, r: &crate::governance::overrides::Refused) {
     explain::note(
         &ctx.explain,
         ctx.ms(),
@@ -479,4 +534,104 @@ pub(in crate::server) fn finish_overridden(ctx: &Ctx, r: &crate::governance::ove
     if let Ok(mut e) = ctx.explain.lock() {
         e.outcome = Some(format!("refused by an override {}", r.status));
     }
+}
+
+/// A cache hit, measured like any served request on the route `cache`.
+fn cache_hit(ctx: &Ctx, d: &Decided, shown: &str, similarity: Option<f32>, completion: u64) {
+    let app = &ctx.app;
+    let kind = if similarity.is_some() {
+        "semantic"
+    } else {
+        "exact"
+    };
+    let g = &d.graph;
+    let tier = g
+        .tiers
+        .get(d.tier as usize)
+        .map_or("?", |t| t.name.as_str());
+    let tenant = tenant_name(g, d.tenant);
+    let e2e = ctx.received.elapsed().as_secs_f64();
+    let labels = Labels {
+        tier,
+        tenant: &tenant,
+        pool: "cache",
+        model: &ctx.client_model,
+    };
+    app.metrics.cache_lookup(tier, &tenant, kind, true);
+    app.metrics.request_done(&labels, MetricOutcome::Ok);
+    app.metrics.e2e(&labels, e2e);
+    app.metrics.ttft(&labels, e2e);
+    explain::note(
+        &ctx.explain,
+        ctx.ms(),
+        match similarity {
+            Some(sim) => format!(
+                "served from the semantic cache of tier {tier} (a cached question {sim:.3} similar, answer key {shown}): no queue, no replica, no GPU time; {completion} tokens"
+            ),
+            None => format!(
+                "served from the exact cache of tier {tier} (key {shown}): no queue, no replica, no GPU time; {completion} tokens"
+            ),
+        },
+        None,
+    );
+    if let Ok(mut e) = ctx.explain.lock() {
+        e.outcome = Some("served from the cache".into());
+        e.replica = Some("cache".into());
+    }
+    if app.log.is_enabled() {
+        let mut rec = base_record(ctx, Some(d));
+        rec.output_tokens = completion;
+        rec.cache_key = ctx.cache_content.as_ref().map(hex);
+        if let Some(dec) = rec.decision.as_mut() {
+            dec.route = Some("cache".into());
+            dec.cache = Some(
+                if similarity.is_some() {
+                    "semantic_hit"
+                } else {
+                    "hit"
+                }
+                .into(),
+            );
+        }
+        rec.ttft_ms = Some(round3(e2e * 1000.0));
+        rec.e2e_ms = Some(round3(e2e * 1000.0));
+        rec.queue_ms = Some(0.0);
+        app.log.write(rec);
+    }
+    record_live(ctx, Some(d), Some(e2e), e2e, false, true);
+}
+
+/// A cache hit's response headers.
+pub(in crate::server) fn hit_headers(
+    ctx: &Ctx,
+    d: &Decided,
+    shown: &str,
+    similarity: Option<f32>,
+) -> Vec<(&'static str, String)> {
+    let kind = if similarity.is_some() {
+        "semantic"
+    } else {
+        "exact"
+    };
+    let g = &d.graph;
+    let tier = g
+        .tiers
+        .get(d.tier as usize)
+        .map_or("?", |t| t.name.as_str());
+    let mut headers = vec![
+        ("x-kiln-request-id", ctx.rid.clone()),
+        ("x-kiln-policy-version", d.version.to_string()),
+        ("x-kiln-tier", tier.to_string()),
+        ("x-kiln-tenant", tenant_name(g, d.tenant)),
+        ("x-kiln-route", "cache".to_string()),
+        ("x-kiln-queue-ms", "0.000".to_string()),
+        ("x-kiln-explain", format!("/admin/explain/{}", ctx.rid)),
+        (HEADER, "hit".to_string()),
+        ("x-kiln-cache-kind", kind.to_string()),
+        ("x-kiln-cache-key", shown.to_string()),
+    ];
+    if let Some(sim) = similarity {
+        headers.push(("x-kiln-cache-similarity", format!("{sim:.4}")));
+    }
+    headers
 }

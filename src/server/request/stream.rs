@@ -5,7 +5,7 @@
 //! server-sent events, with the same finish handling, usage chunk,
 //! time-to-first-token, accounting and cancellation for every backend.
 
-use super::recorder::{finish_served, kiln_headers, with_headers};
+use super::recorder::{kiln_headers, note, record, with_headers, End};
 use super::{CancelGuard, Ctx, Started};
 use crate::backend::http::{Upstream, UpstreamError};
 use crate::backend::Backend;
@@ -347,20 +347,21 @@ impl Drop for LeftBeforeAnswer<'_> {
         if !self.armed {
             return;
         }
-        explain::note(
-            &self.ctx.explain,
-            self.ctx.ms(),
+        note(
+            self.ctx,
             "the client went away before the upstream answered: cancelled",
             Some("client_disconnected"),
         );
-        finish_served(
+        record(
             self.ctx,
-            self.s,
-            0,
-            None,
-            MetricOutcome::Cancelled,
-            0.0,
-            None,
+            End::Ran {
+                s: self.s,
+                output_tokens: 0,
+                ttft_s: None,
+                outcome: MetricOutcome::Cancelled,
+                gpu_seconds: 0.0,
+                status: None,
+            },
         );
     }
 }
@@ -417,7 +418,17 @@ fn before_answer(
             MetricOutcome::Timeout,
         ),
     };
-    finish_served(&ctx, s, 0, None, outcome, 0.0, Some(err.status));
+    record(
+        &ctx,
+        End::Ran {
+            s,
+            output_tokens: 0,
+            ttft_s: None,
+            outcome,
+            gpu_seconds: 0.0,
+            status: Some(err.status),
+        },
+    );
     HttpFail::Fatal(err)
 }
 
@@ -616,13 +627,22 @@ impl Generation {
             self.ctx.app.exec.send(Command::Cancel(self.ctx.id));
         }
         let (out, ttft) = (self.tally.output(), self.tally.ttft);
-        finish_served(&self.ctx, &self.s, out, ttft, outcome, gpu_seconds, status);
+        record(
+            &self.ctx,
+            End::Ran {
+                s: &self.s,
+                output_tokens: out,
+                ttft_s: ttft,
+                outcome,
+                gpu_seconds,
+                status,
+            },
+        );
     }
 
     fn preempted(&self, by: ReqId) {
-        explain::note(
-            &self.ctx.explain,
-            self.ctx.ms(),
+        note(
+            &self.ctx,
             format!("preempted by request {by}"),
             Some(Reason::Preempted.name()),
         );
@@ -670,7 +690,9 @@ impl Generation {
                         headers.push(("x-kiln-gpu-seconds", format!("{gpu_seconds:.6}")));
                     }
                     super::cache::store(&self.ctx, &self.s.d, &body);
-                    return Ok(with_headers(axum::Json(body).into_response(), headers));
+                    let mut resp = with_headers(axum::Json(body).into_response(), headers);
+                    resp.extensions_mut().insert(super::GpuSeconds(gpu_seconds));
+                    return Ok(resp);
                 }
                 Piece::Failed { err, outcome } => {
                     self.settle(outcome, 0.0, None, Some(err.status));
@@ -801,10 +823,9 @@ impl Generation {
             }
             Piece::Failed { err, outcome } => {
                 if outcome == MetricOutcome::Preempted {
-                    explain::note(
-                        &self.ctx.explain,
-                        self.ctx.ms(),
-                        "preempted after the stream began: the upstream's call was cancelled and the stream ended with a `preempted` error event",
+                    note(
+        &self.ctx,
+        "preempted after the stream began: the upstream's call was cancelled and the stream ended with a `preempted` error event",
                         Some(Reason::Preempted.name()),
                     );
                 }
@@ -828,9 +849,8 @@ impl Drop for Generation {
         if !self.guard.armed {
             return;
         }
-        explain::note(
-            &self.ctx.explain,
-            self.ctx.ms(),
+        note(
+            &self.ctx,
             "the client went away before the answer ended: cancelled",
             Some("client_disconnected"),
         );
