@@ -4,8 +4,7 @@
 //! serve it.
 
 use super::gates;
-use super::headers::{recorded_headers, recorded_request};
-use super::recorder::{note, record, tenant_name, End, LeftWhileQueued};
+use super::recorder::{self, note, record, tenant_name, End, LeftWhileQueued};
 use super::refusal::refusal;
 use super::stream::{
     budget_error, serve_scheduled, serve_upstream, Attempt, HttpFail, RESEND_UNSENT,
@@ -18,7 +17,6 @@ use crate::backend::Backend;
 use crate::graph::{Request, ResponseModel};
 use crate::sched::{Arrival, Reason};
 use crate::server::executor::{Command, Progress};
-use crate::server::explain;
 use crate::server::openai::{ApiError, Endpoint, GenerationRequest};
 use crate::server::App;
 use axum::response::Response;
@@ -120,24 +118,15 @@ pub(in crate::server) async fn run_request(
     gates::on_arrival(&app, &req)?;
     let id = app.next_id.fetch_add(1, Ordering::Relaxed);
     let rid = format!("{:x}-{id}", app.boot_ms);
-    let store = if window.is_some() {
-        &app.explain_batch
-    } else {
-        &app.explain
-    };
-    let explain = store.insert(explain::Entry {
-        id: rid.clone(),
-        endpoint: endpoint.path(),
-        received_unix_ms: received_ms,
-        request: recorded_request(&req, &[&policy.graph]),
-        version: None,
-        graph: None,
-        signals: None,
-        events: Vec::new(),
-        outcome: None,
-        replica: None,
-        clock: explain::ClockTimes::default(),
-    });
+    let explain = recorder::arrived(
+        &app,
+        window.is_some(),
+        &rid,
+        endpoint,
+        received_ms,
+        &req,
+        &policy.graph,
+    );
     let cache_content = crate::server::cache::content(&policy.graph, &raw);
     let semantic_probe =
         crate::server::cache::probe(&app, &policy.graph, &raw, endpoint, cache_content.is_some())
@@ -514,7 +503,6 @@ async fn wait_inner(
                 canary,
                 at,
             } => {
-                explain::clock(&ctx.explain, |c| c.arrived_us = Some(at));
                 let (dversion, pgraph, psignals) = match &canary {
                     Some(c) => (c.version.clone(), c.graph.clone(), c.signals.clone()),
                     None => (version, graph.clone(), signals),
@@ -532,7 +520,7 @@ async fn wait_inner(
                 };
                 // An override refusal returns here; the guard cancels the
                 // request in the scheduler.
-                note_decided(ctx, &d)?;
+                note_decided(ctx, &d, at)?;
                 *decided = Some(d);
             }
             Progress::Rejected {
@@ -574,19 +562,11 @@ async fn wait_inner(
                 waited_for,
                 at,
             } => {
-                explain::clock(&ctx.explain, |c| c.started_us = Some(at));
                 let Some(d) = decided.take() else {
                     guard.armed = false;
                     return Err(ApiError::new(500, "started before a decision"));
                 };
-                note(
-                    ctx,
-                    format!("started on replica {replica} ({route})"),
-                    waited_for.map(Reason::name),
-                );
-                if let Ok(mut e) = ctx.explain.lock() {
-                    e.replica = Some(route.clone());
-                }
+                recorder::started(ctx, replica, &route, waited_for, at);
                 let started = Started {
                     d,
                     route,
@@ -631,15 +611,9 @@ async fn wait_inner(
 /// What a decision means before the request starts: explain records the
 /// version that decided, a canary or shadow version counts it, and an
 /// operator's override on its tier refuses it.
-fn note_decided(ctx: &Ctx, d: &Decided) -> Result<(), ApiError> {
+fn note_decided(ctx: &Ctx, d: &Decided, at: crate::sched::Micros) -> Result<(), ApiError> {
     let app = &ctx.app;
-    let recorded = recorded_headers(&ctx.req.headers, &[&d.graph, &d.policy_graph]);
-    if let Ok(mut e) = ctx.explain.lock() {
-        e.version = Some(d.version.clone());
-        e.graph = Some(d.policy_graph.clone());
-        e.signals = Some(d.policy_signals.clone());
-        e.request.headers = recorded;
-    }
+    recorder::decided(ctx, d, at);
     let tname = d
         .graph
         .tiers

@@ -5,7 +5,7 @@
 //! stream, a cache hit, a client that left); [`note`] adds the steps of
 //! its life to explain on the way.
 
-use super::headers::{recorded_request, refused_headers};
+use super::headers::{recorded_headers, recorded_request, refused_headers};
 use super::{served_substitution, Ctx, Decided, Started, BATCH_HEADER};
 use crate::graph::{DecisionGraph, TenantId};
 use crate::sched::Reason;
@@ -71,6 +71,74 @@ pub(in crate::server) fn record(ctx: &Ctx, end: End<'_>) {
             completion,
         } => cache_hit(ctx, d, shown, similarity, completion),
     }
+}
+
+/// A request past authentication and its arrival gates: its explain
+/// entry (batch items' in a store of their own).
+pub(in crate::server) fn arrived(
+    app: &crate::server::App,
+    batch: bool,
+    rid: &str,
+    endpoint: crate::server::openai::Endpoint,
+    received_ms: f64,
+    req: &crate::graph::Request,
+    graph: &DecisionGraph,
+) -> explain::Shared {
+    let store = if batch {
+        &app.explain_batch
+    } else {
+        &app.explain
+    };
+    store.insert(explain::Entry {
+        id: rid.to_string(),
+        endpoint: endpoint.path(),
+        received_unix_ms: received_ms,
+        request: recorded_request(req, &[graph]),
+        version: None,
+        graph: None,
+        signals: None,
+        events: Vec::new(),
+        outcome: None,
+        replica: None,
+        clock: explain::ClockTimes::default(),
+    })
+}
+
+/// The policy decided it (at `at` on the scheduler's clock): explain keeps
+/// the deciding version, graph and signals, and the headers they read.
+pub(in crate::server) fn decided(ctx: &Ctx, d: &Decided, at: crate::sched::Micros) {
+    explain::clock(&ctx.explain, |c| c.arrived_us = Some(at));
+    let recorded = recorded_headers(&ctx.req.headers, &[&d.graph, &d.policy_graph]);
+    if let Ok(mut e) = ctx.explain.lock() {
+        e.version = Some(d.version.clone());
+        e.graph = Some(d.policy_graph.clone());
+        e.signals = Some(d.policy_signals.clone());
+        e.request.headers = recorded;
+    }
+}
+
+/// It started on a replica.
+pub(in crate::server) fn started(
+    ctx: &Ctx,
+    replica: usize,
+    route: &str,
+    waited_for: Option<Reason>,
+    at: crate::sched::Micros,
+) {
+    explain::clock(&ctx.explain, |c| c.started_us = Some(at));
+    note(
+        ctx,
+        format!("started on replica {replica} ({route})"),
+        waited_for.map(Reason::name),
+    );
+    if let Ok(mut e) = ctx.explain.lock() {
+        e.replica = Some(route.to_string());
+    }
+}
+
+/// Its last step ended, on the scheduler's clock.
+pub(in crate::server) fn finished_at(ctx: &Ctx, at: crate::sched::Micros) {
+    explain::clock(&ctx.explain, |c| c.finished_us = Some(at));
 }
 
 /// A step of the request's life, for explain.

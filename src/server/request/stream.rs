@@ -11,7 +11,6 @@ use crate::backend::http::{Upstream, UpstreamError};
 use crate::backend::Backend;
 use crate::sched::{Micros, Reason, ReqId};
 use crate::server::executor::{Command, Progress};
-use crate::server::explain;
 use crate::server::metrics::Outcome as MetricOutcome;
 use crate::server::openai::{ApiError, Endpoint};
 use axum::body::{Body, Bytes};
@@ -616,7 +615,7 @@ impl Generation {
     ) {
         self.guard.armed = false;
         if let Some(at) = at {
-            explain::clock(&self.ctx.explain, |c| c.finished_us = Some(at));
+            super::recorder::finished_at(&self.ctx, at);
         }
         if self.producer == Producer::Upstream {
             report_output(&self.ctx, self.tally.output());
