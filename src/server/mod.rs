@@ -3,10 +3,13 @@
 //! pure scheduler core the simulator runs, onto simulated or HTTP backends,
 //! and records, measures and explains every decision.
 //!
-//! Request path: [`routes`] parses and authenticates, counts prompt tokens,
-//! and submits to the [`executor`] task, which owns the scheduler; progress
-//! comes back per request over a channel. [`admin`] serves explain, queues,
-//! metrics, health and the atomic policy swap.
+//! Request path: [`routes`] authenticates and parses, and hands the request
+//! to `request::pipeline`, which runs the gateway's gates, submits it to
+//! the [`executor`] task (it owns the scheduler; progress comes back per
+//! request over a channel), serves it on the backend it started on, and
+//! returns a typed `request::Outcome`; `request::recorder` writes every
+//! end. [`admin`] serves explain, queues, metrics and health;
+//! [`activation`] changes the policy in force.
 
 pub mod activation;
 pub mod admin;
