@@ -352,3 +352,49 @@ proptest! {
         rt.block_on(run_ends(ends));
     }
 }
+
+/// A request an operator's override on its decided tier refuses is
+/// recorded once, like any refusal after a decision: one decision-log line
+/// (`reject`, the override's code), one `kiln_rejects_total`, and explain
+/// saying an override refused it. Before, only explain heard of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tier_override_refusal_is_recorded_once() {
+    let dir = TempDir::new();
+    let upstream = failing_upstream().await;
+    let srv = serve(&dir, &upstream).await;
+    let base = format!("http://{}", srv.addr);
+    let c = support::client(Duration::from_secs(30));
+    let r = c
+        .post(format!("{base}/admin/overrides"))
+        .json(&json!({"scope": "tier", "name": "high", "action": "pause", "for": "10m", "reason": "test"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201, "{}", r.text().await.unwrap());
+    let r = send(&c, &base, &body("big", 8, false), false).await;
+    assert_eq!(r.status(), 503);
+    let rid = r.headers()["x-kiln-request-id"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let lines = until_logged(&srv, &dir, 1).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(log_lines(&srv, &dir).await.len(), 1, "{lines:#?}");
+    let l = &lines[0];
+    assert_eq!(l["id"], rid.as_str());
+    assert_eq!(l["decision"]["admission"], "reject", "{l}");
+    assert_eq!(l["decision"]["reason"], "paused", "{l}");
+    assert_eq!(l["decision"]["status"], 503, "{l}");
+    let m = scrape(&c, &base).await;
+    assert_eq!(
+        metric_sum(&m, "kiln_rejects_total", &["reason=\"paused\""]),
+        1.0,
+        "{m}"
+    );
+    let e = get_json(&c, format!("{base}/admin/explain/{rid}")).await;
+    assert_eq!(
+        e["scheduler"]["outcome"], "refused by an override 503",
+        "{e}"
+    );
+    srv.stop().await;
+}

@@ -644,7 +644,14 @@ fn note_decided(ctx: &Ctx, d: &Decided, at: crate::sched::Micros) -> Result<(), 
     }
     if let Err(refused) = gates::on_decision(ctx, d) {
         let (r, err) = *refused;
-        record(ctx, End::Overridden(&r));
+        record(
+            ctx,
+            End::Overridden {
+                d,
+                r: &r,
+                err: &err,
+            },
+        );
         return Err(err);
     }
     note(ctx, format!("decided: tier {tname}"), None);

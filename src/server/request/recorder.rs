@@ -26,7 +26,11 @@ pub(in crate::server) enum End<'a> {
         err: &'a ApiError,
     },
     /// Refused by an operator's override on its decided tier.
-    Overridden(&'a crate::governance::overrides::Refused),
+    Overridden {
+        d: &'a Decided,
+        r: &'a crate::governance::overrides::Refused,
+        err: &'a ApiError,
+    },
     /// The client went away before it started (while queued, or while the
     /// fleet's store was consulted).
     Left { d: Option<&'a Decided> },
@@ -54,7 +58,7 @@ pub(in crate::server) enum End<'a> {
 pub(in crate::server) fn record(ctx: &Ctx, end: End<'_>) {
     match end {
         End::Refused { d, reason, err } => refused(ctx, d, reason, err),
-        End::Overridden(r) => overridden(ctx, r),
+        End::Overridden { d, r, err } => overridden(ctx, d, r, err),
         End::Left { d } => left(ctx, d),
         End::Ran {
             s,
@@ -189,6 +193,20 @@ fn left(ctx: &Ctx, d: Option<&Decided>) {
 /// A refusal, by the scheduler (`reason` is its [`Reason`]'s name) or a
 /// gate (its code, such as `unsupported_parameter`).
 fn refused(ctx: &Ctx, d: Option<&Decided>, reason: &str, err: &ApiError) {
+    refused_logged(ctx, d, reason, err);
+    record_live(
+        ctx,
+        d,
+        None,
+        ctx.received.elapsed().as_secs_f64(),
+        err.status >= 500,
+        false,
+    );
+}
+
+/// [`refused`] but for the rollback conditions' live sample: explain, the
+/// refusal's metric and its decision-log line.
+fn refused_logged(ctx: &Ctx, d: Option<&Decided>, reason: &str, err: &ApiError) {
     let app = &ctx.app;
     let (tier, mut tenant) = decided_names(d);
     // Refused before the policy decided (the fleet's quota): the tenant
@@ -229,14 +247,6 @@ fn refused(ctx: &Ctx, d: Option<&Decided>, reason: &str, err: &ApiError) {
     }
     rec.e2e_ms = Some(round3(ctx.ms()));
     app.log.write(rec);
-    record_live(
-        ctx,
-        d,
-        None,
-        ctx.received.elapsed().as_secs_f64(),
-        err.status >= 500,
-        false,
-    );
 }
 
 /// Bytes of a refused request's model and session names a record keeps.
@@ -589,16 +599,13 @@ impl Drop for LeftWhileQueued<'_> {
     }
 }
 
-/// A request an operator's override on its decided tier refused: explain
-/// says so (the answer is explained by the pipeline, like any refusal it
-/// returns; the override's metric is the gate's).
-fn overridden(ctx: &Ctx, r: &crate::governance::overrides::Refused) {
-    explain::note(
-        &ctx.explain,
-        ctx.ms(),
-        format!("refused with {}: {}", r.status, r.message),
-        Some(r.code),
-    );
+/// A request an operator's override on its decided tier refused: recorded
+/// like any refusal once decided (explain, a decision-log line, the
+/// refusal's metric; it used to reach none but explain), and explain says
+/// an override refused it. Not a live sample: an operator's pause is not
+/// the policy failing, and must not trip a rollback condition.
+fn overridden(ctx: &Ctx, d: &Decided, r: &crate::governance::overrides::Refused, err: &ApiError) {
+    refused_logged(ctx, Some(d), r.code, err);
     if let Ok(mut e) = ctx.explain.lock() {
         e.outcome = Some(format!("refused by an override {}", r.status));
     }
