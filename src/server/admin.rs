@@ -1,14 +1,11 @@
 //! What operators see and do: `/metrics`, `/healthz`, `/readyz`,
 //! `/admin/explain/{id}`, `/admin/queues`, and `POST /admin/policy`, the
-//! atomic hot swap (compile, validate, swap in the executor between two
-//! events, then publish; on any failure the diagnostics and the old policy
-//! stays).
+//! atomic hot swap (an adapter to [`super::activation`]: compile, validate,
+//! swap in the executor between two events, then publish; on any failure
+//! the diagnostics and the old policy stays).
 
 use super::openai::ApiError;
-use super::{App, Policy};
-use crate::compile;
-use crate::governance::activation::{Activation, ActivationError};
-use crate::source::SourceMap;
+use super::App;
 use axum::body::Body;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
@@ -378,132 +375,6 @@ async fn swap_policy(State(app): State<Arc<App>>, headers: HeaderMap, body: Body
     };
     match app.gov.activate_direct(app.as_ref(), files, &who).await {
         Ok(a) => (StatusCode::OK, axum::Json(a)).into_response(),
-        Err(e) => activation_refused(&e),
-    }
-}
-
-/// The compiler's errors, for the answer to a policy that does not compile.
-fn refusal(c: &compile::Compiled) -> ActivationError {
-    let errors = || {
-        c.diagnostics
-            .items
-            .iter()
-            .filter(|d| d.severity == crate::diag::Severity::Error)
-    };
-    ActivationError::Invalid {
-        diagnostics: errors()
-            .map(|d| crate::diag::to_json(d, &c.sources))
-            .collect(),
-        rendered: errors()
-            .map(|d| crate::diag::render(d, &c.sources, false))
-            .collect(),
-    }
-}
-
-/// Compiles and validates a policy upload, and plans its deployment under
-/// this gateway's config. Nothing changes.
-pub fn compile_upload(
-    app: &App,
-    files: &BTreeMap<String, String>,
-) -> Result<(Policy, crate::sched::plan::Plan, Vec<String>), ActivationError> {
-    let mut sources = SourceMap::new();
-    for (name, text) in files {
-        sources.add(name.clone(), text.clone());
-    }
-    let compiled = compile::compile(sources);
-    if compiled.has_errors() {
-        return Err(refusal(&compiled));
-    }
-    let compile::Compiled { sources, graph, .. } = compiled;
-    let Some(graph) = graph else {
-        return Err(ActivationError::NoGraph);
-    };
-    if let Some(clash) = app.config.key_clash(&graph) {
-        return Err(ActivationError::KeyClash(clash));
-    }
-    crate::backend::deploy::servable_caches(&graph, app.embedder.is_some())
-        .map_err(ActivationError::Deploy)?;
-    let policy = Policy::new(graph, sources);
-    let (plan, notes) = crate::backend::deploy::replan(
-        &policy.graph,
-        &app.config.pools,
-        app.calibration.as_ref(),
-        &app.backends,
-    )
-    .map_err(ActivationError::Deploy)?;
-    Ok((policy, plan, notes))
-}
-
-/// Compiles, validates and swaps in a policy. On failure nothing changes.
-/// In a fleet sharing state, the new version is announced to every
-/// replica ([`super::fleet`]).
-pub async fn activate(
-    app: &App,
-    files: BTreeMap<String, String>,
-) -> Result<Activation, ActivationError> {
-    let a = activate_here(app, files).await?;
-    if let (true, Some(fleet)) = (a.changed, app.fleet.as_ref()) {
-        let policy = app.policy.load_full();
-        super::fleet::announce(fleet, &policy).await;
-    }
-    Ok(a)
-}
-
-/// [`activate`] on this replica only (a version the fleet announced).
-pub async fn activate_here(
-    app: &App,
-    files: BTreeMap<String, String>,
-) -> Result<Activation, ActivationError> {
-    let (policy, plan, notes) = match compile_upload(app, &files) {
-        Ok(x) => x,
-        Err(e) => {
-            app.metrics.policy_swap(false);
-            return Err(e);
-        }
-    };
-    let _one_at_a_time = app.swap_lock.lock().await;
-    let previous = app.policy.load().version.clone();
-    if previous == policy.version {
-        return Ok(Activation {
-            version: policy.version.to_string(),
-            previous: previous.to_string(),
-            changed: false,
-            redecided: 0,
-            notes: Vec::new(),
-        });
-    }
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let policy = Arc::new(policy);
-    if !app.exec.send(super::executor::Command::Swap {
-        graph: policy.graph.clone(),
-        plan,
-        version: policy.version.clone(),
-        done: tx,
-    }) {
-        app.metrics.policy_swap(false);
-        return Err(ActivationError::SchedulerDown);
-    }
-    let redecided = rx.await.unwrap_or_default();
-    app.remember(policy.clone());
-    app.policy.store(policy.clone());
-    app.metrics.policy_swap(true);
-    app.metrics.set_policy_version(&policy.version);
-    tracing::info!(version = %policy.version, previous = %previous, "policy activated");
-    Ok(Activation {
-        version: policy.version.to_string(),
-        previous: previous.to_string(),
-        changed: true,
-        redecided: redecided.len(),
-        notes,
-    })
-}
-
-/// The answer to a refused activation, as `POST /admin/policy` gives it.
-pub fn activation_refused(e: &ActivationError) -> Response {
-    let status = StatusCode::from_u16(e.status()).unwrap_or(StatusCode::UNPROCESSABLE_ENTITY);
-    let r = (status, axum::Json(e.body())).into_response();
-    match e {
-        ActivationError::Shared(s) => super::governance::retry_after(r, s.retry_after_s()),
-        _ => r,
+        Err(e) => super::activation::activation_refused(&e),
     }
 }

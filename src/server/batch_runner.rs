@@ -34,9 +34,11 @@
 //! sent (a model call whose result cannot be stored is wasted GPU time).
 
 use super::openai::Endpoint;
+use super::request::Outcome as Ended;
 use super::App;
 use crate::batch::store::{ItemResult, Store, StoreError};
 use crate::batch::{BatchRow, BatchStatus, ItemLine};
+use axum::response::IntoResponse;
 use serde_json::{json, Value};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -586,7 +588,7 @@ async fn serve(app: &Arc<App>, b: &BatchRow, it: &ItemLine) -> ItemResult {
             return expired_line(b, it);
         }
         let window = (left * speed * 1e6) as crate::sched::Micros;
-        let resp = crate::server::routes::serve_batch_item(
+        let outcome = crate::server::request::pipeline::serve_batch_item(
             app.clone(),
             endpoint_of(b),
             b.owner.clone(),
@@ -595,25 +597,15 @@ async fn serve(app: &Arc<App>, b: &BatchRow, it: &ItemLine) -> ItemResult {
             window,
         )
         .await;
-        let status = resp.status().as_u16();
-        let (rid, gpu, retry_after) = {
-            let header = |name: &str| {
-                resp.headers()
-                    .get(name)
-                    .and_then(|v| v.to_str().ok())
-                    .map(str::to_string)
-            };
-            (
-                header("x-kiln-request-id"),
-                header("x-kiln-gpu-seconds")
-                    .and_then(|v| v.parse::<f64>().ok())
-                    .filter(|v| v.is_finite() && *v >= 0.0)
-                    .unwrap_or(0.0),
-                header("retry-after")
-                    .and_then(|v| v.parse::<f64>().ok())
-                    .filter(|v| v.is_finite() && *v >= 0.0),
-            )
+        // Read from the pipeline's outcome, not parsed back out of headers.
+        let rid = outcome.rid().map(str::to_string);
+        let (gpu, retry_after) = match &outcome {
+            Ended::Served { gpu_seconds, .. } => (*gpu_seconds, None),
+            Ended::CacheHit { .. } => (0.0, None),
+            Ended::Refused(e) | Ended::Failed(e) => (0.0, e.retry_after_s.map(|s| s as f64)),
         };
+        let resp = outcome.into_response();
+        let status = resp.status().as_u16();
         let bytes = axum::body::to_bytes(resp.into_body(), 64 * 1024 * 1024)
             .await
             .unwrap_or_default();

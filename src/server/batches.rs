@@ -11,10 +11,10 @@
 //! batch through `/admin/batches`.
 
 use super::admin::authorize;
+use super::auth::authenticate;
 use super::batch_lines::{self as validate, LineError};
 use super::batch_runner::{estimate_for_lines, now_s};
 use super::openai::ApiError;
-use super::routes::authenticate;
 use super::App;
 use crate::batch::store::StoreError;
 use crate::batch::{parse_window, BatchRow, BatchStatus, FileRow, RequestCounts};

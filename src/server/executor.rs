@@ -91,12 +91,23 @@ pub struct CanaryDecided {
     pub signals: Arc<Signals>,
 }
 
+/// What a request holds on a quota outside this executor (the fleet's
+/// shared quota, [`super::fleet::Claim`]), settled as the scheduler reports
+/// how the request ended. A trait, so that the executor, which the fleet
+/// drives, does not depend on the fleet.
+pub trait Settle: Send + Sync {
+    /// Ended having produced `output` tokens and used `gpu_seconds`.
+    fn finish(&self, output: u32, gpu_seconds: f64);
+    /// Refused before it ran: everything is given back.
+    fn refund(&self);
+}
+
 pub enum Command {
     Submit {
         arrival: Arrival,
         events: mpsc::UnboundedSender<Progress>,
         /// Its claim on the fleet's shared quota, released as it ends.
-        claim: Option<Arc<super::fleet::Claim>>,
+        claim: Option<Arc<dyn Settle>>,
     },
     Cancel(ReqId),
     /// Stores a complete answer in a tier's exact cache (ignored when the
@@ -191,14 +202,6 @@ pub struct UpstreamDemand {
     pub queued: usize,
     /// Tenants with work queued for it, with their fair-share weights.
     pub tenants: Vec<(String, f64)>,
-}
-
-/// KV-cache changes for a CUDA replica, applied before its next step (the
-/// replica is busy on a blocking thread while a step runs).
-#[cfg(feature = "cuda")]
-enum KvOp {
-    Reserve(ReqId, u64),
-    Release(ReqId),
 }
 
 /// The scheduler's state, for `/admin/queues`, `/readyz` and the gauges.
@@ -310,7 +313,7 @@ impl ExecHandle {
 
 struct Entry {
     events: mpsc::UnboundedSender<Progress>,
-    claim: Option<Arc<super::fleet::Claim>>,
+    claim: Option<Arc<dyn Settle>>,
     /// Tokens reported to the handler so far, and the sequence's length.
     sent: u32,
     target: u32,
@@ -331,17 +334,9 @@ struct Handlers {
     /// The executor's own channel, for results of work it hands to
     /// blocking threads (CUDA steps).
     self_tx: Option<mpsc::UnboundedSender<Command>>,
+    /// CUDA replicas' KV changes between steps, and their steps.
     #[cfg(feature = "cuda")]
-    cuda: CudaState,
-}
-
-#[cfg(feature = "cuda")]
-#[derive(Default)]
-struct CudaState {
-    /// Pending KV changes per replica index.
-    ops: HashMap<usize, Vec<KvOp>>,
-    /// Which CUDA replica holds each sequence.
-    seq: HashMap<ReqId, usize>,
+    cuda: crate::backend::cuda::step::Steps,
 }
 
 impl Handlers {
@@ -376,9 +371,7 @@ impl Handlers {
     /// Frees a sequence's KV blocks on its CUDA replica (at its next step).
     fn release_gpu_kv(&mut self, id: ReqId) {
         #[cfg(feature = "cuda")]
-        if let Some(r) = self.cuda.seq.remove(&id) {
-            self.cuda.ops.entry(r).or_default().push(KvOp::Release(id));
-        }
+        self.cuda.release(id);
         let _ = id;
     }
 }
@@ -450,12 +443,7 @@ impl Sink for Handlers {
                     let tokens = seq
                         .map(|s| u64::from(s.w.prompt_tokens) + u64::from(s.w.output_tokens))
                         .unwrap_or(0);
-                    self.cuda.seq.insert(id, replica);
-                    self.cuda
-                        .ops
-                        .entry(replica)
-                        .or_default()
-                        .push(KvOp::Reserve(id, tokens));
+                    self.cuda.started(id, replica, tokens);
                 }
                 let route = rep
                     .map(|r| {
@@ -570,28 +558,7 @@ impl Sink for Handlers {
             let Some(tx) = self.self_tx.clone() else {
                 return false;
             };
-            let (prefill, decodes, context) = rep.step_shape;
-            let ops = self.cuda.ops.remove(&r).unwrap_or_default();
-            tokio::task::spawn_blocking(move || {
-                let result = match slot.replica.lock() {
-                    Ok(mut gpu) => {
-                        for op in ops {
-                            match op {
-                                KvOp::Reserve(id, tokens) => {
-                                    if let Err(e) = gpu.reserve(id, tokens) {
-                                        tracing::warn!("KV arena: {e}");
-                                    }
-                                }
-                                KvOp::Release(id) => {
-                                    gpu.release(id);
-                                }
-                            }
-                        }
-                        gpu.run_step(prefill, decodes, context)
-                            .map_err(|e| e.to_string())
-                    }
-                    Err(_) => Err("the replica's lock was poisoned by an earlier failure".into()),
-                };
+            self.cuda.run(r, slot, rep.step_shape, move |result| {
                 let _ = tx.send(Command::StepRan {
                     replica: r,
                     until,
@@ -641,7 +608,7 @@ impl<C: Clock> Executor<C> {
                 arriving: false,
                 self_tx: None,
                 #[cfg(feature = "cuda")]
-                cuda: CudaState::default(),
+                cuda: Default::default(),
             },
             clock,
             healthy: Vec::new(),

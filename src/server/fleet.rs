@@ -31,10 +31,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-/// How often a replica looks for a policy epoch it missed (a lost
-/// announcement, or a reconnect after Redis was down).
-const POLICY_POLL: Duration = Duration::from_millis(500);
-
 /// How long a request waits for an announced version to be applied here
 /// before it is decided by the version in place.
 const VERSION_WAIT: Duration = Duration::from_secs(2);
@@ -48,7 +44,7 @@ pub struct Fleet {
     /// its wall clock, so rates are sped up alike.
     speed: f64,
     /// The newest epoch announced, and the one this replica applied.
-    seen: AtomicU64,
+    pub(super) seen: AtomicU64,
     applied: tokio::sync::watch::Sender<u64>,
     /// Concurrency leases this replica holds: tenant → request ids.
     leases: Mutex<BTreeMap<String, BTreeSet<String>>>,
@@ -57,7 +53,7 @@ pub struct Fleet {
     was_up: AtomicBool,
     /// A version activated here while Redis was unreachable: announced
     /// as soon as it answers.
-    unannounced: AtomicBool,
+    pub(super) unannounced: AtomicBool,
 }
 
 /// What the shared quota said about one request.
@@ -126,6 +122,16 @@ impl Claim {
     }
 }
 
+impl super::executor::Settle for Claim {
+    fn finish(&self, output: u32, gpu_seconds: f64) {
+        Claim::finish(self, output, gpu_seconds);
+    }
+
+    fn refund(&self) {
+        Claim::refund(self);
+    }
+}
+
 impl Drop for Claim {
     fn drop(&mut self) {
         if !self.done.swap(true, Ordering::AcqRel) {
@@ -173,7 +179,7 @@ impl Fleet {
         *self.applied.borrow()
     }
 
-    fn set_applied(&self, epoch: u64) {
+    pub(super) fn set_applied(&self, epoch: u64) {
         self.applied.send_if_modified(|e| {
             if epoch > *e {
                 *e = epoch;
@@ -285,18 +291,15 @@ impl Fleet {
 }
 
 /// Starts the replica's background work: heartbeat (registry, lease
-/// renewal, health), and the policy version's sync.
+/// renewal, health) and the fair-share and slot exchange. The policy
+/// version's sync is [`super::activation::spawn_sync`].
 pub fn spawn(app: Arc<App>, fleet: Arc<Fleet>) -> Vec<tokio::task::JoinHandle<()>> {
     let beat = {
         let (app, fleet) = (app.clone(), fleet.clone());
         tokio::spawn(async move { heartbeat(app, fleet).await })
     };
-    let share = {
-        let (app, fleet) = (app.clone(), fleet.clone());
-        tokio::spawn(async move { share_sync(app, fleet).await })
-    };
-    let policy = tokio::spawn(async move { policy_sync(app, fleet).await });
-    vec![beat, share, policy]
+    let share = tokio::spawn(async move { share_sync(app, fleet).await });
+    vec![beat, share]
 }
 
 /// How often fair-share counters and upstream slots are exchanged: the
@@ -476,97 +479,6 @@ async fn heartbeat(app: Arc<App>, fleet: Arc<Fleet>) {
                     "shared state reachable again: shared quotas and policy sync resumed"
                 ),
             }
-        }
-    }
-}
-
-/// Keeps this replica on the fleet's newest policy epoch: a subscription
-/// for announcements, and a poll for what it missed.
-async fn policy_sync(app: Arc<App>, fleet: Arc<Fleet>) {
-    let (bell_tx, mut bell) = tokio::sync::mpsc::unbounded_channel::<u64>();
-    {
-        let fleet = fleet.clone();
-        tokio::spawn(async move {
-            use futures_util::StreamExt;
-            loop {
-                match fleet.store.subscribe_policy().await {
-                    Ok(ps) => {
-                        let mut msgs = ps.into_on_message();
-                        while let Some(m) = msgs.next().await {
-                            let epoch = m.get_payload::<u64>().unwrap_or(0);
-                            fleet.seen.fetch_max(epoch, Ordering::AcqRel);
-                            if bell_tx.send(epoch).is_err() {
-                                return;
-                            }
-                        }
-                    }
-                    Err(_) => tokio::time::sleep(POLICY_POLL).await,
-                }
-            }
-        });
-    }
-    let mut poll = tokio::time::interval(POLICY_POLL);
-    poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = poll.tick() => {}
-            m = bell.recv() => if m.is_none() { return },
-        }
-        follow(&app, &fleet).await;
-    }
-}
-
-/// Applies the fleet's policy if it is newer than this replica's, or
-/// publishes this replica's when the store has none (a fresh or restarted
-/// Redis).
-pub async fn follow(app: &Arc<App>, fleet: &Arc<Fleet>) {
-    let Ok(epoch) = fleet.store.policy_epoch().await else {
-        return;
-    };
-    fleet.seen.fetch_max(epoch, Ordering::AcqRel);
-    if epoch == 0 || fleet.unannounced.swap(false, Ordering::AcqRel) {
-        let p = app.policy.load_full();
-        match fleet.store.publish_policy(&p.version, &p.files()).await {
-            Ok(e) => fleet.set_applied(e),
-            Err(_) => fleet.unannounced.store(true, Ordering::Release),
-        }
-        return;
-    }
-    if epoch <= fleet.applied_epoch() {
-        return;
-    }
-    let Ok(Some(shared)) = fleet.store.policy().await else {
-        return;
-    };
-    if shared.version.as_str() == app.policy.load().version.as_ref() {
-        fleet.set_applied(shared.epoch);
-        return;
-    }
-    match super::admin::activate_here(app, shared.files).await {
-        Ok(a) => {
-            tracing::info!(version = %a.version, epoch = shared.epoch, "policy applied from the fleet");
-            fleet.set_applied(shared.epoch);
-        }
-        Err(e) => {
-            // A version this replica cannot run (its backends differ, say):
-            // it keeps its own and says so; `kiln status` shows the split.
-            tracing::error!(version = %shared.version, epoch = shared.epoch, error = %e, "cannot apply the fleet's policy here; keeping the active one");
-            fleet.set_applied(shared.epoch);
-        }
-    }
-}
-
-/// Announces a policy this replica just activated.
-pub async fn announce(fleet: &Fleet, policy: &super::Policy) {
-    match fleet
-        .store
-        .publish_policy(&policy.version, &policy.files())
-        .await
-    {
-        Ok(e) => fleet.set_applied(e),
-        Err(e) => {
-            fleet.unannounced.store(true, Ordering::Release);
-            tracing::error!(version = %policy.version, error = %e, "activated here but not yet announced to the fleet: Redis is unreachable; it is announced when Redis answers");
         }
     }
 }

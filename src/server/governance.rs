@@ -1,6 +1,6 @@
 //! The gateway's governance wiring: the admin API over
 //! [`crate::governance`], the rollout runner task, and [`Gateway`] for [`App`] (how
-//! governance swaps policies, through [`super::admin::activate`] so a
+//! governance swaps policies, through [`super::activation::activate`] so a
 //! refused activation leaves the last good policy serving, and starts and
 //! ends canaries in the executor). Handlers authenticate, parse, call
 //! governance and answer; governance decides.
@@ -20,6 +20,7 @@
 //! | `POST /admin/overrides`, `DELETE /admin/overrides/{scope}/{name}` | pause or throttle a tier or tenant, lift it |
 //! | `GET /admin/audit` | the audit log's head and recent entries |
 
+use super::activation::{self, retry_after};
 use super::admin::{self, identify};
 use super::config::ServerConfig;
 use super::openai::ApiError;
@@ -88,14 +89,14 @@ impl Gateway for App {
     }
 
     fn compile(&self, files: &BTreeMap<String, String>) -> Result<Policy, ActivationError> {
-        admin::compile_upload(self, files).map(|(p, _, _)| p)
+        activation::compile_upload(self, files).map(|(p, _, _)| p)
     }
 
     async fn activate(
         &self,
         files: BTreeMap<String, String>,
     ) -> Result<Activation, ActivationError> {
-        admin::activate(self, files).await
+        activation::activate(self, files).await
     }
 
     async fn set_canary(&self, canary: Option<(Canary, Arc<str>)>) -> bool {
@@ -194,7 +195,7 @@ fn headers_token(headers: &HeaderMap) -> Option<&str> {
 /// The answer to a refused governance action.
 fn refused(e: &ActionError) -> Response {
     match e {
-        ActionError::Invalid(a) => admin::activation_refused(a),
+        ActionError::Invalid(a) => activation::activation_refused(a),
         ActionError::Approval(r) => {
             let help = miette::Diagnostic::help(r).map(|h| h.to_string());
             let status = StatusCode::from_u16(r.status()).unwrap_or(StatusCode::FORBIDDEN);
@@ -219,14 +220,6 @@ fn refused(e: &ActionError) -> Response {
             a.into_response()
         }
     }
-}
-
-/// A refusal that a retry may pass in `secs`: `Retry-After` says when.
-pub(super) fn retry_after(mut r: Response, secs: u64) -> Response {
-    if let Ok(v) = axum::http::HeaderValue::from_str(&secs.to_string()) {
-        r.headers_mut().insert(axum::http::header::RETRY_AFTER, v);
-    }
-    r
 }
 
 /// `200` with the value as JSON, or the refusal.

@@ -3,12 +3,17 @@
 //! pure scheduler core the simulator runs, onto simulated or HTTP backends,
 //! and records, measures and explains every decision.
 //!
-//! Request path: [`routes`] parses and authenticates, counts prompt tokens,
-//! and submits to the [`executor`] task, which owns the scheduler; progress
-//! comes back per request over a channel. [`admin`] serves explain, queues,
-//! metrics, health and the atomic policy swap.
+//! Request path: [`routes`] authenticates and parses, and hands the request
+//! to `request::pipeline`, which runs the gateway's gates, submits it to
+//! the [`executor`] task (it owns the scheduler; progress comes back per
+//! request over a channel), serves it on the backend it started on, and
+//! returns a typed `request::Outcome`; `request::recorder` writes every
+//! end. [`admin`] serves explain, queues, metrics and health;
+//! [`activation`] changes the policy in force.
 
+pub mod activation;
 pub mod admin;
+pub mod auth;
 pub mod batch_lines;
 pub mod batch_runner;
 pub mod batches;
@@ -19,13 +24,13 @@ pub mod decision_log;
 pub mod executor;
 pub mod explain;
 pub mod fleet;
-mod generation;
 pub mod governance;
 pub mod limits;
 pub mod listen;
 pub mod metrics;
 pub mod openai;
 pub mod prefix;
+mod request;
 pub mod routes;
 pub mod surface;
 
@@ -385,9 +390,14 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
     // local policy in force until it answers).
     let fleet_tasks = match &fleet {
         Some(f) => {
-            let _ = tokio::time::timeout(std::time::Duration::from_secs(5), fleet::follow(&app, f))
-                .await;
-            fleet::spawn(app.clone(), f.clone())
+            let _ = tokio::time::timeout(
+                std::time::Duration::from_secs(5),
+                activation::follow(&app, f),
+            )
+            .await;
+            let mut tasks = fleet::spawn(app.clone(), f.clone());
+            tasks.push(activation::spawn_sync(app.clone(), f.clone()));
+            tasks
         }
         None => Vec::new(),
     };

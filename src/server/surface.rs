@@ -4,9 +4,9 @@
 //! models a caller may use, and the request fields a backend that
 //! generates its own tokens cannot honour.
 
+use super::auth::authenticate;
 use super::explain::{self, ClockTimes, Entry};
 use super::openai::{ApiError, Endpoint};
-use super::routes::authenticate;
 use super::App;
 use crate::graph::{AdmitOutcome, DecisionGraph, Request, RouteOutcome, TierId};
 use axum::body::Body;

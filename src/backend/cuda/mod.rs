@@ -6,6 +6,8 @@
 //!   at run time; see the re-exported `CudaReplica` and `devices`).
 //! - [`serve`]: attaching planned replicas to GPUs for the gateway, and
 //!   reusing them across a policy swap.
+//! - `step` (with the feature): the gateway's steps on those replicas (KV
+//!   changes between steps, a step on a blocking thread).
 
 pub mod device;
 // The CUDA FFI is the one place kiln needs unsafe code; each block says
@@ -14,6 +16,8 @@ pub mod device;
 #[allow(unsafe_code)]
 mod gpu;
 pub mod serve;
+#[cfg(feature = "cuda")]
+pub mod step;
 
 #[cfg(feature = "cuda")]
 pub use gpu::*;

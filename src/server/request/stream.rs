@@ -5,14 +5,14 @@
 //! server-sent events, with the same finish handling, usage chunk,
 //! time-to-first-token, accounting and cancellation for every backend.
 
-use super::executor::{Command, Progress};
-use super::explain;
-use super::metrics::Outcome as MetricOutcome;
-use super::openai::{ApiError, Endpoint};
-use super::routes::{finish_served, kiln_headers, with_headers, CancelGuard, Ctx, Started};
+use super::recorder::{kiln_headers, note, record, with_headers, End};
+use super::{CancelGuard, Ctx, Started};
 use crate::backend::http::{Upstream, UpstreamError};
 use crate::backend::Backend;
 use crate::sched::{Micros, Reason, ReqId};
+use crate::server::executor::{Command, Progress};
+use crate::server::metrics::Outcome as MetricOutcome;
+use crate::server::openai::{ApiError, Endpoint};
 use axum::body::{Body, Bytes};
 use axum::http::HeaderValue;
 use axum::response::{IntoResponse, Response};
@@ -58,7 +58,7 @@ enum Producer {
 }
 
 /// Serves a request started on a simulated or GPU replica.
-pub(super) async fn serve_scheduled(
+pub(in crate::server) async fn serve_scheduled(
     ctx: Ctx,
     guard: CancelGuard,
     rx: mpsc::UnboundedReceiver<Progress>,
@@ -94,23 +94,23 @@ pub(super) async fn serve_scheduled(
 /// How many times a request no upstream received is queued again.
 /// Enough for a dead upstream's breaker to open (5 failures by default)
 /// and the request to reach a live one; refused connections fail at once.
-pub(super) const RESEND_UNSENT: u32 = 8;
+pub(in crate::server) const RESEND_UNSENT: u32 = 8;
 
 /// What a call to an upstream may still do if it fails before any byte
 /// reached the client.
-pub(super) struct Attempt {
+pub(in crate::server) struct Attempt {
     /// Go back to the queue if the upstream never received it.
-    pub(super) may_resend: bool,
+    pub(in crate::server) may_resend: bool,
     /// Go back to the queue, for another replica, after an upstream
     /// failure (5xx, 429, timeout, broken connection, protocol error).
-    pub(super) may_retry: bool,
+    pub(in crate::server) may_retry: bool,
     /// When the request's upstream budget runs out.
-    pub(super) deadline: tokio::time::Instant,
+    pub(in crate::server) deadline: tokio::time::Instant,
     /// The budget, for messages.
-    pub(super) budget: std::time::Duration,
+    pub(in crate::server) budget: std::time::Duration,
 }
 
-pub(super) enum HttpFail {
+pub(in crate::server) enum HttpFail {
     Fatal(ApiError),
     /// The upstream never saw the request (`Unsent`), or failed before any
     /// byte reached the client (`Failed`): it may go to another replica.
@@ -125,12 +125,12 @@ pub(super) enum HttpFail {
 }
 
 /// A request preempted off an upstream, still the scheduler's.
-pub(super) struct Requeued {
-    pub(super) ctx: Ctx,
-    pub(super) rx: mpsc::UnboundedReceiver<Progress>,
-    pub(super) guard: CancelGuard,
-    pub(super) started: Started,
-    pub(super) by: ReqId,
+pub(in crate::server) struct Requeued {
+    pub(in crate::server) ctx: Ctx,
+    pub(in crate::server) rx: mpsc::UnboundedReceiver<Progress>,
+    pub(in crate::server) guard: CancelGuard,
+    pub(in crate::server) started: Started,
+    pub(in crate::server) by: ReqId,
 }
 
 /// Resolves when the scheduler announces that it preempted this request;
@@ -174,7 +174,7 @@ enum Before {
 /// Serves a request started on an HTTP upstream. Until the first byte of
 /// the answer, a failure may send it back to the queue (per `attempt`);
 /// the whole exchange ends by `attempt.deadline`.
-pub(super) async fn serve_upstream(
+pub(in crate::server) async fn serve_upstream(
     ctx: Ctx,
     guard: CancelGuard,
     mut rx: mpsc::UnboundedReceiver<Progress>,
@@ -346,20 +346,21 @@ impl Drop for LeftBeforeAnswer<'_> {
         if !self.armed {
             return;
         }
-        explain::note(
-            &self.ctx.explain,
-            self.ctx.ms(),
+        note(
+            self.ctx,
             "the client went away before the upstream answered: cancelled",
             Some("client_disconnected"),
         );
-        finish_served(
+        record(
             self.ctx,
-            self.s,
-            0,
-            None,
-            MetricOutcome::Cancelled,
-            0.0,
-            None,
+            End::Ran {
+                s: self.s,
+                output_tokens: 0,
+                ttft_s: None,
+                outcome: MetricOutcome::Cancelled,
+                gpu_seconds: 0.0,
+                status: None,
+            },
         );
     }
 }
@@ -416,7 +417,17 @@ fn before_answer(
             MetricOutcome::Timeout,
         ),
     };
-    finish_served(&ctx, s, 0, None, outcome, 0.0, Some(err.status));
+    record(
+        &ctx,
+        End::Ran {
+            s,
+            output_tokens: 0,
+            ttft_s: None,
+            outcome,
+            gpu_seconds: 0.0,
+            status: Some(err.status),
+        },
+    );
     HttpFail::Fatal(err)
 }
 
@@ -429,7 +440,7 @@ fn another_ready(ctx: &Ctx, up: &Arc<Upstream>) -> bool {
 }
 
 /// The answer when a request's upstream budget runs out.
-pub(super) fn budget_error(rid: &str, budget: std::time::Duration) -> ApiError {
+pub(in crate::server) fn budget_error(rid: &str, budget: std::time::Duration) -> ApiError {
     ApiError::new(
         504,
         format!(
@@ -604,7 +615,7 @@ impl Generation {
     ) {
         self.guard.armed = false;
         if let Some(at) = at {
-            explain::clock(&self.ctx.explain, |c| c.finished_us = Some(at));
+            super::recorder::finished_at(&self.ctx, at);
         }
         if self.producer == Producer::Upstream {
             report_output(&self.ctx, self.tally.output());
@@ -615,13 +626,22 @@ impl Generation {
             self.ctx.app.exec.send(Command::Cancel(self.ctx.id));
         }
         let (out, ttft) = (self.tally.output(), self.tally.ttft);
-        finish_served(&self.ctx, &self.s, out, ttft, outcome, gpu_seconds, status);
+        record(
+            &self.ctx,
+            End::Ran {
+                s: &self.s,
+                output_tokens: out,
+                ttft_s: ttft,
+                outcome,
+                gpu_seconds,
+                status,
+            },
+        );
     }
 
     fn preempted(&self, by: ReqId) {
-        explain::note(
-            &self.ctx.explain,
-            self.ctx.ms(),
+        note(
+            &self.ctx,
             format!("preempted by request {by}"),
             Some(Reason::Preempted.name()),
         );
@@ -669,7 +689,9 @@ impl Generation {
                         headers.push(("x-kiln-gpu-seconds", format!("{gpu_seconds:.6}")));
                     }
                     super::cache::store(&self.ctx, &self.s.d, &body);
-                    return Ok(with_headers(axum::Json(body).into_response(), headers));
+                    let mut resp = with_headers(axum::Json(body).into_response(), headers);
+                    resp.extensions_mut().insert(super::GpuSeconds(gpu_seconds));
+                    return Ok(resp);
                 }
                 Piece::Failed { err, outcome } => {
                     self.settle(outcome, 0.0, None, Some(err.status));
@@ -800,10 +822,9 @@ impl Generation {
             }
             Piece::Failed { err, outcome } => {
                 if outcome == MetricOutcome::Preempted {
-                    explain::note(
-                        &self.ctx.explain,
-                        self.ctx.ms(),
-                        "preempted after the stream began: the upstream's call was cancelled and the stream ended with a `preempted` error event",
+                    note(
+        &self.ctx,
+        "preempted after the stream began: the upstream's call was cancelled and the stream ended with a `preempted` error event",
                         Some(Reason::Preempted.name()),
                     );
                 }
@@ -827,9 +848,8 @@ impl Drop for Generation {
         if !self.guard.armed {
             return;
         }
-        explain::note(
-            &self.ctx.explain,
-            self.ctx.ms(),
+        note(
+            &self.ctx,
             "the client went away before the answer ended: cancelled",
             Some("client_disconnected"),
         );
