@@ -556,21 +556,11 @@ async fn admit_and_run(
         match gate {
             super::fleet::Gate::Claimed(c) => ctx.claim = Some(c),
             super::fleet::Gate::Free => {}
-            super::fleet::Gate::Refused { limit, retry_ms } => {
-                let reason = if limit == "concurrency" {
-                    Reason::Concurrency
-                } else {
-                    Reason::Quota
-                };
-                let tenant = ctx.req.tenant.as_deref().unwrap_or("none");
-                let msg = match reason {
-                    Reason::Concurrency => format!(
-                        "tenant {tenant} has as many requests in flight as its quota allows (counted over every replica)"
-                    ),
-                    _ => format!(
-                        "tenant {tenant} is over its {limit} quota (counted over every replica)"
-                    ),
-                };
+            super::fleet::Gate::Refused {
+                reason,
+                message: msg,
+                retry_ms,
+            } => {
                 let secs = ((retry_ms as f64 / 1000.0 / app.speed).ceil() as u64).max(1);
                 let err = ApiError::new(429, msg)
                     .code(reason.name())
@@ -794,6 +784,11 @@ fn submit(
         output_tokens: max_tokens.min(u64::from(u32::MAX)) as u32,
         prefix_blocks: ctx.prefix_blocks.clone(),
         quota_claimed: ctx.claim.as_ref().is_some_and(|c| !c.is_done()),
+        fleet: ctx
+            .claim
+            .as_ref()
+            .filter(|c| !c.is_done())
+            .map(|c| c.fleet_claim()),
         cache: ctx.cache_content,
         semantic: ctx.semantic_probe.probe(),
     };
