@@ -1,0 +1,327 @@
+//! Every quota holds over a fleet of three replicas sharing a real
+//! `redis-server` (started here on a free loopback port; skipped, with a
+//! message, where it is not installed): a tier's and a model's quota admit
+//! what one gateway would, `quota.remaining` reads the fleet's value, and
+//! over any minute containing a Redis `kill -9` and restart (empty, or from
+//! its append-only file) the fleet admits at most 1.1× the allowance.
+//!
+//! Policy time runs at `[sim] speed` 10 (a minute of quota is 6 s here), so
+//! the minute-long windows these promises are about take seconds.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code may panic
+
+mod support;
+
+use kiln::server::config::{OnUnavailable, ServerConfig, StateSection};
+use serde_json::json;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use support::redis::Redis;
+use support::{client, policy, serve_on_loopback};
+
+/// Tier `metered` (tenant `a`) has a quota of its own; model `small`
+/// (served to tenant `b`'s tier `bulk`) has one; tenant `c` has one, and
+/// its tier refuses it once less than half of it is left.
+const POLICY: &str = r#"
+pool gpu { gpus 8 kind "H100-80GB" memory 80GB }
+model tiny {
+  params 1B
+  kv_per_token 32KB
+  variant fp16 { memory 4GB pools [gpu] max_batch 64 }
+}
+model small {
+  params 1B
+  kv_per_token 32KB
+  quota { requests 60/min }
+  variant fp16 { memory 4GB pools [gpu] max_batch 64 }
+}
+tier metered { priority 100 slo { ttft 5s } quota { requests 60/min } }
+tier bulk { priority 50 slo { ttft 5s } }
+tier saver { priority 40 slo { ttft 5s } }
+tenant a { owner "a@x" tiers [metered] api_keys ["k-a"] }
+tenant b { owner "b@x" tiers [bulk] api_keys ["k-b"] }
+tenant c { owner "c@x" tiers [saver] quota { requests 60/min } api_keys ["k-c"] }
+classify {
+  when tenant == a => tier metered
+  when tenant == b => tier bulk
+  default => tier saver
+}
+route [metered, saver, bulk] tiny { default => fp16 }
+route [metered, saver, bulk] small { default => fp16 }
+admit saver {
+  when quota.remaining < 50% => reject 429 "half of the quota is spent"
+  default => accept
+}
+"#;
+
+const SPEED: f64 = 10.0;
+/// A minute of policy time, in wall time.
+const MINUTE: Duration = Duration::from_millis(6000);
+
+fn config(url: &str, ns: &str, i: usize, speed: f64) -> ServerConfig {
+    let mut cfg = ServerConfig::default_embedded();
+    cfg.sim.speed = speed;
+    cfg.state = Some(StateSection {
+        redis: url.to_string(),
+        namespace: ns.to_string(),
+        replica: Some(format!("replica-{i}")),
+        on_unavailable: OnUnavailable::Local,
+        // Deliberately wrong: the fleet's size comes from the registry.
+        replicas: 1,
+        lease: Duration::from_millis(900),
+    });
+    cfg
+}
+
+struct Fleet {
+    gateways: Vec<kiln::server::Running>,
+    bases: Vec<String>,
+}
+
+async fn fleet(url: &str, speed: f64) -> Fleet {
+    let ns = support::redis::namespace("q");
+    let mut gateways = Vec::new();
+    for i in 0..3 {
+        gateways
+            .push(serve_on_loopback(policy("q.kiln", POLICY), config(url, &ns, i, speed)).await);
+    }
+    let bases = gateways
+        .iter()
+        .map(|g| format!("http://{}", g.addr))
+        .collect();
+    Fleet { gateways, bases }
+}
+
+impl Fleet {
+    async fn stop(self) {
+        for g in self.gateways {
+            g.stop().await;
+        }
+    }
+
+    /// Lets every replica's heartbeat (a third of the lease) count the
+    /// three in the registry.
+    async fn registered(&self) {
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+    }
+}
+
+async fn chat(c: &reqwest::Client, base: &str, key: &str, model: &str) -> (u16, String) {
+    let r = c
+        .post(format!("{base}/v1/chat/completions"))
+        .bearer_auth(key)
+        .json(&json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}))
+        .send()
+        .await;
+    match r {
+        Ok(r) => {
+            let s = r.status().as_u16();
+            let body = r.text().await.unwrap_or_default();
+            (s, body)
+        }
+        Err(e) => (0, e.to_string()),
+    }
+}
+
+/// Sends `key`'s requests round-robin over the replicas at `per_s` (wall)
+/// for `run`, calling `at` with the elapsed time before each send; returns
+/// the wall-clock offsets of the admitted ones.
+async fn offer(
+    f: &Fleet,
+    key: &'static str,
+    model: &'static str,
+    per_s: f64,
+    run: Duration,
+) -> Vec<Duration> {
+    let c = client(Duration::from_secs(10));
+    let admitted = Arc::new(Mutex::new(Vec::new()));
+    let start = Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / per_s));
+    let mut handles = Vec::new();
+    let mut n = 0usize;
+    while start.elapsed() < run {
+        tick.tick().await;
+        let sent = start.elapsed();
+        let (c, b, admitted) = (c.clone(), f.bases[n % 3].clone(), admitted.clone());
+        n += 1;
+        handles.push(tokio::spawn(async move {
+            if chat(&c, &b, key, model).await.0 == 200 {
+                admitted.lock().unwrap().push(sent);
+            }
+        }));
+    }
+    for h in handles {
+        h.await.unwrap();
+    }
+    let mut v = admitted.lock().unwrap().clone();
+    v.sort();
+    v
+}
+
+/// The most admitted in any `window` (sliding) of `times`.
+fn busiest(times: &[Duration], window: Duration) -> usize {
+    let mut best = 0;
+    let mut lo = 0;
+    for hi in 0..times.len() {
+        while times[hi] - times[lo] >= window {
+            lo += 1;
+        }
+        best = best.max(hi - lo + 1);
+    }
+    best
+}
+
+/// What one gateway's bucket admits over `window` from full: its minute of
+/// burst and what refills meanwhile (`per_min` a minute of policy time).
+fn allowance(per_min: f64, window: Duration) -> f64 {
+    per_min + per_min * window.as_secs_f64() / MINUTE.as_secs_f64()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn tier_and_model_quotas_hold_over_the_fleet() {
+    let Some(redis) = Redis::start() else { return };
+    let f = fleet(&redis.url(), SPEED).await;
+    f.registered().await;
+    // Three times the rate (60/min of policy time: 10/s here) each, over
+    // a minute of policy time, spread over the three replicas.
+    let run = MINUTE;
+    let (tier, model) = tokio::join!(
+        offer(&f, "k-a", "tiny", 30.0, run),
+        offer(&f, "k-b", "small", 30.0, run),
+    );
+    f.stop().await;
+    let due = allowance(60.0, run);
+    eprintln!(
+        "tier quota: {} admitted, model quota: {} admitted, {due:.0} due each (one gateway's bucket)",
+        tier.len(),
+        model.len()
+    );
+    for (what, n) in [("tier", tier.len()), ("model", model.len())] {
+        assert!(
+            (n as f64) <= 1.1 * due,
+            "{what} quota 60/min: {n} admitted over the fleet, more than 1.1 x {due:.0}"
+        );
+        assert!(
+            (n as f64) >= 0.8 * due,
+            "{what} quota 60/min: only {n} admitted over the fleet of {due:.0} due"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn quota_remaining_reads_the_fleets_value() {
+    let Some(redis) = Redis::start() else { return };
+    // Policy time as wall time: the bucket barely refills meanwhile.
+    let f = fleet(&redis.url(), 1.0).await;
+    let c = client(Duration::from_secs(10));
+    let (mut ok, mut fired, mut other) = (0, 0, Vec::new());
+    for i in 0..45 {
+        let (s, body) = chat(&c, &f.bases[i % 3], "k-c", "tiny").await;
+        match s {
+            200 => ok += 1,
+            _ if body.contains("half of the quota is spent") => fired += 1,
+            _ => other.push((s, body)),
+        }
+    }
+    f.stop().await;
+    eprintln!(
+        "quota.remaining < 50%: {ok} admitted, the rule fired {fired} times, {} other refusals",
+        other.len()
+    );
+    // Each replica alone would have seen a third of the fleet's spending
+    // (never under 50% before 30 admitted fleet-wide), so never fired.
+    assert!(
+        (29..=32).contains(&ok),
+        "{ok} admitted before the rule fired on the fleet's remaining quota; other: {other:?}"
+    );
+    assert!(
+        fired >= 10,
+        "the admit rule fired {fired} times; other: {other:?}"
+    );
+}
+
+/// Three replicas, 3x the rate of a tier's 60/min spread over them, Redis
+/// killed after a while and restarted (`persistent`: from its append-only
+/// file; else empty); over every minute of policy time the fleet admits
+/// at most 1.1x what one gateway would.
+async fn outage(persistent: bool) {
+    let port = support::redis::free_port();
+    let dir = std::env::temp_dir().join(support::redis::namespace("kiln-aof-"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let start = |dir: &std::path::Path| {
+        if persistent {
+            Redis::start_persistent(port, dir)
+        } else {
+            Redis::start_on(port)
+        }
+    };
+    let Some(redis) = start(&dir) else { return };
+    let f = fleet(&redis.url(), SPEED).await;
+    f.registered().await;
+    let run = MINUTE * 2;
+    let load = offer(&f, "k-a", "tiny", 30.0, run);
+    let chaos = async {
+        // Down from 0.4 to 0.9 of a minute into the load, then back.
+        tokio::time::sleep(MINUTE * 2 / 5).await;
+        redis.stop();
+        tokio::time::sleep(MINUTE / 2).await;
+        start(&dir).unwrap()
+    };
+    let (admitted, back) = tokio::join!(load, chaos);
+    // The outage happened: requests were decided locally meanwhile.
+    let c = client(Duration::from_secs(5));
+    let mut local = 0.0;
+    for b in &f.bases {
+        let m = c
+            .get(format!("{b}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        local += m
+            .lines()
+            .filter(|l| l.starts_with("kiln_shared_state_unclaimed_total{action=\"local\"}"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>();
+    }
+    f.stop().await;
+    back.stop();
+    let _ = std::fs::remove_dir_all(&dir);
+    let worst = busiest(&admitted, MINUTE);
+    let due = allowance(60.0, MINUTE);
+    let total_due = allowance(60.0, run);
+    eprintln!(
+        "Redis killed and restarted {}: {} admitted in two minutes ({total_due:.0} due), at most {worst} in any minute ({due:.0} due); {local} requests decided while it was down",
+        if persistent { "from its AOF" } else { "empty" },
+        admitted.len()
+    );
+    assert!(
+        local >= 50.0,
+        "only {local} requests were decided while Redis was down"
+    );
+    assert!(
+        worst as f64 <= 1.1 * due,
+        "{worst} admitted in one minute around the outage, more than 1.1 x {due:.0}"
+    );
+    assert!(
+        admitted.len() as f64 <= 1.1 * total_due,
+        "{} admitted in two minutes around the outage, more than 1.1 x {total_due:.0}",
+        admitted.len()
+    );
+    assert!(
+        admitted.len() as f64 >= 0.7 * total_due,
+        "only {} admitted of {total_due:.0} due",
+        admitted.len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_outage_keeps_the_promise_when_redis_comes_back_empty() {
+    outage(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_outage_keeps_the_promise_when_redis_comes_back_from_its_aof() {
+    outage(true).await;
+}
