@@ -50,7 +50,10 @@ pub struct Fleet {
     /// Shared with governance, which keeps its records in the same store.
     pub store: Arc<Store>,
     pub on_unavailable: OnUnavailable,
-    /// `[state] replicas`: the fleet's size until the registry counts it.
+    /// `[state] replicas`: the fewest replicas the fleet runs (an
+    /// autoscaler's minimum): the registry's count is never taken below
+    /// it, so a replica that counted only itself before Redis went away
+    /// (the others not registered yet) does not take the whole quota.
     pub replicas: u32,
     /// The live replicas the registry last counted (this one included).
     live: AtomicU32,
@@ -195,13 +198,10 @@ impl Fleet {
         }))
     }
 
-    /// The fleet's size: the live replicas the registry last counted, or
-    /// `[state] replicas` until it has.
+    /// The fleet's size: the live replicas the registry last counted, at
+    /// least `[state] replicas`.
     pub fn size(&self) -> u32 {
-        match self.live.load(Ordering::Relaxed) {
-            0 => self.replicas.max(1),
-            n => n,
-        }
+        self.live.load(Ordering::Relaxed).max(self.replicas).max(1)
     }
 
     /// The share of each limit one replica enforces alone.

@@ -947,11 +947,17 @@ impl Store {
 }
 
 /// This replica's default name: `$HOSTNAME` (a pod's name on Kubernetes)
-/// and the process id, so two processes on one host differ.
+/// and the process id, so two processes on one host differ; a second
+/// gateway in the same process (tests) adds a count, so that the registry
+/// counts each.
 pub fn default_replica_name() -> String {
+    static OPENED: AtomicU64 = AtomicU64::new(0);
     let host = std::env::var("HOSTNAME")
         .ok()
         .filter(|h| !h.is_empty() && h.len() <= 100 && h.bytes().all(|b| b.is_ascii_graphic()))
         .unwrap_or_else(|| "kiln".into());
-    format!("{host}-{}", std::process::id())
+    match OPENED.fetch_add(1, Ordering::Relaxed) {
+        0 => format!("{host}-{}", std::process::id()),
+        n => format!("{host}-{}-{}", std::process::id(), n + 1),
+    }
 }
