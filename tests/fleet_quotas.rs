@@ -57,14 +57,14 @@ const SPEED: f64 = 10.0;
 /// A minute of policy time, in wall time.
 const MINUTE: Duration = Duration::from_millis(6000);
 
-fn config(url: &str, ns: &str, i: usize, speed: f64) -> ServerConfig {
+fn config(url: &str, ns: &str, i: usize, speed: f64, on: OnUnavailable) -> ServerConfig {
     let mut cfg = ServerConfig::default_embedded();
     cfg.sim.speed = speed;
     cfg.state = Some(StateSection {
         redis: url.to_string(),
         namespace: ns.to_string(),
         replica: Some(format!("replica-{i}")),
-        on_unavailable: OnUnavailable::Local,
+        on_unavailable: on,
         // Deliberately wrong: the fleet's size comes from the registry.
         replicas: 1,
         lease: Duration::from_millis(900),
@@ -78,11 +78,16 @@ struct Fleet {
 }
 
 async fn fleet(url: &str, speed: f64) -> Fleet {
+    fleet_of(url, speed, OnUnavailable::Local, 3).await
+}
+
+async fn fleet_of(url: &str, speed: f64, on: OnUnavailable, n: usize) -> Fleet {
     let ns = support::redis::namespace("q");
     let mut gateways = Vec::new();
-    for i in 0..3 {
-        gateways
-            .push(serve_on_loopback(policy("q.kiln", POLICY), config(url, &ns, i, speed)).await);
+    for i in 0..n {
+        gateways.push(
+            serve_on_loopback(policy("q.kiln", POLICY), config(url, &ns, i, speed, on)).await,
+        );
     }
     let bases = gateways
         .iter()
@@ -324,4 +329,49 @@ async fn an_outage_keeps_the_promise_when_redis_comes_back_empty() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_outage_keeps_the_promise_when_redis_comes_back_from_its_aof() {
     outage(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_refuses_while_redis_is_down_is_not_ready() {
+    let port = support::redis::free_port();
+    let Some(redis) = Redis::start_on(port) else {
+        return;
+    };
+    let f = fleet_of(&redis.url(), 1.0, OnUnavailable::Refuse, 1).await;
+    let c = client(Duration::from_secs(5));
+    let ready = |c: reqwest::Client, b: String| async move {
+        c.get(format!("{b}/readyz"))
+            .send()
+            .await
+            .map(|r| r.status().as_u16())
+            .unwrap_or(0)
+    };
+    let until_status = |want: u16| {
+        let (c, b) = (c.clone(), f.bases[0].clone());
+        async move {
+            let until = Instant::now() + Duration::from_secs(10);
+            loop {
+                let s = ready(c.clone(), b.clone()).await;
+                if s == want || Instant::now() > until {
+                    return s;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    assert_eq!(until_status(200).await, 200);
+    redis.stop();
+    assert_eq!(
+        until_status(503).await,
+        503,
+        "/readyz with Redis down under `refuse`"
+    );
+    let back = Redis::start_on(port).unwrap();
+    assert_eq!(
+        until_status(200).await,
+        200,
+        "/readyz once Redis answers again"
+    );
+    f.stop().await;
+    back.stop();
 }

@@ -204,6 +204,12 @@ impl Fleet {
         self.live.load(Ordering::Relaxed).max(self.replicas).max(1)
     }
 
+    /// Whether this replica refuses requests now: Redis is unreachable
+    /// and the operator chose `on_unavailable = "refuse"`.
+    pub fn refusing(&self) -> bool {
+        self.on_unavailable == OnUnavailable::Refuse && !self.store.is_up()
+    }
+
     /// The share of each limit one replica enforces alone.
     pub fn local_scale(&self) -> f64 {
         crate::sched::quota::share_of(self.size())
