@@ -375,3 +375,148 @@ async fn a_replica_that_refuses_while_redis_is_down_is_not_ready() {
     f.stop().await;
     back.stop();
 }
+
+/// A fleet that grows from two replicas to four and shrinks back to two
+/// under load, with Redis killed (and restarted empty) once at four and
+/// once at two: each outage's local budgets follow the registry's count
+/// (at four, a quarter each: no over-admission; at two, a half each: no
+/// under-admission), and no minute admits more than 1.1x what is due.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn budgets_follow_replicas_joining_and_leaving() {
+    let port = support::redis::free_port();
+    let Some(redis) = Redis::start_on(port) else {
+        return;
+    };
+    let url = redis.url();
+    let ns = support::redis::namespace("scale");
+    let start = |i: usize| {
+        let (url, ns) = (url.clone(), ns.clone());
+        async move {
+            serve_on_loopback(
+                policy("q.kiln", POLICY),
+                config(&url, &ns, i, SPEED, OnUnavailable::Local),
+            )
+            .await
+        }
+    };
+    let mut gateways = vec![start(0).await, start(1).await];
+    let bases: Arc<Mutex<Vec<String>>> = Arc::new(Mutex::new(
+        gateways
+            .iter()
+            .map(|g| format!("http://{}", g.addr))
+            .collect(),
+    ));
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    // The load: three times the tier's rate, round-robin over whichever
+    // replicas are in the list now, until told to stop.
+    let admitted = Arc::new(Mutex::new(Vec::new()));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let t0 = Instant::now();
+    let load = {
+        let (bases, admitted, stop) = (bases.clone(), admitted.clone(), stop.clone());
+        tokio::spawn(async move {
+            let c = client(Duration::from_secs(10));
+            let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / 30.0));
+            let mut handles = Vec::new();
+            let mut n = 0usize;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed)
+                && t0.elapsed() < Duration::from_secs(30)
+            {
+                tick.tick().await;
+                let b = {
+                    let l = bases.lock().unwrap();
+                    l[n % l.len()].clone()
+                };
+                n += 1;
+                let (c, admitted) = (c.clone(), admitted.clone());
+                let sent = t0.elapsed();
+                handles.push(tokio::spawn(async move {
+                    if chat(&c, &b, "k-a", "tiny").await.0 == 200 {
+                        admitted.lock().unwrap().push(sent);
+                    }
+                }));
+            }
+            for h in handles {
+                let _ = h.await;
+            }
+        })
+    };
+    let count_between = |from: Duration, to: Duration| {
+        admitted
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|t| **t >= from && **t < to)
+            .count()
+    };
+    // 2 -> 4: two join; the registry counts them within a heartbeat.
+    tokio::time::sleep(MINUTE / 3).await;
+    gateways.push(start(2).await);
+    gateways.push(start(3).await);
+    *bases.lock().unwrap() = gateways
+        .iter()
+        .map(|g| format!("http://{}", g.addr))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    // An outage at four: each serves a quarter.
+    redis.stop();
+    let down4 = t0.elapsed();
+    tokio::time::sleep(MINUTE / 2).await;
+    let redis = Redis::start_on(port).unwrap();
+    let up4 = t0.elapsed();
+    // 4 -> 2: two leave (their leases lapse within a lease).
+    tokio::time::sleep(MINUTE / 3).await;
+    *bases.lock().unwrap() = gateways[..2]
+        .iter()
+        .map(|g| format!("http://{}", g.addr))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for g in gateways.drain(2..) {
+        g.stop().await;
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // An outage at two: each serves a half.
+    redis.stop();
+    let down2 = t0.elapsed();
+    tokio::time::sleep(MINUTE / 2).await;
+    let back = Redis::start_on(port).unwrap();
+    let up2 = t0.elapsed();
+    tokio::time::sleep(MINUTE / 3).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    load.await.unwrap();
+    for g in gateways {
+        g.stop().await;
+    }
+    back.stop();
+    let times = {
+        let mut v = admitted.lock().unwrap().clone();
+        v.sort();
+        v
+    };
+    let worst = busiest(&times, MINUTE);
+    let due = allowance(60.0, MINUTE);
+    // While down, the fleet had (about) nothing left: what refills is due.
+    let due_down =
+        |from: Duration, to: Duration| 60.0 * (to - from).as_secs_f64() / MINUTE.as_secs_f64();
+    let (at4, at2) = (count_between(down4, up4), count_between(down2, up2));
+    eprintln!(
+        "2 -> 4 -> 2 replicas: {} admitted, at most {worst} in any minute ({due:.0} due); Redis down at four: {at4} admitted ({:.0} due), at two: {at2} ({:.0} due)",
+        times.len(),
+        due_down(down4, up4),
+        due_down(down2, up2)
+    );
+    assert!(
+        worst as f64 <= 1.1 * due,
+        "{worst} admitted in one minute, more than 1.1 x {due:.0}"
+    );
+    assert!(
+        at4 as f64 <= 1.25 * due_down(down4, up4) + 3.0,
+        "{at4} admitted while Redis was down at four replicas, {:.0} due",
+        due_down(down4, up4)
+    );
+    assert!(
+        at2 as f64 >= 0.6 * due_down(down2, up2),
+        "only {at2} admitted while Redis was down at two replicas, {:.0} due: the budget did not follow the leave",
+        due_down(down2, up2)
+    );
+}
