@@ -514,4 +514,55 @@ mod tests {
         assert_eq!(q3.remaining_percent(0, 0), 100.0);
         assert_eq!(q3.tenants[0].tokens.map(|b| b.level), Some(30_000.0));
     }
+
+    /// A replica of a fleet holds its share of what the fleet has left:
+    /// mirrored levels, spending counted for the fleet, and a new fleet
+    /// size keeping each bucket's share.
+    #[test]
+    fn a_replica_holds_its_share_of_the_fleets_level() {
+        let g = graph(BASE);
+        // chat (tenant 0): tokens 60k/min; one of two replicas.
+        let mut q = Quotas::scaled(&g, 0.5);
+        q.mirror(
+            0,
+            &Level {
+                requests: None,
+                tokens: Some(0.25),
+            },
+            0,
+        );
+        assert!((q.remaining_percent(0, 0) - 25.0).abs() < 1e-9);
+        // A quarter of 30k is left here: 7.5k.
+        assert!(q.reserve(&g, 0, 8_000.0, 0).is_err());
+        assert_eq!(q.reserve(&g, 0, 5_000.0, 0), Ok(false));
+        q.release(0, 5_000.0, 4_000.0);
+        assert_eq!(
+            q.take_spent(),
+            vec![(
+                0,
+                Spent {
+                    requests: 0.0,
+                    tokens: 4_000.0
+                }
+            )]
+        );
+        assert!(q.take_spent().is_empty(), "taken once");
+        // The fleet grows to four: the same share of a smaller bucket.
+        let before = q.remaining_percent(0, 0);
+        let q4 = q.rescaled(&g, 0.25, 0);
+        assert!((q4.remaining_percent(0, 0) - before).abs() < 1e-9);
+        assert!((q4.scale() - 0.25).abs() < 1e-12);
+        // A level in debt (spending reported after an outage) refuses.
+        let mut q = q4;
+        q.mirror(
+            0,
+            &Level {
+                requests: None,
+                tokens: Some(-0.5),
+            },
+            0,
+        );
+        assert_eq!(q.remaining_percent(0, 0), 0.0);
+        assert!(q.reserve(&g, 0, 1.0, 0).is_err());
+    }
 }

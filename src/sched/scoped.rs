@@ -497,6 +497,44 @@ route t n { default => fp16 }
         assert!((q.remaining_percent(0, 1, 0) - 100.0 * 4000.0 / 6000.0).abs() < 1e-9);
     }
 
+    /// What a fleet claimed is neither checked nor taken here; the rest
+    /// is, and counted as spent for the fleet.
+    #[test]
+    fn a_quota_the_fleet_claimed_is_left_alone() {
+        let g = graph(TEXT);
+        let mut q = ScopedQuotas::scaled(&g, 0.5);
+        // Tier t: 6000 tokens a minute, two at once; half here: 3000, one.
+        let claimed = Claimed {
+            tier: true,
+            model: false,
+        };
+        let a = q
+            .reserve_unclaimed(0, 1, 4000.0, 0, claimed)
+            .expect("the tier's quota was claimed by the fleet");
+        assert_eq!(a.tier, None);
+        assert_eq!(q.in_flight(0, 1), (0, 1));
+        assert_eq!(
+            q.reserve(0, 1, 4000.0, 0).map(|_| ()),
+            Err((Reason::TierQuota, 20 * SEC))
+        );
+        assert!(q.take_spent().is_empty(), "model n has no buckets");
+        let b = q.reserve(0, 1, 1000.0, 0).expect("fits half the tier");
+        assert_eq!(
+            q.take_spent(),
+            vec![(
+                true,
+                0,
+                Spent {
+                    requests: 0.0,
+                    tokens: 1000.0
+                }
+            )]
+        );
+        q.release(a, 10.0);
+        q.release(b, 1000.0);
+        assert_eq!(q.in_flight(0, 1), (0, 0));
+    }
+
     #[test]
     fn a_model_spent_for_the_day_refuses_until_the_next() {
         let g = graph(TEXT);
