@@ -261,6 +261,12 @@ pub enum Committed {
     Moved,
 }
 
+/// How long a replica holds an extra slot of a shared upstream when its
+/// share of the slots is not whole ([`scripts`]: `SLOTS`): long against a
+/// request's time on the upstream (a slot given back is free only when the
+/// request on it ends), short against the windows shares are judged over.
+pub const SLOT_EPOCH_MS: u64 = 1000;
+
 /// A connection to the shared store.
 pub struct Store {
     client: redis::Client,
@@ -609,13 +615,15 @@ impl Store {
         inv.key(self.key(&["slots", upstream, "held"]))
             .key(self.key(&["slots", upstream, "expiry"]))
             .key(self.key(&["slots", upstream, "demand"]))
+            .key(self.key(&["slots", upstream, "turns"]))
             .arg(&self.replica)
             .arg(want.min(capacity))
             .arg(busy)
             .arg(capacity)
             .arg(self.lease_ms)
             .arg(list)
-            .arg(in_force.min(capacity));
+            .arg(in_force.min(capacity))
+            .arg(SLOT_EPOCH_MS);
         let mut c = self.conn.clone();
         let n: i64 = self
             .call(async move { inv.invoke_async(&mut c).await })

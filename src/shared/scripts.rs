@@ -266,11 +266,17 @@ return 0
 /// of holdings never exceeds the capacity; one over its target gives slots
 /// back as its requests finish. A replica that stopped renewing (its lease
 /// lapsed) holds nothing.
+/// A target is rarely whole (weights 1:3 on 6 slots: 1.5 and 4.5): each
+/// replica is entitled to its target's whole slots, and the slots the
+/// fractions add up to go by turns, an epoch at a time, to the replicas
+/// owed most, so that over time each holds its exact target.
 /// KEYS: 1 holdings (replica → slots), 2 expiries (replica → ms),
-/// 3 demands (replica → "want|tenant=weight,…").
+/// 3 demands (replica → "want|tenant=weight,…"), 4 turns (replica → slots
+/// owed; `_epoch`, and `_extra`: who holds an extra slot this epoch).
 /// ARGV: 1 replica, 2 slots it wants, 3 slots in flight, 4 capacity,
 /// 5 lease ms, 6 its backlogged tenants ("tenant=weight,…"), 7 the slots it
-/// may use until it applies the answer (its grant in force).
+/// may use until it applies the answer (its grant in force), 8 an epoch's
+/// length in ms.
 /// Returns the slots it may use from now on (possibly fewer than it runs:
 /// it then starts nothing until enough finish). What is stored is never
 /// less than what it runs or may still start: a grant that shrinks is
@@ -320,11 +326,61 @@ local function target(r)
   if total <= 0 then return 0 end
   return cap * share[r] / total
 end
+-- Whole slots by target, and the slots the fractions add up to by turns:
+-- each epoch every live replica is owed its target's fraction more, and
+-- the ones owed most take one each (a tie goes to the name first in
+-- order), so over time each holds its exact target, not a rounding of it
+-- that a race decides.
+local epoch = math.floor(now / tonumber(ARGV[8]))
+local turns = redis.call('HMGET', KEYS[4], '_epoch', '_extra')
+local extra = {}
+if tonumber(turns[1]) == epoch then
+  for r in string.gmatch(turns[2] or '', '[^,]+') do extra[r] = true end
+else
+  local names = {}
+  local whole = 0
+  for r, _ in pairs(live) do
+    table.insert(names, r)
+    whole = whole + math.floor(target(r))
+  end
+  table.sort(names)
+  local owed = {}
+  for _, r in ipairs(names) do
+    local t = target(r)
+    owed[r] = (tonumber(redis.call('HGET', KEYS[4], r) or '0') or 0) + t - math.floor(t)
+  end
+  local left = 0
+  if total > 0 then left = math.max(0, math.floor(cap - whole + 0.5)) end
+  local order = {}
+  for _, r in ipairs(names) do table.insert(order, r) end
+  table.sort(order, function(x, y)
+    if owed[x] ~= owed[y] then return owed[x] > owed[y] end
+    return x < y
+  end)
+  local chosen = {}
+  for i = 1, math.min(left, #order) do
+    local r = order[i]
+    extra[r] = true
+    owed[r] = owed[r] - 1
+    table.insert(chosen, r)
+  end
+  redis.call('DEL', KEYS[4])
+  redis.call('HSET', KEYS[4], '_epoch', epoch, '_extra', table.concat(chosen, ','))
+  for _, r in ipairs(names) do
+    -- Bounded: what a replica is owed never runs away.
+    redis.call('HSET', KEYS[4], r, tostring(math.max(-1, math.min(1, owed[r]))))
+  end
+end
+local function entitled(r)
+  local e = math.floor(target(r))
+  if extra[r] then e = e + 1 end
+  return e
+end
 local others = 0
 for r, _ in pairs(live) do
   if r ~= me then
     local held = tonumber(redis.call('HGET', KEYS[1], r) or '0') or 0
-    others = others + math.max(held, math.min(wants[r], math.floor(target(r))))
+    others = others + math.max(held, math.min(wants[r], entitled(r)))
   end
 end
 local free = math.max(0, cap - others)
@@ -346,7 +402,7 @@ end
 if n > 0 and wanted < cap and free > mine then mine = mine + math.floor((free - mine) / n) end
 local in_force = tonumber(ARGV[7]) or cap
 redis.call('HSET', KEYS[1], me, math.max(mine, in_force, busy))
-for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], lease * 4) end
+for i = 1, 4 do redis.call('PEXPIRE', KEYS[i], lease * 4) end
 return mine
 "#;
 
