@@ -32,6 +32,7 @@ route batch llama-8b { default => fp16 }
 fn arrival(id: u64) -> Arrival {
     Arrival {
         quota_claimed: false,
+        fleet: None,
         cache: None,
         semantic: None,
         window: None,

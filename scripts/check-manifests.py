@@ -9,7 +9,10 @@ bundles them), strictly: an unknown field, a wrong type or an unknown kind
 fails. Then what no schema sees: the references between objects (volumes,
 ConfigMaps and Secrets, named ports, the selectors of Services,
 PodDisruptionBudgets and NetworkPolicies), and that kiln.toml in the Secret
-agrees with the Deployment (its [state] replicas, its listen port).
+agrees with the Deployment and the others (its listen port; its [state]
+replicas is the HorizontalPodAutoscaler's minReplicas; the password in its
+[state] redis URL is Redis's, from the Secret redis-auth), and that Redis
+has a password and never evicts.
 Exits 1 with one line per finding.
 """
 
@@ -109,8 +112,17 @@ for p in by_kind.get("PodDisruptionBudget", {}).values():
     if not targets:
         find(f"{name(p)}: its selector matches no Deployment's pods")
     for d in targets:
-        if p["spec"].get("minAvailable", 0) >= d["spec"].get("replicas", 1):
-            find(f"{name(p)}: minAvailable leaves no pod of {name(d)} to evict (a node drain would hang)")
+        fewest = d["spec"].get("replicas", 1)
+        for h in by_kind.get("HorizontalPodAutoscaler", {}).values():
+            if h["spec"]["scaleTargetRef"]["name"] == d["metadata"]["name"]:
+                fewest = h["spec"].get("minReplicas", 1)
+        if "minAvailable" in p["spec"] and p["spec"]["minAvailable"] >= fewest:
+            find(f"{name(p)}: minAvailable leaves no pod of {name(d)} to evict at {fewest} replicas (a node drain would hang)")
+
+for h in by_kind.get("HorizontalPodAutoscaler", {}).values():
+    ref = h["spec"]["scaleTargetRef"]
+    if ref["name"] not in by_kind.get(ref["kind"], {}):
+        find(f"{name(h)}: scales {ref['kind']}/{ref['name']}, which is not rendered")
 
 for n in by_kind.get("NetworkPolicy", {}).values():
     if not any(matches(n["spec"]["podSelector"].get("matchLabels"), pod_labels(d)) for d in workloads):
@@ -124,9 +136,25 @@ if kiln is None or len(configs) != 1:
 else:
     toml = tomllib.loads(base64.b64decode(configs[0]["data"]["kiln.toml"]).decode())
     replicas = toml.get("state", {}).get("replicas")
-    running = kiln["spec"].get("replicas", 1)
-    if replicas != running:
-        find(f"kiln.toml [state] replicas = {replicas}, the Deployment runs {running}")
+    hpas = [h for h in by_kind.get("HorizontalPodAutoscaler", {}).values() if h["spec"]["scaleTargetRef"]["name"] == "kiln"]
+    fewest = hpas[0]["spec"].get("minReplicas", 1) if hpas else kiln["spec"].get("replicas", 1)
+    if replicas != fewest:
+        find(f"kiln.toml [state] replicas = {replicas}, the fewest the Deployment runs is {fewest}")
+    # Redis's password: the one in kiln.toml's URL is the Secret's.
+    url = toml.get("state", {}).get("redis", "")
+    auth = [s for s in by_kind.get("Secret", {}).values() if s["metadata"]["name"].startswith("redis-auth")]
+    if len(auth) != 1 or "password" not in auth[0].get("data", {}):
+        find("expected one Secret redis-auth holding Redis's password")
+    else:
+        password = base64.b64decode(auth[0]["data"]["password"]).decode()
+        if f":{password}@" not in url:
+            find("kiln.toml [state] redis does not carry the password of the Secret redis-auth")
+    redis = by_kind.get("StatefulSet", {}).get("redis")
+    if redis is not None:
+        args = [a for c in redis["spec"]["template"]["spec"]["containers"] for a in c.get("args", [])]
+        for flag, value in (("--maxmemory-policy", "noeviction"), ("--requirepass", None)):
+            if flag not in args or (value is not None and args[args.index(flag) + 1] != value):
+                find(f"StatefulSet/redis: expected {flag} {value or '…'} in its args")
     listen = toml.get("listen", "")
     if not listen.startswith("0.0.0.0:"):
         find(f"kiln.toml listen = {listen!r}: in a pod kiln must listen on 0.0.0.0")

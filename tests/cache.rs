@@ -228,6 +228,7 @@ fn arrival(id: u64, tenant: &str, open: bool, content: Option<cache::Key>) -> Ar
         prefix_blocks: Vec::new(),
         window: None,
         quota_claimed: false,
+        fleet: None,
         cache: content,
         semantic: None,
     }

@@ -178,6 +178,7 @@ fn saturate(g: DecisionGraph, n: u64, input: u64, output: u32) -> Saturation {
             };
             let a = Arrival {
                 quota_claimed: false,
+                fleet: None,
                 cache: None,
                 semantic: None,
                 window: None,

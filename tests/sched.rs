@@ -85,6 +85,7 @@ fn arrivals(list: Vec<A>) -> Vec<(Micros, Arrival)> {
                 x.at_ms * MS,
                 Arrival {
                     quota_claimed: false,
+                    fleet: None,
                     cache: None,
                     semantic: None,
                     window: x.window_ms.map(|w| w * MS),
@@ -554,6 +555,7 @@ route t m { default => fp16 }
             at_ms * MS,
             Arrival {
                 quota_claimed: false,
+                fleet: None,
                 cache: None,
                 semantic: None,
                 window: None,
@@ -923,6 +925,7 @@ route t m { default => fp16 }
                     at * MS,
                     Arrival {
                         quota_claimed: false,
+                        fleet: None,
                         cache: None,
                         semantic: None,
                         window: None,

@@ -61,6 +61,7 @@ fn sched(g: &Arc<DecisionGraph>, kv: u64) -> Scheduler {
 fn arrival(id: ReqId, tenant: &str, model: &str, prompt: u64, output: u32) -> Arrival {
     Arrival {
         quota_claimed: false,
+        fleet: None,
         cache: None,
         semantic: None,
         window: None,

@@ -135,6 +135,7 @@ fn check_on(g: Arc<DecisionGraph>, mode: Mode, kv: u64, reqs: &[(u64, u8, u32, u
     for (i, &(at, t, p, o)) in reqs.iter().enumerate() {
         pending.push(Some(Arrival {
             quota_claimed: false,
+            fleet: None,
             cache: None,
             semantic: None,
             window: None,

@@ -197,6 +197,7 @@ fn the_replay_dispatches_substituted_requests_to_the_substitutes_replicas() {
             };
             let a = Arrival {
                 quota_claimed: false,
+                fleet: None,
                 cache: None,
                 semantic: None,
                 window: None,

@@ -251,6 +251,7 @@ pub fn arrivals(records: &[crate::traffic::Record]) -> Vec<(Micros, Arrival)> {
                     output_tokens: r.output_tokens.min(u64::from(u32::MAX)) as u32,
                     prefix_blocks: r.prefix_blocks.clone(),
                     quota_claimed: false,
+                    fleet: None,
                     cache: r
                         .cache_key
                         .as_deref()

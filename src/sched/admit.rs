@@ -69,6 +69,8 @@ pub(super) struct Admitting<'g> {
     /// Its tenant's quotas were claimed across the fleet
     /// ([`Arrival::quota_claimed`]).
     pub quota_claimed: bool,
+    /// What else the fleet claimed ([`Arrival::fleet`]).
+    pub fleet: Option<&'g super::quota::FleetClaim>,
     /// Its prompt's prefix blocks ([`Arrival::prefix_blocks`]).
     pub prefix_blocks: &'g [u64],
     /// It could not meet its TTFT SLO even alone, but a replica of its
@@ -218,8 +220,31 @@ fn retry_budget(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal>
 fn quota(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal> {
     let need = f64::from(a.output) + a.req.prompt_tokens as f64;
     let scoped = a.target.filter(|_| s.cfg.mode == Mode::Kiln);
+    // Claimed across the fleet for the tier and model it was decided
+    // there: not charged here again. Another tier or model (a decision
+    // that read different signals) is charged here.
+    let claimed = match (a.fleet, scoped) {
+        (Some(f), Some(target)) => super::scoped::Claimed {
+            tier: f.tier.as_deref().is_some_and(|n| {
+                a.graph
+                    .tiers
+                    .get(a.tier as usize)
+                    .is_some_and(|t| t.name == n)
+            }),
+            model: f.model.as_deref().is_some_and(|n| {
+                a.graph
+                    .models
+                    .get(target.model as usize)
+                    .is_some_and(|m| m.name == n)
+            }),
+        },
+        _ => super::scoped::Claimed::default(),
+    };
     if let Some(target) = scoped {
-        if let Err((reason, retry)) = s.scoped.check(a.tier, target.model, need, s.now) {
+        if let Err((reason, retry)) =
+            s.scoped
+                .check_unclaimed(a.tier, target.model, need, s.now, claimed)
+        {
             return Err(Refusal::new(reason, 429, Some(retry)));
         }
     }
@@ -227,7 +252,10 @@ fn quota(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal> {
     let Some(target) = scoped else {
         return Ok(());
     };
-    match s.scoped.reserve(a.tier, target.model, need, s.now) {
+    match s
+        .scoped
+        .reserve_unclaimed(a.tier, target.model, need, s.now, claimed)
+    {
         Ok(q) => {
             a.scoped = Some(q);
             Ok(())
@@ -404,6 +432,21 @@ impl Scheduler {
     /// An arrival: the policy decides it, the gates admit or refuse it,
     /// and an admitted request is queued (or parked until its time).
     pub(super) fn arrive(&mut self, arrival: Arrival) {
+        // The fleet's level of the tenant's buckets as its claim left them:
+        // `quota.remaining` reads the fleet's value.
+        if let (true, Some(level)) = (
+            arrival.quota_claimed,
+            arrival.fleet.as_ref().and_then(|f| f.tenant_level),
+        ) {
+            if let Some(t) = arrival
+                .request
+                .tenant
+                .as_deref()
+                .and_then(|n| self.graph.tenant_id(n))
+            {
+                self.quotas.mirror(t, &level, self.now);
+            }
+        }
         self.refresh_signals();
         let graph = self.graph.clone();
         let req = arrival.request.clone();
@@ -466,6 +509,7 @@ impl Scheduler {
             window,
             deadline,
             quota_claimed: arrival.quota_claimed,
+            fleet: arrival.fleet.as_deref(),
             prefix_blocks: &arrival.prefix_blocks,
             best_effort: false,
         };

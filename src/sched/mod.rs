@@ -192,6 +192,10 @@ pub struct Arrival {
     /// names (by `tenant` or its key) was claimed; a rule that moves it to
     /// another tenant is charged here, at [`Config::quota_scale`].
     pub quota_claimed: bool,
+    /// What a fleet's claim covered besides the tenant (its tier's and
+    /// model's quotas) and the fleet's level of the tenant's buckets
+    /// ([`quota::FleetClaim`]); `None` outside a fleet.
+    pub fleet: Option<Box<quota::FleetClaim>>,
     /// The request's content hash ([`cache::content_key`]) when it is
     /// cacheable; `None` when it is not (it is then never looked up).
     pub cache: Option<cache::Key>,
@@ -633,7 +637,7 @@ impl Scheduler {
         let signals = Signals::idle(&graph);
         let idle = signals.clone();
         let quotas = Quotas::scaled(&graph, cfg.quota_scale);
-        let scoped = scoped::ScopedQuotas::new(&graph);
+        let scoped = scoped::ScopedQuotas::scaled(&graph, cfg.quota_scale);
         let queues = Queues::new(&graph, &cfg);
         let router = route::Router::new(cfg.routing, cfg.seed);
         let pinned = vec![0; replicas.len()];
@@ -725,6 +729,54 @@ impl Scheduler {
         if let Some(r) = self.replicas.get_mut(replica) {
             r.slot_cap = cap;
         }
+    }
+
+    /// The share of every quota (tenants', tiers', models') this
+    /// scheduler enforces by itself ([`Config::quota_scale`]): a fleet
+    /// that grew or shrank to N replicas sets 1/N. Each bucket keeps the
+    /// share of its capacity it had.
+    pub fn set_quota_scale(&mut self, scale: f64) {
+        if (scale - self.quotas.scale()).abs() < 1e-12 {
+            return;
+        }
+        let g = self.graph.clone();
+        self.quotas = self.quotas.rescaled(&g, scale, self.now);
+        self.scoped = self.scoped.rescaled(&g, scale, self.now);
+        self.cfg.quota_scale = self.quotas.scale();
+    }
+
+    /// Sets quotas' buckets to the levels a fleet holds: each keeps the
+    /// share of its capacity the fleet has left, so `quota.remaining`
+    /// reads the fleet's value and a replica that loses the fleet goes on
+    /// from its part of what was left.
+    pub fn mirror_quotas(&mut self, levels: &[(quota::Scope, quota::Level)]) {
+        for (scope, level) in levels {
+            match *scope {
+                quota::Scope::Tenant(t) => self.quotas.mirror(t, level, self.now),
+                quota::Scope::Tier(t) => self.scoped.mirror(true, t, level, self.now),
+                quota::Scope::Model(m) => self.scoped.mirror(false, m, level, self.now),
+            }
+        }
+    }
+
+    /// What this scheduler took of every quota by itself since the last
+    /// call (requests a fleet did not claim), for the fleet to charge.
+    pub fn take_quota_spend(&mut self) -> Vec<(quota::Scope, quota::Spent)> {
+        let mut out: Vec<(quota::Scope, quota::Spent)> = self
+            .quotas
+            .take_spent()
+            .into_iter()
+            .map(|(t, s)| (quota::Scope::Tenant(t), s))
+            .collect();
+        for (tier, id, s) in self.scoped.take_spent() {
+            let scope = if tier {
+                quota::Scope::Tier(id)
+            } else {
+                quota::Scope::Model(id)
+            };
+            out.push((scope, s));
+        }
+        out
     }
 
     /// Starts counting fair-share service for a fleet's shared counters

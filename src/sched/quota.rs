@@ -41,6 +41,81 @@ impl Bucket {
         }
         ((need - self.level) / self.rate) as Micros
     }
+
+    /// The share of its capacity left at `now` (below 0: in debt).
+    pub(super) fn fraction(&self, now: Micros) -> f64 {
+        let mut b = *self;
+        b.refill(now);
+        if b.capacity > 0.0 {
+            b.level / b.capacity
+        } else {
+            0.0
+        }
+    }
+
+    /// Sets the level to `fraction` of the capacity (the fleet's level,
+    /// [`Level`]); at most full, at least a full bucket in debt.
+    pub(super) fn set_fraction(&mut self, fraction: f64, now: Micros) {
+        if fraction.is_finite() {
+            self.level = fraction.clamp(-1.0, 1.0) * self.capacity;
+            self.at = self.at.max(now);
+        }
+    }
+}
+
+/// Which quota: a tenant's ([`Quotas`]), a tier's or a model's
+/// ([`super::scoped`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Scope {
+    Tenant(TenantId),
+    Tier(crate::graph::TierId),
+    Model(crate::graph::ModelId),
+}
+
+/// What this scheduler took of a quota's buckets by itself (requests not
+/// claimed across a fleet: while its shared store is unreachable, or a
+/// rule moved them to a quota that was not claimed), in the policy's
+/// units; a replica reports it to the fleet, which charges it there.
+/// Tokens may be negative: refunds of what finished requests did not use.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Spent {
+    pub requests: f64,
+    pub tokens: f64,
+}
+
+impl Spent {
+    pub fn is_zero(&self) -> bool {
+        self.requests == 0.0 && self.tokens == 0.0
+    }
+}
+
+/// A quota's buckets as a fleet holds them: the share of each bucket's
+/// capacity left (`None`: no such bucket, or not known). Shares, not
+/// levels: a replica enforcing 1/N of a quota holds 1/N of what the fleet
+/// has left, and `quota.remaining` reads the same percentage either way.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Level {
+    pub requests: Option<f64>,
+    pub tokens: Option<f64>,
+}
+
+/// What a fleet's claim covered for one request besides the tenant it
+/// names ([`super::Arrival::fleet`]), and the fleet's level of that
+/// tenant's buckets after it.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct FleetClaim {
+    /// The tier and model whose quotas were claimed, by name (the policy
+    /// may have been swapped since): if the scheduler decides another, that
+    /// one is charged here.
+    pub tier: Option<String>,
+    pub model: Option<String>,
+    /// The claimed tenant's buckets after the claim, as the fleet has them.
+    pub tenant_level: Option<Level>,
+}
+
+/// The scale a replica enforces alone: 1/N of N (at least one replica).
+pub fn share_of(replicas: u32) -> f64 {
+    1.0 / f64::from(replicas.max(1))
 }
 
 #[derive(Debug, Clone, Default)]
@@ -62,6 +137,8 @@ struct TenantState {
     /// (time, was a retry) for it.
     retry_budget: Option<f64>,
     recent: std::collections::VecDeque<(Micros, bool)>,
+    /// Taken here since the last [`Quotas::take_spent`].
+    spent: Spent,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -106,6 +183,7 @@ impl Quotas {
                     gpu_day: 0,
                     retry_budget: t.retry_budget.map(|p| p / 100.0),
                     recent: Default::default(),
+                    spent: Spent::default(),
                 })
                 .collect(),
         }
@@ -139,8 +217,62 @@ impl Quotas {
             s.gpu_used = old.gpu_used;
             s.gpu_day = old.gpu_day;
             s.recent = old.recent.clone();
+            s.spent = old.spent;
         }
         next
+    }
+
+    /// The share of each limit enforced here.
+    pub fn scale(&self) -> f64 {
+        self.scale
+    }
+
+    /// These quotas at another `scale` (the fleet grew or shrank): each
+    /// bucket keeps the share of its capacity it had, so a replica's part
+    /// of what the fleet has left follows the fleet's size.
+    pub fn rescaled(&self, g: &DecisionGraph, scale: f64, now: Micros) -> Quotas {
+        let mut next = Quotas::scaled(g, scale);
+        let keep = |old: Option<Bucket>, new: &mut Option<Bucket>| {
+            if let (Some(o), Some(n)) = (old, new.as_mut()) {
+                n.set_fraction(o.fraction(now), now);
+            }
+        };
+        for (s, old) in next.tenants.iter_mut().zip(&self.tenants) {
+            keep(old.tokens, &mut s.tokens);
+            keep(old.requests, &mut s.requests);
+            s.in_flight = old.in_flight;
+            s.borrowed = old.borrowed;
+            s.gpu_used = old.gpu_used;
+            s.gpu_day = old.gpu_day;
+            s.recent = old.recent.clone();
+            s.spent = old.spent;
+        }
+        next
+    }
+
+    /// Sets tenant `t`'s buckets to the fleet's `level`.
+    pub fn mirror(&mut self, t: TenantId, level: &Level, now: Micros) {
+        let Some(s) = self.tenants.get_mut(t as usize) else {
+            return;
+        };
+        if let (Some(b), Some(f)) = (s.requests.as_mut(), level.requests) {
+            b.set_fraction(f, now);
+        }
+        if let (Some(b), Some(f)) = (s.tokens.as_mut(), level.tokens) {
+            b.set_fraction(f, now);
+        }
+    }
+
+    /// What was taken here since the last call, by tenant (only those
+    /// that took or refunded something).
+    pub fn take_spent(&mut self) -> Vec<(TenantId, Spent)> {
+        let mut out = Vec::new();
+        for (i, s) in self.tenants.iter_mut().enumerate() {
+            if !s.spent.is_zero() {
+                out.push((i as TenantId, std::mem::take(&mut s.spent)));
+            }
+        }
+        out
     }
 
     /// Counts a request in flight without enforcing anything (baselines).
@@ -203,9 +335,11 @@ impl Quotas {
         let s = &mut self.tenants[ti];
         if let Some(b) = s.requests.as_mut() {
             b.level -= 1.0;
+            s.spent.requests += 1.0;
         }
         if let Some(b) = s.tokens.as_mut() {
             b.level -= tokens - from_cohort;
+            s.spent.tokens += tokens - from_cohort;
         }
         s.borrowed += from_cohort;
         s.in_flight += 1;
@@ -258,6 +392,7 @@ impl Quotas {
             let refund = (reserved - used).max(0.0);
             if let Some(b) = s.tokens.as_mut() {
                 b.level = (b.level + refund).min(b.capacity);
+                s.spent.tokens -= refund;
             }
             if reserved > 0.0 && s.borrowed > 0.0 {
                 // Borrowed tokens are repaid as the request completes.
@@ -378,5 +513,56 @@ mod tests {
         let q3 = fresh.remap(&g2, &map.tenants, 0);
         assert_eq!(q3.remaining_percent(0, 0), 100.0);
         assert_eq!(q3.tenants[0].tokens.map(|b| b.level), Some(30_000.0));
+    }
+
+    /// A replica of a fleet holds its share of what the fleet has left:
+    /// mirrored levels, spending counted for the fleet, and a new fleet
+    /// size keeping each bucket's share.
+    #[test]
+    fn a_replica_holds_its_share_of_the_fleets_level() {
+        let g = graph(BASE);
+        // chat (tenant 0): tokens 60k/min; one of two replicas.
+        let mut q = Quotas::scaled(&g, 0.5);
+        q.mirror(
+            0,
+            &Level {
+                requests: None,
+                tokens: Some(0.25),
+            },
+            0,
+        );
+        assert!((q.remaining_percent(0, 0) - 25.0).abs() < 1e-9);
+        // A quarter of 30k is left here: 7.5k.
+        assert!(q.reserve(&g, 0, 8_000.0, 0).is_err());
+        assert_eq!(q.reserve(&g, 0, 5_000.0, 0), Ok(false));
+        q.release(0, 5_000.0, 4_000.0);
+        assert_eq!(
+            q.take_spent(),
+            vec![(
+                0,
+                Spent {
+                    requests: 0.0,
+                    tokens: 4_000.0
+                }
+            )]
+        );
+        assert!(q.take_spent().is_empty(), "taken once");
+        // The fleet grows to four: the same share of a smaller bucket.
+        let before = q.remaining_percent(0, 0);
+        let q4 = q.rescaled(&g, 0.25, 0);
+        assert!((q4.remaining_percent(0, 0) - before).abs() < 1e-9);
+        assert!((q4.scale() - 0.25).abs() < 1e-12);
+        // A level in debt (spending reported after an outage) refuses.
+        let mut q = q4;
+        q.mirror(
+            0,
+            &Level {
+                requests: None,
+                tokens: Some(-0.5),
+            },
+            0,
+        );
+        assert_eq!(q.remaining_percent(0, 0), 0.0);
+        assert!(q.reserve(&g, 0, 1.0, 0).is_err());
     }
 }

@@ -8,6 +8,7 @@
 //! says which (`tier-quota`, `model-quota`) with a Retry-After. No
 //! borrowing: cohorts lend between tenants only.
 
+use super::quota::{Level, Spent};
 use super::swap::Remap;
 use super::{Micros, Reason, SEC};
 use crate::graph::{DecisionGraph, ModelId, Quota, TierId};
@@ -45,6 +46,23 @@ impl Bucket {
         }
         ((need - self.level) / self.rate) as Micros
     }
+
+    fn fraction(&self, now: Micros) -> f64 {
+        let mut b = *self;
+        b.refill(now);
+        if b.capacity > 0.0 {
+            b.level / b.capacity
+        } else {
+            0.0
+        }
+    }
+
+    fn set_fraction(&mut self, fraction: f64, now: Micros) {
+        if fraction.is_finite() {
+            self.level = fraction.clamp(-1.0, 1.0) * self.capacity;
+            self.at = self.at.max(now);
+        }
+    }
 }
 
 /// One quota's state.
@@ -57,17 +75,49 @@ struct Limit {
     gpu_per_day: Option<f64>,
     gpu_used: f64,
     gpu_day: u64,
+    /// Taken here since the last [`ScopedQuotas::take_spent`].
+    spent: Spent,
 }
 
 impl Limit {
-    fn new(q: &Quota) -> Limit {
+    /// `scale` of the quota `q` (one of N replicas: 1/N; a concurrency
+    /// limit keeps at least one).
+    fn new(q: &Quota, scale: f64) -> Limit {
         Limit {
-            tokens: q.tokens.map(Bucket::per_minute),
-            requests: q.requests.map(Bucket::per_minute),
-            concurrent: q.concurrent,
-            gpu_per_day: q.gpu_seconds.map(|per_s| per_s * 86_400.0),
+            tokens: q.tokens.map(|r| Bucket::per_minute(r * scale)),
+            requests: q.requests.map(|r| Bucket::per_minute(r * scale)),
+            concurrent: q
+                .concurrent
+                .map(|c| ((c as f64 * scale).ceil() as u64).max(1)),
+            gpu_per_day: q.gpu_seconds.map(|per_s| per_s * 86_400.0 * scale),
             ..Limit::default()
         }
+    }
+
+    fn mirror(&mut self, level: &Level, now: Micros) {
+        if let (Some(b), Some(f)) = (self.requests.as_mut(), level.requests) {
+            b.set_fraction(f, now);
+        }
+        if let (Some(b), Some(f)) = (self.tokens.as_mut(), level.tokens) {
+            b.set_fraction(f, now);
+        }
+    }
+
+    /// This state at another scale, each bucket at the share it had.
+    fn rescaled(&self, q: &Quota, scale: f64, now: Micros) -> Limit {
+        let mut n = Limit::new(q, scale);
+        let keep = |old: Option<Bucket>, new: &mut Option<Bucket>| {
+            if let (Some(o), Some(b)) = (old, new.as_mut()) {
+                b.set_fraction(o.fraction(now), now);
+            }
+        };
+        keep(self.tokens, &mut n.tokens);
+        keep(self.requests, &mut n.requests);
+        n.in_flight = self.in_flight;
+        n.gpu_used = self.gpu_used;
+        n.gpu_day = self.gpu_day;
+        n.spent = self.spent;
+        n
     }
 
     /// Whether `tokens` and one request fit now; if not, when they might.
@@ -99,9 +149,11 @@ impl Limit {
     fn take(&mut self, tokens: f64) {
         if let Some(b) = self.requests.as_mut() {
             b.level -= 1.0;
+            self.spent.requests += 1.0;
         }
         if let Some(b) = self.tokens.as_mut() {
             b.level -= tokens;
+            self.spent.tokens += tokens;
         }
         self.in_flight += 1;
     }
@@ -109,7 +161,9 @@ impl Limit {
     fn release(&mut self, reserved: f64, used: f64) {
         self.in_flight = self.in_flight.saturating_sub(1);
         if let Some(b) = self.tokens.as_mut() {
-            b.level = (b.level + (reserved - used).max(0.0)).min(b.capacity);
+            let refund = (reserved - used).max(0.0);
+            b.level = (b.level + refund).min(b.capacity);
+            self.spent.tokens -= refund;
         }
     }
 
@@ -127,8 +181,8 @@ impl Limit {
 
     /// This state under a new quota: levels kept (clamped), in flight and
     /// today's GPU-seconds carried.
-    fn resized(&self, q: &Quota, now: Micros) -> Limit {
-        let mut n = Limit::new(q);
+    fn resized(&self, q: &Quota, scale: f64, now: Micros) -> Limit {
+        let mut n = Limit::new(q, scale);
         let keep = |old: Option<Bucket>, new: &mut Option<Bucket>| {
             if let (Some(mut o), Some(b)) = (old, new.as_mut()) {
                 o.refill(now);
@@ -141,6 +195,7 @@ impl Limit {
         n.in_flight = self.in_flight;
         n.gpu_used = self.gpu_used;
         n.gpu_day = self.gpu_day;
+        n.spent = self.spent;
         n
     }
 
@@ -165,6 +220,17 @@ impl Limit {
 pub struct ScopedQuotas {
     tiers: Vec<Limit>,
     models: Vec<Limit>,
+    /// The share of each limit enforced here (see
+    /// [`super::Config::quota_scale`]).
+    scale: f64,
+}
+
+/// Which of a request's tier and model quotas the scheduler leaves alone:
+/// a fleet claimed them for it already.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Claimed {
+    pub tier: bool,
+    pub model: bool,
 }
 
 /// What a held request reserved of its tier's and model's quotas.
@@ -178,10 +244,67 @@ pub struct Scoped {
 
 impl ScopedQuotas {
     pub fn new(g: &DecisionGraph) -> ScopedQuotas {
+        ScopedQuotas::scaled(g, 1.0)
+    }
+
+    /// At `scale` of the policy's limits (one of N replicas: 1/N).
+    pub fn scaled(g: &DecisionGraph, scale: f64) -> ScopedQuotas {
+        let scale = if scale.is_finite() && scale > 0.0 {
+            scale.min(1.0)
+        } else {
+            1.0
+        };
         ScopedQuotas {
-            tiers: g.tiers.iter().map(|t| Limit::new(&t.quota)).collect(),
-            models: g.models.iter().map(|m| Limit::new(&m.quota)).collect(),
+            tiers: g
+                .tiers
+                .iter()
+                .map(|t| Limit::new(&t.quota, scale))
+                .collect(),
+            models: g
+                .models
+                .iter()
+                .map(|m| Limit::new(&m.quota, scale))
+                .collect(),
+            scale,
         }
+    }
+
+    /// These quotas at another `scale`, each bucket at the share it had.
+    pub fn rescaled(&self, g: &DecisionGraph, scale: f64, now: Micros) -> ScopedQuotas {
+        let mut next = ScopedQuotas::scaled(g, scale);
+        for ((n, old), t) in next.tiers.iter_mut().zip(&self.tiers).zip(&g.tiers) {
+            *n = old.rescaled(&t.quota, next.scale, now);
+        }
+        for ((n, old), m) in next.models.iter_mut().zip(&self.models).zip(&g.models) {
+            *n = old.rescaled(&m.quota, next.scale, now);
+        }
+        next
+    }
+
+    /// Sets a tier's (`tier: true`) or a model's quota's buckets to the
+    /// fleet's `level`.
+    pub fn mirror(&mut self, tier: bool, id: u16, level: &Level, now: Micros) {
+        let list = if tier {
+            &mut self.tiers
+        } else {
+            &mut self.models
+        };
+        if let Some(l) = list.get_mut(id as usize) {
+            l.mirror(level, now);
+        }
+    }
+
+    /// What was taken here since the last call: (is a tier, id, spent).
+    pub fn take_spent(&mut self) -> Vec<(bool, u16, Spent)> {
+        let mut out = Vec::new();
+        for (tier, list) in [(true, &mut self.tiers), (false, &mut self.models)] {
+            for (i, l) in list.iter_mut().enumerate() {
+                if !l.spent.is_zero() {
+                    out.push((tier, i as u16, std::mem::take(&mut l.spent)));
+                }
+            }
+        }
+        out
     }
 
     /// Whether `tokens` and one request fit `tier`'s and `model`'s quotas
@@ -193,10 +316,22 @@ impl ScopedQuotas {
         tokens: f64,
         now: Micros,
     ) -> Result<(), (Reason, Micros)> {
-        if let Some(l) = self.tiers.get_mut(tier as usize) {
+        self.check_unclaimed(tier, model, tokens, now, Claimed::default())
+    }
+
+    /// [`Self::check`] of the quotas not `claimed` already.
+    pub fn check_unclaimed(
+        &mut self,
+        tier: TierId,
+        model: ModelId,
+        tokens: f64,
+        now: Micros,
+        claimed: Claimed,
+    ) -> Result<(), (Reason, Micros)> {
+        if let (Some(l), false) = (self.tiers.get_mut(tier as usize), claimed.tier) {
             l.check(tokens, now).map_err(|w| (Reason::TierQuota, w))?;
         }
-        if let Some(l) = self.models.get_mut(model as usize) {
+        if let (Some(l), false) = (self.models.get_mut(model as usize), claimed.model) {
             l.check(tokens, now).map_err(|w| (Reason::ModelQuota, w))?;
         }
         Ok(())
@@ -211,16 +346,31 @@ impl ScopedQuotas {
         tokens: f64,
         now: Micros,
     ) -> Result<Scoped, (Reason, Micros)> {
-        self.check(tier, model, tokens, now)?;
-        if let Some(l) = self.tiers.get_mut(tier as usize) {
+        self.reserve_unclaimed(tier, model, tokens, now, Claimed::default())
+    }
+
+    /// [`Self::reserve`] of the quotas not `claimed` already (those are
+    /// neither checked nor taken, nor given back at the end).
+    pub fn reserve_unclaimed(
+        &mut self,
+        tier: TierId,
+        model: ModelId,
+        tokens: f64,
+        now: Micros,
+        claimed: Claimed,
+    ) -> Result<Scoped, (Reason, Micros)> {
+        self.check_unclaimed(tier, model, tokens, now, claimed)?;
+        let tier = (!claimed.tier).then_some(tier);
+        let model = (!claimed.model).then_some(model);
+        if let Some(l) = tier.and_then(|t| self.tiers.get_mut(t as usize)) {
             l.take(tokens);
         }
-        if let Some(l) = self.models.get_mut(model as usize) {
+        if let Some(l) = model.and_then(|m| self.models.get_mut(m as usize)) {
             l.take(tokens);
         }
         Ok(Scoped {
-            tier: Some(tier),
-            model: Some(model),
+            tier,
+            model,
             tokens,
         })
     }
@@ -270,7 +420,7 @@ impl ScopedQuotas {
     /// one in both keeps its levels (clamped to the new capacity), requests
     /// in flight and today's GPU-seconds; a new one starts full.
     pub fn remap(&self, g: &DecisionGraph, map: &Remap, now: Micros) -> ScopedQuotas {
-        let mut next = ScopedQuotas::new(g);
+        let mut next = ScopedQuotas::scaled(g, self.scale);
         for (i, old) in self.tiers.iter().enumerate() {
             let Some(t) = map.tier(i as TierId) else {
                 continue;
@@ -278,7 +428,7 @@ impl ScopedQuotas {
             if let (Some(slot), Some(tier)) =
                 (next.tiers.get_mut(t as usize), g.tiers.get(t as usize))
             {
-                *slot = old.resized(&tier.quota, now);
+                *slot = old.resized(&tier.quota, next.scale, now);
             }
         }
         for (i, old) in self.models.iter().enumerate() {
@@ -288,7 +438,7 @@ impl ScopedQuotas {
             if let (Some(slot), Some(model)) =
                 (next.models.get_mut(m as usize), g.models.get(m as usize))
             {
-                *slot = old.resized(&model.quota, now);
+                *slot = old.resized(&model.quota, next.scale, now);
             }
         }
         next
@@ -345,6 +495,44 @@ route t n { default => fp16 }
         assert_eq!(q.in_flight(0, 1), (0, 0));
         // 6000 - 2000 used: a third of the bucket is spent.
         assert!((q.remaining_percent(0, 1, 0) - 100.0 * 4000.0 / 6000.0).abs() < 1e-9);
+    }
+
+    /// What a fleet claimed is neither checked nor taken here; the rest
+    /// is, and counted as spent for the fleet.
+    #[test]
+    fn a_quota_the_fleet_claimed_is_left_alone() {
+        let g = graph(TEXT);
+        let mut q = ScopedQuotas::scaled(&g, 0.5);
+        // Tier t: 6000 tokens a minute, two at once; half here: 3000, one.
+        let claimed = Claimed {
+            tier: true,
+            model: false,
+        };
+        let a = q
+            .reserve_unclaimed(0, 1, 4000.0, 0, claimed)
+            .expect("the tier's quota was claimed by the fleet");
+        assert_eq!(a.tier, None);
+        assert_eq!(q.in_flight(0, 1), (0, 1));
+        assert_eq!(
+            q.reserve(0, 1, 4000.0, 0).map(|_| ()),
+            Err((Reason::TierQuota, 20 * SEC))
+        );
+        assert!(q.take_spent().is_empty(), "model n has no buckets");
+        let b = q.reserve(0, 1, 1000.0, 0).expect("fits half the tier");
+        assert_eq!(
+            q.take_spent(),
+            vec![(
+                true,
+                0,
+                Spent {
+                    requests: 0.0,
+                    tokens: 1000.0
+                }
+            )]
+        );
+        q.release(a, 10.0);
+        q.release(b, 1000.0);
+        assert_eq!(q.in_flight(0, 1), (0, 0));
     }
 
     #[test]

@@ -56,6 +56,7 @@ pub fn sched(g: &Arc<DecisionGraph>) -> Scheduler {
 pub fn arrival(id: ReqId, tenant: &str, model: &str, prompt: u64, output: u32) -> Arrival {
     Arrival {
         quota_claimed: false,
+        fleet: None,
         cache: None,
         semantic: None,
         window: None,

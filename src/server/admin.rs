@@ -114,12 +114,17 @@ async fn healthz() -> Response {
 async fn readyz(State(app): State<Arc<App>>) -> Response {
     match app.exec.snapshot().await {
         Some(s) => {
-            let ready = s
-                .replicas
-                .iter()
-                .any(|r| r.up && r.available && !r.draining);
+            // A replica that refuses every request while its fleet's
+            // shared state is unreachable (`on_unavailable = "refuse"`) is
+            // not ready either.
+            let refusing = app.fleet.as_ref().is_some_and(|f| f.refusing());
+            let ready = !refusing
+                && s.replicas
+                    .iter()
+                    .any(|r| r.up && r.available && !r.draining);
             let body = json!({
                 "ready": ready,
+                "shared_state": app.fleet.as_ref().map(|f| if f.store.is_up() { "up" } else if refusing { "unreachable: refusing requests" } else { "unreachable: serving with local limits" }),
                 "version": s.version,
                 "replicas": s.replicas.iter().map(|r| json!({
                     "index": r.index, "pool": r.pool, "model": r.model, "variant": r.variant,

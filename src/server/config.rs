@@ -100,8 +100,10 @@ fn default_embedding_budget() -> std::time::Duration {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum OnUnavailable {
-    /// Keep serving, each tenant's limits divided by `replicas`, so the
-    /// fleet together stays within them.
+    /// Keep serving, each quota divided by the fleet's size (the live
+    /// replicas last counted in Redis's registry, at least `replicas`) and
+    /// starting from this replica's share of what the fleet had left, so
+    /// the fleet together stays within them.
     Local,
     /// Refuse requests (503, `shared-state-unavailable`) until it is back.
     Refuse,
@@ -121,8 +123,8 @@ pub struct StateSection {
     pub replica: Option<String>,
     /// The operator's choice while Redis is unreachable.
     pub on_unavailable: OnUnavailable,
-    /// How many replicas the fleet runs: while Redis is down each one
-    /// enforces 1/`replicas` of every tenant's limits.
+    /// The fewest replicas the fleet runs (an autoscaler's minimum): the
+    /// fleet's size is counted in Redis's registry, never below this.
     #[serde(default = "default_replicas")]
     pub replicas: u32,
     /// Leases: a replica's concurrency reservations, its liveness and the

@@ -169,6 +169,10 @@ pub enum Command {
         graph: Arc<DecisionGraph>,
         service: Vec<crate::sched::queue::ServiceCount>,
         slots: Vec<(usize, u32)>,
+        /// The fleet's quota levels, and the share of each quota this
+        /// replica enforces alone (1/the fleet's size).
+        quotas: Vec<(crate::sched::quota::Scope, crate::sched::quota::Level)>,
+        scale: f64,
     },
     /// A CUDA replica finished the step that was to end at `until`.
     StepRan {
@@ -187,6 +191,8 @@ pub struct FleetView {
     /// Fair-share decay window per tier, µs.
     pub decays: Vec<Option<Micros>>,
     pub upstreams: Vec<UpstreamDemand>,
+    /// Quota this replica took by itself since the last view.
+    pub spend: Vec<(crate::sched::quota::Scope, crate::sched::quota::Spent)>,
 }
 
 /// One HTTP upstream replica's needs, for the fleet's split of its slots.
@@ -668,6 +674,7 @@ impl<C: Clock> Executor<C> {
         let sched = self.driver.sched_mut();
         sched.share_service();
         let service = sched.take_service();
+        let spend = sched.take_quota_spend();
         let (active, decays) = sched.fair_share_view();
         let mut upstreams = Vec::new();
         for (i, r) in sched.replicas().iter().enumerate() {
@@ -703,6 +710,7 @@ impl<C: Clock> Executor<C> {
         FleetView {
             graph,
             service,
+            spend,
             active,
             decays,
             upstreams,
@@ -791,9 +799,13 @@ impl<C: Clock> Executor<C> {
                 graph,
                 service,
                 slots,
+                quotas,
+                scale,
             } => {
                 if Arc::ptr_eq(&graph, &self.handlers.graph) {
                     let sched = self.driver.sched_mut();
+                    sched.set_quota_scale(scale);
+                    sched.mirror_quotas(&quotas);
                     sched.set_service(&service);
                     for (r, cap) in slots {
                         sched.set_slot_cap(r, Some(cap));

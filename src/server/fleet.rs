@@ -16,18 +16,25 @@
 //! - **Registry**: each replica's heartbeat says which version it runs
 //!   (`kiln status`, `GET /admin/replicas`).
 //! - **Redis unreachable**: the operator's `on_unavailable`. `local`:
-//!   requests are not claimed, the scheduler enforces 1/`replicas` of
-//!   each limit (set at start, [`crate::sched::Config::quota_scale`]);
-//!   `refuse`: 503 `shared-state-unavailable`. Either way a metric
-//!   (`kiln_shared_state_up`) and one log line at each change, and the
-//!   next successful call resumes sharing.
+//!   requests are not claimed, the scheduler enforces 1/N of each limit
+//!   (N: the live replicas the registry last counted,
+//!   [`crate::sched::Scheduler::set_quota_scale`]) from its share of what
+//!   the fleet last had left (the scheduler's buckets mirror the fleet's,
+//!   [`crate::shared::budget`]); what it spends is reported when Redis
+//!   answers again. `refuse`: 503 `shared-state-unavailable`. Either way a
+//!   metric (`kiln_shared_state_up`) and one log line at each change, and
+//!   the next successful call resumes sharing.
 
 use super::config::{OnUnavailable, StateSection};
 use super::App;
 use crate::graph::{DecisionGraph, Request};
-use crate::shared::{Claimed, Limits, ReplicaInfo, Store, StoreConfig};
+use crate::sched::quota::{FleetClaim, Scope};
+use crate::shared::budget::{Budget, Spend};
+use crate::shared::{
+    Claimed, Limits, QuotaClaim, QuotaKey, QuotaKind, QuotaSync, ReplicaInfo, Store, StoreConfig,
+};
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -39,15 +46,24 @@ pub struct Fleet {
     /// Shared with governance, which keeps its records in the same store.
     pub store: Arc<Store>,
     pub on_unavailable: OnUnavailable,
+    /// `[state] replicas`: the fewest replicas the fleet runs (an
+    /// autoscaler's minimum): the registry's count is never taken below
+    /// it, so a replica that counted only itself before Redis went away
+    /// (the others not registered yet) does not take the whole quota.
     pub replicas: u32,
+    /// The live replicas the registry last counted (this one included).
+    live: AtomicU32,
+    /// The fleet's last levels of each quota, and what this replica spent
+    /// by itself that the fleet has not been told.
+    pub budget: Budget,
     /// Policy time per wall time (`[sim] speed`): Redis refills buckets by
     /// its wall clock, so rates are sped up alike.
     speed: f64,
     /// The newest epoch announced, and the one this replica applied.
     pub(super) seen: AtomicU64,
     applied: tokio::sync::watch::Sender<u64>,
-    /// Concurrency leases this replica holds: tenant → request ids.
-    leases: Mutex<BTreeMap<String, BTreeSet<String>>>,
+    /// Concurrency leases this replica holds: quota → request ids.
+    leases: Mutex<BTreeMap<QuotaKey, BTreeSet<String>>>,
     started_ms: u64,
     /// Whether the last heartbeat reached Redis (for the log and gauge).
     was_up: AtomicBool,
@@ -62,26 +78,40 @@ pub enum Gate {
     Claimed(Arc<Claim>),
     /// Nothing to claim (no tenant, or one without limits).
     Free,
-    /// Refused by a limit, with when a retry could pass.
-    Refused { limit: String, retry_ms: u64 },
+    /// Refused by a limit: why (the reason code), the client's message,
+    /// and when a retry could pass.
+    Refused {
+        reason: crate::sched::Reason,
+        message: String,
+        retry_ms: u64,
+    },
     /// Redis did not answer: the gateway applies `on_unavailable`.
     Unavailable,
 }
 
-/// One request's claim on its tenant's shared quota. Released once: when
-/// the scheduler reports how it ended ([`Claim::finish`]), or else when the
-/// last holder drops it (charged in full, since what it used is unknown).
+/// One request's claim on the shared quotas that apply to it (its
+/// tenant's, its tier's, its model's). Released once: when the scheduler
+/// reports how it ended ([`Claim::finish`]), or else when the last holder
+/// drops it (charged in full, since what it used is unknown).
 pub struct Claim {
     fleet: Arc<Fleet>,
-    tenant: String,
+    /// Each quota claimed, its tokens/s, whether it limits GPU-seconds,
+    /// and the seconds its buckets hold.
+    quotas: Vec<(QuotaKey, f64, bool, f64)>,
     member: String,
-    tokens_per_s: f64,
     need: f64,
     prompt: f64,
+    /// What the scheduler needs to know of it ([`FleetClaim`]).
+    scheduled: FleetClaim,
     done: AtomicBool,
 }
 
 impl Claim {
+    /// What the claim covered beyond the tenant, for the scheduler.
+    pub fn fleet_claim(&self) -> Box<FleetClaim> {
+        Box::new(self.scheduled.clone())
+    }
+
     /// Whether it was released already (a request served once and sent
     /// again is not claimed twice, nor released twice).
     pub fn is_done(&self) -> bool {
@@ -106,16 +136,18 @@ impl Claim {
     }
 
     fn release(&self, refund: f64, gpu_seconds: f64) {
-        self.fleet.forget_lease(&self.tenant, &self.member);
+        for (q, _, _, _) in &self.quotas {
+            self.fleet.forget_lease(q, &self.member);
+        }
         let fleet = self.fleet.clone();
-        let (tenant, member, rate) = (self.tenant.clone(), self.member.clone(), self.tokens_per_s);
+        let (quotas, member) = (self.quotas.clone(), self.member.clone());
         // Not awaited by the request: a slow Redis must not hold a response
         // open. An unreachable one lets the lease expire instead.
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
                 let _ = fleet
                     .store
-                    .release(&tenant, &member, rate, refund, gpu_seconds)
+                    .release(&quotas, &member, refund, gpu_seconds)
                     .await;
             });
         }
@@ -156,6 +188,8 @@ impl Fleet {
             store,
             on_unavailable: cfg.on_unavailable,
             replicas: cfg.replicas.max(1),
+            live: AtomicU32::new(0),
+            budget: Budget::new(),
             speed: if speed.is_finite() && speed > 0.0 {
                 speed
             } else {
@@ -170,9 +204,35 @@ impl Fleet {
         }))
     }
 
+    /// The fleet's size: the live replicas the registry last counted, at
+    /// least `[state] replicas`.
+    pub fn size(&self) -> u32 {
+        self.live.load(Ordering::Relaxed).max(self.replicas).max(1)
+    }
+
+    /// Whether this replica refuses requests now: Redis is unreachable
+    /// and the operator chose `on_unavailable = "refuse"`.
+    pub fn refusing(&self) -> bool {
+        self.on_unavailable == OnUnavailable::Refuse && !self.store.is_up()
+    }
+
     /// The share of each limit one replica enforces alone.
     pub fn local_scale(&self) -> f64 {
-        1.0 / f64::from(self.replicas.max(1))
+        crate::sched::quota::share_of(self.size())
+    }
+
+    /// Limits as Redis enforces them: rates per second of its (wall)
+    /// clock, sped up by `[sim] speed`.
+    fn limits(&self, q: &crate::graph::Quota) -> Limits {
+        Limits {
+            requests_per_s: q.requests.unwrap_or(0.0) * self.speed,
+            tokens_per_s: q.tokens.unwrap_or(0.0) * self.speed,
+            concurrent: q.concurrent.unwrap_or(0),
+            // A day of wall time holds `speed` days of policy time.
+            gpu_seconds_per_day: q.gpu_seconds.map(|s| s * 86_400.0 * self.speed),
+            // A bucket holds a minute of policy time.
+            bucket_s: 60.0 / self.speed,
+        }
     }
 
     pub fn applied_epoch(&self) -> u64 {
@@ -202,8 +262,12 @@ impl Fleet {
         let _ = tokio::time::timeout(VERSION_WAIT, rx.wait_for(|e| *e >= seen)).await;
     }
 
-    /// Claims `req`'s tenant's quotas for one request needing `need`
-    /// tokens, `prompt` of them its prompt.
+    /// Claims the quotas that apply to `req` for one request needing
+    /// `need` tokens, `prompt` of them its prompt: its tenant's (the one it
+    /// names), and its tier's and model's as the policy decides them here
+    /// (with the live signals a replica has before it queues: if the
+    /// scheduler then decides another tier or model, that one is charged
+    /// by this replica and reported to the fleet).
     pub async fn claim(
         self: &Arc<Self>,
         graph: &DecisionGraph,
@@ -212,23 +276,42 @@ impl Fleet {
         need: f64,
         prompt: f64,
     ) -> Gate {
-        let Some(t) = req
+        let mut quotas: Vec<QuotaClaim> = Vec::new();
+        let mut scheduled = FleetClaim::default();
+        let mut tenant_at = None;
+        if let Some(t) = req
             .tenant
             .as_deref()
             .and_then(|n| graph.tenant_id(n))
             .and_then(|i| graph.tenants.get(i as usize))
-        else {
-            return Gate::Free;
-        };
-        let q = &t.quota;
-        let limits = Limits {
-            requests_per_s: q.requests.unwrap_or(0.0) * self.speed,
-            tokens_per_s: q.tokens.unwrap_or(0.0) * self.speed,
-            concurrent: q.concurrent.unwrap_or(0),
-            // A day of wall time holds `speed` days of policy time.
-            gpu_seconds_per_day: q.gpu_seconds.map(|s| s * 86_400.0 * self.speed),
-        };
-        if !limits.any() {
+        {
+            let limits = self.limits(&t.quota);
+            if limits.any() {
+                tenant_at = Some(quotas.len());
+                quotas.push(self.quota_claim(QuotaKind::Tenant, &t.name, limits));
+            }
+        }
+        let limited = |q: &crate::graph::Quota| self.limits(q).any();
+        if graph.tiers.iter().any(|t| limited(&t.quota))
+            || graph.models.iter().any(|m| limited(&m.quota))
+        {
+            let d = graph.decide(req, &crate::graph::Signals::default());
+            if let Some(t) = graph.tiers.get(d.tier as usize) {
+                let limits = self.limits(&t.quota);
+                if limits.any() {
+                    scheduled.tier = Some(t.name.clone());
+                    quotas.push(self.quota_claim(QuotaKind::Tier, &t.name, limits));
+                }
+            }
+            if let Some(m) = d.target.and_then(|t| graph.models.get(t.model as usize)) {
+                let limits = self.limits(&m.quota);
+                if limits.any() {
+                    scheduled.model = Some(m.name.clone());
+                    quotas.push(self.quota_claim(QuotaKind::Model, &m.name, limits));
+                }
+            }
+        }
+        if quotas.is_empty() {
             return Gate::Free;
         }
         // Known down: no request waits on a dead store; the heartbeat's
@@ -236,49 +319,92 @@ impl Fleet {
         if !self.store.is_up() {
             return Gate::Unavailable;
         }
-        // Registered before the claim so the heartbeat renews it even if
+        // Registered before the claim so the heartbeat renews them even if
         // the claim's answer is slow.
-        if limits.concurrent > 0 {
-            if let Ok(mut l) = self.leases.lock() {
-                l.entry(t.name.clone())
+        if let Ok(mut l) = self.leases.lock() {
+            for q in quotas.iter().filter(|q| q.limits.concurrent > 0) {
+                l.entry(q.key.clone())
                     .or_default()
                     .insert(member.to_string());
             }
         }
-        match self.store.claim(&t.name, member, &limits, need).await {
-            Ok(Claimed::Granted) => Gate::Claimed(Arc::new(Claim {
-                fleet: self.clone(),
-                tenant: t.name.clone(),
-                member: member.to_string(),
-                tokens_per_s: limits.tokens_per_s,
-                need,
-                prompt,
-                done: AtomicBool::new(false),
-            })),
-            Ok(Claimed::Refused { limit, retry_ms }) => {
-                self.forget_lease(&t.name, member);
-                Gate::Refused { limit, retry_ms }
+        let answer = self.store.claim(&quotas, member, need).await;
+        let forget = || {
+            for q in &quotas {
+                self.forget_lease(&q.key, member);
+            }
+        };
+        match answer {
+            Ok(Claimed::Granted(levels)) => {
+                for (q, l) in quotas.iter().zip(&levels) {
+                    self.budget.note(&q.key, *l);
+                }
+                scheduled.tenant_level =
+                    tenant_at
+                        .and_then(|i| levels.get(i))
+                        .map(|l| crate::sched::quota::Level {
+                            requests: l.requests,
+                            tokens: l.tokens,
+                        });
+                Gate::Claimed(Arc::new(Claim {
+                    fleet: self.clone(),
+                    quotas: quotas
+                        .iter()
+                        .map(|q| {
+                            (
+                                q.key.clone(),
+                                q.limits.tokens_per_s,
+                                q.limits.gpu_seconds_per_day.is_some(),
+                                q.limits.bucket_s,
+                            )
+                        })
+                        .collect(),
+                    member: member.to_string(),
+                    need,
+                    prompt,
+                    scheduled,
+                    done: AtomicBool::new(false),
+                }))
+            }
+            Ok(Claimed::Refused {
+                quota,
+                limit,
+                retry_ms,
+            }) => {
+                forget();
+                let (reason, message) = refusal(req, quota.as_ref(), &limit);
+                Gate::Refused {
+                    reason,
+                    message,
+                    retry_ms,
+                }
             }
             Err(_) => {
-                self.forget_lease(&t.name, member);
+                forget();
                 Gate::Unavailable
             }
         }
     }
 
+    fn quota_claim(&self, kind: QuotaKind, name: &str, limits: Limits) -> QuotaClaim {
+        let key = QuotaKey::new(kind, name);
+        let seed = self.budget.seed(&key, limits.bucket_s);
+        QuotaClaim { key, limits, seed }
+    }
+
     /// Stops renewing `member`'s concurrency lease.
-    fn forget_lease(&self, tenant: &str, member: &str) {
+    fn forget_lease(&self, quota: &QuotaKey, member: &str) {
         if let Ok(mut l) = self.leases.lock() {
-            if let Some(set) = l.get_mut(tenant) {
+            if let Some(set) = l.get_mut(quota) {
                 set.remove(member);
                 if set.is_empty() {
-                    l.remove(tenant);
+                    l.remove(quota);
                 }
             }
         }
     }
 
-    fn lease_snapshot(&self) -> BTreeMap<String, Vec<String>> {
+    fn lease_snapshot(&self) -> BTreeMap<QuotaKey, Vec<String>> {
         self.leases
             .lock()
             .map(|l| {
@@ -287,6 +413,30 @@ impl Fleet {
                     .collect()
             })
             .unwrap_or_default()
+    }
+}
+
+/// Why the fleet refused a claim, and what the client is told.
+fn refusal(req: &Request, quota: Option<&QuotaKey>, limit: &str) -> (crate::sched::Reason, String) {
+    use crate::sched::Reason;
+    let tenant = req.tenant.as_deref().unwrap_or("none");
+    match (quota.map(|q| (q.kind, q.name.as_str())), limit) {
+        (Some((QuotaKind::Tier, name)), _) => (
+            Reason::TierQuota,
+            format!("tier {name} is over its {limit} quota (counted over every replica)"),
+        ),
+        (Some((QuotaKind::Model, name)), _) => (
+            Reason::ModelQuota,
+            format!("model {name} is over its {limit} quota (counted over every replica)"),
+        ),
+        (_, "concurrency") => (
+            Reason::Concurrency,
+            format!("tenant {tenant} has as many requests in flight as its quota allows (counted over every replica)"),
+        ),
+        _ => (
+            Reason::Quota,
+            format!("tenant {tenant} is over its {limit} quota (counted over every replica)"),
+        ),
     }
 }
 
@@ -319,12 +469,25 @@ async fn share_sync(app: Arc<App>, fleet: Arc<Fleet>) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // Service charged here that Redis has not taken yet (it was down).
     let mut unsent: BTreeMap<(String, u64), Vec<(String, f64)>> = BTreeMap::new();
+    let mut ticks = 0u64;
     loop {
         tick.tick().await;
+        ticks += 1;
         let Some(view) = app.exec.fleet_view().await else {
             return;
         };
         let g = &view.graph;
+        for (scope, spent) in &view.spend {
+            if let Some(key) = quota_key(g, *scope) {
+                fleet.budget.spent(
+                    key,
+                    Spend {
+                        requests: spent.requests,
+                        tokens: spent.tokens,
+                    },
+                );
+            }
+        }
         let tenant_name =
             |t: Option<crate::graph::TenantId>| match t.and_then(|t| g.tenants.get(t as usize)) {
                 Some(tn) => tn.name.clone(),
@@ -406,6 +569,15 @@ async fn share_sync(app: Arc<App>, fleet: Arc<Fleet>) {
                 }
             }
         }
+        // Quotas: what this replica spent by itself goes to the fleet, and
+        // the fleet's levels come back (each bucket here mirrors its share).
+        let mut quotas = Vec::new();
+        if !down && (ticks % QUOTA_SYNC_TICKS == 0 || fleet.budget.has_unsent()) {
+            match sync_quotas(&fleet, g).await {
+                Some(q) => quotas = q,
+                None => down = true,
+            }
+        }
         let mut slots = Vec::new();
         for u in &view.upstreams {
             let want = u64::from(u.busy) + u.queued as u64;
@@ -431,7 +603,7 @@ async fn share_sync(app: Arc<App>, fleet: Arc<Fleet>) {
                 // still stays within the upstream's concurrency.
                 None => {
                     down = true;
-                    u.capacity.div_ceil(fleet.replicas.max(1)).max(1)
+                    u.capacity.div_ceil(fleet.size()).max(1)
                 }
             };
             slots.push((u.replica, cap));
@@ -440,7 +612,118 @@ async fn share_sync(app: Arc<App>, fleet: Arc<Fleet>) {
             graph: view.graph.clone(),
             service: totals,
             slots,
+            quotas,
+            scale: fleet.local_scale(),
         });
+    }
+}
+
+/// Every fourth exchange (100 ms), or the next one when spending waits to
+/// be reported, quota levels are synced: how stale a replica's picture of
+/// the fleet's buckets (its `quota.remaining`, the level it goes on from
+/// if Redis becomes unreachable) may get.
+const QUOTA_SYNC_TICKS: u64 = 4;
+
+/// The fleet's name of a quota in `g`.
+fn quota_key(g: &DecisionGraph, scope: Scope) -> Option<QuotaKey> {
+    match scope {
+        Scope::Tenant(t) => g
+            .tenants
+            .get(t as usize)
+            .map(|x| QuotaKey::new(QuotaKind::Tenant, &x.name)),
+        Scope::Tier(t) => g
+            .tiers
+            .get(t as usize)
+            .map(|x| QuotaKey::new(QuotaKind::Tier, &x.name)),
+        Scope::Model(m) => g
+            .models
+            .get(m as usize)
+            .map(|x| QuotaKey::new(QuotaKind::Model, &x.name)),
+    }
+}
+
+/// Reports what this replica spent by itself and reads every bucketed
+/// quota of `g` back; `None` when Redis did not answer (the spending is
+/// kept for the next try).
+async fn sync_quotas(
+    fleet: &Fleet,
+    g: &DecisionGraph,
+) -> Option<Vec<(Scope, crate::sched::quota::Level)>> {
+    let mut scopes: Vec<(Scope, &crate::graph::Quota, QuotaKey)> = Vec::new();
+    for (i, t) in g.tenants.iter().enumerate() {
+        scopes.push((
+            Scope::Tenant(i as crate::graph::TenantId),
+            &t.quota,
+            QuotaKey::new(QuotaKind::Tenant, &t.name),
+        ));
+    }
+    for (i, t) in g.tiers.iter().enumerate() {
+        scopes.push((
+            Scope::Tier(i as crate::graph::TierId),
+            &t.quota,
+            QuotaKey::new(QuotaKind::Tier, &t.name),
+        ));
+    }
+    for (i, m) in g.models.iter().enumerate() {
+        scopes.push((
+            Scope::Model(i as crate::graph::ModelId),
+            &m.quota,
+            QuotaKey::new(QuotaKind::Model, &m.name),
+        ));
+    }
+    scopes.retain(|(_, q, _)| q.requests.is_some() || q.tokens.is_some());
+    let mut unsent = fleet.budget.take_unsent();
+    let items: Vec<QuotaSync> = scopes
+        .iter()
+        .map(|(_, q, key)| {
+            let l = fleet.limits(q);
+            let spent = unsent.remove(key).unwrap_or_default();
+            QuotaSync {
+                key: key.clone(),
+                requests_per_s: l.requests_per_s,
+                tokens_per_s: l.tokens_per_s,
+                spent_requests: spent.requests,
+                spent_tokens: spent.tokens,
+                seed: fleet.budget.seed(key, l.bucket_s),
+                bucket_s: l.bucket_s,
+            }
+        })
+        .collect();
+    // Spending of quotas no longer in the policy is dropped.
+    match fleet.store.sync_quotas(&items).await {
+        Ok(levels) => Some(
+            scopes
+                .iter()
+                .zip(levels)
+                .map(|((scope, _, key), l)| {
+                    fleet.budget.note(key, l);
+                    (
+                        *scope,
+                        crate::sched::quota::Level {
+                            requests: l.requests,
+                            tokens: l.tokens,
+                        },
+                    )
+                })
+                .collect(),
+        ),
+        Err(_) => {
+            fleet.budget.unsent(
+                items
+                    .into_iter()
+                    .map(|i| {
+                        (
+                            i.key,
+                            Spend {
+                                requests: i.spent_requests,
+                                tokens: i.spent_tokens,
+                            },
+                        )
+                    })
+                    .collect(),
+            );
+            None
+        }
     }
 }
 
@@ -461,14 +744,22 @@ async fn heartbeat(app: Arc<App>, fleet: Arc<Fleet>) {
         };
         let ok = fleet.store.heartbeat(&info).await.is_ok()
             && fleet.store.renew(&fleet.lease_snapshot()).await.is_ok();
+        // The fleet's size is the registry's: splits of every quota and
+        // upstream while Redis is unreachable follow joins and leaves.
+        if ok {
+            if let Ok(list) = fleet.store.replicas().await {
+                let n = u32::try_from(list.len()).unwrap_or(u32::MAX).max(1);
+                fleet.live.store(n, Ordering::Relaxed);
+            }
+        }
         app.metrics.shared_state(ok, fleet.store.failures());
         let was = fleet.was_up.swap(ok, Ordering::Relaxed);
         if was != ok {
             match (ok, fleet.on_unavailable) {
                 (false, OnUnavailable::Local) => tracing::error!(
                     replica = %fleet.store.replica(),
-                    "shared state unreachable: serving with local limits (1/{} of each tenant's quota per replica) until Redis answers",
-                    fleet.replicas
+                    "shared state unreachable: serving with local limits (1/{} of each quota per replica, from the fleet's last levels) until Redis answers",
+                    fleet.size()
                 ),
                 (false, OnUnavailable::Refuse) => tracing::error!(
                     replica = %fleet.store.replica(),

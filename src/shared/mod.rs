@@ -13,6 +13,7 @@
 //! marks it up again on the first call that succeeds (the connection
 //! manager reconnects by itself); the gateway logs the change.
 
+pub mod budget;
 pub mod scripts;
 
 use redis::aio::ConnectionManager;
@@ -58,7 +59,7 @@ pub struct StoreConfig {
     pub lease: Duration,
 }
 
-/// A tenant's limits as the shared quota enforces them (per second rates;
+/// A quota's limits as the shared quota enforces them (per second rates;
 /// zero means no such limit).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct Limits {
@@ -66,6 +67,18 @@ pub struct Limits {
     pub tokens_per_s: f64,
     pub concurrent: u64,
     pub gpu_seconds_per_day: Option<f64>,
+    /// The seconds of Redis's clock a bucket holds: a minute of policy
+    /// time (60 s; less under `[sim] speed`). 0 reads as 60.
+    pub bucket_s: f64,
+}
+
+/// The seconds a bucket holds (see [`Limits::bucket_s`]).
+pub fn bucket_len(bucket_s: f64) -> f64 {
+    if bucket_s.is_finite() && bucket_s > 0.0 {
+        bucket_s
+    } else {
+        60.0
+    }
 }
 
 impl Limits {
@@ -77,16 +90,111 @@ impl Limits {
     }
 }
 
+/// Whose quota: a tenant's, a tier's or a model's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum QuotaKind {
+    Tenant,
+    Tier,
+    Model,
+}
+
+impl QuotaKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            QuotaKind::Tenant => "tenant",
+            QuotaKind::Tier => "tier",
+            QuotaKind::Model => "model",
+        }
+    }
+}
+
+/// One quota of the fleet: the tenant, tier or model it belongs to.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct QuotaKey {
+    pub kind: QuotaKind,
+    pub name: String,
+}
+
+impl QuotaKey {
+    pub fn new(kind: QuotaKind, name: &str) -> QuotaKey {
+        QuotaKey {
+            kind,
+            name: name.to_string(),
+        }
+    }
+
+    /// Its buckets' hash and its concurrency leases' set (a tenant's keep
+    /// the names they always had).
+    fn parts(&self) -> ([&str; 2], [&str; 2]) {
+        match self.kind {
+            QuotaKind::Tenant => (["quota", &self.name], ["leases", &self.name]),
+            QuotaKind::Tier => (["tier-quota", &self.name], ["tier-leases", &self.name]),
+            QuotaKind::Model => (["model-quota", &self.name], ["model-leases", &self.name]),
+        }
+    }
+}
+
+/// The share of each of a quota's buckets left (`None`: no such bucket);
+/// below zero where reported spending ran it into debt.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Level {
+    pub requests: Option<f64>,
+    pub tokens: Option<f64>,
+}
+
+/// One quota in a claim: its limits (per second, as Redis's clock runs)
+/// and, where Redis holds no bucket for it, the share to start it at
+/// ([`budget::Budget::seed`]; `None`: full).
+#[derive(Debug, Clone)]
+pub struct QuotaClaim {
+    pub key: QuotaKey,
+    pub limits: Limits,
+    pub seed: Level,
+}
+
+/// One quota in a sync ([`Store::sync_quotas`]): what this replica spent
+/// of it by itself since the last sync.
+#[derive(Debug, Clone)]
+pub struct QuotaSync {
+    pub key: QuotaKey,
+    pub requests_per_s: f64,
+    pub tokens_per_s: f64,
+    pub spent_requests: f64,
+    pub spent_tokens: f64,
+    pub seed: Level,
+    /// See [`Limits::bucket_s`].
+    pub bucket_s: f64,
+}
+
 /// The answer to a quota claim.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Claimed {
-    Granted,
-    /// Which limit refused (`requests`, `tokens`, `concurrency`,
-    /// `gpu-seconds`) and when a retry could pass.
+    /// Every quota's level after the claim, in the claim's order.
+    Granted(Vec<Level>),
+    /// Which quota and which of its limits refused (`requests`, `tokens`,
+    /// `concurrency`, `gpu-seconds`), and when a retry could pass.
     Refused {
+        quota: Option<QuotaKey>,
         limit: String,
         retry_ms: u64,
     },
+}
+
+fn seed_arg(x: Option<f64>) -> f64 {
+    match x {
+        Some(f) if f.is_finite() => f.clamp(0.0, 1.0),
+        _ => -1.0,
+    }
+}
+
+fn fraction(v: Option<&redis::Value>) -> Option<f64> {
+    let s = match v {
+        Some(redis::Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+        Some(redis::Value::SimpleString(s)) => s.clone(),
+        Some(redis::Value::Int(i)) => return Some(*i as f64),
+        _ => return None,
+    };
+    s.parse::<f64>().ok().filter(|f| f.is_finite())
 }
 
 /// One replica as the registry knows it.
@@ -152,6 +260,12 @@ pub enum Committed {
     /// The chain moved since the writer read it.
     Moved,
 }
+
+/// How long a replica holds an extra slot of a shared upstream when its
+/// share of the slots is not whole ([`scripts`]: `SLOTS`): long against a
+/// request's time on the upstream (a slot given back is free only when the
+/// request on it ends), short against the windows shares are judged over.
+pub const SLOT_EPOCH_MS: u64 = 1000;
 
 /// A connection to the shared store.
 pub struct Store {
@@ -273,30 +387,39 @@ impl Store {
             .map(|_| ())
     }
 
-    fn tenant_keys(&self, tenant: &str) -> (String, String) {
-        (self.key(&["quota", tenant]), self.key(&["leases", tenant]))
+    fn quota_keys(&self, q: &QuotaKey) -> (String, String) {
+        let (h, l) = q.parts();
+        (self.key(&h), self.key(&l))
     }
 
-    /// Claims one request (and `need_tokens`) of `tenant`'s quotas, with a
-    /// concurrency lease named `member`, atomically across the fleet.
+    /// Claims one request (and `need_tokens`) of every quota in `quotas`
+    /// (a tenant's, its tier's, its model's), with a concurrency lease
+    /// named `member` in each that limits concurrency, atomically across
+    /// the fleet: all of them or none.
     pub async fn claim(
         &self,
-        tenant: &str,
+        quotas: &[QuotaClaim],
         member: &str,
-        limits: &Limits,
         need_tokens: f64,
     ) -> Result<Claimed, StoreError> {
-        let (q, l) = self.tenant_keys(tenant);
+        if quotas.is_empty() {
+            return Ok(Claimed::Granted(Vec::new()));
+        }
         let mut inv = self.scripts.claim.prepare_invoke();
-        inv.key(q)
-            .key(l)
-            .arg(limits.requests_per_s.max(0.0))
-            .arg(limits.tokens_per_s.max(0.0))
-            .arg(need_tokens.max(0.0))
-            .arg(limits.concurrent)
-            .arg(limits.gpu_seconds_per_day.unwrap_or(-1.0))
-            .arg(member)
-            .arg(self.lease_ms);
+        for q in quotas {
+            let (h, l) = self.quota_keys(&q.key);
+            inv.key(h).key(l);
+        }
+        inv.arg(need_tokens.max(0.0)).arg(member).arg(self.lease_ms);
+        for q in quotas {
+            inv.arg(q.limits.requests_per_s.max(0.0))
+                .arg(q.limits.tokens_per_s.max(0.0))
+                .arg(q.limits.concurrent)
+                .arg(q.limits.gpu_seconds_per_day.unwrap_or(-1.0))
+                .arg(seed_arg(q.seed.requests))
+                .arg(seed_arg(q.seed.tokens))
+                .arg(bucket_len(q.limits.bucket_s));
+        }
         let mut c = self.conn.clone();
         let v: Vec<redis::Value> = self
             .call(async move { inv.invoke_async(&mut c).await })
@@ -306,7 +429,14 @@ impl Store {
             _ => None,
         };
         match int(v.first()) {
-            Some(1) => Ok(Claimed::Granted),
+            Some(1) => Ok(Claimed::Granted(
+                (0..quotas.len())
+                    .map(|i| Level {
+                        requests: fraction(v.get(1 + 2 * i)),
+                        tokens: fraction(v.get(2 + 2 * i)),
+                    })
+                    .collect(),
+            )),
             Some(0) => {
                 let limit = match v.get(1) {
                     Some(redis::Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
@@ -314,7 +444,15 @@ impl Store {
                     _ => "quota".into(),
                 };
                 let retry_ms = int(v.get(2)).unwrap_or(1000).max(1) as u64;
-                Ok(Claimed::Refused { limit, retry_ms })
+                let quota = int(v.get(3))
+                    .and_then(|i| usize::try_from(i - 1).ok())
+                    .and_then(|i| quotas.get(i))
+                    .map(|q| q.key.clone());
+                Ok(Claimed::Refused {
+                    quota,
+                    limit,
+                    retry_ms,
+                })
             }
             _ => Err(StoreError::Protocol {
                 message: format!("the quota script answered {v:?}"),
@@ -322,45 +460,95 @@ impl Store {
         }
     }
 
-    /// A claimed request ended.
+    /// A claimed request ended: for each quota it claimed (with its
+    /// tokens/s and whether it limits GPU-seconds), refund `refund` tokens,
+    /// drop the lease `member` and charge `gpu_seconds`.
     pub async fn release(
         &self,
-        tenant: &str,
+        quotas: &[(QuotaKey, f64, bool, f64)],
         member: &str,
-        tokens_per_s: f64,
         refund: f64,
         gpu_seconds: f64,
     ) -> Result<(), StoreError> {
-        let (q, l) = self.tenant_keys(tenant);
+        if quotas.is_empty() {
+            return Ok(());
+        }
         let mut inv = self.scripts.release.prepare_invoke();
-        inv.key(q)
-            .key(l)
-            .arg(tokens_per_s.max(0.0))
-            .arg(refund.max(0.0))
+        for (q, _, _, _) in quotas {
+            let (h, l) = self.quota_keys(q);
+            inv.key(h).key(l);
+        }
+        inv.arg(refund.max(0.0))
             .arg(member)
             .arg(if gpu_seconds.is_finite() {
                 gpu_seconds.max(0.0)
             } else {
                 0.0
             });
+        for (_, tokens_per_s, gpu, bucket_s) in quotas {
+            inv.arg(tokens_per_s.max(0.0))
+                .arg(if *gpu { "1" } else { "0" })
+                .arg(bucket_len(*bucket_s));
+        }
         let mut c = self.conn.clone();
         self.call(async move { inv.invoke_async::<i64>(&mut c).await })
             .await
             .map(|_| ())
     }
 
-    /// Renews this replica's concurrency leases, tenant by tenant.
-    pub async fn renew(&self, leases: &BTreeMap<String, Vec<String>>) -> Result<(), StoreError> {
+    /// Charges what this replica spent of each quota by itself and reads
+    /// the fleet's levels back, in `items`' order ([`scripts`]: `SYNC`).
+    pub async fn sync_quotas(&self, items: &[QuotaSync]) -> Result<Vec<Level>, StoreError> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut inv = self.scripts.sync.prepare_invoke();
+        for q in items {
+            inv.key(self.quota_keys(&q.key).0);
+        }
+        let finite = |x: f64| if x.is_finite() { x } else { 0.0 };
+        for q in items {
+            inv.arg(q.requests_per_s.max(0.0))
+                .arg(q.tokens_per_s.max(0.0))
+                .arg(finite(q.spent_requests))
+                .arg(finite(q.spent_tokens))
+                .arg(seed_arg(q.seed.requests))
+                .arg(seed_arg(q.seed.tokens))
+                .arg(bucket_len(q.bucket_s));
+        }
+        let mut c = self.conn.clone();
+        let v: Vec<redis::Value> = self
+            .call(async move { inv.invoke_async(&mut c).await })
+            .await?;
+        if v.len() != 2 * items.len() {
+            return Err(StoreError::Protocol {
+                message: format!(
+                    "the quota sync answered {} values for {}",
+                    v.len(),
+                    items.len()
+                ),
+            });
+        }
+        Ok((0..items.len())
+            .map(|i| Level {
+                requests: fraction(v.get(2 * i)),
+                tokens: fraction(v.get(2 * i + 1)),
+            })
+            .collect())
+    }
+
+    /// Renews this replica's concurrency leases, quota by quota.
+    pub async fn renew(&self, leases: &BTreeMap<QuotaKey, Vec<String>>) -> Result<(), StoreError> {
         if leases.is_empty() {
             return Ok(());
         }
-        // One script call per tenant: a handful of tenants have
-        // concurrency limits, and a call renews all of a tenant's leases.
-        for (tenant, members) in leases {
+        // One script call per quota: a handful have concurrency limits,
+        // and a call renews all of a quota's leases.
+        for (q, members) in leases {
             if members.is_empty() {
                 continue;
             }
-            let (_, l) = self.tenant_keys(tenant);
+            let (_, l) = self.quota_keys(q);
             let mut inv = self.scripts.renew.prepare_invoke();
             inv.key(l).arg(self.lease_ms);
             for m in members {
@@ -427,13 +615,15 @@ impl Store {
         inv.key(self.key(&["slots", upstream, "held"]))
             .key(self.key(&["slots", upstream, "expiry"]))
             .key(self.key(&["slots", upstream, "demand"]))
+            .key(self.key(&["slots", upstream, "turns"]))
             .arg(&self.replica)
             .arg(want.min(capacity))
             .arg(busy)
             .arg(capacity)
             .arg(self.lease_ms)
             .arg(list)
-            .arg(in_force.min(capacity));
+            .arg(in_force.min(capacity))
+            .arg(SLOT_EPOCH_MS);
         let mut c = self.conn.clone();
         let n: i64 = self
             .call(async move { inv.invoke_async(&mut c).await })
@@ -765,11 +955,17 @@ impl Store {
 }
 
 /// This replica's default name: `$HOSTNAME` (a pod's name on Kubernetes)
-/// and the process id, so two processes on one host differ.
+/// and the process id, so two processes on one host differ; a second
+/// gateway in the same process (tests) adds a count, so that the registry
+/// counts each.
 pub fn default_replica_name() -> String {
+    static OPENED: AtomicU64 = AtomicU64::new(0);
     let host = std::env::var("HOSTNAME")
         .ok()
         .filter(|h| !h.is_empty() && h.len() <= 100 && h.bytes().all(|b| b.is_ascii_graphic()))
         .unwrap_or_else(|| "kiln".into());
-    format!("{host}-{}", std::process::id())
+    match OPENED.fetch_add(1, Ordering::Relaxed) {
+        0 => format!("{host}-{}", std::process::id()),
+        n => format!("{host}-{}-{}", std::process::id(), n + 1),
+    }
 }

@@ -10,93 +10,181 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 "#;
 
-/// A bucket's level at `now`: `cap` is a minute of `rate` (per second).
+/// A bucket's level at `now`: `cap` is `len` seconds of `rate` (per
+/// second): a minute of policy time (less wall time under `[sim] speed`).
+/// A bucket Redis does not hold (a new quota, or a Redis that came back
+/// empty) starts at `seed` of its capacity where the caller knows the
+/// fleet's last level (`seed` ≥ 0), full otherwise. A level may be below
+/// zero: spending reported after the fact (a replica that served while
+/// Redis was unreachable) is a debt the bucket refills out of.
 const LEVEL: &str = r#"
-local function level(l, a, rate)
-  local cap = rate * 60
+local function level(l, a, rate, seed, len)
+  local cap = rate * len
   local lv = tonumber(l)
   local at = tonumber(a)
-  if lv == nil or at == nil then return cap end
+  if lv == nil or at == nil then
+    if seed ~= nil and seed >= 0 then return math.min(cap, cap * seed) end
+    return cap
+  end
   if now > at then lv = math.min(cap, lv + rate * (now - at) / 1000) end
   return lv
 end
+local function frac(lv, rate, len)
+  if rate <= 0 then return '-' end
+  return tostring(lv / (rate * len))
+end
 "#;
 
-/// Claims one request of a tenant's quotas, all or nothing.
-/// KEYS: 1 the tenant's hash (bucket levels, GPU-seconds today), 2 its
+/// Claims one request of every quota that applies to it (its tenant's,
+/// its tier's, its model's), all or nothing: each is checked, then all are
+/// taken, in one step.
+/// KEYS: per quota, 1 its hash (bucket levels, GPU-seconds today), 2 its
 /// concurrency leases (a sorted set: member = request, score = expiry).
-/// ARGV: 1 requests/s (0: none), 2 tokens/s (0: none), 3 tokens needed,
-/// 4 concurrency limit (0: none), 5 GPU-seconds a day (-1: none),
-/// 6 lease member, 7 lease ms.
-/// Returns {1} or {0, limit, retry ms}.
+/// ARGV: 1 tokens needed, 2 lease member, 3 lease ms, then per quota seven:
+/// requests/s (0: none), tokens/s (0: none), concurrency limit (0: none),
+/// GPU-seconds a day (-1: none), the requests and tokens buckets' seeds
+/// (see `level`; -1: none), and the seconds a bucket holds.
+/// Returns {1, then per quota its requests and tokens buckets' share left
+/// ("-" for none)} or {0, limit, retry ms, the refusing quota (1-based)}.
 const CLAIM: &str = r#"
-local req_rate = tonumber(ARGV[1])
-local tok_rate = tonumber(ARGV[2])
-local need = tonumber(ARGV[3])
-local conc = tonumber(ARGV[4])
-local gpu = tonumber(ARGV[5])
-local lease = tonumber(ARGV[7])
-if conc > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-  if redis.call('ZCARD', KEYS[2]) >= conc then
-    return {0, 'concurrency', 1000}
-  end
-end
-local h = redis.call('HMGET', KEYS[1], 'rl', 'ra', 'tl', 'ta', 'gd', 'gu')
+local need = tonumber(ARGV[1])
+local lease = tonumber(ARGV[3])
+local n = math.floor(#KEYS / 2)
 local day = math.floor(now / 86400000)
-if gpu >= 0 then
-  local gd = tonumber(h[5]) or -1
-  local gu = tonumber(h[6]) or 0
-  if gd == day and gu >= gpu then
-    return {0, 'gpu-seconds', (day + 1) * 86400000 - now}
+local got = {}
+for i = 1, n do
+  local o = 3 + (i - 1) * 7
+  local len = tonumber(ARGV[o + 7])
+  local req_rate = tonumber(ARGV[o + 1])
+  local tok_rate = tonumber(ARGV[o + 2])
+  local conc = tonumber(ARGV[o + 3])
+  local gpu = tonumber(ARGV[o + 4])
+  local qk = KEYS[2 * i - 1]
+  local lk = KEYS[2 * i]
+  if conc > 0 then
+    redis.call('ZREMRANGEBYSCORE', lk, '-inf', now)
+    if redis.call('ZCARD', lk) >= conc then
+      return {0, 'concurrency', 1000, i}
+    end
   end
-end
-local rl = nil
-local tl = nil
-if req_rate > 0 then
-  rl = level(h[1], h[2], req_rate)
-  if rl < 1 then
-    return {0, 'requests', math.max(1, math.ceil((1 - rl) / req_rate * 1000))}
+  local h = redis.call('HMGET', qk, 'rl', 'ra', 'tl', 'ta', 'gd', 'gu')
+  if gpu >= 0 then
+    local gd = tonumber(h[5]) or -1
+    local gu = tonumber(h[6]) or 0
+    if gd == day and gu >= gpu then
+      return {0, 'gpu-seconds', (day + 1) * 86400000 - now, i}
+    end
   end
-end
-if tok_rate > 0 then
-  tl = level(h[3], h[4], tok_rate)
-  if tl < need then
-    return {0, 'tokens', math.max(1, math.ceil((need - tl) / tok_rate * 1000))}
+  local rl = nil
+  local tl = nil
+  if req_rate > 0 then
+    rl = level(h[1], h[2], req_rate, tonumber(ARGV[o + 5]), len)
+    if rl < 1 then
+      return {0, 'requests', math.max(1, math.ceil((1 - rl) / req_rate * 1000)), i}
+    end
   end
+  if tok_rate > 0 then
+    tl = level(h[3], h[4], tok_rate, tonumber(ARGV[o + 6]), len)
+    if tl < need then
+      return {0, 'tokens', math.max(1, math.ceil((need - tl) / tok_rate * 1000)), i}
+    end
+  end
+  got[i] = {rl, tl, req_rate, tok_rate, conc, len}
 end
-if rl ~= nil then redis.call('HSET', KEYS[1], 'rl', tostring(rl - 1), 'ra', now) end
-if tl ~= nil then redis.call('HSET', KEYS[1], 'tl', tostring(tl - need), 'ta', now) end
-if conc > 0 then
-  redis.call('ZADD', KEYS[2], now + lease, ARGV[6])
-  redis.call('PEXPIRE', KEYS[2], lease * 2)
+local out = {1}
+for i = 1, n do
+  local g = got[i]
+  local qk = KEYS[2 * i - 1]
+  if g[1] ~= nil then redis.call('HSET', qk, 'rl', tostring(g[1] - 1), 'ra', now) end
+  if g[2] ~= nil then redis.call('HSET', qk, 'tl', tostring(g[2] - need), 'ta', now) end
+  if g[5] > 0 then
+    redis.call('ZADD', KEYS[2 * i], now + lease, ARGV[2])
+    redis.call('PEXPIRE', KEYS[2 * i], lease * 2)
+  end
+  redis.call('PEXPIRE', qk, 172800000)
+  if g[1] ~= nil then table.insert(out, frac(g[1] - 1, g[3], g[6])) else table.insert(out, '-') end
+  if g[2] ~= nil then table.insert(out, frac(g[2] - need, g[4], g[6])) else table.insert(out, '-') end
 end
-redis.call('PEXPIRE', KEYS[1], 172800000)
-return {1}
+return out
 "#;
 
 /// A claimed request ended: refund unused tokens, drop its lease, charge
-/// its GPU-seconds to today.
-/// KEYS: as [`CLAIM`]. ARGV: 1 tokens/s (0: none), 2 tokens to refund,
-/// 3 lease member, 4 GPU-seconds used.
+/// its GPU-seconds to today, for every quota it claimed.
+/// KEYS: as [`CLAIM`]. ARGV: 1 tokens to refund, 2 lease member,
+/// 3 GPU-seconds used, then per quota three: tokens/s (0: none), 1 when
+/// it has a GPU-seconds limit, the seconds a bucket holds.
 const RELEASE: &str = r#"
-local tok_rate = tonumber(ARGV[1])
-local refund = tonumber(ARGV[2])
-local gpu = tonumber(ARGV[4])
-if tok_rate > 0 and refund > 0 then
-  local h = redis.call('HMGET', KEYS[1], 'tl', 'ta')
-  local lv = level(h[1], h[2], tok_rate)
-  redis.call('HSET', KEYS[1], 'tl', tostring(math.min(tok_rate * 60, lv + refund)), 'ta', now)
-end
-redis.call('ZREM', KEYS[2], ARGV[3])
-if gpu > 0 then
-  local day = math.floor(now / 86400000)
-  local h = redis.call('HMGET', KEYS[1], 'gd', 'gu')
-  local gu = 0
-  if tonumber(h[1]) == day then gu = tonumber(h[2]) or 0 end
-  redis.call('HSET', KEYS[1], 'gd', day, 'gu', tostring(gu + gpu))
+local refund = tonumber(ARGV[1])
+local gpu = tonumber(ARGV[3])
+local n = math.floor(#KEYS / 2)
+for i = 1, n do
+  local tok_rate = tonumber(ARGV[3 + (i - 1) * 3 + 1])
+  local gpu_limited = ARGV[3 + (i - 1) * 3 + 2] == '1'
+  local len = tonumber(ARGV[3 + (i - 1) * 3 + 3])
+  local qk = KEYS[2 * i - 1]
+  if tok_rate > 0 and refund > 0 then
+    local h = redis.call('HMGET', qk, 'tl', 'ta')
+    local lv = level(h[1], h[2], tok_rate, nil, len)
+    redis.call('HSET', qk, 'tl', tostring(math.min(tok_rate * len, lv + refund)), 'ta', now)
+  end
+  redis.call('ZREM', KEYS[2 * i], ARGV[2])
+  if gpu > 0 and gpu_limited then
+    local day = math.floor(now / 86400000)
+    local h = redis.call('HMGET', qk, 'gd', 'gu')
+    local gu = 0
+    if tonumber(h[1]) == day then gu = tonumber(h[2]) or 0 end
+    redis.call('HSET', qk, 'gd', day, 'gu', tostring(gu + gpu))
+  end
 end
 return 1
+"#;
+
+/// Charges what replicas spent on their own (while Redis was unreachable,
+/// or for a quota their claim did not cover) to the fleet's buckets, and
+/// reads every bucket's level back.
+/// KEYS: the quotas' hashes. ARGV: per quota seven: requests/s (0: none),
+/// tokens/s (0: none), requests spent, tokens spent (negative: refunded),
+/// the requests and tokens buckets' seeds (see `level`), and the seconds a
+/// bucket holds.
+/// A bucket is charged from its level by Redis's clock (refilled since it
+/// was last written, by its rate), or, where Redis lost it, from the seed:
+/// the fleet's last level the replica saw, refilled since. It may go below
+/// zero (by at most a bucket): the fleet then admits nothing until it
+/// refilled past what was spent.
+/// Returns per quota its requests and tokens buckets' share left ("-" for
+/// none).
+const SYNC: &str = r#"
+local out = {}
+for i = 1, #KEYS do
+  local o = (i - 1) * 7
+  local len = tonumber(ARGV[o + 7])
+  local rates = {tonumber(ARGV[o + 1]), tonumber(ARGV[o + 2])}
+  local spent = {tonumber(ARGV[o + 3]), tonumber(ARGV[o + 4])}
+  local seeds = {tonumber(ARGV[o + 5]), tonumber(ARGV[o + 6])}
+  local h = redis.call('HMGET', KEYS[i], 'rl', 'ra', 'tl', 'ta')
+  local wrote = false
+  for b = 1, 2 do
+    local rate = rates[b]
+    if rate > 0 then
+      local lv = level(h[2 * b - 1], h[2 * b], rate, seeds[b], len)
+      if spent[b] ~= 0 then
+        local cap = rate * len
+        lv = math.max(-cap, math.min(cap, lv - spent[b]))
+        if b == 1 then
+          redis.call('HSET', KEYS[i], 'rl', tostring(lv), 'ra', now)
+        else
+          redis.call('HSET', KEYS[i], 'tl', tostring(lv), 'ta', now)
+        end
+        wrote = true
+      end
+      table.insert(out, frac(lv, rate, len))
+    else
+      table.insert(out, '-')
+    end
+  end
+  if wrote then redis.call('PEXPIRE', KEYS[i], 172800000) end
+end
+return out
 "#;
 
 /// Extends the leases a live replica holds. KEYS: 1 a tenant's leases.
@@ -178,11 +266,17 @@ return 0
 /// of holdings never exceeds the capacity; one over its target gives slots
 /// back as its requests finish. A replica that stopped renewing (its lease
 /// lapsed) holds nothing.
+/// A target is rarely whole (weights 1:3 on 6 slots: 1.5 and 4.5): each
+/// replica is entitled to its target's whole slots, and the slots the
+/// fractions add up to go by turns, an epoch at a time, to the replicas
+/// owed most, so that over time each holds its exact target.
 /// KEYS: 1 holdings (replica → slots), 2 expiries (replica → ms),
-/// 3 demands (replica → "want|tenant=weight,…").
+/// 3 demands (replica → "want|tenant=weight,…"), 4 turns (replica → slots
+/// owed; `_epoch`, and `_extra`: who holds an extra slot this epoch).
 /// ARGV: 1 replica, 2 slots it wants, 3 slots in flight, 4 capacity,
 /// 5 lease ms, 6 its backlogged tenants ("tenant=weight,…"), 7 the slots it
-/// may use until it applies the answer (its grant in force).
+/// may use until it applies the answer (its grant in force), 8 an epoch's
+/// length in ms.
 /// Returns the slots it may use from now on (possibly fewer than it runs:
 /// it then starts nothing until enough finish). What is stored is never
 /// less than what it runs or may still start: a grant that shrinks is
@@ -232,11 +326,61 @@ local function target(r)
   if total <= 0 then return 0 end
   return cap * share[r] / total
 end
+-- Whole slots by target, and the slots the fractions add up to by turns:
+-- each epoch every live replica is owed its target's fraction more, and
+-- the ones owed most take one each (a tie goes to the name first in
+-- order), so over time each holds its exact target, not a rounding of it
+-- that a race decides.
+local epoch = math.floor(now / tonumber(ARGV[8]))
+local turns = redis.call('HMGET', KEYS[4], '_epoch', '_extra')
+local extra = {}
+if tonumber(turns[1]) == epoch then
+  for r in string.gmatch(turns[2] or '', '[^,]+') do extra[r] = true end
+else
+  local names = {}
+  local whole = 0
+  for r, _ in pairs(live) do
+    table.insert(names, r)
+    whole = whole + math.floor(target(r))
+  end
+  table.sort(names)
+  local owed = {}
+  for _, r in ipairs(names) do
+    local t = target(r)
+    owed[r] = (tonumber(redis.call('HGET', KEYS[4], r) or '0') or 0) + t - math.floor(t)
+  end
+  local left = 0
+  if total > 0 then left = math.max(0, math.floor(cap - whole + 0.5)) end
+  local order = {}
+  for _, r in ipairs(names) do table.insert(order, r) end
+  table.sort(order, function(x, y)
+    if owed[x] ~= owed[y] then return owed[x] > owed[y] end
+    return x < y
+  end)
+  local chosen = {}
+  for i = 1, math.min(left, #order) do
+    local r = order[i]
+    extra[r] = true
+    owed[r] = owed[r] - 1
+    table.insert(chosen, r)
+  end
+  redis.call('DEL', KEYS[4])
+  redis.call('HSET', KEYS[4], '_epoch', epoch, '_extra', table.concat(chosen, ','))
+  for _, r in ipairs(names) do
+    -- Bounded: what a replica is owed never runs away.
+    redis.call('HSET', KEYS[4], r, tostring(math.max(-1, math.min(1, owed[r]))))
+  end
+end
+local function entitled(r)
+  local e = math.floor(target(r))
+  if extra[r] then e = e + 1 end
+  return e
+end
 local others = 0
 for r, _ in pairs(live) do
   if r ~= me then
     local held = tonumber(redis.call('HGET', KEYS[1], r) or '0') or 0
-    others = others + math.max(held, math.min(wants[r], math.floor(target(r))))
+    others = others + math.max(held, math.min(wants[r], entitled(r)))
   end
 end
 local free = math.max(0, cap - others)
@@ -258,7 +402,7 @@ end
 if n > 0 and wanted < cap and free > mine then mine = mine + math.floor((free - mine) / n) end
 local in_force = tonumber(ARGV[7]) or cap
 redis.call('HSET', KEYS[1], me, math.max(mine, in_force, busy))
-for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], lease * 4) end
+for i = 1, 4 do redis.call('PEXPIRE', KEYS[i], lease * 4) end
 return mine
 "#;
 
@@ -334,6 +478,7 @@ fn with_now(body: &str, level: bool) -> String {
 pub struct Scripts {
     pub claim: redis::Script,
     pub release: redis::Script,
+    pub sync: redis::Script,
     pub renew: redis::Script,
     pub share: redis::Script,
     pub lease: redis::Script,
@@ -349,6 +494,7 @@ impl Scripts {
         Scripts {
             claim: redis::Script::new(&with_now(CLAIM, true)),
             release: redis::Script::new(&with_now(RELEASE, true)),
+            sync: redis::Script::new(&with_now(SYNC, true)),
             renew: redis::Script::new(&with_now(RENEW, false)),
             share: redis::Script::new(&with_now(SHARE, false)),
             lease: redis::Script::new(LEASE),

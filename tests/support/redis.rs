@@ -19,12 +19,31 @@ impl Redis {
 
     /// On `port` (a restart on the port a stopped one had).
     pub fn start_on(port: u16) -> Option<Redis> {
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string()])
-            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn();
+        Redis::start_with(port, None)
+    }
+
+    /// On `port`, persistent: an append-only file in `dir`, synced at every
+    /// write (as `deploy/kubernetes` runs it), so a restart on the same
+    /// `dir` comes back with everything written before a `kill -9`.
+    pub fn start_persistent(port: u16, dir: &std::path::Path) -> Option<Redis> {
+        Redis::start_with(port, Some(dir))
+    }
+
+    fn start_with(port: u16, aof: Option<&std::path::Path>) -> Option<Redis> {
+        let mut cmd = Command::new("redis-server");
+        cmd.args(["--port", &port.to_string()])
+            .args(["--bind", "127.0.0.1", "--save", ""]);
+        match aof {
+            Some(dir) => {
+                cmd.arg("--dir")
+                    .arg(dir)
+                    .args(["--appendonly", "yes", "--appendfsync", "always"]);
+            }
+            None => {
+                cmd.args(["--appendonly", "no"]);
+            }
+        }
+        let child = cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn();
         let child = match child {
             Ok(c) => c,
             Err(e) => {

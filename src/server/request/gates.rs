@@ -170,21 +170,11 @@ async fn fleet_quota(
     match gate {
         Claim::Claimed(c) => ctx.claim = Some(c),
         Claim::Free => {}
-        Claim::Refused { limit, retry_ms } => {
-            let reason = if limit == "concurrency" {
-                Reason::Concurrency
-            } else {
-                Reason::Quota
-            };
-            let tenant = ctx.req.tenant.as_deref().unwrap_or("none");
-            let msg = match reason {
-                Reason::Concurrency => format!(
-                    "tenant {tenant} has as many requests in flight as its quota allows (counted over every replica)"
-                ),
-                _ => format!(
-                    "tenant {tenant} is over its {limit} quota (counted over every replica)"
-                ),
-            };
+        Claim::Refused {
+            reason,
+            message: msg,
+            retry_ms,
+        } => {
             let secs = ((retry_ms as f64 / 1000.0 / app.speed).ceil() as u64).max(1);
             let err = ApiError::new(429, msg)
                 .code(reason.name())

@@ -418,6 +418,11 @@ fn submit(
         output_tokens: max_tokens.min(u64::from(u32::MAX)) as u32,
         prefix_blocks: ctx.prefix_blocks.clone(),
         quota_claimed: ctx.claim.as_ref().is_some_and(|c| !c.is_done()),
+        fleet: ctx
+            .claim
+            .as_ref()
+            .filter(|c| !c.is_done())
+            .map(|c| c.fleet_claim()),
         cache: ctx.cache_content,
         semantic: ctx.semantic_probe.probe(),
     };
