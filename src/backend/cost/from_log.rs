@@ -540,8 +540,8 @@ fn nelder_mead(f: &dyn Fn(&[f64; 3]) -> f64, x0: [f64; 3], step: f64, iters: usi
         }
         let mut c = [0.0; 3];
         for p in &pts[..3] {
-            for j in 0..3 {
-                c[j] += p.0[j] / 3.0;
+            for (cj, pj) in c.iter_mut().zip(p.0.iter()) {
+                *cj += pj / 3.0;
             }
         }
         let along = |t: f64| -> [f64; 3] {
@@ -571,8 +571,8 @@ fn nelder_mead(f: &dyn Fn(&[f64; 3]) -> f64, x0: [f64; 3], step: f64, iters: usi
             } else {
                 let b = pts[0].0;
                 for p in pts.iter_mut().skip(1) {
-                    for j in 0..3 {
-                        p.0[j] = b[j] + 0.5 * (p.0[j] - b[j]);
+                    for (pj, bj) in p.0.iter_mut().zip(b.iter()) {
+                        *pj = bj + 0.5 * (*pj - bj);
                     }
                     p.1 = f(&p.0);
                 }
@@ -673,13 +673,16 @@ pub fn calibrate_from_log(
             .count()
             .max(1);
         let obs = observations(&lines, replicas);
-        let (train, held): (Vec<(usize, Obs)>, Vec<(usize, Obs)>) = obs
-            .iter()
-            .copied()
-            .enumerate()
-            .partition(|(i, _)| i % 3 != 2);
-        let train: Vec<Obs> = train.into_iter().map(|(_, o)| o).collect();
-        let held: Vec<Obs> = held.into_iter().map(|(_, o)| o).collect();
+        // Every third line is held back.
+        let mut train = Vec::with_capacity(obs.len());
+        let mut held = Vec::with_capacity(obs.len() / 3 + 1);
+        for (i, o) in obs.iter().enumerate() {
+            if i % 3 == 2 {
+                held.push(*o);
+            } else {
+                train.push(*o);
+            }
+        }
         let shape = Shape::of(replica);
         let before_rates = Rates::of(replica);
         let rates = fit_rates(&shape, &train, &before_rates);
