@@ -52,13 +52,15 @@ LISTENING = re.compile(r"kiln gateway listening on http://(\S+)")
 API_KEY = "key-app"
 
 # Tolerances of --check (the CI test): loose enough for a noisy shared
-# 2-core machine, tight enough that a broken fit or replay fails. Errors are
-# of the calibrated replay at the loads the calibration did not see.
+# 2-core machine, tight enough that a broken fit or replay fails (the
+# uncalibrated replay is 75-95% off on latency there, a fit gone wrong
+# 100-300%). Errors are the calibrated replay's median absolute error at the
+# loads the calibration did not see; `ttft_e2e_pooled` pools TTFT p50, TTFT
+# p95 and e2e p50.
 CHECK = {
-    "ttft_p50": 0.60,
-    "e2e_p50": 0.35,
-    "throughput": 0.20,
-    "attainment_points": 15.0,
+    "ttft_e2e_pooled": 0.65,
+    "throughput": 0.25,
+    "attainment_points": 30.0,
 }
 
 WORDS = (
@@ -380,6 +382,19 @@ def fmt_val(v, metric):
     return f"{v:.0f} ms"
 
 
+def renice(n: int):
+    """A preexec_fn that sets the child's niceness (best effort)."""
+
+    def apply():
+        if n:
+            try:
+                os.nice(n)
+            except OSError:
+                pass
+
+    return apply
+
+
 def run_loads(a, out: Path, policy: Path, base_cal: Path, trace: list[dict], rates: list[float]) -> None:
     """Starts the replicas and, per load, a fresh `kiln serve` with its
     decision log at out/decisions-<i>.jsonl; drives the load through it."""
@@ -400,7 +415,7 @@ def run_loads(a, out: Path, policy: Path, base_cal: Path, trace: list[dict], rat
                 "--no-webui", "--log-disable",
             ]  # fmt: skip
             with open(log, "wb") as f:
-                procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+                procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=renice(a.nice)))
             urls.append((f"http://127.0.0.1:{port}", procs[-1], log))
         for url, proc, log in urls:
             wait_http(url, proc, log)
@@ -429,7 +444,7 @@ health_interval = "2s"
                 k = subprocess.Popen(
                     [kiln, "serve", "--policy", str(policy), "--config", str(config),
                      "--listen", "127.0.0.1:0", "--log", str(dlog)],
-                    stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=renice(a.nice),
                 )  # fmt: skip
             addr = None
             deadline = time.monotonic() + 60
@@ -463,13 +478,14 @@ def main() -> int:
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--rates", default="0.15,0.35,0.7", help="three loads, requests/s: light, near saturation, overloaded")
+    ap.add_argument("--rates", default="0.4,1.0,1.8", help="three loads, requests/s: light, near saturation, overloaded")
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per load")
     ap.add_argument("--calibrate-on", type=int, default=1, help="the load (0, 1, 2) whose log calibrates")
     ap.add_argument("--token-scale", type=float, default=8.0)
     ap.add_argument("--slo", type=float, default=6.0, help="the tier's end-to-end SLO, seconds")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=str(REPO / "target" / "fidelity"))
+    ap.add_argument("--nice", type=int, default=0, help="niceness of the replicas and the gateway (negative: ahead of other work on a shared machine; needs root)")
     ap.add_argument("--analyze-only", action="store_true", help="reuse the decision logs already in --out")
     ap.add_argument("--check", action="store_true", help="exit 1 when the calibrated replay misses the CI tolerances")
     a = ap.parse_args()

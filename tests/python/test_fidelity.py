@@ -59,7 +59,7 @@ def test_calibrated_replay_predicts_unseen_loads(tmp_path):
     cmd = [
         sys.executable, str(SCRIPT),
         "--kiln", str(kiln_bin()), "--llama-server", server,
-        "--duration", "25", "--rates", "0.3,0.8,1.4",
+        "--duration", "25", "--rates", "0.4,1.0,1.8", "--nice", "-10",
         "--out", str(tmp_path / "fidelity"), "--check",
     ]  # fmt: skip
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=230)
