@@ -445,6 +445,7 @@ health_interval = "2s"
                     [kiln, "serve", "--policy", str(policy), "--config", str(config),
                      "--listen", "127.0.0.1:0", "--log", str(dlog)],
                     stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=renice(a.nice),
+                    cwd=out,  # its batch store (.kiln/) goes there
                 )  # fmt: skip
             addr = None
             deadline = time.monotonic() + 60
@@ -494,7 +495,7 @@ def main() -> int:
     if not Path(kiln).exists():
         die(f"{kiln} does not exist: cargo build first")
     rates = [float(x) for x in a.rates.split(",")]
-    out = Path(a.out)
+    out = Path(a.out).resolve()
     if out.exists() and not a.analyze_only:
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
