@@ -285,3 +285,104 @@ fn cuda_commands_fail_cleanly_without_a_gpu() {
         assert!(cerr.contains("built without `--features cuda`"), "{cerr}");
     }
 }
+
+/// A decision log of examples/llama's upstream written from a known cost
+/// model: one request at a time (no queueing), so each line's TTFT is a
+/// prefill and its inter-token time a batch-1 decode. Plus lines a real
+/// log holds that the fit must skip: a malformed one and a refused one.
+fn llama_log(truth: &ReplicaModel) -> String {
+    let mut s = String::new();
+    let mut at = 1_764_720_000_000.0; // wall clock, as the gateway stamps it
+    for i in 0..60u32 {
+        let prompt = 20 + (i * 37) % 400;
+        let out = 4 + (i * 13) % 60;
+        let ttft = truth.prefill_time(prompt) * 1e3;
+        let ctx = u64::from(prompt + out / 2);
+        let e2e = ttft + f64::from(out - 1) * truth.decode_step_time(1, ctx) * 1e3;
+        s.push_str(&format!(
+            "{{\"v\":1,\"at_ms\":{at:.3},\"tenant\":\"chat-app\",\"model\":\"smollm2\",\"prompt_tokens\":{prompt},\"max_tokens\":{out},\"output_tokens\":{out},\"decision\":{{\"tier\":\"interactive\",\"route\":\"smollm2.q4 on cpu\",\"admission\":\"accept\",\"status\":200}},\"queue_ms\":0.2,\"ttft_ms\":{:.3},\"e2e_ms\":{:.3}}}\n",
+            ttft + 0.2,
+            e2e + 0.2
+        ));
+        at += e2e + 500.0;
+    }
+    s.push_str("{\"v\":1,\"at_ms\":\n");
+    s.push_str(&format!("{{\"v\":1,\"at_ms\":{at:.3},\"tenant\":\"chat-app\",\"model\":\"smollm2\",\"prompt_tokens\":10,\"decision\":{{\"admission\":\"reject\",\"status\":429,\"reason\":\"quota\"}}}}\n"));
+    s
+}
+
+#[test]
+fn calibrate_from_log_fits_an_upstream_and_simulate_accepts_the_file() {
+    let policy = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/llama");
+    let g = kiln::compile::compile(kiln::compile::load(&[policy]).unwrap())
+        .graph
+        .unwrap();
+    let base = Calibration::load(Path::new("examples/llama/calibration.toml")).unwrap();
+    // The "engine": twice the example's overhead, a third of its bandwidth.
+    let truth_cal = Calibration::from_toml_str(
+        "[gpu.CPU]\nhbm_bandwidth = 10e9\ndense_bf16_flops = 100e9\nmemory = 2e9\n\
+         [model.smollm2.variant.q4]\nmbu = 0.27\nmfu = 0.4\nstep_overhead_ms = 14.0\n",
+    )
+    .unwrap();
+    let cost = CostModel::from_graph(&g, Some(&truth_cal)).unwrap();
+    let truth = cost.replica(0, 0, 0).unwrap().clone();
+    let log = tmp("llama-decisions.jsonl");
+    std::fs::write(&log, llama_log(&truth)).unwrap();
+    let out = tmp("llama-fitted.toml");
+    let (code, stdout, err) = kiln(&[
+        "calibrate",
+        "--from-log",
+        log.to_str().unwrap(),
+        "--policy",
+        "examples/llama",
+        "--calibration",
+        "examples/llama/calibration.toml",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{stdout}\n{err}");
+    assert!(stdout.contains("1 malformed, 1 not served"), "{stdout}");
+    assert!(stdout.contains("smollm2.q4 on pool cpu"), "{stdout}");
+    // The fitted file keeps the base's GPU table and predicts the truth.
+    let fitted = Calibration::load(&out).unwrap();
+    assert_eq!(fitted.gpus, base.gpus);
+    let cost = CostModel::from_graph(&g, Some(&fitted)).unwrap();
+    let r = cost.replica(0, 0, 0).unwrap();
+    for (what, got, want) in [
+        ("prefill 300", r.prefill_time(300), truth.prefill_time(300)),
+        ("prefill 40", r.prefill_time(40), truth.prefill_time(40)),
+        (
+            "decode",
+            r.decode_step_time(1, 200),
+            truth.decode_step_time(1, 200),
+        ),
+    ] {
+        assert!(
+            (got / want - 1.0).abs() < 0.05,
+            "{what}: {got} vs {want}\n{stdout}"
+        );
+    }
+    let (code, _, err) = kiln(&[
+        "simulate",
+        "--policy",
+        "examples/llama",
+        "--traffic",
+        log.to_str().unwrap(),
+        "--skip-malformed",
+        "--calibration",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+
+    // --from-log takes the place of --backend, --model and --variant.
+    let (code, _, err) = kiln(&[
+        "calibrate",
+        "--from-log",
+        log.to_str().unwrap(),
+        "--policy",
+        "examples/llama",
+        "--backend",
+        "sim",
+    ]);
+    assert_eq!(code, 2, "{err}");
+}

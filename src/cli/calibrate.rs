@@ -1,6 +1,8 @@
 //! `kiln calibrate`: measure step times over a grid of batch sizes and
 //! context lengths, fit the simulator's roofline to them, report the
-//! simulator's error on held-back steps, and write a calibration TOML.
+//! simulator's error on held-back steps, and write a calibration TOML; or,
+//! with `--from-log`, fit it to the times a gateway's decision logs
+//! recorded for its HTTP upstreams.
 
 use super::*;
 use crate::backend::cost::calibrate::{self, CalibrateError, Calibrated, GridLimits};
@@ -17,17 +19,23 @@ pub enum CalBackend {
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// Where the steps run.
-    #[arg(long, value_enum)]
-    pub backend: CalBackend,
+    #[arg(long, value_enum, required_unless_present = "from_log")]
+    pub backend: Option<CalBackend>,
+    /// Fit every (pool, model, variant) served in these decision logs
+    /// (`kiln serve`'s JSONL) instead of measuring steps: the times the
+    /// gateway recorded for its HTTP upstreams. Malformed lines are skipped
+    /// and counted.
+    #[arg(long = "from-log", value_name = "LOG", num_args = 1.., conflicts_with_all = ["backend", "model", "variant", "pool"])]
+    pub from_log: Vec<PathBuf>,
     /// The policy (file or directory).
     #[arg(long, required = true)]
     pub policy: Vec<PathBuf>,
     /// The model to calibrate.
-    #[arg(long)]
-    pub model: String,
+    #[arg(long, required_unless_present = "from_log")]
+    pub model: Option<String>,
     /// Its variant.
-    #[arg(long)]
-    pub variant: String,
+    #[arg(long, required_unless_present = "from_log")]
+    pub variant: Option<String>,
     /// The pool (default: the variant's first pool).
     #[arg(long)]
     pub pool: Option<String>,
@@ -35,7 +43,9 @@ pub struct Args {
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// A calibration applied to the policy first (model sizes; with
-    /// --backend sim, the simulated device's figures: the truth to recover).
+    /// --backend sim, the simulated device's figures: the truth to recover;
+    /// with --from-log, the figures the fit starts from and the file it
+    /// extends: its other tables are written back as they are).
     #[arg(long)]
     pub calibration: Option<PathBuf>,
     /// --backend sim: relative noise (standard deviation) on each step time.
@@ -70,21 +80,29 @@ pub fn run(a: Args) -> i32 {
         Ok(c) => c,
         Err(code) => return code,
     };
-    let Some(m) = g.model_id(&a.model) else {
+    if !a.from_log.is_empty() {
+        return run_from_log(&a, &g, &cost);
+    }
+    let (Some(backend), Some(model_name), Some(variant_name)) =
+        (a.backend, a.model.clone(), a.variant.clone())
+    else {
+        return usage_error("give --backend, --model and --variant, or --from-log LOG…");
+    };
+    let Some(m) = g.model_id(&model_name) else {
         let known: Vec<&str> = g.models.iter().map(|m| m.name.as_str()).collect();
         return usage_error(&format!(
             "the policy has no model `{}`; its models: {}",
-            a.model,
+            model_name,
             known.join(", ")
         ));
     };
     let model = &g.models[usize::from(m)];
-    let Some(v) = model.variants.iter().position(|v| v.name == a.variant) else {
+    let Some(v) = model.variants.iter().position(|v| v.name == variant_name) else {
         let known: Vec<&str> = model.variants.iter().map(|v| v.name.as_str()).collect();
         return usage_error(&format!(
             "model `{}` has no variant `{}`; its variants: {}",
-            a.model,
-            a.variant,
+            model_name,
+            variant_name,
             known.join(", ")
         ));
     };
@@ -116,8 +134,8 @@ pub fn run(a: Args) -> i32 {
     let Some(replica) = cost.replica(m, v as u16, p) else {
         return usage_error(&format!(
             "{}.{} does not run on pool `{}`; its pools: {}",
-            a.model,
-            a.variant,
+            model_name,
+            variant_name,
             g.pools
                 .get(usize::from(p))
                 .map(|p| p.name.as_str())
@@ -125,7 +143,7 @@ pub fn run(a: Args) -> i32 {
             pool_names(&variant.pools)
         ));
     };
-    let result = match a.backend {
+    let result = match backend {
         CalBackend::Sim => Ok(run_sim(&a, replica)),
         CalBackend::Cuda => run_cuda(&a, replica),
     };
@@ -290,6 +308,122 @@ fn report(a: &Args, cal: &Calibrated) -> i32 {
             "warning: the held-back median error {:.1}% is above the {:.0}% target",
             cal.report.held_back.median * 100.0,
             calibrate::TARGET_MEDIAN_ERROR * 100.0
+        );
+        EXIT_FINDINGS
+    }
+}
+
+/// The held-back median error (TTFT and end-to-end on the replica) a fit
+/// from logs should reach; exit 1 when a group misses it.
+pub const LOG_TARGET_MEDIAN_ERROR: f64 = 0.15;
+
+/// `--from-log`: fit every (pool, model, variant) in the logs.
+fn run_from_log(
+    a: &Args,
+    g: &crate::graph::DecisionGraph,
+    cost: &crate::backend::cost::CostModel,
+) -> i32 {
+    use crate::backend::cost::{from_log, Calibration};
+    let base = match &a.calibration {
+        Some(p) => match Calibration::load(p) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                eprintln!("{:?}", miette::Report::new(e));
+                return EXIT_FINDINGS;
+            }
+        },
+        None => None,
+    };
+    let mut traces = Vec::new();
+    let mut malformed = 0;
+    for p in &a.from_log {
+        let opts = crate::traffic::ReadOptions {
+            skip_malformed: true,
+        };
+        match crate::traffic::read_with(p, opts) {
+            Ok(l) => {
+                malformed += l.skipped.len();
+                traces.push(l.records);
+            }
+            Err(e) => {
+                eprintln!("{:?}", miette::Report::new(e));
+                return EXIT_USAGE;
+            }
+        }
+    }
+    let mut records = crate::traffic::merge(traces);
+    crate::traffic::rebase_wall_clock(&mut records);
+    let fit = match from_log::calibrate_from_log(g, cost, base.as_ref(), &records, malformed) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("{:?}", miette::Report::new(e));
+            return EXIT_FINDINGS;
+        }
+    };
+    let files: Vec<String> = a.from_log.iter().map(|p| p.display().to_string()).collect();
+    let mut toml = format!(
+        "# kiln calibration fitted by `kiln calibrate --from-log` to {} ({} lines, {} skipped).\n",
+        files.join(", "),
+        fit.report.lines,
+        fit.report.skipped.total()
+    );
+    for gf in &fit.report.groups {
+        toml.push_str(&format!(
+            "# {}.{} on {}: {} lines; held-back median error TTFT {:.1}% (before {:.1}%), end-to-end {:.1}% (before {:.1}%).\n",
+            gf.model,
+            gf.variant,
+            gf.pool,
+            gf.lines,
+            gf.after.ttft.median * 100.0,
+            gf.before.ttft.median * 100.0,
+            gf.after.e2e.median * 100.0,
+            gf.before.e2e.median * 100.0
+        ));
+    }
+    toml.push('\n');
+    toml.push_str(&fit.calibration.to_toml());
+    match a.format {
+        Format::Human => print!("{}", from_log::render(&fit.report)),
+        Format::Json => {
+            let v = serde_json::json!({ "report": fit.report, "calibration": toml });
+            match serde_json::to_string_pretty(&v) {
+                Ok(s) => println!("{s}"),
+                Err(e) => return usage_error(&e.to_string()),
+            }
+        }
+    }
+    match &a.out {
+        Some(path) => {
+            if let Err(e) = std::fs::write(path, &toml) {
+                return usage_error(&format!("cannot write {}: {e}", path.display()));
+            }
+            eprintln!(
+                "wrote {0}; use it with `kiln simulate --calibration {0}`",
+                path.display()
+            );
+        }
+        None if a.format == Format::Human => {
+            print!("\ncalibration (write it with --out FILE):\n{toml}");
+        }
+        None => {}
+    }
+    let missed: Vec<String> = fit
+        .report
+        .groups
+        .iter()
+        .filter(|gf| {
+            gf.after.ttft.median > LOG_TARGET_MEDIAN_ERROR
+                || gf.after.e2e.median > LOG_TARGET_MEDIAN_ERROR
+        })
+        .map(|gf| format!("{}.{} on {}", gf.model, gf.variant, gf.pool))
+        .collect();
+    if missed.is_empty() {
+        EXIT_OK
+    } else {
+        eprintln!(
+            "warning: held-back median error above {:.0}% for {}",
+            LOG_TARGET_MEDIAN_ERROR * 100.0,
+            missed.join(", ")
         );
         EXIT_FINDINGS
     }

@@ -476,6 +476,99 @@ impl Calibration {
     }
 }
 
+/// A TOML key, quoted unless bare-safe.
+fn toml_key(s: &str) -> String {
+    if !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+    {
+        return s.to_string();
+    }
+    let mut q = String::from("\"");
+    for c in s.chars() {
+        match c {
+            '"' => q.push_str("\\\""),
+            '\\' => q.push_str("\\\\"),
+            c if c.is_control() => q.push_str(&format!("\\u{:04X}", c as u32)),
+            c => q.push(c),
+        }
+    }
+    q.push('"');
+    q
+}
+
+impl Calibration {
+    /// The calibration as TOML that [`Calibration::from_toml_str`] reads
+    /// back to an equal value (less the source kept for diagnostics).
+    pub fn to_toml(&self) -> String {
+        let mut out = String::new();
+        let mut table = |header: String, keys: &[(&str, Option<f64>)]| {
+            if keys.iter().all(|(_, v)| v.is_none()) {
+                return;
+            }
+            if !out.is_empty() {
+                out.push('\n');
+            }
+            out.push_str(&header);
+            out.push('\n');
+            for (k, v) in keys {
+                if let Some(v) = v {
+                    // Debug always writes a TOML float (`1.0`, `0.25`).
+                    out.push_str(&format!("{k} = {v:?}\n"));
+                }
+            }
+        };
+        let e = &self.efficiency;
+        table(
+            "[efficiency]".into(),
+            &[
+                ("mbu", e.mbu),
+                ("mfu", e.mfu),
+                ("step_overhead_ms", e.step_overhead_ms),
+                ("activation_reserve", e.activation_reserve),
+                ("attention_q_per_kv", e.attention_q_per_kv),
+            ],
+        );
+        for (k, g) in &self.gpus {
+            table(
+                format!("[gpu.{}]", toml_key(k)),
+                &[
+                    ("hbm_bandwidth", g.hbm_bandwidth),
+                    ("dense_bf16_flops", g.dense_bf16_flops),
+                    ("fp8_flops", g.fp8_flops),
+                    ("int8_ops", g.int8_ops),
+                    ("memory", g.memory),
+                ],
+            );
+        }
+        for (k, m) in &self.models {
+            let mk = toml_key(k);
+            table(
+                format!("[model.{mk}]"),
+                &[
+                    ("params", m.params),
+                    ("kv_per_token", m.kv_per_token),
+                    ("attention_flops_per_pair", m.attention_flops_per_pair),
+                ],
+            );
+            for (vk, v) in &m.variants {
+                table(
+                    format!("[model.{mk}.variant.{}]", toml_key(vk)),
+                    &[
+                        ("mbu", v.mbu),
+                        ("mfu", v.mfu),
+                        ("step_overhead_ms", v.step_overhead_ms),
+                        ("activation_reserve", v.activation_reserve),
+                        ("time_factor", v.time_factor),
+                        ("kv_bytes_per_token", v.kv_bytes_per_token),
+                    ],
+                );
+            }
+        }
+        out
+    }
+}
+
 fn apply(
     e: &mut Efficiency,
     mbu: Option<f64>,
@@ -529,6 +622,20 @@ mod tests {
             c.variant("m", "fp16").and_then(|v| v.time_factor),
             Some(1.2)
         );
+    }
+
+    #[test]
+    fn to_toml_reads_back_equal() {
+        let c = Calibration::from_toml_str(
+            "[efficiency]\nmbu = 0.7\nstep_overhead_ms = 2\n\n[gpu.CPU]\nhbm_bandwidth = 10e9\n\
+             dense_bf16_flops = 1e11\nmemory = 2e9\n\n[model.\"m.x\"]\nparams = 7e9\n\
+             [model.\"m.x\".variant.q4]\ntime_factor = 0.5\nmfu = 1.25e-7\n",
+        )
+        .unwrap();
+        let back = Calibration::from_toml_str(&c.to_toml()).unwrap();
+        assert_eq!(back.efficiency, c.efficiency);
+        assert_eq!(back.gpus, c.gpus);
+        assert_eq!(back.models, c.models);
     }
 
     fn err_text(text: &str) -> (usize, String) {

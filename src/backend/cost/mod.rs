@@ -27,6 +27,7 @@
 pub mod calibrate;
 pub mod calibration;
 pub mod error;
+pub mod from_log;
 pub mod gpu;
 pub mod replica;
 

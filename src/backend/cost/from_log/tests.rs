@@ -1,0 +1,266 @@
+//! The fit recovers a known cost model from logs the replay itself wrote:
+//! the scheduler runs synthetic traffic on replicas whose roofline has
+//! known factors, its outcomes become decision-log lines, and
+//! `calibrate_from_log` must find those factors again from a cost model
+//! that starts elsewhere.
+
+use super::*;
+use crate::traffic::Decision;
+use rand::{RngExt as _, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::sync::Arc;
+
+const POLICY: &str = r#"
+pool gpu {
+  gpus 2
+  kind "H100-SXM"
+  memory 80GB
+}
+
+model m8 {
+  params 8B
+  kv_per_token 128KB
+  variant bf16 {
+    precision bf16
+    memory 16GB
+    pools [gpu]
+    max_batch 16
+    max_batch_tokens 2048
+  }
+}
+
+tier chat {
+  priority 100
+  slo { p95 10m }
+}
+
+tenant t {
+  owner "t@example.com"
+  tiers [chat]
+  quota { requests 1000000/min concurrent 100000 }
+  api_keys ["k"]
+}
+
+classify {
+  default => tier chat
+}
+
+route [chat] m8 {
+  default => bf16 on gpu
+}
+
+admit [chat] {
+  default => accept
+}
+"#;
+
+/// What the "engine" really does.
+const TRUTH: &str = "[model.m8.variant.bf16]\nmbu = 0.55\nmfu = 0.3\nstep_overhead_ms = 4.0\n";
+
+fn graph() -> DecisionGraph {
+    let c = crate::compile::compile_str("fit.kiln", POLICY);
+    match c.graph {
+        Some(g) => g,
+        None => panic!("test policy does not compile: {:?}", c.diagnostics),
+    }
+}
+
+/// Poisson arrivals at `rate` a second, prompts of 100–2000 tokens,
+/// answers of 8–200.
+fn traffic(rate: f64, n: usize, seed: u64) -> Vec<Record> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut t = 0.0;
+    (0..n)
+        .map(|_| {
+            let u: f64 = rng.random_range(1e-9..1.0);
+            t += -u.ln() / rate * 1e3;
+            let out = rng.random_range(8..200);
+            Record {
+                at_ms: (t * 1000.0).round() / 1000.0,
+                tenant: Some("t".into()),
+                model: "m8".into(),
+                prompt_tokens: rng.random_range(100..2000),
+                max_tokens: out,
+                output_tokens: out,
+                ..Record::default()
+            }
+        })
+        .collect()
+}
+
+/// Replays `records` on the truth and writes what a gateway would log.
+fn logged(g: &DecisionGraph, records: &[Record]) -> Vec<Record> {
+    let truth = Calibration::from_toml_str(TRUTH).unwrap();
+    let cost = CostModel::from_graph(g, Some(&truth)).unwrap();
+    let plan = crate::replay::plan(g, &cost);
+    let mut sched =
+        crate::sched::Scheduler::new(Arc::new(g.clone()), plan, crate::sched::Config::default());
+    let outcomes = crate::replay::run(&mut sched, crate::replay::arrivals(records), |_, _| {});
+    outcomes
+        .iter()
+        .filter_map(|o| {
+            let r = records.get(o.id as usize)?;
+            let ms = |t: u64| (t as f64 - o.arrival as f64) / 1e3;
+            let (s, f, e) = (o.started?, o.first_token?, o.finished?);
+            Some(Record {
+                queue_ms: Some(ms(s)),
+                ttft_ms: Some(ms(f)),
+                e2e_ms: Some(ms(e)),
+                decision: Some(Decision {
+                    tier: Some("chat".into()),
+                    route: Some("m8.bf16 on gpu".into()),
+                    admission: Some("accept".into()),
+                    status: Some(200),
+                    ..Decision::default()
+                }),
+                ..r.clone()
+            })
+        })
+        .collect()
+}
+
+fn fitted(rate: f64) -> (DecisionGraph, FromLog) {
+    let g = graph();
+    let log = logged(&g, &traffic(rate, 600, 7));
+    assert!(log.len() > 500, "{} lines", log.len());
+    let cost = CostModel::from_graph(&g, None).unwrap();
+    let fit = calibrate_from_log(&g, &cost, None, &log, 0).unwrap();
+    (g, fit)
+}
+
+#[test]
+fn recovers_the_factors_the_replay_ran_with() {
+    let (g, fit) = fitted(14.0);
+    let f = &fit.report.groups[0];
+    assert_eq!((f.model.as_str(), f.variant.as_str()), ("m8", "bf16"));
+    assert_eq!(f.replicas, 2);
+    let within = |got: f64, want: f64, tol: f64| (got / want - 1.0).abs() <= tol;
+    assert!(
+        within(f.mbu, 0.55, 0.10),
+        "mbu {} (want 0.55)\n{}",
+        f.mbu,
+        render(&fit.report)
+    );
+    assert!(
+        within(f.mfu, 0.30, 0.15),
+        "mfu {} (want 0.30)\n{}",
+        f.mfu,
+        render(&fit.report)
+    );
+    assert!(
+        within(f.step_overhead_ms, 4.0, 0.25),
+        "overhead {} ms (want 4)\n{}",
+        f.step_overhead_ms,
+        render(&fit.report)
+    );
+    // The built-in factors are far off; the fitted ones are close.
+    assert!(f.before.ttft.median > 0.2, "{:?}", f.before);
+    assert!(f.after.ttft.median < 0.10, "{:?}", f.after);
+    assert!(f.after.itl.median < 0.10, "{:?}", f.after);
+    assert!(f.after.e2e.median < 0.10, "{:?}", f.after);
+    // The file loads, and a cost model built from it runs at the fit.
+    let text = fit.calibration.to_toml();
+    let cal = Calibration::from_toml_str(&text).unwrap();
+    let cost = CostModel::from_graph(&g, Some(&cal)).unwrap();
+    let r = Rates::of(cost.replica(0, 0, 0).unwrap());
+    assert!(
+        within(r.bandwidth, f.rates.bandwidth, 1e-3),
+        "{r:?} {:?}",
+        f.rates
+    );
+}
+
+#[test]
+fn the_report_shows_the_error_before_and_after() {
+    let (_, fit) = fitted(14.0);
+    insta::assert_snapshot!(render(&fit.report));
+}
+
+#[test]
+fn a_faster_device_than_its_figures_gets_a_time_factor() {
+    let g = graph();
+    let log = logged(&g, &traffic(14.0, 300, 3));
+    // Halve every logged time: the device is faster than an H100 at 100%.
+    let fast: Vec<Record> = log
+        .into_iter()
+        .map(|mut r| {
+            r.at_ms /= 4.0;
+            r.queue_ms = r.queue_ms.map(|v| v / 4.0);
+            r.ttft_ms = r.ttft_ms.map(|v| v / 4.0);
+            r.e2e_ms = r.e2e_ms.map(|v| v / 4.0);
+            r
+        })
+        .collect();
+    let cost = CostModel::from_graph(&g, None).unwrap();
+    let fit = calibrate_from_log(&g, &cost, None, &fast, 0).unwrap();
+    let f = &fit.report.groups[0];
+    assert!(f.time_factor < 1.0, "{f:?}");
+    assert!(f.mbu <= 1.0 && f.mfu <= 1.0);
+    let cal = Calibration::from_toml_str(&fit.calibration.to_toml()).unwrap();
+    let cost = CostModel::from_graph(&g, Some(&cal)).unwrap();
+    let r = Rates::of(cost.replica(0, 0, 0).unwrap());
+    assert!(
+        (r.bandwidth / f.rates.bandwidth - 1.0).abs() < 1e-3,
+        "{r:?} {:?}",
+        f.rates
+    );
+}
+
+#[test]
+fn hostile_lines_are_skipped_and_counted() {
+    let g = graph();
+    let mut log = logged(&g, &traffic(8.0, 60, 11));
+    let good = log.len();
+    let base = log[0].clone();
+    let with = |f: &dyn Fn(&mut Record)| {
+        let mut r = base.clone();
+        f(&mut r);
+        r
+    };
+    log.push(with(&|r| r.ttft_ms = Some(-5.0)));
+    log.push(with(&|r| r.e2e_ms = Some(1.0)));
+    log.push(with(&|r| r.queue_ms = Some(1e12)));
+    log.push(with(&|r| r.e2e_ms = None));
+    log.push(with(&|r| r.output_tokens = 0));
+    log.push(with(&|r| {
+        if let Some(d) = r.decision.as_mut() {
+            d.route = Some("nope".into());
+        }
+    }));
+    log.push(with(&|r| {
+        if let Some(d) = r.decision.as_mut() {
+            d.route = Some("m8.fp4 on gpu".into());
+        }
+    }));
+    log.push(with(&|r| r.decision = None));
+    log.push(with(&|r| {
+        if let Some(d) = r.decision.as_mut() {
+            d.status = Some(429);
+            d.reason = Some("quota".into());
+        }
+    }));
+    log.push(with(&|r| {
+        if let Some(d) = r.decision.as_mut() {
+            d.cache = Some("hit".into());
+        }
+    }));
+    let cost = CostModel::from_graph(&g, None).unwrap();
+    let fit = calibrate_from_log(&g, &cost, None, &log, 4).unwrap();
+    let k = &fit.report.skipped;
+    assert_eq!(
+        (
+            k.malformed,
+            k.bad_timing,
+            k.no_timing,
+            k.unknown_route,
+            k.not_served
+        ),
+        (4, 3, 2, 3, 2),
+        "{k:?}"
+    );
+    assert_eq!(fit.report.groups[0].lines, good);
+
+    // Nothing usable: an error that says what a log needs.
+    let err = calibrate_from_log(&g, &cost, None, &log[good..], 0).unwrap_err();
+    assert_eq!(err, FromLogError::TooFewLines { lines: 0 });
+}
