@@ -186,6 +186,14 @@ pub(super) async fn serve_upstream(
     let served_model = up.served_model().map(str::to_string);
     let path = ctx.endpoint.path();
     let body = upstream_body(&ctx, served_model.as_deref(), ctx.stream);
+    // W3C trace context: the client's trace (or the one the gateway
+    // started for it) continued, kiln's hop as the parent.
+    let traceparent = Some(
+        crate::backend::http::trace::TraceParent::child_of(
+            ctx.req.headers.get("traceparent").map(String::as_str),
+        )
+        .to_string(),
+    );
     let rid = ctx.rid.clone();
     let deadline = attempt.deadline;
     let budget = attempt.budget;
@@ -194,11 +202,14 @@ pub(super) async fn serve_upstream(
     // scheduler's queue.
     let pieces = if ctx.stream {
         let open = async {
-            let opened = match tokio::time::timeout_at(deadline, up.stream(path, body)).await {
-                Ok(Ok(chunks)) => Ok(Box::pin(chunks)),
-                Ok(Err(e)) => Err(Before::Upstream(e)),
-                Err(_) => Err(Before::Budget),
-            };
+            let opened =
+                match tokio::time::timeout_at(deadline, up.stream_traced(path, body, traceparent))
+                    .await
+                {
+                    Ok(Ok(chunks)) => Ok(Box::pin(chunks)),
+                    Ok(Err(e)) => Err(Before::Upstream(e)),
+                    Err(_) => Err(Before::Budget),
+                };
             // The first chunk is awaited before the answer begins, so a
             // stream that fails at once can still go to another replica.
             match opened {
@@ -277,7 +288,8 @@ pub(super) async fn serve_upstream(
         } else {
             crate::backend::http::CallClass::Online
         };
-        let call = tokio::time::timeout_at(deadline, up.complete_as(path, body, class));
+        let call =
+            tokio::time::timeout_at(deadline, up.complete_traced(path, body, class, traceparent));
         let left = LeftBeforeAnswer::new(&ctx, &s);
         let raced = tokio::select! {
             r = call => Raced::Done(r),

@@ -461,6 +461,7 @@ async fn decide_and_serve(
     }
     let id = app.next_id.fetch_add(1, Ordering::Relaxed);
     let rid = format!("{:x}-{id}", app.boot_ms);
+    tracing::Span::current().record("request_id", rid.as_str());
     let store = if window.is_some() {
         &app.explain_batch
     } else {

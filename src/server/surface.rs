@@ -439,11 +439,59 @@ const MAX_REWRITTEN: usize = 64 * 1024;
 /// request id gets one, and an error whose body is not JSON (an
 /// extractor's plain-text rejection, an empty body) is answered in
 /// OpenAI's shape instead, its headers (Allow, Retry-After) kept.
+///
+/// Every request runs in a `request` span (its id once known, the W3C
+/// trace id, method and path), so every line it logs names them; a request
+/// without a valid `traceparent` is given one here, which its upstream
+/// calls continue.
 pub async fn stamp(
     State(app): State<Arc<App>>,
-    req: axum::extract::Request,
+    mut req: axum::extract::Request,
     next: Next,
 ) -> Response {
+    use crate::backend::http::trace::{TraceParent, TRACEPARENT};
+    use tracing::Instrument;
+    let incoming = req
+        .headers()
+        .get(TRACEPARENT)
+        .and_then(|v| v.to_str().ok())
+        .and_then(TraceParent::parse);
+    let trace = match incoming {
+        Some(t) => t,
+        None => {
+            let t = TraceParent::child_of(None);
+            if let Ok(v) = HeaderValue::from_str(&t.to_string()) {
+                req.headers_mut().insert(TRACEPARENT, v);
+            }
+            t
+        }
+    };
+    let span = tracing::info_span!(
+        "request",
+        request_id = tracing::field::Empty,
+        trace_id = %trace.trace_id_hex(),
+        method = %req.method(),
+        path = %req.uri().path(),
+    );
+    let started = std::time::Instant::now();
+    let resp = stamp_inner(app, req, next).instrument(span.clone()).await;
+    let id = resp
+        .headers()
+        .get("x-kiln-request-id")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    span.in_scope(|| {
+        tracing::debug!(
+            request_id = id,
+            status = resp.status().as_u16(),
+            ms = started.elapsed().as_secs_f64() * 1000.0,
+            "answered"
+        )
+    });
+    resp
+}
+
+async fn stamp_inner(app: Arc<App>, req: axum::extract::Request, next: Next) -> Response {
     let resp = next.run(req).await;
     let status = resp.status();
     if !(status.is_client_error() || status.is_server_error()) {
