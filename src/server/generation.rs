@@ -11,6 +11,7 @@ use super::metrics::Outcome as MetricOutcome;
 use super::openai::{ApiError, Endpoint};
 use super::routes::{finish_served, kiln_headers, with_headers, CancelGuard, Ctx, Started};
 use crate::backend::http::{Upstream, UpstreamError};
+use crate::backend::placeholder::{self, Placeholder, Render};
 use crate::backend::Backend;
 use crate::sched::{Micros, Reason, ReqId};
 use axum::body::{Body, Bytes};
@@ -535,6 +536,12 @@ async fn respond(
         })
         .boxed();
     let s_cache = s.d.cache;
+    let ctx_chat = ctx.endpoint == Endpoint::Chat;
+    let ctx_body = if producer == Producer::Scheduler {
+        ctx.body.clone()
+    } else {
+        Value::Null
+    };
     let gen = Generation {
         ctx,
         guard,
@@ -549,6 +556,11 @@ async fn respond(
         },
         created: created(),
         kept: Kept::for_request(&s_cache),
+        sim: Render::new(
+            // What cannot be planned was refused before it was queued.
+            placeholder::plan(ctx_chat, &ctx_body)
+                .unwrap_or(Placeholder::Text { stop: Vec::new() }),
+        ),
     };
     if gen.ctx.stream {
         Ok(gen.stream(headers, pieces))
@@ -569,6 +581,9 @@ struct Generation {
     created: i64,
     /// A streamed answer of a cacheable miss, gathered to be stored.
     kept: Option<Kept>,
+    /// What the scheduler's tokens say (placeholder text, JSON, a tool
+    /// call): see [`crate::backend::placeholder`].
+    sim: Render,
 }
 
 /// A streamed answer gathered for the exact cache, up to its byte bound;
@@ -670,11 +685,22 @@ impl Generation {
                 Piece::Preempted(by) => self.preempted(by),
                 Piece::End { gpu_seconds, at } => {
                     self.settle(MetricOutcome::Ok, gpu_seconds, at, Some(200));
-                    let body = answer.unwrap_or_else(|| {
-                        let n = self.tally.produced;
-                        let prompt = self.ctx.req.prompt_tokens;
-                        full_body(&self.ctx, &sim_text(0, n), prompt, n, "length", "kiln-sim")
-                    });
+                    let body = match answer {
+                        Some(b) => b,
+                        None => {
+                            let n = self.tally.produced;
+                            let prompt = self.ctx.req.prompt_tokens;
+                            let text = self.sim.token(&sim_text(0, n)) + &self.sim.end();
+                            let finish = self.sim.finish_reason();
+                            let mut b = full_body(&self.ctx, &text, prompt, n, finish, "kiln-sim");
+                            if let Some(calls) = self.sim.tool_calls(&self.ctx.rid, false) {
+                                let m = &mut b["choices"][0]["message"];
+                                m["content"] = Value::Null;
+                                m["tool_calls"] = calls;
+                            }
+                            b
+                        }
+                    };
                     // What the answer cost on a scheduled replica (the batch
                     // runner bills it); an upstream's is unknown here.
                     if gpu_seconds > 0.0 {
@@ -721,7 +747,10 @@ impl Generation {
             Piece::Tokens { n, gpu_seconds } => {
                 let mut b = Vec::new();
                 for i in 0..u64::from(n) {
-                    let t = sim_text(self.tally.produced + i, 1);
+                    let t = self.sim.token(&sim_text(self.tally.produced + i, 1));
+                    if t.is_empty() {
+                        continue;
+                    }
                     keep(&mut self.kept, &t);
                     let c = chunk(&self.ctx, self.created, Some(&t), false, None);
                     b.extend_from_slice(&sse(&c));
@@ -774,9 +803,27 @@ impl Generation {
             }
             Piece::End { gpu_seconds, at } => {
                 self.settle(MetricOutcome::Ok, gpu_seconds, at, Some(200));
+                // The simulator's rest: text held back, a JSON answer's
+                // end, a tool call.
+                let mut tail = Vec::new();
+                if self.producer == Producer::Scheduler {
+                    let rest = self.sim.end();
+                    if !rest.is_empty() {
+                        keep(&mut self.kept, &rest);
+                        let c = chunk(&self.ctx, self.created, Some(&rest), false, None);
+                        tail.extend_from_slice(&sse(&c));
+                    }
+                    if let Some(calls) = self.sim.tool_calls(&self.ctx.rid, true) {
+                        self.kept = None;
+                        let mut c = chunk(&self.ctx, self.created, None, false, None);
+                        c["choices"][0]["delta"]["tool_calls"] = calls;
+                        tail.extend_from_slice(&sse(&c));
+                    }
+                }
+                let sim_finish = self.sim.finish_reason();
                 if let Some(k) = self.kept.take() {
                     let finish = match (self.producer, &k.finish) {
-                        (Producer::Scheduler, _) => "length",
+                        (Producer::Scheduler, _) => sim_finish,
                         (Producer::Upstream, Some(f)) => f.as_str(),
                         (Producer::Upstream, None) => "",
                     };
@@ -795,9 +842,9 @@ impl Generation {
                     );
                     super::cache::store(&self.ctx, &self.s.d, &body);
                 }
-                let mut b = Vec::new();
+                let mut b = tail;
                 if self.producer == Producer::Scheduler {
-                    let c = chunk(&self.ctx, self.created, None, false, Some("length"));
+                    let c = chunk(&self.ctx, self.created, None, false, Some(sim_finish));
                     b.extend_from_slice(&sse(&c));
                 }
                 // Upstreams that ignore stream_options (llama.cpp does)
