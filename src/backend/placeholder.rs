@@ -284,16 +284,26 @@ const MAX_DEPTH: usize = 12;
 /// `anyOf`/`oneOf`/`allOf` (the first), local `$ref`s (`#/$defs/…`,
 /// `#/definitions/…`), lengths and bounds. Patterns are not followed.
 pub fn example(schema: &Value, root: &Value, depth: usize) -> Value {
-    if depth > MAX_DEPTH {
+    let mut budget = MAX_VALUES;
+    gen(schema, root, depth, &mut budget)
+}
+
+/// Values one placeholder may hold at most: a schema of nested arrays must
+/// not grow an answer without bound (past it, `null`).
+const MAX_VALUES: usize = 4096;
+
+fn gen(schema: &Value, root: &Value, depth: usize, budget: &mut usize) -> Value {
+    if depth > MAX_DEPTH || *budget == 0 {
         return Value::Null;
     }
+    *budget -= 1;
     let Some(s) = schema.as_object() else {
         // `true` or a non-schema: anything goes.
         return json!("simulated");
     };
     if let Some(r) = s.get("$ref").and_then(Value::as_str) {
         return match resolve(root, r) {
-            Some(target) => example(target, root, depth + 1),
+            Some(target) => gen(target, root, depth + 1, budget),
             None => Value::Null,
         };
     }
@@ -314,13 +324,13 @@ pub fn example(schema: &Value, root: &Value, depth: usize) -> Value {
                 .find(|b| b.get("type").and_then(Value::as_str) != Some("null"))
                 .or_else(|| a.first())
         }) {
-            return example(first, root, depth + 1);
+            return gen(first, root, depth + 1, budget);
         }
     }
     if let Some(all) = s.get("allOf").and_then(Value::as_array) {
         let mut merged = Map::new();
         for part in all {
-            match example(part, root, depth + 1) {
+            match gen(part, root, depth + 1, budget) {
                 Value::Object(o) => merged.extend(o),
                 other if all.len() == 1 => return other,
                 _ => {}
@@ -345,7 +355,7 @@ pub fn example(schema: &Value, root: &Value, depth: usize) -> Value {
             let mut out = Map::new();
             if let Some(props) = s.get("properties").and_then(Value::as_object) {
                 for (k, v) in props {
-                    out.insert(k.clone(), example(v, root, depth + 1));
+                    out.insert(k.clone(), gen(v, root, depth + 1, budget));
                 }
             }
             // Required names without a schema of their own.
@@ -369,10 +379,19 @@ pub fn example(schema: &Value, root: &Value, depth: usize) -> Value {
             let n = min.max(1).min(max).min(8);
             // Tuples (`prefixItems`) give one schema per place.
             if let Some(prefix) = s.get("prefixItems").and_then(Value::as_array) {
-                return Value::Array(prefix.iter().map(|p| example(p, root, depth + 1)).collect());
+                return Value::Array(
+                    prefix
+                        .iter()
+                        .map(|p| gen(p, root, depth + 1, budget))
+                        .collect(),
+                );
             }
             let item = s.get("items").cloned().unwrap_or(json!({}));
-            Value::Array((0..n).map(|_| example(&item, root, depth + 1)).collect())
+            Value::Array(
+                (0..n)
+                    .map(|_| gen(&item, root, depth + 1, budget))
+                    .collect(),
+            )
         }
         "integer" => json!(number(s, true) as i64),
         "number" => json!(number(s, false)),
@@ -424,7 +443,7 @@ fn string(s: &Map<String, Value>) -> String {
         .and_then(Value::as_u64)
         .map_or(usize::MAX, |m| m as usize);
     let mut out = base.to_string();
-    while out.chars().count() < min.min(4096) {
+    while out.chars().count() < min.min(1024) {
         out.push('x');
     }
     if out.chars().count() > max {
@@ -516,6 +535,13 @@ mod tests {
     fn recursive_schemas_end() {
         let schema = json!({"$ref": "#"});
         assert_eq!(example(&schema, &schema, 0), Value::Null);
+        // Nested arrays of 8 items, 12 deep, would be 8^12 values.
+        let mut deep = json!({"type": "string"});
+        for _ in 0..12 {
+            deep = json!({"type": "array", "items": deep, "minItems": 8});
+        }
+        let text = example(&deep, &deep, 0).to_string();
+        assert!(text.len() < 200_000, "{}", text.len());
     }
 
     #[test]
