@@ -43,6 +43,7 @@ pub enum Code {
     UndeclaredSubstitution,
     ReserveOversubscribed,
     ReserveUnreachable,
+    FeatureNotBuilt,
     // lints
     ShadowedRule,
     QuotaOversubscribed,
@@ -56,6 +57,8 @@ pub enum Code {
     UnknownLint,
     ReserveOnDedicatedPool,
     InfeasibleSlo,
+    TimeRangeWraps,
+    UnreachableLimit,
 }
 
 impl Code {
@@ -83,6 +86,7 @@ impl Code {
         Code::UndeclaredSubstitution,
         Code::ReserveOversubscribed,
         Code::ReserveUnreachable,
+        Code::FeatureNotBuilt,
         Code::ShadowedRule,
         Code::QuotaOversubscribed,
         Code::TierWithoutSlo,
@@ -95,6 +99,8 @@ impl Code {
         Code::UnknownLint,
         Code::ReserveOnDedicatedPool,
         Code::InfeasibleSlo,
+        Code::TimeRangeWraps,
+        Code::UnreachableLimit,
     ];
 
     /// The stable short name.
@@ -135,6 +141,9 @@ impl Code {
             Code::ReserveUnreachable => "reserve-unreachable",
             Code::ReserveOnDedicatedPool => "reserve-on-dedicated-pool",
             Code::InfeasibleSlo => "infeasible-slo",
+            Code::FeatureNotBuilt => "feature-not-built",
+            Code::TimeRangeWraps => "time-range-wraps",
+            Code::UnreachableLimit => "unreachable-limit",
         }
     }
 
@@ -212,6 +221,15 @@ impl Code {
             }
             Code::InfeasibleSlo => {
                 "a TTFT SLO below the zero-load prefill time of ordinary prompts refuses them all as infeasible"
+            }
+            Code::FeatureNotBuilt => {
+                "the policy uses a feature this kiln binary was built without, so `kiln serve` would refuse it"
+            }
+            Code::TimeRangeWraps => {
+                "a time range whose start is after its end wraps midnight: it covers the night, not the hours between"
+            }
+            Code::UnreachableLimit => {
+                "a concurrency limit above every request the fleet's replicas can run at once never binds"
             }
             Code::UnknownLint => {
                 "a `kiln:allow` naming no lint silences nothing, so the warning it meant to silence still shows, or a typo hides that it never did"

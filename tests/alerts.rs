@@ -34,6 +34,8 @@ fn options(policy: &str) -> alerts::Options {
     alerts::Options {
         objective: 0.99,
         policy: policy.into(),
+        selector: Vec::new(),
+        runbook_base: None,
     }
 }
 
@@ -285,6 +287,8 @@ fn objective_changes_the_thresholds() {
         &alerts::Options {
             objective: 0.999,
             policy: "policies/enterprise".into(),
+            selector: Vec::new(),
+            runbook_base: None,
         },
     );
     assert!(a.contains("> 0.144 and"));
@@ -312,4 +316,108 @@ fn snapshot_rules_batch_platform() {
 fn snapshot_dashboard_enterprise() {
     let p = "policies/enterprise";
     insta::assert_json_snapshot!(dashboard::dashboard(&graph(p), p));
+}
+
+/// `--selector` scopes every expression (and keeps its labels through
+/// aggregations), `--runbook-base` makes runbook links absolute; promtool
+/// accepts the result.
+#[test]
+fn selector_and_runbook_base() {
+    let text = kiln(&[
+        "alerts",
+        "--policy",
+        "policies/enterprise",
+        "--selector",
+        r#"job="kiln",namespace="prod""#,
+        "--runbook-base",
+        "https://git.example.com/kiln/blob/main/",
+    ]);
+    let mut exprs = 0;
+    for line in text.lines().map(str::trim) {
+        if let Some(e) = line.strip_prefix("expr: ") {
+            exprs += 1;
+            // Every series selected in the scope.
+            for (i, _) in e.match_indices("kiln_").chain(e.match_indices("kiln:")) {
+                let rest = &e[i..];
+                let brace =
+                    rest.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'));
+                let after = brace.map(|b| &rest[b..]).unwrap_or("");
+                assert!(
+                    after.starts_with(r#"{job=\"kiln\",namespace=\"prod\""#),
+                    "unscoped series in {e}"
+                );
+            }
+            for (i, _) in e.match_indices(" by (") {
+                let close = e[i..].find(')').unwrap();
+                assert!(e[i..i + close].contains("job, namespace"), "{e}");
+            }
+        }
+        if let Some(u) = line.strip_prefix("runbook_url: ") {
+            assert!(
+                u.starts_with("\"https://git.example.com/kiln/blob/main/docs/playbooks.md#"),
+                "{u}"
+            );
+        }
+    }
+    assert!(exprs > 10, "{text}");
+    if promtool() {
+        let dir = scratch("selector");
+        std::fs::write(dir.join("scoped.yml"), &text).unwrap();
+        promtool_ok(&["check", "rules", "scoped.yml"], &dir);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+    // The dashboard: a variable per `=` matcher, every query scoped to it.
+    let d: serde_json::Value = serde_json::from_str(&kiln(&[
+        "dashboard",
+        "--policy",
+        "policies/enterprise",
+        "--selector",
+        r#"job="kiln",namespace="prod""#,
+    ]))
+    .unwrap();
+    let vars = d["templating"]["list"].as_array().unwrap();
+    let names: Vec<&str> = vars.iter().filter_map(|v| v["name"].as_str()).collect();
+    assert_eq!(names, ["datasource", "job", "namespace", "tier", "tenant"]);
+    assert_eq!(vars[1]["current"]["value"], "kiln");
+    for e in dashboard::exprs(&d) {
+        if e.contains("kiln_") {
+            assert!(e.contains(r#"job="$job",namespace="$namespace""#), "{e}");
+        }
+    }
+}
+
+/// Panels of series a fresh gateway does not have yet (refusals, rollouts,
+/// HTTP upstreams) read 0, not "No data": promtool evaluates each panel's
+/// query over no series at all.
+#[test]
+fn dashboard_panels_read_zero_on_a_fresh_gateway() {
+    let d = dashboard::dashboard(&graph("policies/enterprise"), "policies/enterprise");
+    let panel_exprs: Vec<String> = dashboard::exprs(&d)
+        .into_iter()
+        .filter(|e| !e.starts_with("label_values") && !e.starts_with("histogram_quantile"))
+        .collect();
+    assert!(panel_exprs.len() >= 10, "{panel_exprs:?}");
+    for e in &panel_exprs {
+        assert!(e.ends_with(" or on() vector(0)"), "{e}");
+    }
+    if !promtool() {
+        return;
+    }
+    let dir = scratch("fresh");
+    // A test with no input series: each query, with Grafana's interval and
+    // variables filled in, must give 0.
+    let mut tests = String::from("rule_files: []\nevaluation_interval: 1m\ntests:\n  - interval: 1m\n    input_series: []\n    promql_expr_test:\n");
+    for e in &panel_exprs {
+        let q = e
+            .replace("$__rate_interval", "5m")
+            .replace("=~\"$tier\"", "=~\".*\"")
+            .replace("=~\"$tenant\"", "=~\".*\"");
+        tests.push_str(&format!(
+            "      - expr: {}\n        eval_time: 10m\n        exp_samples:\n          - labels: \"{{}}\"\n            value: 0\n",
+            kiln::ops::alerts::yaml_quote(&q)
+        ));
+    }
+    std::fs::write(dir.join("fresh.test.yml"), tests).unwrap();
+    promtool_ok(&["test", "rules", "fresh.test.yml"], &dir);
+    std::fs::remove_dir_all(dir).unwrap();
 }

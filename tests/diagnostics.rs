@@ -298,6 +298,34 @@ fn cases() -> Vec<(&'static str, String, Code)> {
         ("percent_share_above_100", with("when tenant == app", "when pool(gpu).utilization < 900%"), Code::OutOfRange),
         ("duration_without_unit", with("ttft 500ms", "ttft 500"), Code::UnitMismatch),
         (
+            "time_range_wraps_business_hours",
+            plus("admit bulk {\n  when time in 20:00..08:00 => delay until 20:00\n  default => accept\n}"),
+            Code::TimeRangeWraps,
+        ),
+        ("time_range_wraps", with("when tenant == app", "when time in 22:00..06:30"), Code::TimeRangeWraps),
+        (
+            "shadowed_rule_numeric",
+            plus("admit chat {\n  when estimated_wait > 2s => queue max_wait 10s\n  when estimated_wait > 5s => reject 429\n  default => accept\n}"),
+            Code::ShadowedRule,
+        ),
+        (
+            "shadowed_rule_numeric_units",
+            plus("admit chat {\n  when estimated_wait >= 1500ms and has_session => queue max_wait 10s\n  when has_session and 2s < estimated_wait => reject 429\n  default => accept\n}"),
+            Code::ShadowedRule,
+        ),
+        (
+            "unreachable_limit",
+            with("  tiers [chat, bulk]\n", "  tiers [chat, bulk]\n  quota { concurrent 100000 }\n"),
+            Code::UnreachableLimit,
+        ),
+        (
+            "feature_not_built",
+            with("  slo { ttft 500ms }\n", "  slo { ttft 500ms }\n  cache { semantic { similarity 0.92 } }\n"),
+            Code::FeatureNotBuilt,
+        ),
+        ("syntax_rate_period_spelt_out", with("  tiers [chat, bulk]\n", "  tiers [chat, bulk]\n  quota { tokens 2M/minute }\n"), Code::Syntax),
+        ("syntax_cost_with_currency", with("  tiers [chat, bulk]\n", "  tiers [chat, bulk]\n  cost $3.20/hour\n"), Code::Syntax),
+        (
             "duration_without_unit_seconds",
             plus("admit chat {\n  when estimated_wait > 2 => queue max_wait 2\n  default => accept\n}"),
             Code::UnitMismatch,
@@ -314,6 +342,8 @@ fn diagnose(text: &str) -> (kiln::source::SourceMap, Diagnostics) {
         if let Some(g) = &c.graph {
             all.extend(kiln::ops::feasibility::lint(g));
         }
+        // What `kiln check` and `kiln lint` report on a default build.
+        all.extend(kiln::compile::build_features(&c, false));
     }
     all.sort();
     (c.sources.clone(), all)
@@ -651,4 +681,48 @@ fn lint_notes_name_the_queue_bound_that_applies() {
         kiln::units::duration::parse(kiln::compile::DEFAULT_QUEUE_BOUND_TEXT),
         Ok(kiln::server::config::DEFAULT_QUEUE_BOUND)
     );
+}
+
+#[test]
+fn unreachable_limit_names_the_gateways_defaults() {
+    let limits = kiln::server::config::Limits::default();
+    let batch = kiln::server::config::BatchSection::default();
+    assert_eq!(
+        kiln::compile::DEFAULT_GATEWAY_IN_FLIGHT,
+        (limits.max_connections + batch.max_in_flight) as u64
+    );
+}
+
+#[test]
+fn numeric_shadowing_needs_the_stronger_rule_second() {
+    // The stricter threshold first is the right order: nothing is shadowed.
+    let (_, d) = diagnose(&plus("admit chat {\n  when estimated_wait > 5s => reject 429\n  when estimated_wait > 2s => queue max_wait 10s\n  default => accept\n}"));
+    assert!(
+        !d.items.iter().any(|d| d.code == Code::ShadowedRule),
+        "{:?}",
+        d.items
+    );
+    // Ranges that only overlap do not shadow either.
+    let (_, d) = diagnose(&plus("admit chat {\n  when estimated_wait > 2s and estimated_wait < 5s => reject 429\n  when estimated_wait > 3s => queue max_wait 10s\n  default => accept\n}"));
+    assert!(
+        !d.items.iter().any(|d| d.code == Code::ShadowedRule),
+        "{:?}",
+        d.items
+    );
+    // A daytime range is not a wrapping one, and a build with the
+    // semantic cache accepts one.
+    let (_, d) = diagnose(&with("when tenant == app", "when time in 08:00..20:00"));
+    assert!(
+        !d.items.iter().any(|d| d.code == Code::TimeRangeWraps),
+        "{:?}",
+        d.items
+    );
+    let c = compile_str(
+        "policy.kiln",
+        &with(
+            "  slo { ttft 500ms }\n",
+            "  slo { ttft 500ms }\n  cache { semantic { similarity 0.92 } }\n",
+        ),
+    );
+    assert!(kiln::compile::build_features(&c, true).is_empty());
 }

@@ -429,19 +429,13 @@ async fn fields_the_simulator_cannot_honour_are_refused_by_name() {
             .extend(extra.as_object().unwrap().clone());
         b
     };
+    // (`tools`, `response_format` and `stop` are answered with
+    // placeholders: see `the_simulator_answers_tools_formats_and_stops`.)
     for (extra, param) in [
-        (
-            json!({"tools": [{"type": "function", "function": {"name": "f"}}]}),
-            "tools",
-        ),
-        (
-            json!({"response_format": {"type": "json_object"}}),
-            "response_format",
-        ),
+        (json!({"functions": [{"name": "f"}]}), "functions"),
         (json!({"logprobs": true, "top_logprobs": 2}), "logprobs"),
         (json!({"n": 2}), "n"),
         (json!({"logit_bias": {"1": 5}}), "logit_bias"),
-        (json!({"stop": ["\n"]}), "stop"),
     ] {
         let r = c
             .post(&url)
@@ -561,4 +555,183 @@ async fn an_http_upstream_gets_those_fields_unchanged() {
     }
     srv.stop().await;
     mock.abort();
+}
+
+/// The chat body with `extra` fields.
+fn chat_with(extra: Value) -> Value {
+    let mut b = chat("tiny");
+    b["max_tokens"] = json!(12);
+    b.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    b
+}
+
+/// A streamed answer's chunks (without `[DONE]`).
+async fn chunks(r: reqwest::Response) -> Vec<Value> {
+    let text = r.text().await.unwrap();
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|l| *l != "[DONE]")
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_simulator_answers_tools_formats_and_stops() {
+    let srv = serve(TWO, ServerConfig::default_embedded()).await;
+    let url = format!("http://{}/v1/chat/completions", srv.addr);
+    let c = client();
+    let post = |b: Value| c.post(&url).bearer_auth("k-alpha").json(&b).send();
+    let weather = json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
+            "required": ["city", "days"]}}},
+        {"type": "function", "function": {"name": "noop"}}]);
+    let schema = json!({"type": "json_schema", "json_schema": {"name": "person", "strict": true,
+        "schema": {"type": "object", "properties": {
+            "name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
+            "required": ["name", "tags"], "additionalProperties": false}}});
+    for stream in [false, true] {
+        // `stop`: the placeholder text ends before it, finish_reason stop.
+        let r = post(chat_with(json!({"stop": [" kiln's"], "stream": stream})))
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let (text, finish) = if stream {
+            let cs = chunks(r).await;
+            let text: String = cs
+                .iter()
+                .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+                .collect();
+            let finish = cs
+                .iter()
+                .find_map(|c| c["choices"][0]["finish_reason"].as_str())
+                .map(str::to_string);
+            (text, finish)
+        } else {
+            let v: Value = r.json().await.unwrap();
+            (
+                v["choices"][0]["message"]["content"]
+                    .as_str()
+                    .unwrap()
+                    .to_string(),
+                v["choices"][0]["finish_reason"]
+                    .as_str()
+                    .map(str::to_string),
+            )
+        };
+        assert_eq!(text, " simulated output from", "stream {stream}");
+        assert_eq!(finish.as_deref(), Some("stop"));
+
+        // `response_format` json_schema: JSON of the schema's shape.
+        let r = post(chat_with(
+            json!({"response_format": schema, "stream": stream}),
+        ))
+        .await
+        .unwrap();
+        assert_eq!(r.status(), 200);
+        let content = if stream {
+            chunks(r)
+                .await
+                .iter()
+                .filter_map(|c| {
+                    c["choices"][0]["delta"]["content"]
+                        .as_str()
+                        .map(str::to_string)
+                })
+                .collect::<String>()
+        } else {
+            let v: Value = r.json().await.unwrap();
+            assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+            v["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        };
+        let j: Value = serde_json::from_str(&content).unwrap_or_else(|e| panic!("{e}: {content}"));
+        assert!(j["name"].is_string() && j["tags"].is_array(), "{j}");
+        assert_eq!(j.as_object().unwrap().len(), 2, "{j}");
+
+        // `tool_choice` required or named: one call, arguments of the schema.
+        for (choice, name) in [
+            (json!("required"), "get_weather"),
+            (
+                json!({"type": "function", "function": {"name": "noop"}}),
+                "noop",
+            ),
+        ] {
+            let r = post(chat_with(
+                json!({"tools": weather, "tool_choice": choice, "stream": stream}),
+            ))
+            .await
+            .unwrap();
+            assert_eq!(r.status(), 200);
+            let (call, finish) = if stream {
+                let cs = chunks(r).await;
+                let call = cs
+                    .iter()
+                    .find_map(|c| {
+                        c["choices"][0]["delta"]["tool_calls"][0]
+                            .as_object()
+                            .cloned()
+                    })
+                    .unwrap();
+                assert_eq!(call["index"], 0);
+                let finish = cs
+                    .iter()
+                    .find_map(|c| c["choices"][0]["finish_reason"].as_str())
+                    .map(str::to_string);
+                (Value::Object(call), finish)
+            } else {
+                let v: Value = r.json().await.unwrap();
+                assert!(v["choices"][0]["message"]["content"].is_null(), "{v}");
+                (
+                    v["choices"][0]["message"]["tool_calls"][0].clone(),
+                    v["choices"][0]["finish_reason"]
+                        .as_str()
+                        .map(str::to_string),
+                )
+            };
+            assert_eq!(finish.as_deref(), Some("tool_calls"));
+            assert_eq!(call["type"], "function");
+            assert!(call["id"].as_str().is_some_and(|i| i.starts_with("call_")));
+            assert_eq!(call["function"]["name"], name);
+            let args: Value =
+                serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+            if name == "get_weather" {
+                assert!(
+                    args["city"].is_string() && args["days"].as_i64() >= Some(1),
+                    "{args}"
+                );
+            } else {
+                assert_eq!(args, json!({}));
+            }
+        }
+    }
+    // An agent sends the call and its result back: answered.
+    let mut turn = chat_with(json!({"tools": weather, "tool_choice": "auto"}));
+    turn["messages"] = json!([
+        {"role": "user", "content": "weather in Oslo?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\":\"Oslo\",\"days\":1}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
+    ]);
+    let r = post(turn).await.unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
+    // `auto` may answer in text, as a model may; a named tool that is not
+    // listed is the client's mistake.
+    let r = post(chat_with(json!({"tools": weather, "tool_choice": "auto"})))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let r = post(chat_with(json!({"tools": weather,
+        "tool_choice": {"type": "function", "function": {"name": "missing"}}})))
+    .await
+    .unwrap();
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["param"], "tool_choice", "{v}");
+    srv.stop().await;
 }

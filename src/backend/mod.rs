@@ -14,6 +14,7 @@ pub mod cost;
 pub mod cuda;
 pub mod deploy;
 pub mod http;
+pub mod placeholder;
 
 use std::sync::Arc;
 

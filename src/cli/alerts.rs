@@ -14,6 +14,25 @@ pub struct Args {
     /// Write the rules here instead of standard output.
     #[arg(short = 'o', long)]
     pub output: Option<PathBuf>,
+    /// Label matchers every expression is scoped to, as PromQL writes
+    /// them: `job="kiln",namespace="prod"` (aggregations keep the labels).
+    #[arg(long)]
+    pub selector: Option<String>,
+    /// Where `docs/playbooks.md` is served: runbook links become
+    /// `URL/docs/playbooks.md#…` (relative without it).
+    #[arg(long)]
+    pub runbook_base: Option<String>,
+}
+
+/// `--selector`'s matchers (none without it); exits on a bad one.
+pub(crate) fn selector(s: Option<&str>) -> Result<Vec<alerts::Matcher>, i32> {
+    match s {
+        None => Ok(Vec::new()),
+        Some(s) => alerts::parse_selector(s).map_err(|e| {
+            eprintln!("{:?}", miette::Report::new(e));
+            EXIT_USAGE
+        }),
+    }
 }
 
 pub fn run(a: Args) -> i32 {
@@ -28,8 +47,20 @@ pub fn run(a: Args) -> i32 {
         Ok(x) => x,
         Err(code) => return code,
     };
+    let selector = match selector(a.selector.as_deref()) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
     let policy = policy_name(&a.policy);
-    let text = alerts::render(&g, &Options { objective, policy });
+    let text = alerts::render(
+        &g,
+        &Options {
+            objective,
+            policy,
+            selector,
+            runbook_base: a.runbook_base.clone(),
+        },
+    );
     write_out(a.output.as_deref(), &text)
 }
 

@@ -1,6 +1,6 @@
 //! `kiln dashboard`
 
-use super::alerts::{policy_name, write_out};
+use super::alerts::{policy_name, selector, write_out};
 use super::*;
 
 #[derive(clap::Args, Debug)]
@@ -11,6 +11,11 @@ pub struct Args {
     /// Write the dashboard JSON here instead of standard output.
     #[arg(short = 'o', long)]
     pub output: Option<PathBuf>,
+    /// Label matchers every query is scoped to, as PromQL writes them:
+    /// `job="kiln",namespace="prod"`; each `=` matcher is a dashboard
+    /// variable (its value the default).
+    #[arg(long)]
+    pub selector: Option<String>,
 }
 
 pub fn run(a: Args) -> i32 {
@@ -18,7 +23,11 @@ pub fn run(a: Args) -> i32 {
         Ok(x) => x,
         Err(code) => return code,
     };
-    let d = crate::ops::dashboard::dashboard(&g, &policy_name(&a.policy));
+    let selector = match selector(a.selector.as_deref()) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
+    let d = crate::ops::dashboard::scoped(&g, &policy_name(&a.policy), &selector);
     match serde_json::to_string_pretty(&d) {
         Ok(s) => write_out(a.output.as_deref(), &(s + "\n")),
         Err(e) => usage_error(&e.to_string()),

@@ -37,6 +37,10 @@ pub fn run(a: Args) -> i32 {
     for (set, c) in &compiled {
         let mut all = c.diagnostics.clone();
         all.extend(crate::compile::lint(c));
+        all.extend(crate::compile::build_features(
+            c,
+            crate::compile::SEMANTIC_CACHE_BUILT,
+        ));
         if let Some(g) = &c.graph {
             all.extend(crate::ops::feasibility::lint(g));
         }

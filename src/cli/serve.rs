@@ -1,6 +1,7 @@
 //! `kiln serve` and `kiln hash-key`
 
 use super::*;
+use crate::server::config::LogFormat;
 use crate::server::{self, config::ServerConfig, Policy, ServeOptions};
 
 #[derive(clap::Args, Debug)]
@@ -30,6 +31,49 @@ pub struct Args {
     /// `[batch] store`; default `.kiln/batches.db`).
     #[arg(long)]
     pub batch_store: Option<PathBuf>,
+    /// How the gateway's own log lines on stderr are written: `text` (the
+    /// default; coloured only when stderr is a terminal and NO_COLOR is
+    /// unset) or `json`, one object a line (overrides `[log] format`).
+    #[arg(long, value_enum)]
+    pub log_format: Option<LogFormatArg>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormatArg {
+    Text,
+    Json,
+}
+
+/// Colour in text logs: only on a terminal, and never with `NO_COLOR` set
+/// (<https://no-color.org>: any non-empty value).
+fn log_colour() -> bool {
+    use std::io::IsTerminal;
+    std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty()) && std::io::stderr().is_terminal()
+}
+
+/// Installs the log subscriber: `RUST_LOG` (default `kiln=info`), on
+/// stderr, as text or JSON lines. Request-scoped lines carry the
+/// `request` span's fields (request id, trace id).
+fn init_logging(format: LogFormat) {
+    let filter = || {
+        tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("kiln=info"))
+    };
+    let _ = match format {
+        LogFormat::Json => tracing_subscriber::fmt()
+            .json()
+            .with_current_span(true)
+            .with_span_list(false)
+            .with_env_filter(filter())
+            .with_writer(std::io::stderr)
+            .with_ansi(false)
+            .try_init(),
+        LogFormat::Text => tracing_subscriber::fmt()
+            .with_env_filter(filter())
+            .with_writer(std::io::stderr)
+            .with_ansi(log_colour())
+            .try_init(),
+    };
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -60,17 +104,6 @@ pub fn hash_key(a: HashKeyArgs) -> i32 {
 }
 
 pub fn run(a: Args) -> i32 {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("kiln=info")),
-        )
-        .with_writer(std::io::stderr)
-        .try_init();
-    let (c, g) = match compile_one(&a.policy) {
-        Ok(x) => x,
-        Err(code) => return code,
-    };
     let mut config = match &a.config {
         Some(p) => match ServerConfig::load(p) {
             Ok(c) => c,
@@ -80,6 +113,25 @@ pub fn run(a: Args) -> i32 {
             }
         },
         None => ServerConfig::default_embedded(),
+    };
+    let log_format = match a.log_format {
+        Some(LogFormatArg::Json) => LogFormat::Json,
+        Some(LogFormatArg::Text) => LogFormat::Text,
+        None => config.log_format.unwrap_or(LogFormat::Text),
+    };
+    init_logging(log_format);
+    let json = log_format == LogFormat::Json;
+    // The banner: for people on a terminal, one log line each in JSON.
+    let say = move |line: String| {
+        if json {
+            tracing::info!("{}", line.trim_start());
+        } else {
+            eprintln!("{line}");
+        }
+    };
+    let (c, g) = match compile_one(&a.policy) {
+        Ok(x) => x,
+        Err(code) => return code,
     };
     if let Some(s) = a.sim_speed {
         if !(s.is_finite() && s > 0.0) {
@@ -137,27 +189,33 @@ pub fn run(a: Args) -> i32 {
         {
             Ok(r) => r,
             Err(e) => {
-                eprintln!("{:?}", miette::Report::new(e));
+                if json {
+                    tracing::error!(code = ?miette::Diagnostic::code(&e).map(|c| c.to_string()), help = ?miette::Diagnostic::help(&e).map(|h| h.to_string()), "{e}");
+                } else {
+                    eprintln!("{:?}", miette::Report::new(e));
+                }
                 return EXIT_USAGE;
             }
         };
         let addr = running.addr;
-        eprintln!("kiln gateway listening on http://{addr} (policy {version})");
-        eprintln!("  models: {}", models.join(", "));
-        eprintln!(
+        say(format!(
+            "kiln gateway listening on http://{addr} (policy {version})"
+        ));
+        say(format!("  models: {}", models.join(", ")));
+        say(format!(
             "  OpenAI base URL: http://{addr}/v1   explain: /admin/explain/ID   metrics: /metrics"
-        );
+        ));
         if let Some(p) = &running.app.batches.store.path {
-            eprintln!(
+            say(format!(
                 "  batches: /v1/files, /v1/batches; stored in {}",
                 p.display()
-            );
+            ));
         }
         if !running.app.admin_open && !running.app.config.has_admin_tokens() {
-            eprintln!("  admin endpoints are closed: no [admin] tokens and not on loopback");
+            say("  admin endpoints are closed: no [admin] tokens and not on loopback".into());
         }
         shutdown_signal().await;
-        eprintln!("shutting down: finishing in-flight requests");
+        say("shutting down: finishing in-flight requests".into());
         running.trigger_shutdown();
         running.wait().await;
         EXIT_OK

@@ -804,6 +804,9 @@ impl Compiler<'_> {
             });
         }
         if let Some(e) = c.get("semantic") {
+            self.facts
+                .semantic_caches
+                .push((what.to_string(), e.key.span));
             let s = self.cache_settings(
                 e,
                 SEMANTIC_CACHE_FIELDS,
@@ -1043,6 +1046,9 @@ impl Compiler<'_> {
             quota.concurrent = self
                 .prop_quantity(q.get("concurrent"), Ty::Count, "`concurrent`")
                 .map(|x| x.max(0.0) as u64);
+            if let (Some(n), Some(p)) = (quota.concurrent, q.get("concurrent")) {
+                self.facts.concurrent.push((what.to_string(), n, p.span));
+            }
             quota.gpu_seconds = self.prop_quantity(q.get("gpu_seconds"), Ty::Rate, "`gpu_seconds`");
         }
         quota
@@ -1313,6 +1319,9 @@ impl Compiler<'_> {
             quota.concurrent = self
                 .prop_quantity(q.get("concurrent"), Ty::Count, "`concurrent`")
                 .map(|x| x.max(0.0) as u64);
+            if let (Some(n), Some(p)) = (quota.concurrent, q.get("concurrent")) {
+                self.facts.concurrent.push((what.to_string(), n, p.span));
+            }
             quota.gpu_seconds = self.prop_quantity(q.get("gpu_seconds"), Ty::Rate, "`gpu_seconds`");
         }
         let weight = self

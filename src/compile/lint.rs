@@ -55,6 +55,32 @@ pub fn notes(c: &Compiled) -> Vec<String> {
     out
 }
 
+/// Whether this kiln binary was built with the semantic cache's
+/// embedding model (feature `semantic-cache`).
+pub const SEMANTIC_CACHE_BUILT: bool = cfg!(feature = "semantic-cache");
+
+/// `kiln check`'s errors for what the policy asks of the binary: a tier's
+/// semantic cache on a build without `--features semantic-cache`, which
+/// `kiln serve` would refuse at start. `semantic_cache_built` is
+/// [`SEMANTIC_CACHE_BUILT`] for the running binary.
+pub fn build_features(c: &Compiled, semantic_cache_built: bool) -> Diagnostics {
+    let mut out = Diagnostics::new();
+    if semantic_cache_built {
+        return out;
+    }
+    for (what, span) in &c.facts.semantic_caches {
+        out.push(
+            Diagnostic::error(
+                Code::FeatureNotBuilt,
+                format!("{what} has a semantic cache, which this kiln was built without (build feature `semantic-cache`)"),
+            )
+            .at(*span, "needs the build feature `semantic-cache`")
+            .help("build kiln with `cargo build --release --features semantic-cache` (and set `[cache] embedding_model` in kiln.toml), or use `cache { exact { … } }`, which every build serves"),
+        );
+    }
+    out
+}
+
 /// Lints a compiled policy (errors must be absent for the graph checks to
 /// run; syntax-level lints need only the AST).
 pub fn lint(c: &Compiled) -> Diagnostics {
@@ -211,7 +237,9 @@ pub fn lint(c: &Compiled) -> Diagnostics {
         }
         unused(c, g, &mut out);
         super::dead::dead_rules(g, &mut out);
+        unreachable_limits(c, g, &mut out);
     }
+    wrapping_times(c, &mut out);
     for (span, what) in &c.facts.redefined {
         out.push(
             Diagnostic::error(Code::SignalRedefined, "this signal's meaning changed")
@@ -300,6 +328,158 @@ fn unused(c: &Compiled, g: &crate::graph::DecisionGraph, out: &mut Diagnostics) 
     }
 }
 
+/// `HH:MM` for minutes after midnight.
+fn hhmm(m: u32) -> String {
+    format!("{:02}:{:02}", m / 60, m % 60)
+}
+
+/// `8 h` or `7 h 30 min`.
+fn span_of(minutes: u32) -> String {
+    match (minutes / 60, minutes % 60) {
+        (h, 0) => format!("{h} h"),
+        (0, m) => format!("{m} min"),
+        (h, m) => format!("{h} h {m} min"),
+    }
+}
+
+/// The time-range-wraps lint: `time in 20:00..08:00` holds from 20:00 to
+/// midnight and from midnight to 08:00, the night. Written for business
+/// hours (the outcome delays work until a time inside the range, so work
+/// is held to the next day) it is almost always a swapped range.
+fn wrapping_times(c: &Compiled, out: &mut Diagnostics) {
+    for w in &c.facts.wrapping_times {
+        let (from, to) = (hhmm(w.from), hhmm(w.to));
+        let covered = span_of(24 * 60 - w.from + w.to);
+        let between = span_of(w.from - w.to);
+        let inside = |m: u32| m >= w.from || m < w.to;
+        let d = match w.delay_until {
+            Some((until, span)) if inside(until) => {
+                let u = hhmm(until);
+                Diagnostic::error(
+                    Code::TimeRangeWraps,
+                    format!("`{from}..{to}` crosses midnight: it covers {from} to 24:00 and 00:00 to {to} ({covered}), not the hours between"),
+                )
+                .at(w.span, format!("{from} to {to} the next morning, overnight"))
+                .also(span, format!("{u} is inside the range, so work arriving after {from} waits until {u} the next day"))
+                .help(format!("for business hours write `time in {to}..{from}` ({between}); if the night is meant, silence this with `# kiln:allow(time-range-wraps)`"))
+            }
+            _ => Diagnostic::error(
+                Code::TimeRangeWraps,
+                format!("`{from}..{to}` crosses midnight: it covers {from} to 24:00 and 00:00 to {to} ({covered})"),
+            )
+            .at(w.span, format!("{from} to {to} the next morning, overnight"))
+            .help(format!("the hours between are `{to}..{from}` ({between}); if the night is meant, silence this with `# kiln:allow(time-range-wraps)`")),
+        };
+        out.push(d);
+    }
+}
+
+/// Requests the fleet can run at once: per pool, the most replicas of the
+/// variant that packs the most sequences there, times its batch.
+fn fleet_slots(g: &crate::graph::DecisionGraph) -> u64 {
+    (0..g.pools.len())
+        .map(|p| {
+            let pool = &g.pools[p];
+            g.models
+                .iter()
+                .flat_map(|m| m.variants.iter())
+                .filter(|v| v.pools.contains(&(p as u16)))
+                .map(|v| u64::from(pool.gpus / v.gpus_per_replica.max(1)) * u64::from(v.max_batch))
+                .max()
+                .unwrap_or(0)
+        })
+        .sum()
+}
+
+/// Requests one gateway holds in flight with its default limits: client
+/// connections (`[limits] max_connections`) plus batch items (`[batch]
+/// max_in_flight`), 1,024 each (`tests/diagnostics.rs` checks these are
+/// the gateway's).
+pub const DEFAULT_GATEWAY_IN_FLIGHT: u64 = 2 * 1024;
+
+/// The unreachable-limit lint: a `concurrent` limit counts requests in
+/// flight (running or waiting). One above both what the pools' replicas
+/// run at once and what a gateway holds in flight never binds.
+fn unreachable_limits(c: &Compiled, g: &crate::graph::DecisionGraph, out: &mut Diagnostics) {
+    let slots = fleet_slots(g);
+    let bound = slots.max(DEFAULT_GATEWAY_IN_FLIGHT);
+    for (what, n, span) in &c.facts.concurrent {
+        if *n <= bound {
+            continue;
+        }
+        out.push(
+            Diagnostic::error(
+                Code::UnreachableLimit,
+                format!("{what}'s `concurrent {n}` can never bind"),
+            )
+            .at(*span, format!("no fleet of these pools reaches {n} in flight"))
+            .help(format!(
+                "the pools' replicas run at most {slots} requests at once (GPUs per replica and `max_batch` of the variants they host) and a gateway holds at most {DEFAULT_GATEWAY_IN_FLIGHT} in flight with its default limits, so this limit never refuses anything; lower it to what the tenant should hold at most, like `concurrent {}`, or silence this with `# kiln:allow(unreachable-limit)` if many gateways with raised `[limits] max_connections` really hold that many",
+                (slots / 4).max(1)
+            )),
+        );
+    }
+}
+
+/// Does conjunction `later` imply conjunction `earlier`: every atom of
+/// `earlier` is in `later`, or is a numeric comparison that one of
+/// `later`'s implies (`estimated_wait > 5s` implies `estimated_wait > 2s`)?
+/// Returns the pair of atoms that made it numeric, if any.
+fn implies_numerically<'a>(
+    c: &Compiled,
+    later: &'a [String],
+    earlier: &'a [String],
+) -> Option<Option<(&'a str, &'a str)>> {
+    let mut why = None;
+    for a in earlier {
+        if later.contains(a) {
+            continue;
+        }
+        let na = c.facts.num_atoms.get(a)?;
+        let b = later
+            .iter()
+            .find(|b| c.facts.num_atoms.get(*b).is_some_and(|nb| nb.implies(na)))?;
+        why = Some((b.as_str(), a.as_str()));
+    }
+    Some(why)
+}
+
+/// Numeric shadowing: rule j can never match when each of its
+/// conjunctions implies a conjunction of one earlier rule (by numbers,
+/// not only by the same atoms). Rules whose atoms are not numeric are left
+/// to the set check above; this one compares only rules with numeric
+/// comparisons, so large generated policies of names stay linear.
+fn numeric_shadow(
+    c: &Compiled,
+    block: &super::BlockFacts,
+    j: usize,
+) -> Option<(usize, String, String)> {
+    let d = block.rules.get(j)?.1.as_ref()?;
+    if d.is_empty() {
+        return None;
+    }
+    let numeric = |conj: &[String]| conj.iter().any(|a| c.facts.num_atoms.contains_key(a));
+    let mut found: Option<(usize, String, String)> = None;
+    for conj in d {
+        if !numeric(conj) {
+            return None;
+        }
+        let mut hit = None;
+        for (i, (_, di)) in block.rules.iter().enumerate().take(j) {
+            let Some(di) = di else { continue };
+            if let Some(Some((b, a))) = di.iter().find_map(|ci| implies_numerically(c, conj, ci)) {
+                hit = Some((i, b.to_string(), a.to_string()));
+                break;
+            }
+        }
+        let (i, b, a) = hit?;
+        if found.as_ref().is_none_or(|f| i > f.0) {
+            found = Some((i, b, a));
+        }
+    }
+    found
+}
+
 /// The shadowed-rule check. Rule j is shadowed when an earlier rule i
 /// matches whenever j does: every conjunction of j contains all atoms of
 /// some conjunction of i. Subset lookups through a hash of atom sets keep
@@ -319,6 +499,23 @@ fn shadowed_rules(c: &Compiled, out: &mut Diagnostics) {
                     None => {
                         all_covered = false;
                         break;
+                    }
+                }
+            }
+            if !all_covered {
+                // A rule with numeric comparisons: shadowed by numbers?
+                if d.len() <= 8 && block.rules.len() <= 2_000 {
+                    if let Some((i, b, a)) = numeric_shadow(c, block, j) {
+                        let earlier: Span = block.rules[i].0;
+                        out.push(
+                            Diagnostic::error(
+                                Code::ShadowedRule,
+                                format!("rule {} of `{}` can never match", j + 1, block.name),
+                            )
+                            .at(*span, "shadowed")
+                            .also(earlier, format!("rule {} matches first", i + 1))
+                            .help(format!("every request with `{b}` also has `{a}`, so rule {} takes it first; put the stricter rule first (rules are tried in order), or delete this one", i + 1)),
+                        );
                     }
                 }
             }

@@ -20,7 +20,8 @@ use std::path::{Path, PathBuf};
 
 pub use lint::lint;
 pub use lint::notes as lint_notes;
-pub use lint::DEFAULT_QUEUE_BOUND_TEXT;
+pub use lint::{build_features, SEMANTIC_CACHE_BUILT};
+pub use lint::{DEFAULT_GATEWAY_IN_FLIGHT, DEFAULT_QUEUE_BOUND_TEXT};
 
 /// The result of compiling a policy.
 #[derive(Debug)]
@@ -56,6 +57,47 @@ pub(crate) struct Facts {
     pub fallback_asts: Vec<(Vec<TierId>, ast::Fallback)>,
     /// Signals read by a spelling whose meaning changed, and what changed.
     pub redefined: Vec<(Span, &'static str)>,
+    /// Numeric comparison atoms (by their text in `blocks`): the signal
+    /// compared and the values it allows, for numeric implication.
+    pub num_atoms: HashMap<String, NumAtom>,
+    /// Time-of-day ranges that wrap midnight (`20:00..08:00`).
+    pub wrapping_times: Vec<WrappingTime>,
+    /// `concurrent N` limits: whose (`tenant \`x\``), N and where.
+    pub concurrent: Vec<(String, u64, Span)>,
+    /// Tiers with a semantic cache and the span of its `semantic` key.
+    pub semantic_caches: Vec<(String, Span)>,
+}
+
+/// A comparison of a numeric signal with a constant: the values it allows.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct NumAtom {
+    pub signal: String,
+    pub lo: f64,
+    pub lo_open: bool,
+    pub hi: f64,
+    pub hi_open: bool,
+}
+
+impl NumAtom {
+    /// Does every value this atom allows also satisfy `other`?
+    pub fn implies(&self, other: &NumAtom) -> bool {
+        if self.signal != other.signal {
+            return false;
+        }
+        let lo_ok = self.lo > other.lo || (self.lo == other.lo && (self.lo_open || !other.lo_open));
+        let hi_ok = self.hi < other.hi || (self.hi == other.hi && (self.hi_open || !other.hi_open));
+        lo_ok && hi_ok
+    }
+}
+
+/// A time range that wraps midnight, in minutes after midnight, and the
+/// `delay until` of its rule's outcome, if any.
+#[derive(Debug, Clone)]
+pub(crate) struct WrappingTime {
+    pub span: Span,
+    pub from: u32,
+    pub to: u32,
+    pub delay_until: Option<(u32, Span)>,
 }
 
 #[derive(Debug, Clone)]

@@ -126,6 +126,7 @@ impl Compiler<'_> {
                 Some(e) => {
                     let c = self.condition(e, scope);
                     facts.rules.push((r.head, dnf(e)));
+                    self.rule_facts(e, &r.outcome);
                     match out {
                         Some(o) => rules.push((id, c, o)),
                         None => ok = false,
@@ -1434,6 +1435,84 @@ fn pinned_tenants(e: &Expr) -> Vec<String> {
 
 /// A condition as a disjunction of conjunctions of atom texts, for the
 /// shadowed-rule lint. `None` when negations or size make it impractical.
+impl Compiler<'_> {
+    /// Facts for the numeric lints: each numeric comparison atom of a
+    /// rule's condition (by its text, as `dnf` writes it), and each time
+    /// range that wraps midnight with the rule's `delay until`.
+    fn rule_facts(&mut self, e: &Expr, outcome: &ast::Outcome) {
+        match &e.kind {
+            ExprKind::Or(parts) | ExprKind::And(parts) => {
+                for p in parts {
+                    self.rule_facts(p, outcome);
+                }
+            }
+            ExprKind::Paren(inner) => self.rule_facts(inner, outcome),
+            ExprKind::Cmp { lhs, op, rhs } => {
+                let (sig, op, v) = match (lhs, rhs) {
+                    (Operand::Ref(r), Operand::Lit(v)) => (r, *op, v),
+                    (Operand::Lit(v), Operand::Ref(r)) => (r, flip(*op), v),
+                    _ => return,
+                };
+                let Some(Ok(t)) = units::literal(v) else {
+                    return;
+                };
+                let k = t.value;
+                let signal = format::operand(&Operand::Ref(sig.clone()));
+                let (lo, lo_open, hi, hi_open) = match op {
+                    CmpOp::Gt => (k, true, f64::INFINITY, false),
+                    CmpOp::Ge => (k, false, f64::INFINITY, false),
+                    CmpOp::Lt => (f64::NEG_INFINITY, false, k, true),
+                    CmpOp::Le => (f64::NEG_INFINITY, false, k, false),
+                    CmpOp::Eq => (k, false, k, false),
+                    CmpOp::Ne => return,
+                };
+                self.facts.num_atoms.insert(
+                    format::expr(e),
+                    super::NumAtom {
+                        signal,
+                        lo,
+                        lo_open,
+                        hi,
+                        hi_open,
+                    },
+                );
+            }
+            ExprKind::In { lhs, set } => {
+                let ValueKind::Range(a, b) = &set.kind else {
+                    return;
+                };
+                let (ValueKind::TimeOfDay(x), ValueKind::TimeOfDay(y)) = (&a.kind, &b.kind) else {
+                    return;
+                };
+                let Operand::Ref(r) = lhs else { return };
+                if r.base.name != "time" || !r.fields.is_empty() {
+                    return;
+                }
+                let (Some(from), Some(to)) = (x.minutes(), y.minutes()) else {
+                    return;
+                };
+                if from <= to {
+                    return;
+                }
+                let delay_until = outcome.items.iter().find_map(|i| match i {
+                    OutcomeItem::Delay { until, span } => match &until.kind {
+                        ValueKind::TimeOfDay(c) => c.minutes().map(|m| (u32::from(m), *span)),
+                        _ => None,
+                    },
+                    _ => None,
+                });
+                self.facts.wrapping_times.push(super::WrappingTime {
+                    span: set.span,
+                    from: u32::from(from),
+                    to: u32::from(to),
+                    delay_until,
+                });
+            }
+            _ => {}
+        }
+    }
+}
+
 pub(crate) fn dnf(e: &Expr) -> Option<Vec<Vec<String>>> {
     match &e.kind {
         ExprKind::Or(parts) => {

@@ -392,6 +392,9 @@ fn syntax_error(file: FileId, text: &str, e: pest::error::Error<Rule>) -> Diagno
     if let Some(d) = unclosed_block(file, text, start) {
         return d;
     }
+    if let Some(d) = misspelt_quantity(file, text, start) {
+        return d;
+    }
     let help = hint_for(text, start).unwrap_or_else(|| {
         "check the line against the examples in policies/; each block is `keyword name { … }`"
             .to_string()
@@ -439,6 +442,120 @@ fn unpadded_time(file: FileId, text: &str, pos: usize) -> Option<Diagnostic> {
         .help(format!(
             "write {fixed} (24-hour `HH:MM`, from `00:00` to `23:59`)"
         )),
+    )
+}
+
+/// A unit spelt as a word (`minute`, `hour`, `secs`) or a currency sign
+/// (`$3.20/hour`): the nearest spelling kiln reads, `None` when none.
+fn unit_spelling(word: &str, per: bool) -> Option<&'static str> {
+    let w = word.to_ascii_lowercase();
+    Some(match w.as_str() {
+        "ms" | "msec" | "msecs" | "millis" | "millisecond" | "milliseconds" => "ms",
+        "s" | "sec" | "secs" | "second" | "seconds" => "s",
+        "m" | "min" | "mins" | "minute" | "minutes" => {
+            if per {
+                "min"
+            } else {
+                "m"
+            }
+        }
+        "h" | "hr" | "hrs" | "hour" | "hours" => "h",
+        "d" | "day" | "days" => {
+            if per {
+                "day"
+            } else {
+                "d"
+            }
+        }
+        "%" | "pct" | "percent" => "%",
+        "kb" => "KB",
+        "mb" => "MB",
+        "gb" => "GB",
+        "tb" => "TB",
+        "kib" => "KiB",
+        "mib" => "MiB",
+        "gib" => "GiB",
+        "tib" => "TiB",
+        _ => return None,
+    })
+}
+
+/// `2M/minute`, `$3.20/hour`, `500 msec`: a quantity with a unit or period
+/// kiln does not spell that way, or a currency sign. Says the nearest
+/// valid spelling.
+fn misspelt_quantity(file: FileId, text: &str, pos: usize) -> Option<Diagnostic> {
+    let tokenish =
+        |c: u8| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'/' | b'$' | b'%' | b'_');
+    let b = text.as_bytes();
+    let mut lo = pos.min(b.len());
+    while lo > 0 && b.get(lo - 1).copied().is_some_and(tokenish) {
+        lo -= 1;
+    }
+    let mut hi = pos.min(b.len());
+    while b.get(hi).copied().is_some_and(tokenish) {
+        hi += 1;
+    }
+    let tok = text.get(lo..hi)?;
+    let (currency, body) = match tok.strip_prefix('$') {
+        Some(rest) => (true, rest),
+        None => (false, tok),
+    };
+    // number, then an optional multiplier, unit and `/period`
+    let num_len = body
+        .bytes()
+        .take_while(|c| c.is_ascii_digit() || *c == b'.' || *c == b'_')
+        .count();
+    if num_len == 0 || !body.as_bytes().first().is_some_and(u8::is_ascii_digit) {
+        return None;
+    }
+    let (number, rest) = body.split_at(num_len);
+    let (value, per) = match rest.split_once('/') {
+        Some((v, p)) => (v, Some(p)),
+        None => (rest, None),
+    };
+    let (mult, unit) = match value.chars().next() {
+        Some(c @ ('k' | 'K' | 'M' | 'G' | 'B')) if value.len() == 1 => (Some(c), ""),
+        _ => (None, value),
+    };
+    let fixed_unit = if unit.is_empty() {
+        Some("")
+    } else {
+        unit_spelling(unit, false)
+    }?;
+    let fixed_per = match per {
+        None => None,
+        Some(p) => Some(unit_spelling(p, true).filter(|u| ["s", "min", "h", "day"].contains(u))?),
+    };
+    let mut fixed = format!(
+        "{number}{}{fixed_unit}",
+        mult.map(String::from).unwrap_or_default()
+    );
+    if let Some(p) = fixed_per {
+        fixed.push('/');
+        fixed.push_str(p);
+    }
+    if fixed == tok {
+        return None;
+    }
+    let why = if currency {
+        "amounts are plain numbers, with no currency sign"
+    } else if per.is_some() {
+        "periods are written `/s`, `/min`, `/h` or `/day`"
+    } else {
+        "units are ms, s, m, h, d, KB, MB, GB, TB, KiB, MiB, GiB, TiB and %"
+    };
+    let extra = if currency && fixed_per.is_some() && per.is_some() {
+        ", and periods are written `/s`, `/min`, `/h` or `/day`"
+    } else {
+        ""
+    };
+    Some(
+        Diagnostic::error(
+            Code::Syntax,
+            format!("`{tok}` is not a quantity kiln reads"),
+        )
+        .at(Span::new(file, lo, hi), format!("did you mean `{fixed}`?"))
+        .help(format!("write `{fixed}`: {why}{extra}")),
     )
 }
 

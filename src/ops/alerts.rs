@@ -51,6 +51,236 @@ pub enum AlertsError {
         help("write it as a percentage below 100%, e.g. `--objective 99%` or `99.9%`")
     )]
     Objective(String),
+    #[error("selector `{0}` is not a list of label matchers: {1}")]
+    #[diagnostic(
+        code(kiln::alerts::selector),
+        help("write matchers as PromQL does, comma-separated: `--selector 'job=\"kiln\",namespace=\"prod\"'` (operators =, !=, =~, !~; values in double quotes)")
+    )]
+    Selector(String, String),
+}
+
+/// One label matcher of `--selector` (`job="kiln"`): the value is kept as
+/// written between the quotes (escapes and all).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Matcher {
+    pub label: String,
+    pub op: &'static str,
+    pub value: String,
+}
+
+impl Matcher {
+    fn promql(&self) -> String {
+        format!("{}{}\"{}\"", self.label, self.op, self.value)
+    }
+}
+
+/// Parses `job="kiln",namespace="prod"` (braces around it allowed).
+pub fn parse_selector(text: &str) -> Result<Vec<Matcher>, AlertsError> {
+    let bad = |why: &str| AlertsError::Selector(text.to_string(), why.to_string());
+    let t = text.trim();
+    let t = t
+        .strip_prefix('{')
+        .and_then(|x| x.strip_suffix('}'))
+        .unwrap_or(t);
+    let b: Vec<char> = t.chars().collect();
+    let mut i = 0;
+    let mut out = Vec::new();
+    let skip = |i: &mut usize| {
+        while b.get(*i).is_some_and(|c| c.is_whitespace() || *c == ',') {
+            *i += 1;
+        }
+    };
+    loop {
+        skip(&mut i);
+        if i >= b.len() {
+            break;
+        }
+        let start = i;
+        while b
+            .get(i)
+            .is_some_and(|c| c.is_ascii_alphanumeric() || *c == '_')
+        {
+            i += 1;
+        }
+        let label: String = b[start..i].iter().collect();
+        if label.is_empty() || label.starts_with(|c: char| c.is_ascii_digit()) {
+            return Err(bad("a label name must come first"));
+        }
+        while b.get(i).is_some_and(|c| c.is_whitespace()) {
+            i += 1;
+        }
+        let two: String = b.iter().skip(i).take(2).collect();
+        let op = match two.as_str() {
+            "=~" => "=~",
+            "!~" => "!~",
+            "!=" => "!=",
+            _ if b.get(i) == Some(&'=') => "=",
+            _ => return Err(bad(&format!("`{label}` needs an operator (=, !=, =~, !~)"))),
+        };
+        i += op.len();
+        while b.get(i).is_some_and(|c| c.is_whitespace()) {
+            i += 1;
+        }
+        if b.get(i) != Some(&'"') {
+            return Err(bad(&format!(
+                "the value of `{label}` must be in double quotes"
+            )));
+        }
+        i += 1;
+        let vstart = i;
+        loop {
+            match b.get(i) {
+                None => return Err(bad(&format!("the value of `{label}` is not closed"))),
+                Some('\\') => i += 2,
+                Some('"') => break,
+                Some('\n') => return Err(bad("a value cannot hold a line break")),
+                Some(_) => i += 1,
+            }
+        }
+        let value: String = b
+            .get(vstart..i)
+            .map(|v| v.iter().collect())
+            .unwrap_or_default();
+        i += 1;
+        if out.iter().any(|m: &Matcher| m.label == label) {
+            return Err(bad(&format!("`{label}` is matched twice")));
+        }
+        if matches!(label.as_str(), "tier" | "tenant" | "le" | "__name__") {
+            return Err(bad(&format!("`{label}` is a label kiln's own rules read")));
+        }
+        out.push(Matcher { label, op, value });
+        while b.get(i).is_some_and(|c| c.is_whitespace()) {
+            i += 1;
+        }
+        match b.get(i) {
+            None => break,
+            Some(',') => {}
+            Some(_) => return Err(bad("matchers are separated by commas")),
+        }
+    }
+    Ok(out)
+}
+
+/// `expr` scoped to `matchers`: each of kiln's series (`kiln_…`,
+/// `kiln:…`) selected with them, and each aggregation's `by (…)` keeping
+/// their labels, so recorded series of two scopes (staging and prod in one
+/// Prometheus) stay apart. String literals are left alone.
+pub fn scope(expr: &str, matchers: &[Matcher]) -> String {
+    if matchers.is_empty() {
+        return expr.to_string();
+    }
+    let sel: Vec<String> = matchers.iter().map(Matcher::promql).collect();
+    let sel = sel.join(",");
+    let chars: Vec<char> = expr.chars().collect();
+    let ident = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == ':';
+    let mut out = String::with_capacity(expr.len() + 64);
+    let mut i = 0;
+    let mut in_str = false;
+    while i < chars.len() {
+        let c = chars[i];
+        if in_str {
+            out.push(c);
+            if c == '\\' {
+                if let Some(n) = chars.get(i + 1) {
+                    out.push(*n);
+                }
+                i += 2;
+                continue;
+            }
+            if c == '"' {
+                in_str = false;
+            }
+            i += 1;
+            continue;
+        }
+        if c == '"' {
+            in_str = true;
+            out.push(c);
+            i += 1;
+            continue;
+        }
+        let starts = (c.is_ascii_alphabetic() || c == '_' || c == ':')
+            && (i == 0 || !chars.get(i - 1).is_some_and(|p| ident(*p) || *p == '$'));
+        if !starts {
+            out.push(c);
+            i += 1;
+            continue;
+        }
+        let s = i;
+        while chars.get(i).is_some_and(|c| ident(*c)) {
+            i += 1;
+        }
+        let word: String = chars[s..i].iter().collect();
+        out.push_str(&word);
+        if word.starts_with("kiln_") || word.starts_with("kiln:") {
+            if chars.get(i) == Some(&'{') {
+                out.push('{');
+                out.push_str(&sel);
+                let mut j = i + 1;
+                while chars.get(j).is_some_and(|c| c.is_whitespace()) {
+                    j += 1;
+                }
+                if chars.get(j) != Some(&'}') {
+                    out.push(',');
+                }
+                i += 1;
+            } else {
+                out.push('{');
+                out.push_str(&sel);
+                out.push('}');
+            }
+        } else if word == "by" {
+            let mut j = i;
+            while chars.get(j).is_some_and(|c| c.is_whitespace()) {
+                j += 1;
+            }
+            if chars.get(j) == Some(&'(') {
+                if let Some(close) = (j..chars.len()).find(|&k| chars[k] == ')') {
+                    let inner: String = chars[j + 1..close].iter().collect();
+                    let have: Vec<&str> = inner.split(',').map(str::trim).collect();
+                    let mut list = inner.trim().to_string();
+                    for m in matchers {
+                        if !have.contains(&m.label.as_str()) {
+                            if !list.is_empty() {
+                                list.push_str(", ");
+                            }
+                            list.push_str(&m.label);
+                        }
+                    }
+                    let gap: String = chars[i..j].iter().collect();
+                    out.push_str(&gap);
+                    out.push('(');
+                    out.push_str(&list);
+                    out.push(')');
+                    i = close + 1;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The rules scoped and linked: every expression through [`scope`], every
+/// runbook link under `runbook_base` (a URL the repository's
+/// `docs/playbooks.md` is served under).
+fn finish(v: &mut Value, o: &Options) {
+    match v {
+        Value::Object(m) => {
+            for (k, x) in m.iter_mut() {
+                match (k.as_str(), x) {
+                    ("expr", Value::String(e)) => *e = scope(e, &o.selector),
+                    ("runbook_url", Value::String(u)) => {
+                        if let Some(base) = &o.runbook_base {
+                            *u = format!("{}/{u}", base.trim_end_matches('/'));
+                        }
+                    }
+                    (_, x) => finish(x, o),
+                }
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(|x| finish(x, o)),
+        _ => {}
+    }
 }
 
 /// Parses `99%`, `99.9%` or `0.99` into a share in (0, 1).
@@ -73,6 +303,11 @@ pub struct Options {
     pub objective: f64,
     /// The policy as the operator named it, for annotations.
     pub policy: String,
+    /// Label matchers every expression is scoped to (`--selector`).
+    pub selector: Vec<Matcher>,
+    /// Where `docs/playbooks.md` is served (`--runbook-base`); runbook
+    /// links are relative to the repository without it.
+    pub runbook_base: Option<String>,
 }
 
 /// A PromQL string literal's contents: `\` and `"` escaped, and line
@@ -373,7 +608,9 @@ pub fn rules(g: &DecisionGraph, o: &Options) -> Value {
         groups.push(json!({ "name": "kiln-saturation", "rules": saturation }));
     }
     groups.push(json!({ "name": "kiln-fleet", "rules": fleet }));
-    json!({ "groups": groups })
+    let mut out = json!({ "groups": groups });
+    finish(&mut out, o);
+    out
 }
 
 /// The rules file as YAML, with a header saying where it came from.
@@ -525,6 +762,35 @@ mod tests {
         assert_eq!(slo_bucket(1000.0), (60.0, false));
         assert_eq!(num(1.0), "1");
         assert_eq!(num(14.4 * 0.01), "0.144");
+    }
+
+    #[test]
+    fn selectors_scope_every_series_and_aggregation() {
+        let m = parse_selector(r#"job="kiln", namespace=~"prod|stage""#).unwrap();
+        assert_eq!(m.len(), 2);
+        assert_eq!(
+            scope(
+                r#"sum by (tier) (rate(kiln_ttft_seconds_bucket{tier="a \" kiln_x",le="1"}[5m])) / kiln:tier_ttft_errors:ratio_rate5m > 0 and max(kiln_up{}) or on() vector(0)"#,
+                &m
+            ),
+            r#"sum by (tier, job, namespace) (rate(kiln_ttft_seconds_bucket{job="kiln",namespace=~"prod|stage",tier="a \" kiln_x",le="1"}[5m])) / kiln:tier_ttft_errors:ratio_rate5m{job="kiln",namespace=~"prod|stage"} > 0 and max(kiln_up{job="kiln",namespace=~"prod|stage"}) or on() vector(0)"#
+        );
+        assert_eq!(
+            scope("rate(kiln_x[$__rate_interval])", &[]),
+            "rate(kiln_x[$__rate_interval])"
+        );
+        for bad in [
+            "job",
+            "job=kiln",
+            "job=\"kiln",
+            "tier=\"x\"",
+            "job=\"a\" ns=\"b\"",
+            "job=\"a\",job=\"b\"",
+        ] {
+            assert!(parse_selector(bad).is_err(), "{bad}");
+        }
+        assert_eq!(parse_selector("{job=\"kiln\"}").unwrap()[0].value, "kiln");
+        assert!(parse_selector("").unwrap().is_empty());
     }
 
     #[test]

@@ -12,13 +12,22 @@
 //! ([`super::alerts::promql_escape`]). Grafana expands `$name` in queries
 //! and has no escape for it; a `$` in a tier name is left as it is.
 
-use super::alerts::promql_escape;
+use super::alerts::{promql_escape, scope, Matcher};
 use crate::graph::DecisionGraph;
 use serde_json::{json, Value};
 
 const DS: &str = "${datasource}";
 
 fn target(expr: String, legend: &str, ref_id: usize) -> Value {
+    // A series that does not exist yet (no refusal, no rollout, no HTTP
+    // upstream on a fresh gateway) reads 0, not "No data"; `on()` adds the
+    // 0 only when there is no series at all. Latency quantiles are left
+    // empty: 0 s would be a lie.
+    let expr = if expr.starts_with("histogram_quantile") {
+        expr
+    } else {
+        format!("{expr} or on() vector(0)")
+    };
     json!({
         "datasource": { "type": "prometheus", "uid": DS },
         "expr": expr,
@@ -324,6 +333,66 @@ pub fn dashboard(g: &DecisionGraph, policy: &str) -> Value {
         ]},
         "panels": panels,
     })
+}
+
+/// [`dashboard`] scoped to `matchers` (`--selector`): every query
+/// through [`scope`], each `=` matcher a custom variable whose default is
+/// its value (the queries read `label="$label"`).
+pub fn scoped(g: &DecisionGraph, policy: &str, matchers: &[Matcher]) -> Value {
+    let mut d = dashboard(g, policy);
+    if matchers.is_empty() {
+        return d;
+    }
+    let in_queries: Vec<Matcher> = matchers
+        .iter()
+        .map(|m| match m.op {
+            "=" => Matcher {
+                value: format!("${}", m.label),
+                ..m.clone()
+            },
+            _ => m.clone(),
+        })
+        .collect();
+    rescope(&mut d, &in_queries);
+    let vars: Vec<Value> = matchers
+        .iter()
+        .filter(|m| m.op == "=")
+        .map(|m| {
+            json!({
+                "name": m.label,
+                "label": m.label,
+                "type": "custom",
+                "query": m.value,
+                "current": { "selected": true, "text": m.value, "value": m.value },
+                "options": [{ "selected": true, "text": m.value, "value": m.value }],
+                "hide": 0,
+            })
+        })
+        .collect();
+    if let Some(list) = d["templating"]["list"].as_array_mut() {
+        // After the data source, before the tier and tenant variables
+        // whose queries read them.
+        let at = 1.min(list.len());
+        for (i, v) in vars.into_iter().enumerate() {
+            list.insert(at + i, v);
+        }
+    }
+    d
+}
+
+fn rescope(v: &mut Value, m: &[Matcher]) {
+    match v {
+        Value::Object(o) => {
+            for (k, x) in o.iter_mut() {
+                match (k.as_str(), x) {
+                    ("expr" | "definition" | "query", Value::String(e)) => *e = scope(e, m),
+                    (_, x) => rescope(x, m),
+                }
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(|x| rescope(x, m)),
+        _ => {}
+    }
 }
 
 /// Every PromQL expression of a dashboard (panel targets and variables).

@@ -37,8 +37,13 @@ pub struct ServerConfig {
     pub pools: BTreeMap<String, PoolBackend>,
     #[serde(default)]
     pub limits: Limits,
-    #[serde(default)]
+    /// The decision log (`[log] path`, rotation); `None` without a path.
+    #[serde(default, deserialize_with = "decision_log_section")]
     pub log: Option<LogSection>,
+    /// How the gateway's own log lines are written (`[log] format`);
+    /// `--log-format` overrides it.
+    #[serde(skip)]
+    pub log_format: Option<LogFormat>,
     #[serde(default)]
     pub sim: SimSection,
     /// Who may approve policy changes: `[[approvers]]`, each with a name,
@@ -604,6 +609,59 @@ pub struct LogSection {
     pub keep: usize,
 }
 
+/// The gateway's own log lines on stderr: `text` for people, `json` (one
+/// object a line) for log shippers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// `[log]` as written: the decision log's settings and `format`; without
+/// `path` there is no decision log.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LogTable {
+    #[serde(default)]
+    path: Option<PathBuf>,
+    #[serde(default = "default_log_bytes")]
+    max_bytes: u64,
+    #[serde(default = "default_keep")]
+    keep: usize,
+    #[serde(default)]
+    #[allow(dead_code)] // read by `log_format_of`
+    format: Option<LogFormat>,
+}
+
+fn decision_log_section<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<LogSection>, D::Error> {
+    let t: Option<LogTable> = Option::deserialize(d)?;
+    Ok(t.and_then(|t| {
+        t.path.map(|path| LogSection {
+            path,
+            max_bytes: t.max_bytes,
+            keep: t.keep,
+        })
+    }))
+}
+
+/// `[log] format` of a kiln.toml that already parsed as a whole.
+fn log_format_of(text: &str) -> Option<LogFormat> {
+    #[derive(Deserialize)]
+    struct Only {
+        #[serde(default)]
+        log: Option<OnlyLog>,
+    }
+    #[derive(Deserialize)]
+    struct OnlyLog {
+        #[serde(default)]
+        format: Option<LogFormat>,
+    }
+    toml::from_str::<Only>(text).ok()?.log?.format
+}
+
 fn default_log_bytes() -> u64 {
     256 * 1024 * 1024
 }
@@ -761,11 +819,12 @@ impl ServerConfig {
     }
 
     pub fn parse(name: &str, text: &str) -> Result<ServerConfig, ConfigError> {
-        let cfg: ServerConfig = toml::from_str(text).map_err(|e| ConfigError::Syntax {
+        let mut cfg: ServerConfig = toml::from_str(text).map_err(|e| ConfigError::Syntax {
             message: e.message().to_string(),
             src: NamedSource::new(name, text.to_string()),
             at: e.span().map(|r| SourceSpan::from(r.start..r.end)),
         })?;
+        cfg.log_format = log_format_of(text);
         check_upstream_keys(name, text)?;
         cfg.validate()?;
         Ok(cfg)

@@ -275,7 +275,22 @@ pub fn unsupported_field(endpoint: Endpoint, body: &Value, backend: &str) -> Opt
         Value::Bool(b) => *b,
         _ => true,
     };
+    // The simulator answers tools, response formats and stop sequences
+    // with placeholders of their shape (`backend::placeholder`); what
+    // even it cannot answer is refused with the reason.
+    let sim = backend == "sim";
+    if sim {
+        if let Err(r) = crate::backend::placeholder::plan(endpoint == Endpoint::Chat, body) {
+            let mut e = ApiError::new(400, r.message).code("invalid_value");
+            e.param = Some(r.param);
+            return Some(e);
+        }
+    }
+    let sim_chat = sim && endpoint == Endpoint::Chat;
     for k in ["tools", "functions"] {
+        if k == "tools" && sim_chat {
+            continue;
+        }
         if set(k).is_some_and(nonempty) {
             return refuse(
                 if k == "tools" { "tools" } else { "functions" },
@@ -283,13 +298,15 @@ pub fn unsupported_field(endpoint: Endpoint, body: &Value, backend: &str) -> Opt
             );
         }
     }
-    if set("tool_choice").is_some_and(|v| v.as_str() != Some("none")) {
+    if !sim_chat && set("tool_choice").is_some_and(|v| v.as_str() != Some("none")) {
         return refuse("tool_choice", "(tool calling)");
     }
     if set("function_call").is_some_and(|v| v.as_str() != Some("none")) {
         return refuse("function_call", "(function calling)");
     }
-    if set("response_format").is_some_and(|v| v.get("type").and_then(Value::as_str) != Some("text"))
+    if !sim_chat
+        && set("response_format")
+            .is_some_and(|v| v.get("type").and_then(Value::as_str) != Some("text"))
     {
         return refuse("response_format", "(structured output)");
     }
@@ -311,7 +328,7 @@ pub fn unsupported_field(endpoint: Endpoint, body: &Value, backend: &str) -> Opt
     if set("logit_bias").is_some_and(nonempty) {
         return refuse("logit_bias", "(token biases)");
     }
-    if set("stop").is_some_and(nonempty) {
+    if !sim && set("stop").is_some_and(nonempty) {
         return refuse(
             "stop",
             "(stop sequences: its text is generated, not decoded)",
@@ -351,7 +368,9 @@ pub fn unsupported_field(endpoint: Endpoint, body: &Value, backend: &str) -> Opt
                     );
                 }
             }
-            if m.get("tool_calls").is_some_and(nonempty)
+            // An agent's loop sends its calls back: the simulator reads
+            // them as it reads any earlier turn.
+            if (!sim_chat && m.get("tool_calls").is_some_and(nonempty))
                 || m.get("function_call").is_some_and(nonempty)
             {
                 return refuse("messages", &format!("has tool calls (messages[{i}])"));
@@ -439,11 +458,59 @@ const MAX_REWRITTEN: usize = 64 * 1024;
 /// request id gets one, and an error whose body is not JSON (an
 /// extractor's plain-text rejection, an empty body) is answered in
 /// OpenAI's shape instead, its headers (Allow, Retry-After) kept.
+///
+/// Every request runs in a `request` span (its id once known, the W3C
+/// trace id, method and path), so every line it logs names them; a request
+/// without a valid `traceparent` is given one here, which its upstream
+/// calls continue.
 pub async fn stamp(
     State(app): State<Arc<App>>,
-    req: axum::extract::Request,
+    mut req: axum::extract::Request,
     next: Next,
 ) -> Response {
+    use crate::backend::http::trace::{TraceParent, TRACEPARENT};
+    use tracing::Instrument;
+    let incoming = req
+        .headers()
+        .get(TRACEPARENT)
+        .and_then(|v| v.to_str().ok())
+        .and_then(TraceParent::parse);
+    let trace = match incoming {
+        Some(t) => t,
+        None => {
+            let t = TraceParent::child_of(None);
+            if let Ok(v) = HeaderValue::from_str(&t.to_string()) {
+                req.headers_mut().insert(TRACEPARENT, v);
+            }
+            t
+        }
+    };
+    let span = tracing::info_span!(
+        "request",
+        request_id = tracing::field::Empty,
+        trace_id = %trace.trace_id_hex(),
+        method = %req.method(),
+        path = %req.uri().path(),
+    );
+    let started = std::time::Instant::now();
+    let resp = stamp_inner(app, req, next).instrument(span.clone()).await;
+    let id = resp
+        .headers()
+        .get("x-kiln-request-id")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    span.in_scope(|| {
+        tracing::debug!(
+            request_id = id,
+            status = resp.status().as_u16(),
+            ms = started.elapsed().as_secs_f64() * 1000.0,
+            "answered"
+        )
+    });
+    resp
+}
+
+async fn stamp_inner(app: Arc<App>, req: axum::extract::Request, next: Next) -> Response {
     let resp = next.run(req).await;
     let status = resp.status();
     if !(status.is_client_error() || status.is_server_error()) {
@@ -489,7 +556,7 @@ mod tests {
     use super::*;
 
     fn refused(body: Value) -> Option<&'static str> {
-        unsupported_field(Endpoint::Chat, &body, "sim").map(|e| {
+        unsupported_field(Endpoint::Chat, &body, "cuda:0").map(|e| {
             assert_eq!(e.status, 400);
             assert_eq!(e.code.as_deref(), Some("unsupported_parameter"));
             assert!(e.message.contains("HTTP upstream"), "{}", e.message);
@@ -537,6 +604,29 @@ mod tests {
             {"type": "image_url", "image_url": {"url": "data:"}},
         ]}]});
         assert_eq!(refused(img), Some("messages"));
+        // The simulator answers tools, formats and stops with placeholders.
+        for fine in [
+            json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}),
+            json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}),
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}),
+            json!({"response_format": {"type": "json_object"}, "stop": ["\n"]}),
+        ] {
+            assert!(
+                unsupported_field(Endpoint::Chat, &ok(fine.clone()), "sim").is_none(),
+                "{fine}"
+            );
+        }
+        let e = unsupported_field(
+            Endpoint::Chat,
+            &ok(
+                json!({"tools": [], "tool_choice": {"type": "function", "function": {"name": "g"}}}),
+            ),
+            "sim",
+        );
+        assert_eq!(
+            e.map(|e| (e.status, e.param)),
+            Some((400, Some("tool_choice")))
+        );
         // Completions' `logprobs` is a count.
         let c = json!({"model": "m", "prompt": "x", "logprobs": 2});
         assert!(unsupported_field(Endpoint::Completions, &c, "sim").is_some());

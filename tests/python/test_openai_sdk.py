@@ -142,21 +142,55 @@ def test_refusals_name_their_request_and_explain_it(client, kiln):
 
 
 def test_fields_the_simulator_cannot_honour_are_refused(client):
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4, tools=tools)
+        client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4, n=2)
     err = assert_openai_error(e.value.response.content)
-    assert (err["code"], err["param"]) == ("unsupported_parameter", "tools"), err
+    assert (err["code"], err["param"]) == ("unsupported_parameter", "n"), err
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(
-            model=MODEL, messages=MSGS, max_tokens=4, response_format={"type": "json_object"}
+            model=MODEL, messages=MSGS, max_tokens=4, logit_bias={"1": 5}
         )
-    assert assert_openai_error(e.value.response.content)["param"] == "response_format"
+    assert assert_openai_error(e.value.response.content)["param"] == "logit_bias"
     # Sampling settings are fine.
     r = client.chat.completions.create(
         model=MODEL, messages=MSGS, max_tokens=4, temperature=0.2, top_p=0.9, seed=3, user="u"
     )
     assert r.choices[0].message.content
+
+
+def test_the_simulator_answers_tools_formats_and_stops(client):
+    """Simulation: placeholders of the shape asked for, so agent and
+    structured-output clients run end to end on the demo."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "lookup_order",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"order_id": {"type": "string"}},
+                    "required": ["order_id"],
+                },
+            },
+        }
+    ]
+    r = client.chat.completions.create(
+        model=MODEL, messages=MSGS, max_tokens=4, tools=tools, tool_choice="required"
+    )
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", r
+    call = c.message.tool_calls[0]
+    assert call.function.name == "lookup_order"
+    assert isinstance(json.loads(call.function.arguments)["order_id"], str)
+    r = client.chat.completions.create(
+        model=MODEL, messages=MSGS, max_tokens=4, response_format={"type": "json_object"}
+    )
+    assert isinstance(json.loads(r.choices[0].message.content), dict), r
+    r = client.chat.completions.create(
+        model=MODEL, messages=MSGS, max_tokens=12, stop=[" kiln's"]
+    )
+    assert r.choices[0].message.content == " simulated output from", r
+    assert r.choices[0].finish_reason == "stop", r
 
 
 def test_unserved_endpoints_say_so(client, kiln):

@@ -18,6 +18,7 @@ mod breaker;
 mod config;
 mod error;
 mod sse;
+pub mod trace;
 
 use breaker::{lock, record, Outcome};
 pub use breaker::{Admission, Breaker, BreakerState};
@@ -252,9 +253,21 @@ impl Upstream {
         body: Value,
         class: CallClass,
     ) -> Result<Value, UpstreamError> {
+        self.complete_traced(path, body, class, None).await
+    }
+
+    /// [`Upstream::complete_as`] with a W3C `traceparent` header (see
+    /// [`trace`]) sent to the upstream.
+    pub async fn complete_traced(
+        &self,
+        path: &str,
+        body: Value,
+        class: CallClass,
+        traceparent: Option<String>,
+    ) -> Result<Value, UpstreamError> {
         let payload = self.prepare(body, false)?;
         let mut call = self.begin()?;
-        let request = self.post(path, payload, "application/json");
+        let request = self.post(path, payload, "application/json", traceparent);
         let exchange = async {
             let resp = request.send().await.map_err(|e| self.send_error(e))?;
             let status = resp.status().as_u16();
@@ -314,9 +327,21 @@ impl Upstream {
         body: Value,
     ) -> Result<impl Stream<Item = Result<Value, UpstreamError>> + Send + 'static, UpstreamError>
     {
+        self.stream_traced(path, body, None).await
+    }
+
+    /// [`Upstream::stream`] with a W3C `traceparent` header (see
+    /// [`trace`]) sent to the upstream.
+    pub async fn stream_traced(
+        &self,
+        path: &str,
+        body: Value,
+        traceparent: Option<String>,
+    ) -> Result<impl Stream<Item = Result<Value, UpstreamError>> + Send + 'static, UpstreamError>
+    {
         let payload = self.prepare(body, true)?;
         let mut call = self.begin()?;
-        let request = self.post(path, payload, "text/event-stream");
+        let request = self.post(path, payload, "text/event-stream", traceparent);
         let resp = match tokio::time::timeout(self.cfg.timeout, request.send()).await {
             Ok(Ok(resp)) => resp,
             Ok(Err(e)) => {
@@ -535,13 +560,22 @@ impl Upstream {
         }
     }
 
-    fn post(&self, path: &str, payload: Vec<u8>, accept: &'static str) -> reqwest::RequestBuilder {
-        let request = self
+    fn post(
+        &self,
+        path: &str,
+        payload: Vec<u8>,
+        accept: &'static str,
+        traceparent: Option<String>,
+    ) -> reqwest::RequestBuilder {
+        let mut request = self
             .client
             .post(self.endpoint(path))
             .header(CONTENT_TYPE, "application/json")
             .header(ACCEPT, accept)
             .body(payload);
+        if let Some(t) = traceparent {
+            request = request.header(trace::TRACEPARENT, t);
+        }
         match &self.auth {
             Some(auth) => request.header(AUTHORIZATION, auth.clone()),
             None => request,

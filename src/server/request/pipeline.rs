@@ -118,6 +118,7 @@ pub(in crate::server) async fn run_request(
     gates::on_arrival(&app, &req)?;
     let id = app.next_id.fetch_add(1, Ordering::Relaxed);
     let rid = format!("{:x}-{id}", app.boot_ms);
+    tracing::Span::current().record("request_id", rid.as_str());
     let explain = recorder::arrived(
         &app,
         window.is_some(),

@@ -8,6 +8,7 @@
 use super::recorder::{kiln_headers, note, record, with_headers, End};
 use super::{CancelGuard, Ctx, Started};
 use crate::backend::http::{Upstream, UpstreamError};
+use crate::backend::placeholder::{self, Placeholder, Render};
 use crate::backend::Backend;
 use crate::sched::{Micros, Reason, ReqId};
 use crate::server::executor::{Command, Progress};
@@ -186,6 +187,14 @@ pub(in crate::server) async fn serve_upstream(
     let served_model = up.served_model().map(str::to_string);
     let path = ctx.endpoint.path();
     let body = upstream_body(&ctx, served_model.as_deref(), ctx.stream);
+    // W3C trace context: the client's trace (or the one the gateway
+    // started for it) continued, kiln's hop as the parent.
+    let traceparent = Some(
+        crate::backend::http::trace::TraceParent::child_of(
+            ctx.req.headers.get("traceparent").map(String::as_str),
+        )
+        .to_string(),
+    );
     let rid = ctx.rid.clone();
     let deadline = attempt.deadline;
     let budget = attempt.budget;
@@ -194,11 +203,14 @@ pub(in crate::server) async fn serve_upstream(
     // scheduler's queue.
     let pieces = if ctx.stream {
         let open = async {
-            let opened = match tokio::time::timeout_at(deadline, up.stream(path, body)).await {
-                Ok(Ok(chunks)) => Ok(Box::pin(chunks)),
-                Ok(Err(e)) => Err(Before::Upstream(e)),
-                Err(_) => Err(Before::Budget),
-            };
+            let opened =
+                match tokio::time::timeout_at(deadline, up.stream_traced(path, body, traceparent))
+                    .await
+                {
+                    Ok(Ok(chunks)) => Ok(Box::pin(chunks)),
+                    Ok(Err(e)) => Err(Before::Upstream(e)),
+                    Err(_) => Err(Before::Budget),
+                };
             // The first chunk is awaited before the answer begins, so a
             // stream that fails at once can still go to another replica.
             match opened {
@@ -277,7 +289,8 @@ pub(in crate::server) async fn serve_upstream(
         } else {
             crate::backend::http::CallClass::Online
         };
-        let call = tokio::time::timeout_at(deadline, up.complete_as(path, body, class));
+        let call =
+            tokio::time::timeout_at(deadline, up.complete_traced(path, body, class, traceparent));
         let left = LeftBeforeAnswer::new(&ctx, &s);
         let raced = tokio::select! {
             r = call => Raced::Done(r),
@@ -534,6 +547,12 @@ async fn respond(
         })
         .boxed();
     let s_cache = s.d.cache;
+    let ctx_chat = ctx.endpoint == Endpoint::Chat;
+    let ctx_body = if producer == Producer::Scheduler {
+        ctx.body.clone()
+    } else {
+        Value::Null
+    };
     let gen = Generation {
         ctx,
         guard,
@@ -548,6 +567,11 @@ async fn respond(
         },
         created: created(),
         kept: Kept::for_request(&s_cache),
+        sim: Render::new(
+            // What cannot be planned was refused before it was queued.
+            placeholder::plan(ctx_chat, &ctx_body)
+                .unwrap_or(Placeholder::Text { stop: Vec::new() }),
+        ),
     };
     if gen.ctx.stream {
         Ok(gen.stream(headers, pieces))
@@ -568,6 +592,9 @@ struct Generation {
     created: i64,
     /// A streamed answer of a cacheable miss, gathered to be stored.
     kept: Option<Kept>,
+    /// What the scheduler's tokens say (placeholder text, JSON, a tool
+    /// call): see [`crate::backend::placeholder`].
+    sim: Render,
 }
 
 /// A streamed answer gathered for the exact cache, up to its byte bound;
@@ -678,11 +705,22 @@ impl Generation {
                 Piece::Preempted(by) => self.preempted(by),
                 Piece::End { gpu_seconds, at } => {
                     self.settle(MetricOutcome::Ok, gpu_seconds, at, Some(200));
-                    let body = answer.unwrap_or_else(|| {
-                        let n = self.tally.produced;
-                        let prompt = self.ctx.req.prompt_tokens;
-                        full_body(&self.ctx, &sim_text(0, n), prompt, n, "length", "kiln-sim")
-                    });
+                    let body = match answer {
+                        Some(b) => b,
+                        None => {
+                            let n = self.tally.produced;
+                            let prompt = self.ctx.req.prompt_tokens;
+                            let text = self.sim.token(&sim_text(0, n)) + &self.sim.end();
+                            let finish = self.sim.finish_reason();
+                            let mut b = full_body(&self.ctx, &text, prompt, n, finish, "kiln-sim");
+                            if let Some(calls) = self.sim.tool_calls(&self.ctx.rid, false) {
+                                let m = &mut b["choices"][0]["message"];
+                                m["content"] = Value::Null;
+                                m["tool_calls"] = calls;
+                            }
+                            b
+                        }
+                    };
                     // What the answer cost on a scheduled replica (the batch
                     // runner bills it); an upstream's is unknown here.
                     if gpu_seconds > 0.0 {
@@ -731,7 +769,10 @@ impl Generation {
             Piece::Tokens { n, gpu_seconds } => {
                 let mut b = Vec::new();
                 for i in 0..u64::from(n) {
-                    let t = sim_text(self.tally.produced + i, 1);
+                    let t = self.sim.token(&sim_text(self.tally.produced + i, 1));
+                    if t.is_empty() {
+                        continue;
+                    }
                     keep(&mut self.kept, &t);
                     let c = chunk(&self.ctx, self.created, Some(&t), false, None);
                     b.extend_from_slice(&sse(&c));
@@ -784,9 +825,27 @@ impl Generation {
             }
             Piece::End { gpu_seconds, at } => {
                 self.settle(MetricOutcome::Ok, gpu_seconds, at, Some(200));
+                // The simulator's rest: text held back, a JSON answer's
+                // end, a tool call.
+                let mut tail = Vec::new();
+                if self.producer == Producer::Scheduler {
+                    let rest = self.sim.end();
+                    if !rest.is_empty() {
+                        keep(&mut self.kept, &rest);
+                        let c = chunk(&self.ctx, self.created, Some(&rest), false, None);
+                        tail.extend_from_slice(&sse(&c));
+                    }
+                    if let Some(calls) = self.sim.tool_calls(&self.ctx.rid, true) {
+                        self.kept = None;
+                        let mut c = chunk(&self.ctx, self.created, None, false, None);
+                        c["choices"][0]["delta"]["tool_calls"] = calls;
+                        tail.extend_from_slice(&sse(&c));
+                    }
+                }
+                let sim_finish = self.sim.finish_reason();
                 if let Some(k) = self.kept.take() {
                     let finish = match (self.producer, &k.finish) {
-                        (Producer::Scheduler, _) => "length",
+                        (Producer::Scheduler, _) => sim_finish,
                         (Producer::Upstream, Some(f)) => f.as_str(),
                         (Producer::Upstream, None) => "",
                     };
@@ -805,9 +864,9 @@ impl Generation {
                     );
                     super::cache::store(&self.ctx, &self.s.d, &body);
                 }
-                let mut b = Vec::new();
+                let mut b = tail;
                 if self.producer == Producer::Scheduler {
-                    let c = chunk(&self.ctx, self.created, None, false, Some("length"));
+                    let c = chunk(&self.ctx, self.created, None, false, Some(sim_finish));
                     b.extend_from_slice(&sse(&c));
                 }
                 // Upstreams that ignore stream_options (llama.cpp does)
