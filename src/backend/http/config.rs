@@ -1,6 +1,8 @@
 //! An upstream replica's settings, as written in `kiln.toml`.
 
+use crate::tls::ClientTls;
 use crate::units::duration;
+use std::path::PathBuf;
 use std::time::Duration;
 
 /// One `http` backend replica, as written in the server's TOML config.
@@ -64,6 +66,16 @@ pub struct UpstreamConfig {
         deserialize_with = "duration::deserialize"
     )]
     pub max_retry_after: Duration,
+    /// For an `https://` upstream: a PEM file of the CA certificates to
+    /// trust instead of the platform's roots (a private PKI).
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
+    /// For an `https://` upstream that asks for a client certificate
+    /// (mutual TLS): the certificate (PEM, leaf first) and its private key.
+    #[serde(default)]
+    pub client_cert: Option<PathBuf>,
+    #[serde(default)]
+    pub client_key: Option<PathBuf>,
 }
 
 pub(super) fn default_concurrency() -> u32 {
@@ -106,6 +118,18 @@ impl UpstreamConfig {
             failure_threshold: default_failure_threshold(),
             open_for: default_open_for(),
             max_retry_after: default_max_retry_after(),
+            ca_file: None,
+            client_cert: None,
+            client_key: None,
+        }
+    }
+
+    /// Its TLS settings.
+    pub fn tls(&self) -> ClientTls {
+        ClientTls {
+            ca_file: self.ca_file.clone(),
+            client_cert: self.client_cert.clone(),
+            client_key: self.client_key.clone(),
         }
     }
 }
@@ -125,6 +149,9 @@ impl std::fmt::Debug for UpstreamConfig {
             .field("failure_threshold", &self.failure_threshold)
             .field("open_for", &self.open_for)
             .field("max_retry_after", &self.max_retry_after)
+            .field("ca_file", &self.ca_file)
+            .field("client_cert", &self.client_cert)
+            .field("client_key", &self.client_key)
             .finish()
     }
 }

@@ -1,6 +1,7 @@
 //! The `http` backend: one OpenAI-compatible upstream replica (vLLM, SGLang,
-//! TGI, the llama.cpp server) reached over plain HTTP on loopback or a
-//! private network.
+//! TGI, the llama.cpp server) reached over HTTP, or HTTPS with rustls
+//! ([`crate::tls`]: the platform's roots or a `ca_file`, an optional
+//! client certificate).
 //!
 //! An [`Upstream`] forwards one request at a time as the executor asks:
 //! [`Upstream::complete`] for a whole JSON answer, [`Upstream::stream`] for
@@ -81,20 +82,22 @@ impl Upstream {
                 cfg.url
             ))
         })?;
-        match url.scheme() {
-            "http" => {}
-            "https" => {
-                return Err(invalid(format!(
-                    "`{}`: https is not supported (this build has no TLS); reach the replica over plain http on a private network",
-                    cfg.url
-                )))
-            }
+        let tls = cfg.tls();
+        let https = match url.scheme() {
+            "http" => false,
+            "https" => true,
             other => {
                 return Err(invalid(format!(
-                    "`{}`: scheme `{other}` is not http",
+                    "`{}`: scheme `{other}` is neither http nor https",
                     cfg.url
                 )))
             }
+        };
+        if !https && tls.is_set() {
+            return Err(invalid(format!(
+                "`{}` is plain http, but `ca_file`, `client_cert` or `client_key` is set; write https:// to use TLS, or remove them",
+                cfg.url
+            )));
         }
         if url.host_str().is_none_or(str::is_empty) {
             return Err(invalid(format!("`{}` has no host", cfg.url)));
@@ -152,7 +155,19 @@ impl Upstream {
                 Some(value)
             }
         };
-        let client = reqwest::Client::builder()
+        let builder = reqwest::Client::builder();
+        // TLS: rustls with the platform's roots or `ca_file`'s, the client
+        // certificate if set; HTTP/1.1 only, as over plain http (one
+        // pooled connection per slot, each stream on its own).
+        let builder = if https {
+            let config = tls
+                .client_config(&[b"http/1.1"])
+                .map_err(|e| invalid(tls_config_error(&e)))?;
+            builder.use_preconfigured_tls(config)
+        } else {
+            builder
+        };
+        let client = builder
             .no_proxy()
             .tcp_nodelay(true)
             .connect_timeout(cfg.connect_timeout)
@@ -479,6 +494,16 @@ impl Upstream {
     }
 }
 
+/// A TLS settings error, with its help, as one line for
+/// [`UpstreamError::Config`].
+fn tls_config_error(e: &crate::tls::TlsError) -> String {
+    use miette::Diagnostic;
+    match e.help() {
+        Some(help) => format!("{e} ({help})"),
+        None => e.to_string(),
+    }
+}
+
 /// Why the breaker refused a call, in words.
 fn refusal(breaker: &Breaker) -> String {
     match breaker.state(Instant::now()) {
@@ -550,7 +575,13 @@ impl Upstream {
 
     /// Classifies an error of sending the request and waiting for headers.
     fn send_error(&self, e: reqwest::Error) -> UpstreamError {
-        if e.is_connect() {
+        if let Some(reason) = crate::tls::tls_cause(&e) {
+            UpstreamError::Tls {
+                upstream: self.name.to_string(),
+                url: self.base.clone(),
+                reason,
+            }
+        } else if e.is_connect() {
             UpstreamError::Unavailable {
                 upstream: self.name.to_string(),
                 reason: format!("cannot connect to {}: {}", self.base, error_chain(&e)),
@@ -568,6 +599,13 @@ impl Upstream {
 
     /// Classifies an error while reading the body.
     fn body_error(&self, e: reqwest::Error) -> UpstreamError {
+        if let Some(reason) = crate::tls::tls_cause(&e) {
+            return UpstreamError::Tls {
+                upstream: self.name.to_string(),
+                url: self.base.clone(),
+                reason,
+            };
+        }
         UpstreamError::Transport {
             upstream: self.name.to_string(),
             reason: error_chain(&e),
@@ -1752,8 +1790,22 @@ mod tests {
             Upstream::new("u".into(), cfg)
         };
         assert!(try_new(&|_| {}).is_ok());
+        assert!(try_new(&|c| c.url = "https://10.0.0.1".into()).is_ok());
+        // TLS settings on plain http, half an identity, a missing CA file.
+        assert!(try_new(&|c| c.ca_file = Some("ca.pem".into())).is_err());
+        let e = try_new(&|c| {
+            c.url = "https://10.0.0.1".into();
+            c.client_cert = Some("c.pem".into());
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("client_key"), "{e}");
+        let e = try_new(&|c| {
+            c.url = "https://10.0.0.1".into();
+            c.ca_file = Some("/nonexistent/kiln-ca.pem".into());
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("kiln-ca.pem"), "{e}");
         for bad in [
-            "https://10.0.0.1",
             "ftp://10.0.0.1",
             "127.0.0.1:8000",
             "not a url",
