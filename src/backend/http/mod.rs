@@ -18,6 +18,8 @@
 mod breaker;
 mod config;
 mod error;
+mod meter;
+mod retry;
 mod sse;
 
 use breaker::{lock, record, Outcome};
@@ -25,6 +27,8 @@ pub use breaker::{Admission, Breaker, BreakerState};
 pub use config::UpstreamConfig;
 pub use error::UpstreamError;
 use error::{error_chain, parse_retry_after};
+pub use meter::{Hold, Meter};
+pub use retry::{retry_backoff, RETRY_BASE, RETRY_MAX};
 use sse::SseStream;
 
 use crate::units::duration;
@@ -56,6 +60,8 @@ pub struct Upstream {
     client: reqwest::Client,
     auth: Option<HeaderValue>,
     breaker: Arc<Mutex<Breaker>>,
+    /// The GPU time its requests are charged ([`meter`]).
+    meter: Arc<Meter>,
 }
 
 impl std::fmt::Debug for Upstream {
@@ -193,7 +199,28 @@ impl Upstream {
             client,
             auth,
             breaker: Arc::new(Mutex::new(breaker)),
+            meter: Meter::new(1),
         })
+    }
+
+    /// The replica's GPUs, which its requests' GPU time is charged by (1
+    /// unless set).
+    pub fn with_gpus(mut self, gpus: u32) -> Upstream {
+        self.meter = Meter::new(gpus.max(1));
+        self
+    }
+
+    /// The replica's GPUs.
+    pub fn gpus(&self) -> u32 {
+        self.meter.gpus()
+    }
+
+    /// A request takes one of the replica's slots: its GPU-seconds run
+    /// until the hold is dropped (the rule is in [`meter`]'s docs: the
+    /// replica's GPUs × the wall time held, split evenly among requests
+    /// holding slots at the same time).
+    pub fn hold(&self) -> Hold {
+        self.meter.hold()
     }
 
     /// The backend's name in the configuration.
