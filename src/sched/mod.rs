@@ -708,6 +708,12 @@ impl Scheduler {
         }
     }
 
+    /// Whether HTTP upstreams are shared with a fleet
+    /// ([`Config::shared_upstreams`]).
+    pub fn shares_upstreams(&self) -> bool {
+        self.cfg.shared_upstreams
+    }
+
     /// Starts counting fair-share service for a fleet's shared counters
     /// ([`queue::Queues::take_service`]).
     pub fn share_service(&mut self) {

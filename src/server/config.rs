@@ -1114,7 +1114,7 @@ impl ServerConfig {
 /// [`crate::backend::http::UpstreamConfig`] into itself, and serde cannot refuse unknown keys
 /// through a flatten, so a misspelt `timout` would silently fall back to
 /// the default: this check refuses it instead.
-const UPSTREAM_KEYS: [&str; 16] = [
+const UPSTREAM_KEYS: [&str; 23] = [
     "model",
     "variant",
     "url",
@@ -1131,6 +1131,13 @@ const UPSTREAM_KEYS: [&str; 16] = [
     "ca_file",
     "client_cert",
     "client_key",
+    "engine",
+    "metrics_path",
+    "scrape_interval",
+    "scrape_timeout",
+    "max_engine_waiting",
+    "max_kv_cache",
+    "target_ttft",
 ];
 
 fn check_upstream_keys(name: &str, text: &str) -> Result<(), ConfigError> {

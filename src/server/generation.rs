@@ -499,6 +499,11 @@ impl Tally {
             if self.upstream {
                 ctx.app.exec.send(Command::FirstToken(ctx.id));
             }
+            // A stream's first token (a whole answer's is its last) steers
+            // an engine-aware upstream's adaptive limit.
+            if let (true, Some(hold)) = (ctx.stream, self.hold.as_mut()) {
+                hold.first_token();
+            }
             self.ttft = Some(ctx.received.elapsed().as_secs_f64());
         }
     }

@@ -84,6 +84,8 @@ impl Meter {
             meter: Arc::clone(self),
             from: l.per_request,
             ended: None,
+            since: now,
+            first_token: None,
         }
     }
 
@@ -94,17 +96,47 @@ impl Meter {
     }
 }
 
+/// Told how long a request waited for its first token on the replica.
+pub type FirstTokenSink = Arc<dyn Fn(std::time::Duration) + Send + Sync>;
+
 /// One request's slot on a metered replica; releases it when dropped.
-#[derive(Debug)]
 pub struct Hold {
     meter: Arc<Meter>,
     /// The meter's per-request integral when the slot was taken.
     from: f64,
     /// Its charge, once released.
     ended: Option<f64>,
+    /// When the slot was taken.
+    since: Instant,
+    /// Where its time to first token goes, once (the adaptive limit).
+    first_token: Option<FirstTokenSink>,
+}
+
+impl std::fmt::Debug for Hold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hold")
+            .field("from", &self.from)
+            .field("ended", &self.ended)
+            .field("since", &self.since)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Hold {
+    /// Sends its time to first token to `sink` ([`Hold::first_token`]).
+    pub fn on_first_token(mut self, sink: FirstTokenSink) -> Hold {
+        self.first_token = Some(sink);
+        self
+    }
+
+    /// The request's first token arrived: its wait since it took the
+    /// slot goes to the sink (the first call only).
+    pub fn first_token(&mut self) {
+        if let Some(sink) = self.first_token.take() {
+            sink(self.since.elapsed());
+        }
+    }
+
     /// GPU-seconds charged so far (the final charge once released).
     pub fn gpu_seconds(&self) -> f64 {
         self.gpu_seconds_at(Instant::now())

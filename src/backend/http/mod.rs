@@ -17,6 +17,7 @@
 
 mod breaker;
 mod config;
+mod engine;
 mod error;
 mod meter;
 mod retry;
@@ -25,6 +26,7 @@ mod sse;
 use breaker::{lock, record, Outcome};
 pub use breaker::{Admission, Breaker, BreakerState};
 pub use config::UpstreamConfig;
+pub use engine::{parse_metrics, Engine, EngineLoad, EngineStatus};
 pub use error::UpstreamError;
 use error::{error_chain, parse_retry_after};
 pub use meter::{Hold, Meter};
@@ -62,6 +64,8 @@ pub struct Upstream {
     breaker: Arc<Mutex<Breaker>>,
     /// The GPU time its requests are charged ([`meter`]).
     meter: Arc<Meter>,
+    /// The engine's last scrape and the adaptive limit ([`engine`]).
+    engine_state: Arc<Mutex<engine::EngineState>>,
 }
 
 impl std::fmt::Debug for Upstream {
@@ -151,6 +155,35 @@ impl Upstream {
         if !cfg.health_path.is_empty() && cfg.health_interval.is_zero() {
             return Err(invalid("`health_interval` must be longer than zero".into()));
         }
+        if cfg.engine.scraped() {
+            if !cfg.metrics_path.starts_with('/') {
+                return Err(invalid(format!(
+                    "`metrics_path` `{}` must start with `/`",
+                    cfg.metrics_path
+                )));
+            }
+            if cfg.scrape_interval.is_zero()
+                || cfg.scrape_timeout.is_zero()
+                || cfg.scrape_interval > MAX_DURATION
+                || cfg.scrape_timeout > cfg.scrape_interval
+            {
+                return Err(invalid(
+                    "`scrape_interval` and `scrape_timeout` must be longer than zero, at most a year, and the timeout no longer than the interval".into(),
+                ));
+            }
+            if !(cfg.max_kv_cache > 0.0 && cfg.max_kv_cache <= 1.0) {
+                return Err(invalid(format!(
+                    "`max_kv_cache` is a share of the KV cache, above 0 and at most 1 (e.g. 0.8), not {}",
+                    cfg.max_kv_cache
+                )));
+            }
+            if cfg
+                .target_ttft
+                .is_some_and(|t| t.is_zero() || t > MAX_DURATION)
+            {
+                return Err(invalid("`target_ttft` must be longer than zero".into()));
+            }
+        }
         let auth = match &cfg.api_key {
             None => None,
             Some(key) => {
@@ -194,12 +227,16 @@ impl Upstream {
         );
         Ok(Upstream {
             name: name.into(),
-            cfg,
             base,
             client,
             auth,
             breaker: Arc::new(Mutex::new(breaker)),
             meter: Meter::new(1),
+            engine_state: Arc::new(Mutex::new(engine::EngineState::new(
+                cfg.concurrency,
+                cfg.target_ttft,
+            ))),
+            cfg,
         })
     }
 
@@ -220,7 +257,15 @@ impl Upstream {
     /// replica's GPUs × the wall time held, split evenly among requests
     /// holding slots at the same time).
     pub fn hold(&self) -> Hold {
-        self.meter.hold()
+        let hold = self.meter.hold();
+        if !self.cfg.engine.scraped() {
+            return hold;
+        }
+        // Its time to first token steers the engine's adaptive limit.
+        let state = Arc::clone(&self.engine_state);
+        hold.on_first_token(Arc::new(move |ttft| {
+            engine::observe_ttft(&state, ttft);
+        }))
     }
 
     /// The backend's name in the configuration.
@@ -463,10 +508,15 @@ impl Upstream {
 
     /// Spawns the periodic health check (the first one at once); a failed
     /// check counts as a failure for the breaker, a passed one closes it.
+    /// For an engine whose metrics are scraped, starts the scrapes too
+    /// ([`Upstream::spawn_scrapes`]).
     /// The task holds only a weak reference: it stops when the last `Arc`
     /// of the upstream is dropped, or when the handle is aborted. `None`
     /// when `health_path` is empty or there is no Tokio runtime.
     pub fn spawn_health_checks(self: &Arc<Self>) -> Option<tokio::task::JoinHandle<()>> {
+        // An engine's metrics are scraped alongside (a task of its own,
+        // stopped the same way).
+        let _ = self.spawn_scrapes();
         if self.cfg.health_path.is_empty() {
             return None;
         }
