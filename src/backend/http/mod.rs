@@ -1836,7 +1836,7 @@ mod tests {
         // Works as the payload of an internally tagged backend enum.
         #[derive(Debug, serde::Deserialize)]
         #[serde(tag = "kind", rename_all = "snake_case")]
-        #[allow(dead_code)]
+        #[allow(dead_code, clippy::large_enum_variant)]
         enum Backend {
             Http(UpstreamConfig),
             Sim { pool: String },
