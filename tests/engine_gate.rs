@@ -109,6 +109,19 @@ async fn gate(c: &reqwest::Client, base: &str) -> Value {
     v["replicas"][0]["engine"].clone()
 }
 
+/// The `gpu` pool's signals in `/admin/signals`.
+async fn signals(c: &reqwest::Client, base: &str) -> Value {
+    let v: Value = c
+        .get(format!("{base}/admin/signals"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    v["pools"]["gpu"].clone()
+}
+
 async fn wait_for_state(c: &reqwest::Client, base: &str, state: &str) -> Value {
     let until = Instant::now() + Duration::from_secs(5);
     loop {
@@ -175,6 +188,12 @@ async fn a_saturated_engine_gets_nothing_new_and_kiln_keeps_the_queue() {
         .map(|x| x["depth"].as_u64().unwrap_or(0))
         .sum();
     assert_eq!(depth, 3, "kiln holds them: {q}");
+    // The policy's pool signals read the engine: its queue counts as
+    // queued (with kiln's own, as of the last arrival).
+    let sig = signals(&c, &base).await;
+    eprintln!("signals while saturated: {sig}");
+    assert!(sig["queued"].as_u64().unwrap() >= 5 + 2, "{sig}");
+    assert_eq!(sig["running"], 0, "{sig}");
 
     // Its queue drains: kiln sends again, up to its limit.
     e.waiting.store(0, Ordering::SeqCst);
@@ -191,8 +210,13 @@ async fn a_saturated_engine_gets_nothing_new_and_kiln_keeps_the_queue() {
     e.kv.store(95, Ordering::SeqCst);
     let g = wait_for_state(&c, &base, "saturated").await;
     assert!(g["reason"].as_str().unwrap().contains("KV cache"), "{g}");
-    e.kv.store(10, Ordering::SeqCst);
+    e.kv.store(50, Ordering::SeqCst);
     wait_for_state(&c, &base, "ok").await;
+    // An arrival refreshes the signals: the engine's KV usage is the
+    // pool's occupancy.
+    assert_eq!(send(c.clone(), base.clone()).await, 200);
+    let sig = signals(&c, &base).await;
+    assert_eq!(sig["kv_occupancy"].as_f64(), Some(50.0), "{sig}");
     gw.stop().await;
     task.abort();
 }

@@ -962,6 +962,7 @@ impl<C: Clock> Executor<C> {
     fn engine_gates(&mut self, now: Micros) {
         let unbounded = |c: Option<u32>| c.unwrap_or(u32::MAX);
         let mut changes = Vec::new();
+        let mut loads = Vec::new();
         let mut raised = false;
         {
             let sched = self.driver.sched();
@@ -974,6 +975,17 @@ impl<C: Clock> Executor<C> {
                 let Some(gate) = u.slot_gate() else {
                     continue;
                 };
+                // A fresh scrape feeds the pool signals.
+                let load = gate.load.filter(|_| gate.state != "fallback").map(|l| {
+                    crate::sched::replica::EngineSignals {
+                        running: l.running,
+                        waiting: l.waiting,
+                        kv_cache: l.kv_cache,
+                    }
+                });
+                if rep.engine != load {
+                    loads.push((r, load));
+                }
                 let fleet = match self.fleet_caps.get(r).copied().flatten() {
                     Some(c) => Some(c),
                     // A shared upstream runs nothing until the fleet grants.
@@ -990,6 +1002,9 @@ impl<C: Clock> Executor<C> {
         let sched = self.driver.sched_mut();
         for (r, cap) in changes {
             sched.set_slot_cap(r, cap);
+        }
+        for (r, load) in loads {
+            sched.set_engine_load(r, load);
         }
         if raised {
             self.feed(now, Event::Tick);
