@@ -18,8 +18,9 @@ use std::path::{Path, PathBuf};
 /// Layer of each top-level module, lowest first; a module may depend only
 /// on modules in lower layers. Keep in step with ARCHITECTURE.md.
 const LAYERS: &[&[&str]] = &[
-    // Values and text: units and quantities, source files, wall time.
-    &["units", "source", "clock"],
+    // Values and text: units and quantities, source files, wall time;
+    // outbound TLS settings (rustls client configurations).
+    &["units", "source", "clock", "tls"],
     // Diagnostics; the language (text → AST).
     &["diag"],
     &["lang"],

@@ -54,6 +54,9 @@ fn config(
         on_unavailable: on,
         replicas: 3,
         lease: Duration::from_secs(2),
+        ca_file: None,
+        client_cert: None,
+        client_key: None,
     });
     if let Some(p) = log {
         cfg.log = Some(kiln::server::config::LogSection {
@@ -530,6 +533,9 @@ async fn served_through_one_upstream(shared: Option<&str>) -> (u64, u64, u64) {
                 on_unavailable: OnUnavailable::Local,
                 replicas: 3,
                 lease: Duration::from_secs(2),
+                ca_file: None,
+                client_cert: None,
+                client_key: None,
             });
         }
         gateways.push(serve_on_loopback(policy("fair.kiln", FAIR_POLICY), cfg).await);
@@ -621,6 +627,7 @@ async fn upstream_slots_never_sum_past_the_capacity() {
                 namespace: ns.clone(),
                 replica: format!("r{i}"),
                 lease: Duration::from_secs(5),
+                tls: Default::default(),
             })
             .unwrap()
         })

@@ -103,6 +103,9 @@ fn config(url: &str, ns: &str, replica: &str) -> ServerConfig {
         on_unavailable: OnUnavailable::Local,
         replicas: 3,
         lease: Duration::from_secs(2),
+        ca_file: None,
+        client_cert: None,
+        client_key: None,
     });
     cfg
 }

@@ -125,7 +125,7 @@ pub fn deploy(
     calibration: Option<&Calibration>,
 ) -> Result<Deployment, DeployError> {
     let (mut plan, notes) = plan(g, pools, calibration)?;
-    let mut backends = http_backends(pools)?;
+    let mut backends = http_backends(g, pools)?;
     if !super::cuda::serve::cuda_pools(g, pools).is_empty() {
         let cost =
             CostModel::from_graph(g, calibration).map_err(|e| DeployError::Sim(e.to_string()))?;
@@ -155,14 +155,22 @@ pub fn replan(
 
 /// The backend table: index 0 is the simulator, then one entry per
 /// configured upstream, in config order (`ReplicaSpec::tag` indexes it).
-fn http_backends(pools: &PoolBackends) -> Result<Vec<Backend>, DeployError> {
+/// Each upstream's GPUs (what its requests are charged by) are its
+/// variant's `gpus_per_replica`.
+fn http_backends(g: &DecisionGraph, pools: &PoolBackends) -> Result<Vec<Backend>, DeployError> {
     let mut out = vec![Backend::Sim];
     for (pool, b) in pools {
         if let PoolBackend::Http { upstreams } = b {
             for (i, u) in upstreams.iter().enumerate() {
                 let name = format!("{pool}/{}.{}#{i}", u.model, u.variant);
+                let gpus = g
+                    .model_id(&u.model)
+                    .and_then(|m| g.models.get(m as usize))
+                    .and_then(|m| m.variants.iter().find(|v| v.name == u.variant))
+                    .map_or(1, |v| v.gpus_per_replica.max(1));
                 let up = Upstream::new(name, u.upstream.clone())
-                    .map_err(|e| DeployError::Startup(e.to_string()))?;
+                    .map_err(|e| DeployError::Startup(e.to_string()))?
+                    .with_gpus(gpus);
                 out.push(Backend::Http(Arc::new(up)));
             }
         }

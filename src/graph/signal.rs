@@ -104,11 +104,11 @@ impl PoolField {
             PoolField::Utilization => doc("pool(P).utilization", "utilization", Ty::Percent, Windowed,
                 "work done over capacity: prefill and decode tokens the pool's replicas processed in the window, each counted as the time it takes at the replica's saturated throughput (the roofline's), over the window times the replicas in service; 100% is a pool working flat out (an HTTP upstream's steps are not seen: each request it finishes counts its prompt and output)"),
             PoolField::KvOccupancy => doc("pool(P).kv_occupancy", "kv_occupancy", Ty::Percent, Instant,
-                "KV-cache blocks held now by running sequences (a shared prefix counted once; cached prefixes no sequence uses are evictable and not counted) over the pool's KV capacity"),
+                "KV-cache blocks held now by running sequences (a shared prefix counted once; cached prefixes no sequence uses are evictable and not counted) over the pool's KV capacity; for engine-aware HTTP upstreams (`engine` in kiln.toml), the KV-cache usage their engines report, averaged over those that publish one"),
             PoolField::Queued => doc("pool(P).queued", "queued", Ty::Count, Instant,
-                "requests waiting now for a replica of this pool: routed to it and not started (a route naming no pool counts in every pool hosting its variant)"),
+                "requests waiting now for a replica of this pool: routed to it and not started (a route naming no pool counts in every pool hosting its variant), plus those waiting in engine-aware HTTP upstreams' own queues"),
             PoolField::Running => doc("pool(P).running", "running", Ty::Count, Instant,
-                "sequences running now on the pool's replicas"),
+                "sequences running now on the pool's replicas (on an engine-aware HTTP upstream, what its engine reports it runs, other clients' requests included)"),
         }
     }
 }

@@ -779,6 +779,22 @@ impl Scheduler {
         out
     }
 
+    /// What replica `replica`'s engine reports it holds (`None`: nothing
+    /// fresh). The pool signals read it at the next arrival: its running
+    /// requests replace the scheduler's count, its waiting ones add to
+    /// `queued`, its KV usage is the pool's `kv_occupancy`.
+    pub fn set_engine_load(&mut self, replica: usize, load: Option<replica::EngineSignals>) {
+        if let Some(r) = self.replicas.get_mut(replica) {
+            r.engine = load;
+        }
+    }
+
+    /// Whether HTTP upstreams are shared with a fleet
+    /// ([`Config::shared_upstreams`]).
+    pub fn shares_upstreams(&self) -> bool {
+        self.cfg.shared_upstreams
+    }
+
     /// Starts counting fair-share service for a fleet's shared counters
     /// ([`queue::Queues::take_service`]).
     pub fn share_service(&mut self) {
@@ -1215,6 +1231,7 @@ impl Scheduler {
         sc.capacity.resize(np, 0.0);
         sc.running.clear();
         sc.running.resize(np, 0);
+        let mut engines = false;
         for r in &self.replicas {
             let p = r.spec.pool as usize;
             if let (Some(kv), Some(run), Some(cap)) = (
@@ -1224,7 +1241,13 @@ impl Scheduler {
             ) {
                 kv.0 += r.kv_used();
                 kv.1 += r.spec.kv_capacity;
-                *run += r.running.len();
+                // An engine-aware upstream's engine says what it runs
+                // (other clients' requests included).
+                *run += match r.engine {
+                    Some(e) => e.running.max(0.0).round() as usize,
+                    None => r.running.len(),
+                };
+                engines |= r.engine.is_some();
                 if r.up && !r.draining {
                     *cap += 1.0;
                 }
@@ -1239,6 +1262,29 @@ impl Scheduler {
             };
             slot.running = sc.running[p] as f64;
             slot.queued = 0.0;
+        }
+        if engines {
+            // Engines' own queues count as queued; their KV usage (the
+            // mean over the pool's upstreams that publish one) is the
+            // pool's occupancy (kiln does not size an upstream's cache).
+            let mut kv = vec![(0.0f64, 0u32); np];
+            for r in &self.replicas {
+                let (Some(e), Some(slot)) =
+                    (r.engine, self.signals.pools.get_mut(r.spec.pool as usize))
+                else {
+                    continue;
+                };
+                slot.queued += e.waiting.max(0.0);
+                if let (Some(u), Some(k)) = (e.kv_cache, kv.get_mut(r.spec.pool as usize)) {
+                    k.0 += u;
+                    k.1 += 1;
+                }
+            }
+            for (slot, (sum, n)) in self.signals.pools.iter_mut().zip(kv) {
+                if n > 0 {
+                    slot.kv_occupancy = 100.0 * sum / f64::from(n);
+                }
+            }
         }
         // Queued work counts for the pool its route named, or for every
         // pool hosting its variant when the route named none.

@@ -244,6 +244,15 @@ impl Blocks {
     }
 }
 
+/// An external replica's engine load, as its own metrics say: requests
+/// running and waiting in the engine, KV-cache usage (0–1) where known.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EngineSignals {
+    pub running: f64,
+    pub waiting: f64,
+    pub kv_cache: Option<f64>,
+}
+
 #[derive(Debug)]
 pub struct Replica {
     pub spec: ReplicaSpec,
@@ -251,6 +260,9 @@ pub struct Replica {
     /// Slots of a shared upstream this replica of a fleet holds now
     /// ([`super::Scheduler::set_slot_cap`]); `None`: all of `max_batch`.
     pub slot_cap: Option<u32>,
+    /// What an engine-aware upstream's engine reports it holds, from its
+    /// last fresh scrape ([`super::Scheduler::set_engine_load`]).
+    pub engine: Option<EngineSignals>,
     pub busy: bool,
     /// In service (a replica that went down takes no work until it is up).
     pub up: bool,
@@ -375,6 +387,7 @@ impl Replica {
             spec,
             running: Vec::new(),
             slot_cap: None,
+            engine: None,
             busy: false,
             up: true,
             draining: false,

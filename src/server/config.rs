@@ -140,6 +140,14 @@ pub struct StateSection {
         deserialize_with = "crate::units::duration::deserialize"
     )]
     pub lease: std::time::Duration,
+    /// For `rediss://`: the CA to trust instead of the platform's roots,
+    /// and a client certificate and key (PEM) where Redis requires one.
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
+    #[serde(default)]
+    pub client_cert: Option<PathBuf>,
+    #[serde(default)]
+    pub client_key: Option<PathBuf>,
 }
 
 fn default_namespace() -> String {
@@ -1167,7 +1175,7 @@ impl ServerConfig {
 /// [`crate::backend::http::UpstreamConfig`] into itself, and serde cannot refuse unknown keys
 /// through a flatten, so a misspelt `timout` would silently fall back to
 /// the default: this check refuses it instead.
-const UPSTREAM_KEYS: [&str; 13] = [
+const UPSTREAM_KEYS: [&str; 23] = [
     "model",
     "variant",
     "url",
@@ -1181,6 +1189,16 @@ const UPSTREAM_KEYS: [&str; 13] = [
     "failure_threshold",
     "open_for",
     "max_retry_after",
+    "ca_file",
+    "client_cert",
+    "client_key",
+    "engine",
+    "metrics_path",
+    "scrape_interval",
+    "scrape_timeout",
+    "max_engine_waiting",
+    "max_kv_cache",
+    "target_ttft",
 ];
 
 fn check_upstream_keys(name: &str, text: &str) -> Result<(), ConfigError> {

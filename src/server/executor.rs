@@ -242,6 +242,10 @@ pub struct ReplicaRow {
     pub kv_capacity_tokens: u64,
     /// Share of wall time spent running steps (simulated replicas).
     pub busy_fraction: f64,
+    /// An engine-aware upstream's gate: the engine's load, the slots kiln
+    /// may fill, or why it fell back to the static `concurrency`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine: Option<crate::backend::http::EngineStatus>,
 }
 
 /// A cheap, cloneable handle to the executor task.
@@ -589,7 +593,22 @@ pub struct Executor<C: Clock> {
     /// simulator), so a breaker that opens takes the replica out of
     /// dispatch and one that closes puts it back.
     healthy: Vec<bool>,
+    /// A fleet's grant of each replica's shared upstream slots (an
+    /// engine-aware upstream's gate may cap it lower).
+    fleet_caps: Vec<Option<u32>>,
+    /// Whether some upstream's engine is scraped (its gate is folded in
+    /// at every arrival, not only every `HEALTH_EVERY`).
+    engines: bool,
     arrivals: u64,
+}
+
+/// The smaller of two slot caps (`None`: no cap).
+fn min_cap(a: Option<u32>, b: Option<u32>) -> Option<u32> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, None) => a,
+        (None, b) => b,
+    }
 }
 
 /// How often upstream health is folded into the scheduler.
@@ -603,6 +622,9 @@ impl<C: Clock> Executor<C> {
         backends: Arc<Vec<Backend>>,
         clock: C,
     ) -> Executor<C> {
+        let engines = backends
+            .iter()
+            .any(|b| matches!(b, Backend::Http(u) if u.engine().scraped()));
         Executor {
             driver: Driver::new(sched),
             handlers: Handlers {
@@ -618,6 +640,8 @@ impl<C: Clock> Executor<C> {
             },
             clock,
             healthy: Vec::new(),
+            fleet_caps: Vec::new(),
+            engines,
             arrivals: 0,
         }
     }
@@ -744,6 +768,10 @@ impl<C: Clock> Executor<C> {
                         target: 0,
                     },
                 );
+                if self.engines {
+                    // The latest scrape decides whether it may start now.
+                    self.engine_gates(now);
+                }
                 self.feed(now, Event::Arrive(arrival));
             }
             Command::Cancel(id) => {
@@ -808,8 +836,14 @@ impl<C: Clock> Executor<C> {
                     sched.mirror_quotas(&quotas);
                     sched.set_service(&service);
                     for (r, cap) in slots {
+                        if self.fleet_caps.len() <= r {
+                            self.fleet_caps.resize(r + 1, None);
+                        }
+                        self.fleet_caps[r] = Some(cap);
                         sched.set_slot_cap(r, Some(cap));
                     }
+                    // An engine's gate tightens the grant.
+                    self.engine_gates(now);
                     self.feed(now, Event::Tick);
                 }
             }
@@ -898,6 +932,62 @@ impl<C: Clock> Executor<C> {
             };
             self.feed(now, event);
         }
+        self.engine_gates(now);
+    }
+
+    /// Folds engine-aware upstreams' gates into the scheduler's slot caps
+    /// (with a fleet's grant of a shared upstream, the smaller); a raised
+    /// cap starts waiting work at once.
+    fn engine_gates(&mut self, now: Micros) {
+        let unbounded = |c: Option<u32>| c.unwrap_or(u32::MAX);
+        let mut changes = Vec::new();
+        let mut loads = Vec::new();
+        let mut raised = false;
+        {
+            let sched = self.driver.sched();
+            let shared = sched.shares_upstreams();
+            for (r, rep) in sched.replicas().iter().enumerate() {
+                let Some(Backend::Http(u)) = self.handlers.backends.get(rep.spec.tag as usize)
+                else {
+                    continue;
+                };
+                let Some(gate) = u.slot_gate() else {
+                    continue;
+                };
+                // A fresh scrape feeds the pool signals.
+                let load = gate.load.filter(|_| gate.state != "fallback").map(|l| {
+                    crate::sched::replica::EngineSignals {
+                        running: l.running,
+                        waiting: l.waiting,
+                        kv_cache: l.kv_cache,
+                    }
+                });
+                if rep.engine != load {
+                    loads.push((r, load));
+                }
+                let fleet = match self.fleet_caps.get(r).copied().flatten() {
+                    Some(c) => Some(c),
+                    // A shared upstream runs nothing until the fleet grants.
+                    None if shared && rep.spec.external => Some(0),
+                    None => None,
+                };
+                let want = min_cap(fleet, Some(gate.cap));
+                if rep.slot_cap != want {
+                    raised |= unbounded(want) > unbounded(rep.slot_cap);
+                    changes.push((r, want));
+                }
+            }
+        }
+        let sched = self.driver.sched_mut();
+        for (r, cap) in changes {
+            sched.set_slot_cap(r, cap);
+        }
+        for (r, load) in loads {
+            sched.set_engine_load(r, load);
+        }
+        if raised {
+            self.feed(now, Event::Tick);
+        }
     }
 
     fn snapshot(&self) -> Snapshot {
@@ -934,6 +1024,10 @@ impl<C: Clock> Executor<C> {
                     slots: r.spec.max_batch,
                     kv_used_tokens: r.kv_used(),
                     kv_capacity_tokens: r.spec.kv_capacity,
+                    engine: match backend {
+                        Some(Backend::Http(u)) => u.slot_gate(),
+                        _ => None,
+                    },
                     busy_fraction: if r.spec.external {
                         f64::from(r.running.len() as u32) / f64::from(r.spec.max_batch.max(1))
                     } else {

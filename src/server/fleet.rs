@@ -182,6 +182,11 @@ impl Fleet {
                 .clone()
                 .unwrap_or_else(crate::shared::default_replica_name),
             lease: cfg.lease,
+            tls: crate::tls::ClientTls {
+                ca_file: cfg.ca_file.clone(),
+                client_cert: cfg.client_cert.clone(),
+                client_key: cfg.client_key.clone(),
+            },
         })?);
         let (applied, _) = tokio::sync::watch::channel(0);
         Ok(Arc::new(Fleet {

@@ -36,6 +36,12 @@ pub enum StoreError {
         )
     )]
     Url { message: String },
+    #[error("`[state]` TLS settings cannot be used: {message}")]
+    #[diagnostic(
+        code(kiln::state::tls),
+        help("`ca_file`, `client_cert` and `client_key` in `[state]` are PEM files read at startup, and need a rediss:// URL")
+    )]
+    Tls { message: String },
     #[error("the shared state store (Redis) did not answer: {message}")]
     #[diagnostic(
         code(kiln::state::unreachable),
@@ -57,6 +63,9 @@ pub struct StoreConfig {
     pub namespace: String,
     pub replica: String,
     pub lease: Duration,
+    /// For `rediss://`: a custom CA, a client certificate (see
+    /// [`crate::tls`]); the platform's roots when empty.
+    pub tls: crate::tls::ClientTls,
 }
 
 /// A quota's limits as the shared quota enforces them (per second rates;
@@ -266,6 +275,49 @@ pub enum Committed {
 /// request's time on the upstream (a slot given back is free only when the
 /// request on it ends), short against the windows shares are judged over.
 pub const SLOT_EPOCH_MS: u64 = 1000;
+/// The Redis client for `cfg.url`: over TLS for `rediss://`, with the
+/// platform's roots or `cfg.tls`'s CA and client certificate.
+fn client(cfg: &StoreConfig) -> Result<redis::Client, StoreError> {
+    let url = cfg.url.trim();
+    let tls_url = url.starts_with("rediss://");
+    if !cfg.tls.is_set() {
+        if tls_url {
+            crate::tls::install_default_provider();
+        }
+        return redis::Client::open(url).map_err(|e| StoreError::Url {
+            message: e.to_string(),
+        });
+    }
+    if !tls_url {
+        return Err(StoreError::Tls {
+            message: "`ca_file`, `client_cert` or `client_key` is set, but `redis` is not a rediss:// URL".into(),
+        });
+    }
+    let pem = cfg.tls.read_pem().map_err(|e| StoreError::Tls {
+        message: e.to_string(),
+    })?;
+    crate::tls::install_default_provider();
+    redis::Client::build_with_tls(
+        url,
+        redis::TlsCertificates {
+            client_tls: pem
+                .identity
+                .map(|(client_cert, client_key)| redis::ClientTlsConfig {
+                    client_cert,
+                    client_key,
+                }),
+            root_cert: pem.ca,
+        },
+    )
+    .map_err(|e| StoreError::Tls {
+        message: e.to_string(),
+    })
+}
+
+/// A Redis error's text; a TLS failure's with what it usually means.
+fn redis_error_text(e: &redis::RedisError) -> String {
+    crate::tls::tls_cause(e).unwrap_or_else(|| e.to_string())
+}
 
 /// A connection to the shared store.
 pub struct Store {
@@ -284,9 +336,7 @@ impl Store {
     /// so a gateway starts (and declares its `on_unavailable` behaviour)
     /// even while Redis is down.
     pub fn open(cfg: &StoreConfig) -> Result<Store, StoreError> {
-        let client = redis::Client::open(cfg.url.as_str()).map_err(|e| StoreError::Url {
-            message: e.to_string(),
-        })?;
+        let client = client(cfg)?;
         let mc = redis::aio::ConnectionManagerConfig::new()
             .set_connection_timeout(Some(CALL_TIMEOUT))
             .set_response_timeout(Some(CALL_TIMEOUT))
@@ -359,7 +409,7 @@ impl Store {
                 })
             }
             Ok(Err(e)) => Err(StoreError::Unreachable {
-                message: e.to_string(),
+                message: redis_error_text(&e),
             }),
             Err(_) => Err(StoreError::Unreachable {
                 message: format!("no answer within {} ms", CALL_TIMEOUT.as_millis()),

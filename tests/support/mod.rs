@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod redis;
+pub mod tls;
 pub mod twin;
 
 use kiln::compile::compile_str;

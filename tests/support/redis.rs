@@ -62,6 +62,63 @@ impl Redis {
         panic!("redis-server did not answer PING on port {port} within 10s");
     }
 
+    /// A `redis-server` that speaks only TLS, on a free port: its
+    /// certificate `server` (signed by `ca`), client certificates signed
+    /// by `ca` required when `auth_clients`. `None` (after saying so)
+    /// where `redis-server` is not installed or was built without TLS.
+    pub fn start_tls(
+        server: &super::tls::Issued,
+        ca: &std::path::Path,
+        auth_clients: bool,
+    ) -> Option<Redis> {
+        let port = free_port();
+        let mut cmd = Command::new("redis-server");
+        cmd.args(["--port", "0", "--tls-port", &port.to_string()])
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .arg("--tls-cert-file")
+            .arg(&server.cert)
+            .arg("--tls-key-file")
+            .arg(&server.key)
+            .arg("--tls-ca-cert-file")
+            .arg(ca)
+            .args([
+                "--tls-auth-clients",
+                if auth_clients { "yes" } else { "no" },
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("SKIPPED: redis-server is not installed ({e}); `.ci/run` installs it (apt-get install redis-server)");
+                return None;
+            }
+        };
+        // Listening on the port is ready enough: nothing to load.
+        let until = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < until {
+            if let Ok(Some(status)) = child.try_wait() {
+                let mut err = String::new();
+                if let Some(mut e) = child.stderr.take() {
+                    use std::io::Read;
+                    let _ = e.read_to_string(&mut err);
+                }
+                eprintln!("SKIPPED: redis-server with TLS options exited ({status}): {err}; it may be built without TLS");
+                return None;
+            }
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return Some(Redis { child, port });
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("redis-server (TLS) did not listen on port {port} within 10s");
+    }
+
+    /// `rediss://127.0.0.1:PORT/0`
+    pub fn tls_url(&self) -> String {
+        format!("rediss://127.0.0.1:{}/0", self.port)
+    }
+
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/0", self.port)
     }

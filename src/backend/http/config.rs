@@ -1,6 +1,9 @@
 //! An upstream replica's settings, as written in `kiln.toml`.
 
+use super::engine::Engine;
+use crate::tls::ClientTls;
 use crate::units::duration;
+use std::path::PathBuf;
 use std::time::Duration;
 
 /// One `http` backend replica, as written in the server's TOML config.
@@ -64,6 +67,67 @@ pub struct UpstreamConfig {
         deserialize_with = "duration::deserialize"
     )]
     pub max_retry_after: Duration,
+    /// For an `https://` upstream: a PEM file of the CA certificates to
+    /// trust instead of the platform's roots (a private PKI).
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
+    /// For an `https://` upstream that asks for a client certificate
+    /// (mutual TLS): the certificate (PEM, leaf first) and its private key.
+    #[serde(default)]
+    pub client_cert: Option<PathBuf>,
+    #[serde(default)]
+    pub client_key: Option<PathBuf>,
+    /// The model server, for the load its `/metrics` publish (see
+    /// [`super::engine`]); `openai` (the default) scrapes nothing.
+    #[serde(default)]
+    pub engine: Engine,
+    /// Where the engine publishes Prometheus metrics.
+    #[serde(default = "default_metrics_path")]
+    pub metrics_path: String,
+    #[serde(
+        default = "default_scrape_interval",
+        deserialize_with = "duration::deserialize"
+    )]
+    pub scrape_interval: Duration,
+    #[serde(
+        default = "default_scrape_timeout",
+        deserialize_with = "duration::deserialize"
+    )]
+    pub scrape_timeout: Duration,
+    /// The engine is saturated past this many requests waiting in its own
+    /// queue, or at this KV-cache usage (0–1): kiln sends nothing new.
+    #[serde(default = "default_max_engine_waiting")]
+    pub max_engine_waiting: u32,
+    #[serde(default = "default_max_kv_cache")]
+    pub max_kv_cache: f64,
+    /// The time to first token (from the request's start on the replica)
+    /// the adaptive limit steers by; without one the limit stays at
+    /// `concurrency`.
+    #[serde(default, deserialize_with = "optional_duration")]
+    pub target_ttft: Option<Duration>,
+}
+
+fn optional_duration<'de, D>(deserializer: D) -> Result<Option<Duration>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    duration::deserialize(deserializer).map(Some)
+}
+
+pub(super) fn default_metrics_path() -> String {
+    "/metrics".to_string()
+}
+pub(super) fn default_scrape_interval() -> Duration {
+    Duration::from_secs(1)
+}
+pub(super) fn default_scrape_timeout() -> Duration {
+    Duration::from_millis(500)
+}
+pub(super) fn default_max_engine_waiting() -> u32 {
+    5
+}
+pub(super) fn default_max_kv_cache() -> f64 {
+    0.8
 }
 
 pub(super) fn default_concurrency() -> u32 {
@@ -106,6 +170,25 @@ impl UpstreamConfig {
             failure_threshold: default_failure_threshold(),
             open_for: default_open_for(),
             max_retry_after: default_max_retry_after(),
+            ca_file: None,
+            client_cert: None,
+            client_key: None,
+            engine: Engine::OpenAi,
+            metrics_path: default_metrics_path(),
+            scrape_interval: default_scrape_interval(),
+            scrape_timeout: default_scrape_timeout(),
+            max_engine_waiting: default_max_engine_waiting(),
+            max_kv_cache: default_max_kv_cache(),
+            target_ttft: None,
+        }
+    }
+
+    /// Its TLS settings.
+    pub fn tls(&self) -> ClientTls {
+        ClientTls {
+            ca_file: self.ca_file.clone(),
+            client_cert: self.client_cert.clone(),
+            client_key: self.client_key.clone(),
         }
     }
 }
@@ -125,6 +208,16 @@ impl std::fmt::Debug for UpstreamConfig {
             .field("failure_threshold", &self.failure_threshold)
             .field("open_for", &self.open_for)
             .field("max_retry_after", &self.max_retry_after)
+            .field("ca_file", &self.ca_file)
+            .field("client_cert", &self.client_cert)
+            .field("client_key", &self.client_key)
+            .field("engine", &self.engine)
+            .field("metrics_path", &self.metrics_path)
+            .field("scrape_interval", &self.scrape_interval)
+            .field("scrape_timeout", &self.scrape_timeout)
+            .field("max_engine_waiting", &self.max_engine_waiting)
+            .field("max_kv_cache", &self.max_kv_cache)
+            .field("target_ttft", &self.target_ttft)
             .finish()
     }
 }

@@ -72,6 +72,20 @@ pub enum UpstreamError {
     )]
     Transport { upstream: String, reason: String },
 
+    /// The TLS handshake with an `https://` upstream failed: a
+    /// certificate kiln does not trust, a host name the certificate does
+    /// not list, a client certificate the server wanted or refused.
+    #[error("upstream `{upstream}` ({url}): {reason}")]
+    #[diagnostic(
+        code(kiln::upstream::tls),
+        help("an https upstream's certificate must chain to a CA kiln trusts (the platform's, or the upstream's `ca_file`) and name the URL's host; a replica that requires client certificates needs `client_cert` and `client_key`")
+    )]
+    Tls {
+        upstream: String,
+        url: String,
+        reason: String,
+    },
+
     /// The request body cannot be forwarded (not a JSON object).
     #[error("cannot forward the request: {reason}")]
     #[diagnostic(
@@ -91,18 +105,22 @@ impl UpstreamError {
             UpstreamError::Unavailable { .. } => 503,
             UpstreamError::Status { status, .. } if (400..500).contains(status) => *status,
             UpstreamError::Status { .. } => 502,
-            UpstreamError::Protocol { .. } | UpstreamError::Transport { .. } => 502,
+            UpstreamError::Protocol { .. }
+            | UpstreamError::Transport { .. }
+            | UpstreamError::Tls { .. } => 502,
             UpstreamError::BadRequest { .. } => 400,
             UpstreamError::Config { .. } => 500,
         }
     }
 
     /// True when the request certainly never reached the upstream (circuit
-    /// open, connection refused), so it may be retried on another replica.
+    /// open, connection refused, TLS handshake refused), so it may be retried on another replica.
     pub fn is_unsent(&self) -> bool {
         matches!(
             self,
-            UpstreamError::Unavailable { .. } | UpstreamError::BadRequest { .. }
+            UpstreamError::Unavailable { .. }
+                | UpstreamError::BadRequest { .. }
+                | UpstreamError::Tls { .. }
         )
     }
 
@@ -115,6 +133,7 @@ impl UpstreamError {
             UpstreamError::Unavailable { .. }
             | UpstreamError::Timeout { .. }
             | UpstreamError::Transport { .. }
+            | UpstreamError::Tls { .. }
             | UpstreamError::Protocol { .. } => true,
             UpstreamError::Status { status, .. } => *status >= 500 || *status == 429,
             _ => false,

@@ -1,6 +1,7 @@
 //! The `http` backend: one OpenAI-compatible upstream replica (vLLM, SGLang,
-//! TGI, the llama.cpp server) reached over plain HTTP on loopback or a
-//! private network.
+//! TGI, the llama.cpp server) reached over HTTP, or HTTPS with rustls
+//! ([`crate::tls`]: the platform's roots or a `ca_file`, an optional
+//! client certificate).
 //!
 //! An [`Upstream`] forwards one request at a time as the executor asks:
 //! [`Upstream::complete`] for a whole JSON answer, [`Upstream::stream`] for
@@ -16,15 +17,21 @@
 
 mod breaker;
 mod config;
+mod engine;
 mod error;
+mod meter;
+mod retry;
 mod sse;
 pub mod trace;
 
 use breaker::{lock, record, Outcome};
 pub use breaker::{Admission, Breaker, BreakerState};
 pub use config::UpstreamConfig;
+pub use engine::{parse_metrics, Engine, EngineLoad, EngineStatus};
 pub use error::UpstreamError;
 use error::{error_chain, parse_retry_after};
+pub use meter::{Hold, Meter};
+pub use retry::{retry_backoff, RETRY_BASE, RETRY_MAX};
 use sse::SseStream;
 
 use crate::units::duration;
@@ -56,6 +63,10 @@ pub struct Upstream {
     client: reqwest::Client,
     auth: Option<HeaderValue>,
     breaker: Arc<Mutex<Breaker>>,
+    /// The GPU time its requests are charged ([`meter`]).
+    meter: Arc<Meter>,
+    /// The engine's last scrape and the adaptive limit ([`engine`]).
+    engine_state: Arc<Mutex<engine::EngineState>>,
 }
 
 impl std::fmt::Debug for Upstream {
@@ -82,20 +93,22 @@ impl Upstream {
                 cfg.url
             ))
         })?;
-        match url.scheme() {
-            "http" => {}
-            "https" => {
-                return Err(invalid(format!(
-                    "`{}`: https is not supported (this build has no TLS); reach the replica over plain http on a private network",
-                    cfg.url
-                )))
-            }
+        let tls = cfg.tls();
+        let https = match url.scheme() {
+            "http" => false,
+            "https" => true,
             other => {
                 return Err(invalid(format!(
-                    "`{}`: scheme `{other}` is not http",
+                    "`{}`: scheme `{other}` is neither http nor https",
                     cfg.url
                 )))
             }
+        };
+        if !https && tls.is_set() {
+            return Err(invalid(format!(
+                "`{}` is plain http, but `ca_file`, `client_cert` or `client_key` is set; write https:// to use TLS, or remove them",
+                cfg.url
+            )));
         }
         if url.host_str().is_none_or(str::is_empty) {
             return Err(invalid(format!("`{}` has no host", cfg.url)));
@@ -143,6 +156,35 @@ impl Upstream {
         if !cfg.health_path.is_empty() && cfg.health_interval.is_zero() {
             return Err(invalid("`health_interval` must be longer than zero".into()));
         }
+        if cfg.engine.scraped() {
+            if !cfg.metrics_path.starts_with('/') {
+                return Err(invalid(format!(
+                    "`metrics_path` `{}` must start with `/`",
+                    cfg.metrics_path
+                )));
+            }
+            if cfg.scrape_interval.is_zero()
+                || cfg.scrape_timeout.is_zero()
+                || cfg.scrape_interval > MAX_DURATION
+                || cfg.scrape_timeout > cfg.scrape_interval
+            {
+                return Err(invalid(
+                    "`scrape_interval` and `scrape_timeout` must be longer than zero, at most a year, and the timeout no longer than the interval".into(),
+                ));
+            }
+            if !(cfg.max_kv_cache > 0.0 && cfg.max_kv_cache <= 1.0) {
+                return Err(invalid(format!(
+                    "`max_kv_cache` is a share of the KV cache, above 0 and at most 1 (e.g. 0.8), not {}",
+                    cfg.max_kv_cache
+                )));
+            }
+            if cfg
+                .target_ttft
+                .is_some_and(|t| t.is_zero() || t > MAX_DURATION)
+            {
+                return Err(invalid("`target_ttft` must be longer than zero".into()));
+            }
+        }
         let auth = match &cfg.api_key {
             None => None,
             Some(key) => {
@@ -153,7 +195,19 @@ impl Upstream {
                 Some(value)
             }
         };
-        let client = reqwest::Client::builder()
+        let builder = reqwest::Client::builder();
+        // TLS: rustls with the platform's roots or `ca_file`'s, the client
+        // certificate if set; HTTP/1.1 only, as over plain http (one
+        // pooled connection per slot, each stream on its own).
+        let builder = if https {
+            let config = tls
+                .client_config(&[b"http/1.1"])
+                .map_err(|e| invalid(tls_config_error(&e)))?;
+            builder.use_preconfigured_tls(config)
+        } else {
+            builder
+        };
+        let client = builder
             .no_proxy()
             .tcp_nodelay(true)
             .connect_timeout(cfg.connect_timeout)
@@ -174,12 +228,45 @@ impl Upstream {
         );
         Ok(Upstream {
             name: name.into(),
-            cfg,
             base,
             client,
             auth,
             breaker: Arc::new(Mutex::new(breaker)),
+            meter: Meter::new(1),
+            engine_state: Arc::new(Mutex::new(engine::EngineState::new(
+                cfg.concurrency,
+                cfg.target_ttft,
+            ))),
+            cfg,
         })
+    }
+
+    /// The replica's GPUs, which its requests' GPU time is charged by (1
+    /// unless set).
+    pub fn with_gpus(mut self, gpus: u32) -> Upstream {
+        self.meter = Meter::new(gpus.max(1));
+        self
+    }
+
+    /// The replica's GPUs.
+    pub fn gpus(&self) -> u32 {
+        self.meter.gpus()
+    }
+
+    /// A request takes one of the replica's slots: its GPU-seconds run
+    /// until the hold is dropped (the rule is in [`meter`]'s docs: the
+    /// replica's GPUs × the wall time held, split evenly among requests
+    /// holding slots at the same time).
+    pub fn hold(&self) -> Hold {
+        let hold = self.meter.hold();
+        if !self.cfg.engine.scraped() {
+            return hold;
+        }
+        // Its time to first token steers the engine's adaptive limit.
+        let state = Arc::clone(&self.engine_state);
+        hold.on_first_token(Arc::new(move |ttft| {
+            engine::observe_ttft(&state, ttft);
+        }))
     }
 
     /// The backend's name in the configuration.
@@ -446,10 +533,15 @@ impl Upstream {
 
     /// Spawns the periodic health check (the first one at once); a failed
     /// check counts as a failure for the breaker, a passed one closes it.
+    /// For an engine whose metrics are scraped, starts the scrapes too
+    /// ([`Upstream::spawn_scrapes`]).
     /// The task holds only a weak reference: it stops when the last `Arc`
     /// of the upstream is dropped, or when the handle is aborted. `None`
     /// when `health_path` is empty or there is no Tokio runtime.
     pub fn spawn_health_checks(self: &Arc<Self>) -> Option<tokio::task::JoinHandle<()>> {
+        // An engine's metrics are scraped alongside (a task of its own,
+        // stopped the same way).
+        let _ = self.spawn_scrapes();
         if self.cfg.health_path.is_empty() {
             return None;
         }
@@ -501,6 +593,16 @@ impl Upstream {
             trial,
             settled: false,
         })
+    }
+}
+
+/// A TLS settings error, with its help, as one line for
+/// [`UpstreamError::Config`].
+fn tls_config_error(e: &crate::tls::TlsError) -> String {
+    use miette::Diagnostic;
+    match e.help() {
+        Some(help) => format!("{e} ({help})"),
+        None => e.to_string(),
     }
 }
 
@@ -584,7 +686,13 @@ impl Upstream {
 
     /// Classifies an error of sending the request and waiting for headers.
     fn send_error(&self, e: reqwest::Error) -> UpstreamError {
-        if e.is_connect() {
+        if let Some(reason) = crate::tls::tls_cause(&e) {
+            UpstreamError::Tls {
+                upstream: self.name.to_string(),
+                url: self.base.clone(),
+                reason,
+            }
+        } else if e.is_connect() {
             UpstreamError::Unavailable {
                 upstream: self.name.to_string(),
                 reason: format!("cannot connect to {}: {}", self.base, error_chain(&e)),
@@ -602,6 +710,13 @@ impl Upstream {
 
     /// Classifies an error while reading the body.
     fn body_error(&self, e: reqwest::Error) -> UpstreamError {
+        if let Some(reason) = crate::tls::tls_cause(&e) {
+            return UpstreamError::Tls {
+                upstream: self.name.to_string(),
+                url: self.base.clone(),
+                reason,
+            };
+        }
         UpstreamError::Transport {
             upstream: self.name.to_string(),
             reason: error_chain(&e),
@@ -1755,7 +1870,7 @@ mod tests {
         // Works as the payload of an internally tagged backend enum.
         #[derive(Debug, serde::Deserialize)]
         #[serde(tag = "kind", rename_all = "snake_case")]
-        #[allow(dead_code)]
+        #[allow(dead_code, clippy::large_enum_variant)]
         enum Backend {
             Http(UpstreamConfig),
             Sim { pool: String },
@@ -1786,8 +1901,22 @@ mod tests {
             Upstream::new("u".into(), cfg)
         };
         assert!(try_new(&|_| {}).is_ok());
+        assert!(try_new(&|c| c.url = "https://10.0.0.1".into()).is_ok());
+        // TLS settings on plain http, half an identity, a missing CA file.
+        assert!(try_new(&|c| c.ca_file = Some("ca.pem".into())).is_err());
+        let e = try_new(&|c| {
+            c.url = "https://10.0.0.1".into();
+            c.client_cert = Some("c.pem".into());
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("client_key"), "{e}");
+        let e = try_new(&|c| {
+            c.url = "https://10.0.0.1".into();
+            c.ca_file = Some("/nonexistent/kiln-ca.pem".into());
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("kiln-ca.pem"), "{e}");
         for bad in [
-            "https://10.0.0.1",
             "ftp://10.0.0.1",
             "127.0.0.1:8000",
             "not a url",

@@ -381,6 +381,10 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Outcome, ApiError> {
                 };
                 ctx = *back;
                 app.exec.send(Command::CheckHealth);
+                // Back off (exponentially, with jitter) before queueing it
+                // again, within its budget.
+                let pause = crate::backend::http::retry_backoff(resent + retried, ctx.id);
+                tokio::time::sleep_until((tokio::time::Instant::now() + pause).min(at)).await;
                 note(
                     &ctx,
                     format!("{what} ({} {})", err.status, err.message),

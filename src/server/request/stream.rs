@@ -87,7 +87,7 @@ pub(in crate::server) async fn serve_scheduled(
             }
         }))
         .boxed();
-    respond(ctx, guard, s, headers, pieces, Producer::Scheduler)
+    respond(ctx, guard, s, headers, pieces, Producer::Scheduler, None)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
@@ -183,6 +183,8 @@ pub(in crate::server) async fn serve_upstream(
     up: Arc<Upstream>,
     attempt: Attempt,
 ) -> Result<Response, HttpFail> {
+    // The slot is held from here: its GPU time is charged to the request.
+    let hold = up.hold();
     let headers = kiln_headers(&ctx, &s, &format!("http:{}", up.name()));
     let served_model = up.served_model().map(str::to_string);
     let path = ctx.endpoint.path();
@@ -324,9 +326,17 @@ pub(in crate::server) async fn serve_upstream(
             Err(_) => return Err(before_answer(ctx, guard, &s, &up, &attempt, Before::Budget)),
         }
     };
-    respond(ctx, guard, s, headers, pieces, Producer::Upstream)
-        .await
-        .map_err(HttpFail::Fatal)
+    respond(
+        ctx,
+        guard,
+        s,
+        headers,
+        pieces,
+        Producer::Upstream,
+        Some(hold),
+    )
+    .await
+    .map_err(HttpFail::Fatal)
 }
 
 /// Records a request whose client went away while its upstream call had
@@ -496,9 +506,11 @@ struct Tally {
     /// An upstream produces the tokens: the scheduler learns of the first
     /// one from here (for the tier's TTFT signals).
     upstream: bool,
-    /// GPU time the scheduler's replica has spent on it so far (0 on an
-    /// upstream, whose GPU time kiln does not see).
+    /// GPU time the scheduler's replica has spent on it so far.
     gpu_seconds: f64,
+    /// An upstream's slot: what it is charged instead (see
+    /// `backend::http::meter`).
+    hold: Option<crate::backend::http::Hold>,
 }
 
 impl Tally {
@@ -510,6 +522,11 @@ impl Tally {
         if self.ttft.is_none() {
             if self.upstream {
                 ctx.app.exec.send(Command::FirstToken(ctx.id));
+            }
+            // A stream's first token (a whole answer's is its last) steers
+            // an engine-aware upstream's adaptive limit.
+            if let (true, Some(hold)) = (ctx.stream, self.hold.as_mut()) {
+                hold.first_token();
             }
             self.ttft = Some(ctx.received.elapsed().as_secs_f64());
         }
@@ -536,6 +553,7 @@ async fn respond(
     headers: Vec<(&'static str, String)>,
     pieces: BoxStream<'static, Piece>,
     producer: Producer,
+    hold: Option<crate::backend::http::Hold>,
 ) -> Result<Response, ApiError> {
     let pieces = pieces
         .scan(false, |ended, p| {
@@ -564,6 +582,7 @@ async fn respond(
             ttft: None,
             upstream: producer == Producer::Upstream,
             gpu_seconds: 0.0,
+            hold,
         },
         created: created(),
         kept: Kept::for_request(&s_cache),
@@ -633,13 +652,18 @@ impl Generation {
     /// measured, logged and explained.
     /// `status` is the one the client got: an error's, or 200 once an
     /// answer (or an event stream's headers) went out.
+    /// Returns the GPU-seconds charged (an upstream's slot time).
     fn settle(
         &mut self,
         outcome: MetricOutcome,
         gpu_seconds: f64,
         at: Option<Micros>,
         status: Option<u16>,
-    ) {
+    ) -> f64 {
+        let gpu_seconds = match self.tally.hold.as_mut() {
+            Some(hold) => hold.release(),
+            None => gpu_seconds,
+        };
         self.guard.armed = false;
         if let Some(at) = at {
             super::recorder::finished_at(&self.ctx, at);
@@ -664,6 +688,7 @@ impl Generation {
                 status,
             },
         );
+        gpu_seconds
     }
 
     fn preempted(&self, by: ReqId) {
@@ -704,7 +729,7 @@ impl Generation {
                 }
                 Piece::Preempted(by) => self.preempted(by),
                 Piece::End { gpu_seconds, at } => {
-                    self.settle(MetricOutcome::Ok, gpu_seconds, at, Some(200));
+                    let gpu_seconds = self.settle(MetricOutcome::Ok, gpu_seconds, at, Some(200));
                     let body = match answer {
                         Some(b) => b,
                         None => {
@@ -721,8 +746,7 @@ impl Generation {
                             b
                         }
                     };
-                    // What the answer cost on a scheduled replica (the batch
-                    // runner bills it); an upstream's is unknown here.
+                    // What the answer cost (the batch runner bills it).
                     if gpu_seconds > 0.0 {
                         headers.push(("x-kiln-gpu-seconds", format!("{gpu_seconds:.6}")));
                     }

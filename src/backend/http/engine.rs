@@ -1,0 +1,511 @@
+//! Engine-aware upstreams: what the model server itself says it holds.
+//!
+//! An upstream with `engine = "vllm" | "sglang" | "llama.cpp" | "tgi"` has
+//! its Prometheus `/metrics` scraped every `scrape_interval` (each scrape
+//! bounded by `scrape_timeout`): requests running, requests waiting in
+//! the engine's own queue, and KV-cache usage where the engine publishes
+//! it. They gate dispatch ([`Upstream::slot_gate`]): kiln keeps its queue
+//! (fairness and priority still decide the order) and sends a replica
+//! more only while its engine is below saturation (waiting ≤
+//! `max_engine_waiting` and KV usage < `max_kv_cache`, the thresholds of
+//! the Gateway API Inference Extension's saturation detector). Inside the
+//! static `concurrency` ceiling an adaptive limit moves with the time to
+//! first token kiln observes on the replica (AIMD against `target_ttft`,
+//! where one is set). A scrape that fails, or is older than three
+//! intervals, falls back to the static ceiling, and `/admin/queues` says
+//! so. `engine = "openai"` (the default) scrapes nothing: `concurrency`
+//! alone bounds it.
+
+use super::Upstream;
+use crate::units::duration;
+use std::time::{Duration, Instant};
+
+/// Which model server an upstream is, for what its `/metrics` publish.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+pub enum Engine {
+    /// Any OpenAI-compatible server: nothing is scraped.
+    #[default]
+    #[serde(rename = "openai")]
+    OpenAi,
+    #[serde(rename = "vllm")]
+    Vllm,
+    #[serde(rename = "sglang")]
+    Sglang,
+    #[serde(rename = "llama.cpp")]
+    LlamaCpp,
+    #[serde(rename = "tgi")]
+    Tgi,
+}
+
+/// The series an engine publishes: running, waiting, KV-cache usage
+/// (each a list of names, newest first; a 0–1 ratio for KV).
+struct Series {
+    running: &'static [&'static str],
+    waiting: &'static [&'static str],
+    kv: &'static [&'static str],
+    /// How to turn the metrics on, for the error when they are missing.
+    enable: &'static str,
+}
+
+impl Engine {
+    pub fn name(self) -> &'static str {
+        match self {
+            Engine::OpenAi => "openai",
+            Engine::Vllm => "vllm",
+            Engine::Sglang => "sglang",
+            Engine::LlamaCpp => "llama.cpp",
+            Engine::Tgi => "tgi",
+        }
+    }
+
+    fn series(self) -> Option<Series> {
+        match self {
+            Engine::OpenAi => None,
+            Engine::Vllm => Some(Series {
+                running: &["vllm:num_requests_running"],
+                waiting: &["vllm:num_requests_waiting"],
+                kv: &["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
+                enable: "vLLM serves /metrics by default",
+            }),
+            Engine::Sglang => Some(Series {
+                running: &["sglang:num_running_reqs"],
+                waiting: &["sglang:num_queue_reqs"],
+                kv: &["sglang:token_usage"],
+                enable: "start SGLang with --enable-metrics",
+            }),
+            Engine::LlamaCpp => Some(Series {
+                running: &["llamacpp:requests_processing"],
+                waiting: &["llamacpp:requests_deferred"],
+                kv: &["llamacpp:kv_cache_usage_ratio"],
+                enable: "start llama-server with --metrics",
+            }),
+            Engine::Tgi => Some(Series {
+                running: &["tgi_batch_current_size"],
+                waiting: &["tgi_queue_size"],
+                kv: &[],
+                enable: "TGI serves /metrics by default",
+            }),
+        }
+    }
+
+    /// Whether its metrics are scraped.
+    pub fn scraped(self) -> bool {
+        self.series().is_some()
+    }
+}
+
+/// What an engine said it holds, at one scrape.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct EngineLoad {
+    pub running: f64,
+    pub waiting: f64,
+    /// KV-cache usage, 0–1, where the engine publishes it.
+    pub kv_cache: Option<f64>,
+}
+
+/// Reads an engine's load from its Prometheus text. Series of one name
+/// (per model, per data-parallel rank) are summed for requests; the
+/// largest KV usage is taken.
+pub fn parse_metrics(engine: Engine, text: &str) -> Result<EngineLoad, String> {
+    let Some(series) = engine.series() else {
+        return Err(format!("engine `{}` publishes no load", engine.name()));
+    };
+    let mut running: Option<f64> = None;
+    let mut waiting: Option<f64> = None;
+    let mut kv: Option<(usize, f64)> = None;
+    for line in text.lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let Some((name, value)) = sample(line) else {
+            continue;
+        };
+        if !value.is_finite() {
+            continue;
+        }
+        if series.running.contains(&name) {
+            *running.get_or_insert(0.0) += value;
+        } else if series.waiting.contains(&name) {
+            *waiting.get_or_insert(0.0) += value;
+        } else if let Some(rank) = series.kv.iter().position(|k| *k == name) {
+            let v = if value > 1.0 { value / 100.0 } else { value }.clamp(0.0, 1.0);
+            kv = match kv {
+                Some((r, _)) if rank < r => Some((rank, v)),
+                Some((r, old)) if rank == r => Some((r, old.max(v))),
+                None => Some((rank, v)),
+                keep => keep,
+            };
+        }
+    }
+    let missing = |names: &[&str]| {
+        format!(
+            "its /metrics has no `{}` ({}; is `engine = \"{}\"` right?)",
+            names.join("` or `"),
+            series.enable,
+            engine.name()
+        )
+    };
+    Ok(EngineLoad {
+        running: running.ok_or_else(|| missing(series.running))?,
+        waiting: waiting.ok_or_else(|| missing(series.waiting))?,
+        kv_cache: kv.map(|(_, v)| v),
+    })
+}
+
+/// One sample line: its metric name and value (`name{labels} value [ts]`).
+fn sample(line: &str) -> Option<(&str, f64)> {
+    let (name, rest) = match line.find(['{', ' ', '\t']) {
+        Some(i) if line.as_bytes().get(i) == Some(&b'{') => {
+            // Skip the labels: up to the `}` outside a quoted value.
+            let mut quoted = false;
+            let mut escaped = false;
+            let mut end = None;
+            for (j, c) in line[i..].char_indices() {
+                match c {
+                    _ if escaped => escaped = false,
+                    '\\' if quoted => escaped = true,
+                    '"' => quoted = !quoted,
+                    '}' if !quoted => {
+                        end = Some(i + j);
+                        break;
+                    }
+                    _ => {}
+                }
+            }
+            (&line[..i], &line[end? + 1..])
+        }
+        Some(i) => (&line[..i], &line[i..]),
+        None => return None,
+    };
+    let value = rest.split_whitespace().next()?;
+    let v = match value {
+        "+Inf" => f64::INFINITY,
+        "-Inf" => f64::NEG_INFINITY,
+        "NaN" => f64::NAN,
+        v => v.parse().ok()?,
+    };
+    Some((name, v))
+}
+
+/// The adaptive limit inside the static ceiling: additive increase (one
+/// slot per limit's worth of first tokens within target), multiplicative
+/// decrease (×0.8, at most once per target's time) when a first token
+/// comes later than `target`.
+#[derive(Debug, Clone)]
+pub(super) struct Aimd {
+    limit: f64,
+    ceiling: u32,
+    target: Option<Duration>,
+    last_decrease: Option<Instant>,
+}
+
+impl Aimd {
+    pub(super) fn new(ceiling: u32, target: Option<Duration>) -> Aimd {
+        Aimd {
+            limit: f64::from(ceiling.max(1)),
+            ceiling: ceiling.max(1),
+            target,
+            last_decrease: None,
+        }
+    }
+
+    pub(super) fn limit(&self) -> u32 {
+        (self.limit.floor() as u32).clamp(1, self.ceiling)
+    }
+
+    pub(super) fn observe(&mut self, ttft: Duration, now: Instant) {
+        let Some(target) = self.target else {
+            return;
+        };
+        if ttft > target {
+            let recent = self
+                .last_decrease
+                .is_some_and(|t| now.saturating_duration_since(t) < target);
+            if !recent {
+                self.limit = (self.limit * 0.8).max(1.0);
+                self.last_decrease = Some(now);
+            }
+        } else {
+            self.limit = (self.limit + 1.0 / self.limit.max(1.0)).min(f64::from(self.ceiling));
+        }
+    }
+}
+
+/// The latest scrape and the adaptive limit of one upstream.
+#[derive(Debug)]
+pub(super) struct EngineState {
+    pub(super) last: Option<(EngineLoad, Instant)>,
+    /// Why the last scrape failed, if it did.
+    pub(super) error: Option<String>,
+    pub(super) aimd: Aimd,
+}
+
+impl EngineState {
+    pub(super) fn new(ceiling: u32, target: Option<Duration>) -> EngineState {
+        EngineState {
+            last: None,
+            error: None,
+            aimd: Aimd::new(ceiling, target),
+        }
+    }
+}
+
+/// Feeds a time to first token to the adaptive limit.
+pub(super) fn observe_ttft(state: &std::sync::Mutex<EngineState>, ttft: Duration) {
+    lock(state).aimd.observe(ttft, Instant::now());
+}
+
+fn lock(m: &std::sync::Mutex<EngineState>) -> std::sync::MutexGuard<'_, EngineState> {
+    // Every update is a whole assignment: a poisoned state is still whole.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// What the engine gate decided for a replica, for `/admin/queues`.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct EngineStatus {
+    pub engine: &'static str,
+    /// `ok` (below saturation: sending up to `limit`), `saturated`
+    /// (sending nothing new), `fallback` (no fresh scrape: the static
+    /// `concurrency`).
+    pub state: &'static str,
+    /// The slots kiln may fill now.
+    pub cap: u32,
+    /// The adaptive limit and the static ceiling it moves under.
+    pub limit: u32,
+    pub ceiling: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub load: Option<EngineLoad>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub scraped_ms_ago: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+impl Upstream {
+    /// The engine this upstream runs.
+    pub fn engine(&self) -> Engine {
+        self.cfg.engine
+    }
+
+    /// The slots kiln may fill on this replica now, and why: the adaptive
+    /// limit below saturation, none while saturated (requests running
+    /// there finish; no new one starts), the static `concurrency` without
+    /// a fresh scrape. `None` for an upstream whose engine is not scraped
+    /// (its `concurrency` alone bounds it).
+    pub fn slot_gate(&self) -> Option<EngineStatus> {
+        if !self.cfg.engine.scraped() {
+            return None;
+        }
+        let ceiling = self.cfg.concurrency.max(1);
+        let stale_after = self.cfg.scrape_interval.saturating_mul(3);
+        let st = lock(&self.engine_state);
+        let limit = st.aimd.limit();
+        let now = Instant::now();
+        let base = EngineStatus {
+            engine: self.cfg.engine.name(),
+            state: "fallback",
+            cap: ceiling,
+            limit,
+            ceiling,
+            load: st.last.map(|(l, _)| l),
+            scraped_ms_ago: st
+                .last
+                .map(|(_, at)| now.saturating_duration_since(at).as_millis() as u64),
+            reason: None,
+        };
+        let fresh = match (&st.error, st.last) {
+            (Some(e), _) => Err(format!(
+                "the last scrape failed ({e}): the static concurrency bounds it"
+            )),
+            (None, None) => Err("not scraped yet: the static concurrency bounds it".into()),
+            (None, Some((load, at))) if now.saturating_duration_since(at) > stale_after => {
+                let _ = load;
+                Err(format!(
+                    "no scrape for {}: the static concurrency bounds it",
+                    duration::format(now.saturating_duration_since(at))
+                ))
+            }
+            (None, Some((load, _))) => Ok(load),
+        };
+        let load = match fresh {
+            Ok(load) => load,
+            Err(reason) => {
+                return Some(EngineStatus {
+                    reason: Some(reason),
+                    ..base
+                })
+            }
+        };
+        let over_queue = load.waiting > f64::from(self.cfg.max_engine_waiting);
+        let over_kv = load.kv_cache.is_some_and(|kv| kv >= self.cfg.max_kv_cache);
+        if over_queue || over_kv {
+            let why = if over_queue {
+                format!(
+                    "{} requests wait in the engine (more than max_engine_waiting = {})",
+                    load.waiting, self.cfg.max_engine_waiting
+                )
+            } else {
+                format!(
+                    "KV cache {:.0}% used (max_kv_cache = {:.0}%)",
+                    load.kv_cache.unwrap_or(0.0) * 100.0,
+                    self.cfg.max_kv_cache * 100.0
+                )
+            };
+            return Some(EngineStatus {
+                state: "saturated",
+                cap: 0,
+                reason: Some(format!("{why}: nothing new is sent")),
+                ..base
+            });
+        }
+        Some(EngineStatus {
+            state: "ok",
+            cap: limit,
+            ..base
+        })
+    }
+
+    /// One scrape now: `GET {url}{metrics_path}` within `scrape_timeout`;
+    /// what it read (or why it failed) is kept for [`Upstream::slot_gate`].
+    pub async fn scrape(&self) -> Result<EngineLoad, String> {
+        let engine = self.cfg.engine;
+        let request = self.client.get(self.endpoint(&self.cfg.metrics_path));
+        let request = match &self.auth {
+            Some(auth) => request.header(reqwest::header::AUTHORIZATION, auth.clone()),
+            None => request,
+        };
+        let fetch = async {
+            let resp = request
+                .send()
+                .await
+                .map_err(|e| super::error::error_chain(&e))?;
+            let status = resp.status().as_u16();
+            let (bytes, _) = super::read_body(resp, super::MAX_ERROR_BODY * 16)
+                .await
+                .map_err(|e| super::error::error_chain(&e))?;
+            if !(200..300).contains(&status) {
+                return Err(format!("{} answered HTTP {status}", self.cfg.metrics_path));
+            }
+            parse_metrics(engine, &String::from_utf8_lossy(&bytes))
+        };
+        let outcome = match tokio::time::timeout(self.cfg.scrape_timeout, fetch).await {
+            Ok(r) => r,
+            Err(_) => Err(format!(
+                "no answer within scrape_timeout ({})",
+                duration::format(self.cfg.scrape_timeout)
+            )),
+        };
+        let mut st = lock(&self.engine_state);
+        match &outcome {
+            Ok(load) => {
+                if st.error.take().is_some() {
+                    tracing::info!(upstream = &*self.name, "engine metrics scraped again");
+                }
+                st.last = Some((*load, Instant::now()));
+            }
+            Err(e) => {
+                if st.error.is_none() {
+                    tracing::warn!(upstream = &*self.name, error = %e, "engine metrics scrape failed: the static concurrency bounds it");
+                }
+                st.error = Some(e.clone());
+            }
+        }
+        outcome
+    }
+
+    /// A first token came `ttft` after the request took its slot here:
+    /// feeds the adaptive limit (requests' [`super::Hold`]s do this).
+    pub fn observe_ttft(&self, ttft: Duration) {
+        if self.cfg.engine.scraped() {
+            observe_ttft(&self.engine_state, ttft);
+        }
+    }
+
+    /// Spawns the periodic scrape (the first at once) for an engine that
+    /// is scraped; stops with the last `Arc` of the upstream. `None`
+    /// otherwise, or without a Tokio runtime.
+    pub fn spawn_scrapes(self: &std::sync::Arc<Self>) -> Option<tokio::task::JoinHandle<()>> {
+        if !self.cfg.engine.scraped() {
+            return None;
+        }
+        let runtime = tokio::runtime::Handle::try_current().ok()?;
+        let weak = std::sync::Arc::downgrade(self);
+        let period = self.cfg.scrape_interval;
+        Some(runtime.spawn(async move {
+            let mut ticker = tokio::time::interval(period);
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticker.tick().await;
+                let Some(upstream) = weak.upgrade() else {
+                    break;
+                };
+                let _ = upstream.scrape().await;
+            }
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const VLLM: &str = r#"# HELP vllm:num_requests_running Number of requests currently running on GPU.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
+vllm:gpu_cache_usage_perc{model_name="m"} 0.5
+vllm:kv_cache_usage_perc{model_name="m {odd} \"label\""} 0.25
+vllm:prompt_tokens_total{model_name="m"} 1e6
+"#;
+
+    #[test]
+    fn reads_each_engines_series() {
+        let l = parse_metrics(Engine::Vllm, VLLM).unwrap();
+        assert_eq!((l.running, l.waiting, l.kv_cache), (5.0, 4.0, Some(0.25)));
+        let sg = "sglang:num_running_reqs{model_name=\"m\"} 7\nsglang:num_queue_reqs{model_name=\"m\"} 1\nsglang:token_usage{model_name=\"m\"} 0.9\n";
+        let l = parse_metrics(Engine::Sglang, sg).unwrap();
+        assert_eq!((l.running, l.waiting, l.kv_cache), (7.0, 1.0, Some(0.9)));
+        let ll = "llamacpp:requests_processing 2\nllamacpp:requests_deferred 0\n";
+        let l = parse_metrics(Engine::LlamaCpp, ll).unwrap();
+        assert_eq!((l.running, l.waiting, l.kv_cache), (2.0, 0.0, None));
+        let tgi = "tgi_batch_current_size 4 1700000000\ntgi_queue_size 9\n";
+        let l = parse_metrics(Engine::Tgi, tgi).unwrap();
+        assert_eq!((l.running, l.waiting), (4.0, 9.0));
+    }
+
+    #[test]
+    fn a_missing_series_says_how_to_turn_it_on() {
+        let e = parse_metrics(Engine::Sglang, "up 1\n").unwrap_err();
+        assert!(
+            e.contains("sglang:num_running_reqs") && e.contains("--enable-metrics"),
+            "{e}"
+        );
+        assert!(parse_metrics(Engine::OpenAi, VLLM).is_err());
+    }
+
+    #[test]
+    fn aimd_backs_off_on_late_first_tokens_and_creeps_back() {
+        let mut a = Aimd::new(10, Some(Duration::from_millis(100)));
+        let t0 = Instant::now();
+        a.observe(Duration::from_millis(300), t0);
+        assert_eq!(a.limit(), 8);
+        // A burst of late tokens decreases once per target's time.
+        a.observe(Duration::from_millis(300), t0 + Duration::from_millis(10));
+        assert_eq!(a.limit(), 8);
+        a.observe(Duration::from_millis(300), t0 + Duration::from_millis(200));
+        assert_eq!(a.limit(), 6);
+        for i in 0..100 {
+            a.observe(
+                Duration::from_millis(50),
+                t0 + Duration::from_millis(300 + i),
+            );
+        }
+        assert_eq!(a.limit(), 10, "capped by the ceiling");
+        // No target: fixed at the ceiling.
+        let mut b = Aimd::new(4, None);
+        b.observe(Duration::from_secs(9), t0);
+        assert_eq!(b.limit(), 4);
+    }
+}
