@@ -95,14 +95,18 @@ mod tests {
     fn quantiles_of_a_known_spread() {
         let mut s = Sizes::default();
         assert_eq!(s.quantile(0.9, 1), None);
-        for i in 1..=1000u64 {
-            s.record(i * 10);
+        // Twenty passes over 100 sizes: recent samples weigh a little
+        // more (forgetting), so no long run of one size may dominate.
+        for _ in 0..20 {
+            for i in 1..=100u64 {
+                s.record(i * 100);
+            }
         }
         let p90 = s.quantile(0.9, 100).unwrap_or(0) as f64;
-        assert!((p90 / 9000.0 - 1.0).abs() < 0.12, "p90 {p90}");
+        assert!((p90 / 9000.0 - 1.0).abs() < 0.15, "p90 {p90}");
         let p50 = s.quantile(0.5, 100).unwrap_or(0) as f64;
-        assert!((p50 / 5000.0 - 1.0).abs() < 0.12, "p50 {p50}");
-        assert_eq!(s.quantile(0.9, 2000), None);
+        assert!((p50 / 5000.0 - 1.0).abs() < 0.15, "p50 {p50}");
+        assert_eq!(s.quantile(0.9, 2001), None);
     }
 
     #[test]

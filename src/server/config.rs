@@ -6,6 +6,7 @@
 //! Secrets are stored hashed (SHA-256, hex): `kiln hash-key KEY` prints the
 //! hash to paste here, so the file can be reviewed and committed.
 
+pub use super::batch_config::BatchSection;
 pub use crate::backend::deploy::{PoolBackend, UpstreamEntry};
 use miette::{NamedSource, SourceSpan};
 use serde::Deserialize;
@@ -160,109 +161,6 @@ fn default_replicas() -> u32 {
 
 fn default_lease() -> std::time::Duration {
     std::time::Duration::from_secs(10)
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct BatchSection {
-    /// The SQLite database of files, batches and results. `kiln serve`
-    /// defaults to `.kiln/batches.db` (beside where it runs); a gateway
-    /// started in-process without one keeps a temporary database.
-    #[serde(default)]
-    pub store: Option<PathBuf>,
-    /// Batch items handed to the scheduler at once, over all batches: the
-    /// gateway holds these (not whole files) in memory. The runner keeps
-    /// twice the fleet's batch slots in flight (every slot full and as
-    /// many waiting) and never more than this.
-    #[serde(default = "default_batch_in_flight")]
-    pub max_in_flight: usize,
-    /// Per file, as OpenAI's: 50,000 requests, 200 MB.
-    #[serde(default = "default_batch_requests")]
-    pub max_requests: u64,
-    #[serde(default = "default_batch_bytes")]
-    pub max_file_bytes: u64,
-    /// Tries of one item that an upstream answers with a 5xx (or that
-    /// times out) before the item goes to the error file. Refusals by the
-    /// gateway itself (429, 503) are not tries: they wait and come back.
-    #[serde(default = "default_batch_attempts")]
-    pub max_attempts: u32,
-    /// The first wait before an item is tried again; each further try
-    /// waits twice as long (at most `retry_max`), with deterministic
-    /// jitter (from the batch id, line and try) so items that failed
-    /// together do not return together.
-    #[serde(
-        default = "default_batch_retry_base",
-        deserialize_with = "crate::units::duration::deserialize"
-    )]
-    pub retry_base: std::time::Duration,
-    #[serde(
-        default = "default_batch_retry_max",
-        deserialize_with = "crate::units::duration::deserialize"
-    )]
-    pub retry_max: std::time::Duration,
-    /// The failure budget: once at least `min_outcomes_for_budget` items
-    /// have an outcome and more than this share of them failed, the batch
-    /// stops (status `failed`, code `too_many_failures`): its unrun items
-    /// go to the error file and what did run stays in the output file.
-    /// 1.0 turns the budget off.
-    #[serde(default = "default_batch_failed_share")]
-    pub max_failed_share: f64,
-    #[serde(default = "default_batch_min_outcomes")]
-    pub min_outcomes_for_budget: u64,
-    /// The most the store's database may grow to, in bytes (SQLite's
-    /// `max_page_count`); past it writes fail as on a full disk (uploads
-    /// get 507, the runner pauses). None: only the disk limits it.
-    #[serde(default)]
-    pub max_store_bytes: Option<u64>,
-}
-
-fn default_batch_attempts() -> u32 {
-    3
-}
-
-fn default_batch_retry_base() -> std::time::Duration {
-    std::time::Duration::from_secs(1)
-}
-
-fn default_batch_retry_max() -> std::time::Duration {
-    std::time::Duration::from_secs(60)
-}
-
-fn default_batch_failed_share() -> f64 {
-    0.5
-}
-
-fn default_batch_min_outcomes() -> u64 {
-    100
-}
-
-fn default_batch_in_flight() -> usize {
-    1024
-}
-
-fn default_batch_requests() -> u64 {
-    crate::batch::MAX_REQUESTS
-}
-
-fn default_batch_bytes() -> u64 {
-    crate::batch::MAX_FILE_BYTES
-}
-
-impl Default for BatchSection {
-    fn default() -> Self {
-        BatchSection {
-            store: None,
-            max_in_flight: default_batch_in_flight(),
-            max_requests: default_batch_requests(),
-            max_file_bytes: default_batch_bytes(),
-            max_attempts: default_batch_attempts(),
-            retry_base: default_batch_retry_base(),
-            retry_max: default_batch_retry_max(),
-            max_failed_share: default_batch_failed_share(),
-            min_outcomes_for_budget: default_batch_min_outcomes(),
-            max_store_bytes: None,
-        }
-    }
 }
 
 fn yes() -> bool {

@@ -14,6 +14,7 @@
 pub mod activation;
 pub mod admin;
 pub mod auth;
+pub mod batch_config;
 pub mod batch_lines;
 pub mod batch_runner;
 pub mod batches;
