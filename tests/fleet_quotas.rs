@@ -68,6 +68,9 @@ fn config(url: &str, ns: &str, i: usize, speed: f64, on: OnUnavailable) -> Serve
         // Deliberately wrong: the fleet's size comes from the registry.
         replicas: 1,
         lease: Duration::from_millis(900),
+        ca_file: None,
+        client_cert: None,
+        client_key: None,
     });
     cfg
 }
@@ -599,6 +602,9 @@ async fn light_share(redis: &Redis, light_on: &[usize], heavy_on: &[usize]) -> (
             on_unavailable: OnUnavailable::Local,
             replicas: 3,
             lease: Duration::from_secs(2),
+            ca_file: None,
+            client_cert: None,
+            client_key: None,
         });
         gateways.push(serve_on_loopback(policy("w.kiln", WEIGHTED), cfg).await);
     }
