@@ -209,9 +209,17 @@ async fn a_quota_holds_over_the_fleet_whatever_the_spread() {
         let per_min = admitted_per_minute(&f, weights, speed).await;
         f.stop().await;
         eprintln!("spread {weights:?}: {per_min:.1} admitted per minute of 600");
+        // The promise is the upper bound: never more than the quota (5%
+        // for timing). Below it, a loaded 2-core runner paces the client
+        // late and refills arrive between window edges (558 of 600 seen at
+        // load average 9): the lower bound only catches a broken refill.
         assert!(
-            (per_min - 600.0).abs() <= 0.05 * 600.0,
-            "spread {weights:?}: {per_min:.0} admitted per minute, not within 5% of 600"
+            per_min <= 1.05 * 600.0,
+            "spread {weights:?}: {per_min:.0} admitted per minute, over 5% above 600"
+        );
+        assert!(
+            per_min >= 0.85 * 600.0,
+            "spread {weights:?}: {per_min:.0} admitted per minute, under 85% of 600"
         );
     }
 }
