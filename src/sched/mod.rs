@@ -1576,6 +1576,13 @@ impl Scheduler {
         } else {
             (ahead.tokens, 1.0)
         };
+        // Size-neutral pricing ([`sizes`]) for a tenant that others are
+        // ahead of in fair order: that is where its short prompts would
+        // pass where its long ones fail. A tenant alone, or at the head of
+        // fair order, is priced at its own size (and the reference is not
+        // priced at all: this runs on every arrival).
+        let above_share = self.above_share(q.key, q.tier, q.tenant) || ahead.above_share;
+        let reference = if above_share { q.reference } else { 0 };
         // A replica takes new work at its next step boundary.
         let (mut rate, mut prefill, mut prefill_ref) = (0.0, Micros::MAX, Micros::MAX);
         let (mut room_at, mut boundary) = (Micros::MAX, Micros::MAX);
@@ -1606,8 +1613,8 @@ impl Scheduler {
             let rank = self.start_rank(r, q.tier);
             let own = rep.first_token_time(tokens, rank);
             prefill = prefill.min(own);
-            prefill_ref = prefill_ref.min(if q.reference > tokens {
-                rep.first_token_time(q.reference, rank)
+            prefill_ref = prefill_ref.min(if reference > tokens {
+                rep.first_token_time(reference, rank)
             } else {
                 own
             });
@@ -1647,11 +1654,6 @@ impl Scheduler {
         } else {
             (((ahead_tokens / rate) * SEC as f64) as Micros).saturating_add(boundary)
         };
-        let above_share = self.above_share(q.key, q.tier, q.tenant) || ahead.above_share;
-        // Size-neutral pricing ([`sizes`]) for a tenant that others are
-        // ahead of in fair order: that is where its short prompts would
-        // pass where its long ones fail. A tenant alone, or at the head of
-        // fair order, is priced at its own size.
         let prefill = if above_share { prefill_ref } else { prefill };
         // Corrected by how far off such estimates have been lately.
         let factor = self
