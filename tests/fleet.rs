@@ -5,7 +5,8 @@
 //! replica within a second, a hundred activations under load fail nothing
 //! and log every request with the one version that decided it, and when
 //! Redis goes away the operator's `on_unavailable` applies (local limits,
-//! or refusals) and sharing resumes when it returns.
+//! or refusals) and sharing resumes when it returns. The governance audit
+//! chain Redis keeps is bounded and still verifies.
 //! `tests/fleet_kill.rs` kills a replica with `kill -9` mid-load.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code may panic
 
@@ -700,4 +701,129 @@ async fn upstream_slots_never_sum_past_the_capacity() {
         "alone in wanting slots, r0 holds {} of {CAP}",
         caps[0]
     );
+}
+
+/// The governance audit chain Redis holds is bounded: over its bound the
+/// oldest lines are cut and a checkpoint stands for them (how many, the
+/// last one's hash, what they told). Commits of generated sizes; after
+/// each, Redis holds at most the bound, and a reader that had seen any
+/// number of entries (none, some cut since, all) reads on to the same
+/// head, each kept line verified against the one before it (the first
+/// against the checkpoint, whose head is the last cut line's hash). A kept
+/// line edited in Redis is caught.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shared_audit_chain_is_trimmed_and_still_verifies() {
+    use kiln::governance::audit::{AuditLog, Facts};
+    use kiln::shared::{ChainCommit, Committed, Store, StoreConfig};
+    let Some(redis) = Redis::start() else { return };
+    let ns = namespace();
+    let store = Store::open(&StoreConfig {
+        url: redis.url(),
+        namespace: ns.clone(),
+        replica: "r".into(),
+        lease: Duration::from_secs(30),
+        tls: Default::default(),
+    })
+    .unwrap();
+    assert!(store.lease("gov", 30_000).await.unwrap());
+    let keep = 8u64;
+    // The writer's log learns from what it appends, as a replica's does.
+    let mut log = AuditLog::shared();
+    let mut all: Vec<String> = Vec::new();
+    let mut head: Option<String> = None;
+    for (i, n) in [1usize, 3, 5, 2, 4, 1, 6, 3, 2, 4, 9]
+        .into_iter()
+        .enumerate()
+    {
+        let mut lines = Vec::new();
+        for _ in 0..n {
+            let (kind, details) = if all.is_empty() && lines.is_empty() {
+                ("gateway", json!({"gateway": "g-1"}))
+            } else {
+                (
+                    "proposal",
+                    json!({"id": format!("p-{}", all.len() + lines.len())}),
+                )
+            };
+            lines.push(
+                log.append(1_000 + i as u64, kind, "t", details)
+                    .unwrap()
+                    .line(),
+            );
+        }
+        let commit = ChainCommit {
+            expected_len: all.len() as u64,
+            expected_head: head.clone(),
+            lines: lines.clone(),
+            new_head: log.head().to_string(),
+            keep,
+            checkpoint_extra: serde_json::to_vec(log.facts()).unwrap(),
+            ..Default::default()
+        };
+        assert_eq!(
+            store.chain_commit("gov", "gov", &commit).await.unwrap(),
+            Committed::Written,
+            "commit {i}"
+        );
+        all.extend(lines);
+        head = Some(log.head().to_string());
+        let len = all.len() as u64;
+        let held = redis.list(&format!("{ns}:gov:audit")).await;
+        assert!(
+            held.len() as u64 <= keep,
+            "commit {i}: {} lines held",
+            held.len()
+        );
+        for start in 0..=len {
+            let r = store.chain_read("gov", start).await.unwrap();
+            assert_eq!(r.len, len, "the length counts the lines cut");
+            let mut reader = AuditLog::memory();
+            for l in &all[..start as usize] {
+                reader.absorb(l).unwrap();
+            }
+            if let Some(cp) = r.checkpoint.as_ref().filter(|cp| start < cp.entries) {
+                let cut: Value = serde_json::from_str(&all[cp.entries as usize - 1]).unwrap();
+                assert_eq!(cut["hash"].as_str(), Some(cp.head.as_str()));
+                let facts: Facts = serde_json::from_slice(&cp.extra).unwrap();
+                reader.resume_at(cp.entries, &cp.head, facts);
+            }
+            for l in &r.lines {
+                reader.absorb(l).unwrap();
+            }
+            assert_eq!(reader.entries(), len, "commit {i}, read from {start}");
+            assert_eq!(reader.head(), log.head(), "commit {i}, read from {start}");
+            assert_eq!(reader.facts().gateway.as_deref(), Some("g-1"));
+            assert_eq!(
+                reader.facts().highest_proposal,
+                log.facts().highest_proposal
+            );
+        }
+    }
+    assert!(
+        all.len() as u64 > 4 * keep,
+        "the chain was cut several times"
+    );
+    // A kept line edited in Redis does not verify.
+    let key = format!("{ns}:gov:audit");
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut c = client.get_multiplexed_async_connection().await.unwrap();
+    let first: String = redis::cmd("LINDEX")
+        .arg(&key)
+        .arg(1)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("LSET")
+        .arg(&key)
+        .arg(1)
+        .arg(first.replace("\"t\"", "\"mallory\""))
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let r = store.chain_read("gov", 0).await.unwrap();
+    let cp = r.checkpoint.unwrap();
+    let mut reader = AuditLog::memory();
+    reader.resume_at(cp.entries, &cp.head, Facts::default());
+    let verified: Result<(), _> = r.lines.iter().try_for_each(|l| reader.absorb(l));
+    assert!(verified.is_err(), "an edited line must not verify");
 }

@@ -404,7 +404,8 @@ fn verify_lines_visiting(
 
 /// What the gateway learns from its audit log when it opens it: facts that
 /// a lost or replaced state file cannot take away.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Facts {
     /// The gateway's identity, from the first `gateway` entry.
     pub gateway: Option<String>,
@@ -415,6 +416,15 @@ pub struct Facts {
 }
 
 impl Facts {
+    /// Adds what `other` knows (entries this log did not read).
+    pub fn merge(&mut self, other: Facts) {
+        if self.gateway.is_none() {
+            self.gateway = other.gateway;
+        }
+        self.highest_proposal = self.highest_proposal.max(other.highest_proposal);
+        self.signatures.extend(other.signatures);
+    }
+
     fn learn(&mut self, e: &Entry) {
         match e.kind.as_str() {
             "gateway" if self.gateway.is_none() => {
@@ -522,6 +532,19 @@ impl AuditLog {
         }
         self.recent.push_back(e);
         Ok(())
+    }
+
+    /// Goes on from a checkpoint of a shared chain whose oldest lines were
+    /// trimmed: `entries` of them, the last hashing to `head`, and what
+    /// they told (`facts`). The next line absorbed must chain to `head`.
+    /// A log already past the checkpoint is left as it is.
+    pub fn resume_at(&mut self, entries: u64, head: &str, facts: Facts) {
+        if entries <= self.seq {
+            return;
+        }
+        self.seq = entries;
+        self.head = head.to_string();
+        self.facts.merge(facts);
     }
 
     /// Opens (or creates) the file and verifies what it holds: a broken

@@ -6,7 +6,9 @@
 //! The store holds, under the fleet's namespace, the state snapshot at
 //! `gov:state` (the state file's JSON, closed proposals included), the
 //! audit chain's lines at `gov:audit` (the file's line format, the same
-//! hash chain) with its head at `gov:audit:head`, and the rollout in
+//! hash chain; the newest [`AUDIT_KEPT`] at most, the older ones stood for
+//! by a checkpoint at `gov:audit:checkpoint`) with its head at
+//! `gov:audit:head`, and the rollout in
 //! progress as the replica running it last published it (`gov:rollout`,
 //! short-lived).
 //!
@@ -59,6 +61,14 @@ const PREFIX: &str = "gov";
 pub const STEP_WAIT: Duration = Duration::from_secs(2);
 /// Between two tries for the lease.
 const RETRY: Duration = Duration::from_millis(10);
+/// The most audit lines the shared store keeps: over it, the oldest are
+/// trimmed (to three quarters of it) and a checkpoint stands for them (how
+/// many, the last one's hash, and what they told: the fleet's identity,
+/// the highest proposal id, accepted signatures), so the chain kept still
+/// verifies link by link from it and Redis's memory stays bounded. The
+/// lines cut are kept nowhere else: a copy taken before (the head it ends
+/// on is the checkpoint's) still verifies against it.
+pub const AUDIT_KEPT: u64 = 10_000;
 
 /// Why a fleet-wide governance step did not happen, or was not recorded.
 #[derive(Debug, thiserror::Error, miette::Diagnostic)]
@@ -313,6 +323,13 @@ impl Gov {
         }
         let gateway = {
             let mut a = lock(&self.audit);
+            // The lines this replica has not read were trimmed: it goes on
+            // from the checkpoint, and what follows must chain to it.
+            if let Some(cp) = read.checkpoint.as_ref().filter(|cp| start < cp.entries) {
+                let facts = serde_json::from_slice(&cp.extra)
+                    .map_err(|e| StepError::Broken(format!("the audit chain's checkpoint: {e}")))?;
+                a.resume_at(cp.entries, &cp.head, facts);
+            }
             for l in &read.lines {
                 a.absorb(l).map_err(|e| StepError::Broken(format!("{e}")))?;
             }
@@ -479,9 +496,10 @@ impl Gov {
     /// runner, the rollout in progress) in one script; undone locally if
     /// the store refuses it.
     async fn commit(&self, gw: &impl Gateway, store: &Store, lead: bool) -> Result<(), StepError> {
-        let (lines, new_head) = {
+        let (lines, new_head, facts) = {
             let mut a = lock(&self.audit);
-            (a.take_staged(), a.head().to_string())
+            let facts = serde_json::to_vec(a.facts()).unwrap_or_default();
+            (a.take_staged(), a.head().to_string(), facts)
         };
         let bytes = self.snapshot(gw, true).to_bytes();
         let (expected_len, expected_head, changed, published) = {
@@ -522,6 +540,9 @@ impl Gov {
             side: side.clone(),
             // Vanishes when the runner stops publishing it.
             side_ms: store.lease_ms(),
+            keep: AUDIT_KEPT,
+            // What the trimmed lines told (every line's, a superset).
+            checkpoint_extra: facts,
         };
         let why = match store.chain_commit(PREFIX, STEP_LEASE, &commit).await {
             Ok(Committed::Written) => {

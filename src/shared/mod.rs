@@ -238,8 +238,21 @@ pub struct ChainRead {
     pub len: u64,
     /// The side record (short-lived, see [`ChainCommit::side`]), if any.
     pub side: Option<Vec<u8>>,
-    /// The lines from the one asked for to the end.
+    /// The lines from the one asked for to the end (from the oldest kept
+    /// where that one was trimmed: see `checkpoint`).
     pub lines: Vec<String>,
+    /// Where the lines kept start, when the oldest were trimmed.
+    pub checkpoint: Option<Checkpoint>,
+}
+
+/// The lines trimmed from a chain's start ([`ChainCommit::keep`]): how
+/// many, the hash of the last (the first kept line chains to it), and
+/// what the writer kept of them ([`ChainCommit::checkpoint_extra`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Checkpoint {
+    pub entries: u64,
+    pub head: String,
+    pub extra: Vec<u8>,
 }
 
 /// One extension of a hash-chained record (see [`Store::chain_commit`]).
@@ -258,6 +271,13 @@ pub struct ChainCommit {
     /// renewing it).
     pub side: Option<Option<Vec<u8>>>,
     pub side_ms: u64,
+    /// The most lines the store keeps (0: all): over it, the oldest are
+    /// trimmed to three quarters of it and a [`Checkpoint`] stands for
+    /// them.
+    pub keep: u64,
+    /// Stored with the checkpoint when this commit trims (what a reader
+    /// starting from it needs of the lines it cannot read).
+    pub checkpoint_extra: Vec<u8>,
 }
 
 /// How [`Store::chain_commit`] ended.
@@ -847,21 +867,27 @@ impl Store {
             .map(|_| ())
     }
 
-    fn chain_keys(&self, prefix: &str) -> [String; 4] {
+    fn chain_keys(&self, prefix: &str) -> [String; 5] {
         [
             self.key(&[prefix, "state"]),
             self.key(&[prefix, "audit"]),
             self.key(&[prefix, "audit", "head"]),
             self.key(&[prefix, "rollout"]),
+            self.key(&[prefix, "audit", "checkpoint"]),
         ]
     }
 
     /// The hash-chained record under `prefix` (its state, chain head and
     /// length, side record, and its lines from `start`), read atomically.
     pub async fn chain_read(&self, prefix: &str, start: u64) -> Result<ChainRead, StoreError> {
-        let [state, list, head, side] = self.chain_keys(prefix);
+        let [state, list, head, side, cp] = self.chain_keys(prefix);
         let mut inv = self.scripts.chain_read.prepare_invoke();
-        inv.key(state).key(list).key(head).key(side).arg(start);
+        inv.key(state)
+            .key(list)
+            .key(head)
+            .key(side)
+            .key(cp)
+            .arg(start);
         let mut c = self.conn.clone();
         let v: Vec<redis::Value> = self
             .call(async move { inv.invoke_async(&mut c).await })
@@ -883,26 +909,36 @@ impl Store {
                 message: format!("a chain line is not UTF-8: {e}"),
             })
         };
-        let len = match v.get(2) {
-            Some(redis::Value::Int(n)) => (*n).max(0) as u64,
-            other => {
-                return Err(StoreError::Protocol {
-                    message: format!("the chain read's length is {other:?}"),
-                })
-            }
+        let count = |i: usize, what: &str| match v.get(i) {
+            Some(redis::Value::Int(n)) => Ok((*n).max(0) as u64),
+            other => Err(StoreError::Protocol {
+                message: format!("the chain read's {what} is {other:?}"),
+            }),
         };
+        let len = count(2, "length")?;
+        let trimmed = count(4, "checkpoint")?;
         let mut lines = Vec::new();
-        for l in v.iter().skip(4) {
+        for l in v.iter().skip(7) {
             if let Some(b) = bytes(Some(l))? {
                 lines.push(text(b)?);
             }
         }
+        let checkpoint = if trimmed > 0 {
+            Some(Checkpoint {
+                entries: trimmed,
+                head: bytes(v.get(5))?.map(text).transpose()?.unwrap_or_default(),
+                extra: bytes(v.get(6))?.unwrap_or_default(),
+            })
+        } else {
+            None
+        };
         Ok(ChainRead {
             state: bytes(v.first())?,
             head: bytes(v.get(1))?.map(text).transpose()?,
             len,
             side: bytes(v.get(3))?,
             lines,
+            checkpoint,
         })
     }
 
@@ -915,13 +951,14 @@ impl Store {
         lease: &str,
         commit: &ChainCommit,
     ) -> Result<Committed, StoreError> {
-        let [state, list, head, side] = self.chain_keys(prefix);
+        let [state, list, head, side, cp] = self.chain_keys(prefix);
         let mut inv = self.scripts.chain_commit.prepare_invoke();
         inv.key(self.key(&["lease", lease]))
             .key(list)
             .key(head)
             .key(state)
             .key(side)
+            .key(cp)
             .arg(&self.replica)
             .arg(commit.expected_len)
             .arg(commit.expected_head.as_deref().unwrap_or(""))
@@ -930,7 +967,9 @@ impl Store {
             .arg(commit.state.as_deref().unwrap_or(b""))
             .arg(if commit.side.is_some() { "1" } else { "0" })
             .arg(commit.side.clone().flatten().unwrap_or_default())
-            .arg(commit.side_ms.max(1));
+            .arg(commit.side_ms.max(1))
+            .arg(commit.keep)
+            .arg(commit.checkpoint_extra.as_slice());
         for l in &commit.lines {
             inv.arg(l);
         }

@@ -409,16 +409,25 @@ return mine
 /// Reads a hash-chained record (governance's) in one step, so its state
 /// and its chain are never seen half written. KEYS: 1 the state, 2 the
 /// chain (a list of lines), 3 the chain's head hash, 4 a side record (the
-/// rollout in progress). ARGV: 1 the first line wanted (0-based).
-/// Returns {state, head, length, side, lines…} ("" for what is missing).
+/// rollout in progress), 5 the checkpoint of the lines trimmed from the
+/// chain's start (a hash: `entries` trimmed, `head` the last trimmed
+/// line's hash, `extra` what the writer kept of them). ARGV: 1 the first
+/// line wanted (0-based, counting trimmed lines).
+/// Returns {state, head, length (trimmed lines included), side,
+/// checkpoint entries, checkpoint head, checkpoint extra, lines…} ("" for
+/// what is missing): the lines from the one wanted, or from the oldest
+/// kept where that one was trimmed (the reader resumes from the
+/// checkpoint).
 const CHAIN_READ: &str = r#"
 local st = redis.call('GET', KEYS[1]) or ''
 local head = redis.call('GET', KEYS[3]) or ''
-local len = redis.call('LLEN', KEYS[2])
+local cp = redis.call('HMGET', KEYS[5], 'entries', 'head', 'extra')
+local base = tonumber(cp[1]) or 0
+local kept = redis.call('LLEN', KEYS[2])
 local side = redis.call('GET', KEYS[4]) or ''
-local out = {st, head, len, side}
-local from = tonumber(ARGV[1])
-if from < len then
+local out = {st, head, base + kept, side, base, cp[2] or '', cp[3] or ''}
+local from = math.max(0, tonumber(ARGV[1]) - base)
+if from < kept then
   local lines = redis.call('LRANGE', KEYS[2], from, -1)
   for i = 1, #lines do table.insert(out, lines[i]) end
 end
@@ -429,19 +438,34 @@ return out
 /// writer still holds the record's lease and the chain still ends where
 /// the writer read it: a writer that lost its lease, or read a chain that
 /// moved since, can never fork it. KEYS: 1 the lease, 2 the chain, 3 its
-/// head, 4 the state, 5 the side record. ARGV: 1 holder, 2 expected length,
-/// 3 expected head ("" for none yet), 4 new head, 5 "1" to write the state,
-/// 6 the state, 7 "1" to write the side record, 8 it ("" deletes it),
-/// 9 its lifetime in ms, 10… lines. Returns 1 (written), 0 (lease not
-/// held) or -1 (the chain moved).
+/// head, 4 the state, 5 the side record, 6 the checkpoint (see
+/// [`CHAIN_READ`]). ARGV: 1 holder, 2 expected length (trimmed lines
+/// included), 3 expected head ("" for none yet), 4 new head, 5 "1" to
+/// write the state, 6 the state, 7 "1" to write the side record, 8 it (""
+/// deletes it), 9 its lifetime in ms, 10 the most lines the chain keeps
+/// (0: all), 11 the checkpoint's extra, 12… lines. Returns 1 (written), 0
+/// (lease not held) or -1 (the chain moved).
+/// A chain over its bound is cut to three quarters of it, oldest lines
+/// first: the checkpoint then counts them and holds the hash of the last
+/// one cut, so the lines kept still verify link by link from it (and a
+/// copy of the cut lines verifies against it).
 const CHAIN_COMMIT: &str = r#"
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-if redis.call('LLEN', KEYS[2]) ~= tonumber(ARGV[2]) then return -1 end
+local base = tonumber(redis.call('HGET', KEYS[6], 'entries')) or 0
+if base + redis.call('LLEN', KEYS[2]) ~= tonumber(ARGV[2]) then return -1 end
 local head = redis.call('GET', KEYS[3]) or ''
 if head ~= ARGV[3] then return -1 end
-if #ARGV >= 10 then
-  for i = 10, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
+if #ARGV >= 12 then
+  for i = 12, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
   redis.call('SET', KEYS[3], ARGV[4])
+end
+local bound = tonumber(ARGV[10])
+local kept = redis.call('LLEN', KEYS[2])
+if bound > 0 and kept > bound then
+  local cut = kept - math.max(1, math.floor(bound * 3 / 4))
+  local last = cjson.decode(redis.call('LINDEX', KEYS[2], cut - 1))
+  redis.call('HSET', KEYS[6], 'entries', base + cut, 'head', last['hash'], 'extra', ARGV[11])
+  redis.call('LTRIM', KEYS[2], cut, -1)
 end
 if ARGV[5] == '1' then redis.call('SET', KEYS[4], ARGV[6]) end
 if ARGV[7] == '1' then
