@@ -5,8 +5,11 @@
 //! replica within a second, a hundred activations under load fail nothing
 //! and log every request with the one version that decided it, and when
 //! Redis goes away the operator's `on_unavailable` applies (local limits,
-//! or refusals) and sharing resumes when it returns. The governance audit
-//! chain Redis keeps is bounded and still verifies.
+//! or refusals) and sharing resumes when it returns. A claim that takes
+//! the fleet's last request is served; a claim or a spending report whose
+//! answer is lost (held back past the call's timeout by a relay in front
+//! of Redis) is charged once; the governance audit chain Redis keeps is
+//! bounded and still verifies.
 //! `tests/fleet_kill.rs` kills a replica with `kill -9` mid-load.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code may panic
 
@@ -17,7 +20,7 @@ use serde_json::{json, Value};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use support::redis::Redis;
+use support::redis::{DelayProxy, Redis};
 use support::{client, policy, serve_on_loopback};
 
 pub const POLICY: &str = r#"
@@ -138,6 +141,23 @@ async fn chat(c: &reqwest::Client, base: &str, key: &str) -> (u16, Option<String
     }
 }
 
+/// A chat completion's status, and its error's code and message if any.
+async fn answer(c: &reqwest::Client, base: &str, key: &str) -> (u16, String, String) {
+    let r = c
+        .post(format!("{base}/v1/chat/completions"))
+        .bearer_auth(key)
+        .json(&json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}))
+        .send()
+        .await;
+    let Ok(r) = r else {
+        return (0, String::new(), String::new());
+    };
+    let s = r.status().as_u16();
+    let v: Value = r.json().await.unwrap_or(Value::Null);
+    let text = |k: &str| v["error"][k].as_str().unwrap_or("").to_string();
+    (s, text("code"), text("message"))
+}
+
 /// Sends the tenant `capped` (600/min) well over its quota, spread over the
 /// replicas by `weights`, and counts admissions in a measured window after
 /// the bucket's minute of burst is spent.
@@ -190,15 +210,32 @@ async fn admitted_per_minute(f: &Fleet, weights: [u32; 3], speed: f64) -> (f64, 
         sent += 1;
         let (c, b, ok) = (c.clone(), f.bases[pick(n)].clone(), ok.clone());
         handles.push(tokio::spawn(async move {
-            if chat(&c, &b, "k-capped").await.0 == 200 {
+            let answer = answer(&c, &b, "k-capped").await;
+            if answer.0 == 200 {
                 ok.fetch_add(1, Ordering::Relaxed);
             }
+            answer
         }));
     }
     let elapsed = start.elapsed().as_secs_f64();
+    let mut statuses = std::collections::BTreeMap::new();
     for h in handles {
-        h.await.unwrap();
+        *statuses.entry(h.await.unwrap()).or_insert(0u64) += 1;
     }
+    // What a reader of a failure needs: the answers (status, error code
+    // and message), and each replica's calls to Redis that failed and
+    // claims taken back (granted in Redis, answer lost, decided by the
+    // replica instead).
+    let counts: Vec<(u64, u64)> = f
+        .gateways
+        .iter()
+        .map(|g| {
+            let fl = g.app.fleet.as_ref().unwrap();
+            (fl.store.failures(), fl.claims_taken_back())
+        })
+        .collect();
+    eprintln!("answers {statuses:?}; per replica (failed calls, claims taken back) {counts:?}");
+
     // Admissions, and requests actually sent (a loaded runner paces the
     // client late), per minute of policy time.
     let per_min = |x: f64| x / (elapsed * speed / 60.0);
@@ -217,21 +254,18 @@ async fn a_quota_holds_over_the_fleet_whatever_the_spread() {
         let (per_min, sent) = admitted_per_minute(&f, weights, speed).await;
         f.stop().await;
         eprintln!("spread {weights:?}: {per_min:.1} admitted per minute of 600 ({sent:.0} sent)");
-        // The promise is the upper bound: never more than the quota (5%
-        // for timing). The lower bound is against what the client managed
-        // to send. KNOWN DEFECT (open, issue 29): since tier and model
-        // quotas are claimed with the tenant's, a loaded fleet admits
-        // 31-93% of the allowance (189-560 of 600 a minute seen on a
-        // 2-core runner); every refusal is the fleet's `requests` bucket.
-        // The bound below catches a fleet that stops admitting, not that
-        // (189 of 600 seen with two builds running beside the test).
+        // Never more than the quota (5% for timing), and, offered twice
+        // it, at least 90% of it (of what the client managed to send, on a
+        // runner that paces it late). 599.8, 602.8 and 600.6 a minute with
+        // other builds loading the 2-core runner (load 10); before a
+        // granted claim was served whatever 0% it left, 455-582.
         assert!(
             per_min <= 1.05 * 600.0,
             "spread {weights:?}: {per_min:.0} admitted per minute, over 5% above 600"
         );
         let due = 600.0f64.min(sent);
         assert!(
-            per_min >= 0.2 * due,
+            per_min >= 0.9 * due,
             "spread {weights:?}: {per_min:.0} admitted per minute of {due:.0} due ({sent:.0} sent)"
         );
     }
@@ -703,6 +737,175 @@ async fn upstream_slots_never_sum_past_the_capacity() {
     );
 }
 
+/// The requests bucket of tenant `capped` in namespace `ns`: its level and
+/// when (Redis's clock, ms) it was last written.
+async fn bucket(url: &str, ns: &str) -> (f64, f64) {
+    let h = support::redis::hash(url, &format!("{ns}:quota:capped")).await;
+    let rl: f64 = h.get("rl").expect("a requests bucket").parse().unwrap();
+    let ra: f64 = h.get("ra").expect("its time").parse().unwrap();
+    (rl, ra)
+}
+
+/// GPU-seconds charged today to tenant `capped` in namespace `ns`.
+async fn gpu_used(url: &str, ns: &str) -> f64 {
+    let h = support::redis::hash(url, &format!("{ns}:quota:capped")).await;
+    h.get("gu").map_or(0.0, |v| v.parse::<f64>().unwrap())
+}
+
+/// A claim whose answer comes back after the call's timeout (the script
+/// ran in Redis; a loaded host, a slow network) leaves its request to the
+/// replica, which decides it alone and reports what it spent: the fleet
+/// charges such a request once, not once for the claim and again for the
+/// report. Rounds of 1 to 15 claims lost at once; the charge is read from
+/// Redis's bucket, refill accounted by Redis's clock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_whose_answer_is_lost_is_charged_once() {
+    let Some(redis) = Redis::start() else { return };
+    let proxy = DelayProxy::start(redis.port).await;
+    let ns = namespace();
+    let mut cfg = config(&proxy.url(), &ns, OnUnavailable::Local, 1.0, None);
+    if let Some(st) = cfg.state.as_mut() {
+        st.replicas = 1;
+    }
+    // 60 a minute: a bucket of 60 refilled by one a second; GPU-seconds
+    // far above what the rounds use.
+    let text = POLICY.replace("requests 600/min", "requests 60/min gpu_seconds 50000/day");
+    let g = serve_on_loopback(policy("fleet.kiln", &text), cfg).await;
+    let base = format!("http://{}", g.addr);
+    let fl = g.app.fleet.clone().unwrap();
+    let c = client(Duration::from_secs(10));
+    // Claimed through the fleet, a bucket well under full (so that the
+    // refill read from Redis's clock is never cut by the bucket's top).
+    for _ in 0..25 {
+        assert_eq!(chat(&c, &base, "k-capped").await.0, 200, "claimed");
+    }
+    let url = redis.url();
+    let gpu = || gpu_used(&url, &ns);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for n in [1usize, 6, 15] {
+        let (rl0, ra0) = bucket(&redis.url(), &ns).await;
+        let taken0 = fl.claims_taken_back();
+        let gpu0 = gpu().await;
+        // Answers held back past the call's timeout (300 ms): every claim
+        // runs in Redis, and the replica decides each request alone.
+        proxy.set_delay(Duration::from_millis(700));
+        let sent: Vec<_> = (0..n)
+            .map(|_| {
+                let (c, b) = (c.clone(), base.clone());
+                tokio::spawn(async move { chat(&c, &b, "k-capped").await.0 })
+            })
+            .collect();
+        for h in sent {
+            assert_eq!(h.await.unwrap(), 200, "admitted here from the local share");
+        }
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        proxy.set_delay(Duration::ZERO);
+        // Redis answers again: the spending is reported and the lost
+        // claims are taken back.
+        let until = Instant::now() + Duration::from_secs(10);
+        loop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if fl.store.is_up() && !fl.budget.has_unsent() {
+                break;
+            }
+            assert!(
+                Instant::now() < until,
+                "round {n}: the spending was never reported"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let (rl1, ra1) = bucket(&redis.url(), &ns).await;
+        let charged = rl0 + (ra1 - ra0) / 1000.0 - rl1;
+        eprintln!(
+            "round {n}: charged {charged:.2}, claims taken back {}",
+            fl.claims_taken_back() - taken0
+        );
+        assert!(
+            (charged - n as f64).abs() < 0.5,
+            "round {n}: {n} requests charged {charged:.2} to the fleet"
+        );
+        assert_eq!(fl.claims_taken_back() - taken0, n as u64, "round {n}");
+        // Their GPU-seconds, used while the replica decided alone, are
+        // charged to the fleet's daily budget too.
+        let used = gpu().await - gpu0;
+        assert!(used > 0.0, "round {n}: no GPU-seconds reported");
+    }
+    g.stop().await;
+}
+
+/// A spending report whose answer is lost (the script ran, the call timed
+/// out) is sent again whole under its id, and charged once, GPU-seconds
+/// included; each new report is charged. Reports of several sizes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spending_report_whose_answer_is_lost_is_charged_once() {
+    use kiln::shared::{Level, QuotaKey, QuotaKind, QuotaSync, Store, StoreConfig};
+    let Some(redis) = Redis::start() else { return };
+    let proxy = DelayProxy::start(redis.port).await;
+    let ns = namespace();
+    let store = Store::open(&StoreConfig {
+        url: proxy.url(),
+        namespace: ns.clone(),
+        replica: "r".into(),
+        lease: Duration::from_secs(2),
+        tls: Default::default(),
+    })
+    .unwrap();
+    // A bucket so large and slow that refill is negligible: 100,000
+    // requests, 0.01 a second; and a GPU-seconds limit.
+    let item = |requests: f64, gpu: f64| QuotaSync {
+        key: QuotaKey::new(QuotaKind::Tenant, "a"),
+        requests_per_s: 0.01,
+        tokens_per_s: 0.0,
+        spent_requests: requests,
+        spent_tokens: 0.0,
+        spent_gpu_seconds: gpu,
+        seed: Level::default(),
+        bucket_s: 1e7,
+    };
+    let level = |l: Vec<Level>| l[0].requests.unwrap() * 100_000.0;
+    let before = level(store.sync_quotas("", &[item(0.0, 0.0)]).await.unwrap());
+    let mut gpu_total = 0.0;
+    for (i, (requests, gpu)) in [(1.0, 0.5), (5.0, 2.25), (17.0, 0.0), (3.0, 40.0)]
+        .into_iter()
+        .enumerate()
+    {
+        let id = format!("boot.{i}");
+        let start = level(store.sync_quotas("", &[item(0.0, 0.0)]).await.unwrap());
+        proxy.set_delay(Duration::from_millis(700));
+        assert!(
+            store
+                .sync_quotas(&id, &[item(requests, gpu)])
+                .await
+                .is_err(),
+            "the answer comes after the timeout"
+        );
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        proxy.set_delay(Duration::ZERO);
+        // Resent until answered, and once more.
+        for _ in 0..2 {
+            store
+                .sync_quotas(&id, &[item(requests, gpu)])
+                .await
+                .unwrap();
+        }
+        gpu_total += gpu;
+        let end = level(store.sync_quotas("", &[item(0.0, 0.0)]).await.unwrap());
+        assert!(
+            (start - end - requests).abs() < 0.05,
+            "report {i}: {requests} requests charged {}",
+            start - end
+        );
+        let h = support::redis::hash(&redis.url(), &format!("{ns}:quota:a")).await;
+        let gu: f64 = h.get("gu").map_or(0.0, |v| v.parse().unwrap());
+        assert!(
+            (gu - gpu_total).abs() < 1e-9,
+            "report {i}: GPU-seconds {gu} charged, {gpu_total} spent"
+        );
+    }
+    let after = level(store.sync_quotas("", &[item(0.0, 0.0)]).await.unwrap());
+    assert!((before - after - 26.0).abs() < 0.1, "{before} -> {after}");
+}
+
 /// The governance audit chain Redis holds is bounded: over its bound the
 /// oldest lines are cut and a checkpoint stands for them (how many, the
 /// last one's hash, what they told). Commits of generated sizes; after
@@ -826,4 +1029,67 @@ async fn the_shared_audit_chain_is_trimmed_and_still_verifies() {
     reader.resume_at(cp.entries, &cp.head, Facts::default());
     let verified: Result<(), _> = r.lines.iter().try_for_each(|l| reader.absorb(l));
     assert!(verified.is_err(), "an edited line must not verify");
+}
+
+/// The request whose claim takes the fleet's last request of a quota is
+/// served: the policy reads the fleet's level as the request found it
+/// (as one gateway reads `quota.remaining` before reserving), not the 0%
+/// its own claim left, which the policy's built-in "quota exhausted"
+/// refused (a loaded fleet lost up to a quarter of its allowance so: its
+/// bucket is drained to exactly nothing whenever a claim lands on a whole
+/// refill). Rounds with exactly one request left in Redis's bucket (no
+/// refill: its time is set ahead), on each of the three replicas.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_claim_that_takes_the_last_request_is_served() {
+    let Some(redis) = Redis::start() else { return };
+    let ns = namespace();
+    // 6 a minute: a refill takes 10 s, longer than a round.
+    let text = POLICY.replace("requests 600/min", "requests 6/min");
+    let mut gateways = Vec::new();
+    for i in 0..3 {
+        let mut cfg = config(&redis.url(), &ns, OnUnavailable::Local, 1.0, None);
+        if let Some(st) = cfg.state.as_mut() {
+            st.replica = Some(format!("replica-{i}"));
+        }
+        gateways.push(serve_on_loopback(policy("fleet.kiln", &text), cfg).await);
+    }
+    let bases: Vec<String> = gateways
+        .iter()
+        .map(|g| format!("http://{}", g.addr))
+        .collect();
+    let f = Fleet { gateways, bases };
+    let c = client(Duration::from_secs(10));
+    let key = format!("{ns}:quota:capped");
+    let conn = redis::Client::open(redis.url()).unwrap();
+    let mut conn = conn.get_multiplexed_async_connection().await.unwrap();
+    assert_eq!(
+        chat(&c, &f.bases[0], "k-capped").await.0,
+        200,
+        "a first claim"
+    );
+    for round in 0..6 {
+        let base = &f.bases[round % 3];
+        let ahead = support::redis::now_ms(&redis.url()).await + 60_000.0;
+        let _: () = redis::cmd("HSET")
+            .arg(&key)
+            .arg("rl")
+            .arg("1")
+            .arg("ra")
+            .arg(ahead as u64)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let last = answer(&c, base, "k-capped").await;
+        assert_eq!(
+            last.0, 200,
+            "round {round}: the last request refused: {last:?}"
+        );
+        let next = answer(&c, base, "k-capped").await;
+        assert_eq!(next.0, 429, "round {round}: {next:?}");
+        assert!(
+            next.2.contains("counted over every replica"),
+            "round {round}: refused by the fleet's bucket, not here: {next:?}"
+        );
+    }
+    f.stop().await;
 }

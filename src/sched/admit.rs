@@ -71,6 +71,9 @@ pub(super) struct Admitting<'g> {
     pub quota_claimed: bool,
     /// What else the fleet claimed ([`Arrival::fleet`]).
     pub fleet: Option<&'g super::quota::FleetClaim>,
+    /// Which of its quotas the fleet's claim covers, as the quota gate
+    /// found (the tier and model it decided may differ from the claim's).
+    pub claims: super::quota::Claims,
     /// Its prompt's prefix blocks ([`Arrival::prefix_blocks`]).
     pub prefix_blocks: &'g [u64],
     /// It could not meet its TTFT SLO even alone, but a replica of its
@@ -240,6 +243,7 @@ fn quota(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal> {
         },
         _ => super::scoped::Claimed::default(),
     };
+    a.claims.scoped = claimed;
     if let Some(target) = scoped {
         if let Err((reason, retry)) =
             s.scoped
@@ -278,6 +282,7 @@ fn tenant_quota(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal>
     match a.tenant {
         Some(t) if a.quota_claimed && named == Some(t) => {
             s.quotas.track(t);
+            a.claims.tenant = true;
             Ok(())
         }
         Some(t) if s.cfg.mode == Mode::Kiln => match s.quotas.reserve(a.graph, t, need, s.now) {
@@ -510,6 +515,7 @@ impl Scheduler {
             deadline,
             quota_claimed: arrival.quota_claimed,
             fleet: arrival.fleet.as_deref(),
+            claims: Default::default(),
             prefix_blocks: &arrival.prefix_blocks,
             best_effort: false,
         };
@@ -716,6 +722,7 @@ impl Scheduler {
             borrowed: a.borrowed,
             waiting_for: None,
             gpu_seconds: 0.0,
+            claims: a.claims,
             started: false,
             orphan: false,
             best_effort: a.best_effort,

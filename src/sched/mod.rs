@@ -1162,11 +1162,13 @@ impl Scheduler {
             let s = self.replicas[r].evict(i);
             if let Some(t) = s.w.tenant {
                 if share > 0.0 {
-                    self.quotas.charge_gpu(t, share, self.now);
+                    self.quotas
+                        .charge_gpu(t, share, self.now, s.w.claims.tenant);
                 }
             }
             if share > 0.0 {
-                self.scoped.charge_gpu(s.w.tier, s.w.model, share, self.now);
+                self.scoped
+                    .charge_gpu(s.w.tier, s.w.model, share, self.now, s.w.claims.scoped);
             }
             // An external replica's progress is unknown: its prompt is
             // charged, and fair share keeps what it was charged.
@@ -1197,9 +1199,11 @@ impl Scheduler {
         let pool = rep.spec.pool;
         self.live.work(self.now, pool, work);
         if let Some(t) = s.w.tenant {
-            self.quotas.charge_gpu(t, share, self.now);
+            self.quotas
+                .charge_gpu(t, share, self.now, s.w.claims.tenant);
         }
-        self.scoped.charge_gpu(s.w.tier, s.w.model, share, self.now);
+        self.scoped
+            .charge_gpu(s.w.tier, s.w.model, share, self.now, s.w.claims.scoped);
         // Fair share was charged for the output budget at dispatch.
         let unused =
             s.w.output_tokens
@@ -1873,9 +1877,10 @@ impl Scheduler {
             for s in rep.running.iter_mut() {
                 s.gpu_seconds += share;
                 if let Some(t) = s.w.tenant {
-                    self.quotas.charge_gpu(t, share, now);
+                    self.quotas.charge_gpu(t, share, now, s.w.claims.tenant);
                 }
-                self.scoped.charge_gpu(s.w.tier, s.w.model, share, now);
+                self.scoped
+                    .charge_gpu(s.w.tier, s.w.model, share, now, s.w.claims.scoped);
             }
         }
         let (prefill, decodes, context) = rep.step_shape;
@@ -2244,7 +2249,8 @@ impl Scheduler {
         };
         let mut seq = self.replicas[r].evict(i);
         if let (Some(t), true) = (seq.w.tenant, share > 0.0) {
-            self.quotas.charge_gpu(t, share, self.now);
+            self.quotas
+                .charge_gpu(t, share, self.now, seq.w.claims.tenant);
         }
         // Keeps its place: back at the head of its tenant's queue, with its
         // generated tokens; the KV cache is recomputed when it resumes.

@@ -61,6 +61,9 @@ pub struct Waiting {
     pub waiting_for: Option<super::Reason>,
     /// GPU time used before a preemption (it counts toward cost).
     pub gpu_seconds: f64,
+    /// Which of its quotas a fleet claimed (and charges its GPU-seconds
+    /// to): the others' GPU-seconds are reported from here.
+    pub claims: super::quota::Claims,
     /// It has run on a replica at least once (so its prompt was served).
     pub started: bool,
     /// A policy swap removed its tier while it ran: it finishes under a

@@ -81,12 +81,23 @@ pub enum Scope {
 pub struct Spent {
     pub requests: f64,
     pub tokens: f64,
+    /// GPU-seconds used (counted only for a quota that limits them).
+    pub gpu_seconds: f64,
 }
 
 impl Spent {
     pub fn is_zero(&self) -> bool {
-        self.requests == 0.0 && self.tokens == 0.0
+        self.requests == 0.0 && self.tokens == 0.0 && self.gpu_seconds == 0.0
     }
+}
+
+/// Which of a request's quotas a fleet claimed for it: those it charges
+/// (GPU-seconds included, when the request ends); the others are this
+/// scheduler's, and what it charges them is reported ([`Spent`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Claims {
+    pub tenant: bool,
+    pub scoped: super::scoped::Claimed,
 }
 
 /// A quota's buckets as a fleet holds them: the share of each bucket's
@@ -401,8 +412,9 @@ impl Quotas {
         }
     }
 
-    /// Charges GPU-seconds to a tenant's daily budget.
-    pub fn charge_gpu(&mut self, t: TenantId, gpu_seconds: f64, now: Micros) {
+    /// Charges GPU-seconds to a tenant's daily budget; counted as spent
+    /// here (for a fleet to charge) unless a fleet `claimed` the request.
+    pub fn charge_gpu(&mut self, t: TenantId, gpu_seconds: f64, now: Micros, claimed: bool) {
         if let Some(s) = self.tenants.get_mut(t as usize) {
             let day = now / (86_400 * SEC);
             if s.gpu_day != day {
@@ -410,6 +422,9 @@ impl Quotas {
                 s.gpu_used = 0.0;
             }
             s.gpu_used += gpu_seconds;
+            if !claimed && s.gpu_per_day.is_some() {
+                s.spent.gpu_seconds += gpu_seconds;
+            }
         }
     }
 
@@ -481,7 +496,7 @@ mod tests {
         let mut q = Quotas::new(&g);
         // chat (tenant 0): tokens 60k/min, concurrent 4.
         assert_eq!(q.reserve(&g, 0, 50_000.0, 0), Ok(false));
-        q.charge_gpu(0, 7.0, 0);
+        q.charge_gpu(0, 7.0, 0, false);
         assert!(q.note_request(&g, 0, false, 0));
         // New version: chat's bucket shrinks to 30k/min, tenants reorder,
         // bulk is gone and newbie appears.
@@ -542,7 +557,8 @@ mod tests {
                 0,
                 Spent {
                     requests: 0.0,
-                    tokens: 4_000.0
+                    tokens: 4_000.0,
+                    gpu_seconds: 0.0,
                 }
             )]
         );

@@ -167,7 +167,7 @@ impl Limit {
         }
     }
 
-    fn charge_gpu(&mut self, gpu_seconds: f64, now: Micros) {
+    fn charge_gpu(&mut self, gpu_seconds: f64, now: Micros, claimed: bool) {
         if self.gpu_per_day.is_none() {
             return;
         }
@@ -177,6 +177,9 @@ impl Limit {
             self.gpu_used = 0.0;
         }
         self.gpu_used += gpu_seconds;
+        if !claimed {
+            self.spent.gpu_seconds += gpu_seconds;
+        }
     }
 
     /// This state under a new quota: levels kept (clamped), in flight and
@@ -385,12 +388,22 @@ impl ScopedQuotas {
         }
     }
 
-    pub fn charge_gpu(&mut self, tier: TierId, model: ModelId, gpu_seconds: f64, now: Micros) {
+    /// Charges GPU-seconds to `tier`'s and `model`'s daily budgets;
+    /// counted as spent here (for a fleet to charge) where a fleet did not
+    /// claim the request's quota.
+    pub fn charge_gpu(
+        &mut self,
+        tier: TierId,
+        model: ModelId,
+        gpu_seconds: f64,
+        now: Micros,
+        claimed: Claimed,
+    ) {
         if let Some(l) = self.tiers.get_mut(tier as usize) {
-            l.charge_gpu(gpu_seconds, now);
+            l.charge_gpu(gpu_seconds, now, claimed.tier);
         }
         if let Some(l) = self.models.get_mut(model as usize) {
-            l.charge_gpu(gpu_seconds, now);
+            l.charge_gpu(gpu_seconds, now, claimed.model);
         }
     }
 
@@ -526,7 +539,8 @@ route t n { default => fp16 }
                 0,
                 Spent {
                     requests: 0.0,
-                    tokens: 1000.0
+                    tokens: 1000.0,
+                    gpu_seconds: 0.0,
                 }
             )]
         );
@@ -540,7 +554,21 @@ route t n { default => fp16 }
         let g = graph(TEXT);
         let mut q = ScopedQuotas::new(&g);
         let s = q.reserve(0, 0, 10.0, 0).expect("fits");
-        q.charge_gpu(0, 0, 10.0, SEC);
+        q.take_spent();
+        // Claimed by a fleet: charged here, not reported (the fleet
+        // charges it when the request ends).
+        let claimed = Claimed {
+            tier: true,
+            model: true,
+        };
+        q.charge_gpu(0, 0, 4.0, SEC, claimed);
+        assert!(q.take_spent().is_empty());
+        // Not claimed (Redis was unreachable): reported, for the model
+        // that limits GPU-seconds only.
+        q.charge_gpu(0, 0, 6.0, SEC, Claimed::default());
+        let spent = q.take_spent();
+        assert_eq!(spent.len(), 1, "{spent:?}");
+        assert_eq!(spent[0].2.gpu_seconds, 6.0);
         q.release(s, 10.0);
         let now = 3600 * SEC;
         let err = q.reserve(0, 0, 10.0, now).map(|_| ());

@@ -100,6 +100,7 @@ pub fn waiting(id: ReqId, tier: u16, tenant: Option<u32>) -> Waiting {
         borrowed: false,
         waiting_for: None,
         gpu_seconds: 0.0,
+        claims: Default::default(),
         started: false,
         orphan: false,
         best_effort: false,

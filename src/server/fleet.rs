@@ -21,7 +21,11 @@
 //!   [`crate::sched::Scheduler::set_quota_scale`]) from its share of what
 //!   the fleet last had left (the scheduler's buckets mirror the fleet's,
 //!   [`crate::shared::budget`]); what it spends is reported when Redis
-//!   answers again. `refuse`: 503 `shared-state-unavailable`. Either way a
+//!   answers again, under an id it keeps until Redis answers, so a report
+//!   whose answer was lost is charged once. A claim whose answer was lost
+//!   (timed out after the script ran) is taken back once Redis answers
+//!   ([`Store::unclaim`]): its request was decided here, and is charged
+//!   once. `refuse`: 503 `shared-state-unavailable`. Either way a
 //!   metric (`kiln_shared_state_up`) and one log line at each change, and
 //!   the next successful call resumes sharing.
 
@@ -70,7 +74,26 @@ pub struct Fleet {
     /// A version activated here while Redis was unreachable: announced
     /// as soon as it answers.
     pub(super) unannounced: AtomicBool,
+    /// Claims whose answer never came (the call timed out or the
+    /// connection dropped, possibly after the script ran): their requests
+    /// were decided here and their spending is reported, so each is taken
+    /// back from the fleet ([`Store::unclaim`]) once Redis answers.
+    unsettled: Mutex<Vec<Unsettled>>,
+    /// Claims taken back so far (granted in Redis, answer lost).
+    taken_back: AtomicU64,
 }
+
+/// A claim whose outcome this replica does not know.
+struct Unsettled {
+    quotas: Vec<(QuotaKey, Limits)>,
+    member: String,
+    need: f64,
+}
+
+/// At most this many claims of unknown outcome are remembered (each is one
+/// request in flight when Redis stopped answering; any beyond are charged
+/// twice, as before this was remembered).
+const MAX_UNSETTLED: usize = 100_000;
 
 /// What the shared quota said about one request.
 pub enum Gate {
@@ -206,6 +229,8 @@ impl Fleet {
             started_ms: crate::clock::unix_ms() as u64,
             was_up: AtomicBool::new(true),
             unannounced: AtomicBool::new(false),
+            unsettled: Mutex::new(Vec::new()),
+            taken_back: AtomicU64::new(0),
         }))
     }
 
@@ -344,13 +369,15 @@ impl Fleet {
                 for (q, l) in quotas.iter().zip(&levels) {
                     self.budget.note(&q.key, *l);
                 }
-                scheduled.tenant_level =
-                    tenant_at
-                        .and_then(|i| levels.get(i))
-                        .map(|l| crate::sched::quota::Level {
-                            requests: l.requests,
-                            tokens: l.tokens,
-                        });
+                // The level as this request found it (its own claim given
+                // back), as one gateway's policy reads `quota.remaining`
+                // before the request's reservation: read after, the
+                // request that took the fleet's last token saw 0% and the
+                // policy's built-in "quota exhausted" refused it, claimed.
+                scheduled.tenant_level = tenant_at.and_then(|i| {
+                    let (l, q) = (levels.get(i)?, quotas.get(i)?);
+                    Some(found_level(l, &q.limits, need))
+                });
                 Gate::Claimed(Arc::new(Claim {
                     fleet: self.clone(),
                     quotas: quotas
@@ -386,9 +413,54 @@ impl Fleet {
             }
             Err(_) => {
                 forget();
+                // The script may have run: if it granted the claim, it is
+                // taken back once Redis answers, since this request is now
+                // decided (and charged) here.
+                if let Ok(mut u) = self.unsettled.lock() {
+                    if u.len() < MAX_UNSETTLED {
+                        u.push(Unsettled {
+                            quotas: quotas.iter().map(|q| (q.key.clone(), q.limits)).collect(),
+                            member: member.to_string(),
+                            need,
+                        });
+                    }
+                }
                 Gate::Unavailable
             }
         }
+    }
+
+    /// Takes back every claim whose answer never came and that Redis
+    /// granted ([`Store::unclaim`]); those not reached stay for the next
+    /// call. False when Redis did not answer.
+    async fn settle_unknown(&self) -> bool {
+        let list = match self.unsettled.lock() {
+            Ok(mut u) if !u.is_empty() => std::mem::take(&mut *u),
+            _ => return true,
+        };
+        let mut left = list.into_iter();
+        while let Some(c) = left.next() {
+            match self.store.unclaim(&c.quotas, &c.member, c.need).await {
+                Ok(true) => {
+                    self.taken_back.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(false) => {}
+                Err(_) => {
+                    if let Ok(mut u) = self.unsettled.lock() {
+                        u.push(c);
+                        u.extend(left);
+                    }
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// Claims Redis granted whose answer never reached this replica, taken
+    /// back since it started (each was decided here instead).
+    pub fn claims_taken_back(&self) -> u64 {
+        self.taken_back.load(Ordering::Relaxed)
     }
 
     fn quota_claim(&self, kind: QuotaKind, name: &str, limits: Limits) -> QuotaClaim {
@@ -418,6 +490,30 @@ impl Fleet {
                     .collect()
             })
             .unwrap_or_default()
+    }
+}
+
+/// The share of each bucket a claim found, from the share it left (`after`)
+/// and what it took: one request, `need` tokens.
+fn found_level(
+    after: &crate::shared::Level,
+    limits: &Limits,
+    need: f64,
+) -> crate::sched::quota::Level {
+    let len = crate::shared::bucket_len(limits.bucket_s);
+    let back = |share: Option<f64>, rate: f64, took: f64| {
+        share.map(|s| {
+            let cap = rate * len;
+            if cap > 0.0 && took.is_finite() {
+                s + took.max(0.0) / cap
+            } else {
+                s
+            }
+        })
+    };
+    crate::sched::quota::Level {
+        requests: back(after.requests, limits.requests_per_s, 1.0),
+        tokens: back(after.tokens, limits.tokens_per_s, need),
     }
 }
 
@@ -489,6 +585,7 @@ async fn share_sync(app: Arc<App>, fleet: Arc<Fleet>) {
                     Spend {
                         requests: spent.requests,
                         tokens: spent.tokens,
+                        gpu_seconds: spent.gpu_seconds,
                     },
                 );
             }
@@ -577,6 +674,9 @@ async fn share_sync(app: Arc<App>, fleet: Arc<Fleet>) {
         // Quotas: what this replica spent by itself goes to the fleet, and
         // the fleet's levels come back (each bucket here mirrors its share).
         let mut quotas = Vec::new();
+        if !down && !fleet.settle_unknown().await {
+            down = true;
+        }
         if !down && (ticks % QUOTA_SYNC_TICKS == 0 || fleet.budget.has_unsent()) {
             match sync_quotas(&fleet, g).await {
                 Some(q) => quotas = q,
@@ -676,59 +776,55 @@ async fn sync_quotas(
             QuotaKey::new(QuotaKind::Model, &m.name),
         ));
     }
-    scopes.retain(|(_, q, _)| q.requests.is_some() || q.tokens.is_some());
-    let mut unsent = fleet.budget.take_unsent();
+    scopes
+        .retain(|(_, q, _)| q.requests.is_some() || q.tokens.is_some() || q.gpu_seconds.is_some());
+    // The report is resent whole until Redis answers it, and charged once
+    // however often it arrives. Spending of quotas no longer in the
+    // policy is dropped.
+    let report = fleet.budget.report();
     let items: Vec<QuotaSync> = scopes
         .iter()
         .map(|(_, q, key)| {
             let l = fleet.limits(q);
-            let spent = unsent.remove(key).unwrap_or_default();
+            let spent = report.spend.get(key).copied().unwrap_or_default();
             QuotaSync {
                 key: key.clone(),
                 requests_per_s: l.requests_per_s,
                 tokens_per_s: l.tokens_per_s,
                 spent_requests: spent.requests,
                 spent_tokens: spent.tokens,
+                spent_gpu_seconds: if l.gpu_seconds_per_day.is_some() {
+                    spent.gpu_seconds
+                } else {
+                    0.0
+                },
                 seed: fleet.budget.seed(key, l.bucket_s),
                 bucket_s: l.bucket_s,
             }
         })
         .collect();
-    // Spending of quotas no longer in the policy is dropped.
-    match fleet.store.sync_quotas(&items).await {
-        Ok(levels) => Some(
-            scopes
-                .iter()
-                .zip(levels)
-                .map(|((scope, _, key), l)| {
-                    fleet.budget.note(key, l);
-                    (
-                        *scope,
-                        crate::sched::quota::Level {
-                            requests: l.requests,
-                            tokens: l.tokens,
-                        },
-                    )
-                })
-                .collect(),
-        ),
-        Err(_) => {
-            fleet.budget.unsent(
-                items
-                    .into_iter()
-                    .map(|i| {
+    match fleet.store.sync_quotas(&report.id, &items).await {
+        Ok(levels) => {
+            fleet.budget.reported(&report.id);
+            Some(
+                scopes
+                    .iter()
+                    .zip(levels)
+                    .map(|((scope, _, key), l)| {
+                        fleet.budget.note(key, l);
                         (
-                            i.key,
-                            Spend {
-                                requests: i.spent_requests,
-                                tokens: i.spent_tokens,
+                            *scope,
+                            crate::sched::quota::Level {
+                                requests: l.requests,
+                                tokens: l.tokens,
                             },
                         )
                     })
                     .collect(),
-            );
-            None
+            )
         }
+        // Kept for the next try, under the same id.
+        Err(_) => None,
     }
 }
 

@@ -22,12 +22,23 @@ use std::time::Instant;
 pub struct Spend {
     pub requests: f64,
     pub tokens: f64,
+    pub gpu_seconds: f64,
 }
 
 impl Spend {
     pub fn is_zero(&self) -> bool {
-        self.requests == 0.0 && self.tokens == 0.0
+        self.requests == 0.0 && self.tokens == 0.0 && self.gpu_seconds == 0.0
     }
+}
+
+/// Spending on its way to the fleet: sent until Redis answers, under one
+/// id, so that a report whose answer was lost (the script ran, the call
+/// timed out) is not charged again when it is resent.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Report {
+    /// "" when there is nothing to charge.
+    pub id: String,
+    pub spend: BTreeMap<QuotaKey, Spend>,
 }
 
 /// See the module's documentation.
@@ -35,6 +46,13 @@ impl Spend {
 pub struct Budget {
     known: Mutex<HashMap<QuotaKey, (Level, Instant)>>,
     unsent: Mutex<BTreeMap<QuotaKey, Spend>>,
+    /// The report sent and not yet answered, if any.
+    pending: Mutex<Option<Report>>,
+    /// Reports made so far (for their ids).
+    reports: std::sync::atomic::AtomicU64,
+    /// What makes this replica's report ids its own: a replica restarted
+    /// under the same name starts new ids.
+    boot: String,
 }
 
 /// A share refilled for `secs` seconds of a bucket holding `len` seconds
@@ -45,7 +63,13 @@ fn refilled(share: f64, secs: f64, len: f64) -> f64 {
 
 impl Budget {
     pub fn new() -> Budget {
-        Budget::default()
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        Budget {
+            boot: format!("{}.{nanos}", std::process::id()),
+            ..Budget::default()
+        }
     }
 
     /// The fleet said `key`'s buckets are at `level` now.
@@ -96,28 +120,53 @@ impl Budget {
             let e = u.entry(key).or_default();
             e.requests += spend.requests;
             e.tokens += spend.tokens;
+            e.gpu_seconds += spend.gpu_seconds;
         }
     }
 
-    /// Takes everything spent and not yet reported (put it back with
-    /// [`Budget::unsent`] if the report fails).
-    pub fn take_unsent(&self) -> BTreeMap<QuotaKey, Spend> {
-        self.unsent
+    /// The report to send now: the one sent before if its answer never
+    /// came (the same id and spending: Redis charges it once), else what
+    /// was spent since under a new id (an empty id when nothing was).
+    /// Spending added meanwhile waits for the next report.
+    pub fn report(&self) -> Report {
+        let Ok(mut p) = self.pending.lock() else {
+            return Report::default();
+        };
+        if let Some(r) = p.as_ref() {
+            return r.clone();
+        }
+        let spend = self
+            .unsent
             .lock()
             .map(|mut u| std::mem::take(&mut *u))
-            .unwrap_or_default()
+            .unwrap_or_default();
+        if spend.is_empty() {
+            return Report::default();
+        }
+        let n = self
+            .reports
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let r = Report {
+            id: format!("{}.{n}", self.boot),
+            spend,
+        };
+        *p = Some(r.clone());
+        r
     }
 
-    /// Puts back what a failed report took.
-    pub fn unsent(&self, back: BTreeMap<QuotaKey, Spend>) {
-        for (k, s) in back {
-            self.spent(k, s);
+    /// Redis answered report `id`: it is charged.
+    pub fn reported(&self, id: &str) {
+        if let Ok(mut p) = self.pending.lock() {
+            if p.as_ref().is_some_and(|r| r.id == id) {
+                *p = None;
+            }
         }
     }
 
     /// Whether spending waits to be reported.
     pub fn has_unsent(&self) -> bool {
         self.unsent.lock().map(|u| !u.is_empty()).unwrap_or(false)
+            || self.pending.lock().map(|p| p.is_some()).unwrap_or(false)
     }
 }
 
@@ -153,33 +202,36 @@ mod tests {
     }
 
     #[test]
-    fn spending_adds_up_until_taken_and_comes_back_if_the_report_fails() {
+    fn a_report_is_resent_whole_until_answered_and_spending_meanwhile_waits() {
         let b = Budget::new();
         let k = QuotaKey::new(QuotaKind::Tenant, "a");
-        b.spent(
-            k.clone(),
-            Spend {
-                requests: 2.0,
-                tokens: 10.0,
-            },
-        );
-        b.spent(
-            k.clone(),
-            Spend {
-                requests: 1.0,
-                tokens: -4.0,
-            },
-        );
-        let u = b.take_unsent();
         assert_eq!(
-            u.get(&k),
-            Some(&Spend {
-                requests: 3.0,
-                tokens: 6.0
-            })
+            b.report(),
+            Report::default(),
+            "nothing spent: nothing to charge"
         );
-        assert!(!b.has_unsent());
-        b.unsent(u);
+        let spend = |requests: f64, tokens: f64, gpu_seconds: f64| Spend {
+            requests,
+            tokens,
+            gpu_seconds,
+        };
+        b.spent(k.clone(), spend(2.0, 10.0, 0.5));
+        b.spent(k.clone(), spend(1.0, -4.0, 0.25));
+        let r = b.report();
+        assert!(!r.id.is_empty());
+        assert_eq!(r.spend.get(&k), Some(&spend(3.0, 6.0, 0.75)));
+        // Spent meanwhile: not in the report being resent.
+        b.spent(k.clone(), spend(5.0, 0.0, 0.0));
+        assert_eq!(b.report(), r, "unanswered: the same report again");
         assert!(b.has_unsent());
+        b.reported("another");
+        assert_eq!(b.report(), r, "only its own answer clears it");
+        b.reported(&r.id);
+        let r2 = b.report();
+        assert_ne!(r2.id, r.id);
+        assert_eq!(r2.spend.get(&k), Some(&spend(5.0, 0.0, 0.0)));
+        b.reported(&r2.id);
+        assert!(!b.has_unsent());
+        assert_eq!(b.report(), Report::default());
     }
 }

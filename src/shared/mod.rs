@@ -170,6 +170,8 @@ pub struct QuotaSync {
     pub tokens_per_s: f64,
     pub spent_requests: f64,
     pub spent_tokens: f64,
+    /// GPU-seconds used (0 for a quota without a GPU-seconds limit).
+    pub spent_gpu_seconds: f64,
     pub seed: Level,
     /// See [`Limits::bucket_s`].
     pub bucket_s: f64,
@@ -295,6 +297,15 @@ pub enum Committed {
 /// request's time on the upstream (a slot given back is free only when the
 /// request on it ends), short against the windows shares are judged over.
 pub const SLOT_EPOCH_MS: u64 = 1000;
+
+/// How long a granted claim's marker outlives a replica that neither
+/// released nor took it back (it died): long against an outage a replica
+/// rides out, short against the keys it would pile up.
+pub const CLAIM_MARKER_MS: u64 = 3_600_000;
+
+/// How long Redis remembers the last spending report it charged for a
+/// replica (a report is resent until its answer arrives).
+pub const REPORT_MS: u64 = 86_400_000;
 /// The Redis client for `cfg.url`: over TLS for `rediss://`, with the
 /// platform's roots or `cfg.tls`'s CA and client certificate.
 fn client(cfg: &StoreConfig) -> Result<redis::Client, StoreError> {
@@ -480,6 +491,7 @@ impl Store {
             let (h, l) = self.quota_keys(&q.key);
             inv.key(h).key(l);
         }
+        inv.key(self.claim_marker(member));
         inv.arg(need_tokens.max(0.0)).arg(member).arg(self.lease_ms);
         for q in quotas {
             inv.arg(q.limits.requests_per_s.max(0.0))
@@ -490,6 +502,7 @@ impl Store {
                 .arg(seed_arg(q.seed.tokens))
                 .arg(bucket_len(q.limits.bucket_s));
         }
+        inv.arg(CLAIM_MARKER_MS);
         let mut c = self.conn.clone();
         let v: Vec<redis::Value> = self
             .call(async move { inv.invoke_async(&mut c).await })
@@ -548,6 +561,7 @@ impl Store {
             let (h, l) = self.quota_keys(q);
             inv.key(h).key(l);
         }
+        inv.key(self.claim_marker(member));
         inv.arg(refund.max(0.0))
             .arg(member)
             .arg(if gpu_seconds.is_finite() {
@@ -566,9 +580,51 @@ impl Store {
             .map(|_| ())
     }
 
-    /// Charges what this replica spent of each quota by itself and reads
-    /// the fleet's levels back, in `items`' order ([`scripts`]: `SYNC`).
-    pub async fn sync_quotas(&self, items: &[QuotaSync]) -> Result<Vec<Level>, StoreError> {
+    /// Takes back the claim `member` made of `quotas` (`need` tokens) if
+    /// it was granted and is still held ([`scripts`]: `UNCLAIM`): for a
+    /// claim whose answer never came back, so that the request, decided
+    /// by this replica alone and reported with its spending, is charged
+    /// once. True when something was given back.
+    pub async fn unclaim(
+        &self,
+        quotas: &[(QuotaKey, Limits)],
+        member: &str,
+        need: f64,
+    ) -> Result<bool, StoreError> {
+        let mut inv = self.scripts.unclaim.prepare_invoke();
+        for (q, _) in quotas {
+            let (h, l) = self.quota_keys(q);
+            inv.key(h).key(l);
+        }
+        inv.key(self.claim_marker(member));
+        inv.arg(if need.is_finite() { need.max(0.0) } else { 0.0 })
+            .arg(member);
+        for (_, l) in quotas {
+            inv.arg(l.requests_per_s.max(0.0))
+                .arg(l.tokens_per_s.max(0.0))
+                .arg(bucket_len(l.bucket_s));
+        }
+        let mut c = self.conn.clone();
+        let n: i64 = self
+            .call(async move { inv.invoke_async(&mut c).await })
+            .await?;
+        Ok(n == 1)
+    }
+
+    /// The marker a granted claim leaves until it is released.
+    fn claim_marker(&self, member: &str) -> String {
+        self.key(&["claim", member])
+    }
+
+    /// Charges what this replica spent of each quota by itself (the report
+    /// `report`, charged once however often it is sent; "" for none) and
+    /// reads the fleet's levels back, in `items`' order ([`scripts`]:
+    /// `SYNC`).
+    pub async fn sync_quotas(
+        &self,
+        report: &str,
+        items: &[QuotaSync],
+    ) -> Result<Vec<Level>, StoreError> {
         if items.is_empty() {
             return Ok(Vec::new());
         }
@@ -576,6 +632,8 @@ impl Store {
         for q in items {
             inv.key(self.quota_keys(&q.key).0);
         }
+        inv.key(self.key(&["reported", &self.replica]));
+        inv.arg(report).arg(REPORT_MS);
         let finite = |x: f64| if x.is_finite() { x } else { 0.0 };
         for q in items {
             inv.arg(q.requests_per_s.max(0.0))
@@ -584,7 +642,8 @@ impl Store {
                 .arg(finite(q.spent_tokens))
                 .arg(seed_arg(q.seed.requests))
                 .arg(seed_arg(q.seed.tokens))
-                .arg(bucket_len(q.bucket_s));
+                .arg(bucket_len(q.bucket_s))
+                .arg(finite(q.spent_gpu_seconds).max(0.0));
         }
         let mut c = self.conn.clone();
         let v: Vec<redis::Value> = self

@@ -39,11 +39,15 @@ end
 /// its tier's, its model's), all or nothing: each is checked, then all are
 /// taken, in one step.
 /// KEYS: per quota, 1 its hash (bucket levels, GPU-seconds today), 2 its
-/// concurrency leases (a sorted set: member = request, score = expiry).
+/// concurrency leases (a sorted set: member = request, score = expiry);
+/// last, the claim's marker (see [`UNCLAIM`]).
 /// ARGV: 1 tokens needed, 2 lease member, 3 lease ms, then per quota seven:
 /// requests/s (0: none), tokens/s (0: none), concurrency limit (0: none),
 /// GPU-seconds a day (-1: none), the requests and tokens buckets' seeds
-/// (see `level`; -1: none), and the seconds a bucket holds.
+/// (see `level`; -1: none), and the seconds a bucket holds; last, the
+/// marker's lifetime in ms.
+/// A granted claim leaves its marker (deleted by [`RELEASE`]), so that a
+/// replica that never got the answer can take it back ([`UNCLAIM`]).
 /// Returns {1, then per quota its requests and tokens buckets' share left
 /// ("-" for none)} or {0, limit, retry ms, the refusing quota (1-based)}.
 const CLAIM: &str = r#"
@@ -105,14 +109,16 @@ for i = 1, n do
   if g[1] ~= nil then table.insert(out, frac(g[1] - 1, g[3], g[6])) else table.insert(out, '-') end
   if g[2] ~= nil then table.insert(out, frac(g[2] - need, g[4], g[6])) else table.insert(out, '-') end
 end
+redis.call('SET', KEYS[#KEYS], '1', 'PX', tonumber(ARGV[#ARGV]))
 return out
 "#;
 
 /// A claimed request ended: refund unused tokens, drop its lease, charge
 /// its GPU-seconds to today, for every quota it claimed.
-/// KEYS: as [`CLAIM`]. ARGV: 1 tokens to refund, 2 lease member,
-/// 3 GPU-seconds used, then per quota three: tokens/s (0: none), 1 when
-/// it has a GPU-seconds limit, the seconds a bucket holds.
+/// KEYS: as [`CLAIM`] (the claim's marker, last, is deleted). ARGV:
+/// 1 tokens to refund, 2 lease member, 3 GPU-seconds used, then per quota
+/// three: tokens/s (0: none), 1 when it has a GPU-seconds limit, the
+/// seconds a bucket holds.
 const RELEASE: &str = r#"
 local refund = tonumber(ARGV[1])
 local gpu = tonumber(ARGV[3])
@@ -136,16 +142,57 @@ for i = 1, n do
     redis.call('HSET', qk, 'gd', day, 'gu', tostring(gu + gpu))
   end
 end
+redis.call('DEL', KEYS[#KEYS])
+return 1
+"#;
+
+/// Takes back a claim whose answer the replica never got (the call timed
+/// out after the script ran, or the connection dropped): the replica
+/// decided that request by itself and reports what it spent, so what the
+/// claim took is given back, once. Only a claim that was granted left a
+/// marker, and the first call deletes it: a claim that never ran, or one
+/// already released or taken back, changes nothing.
+/// KEYS: as [`CLAIM`]. ARGV: 1 tokens the claim took, 2 lease member, then
+/// per quota three: requests/s (0: none), tokens/s (0: none), the seconds
+/// a bucket holds.
+/// Returns 1 when it gave something back, 0 otherwise.
+const UNCLAIM: &str = r#"
+if redis.call('DEL', KEYS[#KEYS]) == 0 then return 0 end
+local need = tonumber(ARGV[1])
+local n = math.floor(#KEYS / 2)
+for i = 1, n do
+  local o = 2 + (i - 1) * 3
+  local req_rate = tonumber(ARGV[o + 1])
+  local tok_rate = tonumber(ARGV[o + 2])
+  local len = tonumber(ARGV[o + 3])
+  local qk = KEYS[2 * i - 1]
+  local h = redis.call('HMGET', qk, 'rl', 'ra', 'tl', 'ta')
+  if req_rate > 0 and h[1] then
+    local lv = level(h[1], h[2], req_rate, nil, len)
+    redis.call('HSET', qk, 'rl', tostring(math.min(req_rate * len, lv + 1)), 'ra', now)
+  end
+  if tok_rate > 0 and need > 0 and h[3] then
+    local lv = level(h[3], h[4], tok_rate, nil, len)
+    redis.call('HSET', qk, 'tl', tostring(math.min(tok_rate * len, lv + need)), 'ta', now)
+  end
+  redis.call('ZREM', KEYS[2 * i], ARGV[2])
+end
 return 1
 "#;
 
 /// Charges what replicas spent on their own (while Redis was unreachable,
 /// or for a quota their claim did not cover) to the fleet's buckets, and
 /// reads every bucket's level back.
-/// KEYS: the quotas' hashes. ARGV: per quota seven: requests/s (0: none),
-/// tokens/s (0: none), requests spent, tokens spent (negative: refunded),
-/// the requests and tokens buckets' seeds (see `level`), and the seconds a
-/// bucket holds.
+/// KEYS: the quotas' hashes, then the id of the last report this replica
+/// had charged. ARGV: 1 this report's id ("": nothing to charge), 2 its
+/// lifetime in ms, then per quota eight: requests/s (0: none), tokens/s
+/// (0: none), requests spent, tokens spent (negative: refunded), the
+/// requests and tokens buckets' seeds (see `level`), the seconds a bucket
+/// holds, and GPU-seconds used (charged to today where `gd`/`gu` count
+/// them, i.e. the quota limits GPU-seconds).
+/// A report is charged once: a replica whose call timed out after the
+/// script ran sends the same report (same id) again, and the second finds
+/// it charged already and only reads the levels.
 /// A bucket is charged from its level by Redis's clock (refilled since it
 /// was last written, by its rate), or, where Redis lost it, from the seed:
 /// the fleet's last level the replica saw, refilled since. It may go below
@@ -155,14 +202,30 @@ return 1
 /// none).
 const SYNC: &str = r#"
 local out = {}
-for i = 1, #KEYS do
-  local o = (i - 1) * 7
+local rk = KEYS[#KEYS]
+local charge = ARGV[1] ~= '' and redis.call('GET', rk) ~= ARGV[1]
+if charge then redis.call('SET', rk, ARGV[1], 'PX', tonumber(ARGV[2])) end
+local day = math.floor(now / 86400000)
+for i = 1, #KEYS - 1 do
+  local o = 2 + (i - 1) * 8
   local len = tonumber(ARGV[o + 7])
   local rates = {tonumber(ARGV[o + 1]), tonumber(ARGV[o + 2])}
   local spent = {tonumber(ARGV[o + 3]), tonumber(ARGV[o + 4])}
   local seeds = {tonumber(ARGV[o + 5]), tonumber(ARGV[o + 6])}
+  local gpu = tonumber(ARGV[o + 8])
+  if not charge then
+    spent = {0, 0}
+    gpu = 0
+  end
   local h = redis.call('HMGET', KEYS[i], 'rl', 'ra', 'tl', 'ta')
   local wrote = false
+  if gpu > 0 then
+    local g = redis.call('HMGET', KEYS[i], 'gd', 'gu')
+    local gu = 0
+    if tonumber(g[1]) == day then gu = tonumber(g[2]) or 0 end
+    redis.call('HSET', KEYS[i], 'gd', day, 'gu', tostring(gu + gpu))
+    wrote = true
+  end
   for b = 1, 2 do
     local rate = rates[b]
     if rate > 0 then
@@ -503,6 +566,7 @@ pub struct Scripts {
     pub claim: redis::Script,
     pub release: redis::Script,
     pub sync: redis::Script,
+    pub unclaim: redis::Script,
     pub renew: redis::Script,
     pub share: redis::Script,
     pub lease: redis::Script,
@@ -519,6 +583,7 @@ impl Scripts {
             claim: redis::Script::new(&with_now(CLAIM, true)),
             release: redis::Script::new(&with_now(RELEASE, true)),
             sync: redis::Script::new(&with_now(SYNC, true)),
+            unclaim: redis::Script::new(&with_now(UNCLAIM, true)),
             renew: redis::Script::new(&with_now(RENEW, false)),
             share: redis::Script::new(&with_now(SHARE, false)),
             lease: redis::Script::new(LEASE),

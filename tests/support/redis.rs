@@ -177,3 +177,104 @@ pub fn namespace(prefix: &str) -> String {
         NS.fetch_add(1, Ordering::Relaxed)
     )
 }
+
+/// A loopback TCP relay in front of a Redis that can hold back Redis's
+/// answers (`set_delay`): a command reaches Redis and runs at once, and
+/// its answer arrives that much later, as when a loaded host or network
+/// makes a call outlive its timeout after the server did the work. Stops
+/// when dropped.
+pub struct DelayProxy {
+    pub port: u16,
+    delay_ms: std::sync::Arc<AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl DelayProxy {
+    pub async fn start(redis_port: u16) -> DelayProxy {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let delay_ms = std::sync::Arc::new(AtomicU64::new(0));
+        let d = delay_ms.clone();
+        let task = tokio::spawn(async move {
+            let mut conns = tokio::task::JoinSet::new();
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", redis_port)).await
+                else {
+                    continue;
+                };
+                let (mut cr, mut cw) = client.into_split();
+                let (mut sr, mut sw) = server.into_split();
+                conns.spawn(async move {
+                    let _ = tokio::io::copy(&mut cr, &mut sw).await;
+                });
+                // A delay line: each piece of an answer leaves the delay
+                // after it arrived (not after the piece before it left).
+                let d = d.clone();
+                let (tx, mut rx) =
+                    tokio::sync::mpsc::unbounded_channel::<(tokio::time::Instant, Vec<u8>)>();
+                conns.spawn(async move {
+                    let mut buf = vec![0u8; 64 << 10];
+                    loop {
+                        let n = match sr.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => n,
+                        };
+                        let at = tokio::time::Instant::now()
+                            + Duration::from_millis(d.load(Ordering::Relaxed));
+                        if tx.send((at, buf[..n].to_vec())).is_err() {
+                            return;
+                        }
+                    }
+                });
+                conns.spawn(async move {
+                    while let Some((at, bytes)) = rx.recv().await {
+                        tokio::time::sleep_until(at).await;
+                        if cw.write_all(&bytes).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        DelayProxy {
+            port,
+            delay_ms,
+            task,
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    /// Holds every answer read from now on back by `d`.
+    pub fn set_delay(&self, d: Duration) {
+        self.delay_ms.store(d.as_millis() as u64, Ordering::Relaxed);
+    }
+}
+
+impl Drop for DelayProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A hash's fields (a quota's buckets, say), as Redis holds them.
+pub async fn hash(url: &str, key: &str) -> std::collections::HashMap<String, String> {
+    let client = redis::Client::open(url).unwrap();
+    let mut c = client.get_multiplexed_async_connection().await.unwrap();
+    redis::cmd("HGETALL")
+        .arg(key)
+        .query_async(&mut c)
+        .await
+        .unwrap()
+}
+
+/// Redis's clock, in ms.
+pub async fn now_ms(url: &str) -> f64 {
+    let client = redis::Client::open(url).unwrap();
+    let mut c = client.get_multiplexed_async_connection().await.unwrap();
+    let (s, us): (u64, u64) = redis::cmd("TIME").query_async(&mut c).await.unwrap();
+    s as f64 * 1000.0 + us as f64 / 1000.0
+}
