@@ -2,7 +2,9 @@
 //! and feeds their items to the gateway's request path.
 //!
 //! **Bounded.** At most `[batch] max_in_flight` items are handed to the
-//! scheduler at once, shared evenly between the running batches; the rest
+//! scheduler at once, split evenly between tenants' groups and within a
+//! group in plan order (`super::batch_plan`: the batch that runs first
+//! takes what it needs; `[batch] order = "even"` splits evenly); the rest
 //! stay in the store and are read a page at a time. The gateway's memory
 //! for a batch is what the scheduler holds, not the file.
 //!
