@@ -42,6 +42,9 @@ pub fn endpoint(url: &str) -> Option<Endpoint> {
     }
 }
 
+/// Counts a request's prompt tokens.
+pub type PromptCounter = Box<dyn Fn(&GenerationRequest) -> u64 + Send>;
+
 /// What the backends behind the gateway can do, checked at upload so a
 /// line that would fail as an item is refused with its line number.
 #[derive(Default)]
@@ -54,7 +57,7 @@ pub struct Target {
     /// not checked.
     pub max_sequence: std::collections::HashMap<String, u64>,
     /// Counts a request's prompt tokens (for `max_sequence`).
-    pub prompt_tokens: Option<Box<dyn Fn(&GenerationRequest) -> u64 + Send>>,
+    pub prompt_tokens: Option<PromptCounter>,
 }
 
 /// OpenAI batch endpoints no backend of kiln serves, and why (refused at

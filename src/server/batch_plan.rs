@@ -317,7 +317,7 @@ pub async fn estimate_for_lines(
     let quota = tenant
         .and_then(|t| graph.tenant_id(t))
         .and_then(|t| graph.tenants.get(t as usize))
-        .map(|t| t.quota.clone());
+        .map(|t| t.quota);
     let floor = quota.map_or(0.0, |q| quota_floor(&q, prompt + max));
     let speed = app.speed;
     Some(Estimate {
