@@ -15,6 +15,7 @@
 //! item and duplicates none: items in flight at the crash run again after
 //! the restart.
 
+pub mod plan;
 pub mod store;
 pub mod view;
 

@@ -198,6 +198,41 @@ fn migrate_layout(c: &Connection) -> Result<(), rusqlite::Error> {
     Ok(())
 }
 
+/// Columns added to `batches` after its first layout, each added once
+/// to an older database (`ALTER TABLE … ADD COLUMN`, which keeps rows).
+const EXTRA_COLUMNS: [(&str, &str); 4] = [
+    ("model", "TEXT"),
+    ("input_tokens", "INTEGER NOT NULL DEFAULT 0"),
+    ("output_tokens", "INTEGER NOT NULL DEFAULT 0"),
+    ("output_expires_s", "REAL"),
+];
+
+fn add_columns(c: &Connection) -> Result<(), rusqlite::Error> {
+    let have: Vec<String> = {
+        let mut st = c.prepare("SELECT name FROM pragma_table_info('batches')")?;
+        let rows = st.query_map([], |r| r.get::<_, String>(0))?;
+        rows.collect::<Result<_, _>>()?
+    };
+    for (name, ty) in EXTRA_COLUMNS {
+        if !have.iter().any(|h| h == name) {
+            c.execute_batch(&format!("ALTER TABLE batches ADD COLUMN {name} {ty}"))?;
+        }
+    }
+    Ok(())
+}
+
+/// What a batch has beyond [`BatchRow`]: OpenAI's `model` and `usage`,
+/// and how long its output and error files are kept.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Extras {
+    pub model: Option<String>,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    /// Wall seconds after their creation the output and error files
+    /// expire (`output_expires_after`); `None`: kept until deleted.
+    pub output_expires_s: Option<f64>,
+}
+
 fn configure(c: &Connection) -> Result<(), rusqlite::Error> {
     c.busy_timeout(std::time::Duration::from_secs(10))?;
     c.pragma_update(None, "journal_mode", "WAL")?;
@@ -229,6 +264,7 @@ impl Store {
         write
             .execute_batch(SCHEMA)
             .map_err(|e| err(e.to_string()))?;
+        add_columns(&write).map_err(|e| err(e.to_string()))?;
         Store::sweep_orphans(&write).map_err(|e| err(e.to_string()))?;
         let read = Connection::open(path).map_err(|e| err(e.to_string()))?;
         configure(&read).map_err(|e| err(e.to_string()))?;
@@ -533,6 +569,51 @@ impl Store {
         Ok(n == 1)
     }
 
+    /// Sets a batch's model and output expiry (at creation).
+    pub fn set_extras(
+        &self,
+        id: &str,
+        model: Option<&str>,
+        output_expires_s: Option<f64>,
+    ) -> Result<(), StoreError> {
+        let c = lock(&self.write)?;
+        c.execute(
+            "UPDATE batches SET model = COALESCE(?1, model), output_expires_s = ?2 WHERE id = ?3",
+            params![model, output_expires_s, id],
+        )?;
+        Ok(())
+    }
+
+    /// A batch's [`Extras`] (`None`: no such batch).
+    pub fn extras(&self, id: &str) -> Result<Option<Extras>, StoreError> {
+        let c = lock(&self.read)?;
+        let mut st = c.prepare_cached(
+            "SELECT model, input_tokens, output_tokens, output_expires_s FROM batches WHERE id = ?1",
+        )?;
+        Ok(st
+            .query_row([id], |r| {
+                Ok(Extras {
+                    model: r.get(0)?,
+                    input_tokens: r.get::<_, i64>(1)?.max(0) as u64,
+                    output_tokens: r.get::<_, i64>(2)?.max(0) as u64,
+                    output_expires_s: r.get(3)?,
+                })
+            })
+            .optional()?)
+    }
+
+    /// Output and error files past their batch's `output_expires_after`
+    /// at `now` (unix seconds).
+    pub fn expired_outputs(&self, now: f64) -> Result<Vec<String>, StoreError> {
+        let c = lock(&self.read)?;
+        let mut st = c.prepare_cached(
+            "SELECT f.id FROM files f JOIN batches b ON f.batch_id = b.id
+             WHERE b.output_expires_s IS NOT NULL AND f.created_at + b.output_expires_s <= ?1",
+        )?;
+        let rows = st.query_map([now], |r| r.get::<_, String>(0))?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
     /// Sets a batch's errors object (OpenAI's `errors`), status unchanged.
     pub fn set_errors(&self, id: &str, errors: &serde_json::Value) -> Result<(), StoreError> {
         let c = lock(&self.write)?;
@@ -585,6 +666,42 @@ impl Store {
                     i64::from(!r.ok),
                     r.gpu_seconds,
                     i64::from(r.missed),
+                    batch
+                ],
+            )?;
+        }
+        tx.commit()?;
+        Ok(n == 1)
+    }
+
+    /// [`Store::put_result`], adding the item's tokens to its batch's
+    /// usage in the same transaction (so a batch's usage is complete when
+    /// its counts are).
+    pub fn put_result_usage(
+        &self,
+        batch: &str,
+        r: &ItemResult,
+        input_tokens: u64,
+        output_tokens: u64,
+    ) -> Result<bool, StoreError> {
+        let mut c = lock(&self.write)?;
+        let tx = c.transaction()?;
+        let n = tx.execute(
+            "INSERT OR IGNORE INTO results (batch_id, line, ok, text) VALUES (?1, ?2, ?3, ?4)",
+            params![batch, r.line as i64, r.ok, r.text],
+        )?;
+        if n == 1 {
+            tx.execute(
+                "UPDATE batches SET completed = completed + ?1, failed = failed + ?2,
+                     gpu_seconds = gpu_seconds + ?3, deadline_misses = deadline_misses + ?4,
+                     input_tokens = input_tokens + ?5, output_tokens = output_tokens + ?6 WHERE id = ?7",
+                params![
+                    i64::from(r.ok),
+                    i64::from(!r.ok),
+                    r.gpu_seconds,
+                    i64::from(r.missed),
+                    input_tokens as i64,
+                    output_tokens as i64,
                     batch
                 ],
             )?;

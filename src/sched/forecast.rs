@@ -23,6 +23,11 @@ pub struct Forecast {
     pub secs: f64,
     /// Tokens per second left for the items (after higher tiers).
     pub tokens_per_s: f64,
+    /// Of `secs`: until the first item starts (the work queued ahead).
+    pub start_secs: f64,
+    /// Of `secs`: each item's share of the drain (`secs = start_secs +
+    /// items × item_secs`), so work not yet queued can be added up.
+    pub item_secs: f64,
 }
 
 impl Scheduler {
@@ -84,16 +89,18 @@ impl Scheduler {
             .sum::<f64>()
             / reps.len() as f64;
         let free_share = if capacity > 0.0 { free / capacity } else { 0.0 };
-        let drain = if free_share > 0.0 && work.is_finite() {
-            items as f64 * work / (reps.len() as f64 * free_share)
+        let item_secs = if free_share > 0.0 && work.is_finite() {
+            work / (reps.len() as f64 * free_share)
         } else {
             f64::INFINITY
         };
-        let secs = start + drain;
-        secs.is_finite().then_some(Forecast {
+        let secs = start + items as f64 * item_secs;
+        (secs.is_finite() && item_secs.is_finite()).then_some(Forecast {
             tier: d.tier,
             secs,
             tokens_per_s: free,
+            start_secs: start,
+            item_secs,
         })
     }
 }

@@ -58,6 +58,34 @@ pub struct BatchSection {
     /// get 507, the runner pauses). None: only the disk limits it.
     #[serde(default)]
     pub max_store_bytes: Option<u64>,
+    /// How a tenant's running batches in one tier share its capacity:
+    /// `deadline` (one after the other, earliest deadline first, the
+    /// newest giving way when a window cannot be met) or `even` (side by
+    /// side, the old rule: feasible windows can become joint misses).
+    #[serde(default)]
+    pub order: BatchOrder,
+    /// What `POST /v1/batches` does with a batch whose window the plan
+    /// says cannot be met: `accept` it flagged (`kiln.predicted_miss`) or
+    /// `refuse` it (400 `completion_window_unmeetable`, with the predicted
+    /// finish).
+    #[serde(default)]
+    pub on_predicted_miss: OnPredictedMiss,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BatchOrder {
+    #[default]
+    Deadline,
+    Even,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnPredictedMiss {
+    #[default]
+    Accept,
+    Refuse,
 }
 
 fn default_batch_attempts() -> u32 {
@@ -105,6 +133,8 @@ impl Default for BatchSection {
             max_failed_share: default_batch_failed_share(),
             min_outcomes_for_budget: default_batch_min_outcomes(),
             max_store_bytes: None,
+            order: BatchOrder::default(),
+            on_predicted_miss: OnPredictedMiss::default(),
         }
     }
 }

@@ -42,9 +42,52 @@ pub fn endpoint(url: &str) -> Option<Endpoint> {
     }
 }
 
+/// Counts a request's prompt tokens.
+pub type PromptCounter = Box<dyn Fn(&GenerationRequest) -> u64 + Send>;
+
+/// What the backends behind the gateway can do, checked at upload so a
+/// line that would fail as an item is refused with its line number.
+#[derive(Default)]
+pub struct Target {
+    /// Where no backend passes fields through: the backend whose limits
+    /// apply (fields it cannot honour: `n` above 1, `tools`…).
+    pub backend: Option<String>,
+    /// Per model: the most tokens (prompt and output) one sequence can
+    /// hold on its largest replica (KV capacity); models not listed are
+    /// not checked.
+    pub max_sequence: std::collections::HashMap<String, u64>,
+    /// Counts a request's prompt tokens (for `max_sequence`).
+    pub prompt_tokens: Option<PromptCounter>,
+}
+
+/// OpenAI batch endpoints no backend of kiln serves, and why (refused at
+/// upload and at creation, by name, rather than as an unknown URL).
+pub fn unserved(url: &str) -> Option<String> {
+    let what = match url {
+        "/v1/embeddings" => "embeddings",
+        "/v1/responses" => "the Responses API",
+        "/v1/moderations" => "moderations",
+        _ => return None,
+    };
+    Some(format!(
+        "`{url}` cannot be batched here: no backend of this gateway serves {what} (kiln's backends generate text); batch /v1/chat/completions or /v1/completions"
+    ))
+}
+
 /// Checks one line (`n` counts from 1). `known_model` says whether the
 /// policy serves a model name.
 pub fn line(text: &str, n: u64, known_model: &dyn Fn(&str) -> bool) -> Result<Valid, LineError> {
+    line_for(text, n, known_model, &Target::default())
+}
+
+/// [`line`], and what `target` cannot serve: a field its backend cannot
+/// honour, or more tokens than the model's largest replica holds.
+pub fn line_for(
+    text: &str,
+    n: u64,
+    known_model: &dyn Fn(&str) -> bool,
+    target: &Target,
+) -> Result<Valid, LineError> {
     let err = |field: &'static str, message: String| LineError {
         line: n,
         field,
@@ -78,9 +121,11 @@ pub fn line(text: &str, n: u64, known_model: &dyn Fn(&str) -> bool) -> Result<Va
         Some(Value::String(u)) => endpoint(u).ok_or_else(|| {
             err(
                 "url",
-                format!(
-                    "`{u}` is not a batch endpoint: use /v1/chat/completions or /v1/completions"
-                ),
+                unserved(u).unwrap_or_else(|| {
+                    format!(
+                        "`{u}` is not a batch endpoint: use /v1/chat/completions or /v1/completions"
+                    )
+                }),
             )
         })?,
         Some(_) => return Err(err("url", "must be a string".into())),
@@ -114,6 +159,42 @@ pub fn line(text: &str, n: u64, known_model: &dyn Fn(&str) -> bool) -> Result<Va
                 req.model
             ),
         ));
+    }
+    if let Some(backend) = &target.backend {
+        if let Some(e) = super::surface::unsupported_field(endpoint, body, backend) {
+            let field = match e.param {
+                Some("n") => "body.n",
+                Some("tools") => "body.tools",
+                Some("tool_choice") => "body.tool_choice",
+                Some("messages") => "body.messages",
+                Some("response_format") => "body.response_format",
+                Some("logprobs") => "body.logprobs",
+                _ => "body",
+            };
+            return Err(err(field, e.message));
+        }
+    }
+    if let (Some(cap), Some(max)) = (
+        target.max_sequence.get(&req.model),
+        req.requested_max_tokens(),
+    ) {
+        // The body's bytes bound its prompt's tokens: count only when
+        // that bound could pass the limit.
+        let over = max > *cap
+            || (max.saturating_add(text.len() as u64) > *cap
+                && target
+                    .prompt_tokens
+                    .as_ref()
+                    .is_some_and(|count| max.saturating_add(count(&req)) > *cap));
+        if over {
+            return Err(err(
+                "body.max_tokens",
+                format!(
+                    "{max} output tokens (with the prompt) are more than model `{}` can hold in one sequence: {cap} tokens on its largest replica; lower `max_tokens`",
+                    req.model
+                ),
+            ));
+        }
     }
     Ok(Valid {
         custom_id,
@@ -210,6 +291,44 @@ mod tests {
             "x".repeat(MAX_CUSTOM_ID + 1)
         );
         assert_eq!(check(&long).unwrap_err().field, "custom_id");
+    }
+
+    #[test]
+    fn what_the_target_cannot_serve_is_refused_at_its_line() {
+        let target = Target {
+            backend: Some("sim".into()),
+            max_sequence: [("llama-3-8b".to_string(), 4096u64)].into(),
+            prompt_tokens: Some(Box::new(|_| 100)),
+        };
+        let body = |b: &str| {
+            format!(
+                r#"{{"custom_id":"a","method":"POST","url":"/v1/chat/completions","body":{{"model":"llama-3-8b","messages":[{{"role":"user","content":"hi"}}]{b}}}}}"#
+            )
+        };
+        for (extra, field) in [
+            (r#","n":2"#, "body.n"),
+            (r#","max_tokens":1000000000000000"#, "body.max_tokens"),
+            (r#","max_tokens":4000"#, "body.max_tokens"),
+        ] {
+            let e = line_for(&body(extra), 9, &known, &target).unwrap_err();
+            assert_eq!((e.field, e.line), (field, 9), "{extra}: {e}");
+            // Without a target (today's check) the same line passes.
+            assert!(line(&body(extra), 9, &known).is_ok(), "{extra}");
+        }
+        assert!(line_for(&body(r#","max_tokens":3000"#), 9, &known, &target).is_ok());
+        assert!(line_for(&body(r#","n":1"#), 9, &known, &target).is_ok());
+        // Tool calling: the simulator answers tools on chat; a CUDA
+        // replica cannot.
+        let tools = body(r#","tools":[{"type":"function","function":{"name":"f"}}]"#);
+        assert!(line_for(&tools, 9, &known, &target).is_ok());
+        let cuda = Target {
+            backend: Some("cuda:0".into()),
+            ..Target::default()
+        };
+        assert_eq!(
+            line_for(&tools, 9, &known, &cuda).unwrap_err().field,
+            "body.tools"
+        );
     }
 
     proptest::proptest! {

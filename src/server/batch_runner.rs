@@ -2,7 +2,9 @@
 //! and feeds their items to the gateway's request path.
 //!
 //! **Bounded.** At most `[batch] max_in_flight` items are handed to the
-//! scheduler at once, shared evenly between the running batches; the rest
+//! scheduler at once, split evenly between tenants' groups and within a
+//! group in plan order (`super::batch_plan`: the batch that runs first
+//! takes what it needs; `[batch] order = "even"` splits evenly); the rest
 //! stay in the store and are read a page at a time. The gateway's memory
 //! for a batch is what the scheduler holds, not the file.
 //!
@@ -33,7 +35,7 @@
 //! written is kept and written again with backoff; meanwhile no item is
 //! sent (a model call whose result cannot be stored is wasted GPU time).
 
-use super::openai::Endpoint;
+use super::batch_plan::{endpoint_of, plan_rows, Plans};
 use super::request::Outcome as Ended;
 use super::App;
 use crate::batch::store::{ItemResult, Store, StoreError};
@@ -61,6 +63,8 @@ pub struct Batches {
     /// Results waiting to be written because the store refused them: while
     /// any does, no item is sent.
     pub store_waiting: AtomicUsize,
+    /// The planner's estimates and the runner's observed paces.
+    pub plans: Plans,
 }
 
 impl Batches {
@@ -71,6 +75,7 @@ impl Batches {
             in_flight: std::sync::Mutex::new(HashMap::new()),
             serving: std::sync::Mutex::new(HashMap::new()),
             store_waiting: AtomicUsize::new(0),
+            plans: Plans::default(),
         }
     }
 
@@ -248,12 +253,20 @@ async fn step(
     slots: &mut (Option<Instant>, usize),
 ) -> Result<(), StoreError> {
     let store = app.batches.store.clone();
+    // Output and error files past `output_expires_after` go.
+    let expired = store
+        .run(|s| s.expired_outputs(crate::clock::unix_ms() / 1000.0))
+        .await?;
+    for fid in expired {
+        store.run(move |s| s.delete_file(&fid)).await?;
+    }
     let active = store.run(|s| s.active()).await?;
     // Batches no longer active (finished elsewhere, or gone) drop out.
     live.retain(|id, l| {
         let keep = active.iter().any(|b| &b.id == id);
         if !keep {
             l.abort_all();
+            app.batches.plans.forget(id);
         }
         keep
     });
@@ -291,7 +304,19 @@ async fn step(
     }
     let slots = slots.1;
     let cap = app.config.batch.max_in_flight.min((2 * slots).max(64));
-    let share = (cap / running).max(1);
+    app.batches
+        .plans
+        .retain(&|id| active.iter().any(|b| b.id == id));
+    if let Ok(mut m) = app.batches.plans.pace.lock() {
+        m.clear();
+        for (id, l) in live.iter() {
+            if let Some(p) = pace(l) {
+                m.insert(id.clone(), p);
+            }
+        }
+    }
+    let planned = plan_rows(app, &active, None).await;
+    let shares = split(&app.config.batch, cap, running, &active, &planned);
     let now = now_s();
     let mut gauges: Vec<(String, String, [u64; 4])> = Vec::new();
     let mut predicted: Vec<(String, String, String, bool)> = Vec::new();
@@ -339,8 +364,9 @@ async fn step(
                         .await?;
                     continue;
                 }
+                let share = shares.get(&b.id).copied().unwrap_or(1);
                 top_up(app, b, l, share, done, tasks).await?;
-                forecast(app, b, l, had).await?;
+                forecast(app, b, l, planned.get(&b.id)).await?;
             }
             BatchStatus::Cancelling => {
                 l.abort_all();
@@ -441,11 +467,6 @@ async fn top_up(
     Ok(())
 }
 
-/// The endpoint of a stored batch.
-fn endpoint_of(b: &BatchRow) -> Endpoint {
-    super::batch_lines::endpoint(&b.endpoint).unwrap_or(Endpoint::Chat)
-}
-
 /// The model a stored input line calls.
 fn model_of(text: &str) -> Option<String> {
     let v: Value = serde_json::from_str(text).ok()?;
@@ -510,9 +531,14 @@ async fn item(app: Arc<App>, b: BatchRow, it: ItemLine, done: mpsc::UnboundedSen
     let store = app.batches.store.clone();
     let mut waiting: Option<Waiting<'_>> = None;
     let mut tries = 0u32;
+    // Its tokens count in its batch's usage with the result, together.
+    let tokens = usage_of(&r.text).unwrap_or((0, 0));
     let wrote = loop {
         let (id, r) = (b.id.clone(), r.clone());
-        match store.run(move |s| s.put_result(&id, &r)).await {
+        match store
+            .run(move |s| s.put_result_usage(&id, &r, tokens.0, tokens.1))
+            .await
+        {
             Ok(w) => break w,
             Err(e) => {
                 tries = tries.saturating_add(1);
@@ -548,6 +574,18 @@ async fn item(app: Arc<App>, b: BatchRow, it: ItemLine, done: mpsc::UnboundedSen
         wrote,
         failed,
     });
+}
+
+/// The tokens a result line's response body reports (`usage`).
+fn usage_of(text: &str) -> Option<(u64, u64)> {
+    let v: Value = serde_json::from_str(text).ok()?;
+    let u = v.get("response")?.get("body")?.get("usage")?;
+    let input = u.get("prompt_tokens").and_then(Value::as_u64).unwrap_or(0);
+    let output = u
+        .get("completion_tokens")
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
+    Some((input, output))
 }
 
 /// One result line's `id`.
@@ -827,110 +865,102 @@ async fn close(app: &Arc<App>, b: &BatchRow, why: Closing) -> Result<(), StoreEr
     Ok(())
 }
 
-/// Refreshes a running batch's predicted finish: from its own recent pace
-/// once it has one, else from the scheduler's drain estimate.
-async fn forecast(app: &Arc<App>, b: &BatchRow, l: &mut Live, had: u64) -> Result<(), StoreError> {
+/// Items a second a batch finished lately (over at least a second and
+/// 20 items), if it has run that long.
+fn pace(l: &Live) -> Option<f64> {
+    match (l.finished.front(), l.finished.back()) {
+        (Some(a), Some(z)) if l.finished.len() >= 20 => {
+            let span = z.duration_since(*a).as_secs_f64();
+            (span >= 1.0).then(|| (l.finished.len() - 1) as f64 / span)
+        }
+        _ => None,
+    }
+}
+
+/// How many items each running batch may have in flight: `cap` split
+/// evenly between the groups (a tenant's batches in one tier: between
+/// tenants, the scheduler's fair share decides), and within a group in
+/// plan order, each batch taking what it still needs of what the ones
+/// ahead left (`[batch] order = "deadline"`); or `cap` split evenly
+/// between batches (`order = "even"`).
+fn split(
+    c: &super::config::BatchSection,
+    cap: usize,
+    running: usize,
+    active: &[BatchRow],
+    planned: &HashMap<String, crate::batch::plan::Planned>,
+) -> HashMap<String, usize> {
+    let run: Vec<&BatchRow> = active
+        .iter()
+        .filter(|b| matches!(b.status, BatchStatus::InProgress | BatchStatus::Validating))
+        .collect();
+    if c.order == super::batch_config::BatchOrder::Even {
+        let share = (cap / running.max(1)).max(1);
+        return run.iter().map(|b| (b.id.clone(), share)).collect();
+    }
+    let mut groups: HashMap<(Option<&str>, Option<&str>), Vec<&BatchRow>> = HashMap::new();
+    for b in &run {
+        groups
+            .entry((b.tier.as_deref(), b.owner.as_deref()))
+            .or_default()
+            .push(b);
+    }
+    let per = (cap / groups.len().max(1)).max(1);
+    let mut out = HashMap::new();
+    for members in groups.values() {
+        let left: Vec<u64> = members
+            .iter()
+            .map(|b| {
+                b.counts
+                    .total
+                    .saturating_sub(b.counts.completed + b.counts.failed)
+            })
+            .collect();
+        // Unplanned batches (no estimate yet) go after the planned ones,
+        // earliest deadline first.
+        let mut rank: Vec<(usize, bool, i64, usize)> = members
+            .iter()
+            .enumerate()
+            .map(|(i, b)| match planned.get(&b.id) {
+                Some(p) => (i, false, p.rank as i64, 0),
+                None => (i, true, b.expires_at, i),
+            })
+            .collect();
+        rank.sort_by_key(|(_, unplanned, r, i)| (*unplanned, *r, *i));
+        let mut ranks = vec![0; members.len()];
+        for (pos, (i, ..)) in rank.iter().enumerate() {
+            ranks[*i] = pos;
+        }
+        for (b, n) in members
+            .iter()
+            .zip(crate::batch::plan::shares(per, &left, &ranks, false))
+        {
+            out.insert(b.id.clone(), n);
+        }
+    }
+    out
+}
+
+/// Stores a running batch's predicted finish from the last plan (at most
+/// every 2 s).
+async fn forecast(
+    app: &Arc<App>,
+    b: &BatchRow,
+    l: &mut Live,
+    planned: Option<&crate::batch::plan::Planned>,
+) -> Result<(), StoreError> {
     if l.last_forecast
         .is_some_and(|t| t.elapsed() < Duration::from_secs(2))
     {
         return Ok(());
     }
     l.last_forecast = Some(Instant::now());
-    let left = b.counts.total.saturating_sub(had);
-    let now = crate::clock::unix_ms() / 1000.0;
-    let observed = match (l.finished.front(), l.finished.back()) {
-        (Some(a), Some(z)) if l.finished.len() >= 20 => {
-            let span = z.duration_since(*a).as_secs_f64();
-            (span >= 2.0).then(|| (l.finished.len() - 1) as f64 / span)
-        }
-        _ => None,
-    };
-    let (finish, tier) = match observed {
-        Some(rate) if rate > 0.0 => (Some(now + left as f64 / rate), None),
-        _ => match estimate(app, b, left).await {
-            Some((secs, tier)) => (Some(now + secs), Some(tier)),
-            None => (None, None),
-        },
-    };
+    let finish = planned.map(|p| p.finish);
     let id = b.id.clone();
     app.batches
         .store
-        .run(move |s| s.set_prediction(&id, finish, tier.as_deref()))
+        .run(move |s| s.set_prediction(&id, finish, None))
         .await
-}
-
-/// Lines of a file sampled for an estimate: evenly spread, at most 64.
-pub fn sample_lines(s: &Store, file: &str, lines: u64) -> Result<Vec<String>, StoreError> {
-    let n = lines.clamp(1, 64);
-    let step = (lines / n).max(1);
-    let mut out = Vec::new();
-    for i in 0..n {
-        if let Some((_, t)) = s.lines(file, i * step, 1)?.into_iter().next() {
-            out.push(t);
-        }
-    }
-    Ok(out)
-}
-
-/// The scheduler's estimate for the `items` a batch has left, from a
-/// sample of its lines: wall seconds until they would be done, and their
-/// tier.
-pub async fn estimate(app: &Arc<App>, b: &BatchRow, items: u64) -> Option<(f64, String)> {
-    let (file, total) = (b.input_file_id.clone(), b.counts.total);
-    let sample = app
-        .batches
-        .store
-        .run(move |s| sample_lines(s, &file, total))
-        .await
-        .ok()?;
-    estimate_for_lines(app, &sample, b.owner.as_deref(), endpoint_of(b), items).await
-}
-
-/// The scheduler's drain estimate for `items` requests like these input
-/// lines (their mean prompt and `max_tokens`), from `tenant`: wall seconds,
-/// and the tier they classify into.
-pub async fn estimate_for_lines(
-    app: &Arc<App>,
-    lines: &[String],
-    tenant: Option<&str>,
-    endpoint: Endpoint,
-    items: u64,
-) -> Option<(f64, String)> {
-    let mut first: Option<super::openai::GenerationRequest> = None;
-    let (mut prompt, mut max, mut n) = (0u64, 0u64, 0u64);
-    for line in lines {
-        let Ok(v) = serde_json::from_str::<Value>(line) else {
-            continue;
-        };
-        let Some(body) = v.get("body") else { continue };
-        let Ok(greq) = super::openai::GenerationRequest::from_value(endpoint, body) else {
-            continue;
-        };
-        prompt += app.tokenizer.prompt(&greq, 0).count;
-        max += greq
-            .requested_max_tokens()
-            .unwrap_or(app.config.limits.default_max_tokens);
-        n += 1;
-        first.get_or_insert(greq);
-    }
-    let greq = first?;
-    let req = crate::graph::Request {
-        tenant: tenant.map(str::to_string),
-        model: greq.model.clone(),
-        headers: std::collections::BTreeMap::from([(
-            crate::graph::BATCH_HEADER.to_string(),
-            "estimate".to_string(),
-        )]),
-        tags: vec!["batch".into()],
-        prompt_tokens: prompt / n.max(1),
-        max_tokens: (max / n.max(1)).max(1),
-        ..Default::default()
-    };
-    let (graph, f) = app.exec.forecast(req, items).await?;
-    let f = f?;
-    let tier = graph.tiers.get(f.tier as usize)?.name.clone();
-    let speed = app.speed;
-    Some((f.secs / speed, tier))
 }
 
 #[cfg(test)]

@@ -13,7 +13,8 @@
 use super::admin::authorize;
 use super::auth::authenticate;
 use super::batch_lines::{self as validate, LineError};
-use super::batch_runner::{estimate_for_lines, now_s};
+use super::batch_plan::{estimate_for_lines, plan_rows};
+use super::batch_runner::now_s;
 use super::openai::ApiError;
 use super::App;
 use crate::batch::store::StoreError;
@@ -134,6 +135,7 @@ async fn upload_inner(
     let max_line = app.config.limits.max_body_bytes;
     let policy = app.policy.load_full();
     let models: HashSet<String> = policy.graph.models.iter().map(|m| m.name.clone()).collect();
+    let target = upload_target(&app).await;
     let id = crate::batch::new_id("file-");
     // Lines are checked and written on a blocking thread, a page per short
     // transaction; the reader hands them over through a short queue, so
@@ -162,7 +164,8 @@ async fn upload_inner(
         while let Some(msg) = rx.blocking_recv() {
             match msg {
                 Msg::Line(n, text) => {
-                    let v = validate::line(&text, n, &known).map_err(UploadError::Line)?;
+                    let v =
+                        validate::line_for(&text, n, &known, &target).map_err(UploadError::Line)?;
                     match &endpoint {
                         None => {
                             endpoint = Some(v.clone());
@@ -276,6 +279,33 @@ async fn upload_inner(
         Ok(Err(UploadError::Line(l))) => Err(line_error(&l)),
         Ok(Err(UploadError::Api(e))) => Err(e),
         Err(e) => Err(ApiError::new(500, format!("the upload failed: {e}"))),
+    }
+}
+
+/// What the gateway's backends can serve, for the checks at upload: the
+/// fields a backend cannot honour (where none passes fields through, as
+/// the request path refuses them) and each model's longest sequence.
+async fn upload_target(app: &App) -> validate::Target {
+    use crate::backend::Backend;
+    let backend = (!app.backends.iter().any(|b| matches!(b, Backend::Http(_)))).then(|| {
+        app.backends
+            .first()
+            .map_or_else(|| "sim".to_string(), Backend::name)
+    });
+    let mut max_sequence = std::collections::HashMap::new();
+    if let Some(s) = app.exec.snapshot().await {
+        for r in &s.replicas {
+            if r.kv_capacity_tokens > 0 {
+                let e = max_sequence.entry(r.model.clone()).or_insert(0u64);
+                *e = (*e).max(r.kv_capacity_tokens);
+            }
+        }
+    }
+    let tok = app.tokenizer;
+    validate::Target {
+        backend,
+        max_sequence,
+        prompt_tokens: Some(Box::new(move |g| tok.prompt_tokens(g))),
     }
 }
 
@@ -535,8 +565,42 @@ async fn owned<T: Send + 'static>(
     }
 }
 
+/// The caller's file; an output or error file past its batch's
+/// `output_expires_after` is deleted here and is `404`, as one that never
+/// was. Its `expires_at`, if it has one.
+async fn owned_file_expiry(
+    app: &App,
+    headers: &HeaderMap,
+    id: &str,
+) -> Result<(FileRow, Option<i64>), ApiError> {
+    let f = owned(app, headers, id, "file", |s, k| s.file(k), |f| &f.owner).await?;
+    let Some(batch) = f.batch_id.clone() else {
+        return Ok((f, None));
+    };
+    let x = app
+        .batches
+        .store
+        .run(move |s| s.extras(&batch))
+        .await
+        .map_err(store_error)?;
+    let Some(secs) = x.and_then(|x| x.output_expires_s) else {
+        return Ok((f, None));
+    };
+    let expires = f.created_at as f64 + secs;
+    if crate::clock::unix_ms() / 1000.0 >= expires {
+        let fid = f.id.clone();
+        app.batches
+            .store
+            .run(move |s| s.delete_file(&fid))
+            .await
+            .map_err(store_error)?;
+        return Err(not_found("file", id));
+    }
+    Ok((f, Some(expires.ceil() as i64)))
+}
+
 async fn owned_file(app: &App, headers: &HeaderMap, id: &str) -> Result<FileRow, ApiError> {
-    owned(app, headers, id, "file", |s, k| s.file(k), |f| &f.owner).await
+    owned_file_expiry(app, headers, id).await.map(|(f, _)| f)
 }
 
 async fn get_file(
@@ -545,9 +609,13 @@ async fn get_file(
     Path(id): Path<String>,
 ) -> Response {
     respond(
-        owned_file(&app, &headers, &id)
+        owned_file_expiry(&app, &headers, &id)
             .await
-            .map(|f| axum::Json(f.to_json()).into_response()),
+            .map(|(f, expires)| {
+                let mut v = f.to_json();
+                v["expires_at"] = json!(expires);
+                axum::Json(v).into_response()
+            }),
     )
 }
 
@@ -696,6 +764,43 @@ fn window_text(secs: f64) -> String {
     }
 }
 
+/// The batch object: [`BatchRow::to_json`] with OpenAI's `model` and
+/// `usage` (the tokens of its finished items, summed as they finish).
+async fn batch_json(app: &App, b: &BatchRow) -> Value {
+    let mut v = b.to_json(rate_of(app, b.owner.as_deref()));
+    let id = b.id.clone();
+    if let Ok(Some(x)) = app.batches.store.run(move |s| s.extras(&id)).await {
+        v["model"] = json!(x.model);
+        v["usage"] = json!({
+            "input_tokens": x.input_tokens,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": x.output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": x.input_tokens + x.output_tokens,
+        });
+    }
+    v
+}
+
+/// `output_expires_after`: `{"anchor": "created_at", "seconds": N}`, N
+/// from one hour to 30 days, as OpenAI's; wall seconds (the simulator's
+/// speed applied, as for windows).
+fn output_expiry(v: &Option<Value>, speed: f64) -> Result<Option<f64>, ApiError> {
+    let Some(v) = v.as_ref().filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let bad = |m: &str| ApiError::bad_request(m.into(), Some("output_expires_after"));
+    if v.get("anchor").and_then(Value::as_str) != Some("created_at") {
+        return Err(bad("`output_expires_after.anchor` must be \"created_at\""));
+    }
+    match v.get("seconds").and_then(Value::as_u64) {
+        Some(s) if (3600..=2_592_000).contains(&s) => Ok(Some(s as f64 / speed.max(1e-9))),
+        _ => Err(bad(
+            "`output_expires_after.seconds` must be a whole number of seconds from 3600 (1 hour) to 2592000 (30 days)",
+        )),
+    }
+}
+
 fn rate_of(app: &App, owner: Option<&str>) -> Option<f64> {
     let p = app.policy.load();
     let t = p.graph.tenant_id(owner?)?;
@@ -717,7 +822,7 @@ async fn create_inner(
     }
     let req: CreateBatch = serde_json::from_slice(&body)
         .map_err(|e| ApiError::bad_request(format!("invalid batch request: {e}"), None))?;
-    let _ = &req.output_expires_after;
+    let expires_after = output_expiry(&req.output_expires_after, app.speed)?;
     check_metadata(&req.metadata)?;
     let f = owned_file(&app, &headers, &req.input_file_id)
         .await
@@ -738,6 +843,9 @@ async fn create_inner(
         ));
     }
     let Some(endpoint) = validate::endpoint(&req.endpoint) else {
+        if let Some(why) = validate::unserved(&req.endpoint) {
+            return Err(ApiError::bad_request(why, Some("endpoint")).code("unsupported_endpoint"));
+        }
         return Err(ApiError::bad_request(
             format!(
                 "`{}` is not a batch endpoint: use /v1/chat/completions or /v1/completions",
@@ -770,11 +878,16 @@ async fn create_inner(
     let sample = app
         .batches
         .store
-        .run(move |s| super::batch_runner::sample_lines(s, &fid, lines))
+        .run(move |s| super::batch_plan::sample_lines(s, &fid, lines))
         .await
         .map_err(store_error)?;
     let est = estimate_for_lines(&app, &sample, owner.as_deref(), endpoint, f.lines).await;
-    let tier = est.as_ref().map(|(_, t)| t.clone());
+    // OpenAI's `model`: the model its requests name (the first line's).
+    let model = sample.first().and_then(|l| {
+        let v: Value = serde_json::from_str(l).ok()?;
+        Some(v.get("body")?.get("model")?.as_str()?.to_string())
+    });
+    let tier = est.as_ref().map(|e| e.tier.clone());
     let policy = app.policy.load_full();
     let allowed = allowed_windows(&policy.graph, tier.as_deref());
     if !allowed.iter().any(|w| (w - window).abs() < 0.5) {
@@ -792,7 +905,7 @@ async fn create_inner(
     let speed = app.speed;
     let created = now_s();
     let window_s = window / speed;
-    let row = BatchRow {
+    let mut row = BatchRow {
         id: crate::batch::new_id("batch_"),
         owner: owner.clone(),
         input_file_id: f.id.clone(),
@@ -819,10 +932,43 @@ async fn create_inner(
         output_file_id: None,
         error_file_id: None,
         tier,
-        predicted_finish: est.map(|(secs, _)| created as f64 + secs),
+        predicted_finish: est.as_ref().map(|e| created as f64 + e.secs(f.lines)),
         gpu_seconds: 0.0,
         deadline_misses: 0,
     };
+    // The promise: this batch planned after every batch accepted before
+    // it (in its group's run order), on its tenant's share of the tier.
+    if let Some(e) = &est {
+        let mut rows = app
+            .batches
+            .store
+            .run(|s| s.active())
+            .await
+            .map_err(store_error)?;
+        rows.push(row.clone());
+        if let Some(p) = plan_rows(&app, &rows, Some((&row.id, e)))
+            .await
+            .get(&row.id)
+        {
+            row.predicted_finish = Some(p.finish);
+        }
+    }
+    if row.predicted_miss()
+        && app.config.batch.on_predicted_miss == super::batch_config::OnPredictedMiss::Refuse
+    {
+        let finish = row.predicted_finish.unwrap_or(0.0);
+        return Err(ApiError::bad_request(
+            format!(
+                "this batch cannot finish inside its {} window: with the batches accepted before it, it is predicted to finish at {} (unix seconds), {:.0} s after the window ends at {}; try a longer window or later (`[batch] on_predicted_miss = \"refuse\"`)",
+                req.completion_window,
+                finish.round() as i64,
+                (finish - row.expires_at as f64).max(0.0),
+                row.expires_at
+            ),
+            Some("completion_window"),
+        )
+        .code("completion_window_unmeetable"));
+    }
     let r = row.clone();
     let stored = app
         .batches
@@ -837,11 +983,18 @@ async fn create_inner(
         )
         .code("not_found"));
     }
+    app.batches.plans.promise(&row.id, !row.predicted_miss());
+    let (bid, model) = (row.id.clone(), model);
+    app.batches
+        .store
+        .run(move |s| s.set_extras(&bid, model.as_deref(), expires_after))
+        .await
+        .map_err(store_error)?;
     app.batches.wake.notify_one();
     if row.predicted_miss() {
         tracing::warn!(batch = %row.id, "batch predicted to miss its completion window at the current load");
     }
-    Ok(axum::Json(row.to_json(rate_of(&app, owner.as_deref()))).into_response())
+    Ok(axum::Json(batch_json(&app, &row).await).into_response())
 }
 
 async fn owned_batch(app: &App, headers: &HeaderMap, id: &str) -> Result<BatchRow, ApiError> {
@@ -854,9 +1007,11 @@ async fn get_batch(
     Path(id): Path<String>,
 ) -> Response {
     respond(
-        owned_batch(&app, &headers, &id)
-            .await
-            .map(|b| axum::Json(b.to_json(rate_of(&app, b.owner.as_deref()))).into_response()),
+        async {
+            let b = owned_batch(&app, &headers, &id).await?;
+            Ok(axum::Json(batch_json(&app, &b).await).into_response())
+        }
+        .await,
     )
 }
 
@@ -890,15 +1045,12 @@ async fn batch_page(app: &App, owner: Option<Option<String>>, q: Page) -> Result
         .await
         .map_err(store_error)?;
     let more = rows.len() > limit;
-    let data = rows
-        .iter()
-        .take(limit)
-        .map(|b| {
-            let mut v = b.to_json(rate_of(app, b.owner.as_deref()));
-            v["kiln"]["in_flight"] = json!(app.batches.in_flight_of(&b.id));
-            v
-        })
-        .collect();
+    let mut data = Vec::new();
+    for b in rows.iter().take(limit) {
+        let mut v = batch_json(app, b).await;
+        v["kiln"]["in_flight"] = json!(app.batches.in_flight_of(&b.id));
+        data.push(v);
+    }
     Ok(list_body(data, more))
 }
 
@@ -911,7 +1063,8 @@ async fn cancel(app: &App, b: BatchRow) -> Result<Response, ApiError> {
         .code("batch_not_cancellable"));
     }
     let id = b.id.clone();
-    app.batches
+    let after = app
+        .batches
         .store
         .run(move |s| {
             s.transition(
@@ -924,11 +1077,9 @@ async fn cancel(app: &App, b: BatchRow) -> Result<Response, ApiError> {
         })
         .await
         .map_err(store_error)?
-        .map(|b| {
-            app.batches.wake.notify_one();
-            axum::Json(b.to_json(rate_of(app, b.owner.as_deref()))).into_response()
-        })
-        .ok_or_else(|| not_found("batch", &b.id))
+        .ok_or_else(|| not_found("batch", &b.id))?;
+    app.batches.wake.notify_one();
+    Ok(axum::Json(batch_json(app, &after).await).into_response())
 }
 
 async fn cancel_batch(
@@ -980,7 +1131,7 @@ async fn admin_get(
     respond(
         async {
             let b = admin_batch(&app, &headers, &id).await?;
-            let mut v = b.to_json(rate_of(&app, b.owner.as_deref()));
+            let mut v = batch_json(&app, &b).await;
             v["kiln"]["in_flight"] = json!(app.batches.in_flight_of(&b.id));
             Ok(axum::Json(v).into_response())
         }

@@ -16,6 +16,7 @@ pub mod admin;
 pub mod auth;
 pub mod batch_config;
 pub mod batch_lines;
+pub mod batch_plan;
 pub mod batch_runner;
 pub mod batches;
 pub mod cache;
