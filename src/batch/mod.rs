@@ -15,6 +15,8 @@
 //! item and duplicates none: items in flight at the crash run again after
 //! the restart.
 
+pub mod backend;
+pub mod pg;
 pub mod store;
 pub mod view;
 
