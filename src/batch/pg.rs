@@ -143,7 +143,11 @@ fn connect(url: &str) -> Result<Client, StoreError> {
         path: redact(url),
         message,
     };
-    let mut c = Client::connect(url, NoTls).map_err(|e| open(e.to_string()))?;
+    let mut c = Client::connect(url, NoTls).map_err(|e| {
+        // The cause (refused, unknown host, authentication) is the source.
+        let why = std::error::Error::source(&e).map(|s| format!(": {s}"));
+        open(format!("{e}{}", why.unwrap_or_default()))
+    })?;
     // Replicas starting together: one makes the tables, the others wait.
     let mut tx = c.transaction().map_err(|e| open(e.to_string()))?;
     tx.execute("SELECT pg_advisory_xact_lock(7315002)", &[])

@@ -32,7 +32,7 @@ pub enum StoreError {
     #[error("cannot open the batch store at {path}: {message}")]
     #[diagnostic(
         code(kiln::batch::store_open),
-        help("set `[batch] store` in kiln.toml to a writable path (the directory is created)")
+        help("set `[batch] store` in kiln.toml to a writable path (the directory is created), or to the URL of a reachable PostgreSQL (postgres://user:password@host:5432/db)")
     )]
     Open { path: String, message: String },
     #[error("batch store: {0}")]
