@@ -50,7 +50,7 @@ pub enum StoreError {
     #[error("batch store (PostgreSQL): {0}")]
     #[diagnostic(
         code(kiln::batch::store_pg),
-        help("check that the database in `[batch] store` (or KILN_BATCH_STORE) is up and reachable; calls are retried")
+        help("check that the PostgreSQL in `[batch] store` is up and reachable; the batch runner retries with backoff")
     )]
     Pg(#[from] postgres::Error),
     #[error("batch store: a lock was poisoned")]
