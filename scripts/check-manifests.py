@@ -11,8 +11,9 @@ ConfigMaps and Secrets, named ports, the selectors of Services,
 PodDisruptionBudgets and NetworkPolicies), and that kiln.toml in the Secret
 agrees with the Deployment and the others (its listen port; its [state]
 replicas is the HorizontalPodAutoscaler's minReplicas; the password in its
-[state] redis URL is Redis's, from the Secret redis-auth), and that Redis
-has a password and never evicts.
+[state] redis URL is Redis's, from the Secret redis-auth, and the one in its
+[batch] store URL is PostgreSQL's, from the Secret postgres-auth), and that
+Redis has a password and never evicts.
 Exits 1 with one line per finding.
 """
 
@@ -149,6 +150,14 @@ else:
         password = base64.b64decode(auth[0]["data"]["password"]).decode()
         if f":{password}@" not in url:
             find("kiln.toml [state] redis does not carry the password of the Secret redis-auth")
+    # PostgreSQL's password (the shared batch store), likewise.
+    store = str(toml.get("batch", {}).get("store", ""))
+    if store.startswith(("postgres://", "postgresql://")):
+        auth = [s for s in by_kind.get("Secret", {}).values() if s["metadata"]["name"].startswith("postgres-auth")]
+        if len(auth) != 1 or "password" not in auth[0].get("data", {}):
+            find("expected one Secret postgres-auth holding PostgreSQL's password")
+        elif f":{base64.b64decode(auth[0]['data']['password']).decode()}@" not in store:
+            find("kiln.toml [batch] store does not carry the password of the Secret postgres-auth")
     redis = by_kind.get("StatefulSet", {}).get("redis")
     if redis is not None:
         args = [a for c in redis["spec"]["template"]["spec"]["containers"] for a in c.get("args", [])]

@@ -16,6 +16,8 @@
 //! the restart.
 
 pub mod plan;
+pub mod backend;
+pub mod pg;
 pub mod store;
 pub mod view;
 

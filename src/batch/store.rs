@@ -32,7 +32,7 @@ pub enum StoreError {
     #[error("cannot open the batch store at {path}: {message}")]
     #[diagnostic(
         code(kiln::batch::store_open),
-        help("set `[batch] store` in kiln.toml to a writable path (the directory is created)")
+        help("set `[batch] store` in kiln.toml to a writable path (the directory is created), or to the URL of a reachable PostgreSQL (postgres://user:password@host:5432/db)")
     )]
     Open { path: String, message: String },
     #[error("batch store: {0}")]
@@ -47,6 +47,12 @@ pub enum StoreError {
         help("free disk space, raise `[batch] max_store_bytes`, or delete old files (`DELETE /v1/files/ID`); writes resume by themselves")
     )]
     Full(rusqlite::Error),
+    #[error("batch store (PostgreSQL): {0}")]
+    #[diagnostic(
+        code(kiln::batch::store_pg),
+        help("check that the PostgreSQL in `[batch] store` is up and reachable; the batch runner retries with backoff")
+    )]
+    Pg(#[from] postgres::Error),
     #[error("batch store: a lock was poisoned")]
     #[diagnostic(code(kiln::batch::store_lock), help("restart the gateway"))]
     Poisoned,
@@ -137,10 +143,13 @@ CREATE TABLE IF NOT EXISTS results (
 );
 ";
 
-/// The batch store. Cheap to clone; every call blocks on SQLite, so async
+pub use super::backend::{Store, Upload};
+
+/// The embedded SQLite store, one gateway's ([`Store`] picks it or
+/// PostgreSQL). Cheap to clone; every call blocks on SQLite, so async
 /// callers run it on a blocking thread ([`Store::run`]).
 #[derive(Clone)]
-pub struct Store {
+pub struct Sqlite {
     /// Writes (one writer at a time, as SQLite allows).
     write: Arc<Mutex<Connection>>,
     /// Reads, beside the writer (WAL: readers see the last commit).
@@ -241,9 +250,9 @@ fn configure(c: &Connection) -> Result<(), rusqlite::Error> {
     Ok(())
 }
 
-impl Store {
+impl Sqlite {
     /// Opens (creating) the database at `path`.
-    pub fn open(path: &Path) -> Result<Store, StoreError> {
+    pub fn open(path: &Path) -> Result<Sqlite, StoreError> {
         let err = |message: String| StoreError::Open {
             path: path.display().to_string(),
             message,
@@ -265,10 +274,10 @@ impl Store {
             .execute_batch(SCHEMA)
             .map_err(|e| err(e.to_string()))?;
         add_columns(&write).map_err(|e| err(e.to_string()))?;
-        Store::sweep_orphans(&write).map_err(|e| err(e.to_string()))?;
+        Sqlite::sweep_orphans(&write).map_err(|e| err(e.to_string()))?;
         let read = Connection::open(path).map_err(|e| err(e.to_string()))?;
         configure(&read).map_err(|e| err(e.to_string()))?;
-        Ok(Store {
+        Ok(Sqlite {
             write: Arc::new(Mutex::new(write)),
             read: Arc::new(Mutex::new(read)),
             path: Some(path.to_path_buf()),
@@ -279,7 +288,7 @@ impl Store {
     /// A private database in a temporary file, removed when the last
     /// clone of the store is dropped: gateways started in-process without
     /// a `[batch] store` (tests) get their own, never a shared default.
-    pub fn temporary() -> Result<Store, StoreError> {
+    pub fn temporary() -> Result<Sqlite, StoreError> {
         use std::sync::atomic::{AtomicU64, Ordering};
         static N: AtomicU64 = AtomicU64::new(0);
         let path = std::env::temp_dir().join(format!(
@@ -288,7 +297,7 @@ impl Store {
             crate::clock::unix_ms() as u64,
             N.fetch_add(1, Ordering::Relaxed)
         ));
-        let mut s = Store::open(&path)?;
+        let mut s = Sqlite::open(&path)?;
         s.temp = Some(Arc::new(TempFile(path)));
         Ok(s)
     }
@@ -330,18 +339,6 @@ impl Store {
             .sum()
     }
 
-    /// Runs `f` on a blocking thread (SQLite calls block).
-    pub async fn run<T: Send + 'static>(
-        &self,
-        f: impl FnOnce(&Store) -> Result<T, StoreError> + Send + 'static,
-    ) -> Result<T, StoreError> {
-        let s = self.clone();
-        match tokio::task::spawn_blocking(move || f(&s)).await {
-            Ok(r) => r,
-            Err(_) => Err(StoreError::Poisoned),
-        }
-    }
-
     // ---- files ---------------------------------------------------------
 
     /// Begins an upload. Its lines are written in short transactions as
@@ -349,8 +346,8 @@ impl Store {
     /// the network) under a file id no file row names yet, so nothing sees
     /// them; [`Upload::commit`] adds the row, and a dropped upload deletes
     /// them. Lines a crash left behind are removed at the next open.
-    pub fn upload(&self, file: &str) -> Upload<'_> {
-        Upload {
+    pub fn upload(&self, file: &str) -> SqliteUpload<'_> {
+        SqliteUpload {
             store: self,
             file: file.to_string(),
             pending: Vec::new(),
@@ -851,8 +848,8 @@ pub struct ItemResult {
 }
 
 /// An upload in progress: lines buffered, then written a page at a time.
-pub struct Upload<'a> {
-    store: &'a Store,
+pub struct SqliteUpload<'a> {
+    store: &'a Sqlite,
     file: String,
     /// (index, line number in the file, custom_id, text) not yet written.
     pending: Vec<(u64, u64, String, String)>,
@@ -864,7 +861,7 @@ pub struct Upload<'a> {
 const UPLOAD_PAGE_LINES: usize = 2000;
 const UPLOAD_PAGE_BYTES: usize = 8 * 1024 * 1024;
 
-impl Upload<'_> {
+impl SqliteUpload<'_> {
     /// Adds request `index` (line `number` of the file). `Ok(Some((n,
     /// id)))`: line `n` repeats an earlier `custom_id` (found when its page
     /// is written: the caller stops at the first).
@@ -939,7 +936,7 @@ impl Upload<'_> {
     }
 }
 
-impl Drop for Upload<'_> {
+impl Drop for SqliteUpload<'_> {
     /// An upload not committed leaves nothing.
     fn drop(&mut self) {
         if !self.done {
@@ -1217,7 +1214,7 @@ mod tests {
             )
             .unwrap();
         }
-        let s = Store::open(&path).unwrap();
+        let s = Sqlite::open(&path).unwrap();
         assert_eq!(
             s.lines("file-a", 0, 10).unwrap(),
             vec![(0, "line 0".to_string()), (1, "line 1".to_string())]

@@ -205,10 +205,9 @@ pub fn run(a: Args) -> i32 {
         say(format!(
             "  OpenAI base URL: http://{addr}/v1   explain: /admin/explain/ID   metrics: /metrics"
         ));
-        if let Some(p) = &running.app.batches.store.path {
+        if let Some(p) = running.app.batches.store.location() {
             say(format!(
-                "  batches: /v1/files, /v1/batches; stored in {}",
-                p.display()
+                "  batches: /v1/files, /v1/batches; stored in {p}"
             ));
         }
         if !running.app.admin_open && !running.app.config.has_admin_tokens() {

@@ -11,7 +11,9 @@ use std::path::PathBuf;
 pub struct BatchSection {
     /// The SQLite database of files, batches and results. `kiln serve`
     /// defaults to `.kiln/batches.db` (beside where it runs); a gateway
-    /// started in-process without one keeps a temporary database.
+    /// started in-process without one keeps a temporary database. A
+    /// `postgres://user:password@host:port/db` URL instead: a PostgreSQL
+    /// database that every replica of a fleet shares.
     #[serde(default)]
     pub store: Option<PathBuf>,
     /// Batch items handed to the scheduler at once, over all batches: the
@@ -70,6 +72,14 @@ pub struct BatchSection {
     /// finish).
     #[serde(default)]
     pub on_predicted_miss: OnPredictedMiss,
+    /// On a shared (PostgreSQL) store: how long a replica's claim on a
+    /// batch lasts without renewal (it renews it several times a second
+    /// while it runs). A replica that dies hands its batches on after this.
+    #[serde(
+        default = "default_batch_lease",
+        deserialize_with = "crate::units::duration::deserialize"
+    )]
+    pub lease: std::time::Duration,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -86,6 +96,10 @@ pub enum OnPredictedMiss {
     #[default]
     Accept,
     Refuse,
+}
+
+fn default_batch_lease() -> std::time::Duration {
+    std::time::Duration::from_secs(10)
 }
 
 fn default_batch_attempts() -> u32 {
@@ -135,6 +149,7 @@ impl Default for BatchSection {
             max_store_bytes: None,
             order: BatchOrder::default(),
             on_predicted_miss: OnPredictedMiss::default(),
+            lease: default_batch_lease(),
         }
     }
 }

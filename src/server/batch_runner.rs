@@ -65,6 +65,10 @@ pub struct Batches {
     pub store_waiting: AtomicUsize,
     /// The planner's estimates and the runner's observed paces.
     pub plans: Plans,
+    /// This replica's name on batch leases (a shared store).
+    pub holder: String,
+    /// The batches whose lease this replica holds (a shared store).
+    pub held: std::sync::Mutex<std::collections::HashSet<String>>,
 }
 
 impl Batches {
@@ -76,6 +80,8 @@ impl Batches {
             serving: std::sync::Mutex::new(HashMap::new()),
             store_waiting: AtomicUsize::new(0),
             plans: Plans::default(),
+            holder: crate::batch::new_id("runner-"),
+            held: std::sync::Mutex::new(std::collections::HashSet::new()),
         }
     }
 
@@ -171,6 +177,11 @@ async fn run(app: Arc<App>) {
     let mut slots: (Option<Instant>, usize) = (None, 0);
     // Consecutive failed passes (the store failing): the runner backs off.
     let mut failing = 0u32;
+    let _leases = app
+        .batches
+        .store
+        .shared()
+        .then(|| AbortOnDrop(tokio::spawn(keep_leases(app.clone())).abort_handle()));
     loop {
         while tasks.try_join_next().is_some() {}
         tokio::select! {
@@ -261,6 +272,11 @@ async fn step(
         store.run(move |s| s.delete_file(&fid)).await?;
     }
     let active = store.run(|s| s.active()).await?;
+    // On a shared store (a fleet), this replica runs only the batches whose
+    // lease it holds: it takes free or expired ones and renews its own
+    // several times a lease, so a replica that dies hands its batches on
+    // once their leases run out.
+    let active = claimed(app, active).await?;
     // Batches no longer active (finished elsewhere, or gone) drop out.
     live.retain(|id, l| {
         let keep = active.iter().any(|b| &b.id == id);
@@ -402,6 +418,79 @@ async fn step(
         .collect();
     app.metrics.set_batches(&g, &p);
     Ok(())
+}
+
+/// The batches of `active` this replica may run: all of them on its own
+/// store; on a shared one, those whose lease it holds ([`keep_leases`]).
+async fn claimed(app: &Arc<App>, active: Vec<BatchRow>) -> Result<Vec<BatchRow>, StoreError> {
+    if !app.batches.store.shared() {
+        return Ok(active);
+    }
+    let held = app
+        .batches
+        .held
+        .lock()
+        .map(|h| h.clone())
+        .unwrap_or_default();
+    Ok(active
+        .into_iter()
+        .filter(|b| held.contains(&b.id))
+        .collect())
+}
+
+/// On a shared store: takes free or expired batch leases and renews this
+/// replica's own, four times per lease, on a connection of its own (so a
+/// renewal never waits behind result writes). A renewal that keeps
+/// failing for half a lease gives the batches up here before the lease
+/// lets another replica take them.
+async fn keep_leases(app: Arc<App>) {
+    let lease = app.config.batch.lease;
+    let every = (lease / 4).max(Duration::from_millis(50));
+    let mut last_ok = Instant::now();
+    loop {
+        let holder = app.batches.holder.clone();
+        let ttl = lease.as_secs_f64();
+        match app
+            .batches
+            .store
+            .run(move |s| s.claim_all(&holder, ttl))
+            .await
+        {
+            Ok(ids) => {
+                last_ok = Instant::now();
+                let taken = ids.is_some_and(|ids| {
+                    let ids: std::collections::HashSet<String> = ids.into_iter().collect();
+                    let mut new = false;
+                    if let Ok(mut h) = app.batches.held.lock() {
+                        new = ids.iter().any(|i| !h.contains(i));
+                        *h = ids;
+                    }
+                    new
+                });
+                if taken {
+                    app.batches.wake.notify_one();
+                }
+            }
+            Err(e) => {
+                if last_ok.elapsed() > lease / 2 {
+                    if let Ok(mut h) = app.batches.held.lock() {
+                        h.clear();
+                    }
+                }
+                tracing::warn!(error = %e, "batch runner: cannot renew batch leases");
+            }
+        }
+        tokio::time::sleep(every).await;
+    }
+}
+
+/// Aborts a task when dropped (the runner's lease keeper stops with it).
+struct AbortOnDrop(AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// Hands more of a batch's items to the request path, up to its share.

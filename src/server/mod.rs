@@ -341,10 +341,15 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
     // of proposals and approvals for every replica.
     gov_cfg.shared = fleet.as_ref().map(|f| f.store.clone());
     let gov = governance::Gov::new(gov_cfg).map_err(ServeError::Governance)?;
-    let store = match &config.batch.store {
-        Some(p) => crate::batch::store::Store::open(p),
+    // A `postgres://` URL is a database the fleet shares; a path, this
+    // gateway's SQLite file. Connecting blocks: off the async threads.
+    let spec = config.batch.store.clone();
+    let store = tokio::task::spawn_blocking(move || match spec {
+        Some(p) => crate::batch::store::Store::connect(&p.to_string_lossy()),
         None => crate::batch::store::Store::temporary(),
-    }
+    })
+    .await
+    .map_err(|_| ServeError::Batch(crate::batch::store::StoreError::Poisoned))?
     .map_err(ServeError::Batch)?;
     if let Some(n) = config.batch.max_store_bytes {
         store.limit_bytes(n).map_err(ServeError::Batch)?;
