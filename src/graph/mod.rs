@@ -13,7 +13,7 @@ mod view;
 
 pub use cond::{Cond, Sig, Test, TestOp};
 pub use eval::{Admission, Decision, Target};
-pub use input::{Request, Signals, SignalsInput, BATCH_HEADER};
+pub use input::{Request, Signals, SignalsInput, TierMetrics, BATCH_HEADER, IDLE_DATE};
 pub use view::{DecisionView, FiredRule};
 
 use crate::source::Span;
@@ -506,6 +506,8 @@ pub struct Rollback {
     /// How long the condition must hold, ms.
     pub hold: Option<f64>,
     pub text: String,
+    /// The `rollback when …` line, for diagnostics.
+    pub span: Span,
 }
 
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -607,6 +609,9 @@ pub struct DecisionGraph {
     pub degrade_models: Vec<Option<ModelId>>,
     /// Declared cross-model substitutions (`served_by`).
     pub substitutions: Vec<Substitution>,
+    /// `policy { timezone "…" }`: the zone `time`, `weekday`, `date` and
+    /// `day` read (UTC without one).
+    pub timezone: Option<crate::units::calendar::Zone>,
     pub(crate) index: Names,
     pub(crate) builtin: Builtin,
 }
@@ -719,6 +724,7 @@ impl DecisionGraph {
             degrade_names: Vec::new(),
             degrade_models: Vec::new(),
             substitutions: Vec::new(),
+            timezone: None,
             index: Names::default(),
             builtin: Builtin::default(),
         }
