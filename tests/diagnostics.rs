@@ -341,6 +341,7 @@ fn cases() -> Vec<(&'static str, String, Code)> {
         ("timezone_not_quoted", plus("policy { timezone 5 }"), Code::UnitMismatch),
         ("policy_block_unknown_field", plus("policy { timezon \"UTC\" }"), Code::UnknownField),
         ("duplicate_policy_block", plus("policy { timezone \"UTC\" }\npolicy { timezone \"Europe/Berlin\" }"), Code::DuplicateDefinition),
+        ("pool_price_without_rate", with("memory 80GB }", "memory 80GB price 3.2 }"), Code::UnitMismatch),
         ("syntax_rate_period_spelt_out", with("  tiers [chat, bulk]\n", "  tiers [chat, bulk]\n  quota { tokens 2M/minute }\n"), Code::Syntax),
         ("syntax_cost_with_currency", with("  tiers [chat, bulk]\n", "  tiers [chat, bulk]\n  cost $3.20/hour\n"), Code::Syntax),
         (

@@ -22,6 +22,7 @@ const POOL_FIELDS: &[&str] = &[
     "deny_tenants",
     "signal_window",
     "description",
+    "price",
 ];
 const MODEL_FIELDS: &[&str] = &[
     "variant",
@@ -636,6 +637,14 @@ impl Compiler<'_> {
             gpus = 0;
         }
         let signal_window = self.signal_window(f.get("signal_window"));
+        // `price 3.2/h` is currency per GPU-hour, like a tenant's `cost`.
+        let price_per_gpu_hour = self
+            .prop_quantity(
+                f.get("price"),
+                Ty::Rate,
+                "`price` (per GPU-hour, like `3.2/h`)",
+            )
+            .map(|per_s| per_s * 3600.0);
         self.g.pools.push(Pool {
             name: d.name.name.clone(),
             gpus,
@@ -647,6 +656,7 @@ impl Compiler<'_> {
             allow_tenants,
             deny_tenants,
             signal_window,
+            price_per_gpu_hour,
             span: d.name.span,
         });
     }

@@ -42,6 +42,8 @@ pub struct Pool {
     pub deny_tenants: Vec<TenantId>,
     /// Sliding window of its measured signals, ms.
     pub signal_window: f64,
+    /// `price 3.2/h`: what one of its GPUs costs an hour.
+    pub price_per_gpu_hour: Option<f64>,
     pub span: Span,
 }
 
@@ -673,6 +675,19 @@ impl Default for Builtin {
 }
 
 impl DecisionGraph {
+    /// What one GPU-hour of `tenant`'s work on `pool` costs: the tenant's
+    /// `cost` (an internal rate, which overrides), else the pool's
+    /// `price`; `None` when neither is declared (the work is unpriced).
+    pub fn gpu_hour_price(&self, tenant: Option<TenantId>, pool: Option<PoolId>) -> Option<f64> {
+        tenant
+            .and_then(|t| self.tenants.get(t as usize))
+            .and_then(|t| t.cost_per_gpu_hour)
+            .or_else(|| {
+                pool.and_then(|p| self.pools.get(usize::from(p)))
+                    .and_then(|p| p.price_per_gpu_hour)
+            })
+    }
+
     /// The request headers the policy's classify, route and admit rules
     /// read (`header("…")`), lowercased, sorted, each once: what a request
     /// record needs to be decided again the same way.

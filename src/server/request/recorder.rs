@@ -339,11 +339,7 @@ fn ran(
     app.metrics.e2e(&labels, e2e);
     app.metrics
         .tokens(&labels, ctx.req.prompt_tokens, output_tokens);
-    let cost_per_h =
-        s.d.tenant
-            .and_then(|t| g.tenants.get(t as usize))
-            .and_then(|t| t.cost_per_gpu_hour)
-            .unwrap_or(0.0);
+    let cost_per_h = g.gpu_hour_price(s.d.tenant, g.pool_id(pool)).unwrap_or(0.0);
     let cost = gpu_seconds / 3600.0 * cost_per_h;
     app.metrics.gpu_seconds(&labels, gpu_seconds, cost);
     app.costs.charge(
