@@ -59,6 +59,7 @@ pub enum Code {
     InfeasibleSlo,
     TimeRangeWraps,
     UnreachableLimit,
+    RollbackOnFewSamples,
 }
 
 impl Code {
@@ -101,6 +102,7 @@ impl Code {
         Code::InfeasibleSlo,
         Code::TimeRangeWraps,
         Code::UnreachableLimit,
+        Code::RollbackOnFewSamples,
     ];
 
     /// The stable short name.
@@ -144,6 +146,7 @@ impl Code {
             Code::FeatureNotBuilt => "feature-not-built",
             Code::TimeRangeWraps => "time-range-wraps",
             Code::UnreachableLimit => "unreachable-limit",
+            Code::RollbackOnFewSamples => "rollback-on-few-samples",
         }
     }
 
@@ -230,6 +233,9 @@ impl Code {
             }
             Code::UnreachableLimit => {
                 "a concurrency limit above every request the fleet's replicas can run at once never binds"
+            }
+            Code::RollbackOnFewSamples => {
+                "below `[governance] min_samples` a rollback condition reads healthy signals, so one that holds on them rolls back a version before it has been tried"
             }
             Code::UnknownLint => {
                 "a `kiln:allow` naming no lint silences nothing, so the warning it meant to silence still shows, or a typo hides that it never did"

@@ -323,6 +323,25 @@ fn cases() -> Vec<(&'static str, String, Code)> {
             with("  slo { ttft 500ms }\n", "  slo { ttft 500ms }\n  cache { semantic { similarity 0.92 } }\n"),
             Code::FeatureNotBuilt,
         ),
+        (
+            "rollback_on_few_samples",
+            plus("rollout {\n  canary { share 5% }\n  rollback when tier(chat).ttft_p95 < 100ms\n}"),
+            Code::RollbackOnFewSamples,
+        ),
+        (
+            "rollback_on_few_samples_requests",
+            plus("rollout {\n  canary { share 5% }\n  rollback when tier(chat).requests > 3 and tier(chat).slo_attainment <= 100%\n}"),
+            Code::RollbackOnFewSamples,
+        ),
+        ("date_not_a_day", with("when tenant == app", "when date >= 2027-02-29"), Code::OutOfRange),
+        ("date_range_backwards", with("when tenant == app", "when date in 2027-01-02..2026-12-28"), Code::InvalidValue),
+        ("day_of_month_out_of_range", with("when tenant == app", "when day in 28..32"), Code::OutOfRange),
+        ("date_compared_with_a_time", with("when tenant == app", "when date >= 09:00"), Code::UnitMismatch),
+        ("unknown_timezone", plus("policy { timezone \"Europe/Berln\" }"), Code::InvalidValue),
+        ("timezone_not_quoted", plus("policy { timezone 5 }"), Code::UnitMismatch),
+        ("policy_block_unknown_field", plus("policy { timezon \"UTC\" }"), Code::UnknownField),
+        ("duplicate_policy_block", plus("policy { timezone \"UTC\" }\npolicy { timezone \"Europe/Berlin\" }"), Code::DuplicateDefinition),
+        ("pool_price_without_rate", with("memory 80GB }", "memory 80GB price 3.2 }"), Code::UnitMismatch),
         ("syntax_rate_period_spelt_out", with("  tiers [chat, bulk]\n", "  tiers [chat, bulk]\n  quota { tokens 2M/minute }\n"), Code::Syntax),
         ("syntax_cost_with_currency", with("  tiers [chat, bulk]\n", "  tiers [chat, bulk]\n  cost $3.20/hour\n"), Code::Syntax),
         (
@@ -610,6 +629,75 @@ fn tier_at(text: &str, time: &str) -> String {
     g.view(&d).tier
 }
 
+fn tier_on(text: &str, date: &str) -> String {
+    use kiln::graph::{Request, Signals, SignalsInput};
+    let g = compile_str("p.kiln", text).graph.expect("compiles");
+    let req: Request = serde_json::from_str(r#"{"tenant": "app", "model": "m"}"#).unwrap();
+    let sig = Signals::resolve(
+        &g,
+        &SignalsInput {
+            date: Some(date.into()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let (d, _trace) = g.explain(&req, &sig);
+    g.view(&d).tier
+}
+
+/// Date and day-of-month ranges include both ends; a day range wraps the
+/// month's end; every day of two years is decided as the calendar says.
+#[test]
+fn date_and_day_ranges_at_their_edges() {
+    let close = with("when tenant == app", "when day in 28..2");
+    let holidays = with("when tenant == app", "when date in 2026-12-24..2027-01-01");
+    let from = with("when tenant == app", "when date >= 2027-02-28");
+    let mut d = kiln::units::calendar::date_days(2026, 1, 1).unwrap();
+    let end = kiln::units::calendar::date_days(2028, 1, 1).unwrap();
+    while d < end {
+        let text = kiln::units::calendar::show_date(d);
+        let day: u8 = text[8..].parse().unwrap();
+        let want = |b: bool| if b { "chat" } else { "bulk" };
+        assert_eq!(
+            tier_on(&close, &text),
+            want(day >= 28 || day <= 2),
+            "day in 28..2 on {text}"
+        );
+        assert_eq!(
+            tier_on(&holidays, &text),
+            want(("2026-12-24".."2027-01-02").contains(&text.as_str())),
+            "holidays on {text}"
+        );
+        assert_eq!(
+            tier_on(&from, &text),
+            want(text.as_str() >= "2027-02-28"),
+            "from on {text}"
+        );
+        d += 1;
+    }
+    // A signal file's `date` is checked like the policy's, and sets the weekday.
+    let g = compile_str("p.kiln", &close).graph.unwrap();
+    for bad in ["2027-02-29", "2026-13-01", "26-01-01", "2026-1-01"] {
+        let r = kiln::graph::Signals::resolve(
+            &g,
+            &kiln::graph::SignalsInput {
+                date: Some(bad.into()),
+                ..Default::default()
+            },
+        );
+        assert!(r.is_err(), "date {bad} accepted");
+    }
+    let s = kiln::graph::Signals::resolve(
+        &g,
+        &kiln::graph::SignalsInput {
+            date: Some("2026-12-28".into()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!((s.day, s.weekday), (28, 0));
+}
+
 /// A time range holds from its start (included) to its end (excluded);
 /// a start after the end wraps midnight; `24:00` ends a range at midnight.
 #[test]
@@ -690,6 +778,50 @@ fn unreachable_limit_names_the_gateways_defaults() {
     assert_eq!(
         kiln::compile::DEFAULT_GATEWAY_IN_FLIGHT,
         (limits.max_connections + batch.max_in_flight) as u64
+    );
+}
+
+#[test]
+fn rollback_on_few_samples_names_the_gateways_default() {
+    assert_eq!(
+        kiln::compile::DEFAULT_MIN_SAMPLES,
+        kiln::server::config::GovernanceSection::default().min_samples
+    );
+}
+
+#[test]
+fn rollback_conditions_on_bad_values_are_not_flagged() {
+    // Every signal compared against a bad value: quiet below min_samples.
+    for cond in [
+        "tier(chat).ttft_p95 > 2s",
+        "tier(chat).error_rate > 20%",
+        "tier(chat).fallback_rate > 20%",
+        "tier(chat).slo_attainment < 90%",
+        "tier(chat).requests >= 20 and tier(chat).wait_p99 > 1s",
+        "pool(gpu).queued > 10",
+        "pool(gpu).utilization > 97%",
+        "error_rate > 2%",
+        "tenant(app).deadline_misses > 0",
+    ] {
+        let (_, d) = diagnose(&plus(&format!(
+            "rollout {{\n  canary {{ share 5% }}\n  rollback when {cond}\n}}"
+        )));
+        assert!(
+            !d.items.iter().any(|d| d.code == Code::RollbackOnFewSamples),
+            "{cond}: {:?}",
+            d.items
+        );
+    }
+    // A clock alone trips whenever it says, requests or none.
+    let (_, d) = diagnose(&plus(
+        "rollout {\n  canary { share 5% }\n  rollback when weekday in sat..sun\n}",
+    ));
+    assert!(
+        d.items
+            .iter()
+            .any(|d| d.code == Code::RollbackOnFewSamples && d.message.contains("on sat at 00:00")),
+        "{:?}",
+        d.items
     );
 }
 

@@ -309,3 +309,68 @@ fn a_gate_on_batch_deadline_misses_trips_when_they_rise() {
     assert_eq!(c, 2, "{e}");
     assert!(e.contains("measured per batch"), "{e}");
 }
+
+/// A copy of the example policy in a fresh directory with a `price` on
+/// each pool (per GPU-hour), so every request's GPU time is priced.
+fn priced(dir: &str, tag: &str) -> std::path::PathBuf {
+    let out = std::env::temp_dir().join(format!("kiln-priced-{}-{tag}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    for e in std::fs::read_dir(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(dir)).unwrap()
+    {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "kiln") {
+            let text = std::fs::read_to_string(&p).unwrap();
+            let text = text
+                .replace(
+                    "  kind \"H100-80GB\"\n",
+                    "  kind \"H100-80GB\"\n  price 3.2/h\n",
+                )
+                .replace(
+                    "  kind \"L40S-48GB\"\n",
+                    "  kind \"L40S-48GB\"\n  price 1.1/h\n",
+                );
+            assert_eq!(text.matches("price").count(), 2, "{}", p.display());
+            std::fs::write(out.join(p.file_name().unwrap()), text).unwrap();
+        }
+    }
+    out
+}
+
+/// Issue 32: the cost gate passed `0 → 0` while GPU time grew, because the
+/// example prices one tenant of five. It now fails while under 95% of the
+/// GPU time is priced, and with prices on the pools it compares real money.
+#[test]
+fn the_cost_gate_fails_on_unpriced_traffic_and_compares_priced_traffic() {
+    let (c, out, e) = kiln(&[
+        "diff",
+        OLD,
+        NEW,
+        "--traffic",
+        TRAFFIC,
+        "--fail-if",
+        "all cost +10%",
+    ]);
+    assert_eq!(c, 1, "{out}{e}");
+    assert!(
+        out.contains("of the new policy's GPU time is priced, under 95% (tripped)"),
+        "{out}"
+    );
+    let (old, new) = (priced(OLD, "old"), priced(NEW, "new"));
+    let (old, new) = (old.to_str().unwrap(), new.to_str().unwrap());
+    let (c, out, e) = kiln(&[
+        "diff",
+        old,
+        new,
+        "--traffic",
+        TRAFFIC,
+        "--fail-if",
+        "all cost +50%",
+    ]);
+    assert_eq!(c, 0, "{out}{e}");
+    assert!(!out.contains("is priced, under"), "{out}");
+    // Every tier's cost is money now, not 0 → 0.
+    assert!(out.contains(": cost "), "{out}");
+    assert!(!out.contains(": cost 0 → 0"), "{out}");
+    let _ = std::fs::remove_dir_all(old);
+    let _ = std::fs::remove_dir_all(new);
+}

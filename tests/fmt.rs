@@ -95,6 +95,17 @@ fn golden_substitution_declaration() {
 }
 
 #[test]
+fn policy_block_and_dates_format_soundly() {
+    let text = "policy {timezone   \"Europe/Berlin\"}  # the close is Berlin's\nclassify {\n  when day in 28..2 and date   <  2027-01-01 => tier close\n  when date in 2026-12-24..2026-12-26=>tier lo\n  default => tier lo\n}\n";
+    let out = fmt(text).expect("parses");
+    assert_eq!(
+        out,
+        "policy {\n  timezone \"Europe/Berlin\"\n} # the close is Berlin's\n\nclassify {\n  when day in 28..2 and date < 2027-01-01 => tier close\n  when date in 2026-12-24..2026-12-26 => tier lo\n  default => tier lo\n}\n"
+    );
+    assert_fmt_sound(text);
+}
+
+#[test]
 fn golden_cache_block() {
     let text = "tier t { priority 1 cache {exact{entries 10k,ttl 10m,shared}   # per tier\n semantic { similarity 0.92 entries 5000 ttl 1h } } }\ntier u { priority 2 exact_cache }\n";
     let out = fmt(text).expect("parses");

@@ -1013,7 +1013,7 @@ async fn admin_costs_reads_the_same_numbers_as_the_metrics() {
     assert!(close(metric_sum(&m, "kiln_gpu_seconds_total"), total_gpu));
     let total_cost = costs["total"]["cost"].as_f64().unwrap();
     assert!(close(metric_sum(&m, "kiln_cost_usd_total"), total_cost));
-    // enrichment states `cost 2.1/h`; support-bot states none.
+    // enrichment states `cost 2.1/h`, which overrides its pool's price.
     let tenant = |name: &str| {
         costs["tenants"]
             .as_array()
@@ -1030,8 +1030,18 @@ async fn admin_costs_reads_the_same_numbers_as_the_metrics() {
         eg > 0.0 && close(e["cost"].as_f64().unwrap(), eg * 2.1 / 3600.0),
         "{e}"
     );
-    assert_eq!(tenant("support-bot")["cost"].as_f64(), Some(0.0));
-    assert!(close(total_cost, e["cost"].as_f64().unwrap()));
+    // support-bot states none: its GPU time costs its pool's `price`
+    // (h100 3.2/h, shared 1.1/h).
+    let sb = tenant("support-bot");
+    let (sg, sc) = (
+        sb["gpu_seconds"].as_f64().unwrap(),
+        sb["cost"].as_f64().unwrap(),
+    );
+    assert!(
+        sg > 0.0 && [3.2, 1.1].iter().any(|p| close(sc, sg * p / 3600.0)),
+        "{sb}"
+    );
+    assert!(close(total_cost, e["cost"].as_f64().unwrap() + sc));
     for by in ["tiers", "pools", "models"] {
         let sum: f64 = costs[by]
             .as_array()

@@ -48,6 +48,8 @@ fn every_listed_signal_compiles_where_readme_says() {
             kiln::units::Ty::Count => "1",
             kiln::units::Ty::TimeOfDay => "09:00",
             kiln::units::Ty::Weekday => "mon",
+            kiln::units::Ty::Date => "2026-12-28",
+            kiln::units::Ty::DayOfMonth => "28",
             other => panic!("no literal for {other:?}"),
         };
         let op = if matches!(d.ty, kiln::units::Ty::Weekday) {

@@ -102,6 +102,7 @@ fn known(g: &DecisionGraph, sig: &Sig) -> Option<Known> {
             }
         }
         Sig::TimeOfDay => range(0.0, 1439.0),
+        Sig::Day => range(1.0, 31.0),
         _ => bounds(sig.ty()),
     }
 }
@@ -206,7 +207,7 @@ fn test_truth(g: &DecisionGraph, t: &Test) -> (Option<bool>, Option<String>) {
                 CmpOp::Ne => (!(k.lo == c && k.hi == c), allows(c, false, c, false)),
             }
         }
-        TestOp::Range(lo, hi) if lo <= hi && t.sig != Sig::TimeOfDay => {
+        TestOp::Range(lo, hi) if lo <= hi && t.sig != Sig::TimeOfDay && t.sig != Sig::Day => {
             let inside = allows(*lo, false, *hi, true);
             let all_inside = k.lo >= *lo && k.hi < *hi;
             (inside, !all_inside)

@@ -22,6 +22,7 @@ const POOL_FIELDS: &[&str] = &[
     "deny_tenants",
     "signal_window",
     "description",
+    "price",
 ];
 const MODEL_FIELDS: &[&str] = &[
     "variant",
@@ -85,6 +86,7 @@ const TENANT_FIELDS: &[&str] = &[
 const QUOTA_FIELDS: &[&str] = &["tokens", "requests", "concurrent", "gpu_seconds"];
 const COHORT_FIELDS: &[&str] = &["owner", "description"];
 const ROLLOUT_FIELDS: &[&str] = &["shadow", "canary"];
+const SETTINGS_FIELDS: &[&str] = &["timezone"];
 const CANARY_FIELDS: &[&str] = &["share", "tenants", "duration"];
 
 /// One cache block's settings, checked.
@@ -539,6 +541,7 @@ impl Compiler<'_> {
                 match item {
                     Item::Rollout(r) => self.rollout(r),
                     Item::Approval(a) => self.approval(a),
+                    Item::Settings(st) => self.settings(st),
                     _ => {}
                 }
             }
@@ -634,6 +637,14 @@ impl Compiler<'_> {
             gpus = 0;
         }
         let signal_window = self.signal_window(f.get("signal_window"));
+        // `price 3.2/h` is currency per GPU-hour, like a tenant's `cost`.
+        let price_per_gpu_hour = self
+            .prop_quantity(
+                f.get("price"),
+                Ty::Rate,
+                "`price` (per GPU-hour, like `3.2/h`)",
+            )
+            .map(|per_s| per_s * 3600.0);
         self.g.pools.push(Pool {
             name: d.name.name.clone(),
             gpus,
@@ -645,6 +656,7 @@ impl Compiler<'_> {
             allow_tenants,
             deny_tenants,
             signal_window,
+            price_per_gpu_hour,
             span: d.name.span,
         });
     }
@@ -1404,6 +1416,38 @@ impl Compiler<'_> {
         });
     }
 
+    /// `policy { timezone "Europe/Berlin" }`.
+    fn settings(&mut self, st: &ast::Settings) {
+        if std::mem::replace(&mut self.seen_settings, true) {
+            self.err(
+                Diagnostic::error(
+                    Code::DuplicateDefinition,
+                    "the policy has two policy blocks",
+                )
+                .at(st.span, "second policy block")
+                .help("a policy has at most one `policy { … }` block; merge them"),
+            );
+            return;
+        }
+        let f = self.fields(&st.body, SETTINGS_FIELDS, "the policy block", &[]);
+        let Some(p) = f.get("timezone") else {
+            return;
+        };
+        let Some(name) = self.prop_string(Some(p)) else {
+            return;
+        };
+        match crate::units::calendar::Zone::get(&name) {
+            Ok(z) => self.g.timezone = Some(z),
+            Err(_) => {
+                self.err(
+                    Diagnostic::error(Code::InvalidValue, format!("`{name}` is not a time zone"))
+                        .at(p.span, "not in the IANA time zone database")
+                        .help("name an IANA zone, like \"Europe/Berlin\", \"America/New_York\" or \"UTC\"; `time`, `weekday`, `date` and `day` then read that zone's clock, daylight saving included"),
+                );
+            }
+        }
+    }
+
     fn rollout(&mut self, r: &ast::Rollout) {
         if self.g.rollout.is_some() {
             self.err(
@@ -1451,7 +1495,7 @@ impl Compiler<'_> {
             }
         }
         for i in &r.items {
-            if let ast::RolloutItem::Rollback { cond, hold, .. } = i {
+            if let ast::RolloutItem::Rollback { cond, hold, span } = i {
                 let c = self.condition(cond, super::rules::Scope::Rollout);
                 let hold = hold
                     .as_ref()
@@ -1460,6 +1504,7 @@ impl Compiler<'_> {
                     cond: c,
                     hold,
                     text: format::expr(cond),
+                    span: *span,
                 });
             }
         }

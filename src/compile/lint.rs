@@ -12,6 +12,87 @@ use std::collections::{HashMap, HashSet};
 /// name it (`tests/diagnostics.rs` checks it is the gateway's).
 pub const DEFAULT_QUEUE_BOUND_TEXT: &str = "5m";
 
+/// `[governance] min_samples`'s default in `kiln.toml`: below it a
+/// rollback condition's traffic signals read as healthy
+/// (`tests/diagnostics.rs` checks it is the gateway's).
+pub const DEFAULT_MIN_SAMPLES: u64 = 20;
+
+/// What a rollback condition reads while the canary has `n` requests,
+/// fewer than `min_samples`: every traffic signal healthy (latencies,
+/// rates, counts and occupancy 0, attainment 100%, the pools' hardware
+/// figures 0), the request counts `n`, the clock at `minute` of `weekday`
+/// (`governance::live` computes the same in the gateway).
+fn below_min_samples(
+    g: &crate::graph::DecisionGraph,
+    n: u64,
+    weekday: u8,
+    minute: u16,
+) -> crate::graph::Signals {
+    use crate::graph::signal::TierField;
+    let mut s = crate::graph::Signals::idle(g);
+    for t in &mut s.tiers {
+        t.set(TierField::Requests, n as f64);
+    }
+    for t in &mut s.tenants {
+        t.requests = n as f64;
+    }
+    s.weekday = weekday;
+    s.time_of_day = minute;
+    s
+}
+
+/// The rollback-on-few-samples lint: a rollback condition that holds on
+/// what a canary with fewer than `min_samples` requests reads would roll a
+/// version back before it has been tried (an inverted comparison such as
+/// `tier(T).ttft_p95 < 1s`, a floor on `requests`, a clock alone).
+fn rollback_on_few_samples(g: &crate::graph::DecisionGraph, out: &mut Diagnostics) {
+    use crate::graph::trace::NoTrace;
+    let Some(r) = &g.rollout else {
+        return;
+    };
+    let noon = crate::graph::Signals::idle(g);
+    for b in &r.rollbacks {
+        let at_noon = (0..DEFAULT_MIN_SAMPLES).find(|&n| {
+            let s = below_min_samples(g, n, noon.weekday, noon.time_of_day);
+            b.cond.eval_signals(&s, &mut NoTrace)
+        });
+        let when = match at_noon {
+            Some(n) => Some((n, None)),
+            None => (0..DEFAULT_MIN_SAMPLES).find_map(|n| {
+                (0..7u8).find_map(|d| {
+                    (0..48u16).map(|h| h * 30).find_map(|m| {
+                        let s = below_min_samples(g, n, d, m);
+                        b.cond
+                            .eval_signals(&s, &mut NoTrace)
+                            .then_some((n, Some((d, m))))
+                    })
+                })
+            }),
+        };
+        let Some((n, clock)) = when else {
+            continue;
+        };
+        let at = clock.map_or_else(String::new, |(d, m)| {
+            let day = ["mon", "tue", "wed", "thu", "fri", "sat", "sun"]
+                .get(usize::from(d))
+                .copied()
+                .unwrap_or("?");
+            format!(" on {day} at {:02}:{:02}", m / 60, m % 60)
+        });
+        out.push(
+            Diagnostic::error(
+                Code::RollbackOnFewSamples,
+                format!(
+                    "this rollback condition holds with {n} canary request{}{at}, before the window has `[governance] min_samples` ({DEFAULT_MIN_SAMPLES} unless kiln.toml sets another)",
+                    if n == 1 { "" } else { "s" }
+                ),
+            )
+            .at(b.span, "trips on what a barely tried canary reads")
+            .help("under `min_samples` every traffic signal reads as healthy (latencies, rates and counts 0, `slo_attainment` 100%) and `requests` reads the count: roll back on a bad value (`tier(T).ttft_p95 > 2s`, `tier(T).error_rate > 5%`, `tier(T).slo_attainment < 95%`), not on a good one or on the clock"),
+        );
+    }
+}
+
 /// Notes for the author, not findings (they never fail `kiln lint` and
 /// are not diagnostics): which queue bound applies to each tier whose
 /// admission can accept a request without `queue max_wait`. Such a request
@@ -238,6 +319,7 @@ pub fn lint(c: &Compiled) -> Diagnostics {
         unused(c, g, &mut out);
         super::dead::dead_rules(g, &mut out);
         unreachable_limits(c, g, &mut out);
+        rollback_on_few_samples(g, &mut out);
     }
     wrapping_times(c, &mut out);
     for (span, what) in &c.facts.redefined {

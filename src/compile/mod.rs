@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 pub use lint::lint;
 pub use lint::notes as lint_notes;
 pub use lint::{build_features, SEMANTIC_CACHE_BUILT};
-pub use lint::{DEFAULT_GATEWAY_IN_FLIGHT, DEFAULT_QUEUE_BOUND_TEXT};
+pub use lint::{DEFAULT_GATEWAY_IN_FLIGHT, DEFAULT_MIN_SAMPLES, DEFAULT_QUEUE_BOUND_TEXT};
 
 /// The result of compiling a policy.
 #[derive(Debug)]
@@ -254,6 +254,8 @@ pub(crate) struct Compiler<'s> {
     pub served_by: Vec<(ModelId, ast::Property)>,
     /// Each API key seen so far: the tenant it was given to and where.
     pub api_keys: HashMap<String, (String, Span)>,
+    /// A `policy { … }` block was lowered.
+    pub seen_settings: bool,
 }
 
 impl<'s> Compiler<'s> {
@@ -275,6 +277,7 @@ impl<'s> Compiler<'s> {
             classify_span: None,
             served_by: Vec::new(),
             api_keys: HashMap::new(),
+            seen_settings: false,
         }
     }
 

@@ -37,6 +37,8 @@ const ALL_SIGNALS: &[&str] = &[
     "estimated_wait",
     "time",
     "weekday",
+    "date",
+    "day",
     "error_rate",
     "header",
     "tag",
@@ -976,6 +978,23 @@ impl Compiler<'_> {
                 ) else {
                     return Cond::True;
                 };
+                // Days are whole: a date or day range includes its end
+                // (`day in 28..2` is the 28th through the 2nd, wrapping
+                // the month's end).
+                if ty == Ty::DayOfMonth {
+                    return test(sig, TestOp::Range(x, y + 1.0), false, e);
+                }
+                if ty == Ty::Date {
+                    if x > y {
+                        self.err(
+                            Diagnostic::error(Code::InvalidValue, "the date range ends before it starts")
+                                .at(set.span, "empty range")
+                                .help("write the earlier date first (both ends are included: `date in 2026-12-28..2027-01-02`); for a range every month, use `day in 28..2`"),
+                        );
+                        return Cond::True;
+                    }
+                    return test(sig, TestOp::Range(x, y + 1.0), false, e);
+                }
                 if ty == Ty::TimeOfDay && x == y {
                     self.err(
                         Diagnostic::error(Code::InvalidValue, "this time range is empty")
@@ -1078,6 +1097,8 @@ impl Compiler<'_> {
             ("estimated_wait", None, []) => Sig::EstimatedWait,
             ("time", None, []) => Sig::TimeOfDay,
             ("weekday", None, []) => Sig::Weekday,
+            ("date", None, []) => Sig::Date,
+            ("day", None, []) => Sig::Day,
             ("error_rate", None, []) => Sig::ErrorRate,
             ("quota", None, ["remaining"]) => Sig::QuotaRemaining,
             ("quota", _, _) => return bad_shape(self, "quota.remaining"),
@@ -1321,6 +1342,22 @@ impl Compiler<'_> {
                             .help("compare it with a percentage from 0% to 100% (like `90%`)"),
                         );
                         None
+                    }
+                    // A day of the month is written as a plain number.
+                    Some(Ok(t)) if ty == Ty::DayOfMonth && t.ty == Ty::Count => {
+                        if t.value.fract() == 0.0 && (1.0..=31.0).contains(&t.value) {
+                            Some(Const::Num(t.value))
+                        } else {
+                            self.err(
+                                Diagnostic::error(
+                                    Code::OutOfRange,
+                                    format!("`{}` is not a day of the month", format::value(v)),
+                                )
+                                .at(v.span, "days of the month run from 1 to 31")
+                                .help("write a whole day from 1 to 31 (`day in 28..2` wraps the month's end; a month without a 31st never reads 31)"),
+                            );
+                            None
+                        }
                     }
                     Some(Ok(t)) if t.ty == ty => self
                         .in_type_range(v, t.value, ty, "the compared value")

@@ -29,6 +29,22 @@ pub fn literal(v: &Value) -> Option<Result<Typed, UnitError>> {
                 c.hour, c.minute
             ))),
         }),
+        ValueKind::Date(d) => Some(
+            match crate::units::calendar::date_days(
+                i16::try_from(d.year).unwrap_or(i16::MAX),
+                i8::try_from(d.month).unwrap_or(i8::MAX),
+                i8::try_from(d.day).unwrap_or(i8::MAX),
+            ) {
+                Some(days) => Ok(Typed {
+                    ty: Ty::Date,
+                    value: f64::from(days),
+                }),
+                None => Err(UnitError(format!(
+                    "`{:04}-{:02}-{:02}` is not a date",
+                    d.year, d.month, d.day
+                ))),
+            },
+        ),
         _ => None,
     }
 }
@@ -37,6 +53,14 @@ pub fn literal(v: &Value) -> Option<Result<Typed, UnitError>> {
 /// `09:75`, or `24:00` anywhere but the end of a range); `None` for any
 /// other value.
 pub fn bad_time(v: &Value) -> Option<Diagnostic> {
+    if let ValueKind::Date(d) = &v.kind {
+        let shown = format!("{:04}-{:02}-{:02}", d.year, d.month, d.day);
+        return Some(
+            Diagnostic::error(Code::OutOfRange, format!("`{shown}` is not a date"))
+                .at(v.span, "no such day")
+                .help("write a day the calendar has, as `YYYY-MM-DD` (months 01 to 12, days as the month has them: `2027-02-28`, not `2027-02-29`)"),
+        );
+    }
     let ValueKind::TimeOfDay(c) = &v.kind else {
         return None;
     };

@@ -15,6 +15,10 @@
 //! - LIMIT: `+10%` (relative) or `+0`, `+250` (absolute, in the metric's
 //!   unit: ms, requests, points of attainment ×100…).
 //!
+//! A `cost` gate also trips while less than [`MIN_PRICED_SHARE`] of a
+//! group's GPU time is priced (a pool's `price` or a tenant's `cost`):
+//! unpriced time counts 0, so `0 → 0` would pass a change that grows it.
+//!
 //! Examples: `tier:interactive ttft_p95 +10%`, `tenant:analytics rejected +0`,
 //! `batches deadline_misses +0`.
 
@@ -253,6 +257,33 @@ pub fn evaluate(g: &Gate, decisions: Option<&DecisionDiff>, impact: Option<&Impa
             g.metric,
             if t { " (tripped)" } else { "" }
         ));
+        // Cost only compares what is priced: GPU time without a price
+        // counts 0, so `0 → 0` says nothing while GPU time grows.
+        if key == "cost" {
+            for (side, grp) in [("old", o), ("new", n)] {
+                let Some(share) = grp.and_then(priced_share) else {
+                    continue;
+                };
+                if share < MIN_PRICED_SHARE {
+                    tripped = true;
+                    details.push(format!(
+                        "{label}: only {:.1}% of the {side} policy's GPU time is priced, under {:.0}% (tripped): declare `price` on its pools or `cost` on its tenants",
+                        share * 100.0,
+                        MIN_PRICED_SHARE * 100.0
+                    ));
+                }
+            }
+        }
     }
     result(tripped, details.join("; "))
+}
+
+/// The least share of a group's GPU time that must be priced (a pool's
+/// `price` or a tenant's `cost`) for a `cost` gate to pass.
+pub const MIN_PRICED_SHARE: f64 = 0.95;
+
+/// The share of a group's GPU time that had a price; `None` without GPU
+/// time.
+fn priced_share(g: &crate::replay::report::Group) -> Option<f64> {
+    (g.gpu_seconds > 0.0).then(|| (g.priced_gpu_seconds / g.gpu_seconds).min(1.0))
 }

@@ -1,17 +1,32 @@
 //! Live metrics for rollback conditions: a rolling window of finished
-//! requests (served or refused), summarised per tier into the signals a
-//! rollout's `rollback when …` conditions read: `tier(T).ttft_p95`,
-//! `tier(T).e2e_p95`, `tier(T).slo_attainment`, `error_rate` and
-//! `tenant(X).deadline_misses`.
+//! requests (served or refused), summarised into every signal a rollout's
+//! `rollback when …` conditions read. During a canary only the requests the
+//! canary version decided count, so a condition judges the new version and
+//! not the traffic the old one still decides.
 //!
-//! * `error_rate`: requests answered with a 5xx status (no capacity, queue
-//!   timeout, upstream failure, a policy's own 503) over all requests, %.
-//! * `slo_attainment`: requests of the tier that met its SLO (TTFT,
-//!   end-to-end p95 target and completion window, like the simulator's
-//!   reports) over the tier's requests; refusals count as misses.
-//! * A tier with fewer than `min_samples` requests in the window reads as
-//!   healthy (TTFT 0, attainment 100%), and so does the error rate, so that
-//!   one slow request among three cannot roll a version back.
+//! * Latencies (`tier(T).ttft_p50/p95/p99`, `e2e_…`, `wait_…`): nearest-rank
+//!   percentiles of the tier's requests in the window; `tier(T).oldest_wait`
+//!   is the longest queue wait among them.
+//! * Rates (`tier(T).error_rate`, `tier(T).fallback_rate`,
+//!   `tier(T).slo_attainment`, `error_rate`): shares of the requests in the
+//!   window; an error is a 5xx (no capacity, queue timeout, upstream
+//!   failure, a policy's own 503); attainment counts refusals as misses.
+//! * Counts (`tier(T).deadline_misses`, `tenant(X).deadline_misses`) over
+//!   the window; `tier(T).requests` and `tenant(X).requests` are the sample
+//!   counts themselves.
+//! * Occupancy (`tier(T).queued`, `pool(P).queued`, `pool(P).running`,
+//!   `tenant(X).in_flight`): the mean over the window, by Little's law: the
+//!   queue waits (or service times, or whole lives) of the requests in the
+//!   window, summed, over the time the window covers.
+//! * `pool(P).utilization` and `pool(P).kv_occupancy` measure the pool's
+//!   hardware, which the canary shares: they are the scheduler's.
+//! * Guard: a tier, pool or tenant with fewer than `min_samples` requests
+//!   in the window reads as healthy (latencies, rates and counts 0,
+//!   attainment 100%), and so does the global error rate, and the pools'
+//!   hardware figures while the whole window has fewer; so one slow or
+//!   failed request among three cannot roll a version back.
+//!   [`crate::compile`]'s `rollback-on-few-samples` lint warns on a
+//!   condition that holds on those healthy readings.
 //!
 //! Pure: time is passed in (ms on the gateway's clock, latencies in the
 //! policy's time, i.e. scaled by the simulator's speed).
@@ -34,6 +49,12 @@ pub struct Sample {
     pub deadline_miss: bool,
     /// Decided by a canary version.
     pub canary: bool,
+    /// The pool it ran on (none when refused or answered from a cache).
+    pub pool: Option<String>,
+    /// Its queue wait, arrival to start (none when it never started).
+    pub wait_ms: Option<f64>,
+    /// Its decision took a fallback step.
+    pub fallback: bool,
 }
 
 /// One tier's figures over the window.
@@ -66,12 +87,36 @@ pub struct Window {
 
 /// The 95th percentile (nearest rank) of unsorted values.
 pub fn p95(v: &mut [f64]) -> Option<f64> {
+    quantile(v, 0.95)
+}
+
+/// The `q` quantile (nearest rank) of unsorted values.
+pub fn quantile(v: &mut [f64], q: f64) -> Option<f64> {
     if v.is_empty() {
         return None;
     }
     v.sort_by(f64::total_cmp);
-    let rank = ((v.len() as f64) * 0.95).ceil() as usize;
+    let rank = ((v.len() as f64) * q).ceil() as usize;
     v.get(rank.clamp(1, v.len()) - 1).copied()
+}
+
+/// Nearest-rank p50, p95 and p99 of what `f` reads from `ss` (0 with none).
+fn percentiles(ss: &[&Sample], f: impl Fn(&Sample) -> Option<f64>) -> [f64; 3] {
+    let mut v: Vec<f64> = ss.iter().filter_map(|s| f(s)).collect();
+    [0.5, 0.95, 0.99].map(|q| quantile(&mut v, q).unwrap_or(0.0))
+}
+
+/// A share of `ss`, in %.
+fn share(ss: &[&Sample], f: impl Fn(&Sample) -> bool) -> f64 {
+    if ss.is_empty() {
+        return 0.0;
+    }
+    100.0 * ss.iter().filter(|s| f(s)).count() as f64 / ss.len() as f64
+}
+
+/// When a sample's request arrived.
+fn arrived(s: &Sample) -> f64 {
+    s.at_ms - s.e2e_ms.or(s.wait_ms).unwrap_or(0.0)
 }
 
 impl Window {
@@ -153,7 +198,11 @@ impl Window {
     }
 
     /// Fills the live metrics of `base` (signals already in `g`'s ids:
-    /// pools and the rest come from the scheduler) from the window.
+    /// pools' hardware figures and the clock come from the scheduler) from
+    /// the window: every signal a rollback condition reads about traffic,
+    /// over canary-decided requests only with `canary_only`, healthy where
+    /// fewer than `min_samples` requests back it (the module's comment says
+    /// how each is measured).
     pub fn signals(
         &self,
         g: &DecisionGraph,
@@ -162,39 +211,106 @@ impl Window {
         canary_only: bool,
         min_samples: u64,
     ) -> Signals {
-        let live = self.summary(now, canary_only);
+        let ss: Vec<&Sample> = self.recent(now, canary_only).collect();
+        let enough = |n: usize| n as u64 >= min_samples;
+        // The time the window covers: its span, or less when its first
+        // request arrived later (the window is cleared when a canary
+        // begins), for the means by Little's law.
+        let first = ss.iter().map(|s| arrived(s)).fold(now, f64::min);
+        let covered = (now - first).clamp(1.0, self.span_ms);
+        let mean = |ss: &[&Sample], f: &dyn Fn(&Sample) -> f64| -> f64 {
+            ss.iter().map(|s| f(s).max(0.0)).sum::<f64>() / covered
+        };
         for (i, t) in g.tiers.iter().enumerate() {
             let Some(slot) = base.tiers.get_mut(i) else {
                 continue;
             };
-            slot.set(TierField::TtftP95, 0.0);
-            slot.set(TierField::E2eP95, 0.0);
-            slot.set(TierField::SloAttainment, 100.0);
-            if let Some(l) = live
-                .tiers
-                .get(&t.name)
-                .filter(|l| l.requests >= min_samples)
-            {
-                slot.set(TierField::TtftP95, l.ttft_p95_ms.unwrap_or(0.0));
-                slot.set(TierField::E2eP95, l.e2e_p95_ms.unwrap_or(0.0));
-                slot.set(TierField::SloAttainment, l.slo_attainment.unwrap_or(100.0));
+            let mine: Vec<&Sample> = ss.iter().copied().filter(|s| s.tier == t.name).collect();
+            *slot = crate::graph::TierMetrics::default();
+            slot.set(TierField::Requests, mine.len() as f64);
+            if !enough(mine.len()) {
+                continue;
             }
+            let fields = [
+                (
+                    [TierField::TtftP50, TierField::TtftP95, TierField::TtftP99],
+                    percentiles(&mine, |s| s.ttft_ms),
+                ),
+                (
+                    [TierField::E2eP50, TierField::E2eP95, TierField::E2eP99],
+                    percentiles(&mine, |s| s.e2e_ms),
+                ),
+                (
+                    [TierField::WaitP50, TierField::WaitP95, TierField::WaitP99],
+                    percentiles(&mine, |s| s.wait_ms),
+                ),
+            ];
+            for (names, values) in fields {
+                for (f, v) in names.into_iter().zip(values) {
+                    slot.set(f, v);
+                }
+            }
+            let oldest = mine.iter().filter_map(|s| s.wait_ms).fold(0.0, f64::max);
+            slot.set(TierField::OldestWait, oldest);
+            slot.set(
+                TierField::Queued,
+                mean(&mine, &|s| s.wait_ms.unwrap_or(0.0)),
+            );
+            slot.set(TierField::SloAttainment, share(&mine, |s| s.met_slo));
+            slot.set(TierField::ErrorRate, share(&mine, |s| s.error));
+            slot.set(TierField::FallbackRate, share(&mine, |s| s.fallback));
+            slot.set(
+                TierField::DeadlineMisses,
+                mine.iter().filter(|s| s.deadline_miss).count() as f64,
+            );
         }
-        base.error_rate = if live.requests >= min_samples {
-            live.error_rate
+        for (i, p) in g.pools.iter().enumerate() {
+            let Some(slot) = base.pools.get_mut(i) else {
+                continue;
+            };
+            let mine: Vec<&Sample> = ss
+                .iter()
+                .copied()
+                .filter(|s| s.pool.as_deref() == Some(p.name.as_str()))
+                .collect();
+            if !enough(ss.len()) {
+                slot.utilization = 0.0;
+                slot.kv_occupancy = 0.0;
+            }
+            (slot.queued, slot.running) = if enough(mine.len()) {
+                (
+                    mean(&mine, &|s| s.wait_ms.unwrap_or(0.0)),
+                    mean(&mine, &|s| {
+                        s.e2e_ms.unwrap_or(0.0) - s.wait_ms.unwrap_or(0.0)
+                    }),
+                )
+            } else {
+                (0.0, 0.0)
+            };
+        }
+        base.error_rate = if enough(ss.len()) {
+            share(&ss, |s| s.error)
         } else {
             0.0
         };
-        let mut misses: BTreeMap<&str, f64> = BTreeMap::new();
-        for s in self.recent(now, canary_only).filter(|s| s.deadline_miss) {
-            if let Some(t) = &s.tenant {
-                *misses.entry(t.as_str()).or_default() += 1.0;
-            }
-        }
         for (i, t) in g.tenants.iter().enumerate() {
-            if let Some(slot) = base.tenants.get_mut(i) {
-                slot.deadline_misses = misses.get(t.name.as_str()).copied().unwrap_or(0.0);
-            }
+            let Some(slot) = base.tenants.get_mut(i) else {
+                continue;
+            };
+            let mine: Vec<&Sample> = ss
+                .iter()
+                .copied()
+                .filter(|s| s.tenant.as_deref() == Some(t.name.as_str()))
+                .collect();
+            slot.requests = mine.len() as f64;
+            (slot.deadline_misses, slot.in_flight) = if enough(mine.len()) {
+                (
+                    mine.iter().filter(|s| s.deadline_miss).count() as f64,
+                    mean(&mine, &|s| s.at_ms - arrived(s)).round() as u64,
+                )
+            } else {
+                (0.0, 0)
+            };
         }
         base
     }
@@ -215,6 +331,9 @@ mod tests {
             met_slo: !error && ttft < 500.0,
             deadline_miss: error,
             canary,
+            pool: (!error).then(|| "p".to_string()),
+            wait_ms: (!error).then_some(ttft / 2.0),
+            fallback: error,
         }
     }
 
@@ -277,5 +396,154 @@ rollout {
         w.prune(60_010.0);
         assert_eq!(w.summary(60_010.0, false).requests, 10);
         assert_eq!(w.summary(60_015.0, false).requests, 5);
+    }
+
+    /// A request that went wrong in every way a rollback condition reads.
+    fn bad(at: f64, canary: bool) -> Sample {
+        Sample {
+            at_ms: at,
+            tier: "hi".into(),
+            tenant: Some("x".into()),
+            ttft_ms: Some(3000.0),
+            e2e_ms: Some(6000.0),
+            error: true,
+            met_slo: false,
+            deadline_miss: true,
+            canary,
+            pool: Some("p".into()),
+            wait_ms: Some(1500.0),
+            fallback: true,
+        }
+    }
+
+    /// Every traffic signal a rollback condition can read, each with a
+    /// threshold that bad requests cross.
+    const CONDITIONS: &[&str] = &[
+        "tier(hi).ttft_p50 > 2s",
+        "tier(hi).ttft_p95 > 2s",
+        "tier(hi).ttft_p99 > 2s",
+        "tier(hi).e2e_p50 > 5s",
+        "tier(hi).e2e_p95 > 5s",
+        "tier(hi).e2e_p99 > 5s",
+        "tier(hi).wait_p50 > 1s",
+        "tier(hi).wait_p95 > 1s",
+        "tier(hi).wait_p99 > 1s",
+        "tier(hi).oldest_wait > 1s",
+        "tier(hi).queued > 2",
+        "tier(hi).slo_attainment < 90%",
+        "tier(hi).error_rate > 20%",
+        "tier(hi).fallback_rate > 20%",
+        "tier(hi).deadline_misses > 2",
+        "error_rate > 2%",
+        "pool(p).queued > 2",
+        "pool(p).running > 2",
+        "pool(p).utilization > 90%",
+        "pool(p).kv_occupancy > 90%",
+        "tenant(x).deadline_misses > 2",
+        "tenant(x).in_flight > 2",
+    ];
+
+    fn holds(cond: &str, w: &Window, now: f64, canary_only: bool, min_samples: u64) -> bool {
+        let text = POLICY.replace(
+            "  rollback when error_rate > 2%\n",
+            &format!("  rollback when {cond}\n"),
+        );
+        let g = crate::compile::compile_str("t.kiln", &text).graph.unwrap();
+        let mut base = Signals::idle(&g);
+        // The scheduler's figures, over all traffic: the pool is flat out.
+        base.pools[0].utilization = 99.0;
+        base.pools[0].kv_occupancy = 99.0;
+        base.pools[0].queued = 500.0;
+        base.pools[0].running = 500.0;
+        let s = w.signals(&g, base, now, canary_only, min_samples);
+        let c = &g.rollout.as_ref().unwrap().rollbacks[1];
+        assert_eq!(c.text, cond);
+        c.cond.eval_signals(&s, &mut crate::graph::trace::NoTrace)
+    }
+
+    #[test]
+    fn every_rollback_signal_is_the_canarys_own_and_guarded_by_min_samples() {
+        let now = 100_000.0;
+        for n in [1usize, 3, 19] {
+            // Fewer canary requests than min_samples, all bad, among many
+            // bad requests the active version decided: healthy.
+            let mut w = Window::new(60_000.0, 10_000);
+            for i in 0..200 {
+                w.push(bad(now - 10.0 * i as f64, false));
+            }
+            for i in 0..n {
+                w.push(bad(now - 7.0 * i as f64, true));
+            }
+            for cond in CONDITIONS {
+                assert!(
+                    !holds(cond, &w, now, true, 20),
+                    "{cond} tripped on {n} canary requests"
+                );
+                // Without the canary filter the same window trips it.
+                assert!(holds(cond, &w, now, false, 20), "{cond} over all traffic");
+            }
+        }
+        // Enough canary requests: each condition trips on them.
+        let mut w = Window::new(60_000.0, 10_000);
+        for i in 0..25 {
+            w.push(bad(now - 10.0 * i as f64, true));
+        }
+        for cond in CONDITIONS {
+            assert!(
+                holds(cond, &w, now, true, 20),
+                "{cond} on 25 bad canary requests"
+            );
+        }
+        // Good canary requests among bad active ones: nothing trips but the
+        // pool's hardware figures, which are the whole pool's.
+        let mut w = Window::new(60_000.0, 10_000);
+        for i in 0..200 {
+            w.push(bad(now - 10.0 * i as f64, false));
+            w.push(sample(now - 10.0 * i as f64, "hi", 10.0, false, true));
+        }
+        for cond in CONDITIONS {
+            let hardware = cond.contains("utilization") || cond.contains("kv_occupancy");
+            assert_eq!(
+                holds(cond, &w, now, true, 20),
+                hardware,
+                "{cond} on good canary requests"
+            );
+        }
+    }
+
+    #[test]
+    fn requests_are_counted_and_occupancy_is_a_mean_over_the_window() {
+        let g = crate::compile::compile_str("t.kiln", POLICY).graph.unwrap();
+        let hi = g.tier_id("hi").unwrap() as usize;
+        let now = 10_000.0;
+        for n in 1..40u32 {
+            let mut w = Window::new(60_000.0, 10_000);
+            // Each waited 1s and ran 1s, arriving one after another over 10s.
+            for i in 0..n {
+                let mut s = bad(now - 8000.0 * f64::from(i) / f64::from(n), true);
+                s.e2e_ms = Some(2000.0);
+                s.wait_ms = Some(1000.0);
+                w.push(s);
+            }
+            let s = w.signals(&g, Signals::idle(&g), now, true, 5);
+            assert_eq!(s.tiers[hi].get(TierField::Requests), f64::from(n));
+            assert_eq!(s.tenants[0].requests, f64::from(n));
+            if n < 5 {
+                assert_eq!(s.pools[0].queued, 0.0);
+                continue;
+            }
+            // Summed waits over the time covered (the first arrival, 2s
+            // before the oldest end, to now).
+            let covered = 8000.0 * f64::from(n - 1) / f64::from(n) + 2000.0;
+            let q = f64::from(n) * 1000.0 / covered;
+            assert!(
+                (s.pools[0].queued - q).abs() < 1e-9,
+                "{n}: {}",
+                s.pools[0].queued
+            );
+            assert!((s.pools[0].running - q).abs() < 1e-9);
+            assert!((s.tiers[hi].get(TierField::Queued) - q).abs() < 1e-9);
+            assert_eq!(s.tenants[0].in_flight, (2.0 * q).round() as u64);
+        }
     }
 }

@@ -28,6 +28,10 @@ pub enum Sig {
     EstimatedWait,
     TimeOfDay,
     Weekday,
+    /// The date in the policy's zone (days since 1970-01-01).
+    Date,
+    /// The day of the month in the policy's zone.
+    Day,
     /// Measured by the scheduler ([`super::signal`]).
     Pool(PoolId, PoolField),
     TierLive(TierId, TierField),
@@ -51,6 +55,8 @@ impl Sig {
             Sig::TenantLive(_, f) => f.doc().ty,
             Sig::TimeOfDay => Ty::TimeOfDay,
             Sig::Weekday => Ty::Weekday,
+            Sig::Date => Ty::Date,
+            Sig::Day => Ty::DayOfMonth,
         }
     }
 }
@@ -173,6 +179,8 @@ impl Test {
             Sig::EstimatedWait => Val::Num(s.estimated_wait),
             Sig::TimeOfDay => Val::Num(f64::from(s.time_of_day)),
             Sig::Weekday => Val::Id(Some(u32::from(s.weekday))),
+            Sig::Date => Val::Num(f64::from(s.date)),
+            Sig::Day => Val::Num(f64::from(s.day)),
             Sig::Pool(p, f) => Val::Num(s.pool(*p, *f)),
             Sig::TierLive(t, f) => Val::Num(s.tier(*t, *f)),
             Sig::TenantLive(t, f) => Val::Num(s.tenant(*t, *f)),

@@ -111,6 +111,10 @@ pub struct SignalsInput {
     pub time: Option<String>,
     #[serde(default)]
     pub weekday: Option<String>,
+    /// `"YYYY-MM-DD"`: also the day of the month and, unless `weekday`
+    /// is given, the weekday.
+    #[serde(default)]
+    pub date: Option<String>,
     #[serde(default)]
     pub error_rate: Option<Quant>,
 }
@@ -204,6 +208,10 @@ pub struct Signals {
     pub time_of_day: u16,
     /// 0 = Monday
     pub weekday: u8,
+    /// Days since 1970-01-01, in the policy's zone.
+    pub date: i32,
+    /// Day of the month, 1–31.
+    pub day: u8,
     pub error_rate: f64,
     /// Names for traces (pool, tier, tenant, model), copied from the graph.
     names: Option<std::sync::Arc<NameTable>>,
@@ -235,8 +243,11 @@ fn quant(q: &Quant, ty: Ty, what: &str) -> Result<f64, SignalError> {
     }
 }
 
+/// The date [`Signals::idle`] reads: Monday 2024-01-01.
+pub const IDLE_DATE: i32 = 19_723;
+
 impl Signals {
-    /// Idle fleet, Monday 12:00.
+    /// Idle fleet, Monday 2024-01-01 12:00.
     pub fn idle(g: &DecisionGraph) -> Signals {
         Signals {
             pools: vec![PoolSignal::default(); g.pools.len()],
@@ -245,6 +256,8 @@ impl Signals {
             estimated_wait: 0.0,
             time_of_day: 12 * 60,
             weekday: 0,
+            date: IDLE_DATE,
+            day: 1,
             error_rate: 0.0,
             names: Some(std::sync::Arc::new(NameTable {
                 tenants: g.tenants.iter().map(|t| t.name.clone()).collect(),
@@ -300,6 +313,7 @@ impl Signals {
         out.weekday = units::WEEKDAYS
             .get(self.weekday as usize)
             .map(|d| d.to_string());
+        out.date = Some(units::calendar::show_date(self.date));
         out
     }
 
@@ -382,6 +396,14 @@ impl Signals {
         }
         if let Some(t) = &input.time {
             s.time_of_day = quant(&Quant::Text(t.clone()), Ty::TimeOfDay, "time")? as u16;
+        }
+        if let Some(d) = &input.date {
+            let days = units::calendar::parse_date(d)
+                .ok_or_else(|| SignalError(format!("date: `{d}` is not a date (YYYY-MM-DD)")))?;
+            s.date = days;
+            s.day = units::calendar::day_of_month(days);
+            // 1970-01-01 was a Thursday (3 when Monday is 0).
+            s.weekday = (days + 3).rem_euclid(7) as u8;
         }
         if let Some(d) = &input.weekday {
             s.weekday = units::weekday(d).ok_or_else(|| {

@@ -13,7 +13,7 @@ mod view;
 
 pub use cond::{Cond, Sig, Test, TestOp};
 pub use eval::{Admission, Decision, Target};
-pub use input::{Request, Signals, SignalsInput, BATCH_HEADER};
+pub use input::{Request, Signals, SignalsInput, TierMetrics, BATCH_HEADER, IDLE_DATE};
 pub use view::{DecisionView, FiredRule};
 
 use crate::source::Span;
@@ -42,6 +42,8 @@ pub struct Pool {
     pub deny_tenants: Vec<TenantId>,
     /// Sliding window of its measured signals, ms.
     pub signal_window: f64,
+    /// `price 3.2/h`: what one of its GPUs costs an hour.
+    pub price_per_gpu_hour: Option<f64>,
     pub span: Span,
 }
 
@@ -506,6 +508,8 @@ pub struct Rollback {
     /// How long the condition must hold, ms.
     pub hold: Option<f64>,
     pub text: String,
+    /// The `rollback when …` line, for diagnostics.
+    pub span: Span,
 }
 
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -607,6 +611,9 @@ pub struct DecisionGraph {
     pub degrade_models: Vec<Option<ModelId>>,
     /// Declared cross-model substitutions (`served_by`).
     pub substitutions: Vec<Substitution>,
+    /// `policy { timezone "…" }`: the zone `time`, `weekday`, `date` and
+    /// `day` read (UTC without one).
+    pub timezone: Option<crate::units::calendar::Zone>,
     pub(crate) index: Names,
     pub(crate) builtin: Builtin,
 }
@@ -668,6 +675,19 @@ impl Default for Builtin {
 }
 
 impl DecisionGraph {
+    /// What one GPU-hour of `tenant`'s work on `pool` costs: the tenant's
+    /// `cost` (an internal rate, which overrides), else the pool's
+    /// `price`; `None` when neither is declared (the work is unpriced).
+    pub fn gpu_hour_price(&self, tenant: Option<TenantId>, pool: Option<PoolId>) -> Option<f64> {
+        tenant
+            .and_then(|t| self.tenants.get(t as usize))
+            .and_then(|t| t.cost_per_gpu_hour)
+            .or_else(|| {
+                pool.and_then(|p| self.pools.get(usize::from(p)))
+                    .and_then(|p| p.price_per_gpu_hour)
+            })
+    }
+
     /// The request headers the policy's classify, route and admit rules
     /// read (`header("…")`), lowercased, sorted, each once: what a request
     /// record needs to be decided again the same way.
@@ -719,6 +739,7 @@ impl DecisionGraph {
             degrade_names: Vec::new(),
             degrade_models: Vec::new(),
             substitutions: Vec::new(),
+            timezone: None,
             index: Names::default(),
             builtin: Builtin::default(),
         }

@@ -177,8 +177,10 @@ pub const OTHERS: &[Doc] = &[
     doc("error_rate", "error_rate", Ty::Percent, Windowed, "of all requests that ended in the last 5m, the share answered with a 5xx"),
     doc("estimated_wait", "estimated_wait", Ty::Duration, Instant, "this request's predicted time to first token on the route chosen for it (admit only: it depends on the route)"),
     doc("quota.remaining", "remaining", Ty::Percent, Instant, "the share left of the request's tenant's tightest quota (100% without one)"),
-    doc("time", "time", Ty::TimeOfDay, Instant, "the time of day (`09:00..18:00`, may wrap midnight)"),
-    doc("weekday", "weekday", Ty::Weekday, Instant, "the weekday (`mon..fri`)"),
+    doc("time", "time", Ty::TimeOfDay, Instant, "the time of day in the policy's time zone (`policy { timezone \"Europe/Berlin\" }`, UTC without one) (`09:00..18:00`, may wrap midnight)"),
+    doc("weekday", "weekday", Ty::Weekday, Instant, "the weekday in the policy's time zone (`mon..fri`)"),
+    doc("date", "date", Ty::Date, Instant, "the date in the policy's time zone (`date >= 2026-12-24`, `date in 2026-12-28..2027-01-02`: both ends included)"),
+    doc("day", "day", Ty::DayOfMonth, Instant, "the day of the month in the policy's time zone, 1 to 31 (`day in 28..2`: both ends included, may wrap the month's end)"),
 ];
 
 /// Old spellings a policy may still hold, and what to write instead.

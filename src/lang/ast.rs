@@ -25,6 +25,14 @@ pub enum Item {
     Fallback(Fallback),
     Rollout(Rollout),
     Approval(Approval),
+    /// `policy { timezone "…" }`: the policy's own settings.
+    Settings(Settings),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settings {
+    pub body: Body,
+    pub span: Span,
 }
 
 impl Item {
@@ -37,6 +45,7 @@ impl Item {
             Item::Fallback(f) => f.span,
             Item::Rollout(r) => r.span,
             Item::Approval(a) => a.span,
+            Item::Settings(s) => s.span,
         }
     }
 }
@@ -117,10 +126,20 @@ pub enum ValueKind {
     Bool(bool),
     /// `HH:MM` as written; [`Clock::minutes`] checks it is a real time.
     TimeOfDay(Clock),
+    /// `YYYY-MM-DD` as written; the compiler checks it is a real day.
+    Date(CivilDate),
     /// `name` or `model.variant`.
     Path(Vec<Ident>),
     List(Vec<Value>),
     Range(Box<Value>, Box<Value>),
+}
+
+/// A date as written (`2026-12-28`), not yet checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CivilDate {
+    pub year: u16,
+    pub month: u8,
+    pub day: u8,
 }
 
 /// A time of day as written (`09:30`): two digits each, not yet checked,

@@ -208,6 +208,7 @@ impl Printer<'_> {
                 let header = format!("{} {}", d.kind.keyword(), d.name.name);
                 self.block_body(d.span.start as usize, &header, &d.body, true);
             }
+            Item::Settings(st) => self.block_body(st.span.start as usize, "policy", &st.body, true),
             Item::Classify(c) => self.rule_block(c.span.start as usize, "classify", &c.rules),
             Item::Route(r) => {
                 let header = format!("route {} {}", name_set(&r.tiers), r.model.name);
@@ -567,6 +568,7 @@ pub fn value(v: &Value) -> String {
         ValueKind::Str(s) => format!("\"{}\"", escape(s)),
         ValueKind::Bool(b) => b.to_string(),
         ValueKind::TimeOfDay(c) => format!("{:02}:{:02}", c.hour, c.minute),
+        ValueKind::Date(d) => format!("{:04}-{:02}-{:02}", d.year, d.month, d.day),
         ValueKind::Path(p) => path(p),
         ValueKind::List(items) => format!(
             "[{}]",

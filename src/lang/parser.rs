@@ -49,6 +49,7 @@ fn is_keyword(r: Rule) -> bool {
             | Rule::kw_for
             | Rule::kw_require
             | Rule::kw_from
+            | Rule::kw_policy
     )
 }
 
@@ -293,6 +294,7 @@ fn rule_name(r: &Rule) -> Option<&'static str> {
             "a rule block (classify, route, admit, fallback)"
         }
         Rule::kw_rollout | Rule::kw_approval => "a rollout or approval block",
+        Rule::kw_policy => "a policy block",
         Rule::kw_when => "`when …`",
         Rule::kw_default => "`default => …`",
         Rule::kw_accept
@@ -309,6 +311,7 @@ fn rule_name(r: &Rule) -> Option<&'static str> {
         Rule::pool | Rule::model | Rule::tier | Rule::tenant | Rule::cohort => "a definition",
         Rule::classify | Rule::route | Rule::admit | Rule::fallback => "a rule block",
         Rule::rollout | Rule::approval => "a rollout or approval block",
+        Rule::settings => "a policy block",
         Rule::property => "a field",
         Rule::body => "`{`",
         Rule::name | Rule::path | Rule::path_value => "a name",
@@ -760,6 +763,10 @@ impl Builder<'_> {
                 let rules = p.kids().filter_map(|r| self.require(r)).collect();
                 Item::Approval(Approval { rules, span })
             }
+            Rule::settings => {
+                let body = self.body(p.kids().next()?);
+                Item::Settings(Settings { body, span })
+            }
             _ => return None,
         })
     }
@@ -1022,6 +1029,15 @@ impl Builder<'_> {
                 ValueKind::Str(unescape(p.kids().next().map(|i| i.as_str()).unwrap_or("")))
             }
             Rule::bool => ValueKind::Bool(p.as_str() == "true"),
+            Rule::date => {
+                let s = p.as_str();
+                let num = |r: std::ops::Range<usize>| s.get(r).and_then(|x| x.parse().ok());
+                ValueKind::Date(CivilDate {
+                    year: num(0..4).unwrap_or(0),
+                    month: num(5..7).map_or(0, |m: u16| m.min(255) as u8),
+                    day: num(8..10).map_or(0, |d: u16| d.min(255) as u8),
+                })
+            }
             Rule::time_of_day => {
                 let s = p.as_str();
                 let hour: u8 = s.get(0..2).and_then(|x| x.parse().ok()).unwrap_or(0);

@@ -395,6 +395,7 @@ mod tests {
             deadline_misses: 0,
             gpu_seconds: 0.0,
             cost: 0.0,
+            priced_gpu_seconds: 0.0,
             cache_hits: None,
         };
         let mut r = Report {

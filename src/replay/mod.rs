@@ -30,6 +30,8 @@ pub struct Outcome {
     pub replica: Option<usize>,
     /// The (model, variant) of that replica: what it ran as.
     pub variant: Option<(u16, u16)>,
+    /// The pool of that replica.
+    pub pool: Option<crate::graph::PoolId>,
     /// Why it did not start on arrival, when it waited.
     pub waited_for: Option<crate::sched::Reason>,
     pub gpu_seconds: f64,
@@ -101,10 +103,9 @@ impl Sink for Outcomes {
                         o.waited_for = waited_for;
                     }
                     o.replica = Some(replica);
-                    o.variant = sched
-                        .replicas()
-                        .get(replica)
-                        .map(|r| (r.spec.model, r.spec.variant));
+                    let spec = sched.replicas().get(replica).map(|r| &r.spec);
+                    o.variant = spec.map(|s| (s.model, s.variant));
+                    o.pool = spec.map(|s| s.pool);
                 }
             }
             Action::FirstToken { id } => {

@@ -51,10 +51,15 @@ pub struct Group {
     /// tier's) that finished after it, or were refused because they could
     /// not make it.
     pub deadline_misses: u64,
-    /// GPU time the group's requests used, and what it cost at each
-    /// tenant's `cost` per GPU-hour (0 where a tenant states none).
+    /// GPU time the group's requests used, and what it cost per GPU-hour:
+    /// the tenant's `cost`, else the pool's `price` (0 where neither is
+    /// declared).
     pub gpu_seconds: f64,
     pub cost: f64,
+    /// The part of `gpu_seconds` that had a price (the cost gate's
+    /// coverage); not in the report's JSON.
+    #[serde(skip)]
+    pub priced_gpu_seconds: f64,
     /// Requests answered from their tier's exact cache (no queue, no GPU
     /// time); absent for a tier without one and a group with none.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -201,6 +206,7 @@ fn group<'a>(
         deadline_misses: 0,
         gpu_seconds: 0.0,
         cost: 0.0,
+        priced_gpu_seconds: 0.0,
         cache_hits: None,
     };
     let mut hits = 0u64;
@@ -231,7 +237,10 @@ fn group<'a>(
         }
         gr.deadline_misses += u64::from(missed_deadline(o));
         gr.gpu_seconds += o.gpu_seconds;
-        gr.cost += cost_of(g, o);
+        if let Some(c) = cost_of(g, o) {
+            gr.cost += c;
+            gr.priced_gpu_seconds += o.gpu_seconds;
+        }
         if let Some(r) = o.waited_for {
             *gr.waits_by_reason.entry(r.name().to_string()).or_default() += 1;
         }
@@ -281,14 +290,11 @@ fn round(x: f64) -> f64 {
 
 /// Per batch id, in id order: items, completions, misses, and the last
 /// finish against the batch's deadline.
-/// What one request's GPU time cost at its tenant's rate.
-fn cost_of(g: &DecisionGraph, o: &Outcome) -> f64 {
-    let rate = o
-        .tenant
-        .and_then(|t| g.tenants.get(t as usize))
-        .and_then(|t| t.cost_per_gpu_hour)
-        .unwrap_or(0.0);
-    o.gpu_seconds / 3600.0 * rate
+/// What one request's GPU time cost: its tenant's `cost`, else its
+/// pool's `price`, per GPU-hour; `None` when neither is declared.
+fn cost_of(g: &DecisionGraph, o: &Outcome) -> Option<f64> {
+    g.gpu_hour_price(o.tenant, o.pool)
+        .map(|rate| o.gpu_seconds / 3600.0 * rate)
 }
 
 fn batches(g: &DecisionGraph, outcomes: &[Outcome]) -> Vec<BatchGroup> {
@@ -311,7 +317,7 @@ fn batches(g: &DecisionGraph, outcomes: &[Outcome]) -> Vec<BatchGroup> {
         });
         b.items += 1;
         b.gpu_seconds += o.gpu_seconds;
-        b.cost += cost_of(g, o);
+        b.cost += cost_of(g, o).unwrap_or(0.0);
         b.rejected += u64::from(o.rejected.is_some());
         b.deadline_misses += u64::from(missed_deadline(o));
         if let (Some(f), None) = (o.finished, o.rejected) {
@@ -707,5 +713,56 @@ fn reclaimed(s: &mut String, tiers: &[Group]) {
                 gr.name
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PRICED: &str = r#"
+pool h100 { gpus 2 kind "H100-80GB" memory 80GB price 3.2/h }
+pool l40s { gpus 2 kind "L40S-48GB" memory 48GB price 1.1/h }
+pool free { gpus 1 kind "L4-24GB" memory 24GB }
+model m { variant fp16 { memory 10GB pools [h100, l40s, free] } }
+tier t { priority 1 slo { window 1h } }
+tenant a { owner "o" tiers [t] }
+tenant b { owner "o" tiers [t] cost 2/h }
+classify { default => tier t }
+route [t] m { default => fp16 }
+"#;
+
+    /// Cost is each request's GPU time at its tenant's `cost`, else its
+    /// pool's `price`; time with neither counts as unpriced.
+    #[test]
+    fn cost_reads_the_pools_price_unless_the_tenant_sets_its_own() {
+        let g = crate::compile::compile_str("t.kiln", PRICED).graph.unwrap();
+        let (h100, l40s, free) = (
+            g.pool_id("h100").unwrap(),
+            g.pool_id("l40s").unwrap(),
+            g.pool_id("free").unwrap(),
+        );
+        let (a, b) = (g.tenant_id("a").unwrap(), g.tenant_id("b").unwrap());
+        for n in 1..30u32 {
+            let secs = 360.0 * f64::from(n);
+            let o = |tenant, pool| Outcome {
+                tenant: Some(tenant),
+                pool: Some(pool),
+                gpu_seconds: secs,
+                ..Outcome::default()
+            };
+            let outcomes = [o(a, h100), o(a, l40s), o(b, h100), o(a, free)];
+            let gr = group(&g, "all".into(), outcomes.iter(), 60.0);
+            // a: 3.2 + 1.1 per hour on the priced pools; b: its own 2/h.
+            let want = round(secs / 3600.0 * (3.2 + 1.1 + 2.0));
+            assert!((gr.cost - want).abs() < 1e-6, "{n}: {} vs {want}", gr.cost);
+            assert!((gr.priced_gpu_seconds - 3.0 * secs).abs() < 1e-6);
+            assert!((gr.gpu_seconds - 4.0 * secs).abs() < 1e-6);
+        }
+        let near = |x: Option<f64>, y: f64| x.is_some_and(|x| (x - y).abs() < 1e-9);
+        assert_eq!(g.gpu_hour_price(Some(a), Some(free)), None);
+        assert!(near(g.gpu_hour_price(Some(b), Some(free)), 2.0));
+        assert!(near(g.gpu_hour_price(Some(b), Some(h100)), 2.0));
+        assert!(near(g.gpu_hour_price(None, Some(l40s)), 1.1));
     }
 }

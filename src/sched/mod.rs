@@ -354,6 +354,13 @@ pub struct Config {
     /// Minute of day at time 0 and weekday (0 = Monday), for time-of-day rules.
     pub start_minute_of_day: u32,
     pub start_weekday: u8,
+    /// The date at time 0 (days since 1970-01-01), with the two above.
+    pub start_date: i32,
+    /// The Unix time (ms) of time 0 on a wall clock: the clock signals
+    /// (`time`, `weekday`, `date`, `day`) then read the policy's time zone
+    /// at `start_unix_ms + now`, daylight saving included, instead of the
+    /// three above.
+    pub start_unix_ms: Option<i64>,
     /// How requests are sent to replicas ([`route`]).
     pub routing: route::Routing,
     /// Seeds everything random in the core (the `random` router).
@@ -414,6 +421,8 @@ impl Default for Config {
             max_preemptions_per_seq: 2,
             start_minute_of_day: 12 * 60,
             start_weekday: 0,
+            start_date: crate::graph::IDLE_DATE,
+            start_unix_ms: None,
             routing: route::Routing::Kiln,
             seed: 0,
             backfill_slack: 0.1,
@@ -559,6 +568,9 @@ pub struct Scheduler {
     canary: Option<canary::Canary>,
     /// Whether the canary decided the last arrival.
     last_canary: bool,
+    /// The clock signals, read once a minute: (minute since time 0, what
+    /// the clock read).
+    civil: Option<(u64, crate::units::calendar::Civil)>,
     out: Vec<Action>,
     /// Queued work started per (model, variant), for wait estimates.
     drain: HashMap<(u16, u16), Drain>,
@@ -665,6 +677,7 @@ impl Scheduler {
             idle,
             canary: None,
             last_canary: false,
+            civil: None,
             out: Vec::new(),
             tier_started: vec![0; graph_tiers],
             holds: vec![None; graph_tiers],
@@ -1218,14 +1231,42 @@ impl Scheduler {
         });
     }
 
+    /// What the clock reads now: in the policy's zone from a wall-clock
+    /// start, else counted from the configured start.
+    fn civil_now(&mut self) -> crate::units::calendar::Civil {
+        use crate::units::calendar;
+        let minute = self.now / (60 * SEC);
+        let wall_ms = self
+            .cfg
+            .start_unix_ms
+            .map(|ms| ms.saturating_add((self.now / 1000) as i64));
+        // The wall clock's minutes, or those since time 0.
+        let key = wall_ms.map_or(minute, |ms| (ms.max(0) / 60_000) as u64);
+        if let Some((m, c)) = self.civil {
+            if m == key {
+                return c;
+            }
+        }
+        let c = match wall_ms {
+            Some(ms) => calendar::civil_at(ms, self.graph.timezone.as_ref()),
+            None => calendar::civil_after(
+                self.cfg.start_date,
+                self.cfg.start_minute_of_day,
+                self.cfg.start_weekday,
+                minute,
+            ),
+        };
+        self.civil = Some((key, c));
+        c
+    }
+
     fn refresh_signals(&mut self) {
+        let c = self.civil_now();
         let g = &self.graph;
-        let minute = (u64::from(self.cfg.start_minute_of_day) + self.now / (60 * SEC)) % 1440;
-        let day = (u64::from(self.cfg.start_weekday)
-            + (u64::from(self.cfg.start_minute_of_day) + self.now / (60 * SEC)) / 1440)
-            % 7;
-        self.signals.time_of_day = minute as u16;
-        self.signals.weekday = day as u8;
+        self.signals.time_of_day = c.minute;
+        self.signals.weekday = c.weekday;
+        self.signals.date = c.date;
+        self.signals.day = c.day;
         // One pass over the replicas, into buffers kept between arrivals.
         let np = self.signals.pools.len();
         let sc = &mut self.scratch;
@@ -1503,8 +1544,8 @@ impl Scheduler {
     }
 
     /// When a delay window opens: the next time the clock reads `minute`.
-    fn time_at_minute(&self, minute: u32) -> Micros {
-        let now_min = (u64::from(self.cfg.start_minute_of_day) + self.now / (60 * SEC)) % 1440;
+    fn time_at_minute(&mut self, minute: u32) -> Micros {
+        let now_min = u64::from(self.civil_now().minute);
         let delta = (u64::from(minute) + 1440 - now_min) % 1440;
         let into_minute = self.now % (60 * SEC);
         self.now + delta * 60 * SEC - if delta > 0 { into_minute } else { 0 }
@@ -2833,5 +2874,61 @@ route t m { default => fp16 }
         let json = serde_json::to_string(&rows).unwrap();
         assert!(json.contains("\"oldest_wait\""), "{json}");
         assert!(std::sync::Arc::ptr_eq(s.graph(), &g));
+    }
+
+    /// The month-end close, in the policy's zone: finance's work runs in
+    /// tier `close` from the 28th through the 2nd, Berlin time.
+    const CLOSE: &str = r#"
+policy { timezone "Europe/Berlin" }
+pool p { gpus 1 kind "H100-80GB" memory 80GB }
+model m { variant fp16 { memory 10GB pools [p] } }
+tier close { priority 60 slo { window 6h } }
+tier lo { priority 10 slo { window 24h } }
+tenant fin { owner "o" tiers [close, lo] }
+classify {
+  when tenant == fin and day in 28..2 => tier close
+  default => tier lo
+}
+route [close, lo] m { default => fp16 }
+"#;
+
+    #[test]
+    fn date_signals_read_the_policys_zone_on_a_wall_clock() {
+        let g = graph(CLOSE);
+        let cfg = Config {
+            // 2026-01-27 22:30 UTC: 23:30 on the 27th in Berlin.
+            start_unix_ms: Some(1_769_553_000_000),
+            ..Config::default()
+        };
+        let mut s = Scheduler::new(g.clone(), plan(&g, 1_000_000), cfg);
+        let close = g.tier_id("close").unwrap();
+        let lo = g.tier_id("lo").unwrap();
+        let hour = 3600 * SEC;
+        let tier_at = |s: &mut Scheduler, id: ReqId, at: Micros| {
+            arrive(s, at, arrival(id, "fin", "m", 10, 5))
+                .iter()
+                .find_map(|a| match a {
+                    Action::Decided { tier, .. } => Some(*tier),
+                    _ => None,
+                })
+        };
+        assert_eq!(tier_at(&mut s, 1, 0), Some(lo));
+        assert_eq!(
+            (s.signals().day, s.signals().time_of_day),
+            (27, 23 * 60 + 30)
+        );
+        // An hour later it is the 28th in Berlin, still the 27th in UTC.
+        assert_eq!(tier_at(&mut s, 2, hour), Some(close));
+        assert_eq!(s.signals().day, 28);
+        assert_eq!(
+            s.signals().date,
+            crate::units::calendar::date_days(2026, 1, 28).unwrap()
+        );
+        // Every hour for two weeks: `close` exactly from the 28th to the 2nd.
+        for h in 2..(14 * 24) {
+            let t = tier_at(&mut s, 100 + h, h * hour).unwrap();
+            let day = s.signals().day;
+            assert_eq!(t == close, day >= 28 || day <= 2, "hour {h}: day {day}");
+        }
     }
 }

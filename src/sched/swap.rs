@@ -267,6 +267,8 @@ impl Scheduler {
         }
         self.reserves = Scheduler::reserves_of(&graph);
         self.graph = graph.clone();
+        // The new version may read another time zone.
+        self.civil = None;
         // Tier ids and caches change with the version: start them afresh.
         self.caches = super::cache::Caches::new(&graph, self.cfg.cache_bounds);
         self.semantic = super::semantic::SemanticCaches::new(&graph, self.cfg.cache_bounds);

@@ -303,6 +303,8 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         let (minute, weekday) = crate::clock::minute_and_weekday();
         sched_cfg.start_minute_of_day = minute;
         sched_cfg.start_weekday = weekday;
+        // The clock signals read the policy's time zone from here.
+        sched_cfg.start_unix_ms = Some(crate::clock::unix_ms() as i64);
     }
     let sched = Scheduler::new(policy.graph.clone(), plan, sched_cfg);
     // As the wall clock reads it: a speed that is not a positive number is 1.

@@ -8,6 +8,7 @@
 //! ([`parse_literal`]) and durations in `kiln.toml` ([`duration`]), so a
 //! unit means one thing everywhere.
 
+pub mod calendar;
 pub mod duration;
 
 use std::fmt;
@@ -24,6 +25,10 @@ pub enum Ty {
     Bool,
     TimeOfDay,
     Weekday,
+    /// A calendar date (`2026-12-28`), as days since 1970-01-01.
+    Date,
+    /// A day of the month, 1–31 (`day in 28..2`).
+    DayOfMonth,
     Tenant,
     Tier,
     Model,
@@ -43,6 +48,8 @@ impl Ty {
             Ty::Bool => "true or false",
             Ty::TimeOfDay => "a time of day (like `09:30`)",
             Ty::Weekday => "a weekday (mon … sun)",
+            Ty::Date => "a date (like `2026-12-28`)",
+            Ty::DayOfMonth => "a day of the month (1 … 31)",
             Ty::Tenant => "a tenant name",
             Ty::Tier => "a tier name",
             Ty::Model => "a model name",
@@ -61,6 +68,8 @@ impl Ty {
             Ty::Bool => "boolean",
             Ty::TimeOfDay => "time of day",
             Ty::Weekday => "weekday",
+            Ty::Date => "date",
+            Ty::DayOfMonth => "day of the month",
             Ty::Tenant => "tenant",
             Ty::Tier => "tier",
             Ty::Model => "model",
@@ -71,7 +80,14 @@ impl Ty {
     pub fn is_numeric(self) -> bool {
         matches!(
             self,
-            Ty::Count | Ty::Duration | Ty::Size | Ty::Percent | Ty::Rate | Ty::TimeOfDay
+            Ty::Count
+                | Ty::Duration
+                | Ty::Size
+                | Ty::Percent
+                | Ty::Rate
+                | Ty::TimeOfDay
+                | Ty::Date
+                | Ty::DayOfMonth
         )
     }
 }
@@ -185,6 +201,12 @@ pub fn parse_literal(text: &str) -> Option<Result<Typed, UnitError>> {
         return Some(Ok(Typed {
             ty: Ty::TimeOfDay,
             value: f64::from(minutes),
+        }));
+    }
+    if let Some(days) = calendar::parse_date(t) {
+        return Some(Ok(Typed {
+            ty: Ty::Date,
+            value: f64::from(days),
         }));
     }
     let parts = split_quantity(t)?;
@@ -330,6 +352,7 @@ pub fn show(ty: Ty, v: f64) -> String {
         }
         Ty::TimeOfDay => format!("{:02}:{:02}", (v as u32) / 60, (v as u32) % 60),
         Ty::Weekday => WEEKDAYS.get(v as usize).unwrap_or(&"?").to_string(),
+        Ty::Date => calendar::show_date(v as i32),
         _ => trim(v),
     }
 }

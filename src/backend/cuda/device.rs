@@ -239,6 +239,7 @@ mod tests {
             allow_tenants: None,
             deny_tenants: Vec::new(),
             signal_window: crate::graph::signal::DEFAULT_WINDOW_MS,
+            price_per_gpu_hour: None,
             span: Default::default(),
         }
     }

@@ -201,6 +201,7 @@ fn refused(ctx: &Ctx, d: Option<&Decided>, reason: &str, err: &ApiError) {
         ctx.received.elapsed().as_secs_f64(),
         err.status >= 500,
         false,
+        Ran::default(),
     );
 }
 
@@ -338,11 +339,7 @@ fn ran(
     app.metrics.e2e(&labels, e2e);
     app.metrics
         .tokens(&labels, ctx.req.prompt_tokens, output_tokens);
-    let cost_per_h =
-        s.d.tenant
-            .and_then(|t| g.tenants.get(t as usize))
-            .and_then(|t| t.cost_per_gpu_hour)
-            .unwrap_or(0.0);
+    let cost_per_h = g.gpu_hour_price(s.d.tenant, g.pool_id(pool)).unwrap_or(0.0);
     let cost = gpu_seconds / 3600.0 * cost_per_h;
     app.metrics.gpu_seconds(&labels, gpu_seconds, cost);
     app.costs.charge(
@@ -419,8 +416,20 @@ fn ran(
             outcome,
             MetricOutcome::UpstreamError | MetricOutcome::Timeout
         );
-        record_live(ctx, Some(&s.d), ttft_s, e2e, error, true);
+        let ran = Ran {
+            pool: Some(pool),
+            queue_s: Some(s.queue_s),
+        };
+        record_live(ctx, Some(&s.d), ttft_s, e2e, error, true, ran);
     }
+}
+
+/// Where a finished request ran and how long it queued, for the rollback
+/// conditions' live metrics (nothing for a refusal).
+#[derive(Default, Clone, Copy)]
+pub(in crate::server) struct Ran<'a> {
+    pub(in crate::server) pool: Option<&'a str>,
+    pub(in crate::server) queue_s: Option<f64>,
 }
 
 /// One finished request for the rollback conditions' live metrics.
@@ -431,6 +440,7 @@ pub(in crate::server) fn record_live(
     e2e_s: f64,
     error: bool,
     served: bool,
+    ran: Ran<'_>,
 ) {
     let app = &ctx.app;
     let gov = &app.gov;
@@ -467,6 +477,9 @@ pub(in crate::server) fn record_live(
         met_slo: met,
         deadline_miss: miss,
         canary,
+        pool: ran.pool.map(str::to_string),
+        wait_ms: ran.queue_s.map(|q| gov.policy_ms(q)),
+        fallback: d.is_some_and(|d| d.fallback_step.is_some()),
     });
 }
 
@@ -673,7 +686,11 @@ fn cache_hit(ctx: &Ctx, d: &Decided, shown: &str, similarity: Option<f32>, compl
         rec.queue_ms = Some(0.0);
         app.log.write(rec);
     }
-    record_live(ctx, Some(d), Some(e2e), e2e, false, true);
+    let hit = Ran {
+        pool: None,
+        queue_s: Some(0.0),
+    };
+    record_live(ctx, Some(d), Some(e2e), e2e, false, true, hit);
 }
 
 /// A cache hit's response headers.
