@@ -20,14 +20,20 @@
 //! non-zero if any). Latency is from the send to the last byte of the body.
 //!
 //! Phases:
+//! The floor is a bare axum + reqwest passthrough (this binary run again
+//! with `--passthrough-serve UPSTREAM`, a process of its own as kiln is):
+//! the same mock behind it, the same client and load generator in front.
+//! kiln's cost is judged against what the passthrough adds, from the same
+//! run; the load average is printed with each phase's figures.
+//!
 //! 1. Latency, open loop at a fixed rate (default 1,000 req/s per target):
-//!    send slots alternate direct to the mock / via kiln / direct again
-//!    (an A/A baseline: its difference from the first is the noise floor),
-//!    20,000 requests each after a 2,000-each warm-up. The added latency is
-//!    via-kiln minus direct at each percentile.
+//!    send slots alternate direct to the mock / via the passthrough / via
+//!    kiln / direct again (an A/A baseline: its difference from the first
+//!    is the noise floor), 20,000 requests each after a 2,000-each
+//!    warm-up. The added latency is via-X minus direct at each percentile.
 //! 2. Throughput: 64 concurrent closed-loop workers, 50,000 requests,
-//!    direct (the ceiling: the mock and the client share the machine) and
-//!    via kiln.
+//!    direct (the ceiling: the mock and the client share the machine), via
+//!    the passthrough and via kiln.
 //! 3. LiteLLM, when `LITELLM_BIN` names its `litellm` executable or
 //!    `/tmp/litellm-venv/bin/litellm` exists (skipped with a note otherwise):
 //!    one worker, telemetry and spend logs off, no database, a random
@@ -476,6 +482,113 @@ fn start_litellm(bin: &Path, config: &Path, dir: &Path, master_key: &str) -> Res
 }
 
 // ---------------------------------------------------------------------------
+// The floor: a bare axum + reqwest passthrough
+
+/// The argument that makes this binary the passthrough instead of the bench.
+const PASSTHROUGH_ARG: &str = "--passthrough-serve";
+
+/// `gateway --passthrough-serve UPSTREAM`: the least a gateway written
+/// with kiln's own stack can do. axum on a multi-threaded tokio runtime
+/// (default worker count, as `kiln serve`), `POST /v1/chat/completions`
+/// read whole and sent on to `UPSTREAM` by one reqwest client built as
+/// kiln builds its upstream client (no proxy, `TCP_NODELAY`, a pool of
+/// idle connections per host, no redirects), the upstream's status,
+/// content type and whole body sent back. No authentication, no parsing,
+/// no policy: what is left of kiln's added latency above this is kiln's.
+/// Prints `passthrough listening on http://ADDR`; runs until killed.
+fn passthrough_main(upstream: &str) -> Res<()> {
+    use axum::http::{header::CONTENT_TYPE, HeaderMap, StatusCode};
+    use axum::response::{IntoResponse, Response};
+
+    #[derive(Clone)]
+    struct Up {
+        client: reqwest::Client,
+        url: Arc<str>,
+    }
+
+    async fn forward(
+        axum::extract::State(up): axum::extract::State<Up>,
+        headers: HeaderMap,
+        body: bytes::Bytes,
+    ) -> Response {
+        let mut req = up.client.post(&*up.url).body(body);
+        if let Some(ct) = headers.get(CONTENT_TYPE) {
+            req = req.header(CONTENT_TYPE, ct.clone());
+        }
+        let resp = match req.send().await {
+            Ok(r) => r,
+            Err(e) => return (StatusCode::BAD_GATEWAY, e.to_string()).into_response(),
+        };
+        let status = resp.status();
+        let ct = resp.headers().get(CONTENT_TYPE).cloned();
+        match resp.bytes().await {
+            Ok(b) => {
+                let mut r = (status, b).into_response();
+                if let Some(ct) = ct {
+                    r.headers_mut().insert(CONTENT_TYPE, ct);
+                }
+                r
+            }
+            Err(e) => (StatusCode::BAD_GATEWAY, e.to_string()).into_response(),
+        }
+    }
+
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .tcp_nodelay(true)
+        .connect_timeout(Duration::from_secs(2))
+        .pool_max_idle_per_host(257)
+        .pool_idle_timeout(Duration::from_secs(90))
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .map_err(|e| format!("cannot build the HTTP client: {e}"))?;
+    let up = Up {
+        client,
+        url: format!("{}/v1/chat/completions", upstream.trim_end_matches('/')).into(),
+    };
+    let app = axum::Router::new()
+        .route("/v1/chat/completions", axum::routing::post(forward))
+        .with_state(up);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the runtime: {e}"))?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .map_err(|e| format!("cannot bind: {e}"))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| format!("cannot read the bound address: {e}"))?;
+        {
+            use std::io::Write;
+            let mut out = std::io::stdout();
+            let _ = writeln!(out, "passthrough listening on http://{addr}");
+            let _ = out.flush();
+        }
+        axum::serve(
+            axum::serve::ListenerExt::tap_io(listener, |tcp| {
+                let _ = tcp.set_nodelay(true);
+            }),
+            app,
+        )
+        .await
+        .map_err(|e| format!("passthrough: {e}"))
+    })
+}
+
+/// Starts this binary again as the passthrough in front of `upstream`.
+fn start_passthrough(upstream: &str) -> Res<(Proc, String)> {
+    let me = std::env::current_exe().map_err(|e| format!("cannot find the bench binary: {e}"))?;
+    let mut p = Proc::spawn(
+        "passthrough",
+        Command::new(me).args([PASSTHROUGH_ARG, upstream]),
+    )?;
+    let url = p.wait_addr("passthrough listening on", Duration::from_secs(20))?;
+    Ok((p, url))
+}
+
+// ---------------------------------------------------------------------------
 // Load generator
 
 #[derive(Default)]
@@ -742,6 +855,18 @@ fn us(x: f64) -> String {
 }
 
 fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(i) = args.iter().position(|a| a == PASSTHROUGH_ARG) {
+        let Some(upstream) = args.get(i + 1) else {
+            eprintln!("{PASSTHROUGH_ARG} needs the upstream's base URL");
+            std::process::exit(2);
+        };
+        if let Err(e) = passthrough_main(upstream) {
+            eprintln!("passthrough: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
     // `cargo test --benches` runs bench binaries without `--bench`: nothing
     // to check there that the run itself would not.
     if !std::env::args().any(|a| a == "--bench") {
@@ -783,10 +908,13 @@ fn bench() -> Res<usize> {
     let config = template("kiln.toml", &mock_url, &scratch.0)?;
     let log = with_log.then(|| scratch.0.join("decisions.jsonl"));
     let (mut kiln_proc, kiln_url) = start_kiln(&kiln, &config, log.as_deref())?;
+    let (mut bare_proc, bare_url) = start_passthrough(&mock_url)?;
     println!(
-        "mock upstream: {mock_url} (1 worker, 16 tokens); kiln: {kiln_url} (decision log {}); request body {} bytes",
+        "mock upstream: {mock_url} (1 worker, 16 tokens); kiln: {kiln_url} (decision log {}); \
+         bare axum + reqwest passthrough: {bare_url}; request body {} bytes; load: {}",
         if with_log { "on" } else { "off" },
-        body.len()
+        body.len(),
+        load_average()
     );
 
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -795,6 +923,7 @@ fn bench() -> Res<usize> {
         .map_err(|e| format!("cannot start the client runtime: {e}"))?;
     let direct = Arc::new(Target::new("direct", &mock_url, &body)?);
     let via = Arc::new(Target::new("kiln", &kiln_url, &body)?);
+    let bare = Arc::new(Target::new("passthrough", &bare_url, &body)?);
     // The same mock through a second client: an A/A baseline whose
     // difference from `direct` is the noise floor of the added latency.
     let again = Arc::new(Target::new("direct (A/A)", &mock_url, &body)?);
@@ -806,26 +935,33 @@ fn bench() -> Res<usize> {
 
     // 1. Latency at a fixed rate.
     let n = scaled(20_000, scale);
-    println!("\n1. latency, open loop at {rate:.0} req/s per target, slots alternating direct / kiln / direct again, {n} each");
-    let three = [direct.clone(), via.clone(), again.clone()];
-    let warm = rt.block_on(paced(&three, scaled(2_000, scale), rate));
+    println!("\n1. latency, open loop at {rate:.0} req/s per target, slots alternating direct / passthrough / kiln / direct again, {n} each");
+    let four = [direct.clone(), bare.clone(), via.clone(), again.clone()];
+    let warm = rt.block_on(paced(&four, scaled(2_000, scale), rate));
     report.check("warm-up direct", &warm[0]);
-    report.check("warm-up kiln", &warm[1]);
-    let lat = rt.block_on(paced(&three, n, rate));
+    report.check("warm-up passthrough", &warm[1]);
+    report.check("warm-up kiln", &warm[2]);
+    let lat = rt.block_on(paced(&four, n, rate));
     report.check("direct", &lat[0]);
-    report.check("via kiln", &lat[1]);
-    report.check("direct again", &lat[2]);
-    if let Some(e) = kiln_proc.exited() {
+    report.check("via passthrough", &lat[1]);
+    report.check("via kiln", &lat[2]);
+    report.check("direct again", &lat[3]);
+    if let Some(e) = kiln_proc.exited().or_else(|| bare_proc.exited()) {
         return Err(e);
     }
-    let (pd, pk, pa) = (
+    let load_lat = load_average();
+    println!("   load after phase 1: {load_lat}");
+    let (pd, pb, pk, pa) = (
         lat[0].percentiles(),
         lat[1].percentiles(),
         lat[2].percentiles(),
+        lat[3].percentiles(),
     );
     let added = diff(pk, pd);
+    let added_bare = diff(pb, pd);
     let noise = diff(pa, pd);
-    let added_mean = lat[1].mean() - lat[0].mean();
+    let added_mean = lat[2].mean() - lat[0].mean();
+    let added_bare_mean = lat[1].mean() - lat[0].mean();
 
     // 2. Throughput, closed loop.
     let conc = 64;
@@ -835,13 +971,21 @@ fn bench() -> Res<usize> {
         "warm-up kiln",
         &rt.block_on(load(via.clone(), scaled(5_000, scale), conc)),
     );
+    report.check(
+        "warm-up passthrough",
+        &rt.block_on(load(bare.clone(), scaled(5_000, scale), conc)),
+    );
     let tp_direct = rt.block_on(load(direct.clone(), n_tp, conc));
     report.check("direct", &tp_direct);
+    let tp_bare = rt.block_on(load(bare.clone(), n_tp, conc));
+    report.check("via passthrough", &tp_bare);
     let tp_kiln = rt.block_on(load(via.clone(), n_tp, conc));
     report.check("via kiln", &tp_kiln);
-    if let Some(e) = kiln_proc.exited() {
+    if let Some(e) = kiln_proc.exited().or_else(|| bare_proc.exited()) {
         return Err(e);
     }
+    let load_tp = load_average();
+    println!("   load after phase 2: {load_tp}");
 
     let load1 = format!("{rate:.0} req/s");
     report.rows.push(row(
@@ -857,6 +1001,13 @@ fn bench() -> Res<usize> {
         pa,
         Some(noise),
         None,
+    ));
+    report.rows.push(row(
+        "bare axum + reqwest passthrough (floor)",
+        &load1,
+        pb,
+        Some(added_bare),
+        Some(tp_bare.rps()),
     ));
     report.rows.push(row(
         "**via kiln**",
@@ -879,6 +1030,44 @@ fn bench() -> Res<usize> {
         met(tp_kiln.rps() >= 5000.0),
         100.0 * tp_kiln.rps() / tp_direct.rps()
     )];
+    // Against the floor, from the same run: kiln's added latency over the
+    // passthrough's (≤ 1.25×), its throughput over direct's (≥ 35%) and
+    // over 10.2k req/s, issue 27's starting point (≥ 1.5×).
+    let over = |k: f64, b: f64| {
+        if b > 0.0 {
+            format!("{:.2}×", k / b)
+        } else {
+            "— (the passthrough's added ≤ 0: within noise)".into()
+        }
+    };
+    let floor_ok = |k: f64, b: f64| b > 0.0 && k <= 1.25 * b;
+    verdict.push(format!(
+        "against the floor at {rate:.0} req/s (load {load_lat}): kiln added / passthrough added: p50 {} / {} = {} ({}), \
+         p99 {} / {} = {} ({}), mean {} / {} = {}; target ≤ 1.25×",
+        us(added[0]),
+        us(added_bare[0]),
+        over(added[0], added_bare[0]),
+        met(floor_ok(added[0], added_bare[0])),
+        us(added[2]),
+        us(added_bare[2]),
+        over(added[2], added_bare[2]),
+        met(floor_ok(added[2], added_bare[2])),
+        us(added_mean),
+        us(added_bare_mean),
+        over(added_mean, added_bare_mean),
+    ));
+    verdict.push(format!(
+        "throughput at {conc} workers (load {load_tp}): kiln {:.0}, passthrough {:.0}, direct {:.0} req/s; \
+         kiln / direct {:.1}% (target ≥ 35%: {}), kiln / passthrough {:.1}%, kiln / 10.2k {:.2}× (target ≥ 1.5×: {})",
+        tp_kiln.rps(),
+        tp_bare.rps(),
+        tp_direct.rps(),
+        100.0 * tp_kiln.rps() / tp_direct.rps(),
+        met(tp_kiln.rps() >= 0.35 * tp_direct.rps()),
+        100.0 * tp_kiln.rps() / tp_bare.rps(),
+        tp_kiln.rps() / 10_200.0,
+        met(tp_kiln.rps() >= 1.5 * 10_200.0),
+    ));
 
     // 3. LiteLLM.
     match litellm_bin() {
@@ -1058,6 +1247,15 @@ fn bench() -> Res<usize> {
         println!("  {e}");
     }
     Ok(report.failures)
+}
+
+/// The 1-, 5- and 15-minute load averages (`/proc/loadavg`), for the
+/// record: on a shared machine a figure means little without them.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|| "unknown".into())
 }
 
 fn diff(a: [f64; 3], b: [f64; 3]) -> [f64; 3] {

@@ -45,6 +45,11 @@ pub const CONTENT_MARK: u32 = u32::MAX - 1;
 /// [`MAX_PREFIX_BLOCKS`].
 pub fn chain(tokens: &[u32]) -> Vec<u64> {
     let block = BLOCK_TOKENS as usize;
+    // Most prompts are shorter than a block: no buffers for them (a 2 KB
+    // one made glibc's malloc consolidate its free lists every request).
+    if tokens.len() < block {
+        return Vec::new();
+    }
     let mut ids = Vec::with_capacity((tokens.len() / block).min(MAX_PREFIX_BLOCKS));
     let mut bytes = Vec::with_capacity(block * 4);
     let mut prev = CHAIN_SEED;

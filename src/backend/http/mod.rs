@@ -60,6 +60,11 @@ pub struct Upstream {
     cfg: UpstreamConfig,
     /// `cfg.url` without its trailing `/`.
     base: String,
+    /// The two generation endpoints' URLs, parsed once: parsing a URL for
+    /// every call showed in the gateway's profile. `None` where `base`
+    /// does not parse (the call then reports reqwest's own error).
+    chat_url: Option<reqwest::Url>,
+    completions_url: Option<reqwest::Url>,
     client: reqwest::Client,
     auth: Option<HeaderValue>,
     breaker: Arc<Mutex<Breaker>>,
@@ -221,6 +226,8 @@ impl Upstream {
             .build()
             .map_err(|e| invalid(format!("cannot build the HTTP client: {}", error_chain(&e))))?;
         let base = cfg.url.trim().trim_end_matches('/').to_string();
+        let chat_url = reqwest::Url::parse(&format!("{base}/v1/chat/completions")).ok();
+        let completions_url = reqwest::Url::parse(&format!("{base}/v1/completions")).ok();
         let breaker = Breaker::new(
             cfg.failure_threshold,
             cfg.open_for,
@@ -229,6 +236,8 @@ impl Upstream {
         Ok(Upstream {
             name: name.into(),
             base,
+            chat_url,
+            completions_url,
             client,
             auth,
             breaker: Arc::new(Mutex::new(breaker)),
@@ -669,9 +678,16 @@ impl Upstream {
         accept: &'static str,
         traceparent: Option<String>,
     ) -> reqwest::RequestBuilder {
-        let mut request = self
-            .client
-            .post(self.endpoint(path))
+        let parsed = match path {
+            "/v1/chat/completions" => self.chat_url.clone(),
+            "/v1/completions" => self.completions_url.clone(),
+            _ => None,
+        };
+        let request = match parsed {
+            Some(url) => self.client.post(url),
+            None => self.client.post(self.endpoint(path)),
+        };
+        let mut request = request
             .header(CONTENT_TYPE, "application/json")
             .header(ACCEPT, accept)
             .body(payload);
@@ -886,6 +902,27 @@ mod tests {
         cfg.health_path = String::new();
         tweak(&mut cfg);
         Upstream::new("test".into(), cfg).unwrap()
+    }
+
+    #[test]
+    fn the_parsed_endpoints_are_the_joined_urls() {
+        // Every base shape a config may give (trailing slash, a path
+        // prefix, a port or none): the URL parsed once is the one the
+        // call would have parsed from the joined string.
+        for host in ["127.0.0.1:9", "localhost", "gpu-7.internal:8000"] {
+            for prefix in ["", "/", "/proxy", "/proxy/", "/a/b/v0/"] {
+                let base = format!("http://{host}{prefix}");
+                let u = upstream(&base, |_| {});
+                for (path, parsed) in [
+                    ("/v1/chat/completions", &u.chat_url),
+                    ("/v1/completions", &u.completions_url),
+                ] {
+                    let joined = reqwest::Url::parse(&u.endpoint(path)).ok();
+                    assert!(parsed.is_some(), "{base}{path}");
+                    assert_eq!(parsed, &joined, "{base}{path}");
+                }
+            }
+        }
     }
 
     /// Every test is bounded: a hang fails it instead of the suite.
