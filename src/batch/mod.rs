@@ -15,9 +15,9 @@
 //! item and duplicates none: items in flight at the crash run again after
 //! the restart.
 
-pub mod plan;
 pub mod backend;
 pub mod pg;
+pub mod plan;
 pub mod store;
 pub mod view;
 
