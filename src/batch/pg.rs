@@ -567,27 +567,7 @@ impl Pg {
     }
 
     pub fn put_result(&self, batch: &str, r: &ItemResult) -> Result<bool, StoreError> {
-        let mut g = self.lock()?;
-        let mut tx = g.client()?.transaction()?;
-        let n = tx.execute(
-            "INSERT INTO results (batch_id, line, ok, text) VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
-            &[&batch, &(r.line as i64), &r.ok, &r.text],
-        )?;
-        if n == 1 {
-            tx.execute(
-                "UPDATE batches SET completed = completed + $1, failed = failed + $2,
-                     gpu_seconds = gpu_seconds + $3, deadline_misses = deadline_misses + $4 WHERE id = $5",
-                &[
-                    &i64::from(r.ok),
-                    &i64::from(!r.ok),
-                    &r.gpu_seconds,
-                    &i64::from(r.missed),
-                    &batch,
-                ],
-            )?;
-        }
-        tx.commit()?;
-        Ok(n == 1)
+        self.put_result_usage(batch, r, 0, 0)
     }
 
     pub fn put_results(

@@ -648,27 +648,7 @@ impl Sqlite {
     /// Writes one item's result, once: true when this call wrote it (and
     /// counted it), false when the item already had one.
     pub fn put_result(&self, batch: &str, r: &ItemResult) -> Result<bool, StoreError> {
-        let mut c = lock(&self.write)?;
-        let tx = c.transaction()?;
-        let n = tx.execute(
-            "INSERT OR IGNORE INTO results (batch_id, line, ok, text) VALUES (?1, ?2, ?3, ?4)",
-            params![batch, r.line as i64, r.ok, r.text],
-        )?;
-        if n == 1 {
-            tx.execute(
-                "UPDATE batches SET completed = completed + ?1, failed = failed + ?2,
-                     gpu_seconds = gpu_seconds + ?3, deadline_misses = deadline_misses + ?4 WHERE id = ?5",
-                params![
-                    i64::from(r.ok),
-                    i64::from(!r.ok),
-                    r.gpu_seconds,
-                    i64::from(r.missed),
-                    batch
-                ],
-            )?;
-        }
-        tx.commit()?;
-        Ok(n == 1)
+        self.put_result_usage(batch, r, 0, 0)
     }
 
     /// [`Store::put_result`], adding the item's tokens to its batch's
