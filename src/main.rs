@@ -1,6 +1,12 @@
 //! The `kiln` command line. Exit codes are stable (see README): 0 clean,
 //! 1 findings that fail, 2 usage or I/O error.
 
+/// mimalloc instead of the system allocator: the gateway's hot path
+/// allocates per request (bodies, headers, JSON values), and glibc's malloc
+/// was about a fifth of its profile (BENCHMARKS.md, issue 27).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() {
     quiet_on_closed_pipe();
     let code = kiln::cli::main();
