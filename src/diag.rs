@@ -60,6 +60,7 @@ pub enum Code {
     TimeRangeWraps,
     UnreachableLimit,
     RollbackOnFewSamples,
+    OwnerUnresolved,
 }
 
 impl Code {
@@ -103,6 +104,7 @@ impl Code {
         Code::TimeRangeWraps,
         Code::UnreachableLimit,
         Code::RollbackOnFewSamples,
+        Code::OwnerUnresolved,
     ];
 
     /// The stable short name.
@@ -147,6 +149,7 @@ impl Code {
             Code::TimeRangeWraps => "time-range-wraps",
             Code::UnreachableLimit => "unreachable-limit",
             Code::RollbackOnFewSamples => "rollback-on-few-samples",
+            Code::OwnerUnresolved => "owner-unresolved",
         }
     }
 
@@ -233,6 +236,9 @@ impl Code {
             }
             Code::UnreachableLimit => {
                 "a concurrency limit above every request the fleet's replicas can run at once never binds"
+            }
+            Code::OwnerUnresolved => {
+                "`require owner` asks the owner of what a change touches; where nothing names one, any approver counts"
             }
             Code::RollbackOnFewSamples => {
                 "below `[governance] min_samples` a rollback condition reads healthy signals, so one that holds on them rolls back a version before it has been tried"

@@ -161,6 +161,51 @@ fn hostile_tier_names_stay_quoted() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// A per-pool alert names the owner of the pool that fired (its own, else
+/// the policy's), and a tier alert the tier's: promtool evaluates the
+/// label templates on firing series.
+#[test]
+fn alerts_carry_the_owner_of_what_fired() {
+    if !promtool() {
+        return;
+    }
+    let p = "policies/batch-platform";
+    let text = alerts::render(&graph(p), &options(p));
+    let dir = scratch("owners");
+    std::fs::write(dir.join("rules.yml"), &text).unwrap();
+    let busy = |pool: &str| {
+        alerts::yaml_quote(&format!(
+            "kiln_replica_busy_ratio{{pool=\"{pool}\",model=\"m\",variant=\"v\"}}"
+        ))
+    };
+    let firing = |pool: &str, labels: &str| {
+        alerts::yaml_quote(&format!(
+            "ALERTS{{alertname=\"KilnReplicasBusy\",alertstate=\"firing\",{labels}model=\"m\",pool=\"{pool}\",severity=\"ticket\",variant=\"v\"}}"
+        ))
+    };
+    let test = format!(
+        "rule_files: [rules.yml]\nevaluation_interval: 1m\ntests:\n  - interval: 1m\n    input_series:\n      - series: {}\n        values: '0.95x30'\n      - series: {}\n        values: '0.95x30'\n      - series: {}\n        values: '0.95x30'\n    promql_expr_test:\n      - expr: ALERTS{{alertname=\"KilnReplicasBusy\",alertstate=\"firing\"}}\n        eval_time: 20m\n        exp_samples:\n          - labels: {}\n            value: 1\n          - labels: {}\n            value: 1\n          - labels: {}\n            value: 1\n",
+        busy("spot"),
+        busy("h200"),
+        busy("a100"),
+        // spot: its own owner and escalation.
+        firing("spot", "escalation=\"gpu-fleet-oncall@acme.example\",owner=\"gpu-fleet@acme.example\","),
+        // h200: its own owner; no escalation contact of its own, so the
+        // policy's.
+        firing("h200", "escalation=\"batch-platform-lead@acme.example\",owner=\"gpu-fleet@acme.example\","),
+        // a100 names no owner: the policy's.
+        firing("a100", "escalation=\"batch-platform-lead@acme.example\",owner=\"batch-platform@acme.example\","),
+    );
+    std::fs::write(dir.join("rules.test.yml"), test).unwrap();
+    promtool_ok(&["test", "rules", "rules.test.yml"], &dir);
+    // A tier alert: the tier's owner (online has one of its own).
+    assert!(
+        text.contains("owner: \"merchant-tools@acme.example\""),
+        "{text}"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 /// Every metric the gateway exports, from `# TYPE` lines after one of
 /// every event (collectors without series are not rendered).
 fn exported() -> BTreeSet<String> {

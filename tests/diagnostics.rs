@@ -341,6 +341,11 @@ fn cases() -> Vec<(&'static str, String, Code)> {
         ("timezone_not_quoted", plus("policy { timezone 5 }"), Code::UnitMismatch),
         ("policy_block_unknown_field", plus("policy { timezon \"UTC\" }"), Code::UnknownField),
         ("duplicate_policy_block", plus("policy { timezone \"UTC\" }\npolicy { timezone \"Europe/Berlin\" }"), Code::DuplicateDefinition),
+        ("owner_empty", with("  priority 100\n", "  priority 100\n  owner \"\"\n"), Code::InvalidValue),
+        ("owner_not_quoted", with("memory 80GB }", "memory 80GB owner gpu-infra }"), Code::UnitMismatch),
+        ("escalation_without_owner", with("  priority 10\n", "  priority 10\n  escalation \"oncall\"\n"), Code::MissingField),
+        ("owner_unresolved", plus("approval {\n  require owner for [tenant_change, quota_increase]\n}"), Code::OwnerUnresolved),
+        ("syntax_require_owner_with_count", plus("approval {\n  require 1 owner for [tenant_change]\n}"), Code::Syntax),
         ("pool_price_without_rate", with("memory 80GB }", "memory 80GB price 3.2 }"), Code::UnitMismatch),
         ("syntax_rate_period_spelt_out", with("  tiers [chat, bulk]\n", "  tiers [chat, bulk]\n  quota { tokens 2M/minute }\n"), Code::Syntax),
         ("syntax_cost_with_currency", with("  tiers [chat, bulk]\n", "  tiers [chat, bulk]\n  cost $3.20/hour\n"), Code::Syntax),
@@ -366,6 +371,42 @@ fn diagnose(text: &str) -> (kiln::source::SourceMap, Diagnostics) {
     }
     all.sort();
     (c.sources.clone(), all)
+}
+
+#[test]
+fn owners_everywhere_leave_require_owner_clean() {
+    let text = with("memory 80GB }", "memory 80GB owner \"gpu-infra\" }").replacen(
+        "  priority 100\n",
+        "  priority 100\n  owner \"chat-team\"\n  escalation \"chat-oncall\"\n",
+        1,
+    )
+        + "\npolicy { owner \"platform\" }\napproval {\n  require owner for [tenant_change]\n}\n";
+    let (_, d) = diagnose(&text);
+    assert!(
+        d.is_empty(),
+        "{:?}",
+        d.items.iter().map(|d| &d.message).collect::<Vec<_>>()
+    );
+    let c = compile_str("policy.kiln", &text);
+    let g = c.graph.as_ref().expect("compiles");
+    let chat = g.tier_id("chat").expect("chat");
+    let bulk = g.tier_id("bulk").expect("bulk");
+    assert_eq!(g.tier_owner(chat).owner.as_deref(), Some("chat-team"));
+    assert_eq!(
+        g.tier_owner(chat).escalation.as_deref(),
+        Some("chat-oncall")
+    );
+    // A tier without an owner falls back to the policy's.
+    assert_eq!(g.tier_owner(bulk).owner.as_deref(), Some("platform"));
+    assert_eq!(g.pool_owner(0).owner.as_deref(), Some("gpu-infra"));
+    assert!(g.approvals[0].owner);
+    // Without the policy's owner, bulk has none: the lint names it.
+    let text = text.replace("policy { owner \"platform\" }", "");
+    let (_, d) = diagnose(&text);
+    let msgs: Vec<&String> = d.items.iter().map(|d| &d.message).collect();
+    assert_eq!(d.items.len(), 1, "{msgs:?}");
+    assert!(msgs[0].contains("the policy, tier `bulk`"), "{msgs:?}");
+    assert!(!msgs[0].contains("`chat`"), "{msgs:?}");
 }
 
 #[test]

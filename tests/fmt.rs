@@ -106,6 +106,17 @@ fn policy_block_and_dates_format_soundly() {
 }
 
 #[test]
+fn owners_and_require_owner_format_soundly() {
+    let text = "policy {owner \"platform\"   escalation \"cto\"}\napproval {\n   require   owner for [tenant_change,quota_increase]  # the tenant's team\n  require 2 from \"leads\" for any\n}\n";
+    let out = fmt(text).expect("parses");
+    assert_eq!(
+        out,
+        "policy {\n  owner \"platform\"\n  escalation \"cto\"\n}\n\napproval {\n  require owner for [tenant_change, quota_increase] # the tenant's team\n  require 2 from \"leads\" for any\n}\n"
+    );
+    assert_fmt_sound(text);
+}
+
+#[test]
 fn golden_cache_block() {
     let text = "tier t { priority 1 cache {exact{entries 10k,ttl 10m,shared}   # per tier\n semantic { similarity 0.92 entries 5000 ttl 1h } } }\ntier u { priority 2 exact_cache }\n";
     let out = fmt(text).expect("parses");

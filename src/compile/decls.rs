@@ -23,6 +23,8 @@ const POOL_FIELDS: &[&str] = &[
     "signal_window",
     "description",
     "price",
+    "owner",
+    "escalation",
 ];
 const MODEL_FIELDS: &[&str] = &[
     "variant",
@@ -61,6 +63,8 @@ const TIER_FIELDS: &[&str] = &[
     "quota",
     "completion_windows",
     "description",
+    "owner",
+    "escalation",
 ];
 const FAIR_SHARE_FIELDS: &[&str] = &["window"];
 const CACHE_FIELDS: &[&str] = &["exact", "semantic"];
@@ -70,6 +74,7 @@ const SLO_FIELDS: &[&str] = &["ttft", "p95", "window"];
 const BATCH_FIELDS: &[&str] = &["max_wait"];
 const TENANT_FIELDS: &[&str] = &[
     "owner",
+    "escalation",
     "tiers",
     "cohort",
     "quota",
@@ -84,9 +89,9 @@ const TENANT_FIELDS: &[&str] = &[
     "description",
 ];
 const QUOTA_FIELDS: &[&str] = &["tokens", "requests", "concurrent", "gpu_seconds"];
-const COHORT_FIELDS: &[&str] = &["owner", "description"];
+const COHORT_FIELDS: &[&str] = &["owner", "escalation", "description"];
 const ROLLOUT_FIELDS: &[&str] = &["shadow", "canary"];
-const SETTINGS_FIELDS: &[&str] = &["timezone"];
+const SETTINGS_FIELDS: &[&str] = &["timezone", "owner", "escalation"];
 const CANARY_FIELDS: &[&str] = &["share", "tenants", "duration"];
 
 /// One cache block's settings, checked.
@@ -425,6 +430,41 @@ impl Compiler<'_> {
         }
     }
 
+    /// `owner "team"` and `escalation "contact"` of a block: each a
+    /// non-empty string, and an escalation contact only beside an owner.
+    fn owner(&mut self, f: &Fields, what: &str) -> Owner {
+        let one = |c: &mut Self, key: &str| {
+            let p = f.get(key)?;
+            let s = c.prop_string(Some(p))?;
+            if s.trim().is_empty() {
+                c.err(
+                    Diagnostic::error(Code::InvalidValue, format!("the `{key}` of {what} is empty"))
+                        .at(p.span, "empty")
+                        .help(format!(
+                            "name a team, group or person, like `{key} \"ml-platform\"`; an approval rule `require owner` counts an approver of that name or group"
+                        )),
+                );
+                return None;
+            }
+            Some(s)
+        };
+        let owner = one(self, "owner");
+        let escalation = one(self, "escalation");
+        if let (None, Some(p)) = (&owner, f.get("escalation")) {
+            if f.get("owner").is_none() {
+                self.err(
+                    Diagnostic::error(
+                        Code::MissingField,
+                        format!("{what} has an escalation contact but no owner"),
+                    )
+                    .at(p.span, "escalation without an owner")
+                    .help("add `owner \"team\"` beside it: the escalation contact is whom to call when the owner does not answer"),
+                );
+            }
+        }
+        Owner { owner, escalation }
+    }
+
     /// `[a, b]` or a single name, each resolved to a definition of `kind`.
     fn prop_names(&mut self, p: Option<&Property>, kind: DeclKind) -> Vec<u32> {
         let Some(p) = p else { return Vec::new() };
@@ -637,6 +677,7 @@ impl Compiler<'_> {
             gpus = 0;
         }
         let signal_window = self.signal_window(f.get("signal_window"));
+        let owner = self.owner(&f, &what);
         // `price 3.2/h` is currency per GPU-hour, like a tenant's `cost`.
         let price_per_gpu_hour = self
             .prop_quantity(
@@ -657,6 +698,7 @@ impl Compiler<'_> {
             deny_tenants,
             signal_window,
             price_per_gpu_hour,
+            owner,
             span: d.name.span,
         });
     }
@@ -664,11 +706,12 @@ impl Compiler<'_> {
     fn cohort(&mut self, d: &ast::Decl) {
         let what = format!("cohort `{}`", d.name.name);
         let f = self.fields(&d.body, COHORT_FIELDS, &what, &[]);
-        let owner = self.prop_string(f.get("owner"));
+        let Owner { owner, escalation } = self.owner(&f, &what);
         let _ = self.prop_string(f.get("description"));
         self.g.cohorts.push(Cohort {
             name: d.name.name.clone(),
             owner,
+            escalation,
             span: d.name.span,
         });
     }
@@ -747,6 +790,7 @@ impl Compiler<'_> {
             fair_share_window = self.fair_share_window(s.get("window"));
         }
         let completion_windows = self.completion_windows(f.get("completion_windows"));
+        let owner = self.owner(&f, &what);
         let _ = self.prop_string(f.get("description"));
         let signal_window = self.signal_window(f.get("signal_window"));
         self.g.tiers.push(Tier {
@@ -768,6 +812,7 @@ impl Compiler<'_> {
             fair_share_window,
             quota,
             completion_windows,
+            owner,
             span: d.name.span,
         });
     }
@@ -1306,7 +1351,7 @@ impl Compiler<'_> {
     fn tenant(&mut self, d: &ast::Decl) {
         let what = format!("tenant `{}`", d.name.name);
         let f = self.fields(&d.body, TENANT_FIELDS, &what, &[]);
-        let owner = self.prop_string(f.get("owner"));
+        let Owner { owner, escalation } = self.owner(&f, &what);
         let tp = self.require(&f, "tiers", &d.name, "[interactive]");
         let tiers: Vec<TierId> = self
             .prop_names(tp, DeclKind::Tier)
@@ -1401,6 +1446,7 @@ impl Compiler<'_> {
         self.g.tenants.push(Tenant {
             name: d.name.name.clone(),
             owner,
+            escalation,
             tiers,
             cohort,
             quota,
@@ -1430,6 +1476,7 @@ impl Compiler<'_> {
             return;
         }
         let f = self.fields(&st.body, SETTINGS_FIELDS, "the policy block", &[]);
+        self.g.owner = self.owner(&f, "the policy");
         let Some(p) = f.get("timezone") else {
             return;
         };
@@ -1533,7 +1580,7 @@ impl Compiler<'_> {
                     .help("write `require 1 from \"group\" for …` or remove the rule"),
                 );
             }
-            if r.group.trim().is_empty() {
+            if !r.owner && r.group.trim().is_empty() {
                 self.err(
                     Diagnostic::error(Code::InvalidValue, "an approval rule names no group")
                         .at(r.group_span, "empty group")
@@ -1559,9 +1606,13 @@ impl Compiler<'_> {
                     }
                 }
             }
+            if r.owner {
+                self.facts.owner_rules.push(r.span);
+            }
             self.g.approvals.push(ApprovalRule {
                 count: r.count,
                 group: r.group.clone(),
+                owner: r.owner,
                 kinds,
             });
         }

@@ -41,6 +41,48 @@ fn below_min_samples(
     s
 }
 
+/// The owner-unresolved lint: with a `require owner` rule, every tier,
+/// pool and tenant (and the policy, for changes to what nobody owns:
+/// classify, models) should resolve to an owner, else a change to it asks
+/// any approver.
+fn owner_unresolved(g: &crate::graph::DecisionGraph, at: Span, out: &mut Diagnostics) {
+    let mut none: Vec<String> = Vec::new();
+    if g.owner.owner.is_none() {
+        none.push("the policy".into());
+    }
+    for (i, t) in g.tiers.iter().enumerate() {
+        if g.tier_owner(i as u16).owner.is_none() {
+            none.push(format!("tier `{}`", t.name));
+        }
+    }
+    for (i, p) in g.pools.iter().enumerate() {
+        if g.pool_owner(i as u16).owner.is_none() {
+            none.push(format!("pool `{}`", p.name));
+        }
+    }
+    for (i, t) in g.tenants.iter().enumerate() {
+        if g.tenant_owner(i as u32).owner.is_none() {
+            none.push(format!("tenant `{}`", t.name));
+        }
+    }
+    if none.is_empty() {
+        return;
+    }
+    let shown = if none.len() > 4 {
+        format!("{} and {} more", none[..4].join(", "), none.len() - 4)
+    } else {
+        none.join(", ")
+    };
+    out.push(
+        Diagnostic::error(
+            Code::OwnerUnresolved,
+            format!("`require owner` finds no owner for {shown}"),
+        )
+        .at(at, "a change to those asks any approver instead")
+        .help("add `owner \"team\"` to them, or `policy { owner \"platform\" }` for everything that names none"),
+    );
+}
+
 /// The rollback-on-few-samples lint: a rollback condition that holds on
 /// what a canary with fewer than `min_samples` requests reads would roll a
 /// version back before it has been tried (an inverted comparison such as
@@ -204,6 +246,10 @@ pub fn lint(c: &Compiled) -> Diagnostics {
                     .help("a reserve guarantees a share of a pool other tiers share; remove it, or let other tiers route here"),
                 );
             }
+        }
+        // owner-unresolved
+        if let Some(&at) = c.facts.owner_rules.first() {
+            owner_unresolved(g, at, &mut out);
         }
         // tenant-without-owner
         for t in &g.tenants {

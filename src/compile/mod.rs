@@ -66,6 +66,8 @@ pub(crate) struct Facts {
     pub concurrent: Vec<(String, u64, Span)>,
     /// Tiers with a semantic cache and the span of its `semantic` key.
     pub semantic_caches: Vec<(String, Span)>,
+    /// Where `require owner for [...]` rules are.
+    pub owner_rules: Vec<Span>,
 }
 
 /// A comparison of a numeric signal with a constant: the values it allows.

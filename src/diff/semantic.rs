@@ -74,8 +74,8 @@
 use crate::ast::CmpOp;
 use crate::compile::units::{show, Ty};
 use crate::graph::{
-    AdmitOutcome, ApprovalRule, ChangeKind, Cond, DecisionGraph, DecisionView, Model, Pool, Quota,
-    Request, RuleSet, Sig, Signals, Tenant, Test, TestOp, Tier, Variant,
+    AdmitOutcome, ApprovalRule, ChangeKind, Cond, DecisionGraph, DecisionView, Model, Owner, Pool,
+    Quota, Request, RuleSet, Sig, Signals, Tenant, Test, TestOp, Tier, Variant,
 };
 use serde::Serialize;
 use similar::{capture_diff_slices, Algorithm, DiffOp};
@@ -188,6 +188,15 @@ pub fn semantic(old: &DecisionGraph, new: &DecisionGraph) -> SemanticDiff {
     fallbacks(old, new, &mut out);
     rollout(old, new, &mut out);
     approvals(old, new, &mut out);
+    // The policy's owner approves what has no owner of its own where a
+    // rule says `require owner`: changing it is an approval change.
+    owners(
+        &mut out,
+        "policy",
+        &old.owner,
+        &new.owner,
+        ChangeKind::ApprovalChange,
+    );
     let (decisions, escalations) = decisions(old, new);
     out.changes.extend(escalations);
     SemanticDiff {
@@ -528,11 +537,22 @@ fn pools(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
                         sorted_list(&tenant_names(new, &b.deny_tenants)),
                         k,
                     );
+                    owners(out, &subject, &a.owner, &b.owner, k);
                 }
                 (None, None) => {}
             }
         },
     );
+}
+
+/// `owner` and `escalation` of one subject.
+fn owners(out: &mut Out, subject: &str, a: &Owner, b: &Owner, k: ChangeKind) {
+    let q = |v: &Option<String>| {
+        v.as_ref()
+            .map_or_else(|| "none".into(), |s| format!("\"{s}\""))
+    };
+    out.field(subject, "owner", q(&a.owner), q(&b.owner), k);
+    out.field(subject, "escalation", q(&a.escalation), q(&b.escalation), k);
 }
 
 fn model_summary(m: &Model) -> String {
@@ -728,6 +748,7 @@ fn tiers(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
                         pi,
                         tc,
                     );
+                    owners(out, &subject, &a.owner, &b.owner, tc);
                     out.field(
                         &subject,
                         "slo.ttft",
@@ -981,6 +1002,13 @@ fn tenants(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
                             .map_or_else(|| "none".into(), |s| format!("\"{s}\""))
                     };
                     out.field(&subject, "owner", q(&a.owner), q(&b.owner), tc);
+                    out.field(
+                        &subject,
+                        "escalation",
+                        q(&a.escalation),
+                        q(&b.escalation),
+                        tc,
+                    );
                     // Order matters: the first tier is where the tenant lands.
                     let ta = tier_names(old, &a.tiers);
                     let tb = tier_names(new, &b.tiers);
@@ -1108,7 +1136,16 @@ fn cohorts(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
             match (a, b) {
                 (None, Some(b)) => out.added(&subject, format!("owner {}", q(&b.owner)), tc),
                 (Some(a), None) => out.removed(&subject, format!("owner {}", q(&a.owner)), tc),
-                (Some(a), Some(b)) => out.field(&subject, "owner", q(&a.owner), q(&b.owner), tc),
+                (Some(a), Some(b)) => {
+                    out.field(&subject, "owner", q(&a.owner), q(&b.owner), tc);
+                    out.field(
+                        &subject,
+                        "escalation",
+                        q(&a.escalation),
+                        q(&b.escalation),
+                        tc,
+                    );
+                }
                 (None, None) => {}
             }
         },
@@ -1553,6 +1590,9 @@ fn approval_text(a: &ApprovalRule) -> String {
     let mut kinds: Vec<&str> = a.kinds.iter().map(|k| k.name()).collect();
     kinds.sort_unstable();
     kinds.dedup();
+    if a.owner {
+        return format!("require owner for {}", list(&kinds));
+    }
     format!(
         "require {} from \"{}\" for {}",
         a.count,

@@ -522,7 +522,21 @@ impl Gov {
         let Some(prev) = lock(&self.state).history.last().cloned() else {
             return Err(ActionError::NoPrevious(active.version.to_string()));
         };
-        let needs = self.needs_for(&active.graph, &Changes::rollback());
+        // A rollback touches the whole policy: its owner, where a rule
+        // says `require owner for [rollback]`.
+        let whole = crate::diff::semantic::SemanticDiff {
+            changes: vec![crate::diff::semantic::Change {
+                kind: crate::diff::semantic::ChangeOp::Changed,
+                subject: "policy".into(),
+                field: None,
+                old: None,
+                new: None,
+                change_kind: crate::graph::ChangeKind::Rollback,
+                escalation: false,
+            }],
+            decisions: Vec::new(),
+        };
+        let needs = self.needs_for(&active.graph, &whole, &Changes::rollback());
         if needs.is_empty() {
             self.roll_back_directly(gw, who, reason, &active).await
         } else {
@@ -793,9 +807,16 @@ impl Gov {
         Ok(gone.iter().map(|o| o.id).collect())
     }
 
-    fn needs_for(&self, active: &DecisionGraph, changes: &Changes) -> Vec<approval::Need> {
+    fn needs_for(
+        &self,
+        active: &DecisionGraph,
+        semantic: &crate::diff::semantic::SemanticDiff,
+        changes: &Changes,
+    ) -> Vec<approval::Need> {
         if self.enabled {
-            approval::needs(&active.approvals, changes)
+            let mut n = approval::needs(&active.approvals, changes);
+            n.extend(approval::owner_needs(active, semantic));
+            n
         } else {
             Vec::new()
         }
@@ -816,7 +837,7 @@ impl Gov {
         let changes = Changes::of(&semantic);
         let dry = self.dry_run(gw, active.clone(), policy.clone()).await;
         Assessment {
-            needs: self.needs_for(&active.graph, &changes),
+            needs: self.needs_for(&active.graph, &semantic, &changes),
             plan: Plan::of(&policy.graph, self.default_canary_ms, self.watch_ms),
             semantic,
             changes,

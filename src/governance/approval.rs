@@ -27,7 +27,7 @@
 
 use super::keys::{self, SignedApproval};
 use crate::diff::semantic::SemanticDiff;
-use crate::graph::{ApprovalRule, ChangeKind};
+use crate::graph::{ApprovalRule, ChangeKind, DecisionGraph, Owner};
 use ed25519_dalek::VerifyingKey;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeSet, HashSet};
@@ -103,6 +103,9 @@ pub struct Need {
 
 fn rule_text(r: &ApprovalRule) -> String {
     let kinds: Vec<&str> = r.kinds.iter().map(|k| k.name()).collect();
+    if r.owner {
+        return format!("require owner for [{}]", kinds.join(", "));
+    }
     format!(
         "require {} from \"{}\" for [{}]",
         r.count,
@@ -128,7 +131,7 @@ pub fn needs(rules: &[ApprovalRule], changes: &Changes) -> Vec<Need> {
             source: "default".into(),
         });
     }
-    for r in rules {
+    for r in rules.iter().filter(|r| !r.owner) {
         let covered: Vec<String> = if r.kinds.contains(&ChangeKind::Any) {
             all.clone()
         } else {
@@ -156,7 +159,7 @@ pub fn needs(rules: &[ApprovalRule], changes: &Changes) -> Vec<Need> {
     }
     let unnamed: BTreeSet<ChangeKind> = sensitive
         .into_iter()
-        .filter(|k| !rules.iter().any(|r| r.kinds.contains(k)))
+        .filter(|k| !rules.iter().any(|r| !r.owner && r.kinds.contains(k)))
         .collect();
     if !unnamed.is_empty() {
         out.push(Need {
@@ -168,6 +171,129 @@ pub fn needs(rules: &[ApprovalRule], changes: &Changes) -> Vec<Need> {
         });
     }
     out
+}
+
+/// Where an owner's approval is asked for (`Need::source`).
+pub const OWNER_SOURCE: &str = "owner";
+
+/// The tiers, tenants and pools one change of the semantic diff touches,
+/// as `(kind, name)`; empty for what no owner holds (classify, models,
+/// the rollout and approval blocks), which the policy's owner answers for.
+fn touched(subject: &str) -> Vec<(&'static str, String)> {
+    let names = |rest: &str| -> Vec<String> {
+        let rest = rest.trim();
+        let inner = rest
+            .strip_prefix('[')
+            .and_then(|r| r.strip_suffix(']'))
+            .unwrap_or(rest);
+        inner
+            .split(',')
+            .map(|n| n.trim().to_string())
+            .filter(|n| !n.is_empty())
+            .collect()
+    };
+    let Some((head, rest)) = subject.split_once(' ') else {
+        return Vec::new();
+    };
+    match head {
+        "tier" | "admit" | "fallback" => names(rest).into_iter().map(|n| ("tier", n)).collect(),
+        "tenant" => vec![("tenant", rest.trim().to_string())],
+        "cohort" => vec![("cohort", rest.trim().to_string())],
+        "pool" => vec![("pool", rest.trim().to_string())],
+        // `route [a, b] model`
+        "route" => match rest.rsplit_once(' ') {
+            Some((tiers, _model)) => names(tiers).into_iter().map(|n| ("tier", n)).collect(),
+            None => Vec::new(),
+        },
+        _ => Vec::new(),
+    }
+}
+
+/// Who owns `(kind, name)` in `g`: its own owner, else (a tenant) its
+/// cohort's, else the policy's; `None` when nobody is named.
+pub fn owner_of(g: &DecisionGraph, kind: &str, name: &str) -> Option<String> {
+    let o = match kind {
+        "tier" => g.tier_id(name).map(|t| g.tier_owner(t)),
+        "pool" => g.pool_id(name).map(|p| g.pool_owner(p)),
+        "tenant" => g.tenant_id(name).map(|t| g.tenant_owner(t)),
+        "cohort" => g
+            .cohorts
+            .iter()
+            .find(|c| c.name == name)
+            .filter(|c| c.owner.is_some())
+            .map(|c| Owner {
+                owner: c.owner.clone(),
+                escalation: c.escalation.clone(),
+            }),
+        _ => None,
+    };
+    o.unwrap_or_else(|| g.owner.clone()).owner
+}
+
+/// The owners' approvals a change needs under the `require owner` rules of
+/// the policy **in force** (`active`): for each change of a kind a rule
+/// names, the owner of each tier, tenant or pool it touches, as the policy
+/// in force names them (a proposal cannot name its own approver by
+/// rewriting an owner); what is new, or has no owner, falls back to the
+/// policy's owner. One requirement per distinct owner, met by one approver
+/// of that name or in that group. With no owner anywhere the requirement
+/// is one approval from any approver, and says so.
+pub fn owner_needs(active: &DecisionGraph, diff: &SemanticDiff) -> Vec<Need> {
+    let mut by_owner: std::collections::BTreeMap<String, (BTreeSet<String>, BTreeSet<String>)> =
+        Default::default();
+    for r in active.approvals.iter().filter(|r| r.owner) {
+        for ch in &diff.changes {
+            if !(r.kinds.contains(&ChangeKind::Any) || r.kinds.contains(&ch.change_kind)) {
+                continue;
+            }
+            let mut what = touched(&ch.subject);
+            if what.is_empty() {
+                what.push(("policy", String::new()));
+            }
+            for (kind, name) in what {
+                let owner = if kind == "policy" {
+                    active.owner.owner.clone()
+                } else {
+                    owner_of(active, kind, &name)
+                };
+                let who = owner.unwrap_or_else(|| ANY_GROUP.to_string());
+                let e = by_owner.entry(who).or_default();
+                e.0.insert(ch.change_kind.name().to_string());
+                e.1.insert(if kind == "policy" {
+                    ch.subject.clone()
+                } else {
+                    format!("{kind} {name}")
+                });
+            }
+        }
+    }
+    by_owner
+        .into_iter()
+        .map(|(owner, (kinds, subjects))| {
+            let subjects: Vec<String> = subjects.into_iter().collect();
+            let kinds: Vec<String> = kinds.into_iter().collect();
+            let rule = if owner == ANY_GROUP {
+                format!(
+                    "require owner for [{}]: {} has no owner in the policy in force, nor does the policy (`policy {{ owner \"…\" }}`), so any approver",
+                    kinds.join(", "),
+                    subjects.join(", ")
+                )
+            } else {
+                format!(
+                    "require owner for [{}]: \"{owner}\" owns {}",
+                    kinds.join(", "),
+                    subjects.join(", ")
+                )
+            };
+            Need {
+                count: 1,
+                group: owner,
+                kinds,
+                rule,
+                source: OWNER_SOURCE.into(),
+            }
+        })
+        .collect()
 }
 
 /// An approval the server accepted.
@@ -198,7 +324,11 @@ pub fn evaluate(needs: &[Need], approvals: &[Accepted], now_s: u64) -> Vec<NeedS
             let have: Vec<String> = approvals
                 .iter()
                 .filter(|a| a.expires > now_s)
-                .filter(|a| n.group == ANY_GROUP || a.groups.contains(&n.group))
+                .filter(|a| {
+                    n.group == ANY_GROUP
+                        || a.groups.contains(&n.group)
+                        || (n.source == OWNER_SOURCE && a.approver == n.group)
+                })
                 .map(|a| a.approver.clone())
                 .collect::<BTreeSet<_>>()
                 .into_iter()
@@ -404,6 +534,7 @@ mod tests {
         ApprovalRule {
             count,
             group: group.into(),
+            owner: false,
             kinds: kinds.to_vec(),
         }
     }
@@ -463,6 +594,123 @@ mod tests {
             expires,
             signature: name.into(),
         }
+    }
+
+    const OWNED: &str = r#"
+policy { owner "platform" escalation "cto" }
+pool gpu { gpus 4 kind "H100-80GB" memory 80GB owner "gpu-infra" }
+model m { variant fp16 { memory 40GB pools [gpu] } }
+tier chat { priority 100 slo { ttft 500ms } owner "chat-team" }
+tier bulk { priority 10 slo { window 6h } }
+cohort research { owner "research-leads" }
+tenant app { owner "app-team" tiers [chat, bulk] quota { tokens 1M/min } }
+tenant lab { tiers [bulk] cohort research }
+classify { when tenant == app => tier chat default => tier bulk }
+route [chat, bulk] m { default => fp16 }
+approval {
+  require owner for [tenant_change, quota_increase, tier_change, route_change]
+  require 1 from "platform" for any
+}
+"#;
+
+    fn graph(text: &str) -> DecisionGraph {
+        let c = crate::compile::compile_str("t.kiln", text);
+        assert!(!c.has_errors(), "{:?}", c.diagnostics);
+        c.graph.expect("compiles")
+    }
+
+    /// The owners' needs of the change from OWNED to `edit(OWNED)`.
+    fn owner_needs_of(edit: impl Fn(&str) -> String) -> Vec<Need> {
+        let old = graph(OWNED);
+        let new = graph(&edit(OWNED));
+        owner_needs(&old, &crate::diff::semantic::semantic(&old, &new))
+    }
+
+    #[test]
+    fn require_owner_asks_the_owner_of_what_the_change_touches() {
+        // A quota raise on tenant app: app-team approves.
+        let n = owner_needs_of(|t| t.replace("tokens 1M/min", "tokens 2M/min"));
+        assert_eq!(n.len(), 1, "{n:?}");
+        assert_eq!((n[0].group.as_str(), n[0].count), ("app-team", 1));
+        assert_eq!(n[0].source, OWNER_SOURCE);
+        assert!(n[0].rule.contains("owns tenant app"), "{}", n[0].rule);
+        // lab has no owner of its own: its cohort's.
+        let n = owner_needs_of(|t| {
+            t.replace(
+                "tenant lab { tiers [bulk]",
+                "tenant lab { tiers [bulk] weight 2",
+            )
+        });
+        assert_eq!(n.len(), 1, "{n:?}");
+        assert_eq!(n[0].group, "research-leads");
+        // bulk has none: the policy's owner. chat's is chat-team: two needs.
+        // (A priority raise is a priority_increase, which it does not name.)
+        let n = owner_needs_of(|t| {
+            t.replace("window 6h", "window 8h")
+                .replace("priority 100 slo", "priority 90 slo")
+                .replace("priority 10 slo", "priority 20 slo")
+        });
+        let owners: Vec<&str> = n.iter().map(|x| x.group.as_str()).collect();
+        assert_eq!(owners, vec!["chat-team", "platform"], "{n:?}");
+        // A route block of two tiers: both tiers' owners.
+        let n = owner_needs_of(|t| {
+            t.replace(
+                "route [chat, bulk] m { default => fp16 }",
+                "route [chat, bulk] m { when tenant == lab => fp16 on gpu default => fp16 }",
+            )
+        });
+        let owners: Vec<&str> = n.iter().map(|x| x.group.as_str()).collect();
+        assert_eq!(owners, vec!["chat-team", "platform"], "{n:?}");
+        // A pool change is a pool_change, which the rule does not name.
+        let n = owner_needs_of(|t| t.replace("gpus 4", "gpus 8"));
+        assert!(n.is_empty(), "{n:?}");
+    }
+
+    #[test]
+    fn the_owner_in_force_approves_not_the_one_the_proposal_names() {
+        // The proposal makes its author's friend the owner of app and raises
+        // its quota: app-team (the owner in force) must still approve.
+        let n = owner_needs_of(|t| {
+            t.replace("owner \"app-team\"", "owner \"mallory\"")
+                .replace("tokens 1M/min", "tokens 9M/min")
+        });
+        assert_eq!(n.len(), 1, "{n:?}");
+        assert_eq!(n[0].group, "app-team");
+        // A new tenant has no owner in force: the policy's owner approves.
+        let n =
+            owner_needs_of(|t| format!("{t}\ntenant new {{ owner \"mallory\" tiers [bulk] }}\n"));
+        assert_eq!(n.len(), 1, "{n:?}");
+        assert_eq!(n[0].group, "platform");
+        // With no owner anywhere, any approver, and the rule says why.
+        let bare = OWNED.replace("policy { owner \"platform\" escalation \"cto\" }", "");
+        let old = graph(&bare);
+        let new = graph(&bare.replace("window 6h", "window 8h"));
+        let n = owner_needs(&old, &crate::diff::semantic::semantic(&old, &new));
+        assert_eq!(n.len(), 1, "{n:?}");
+        assert_eq!(n[0].group, ANY_GROUP);
+        assert!(
+            n[0].rule.contains("tier bulk has no owner"),
+            "{}",
+            n[0].rule
+        );
+    }
+
+    #[test]
+    fn an_owner_need_is_met_by_the_named_approver_or_a_member_of_the_group() {
+        let n = owner_needs_of(|t| t.replace("tokens 1M/min", "tokens 2M/min"));
+        // Someone else's approval does not count.
+        let s = evaluate(&n, &[accepted("alice", &["platform"], 100)], 10);
+        assert!(!satisfied(&s));
+        // A member of the group app-team does.
+        let s = evaluate(&n, &[accepted("dan", &["app-team"], 100)], 10);
+        assert!(satisfied(&s), "{s:?}");
+        // So does an approver of that name.
+        let s = evaluate(&n, &[accepted("app-team", &[], 100)], 10);
+        assert!(satisfied(&s), "{s:?}");
+        // A group rule's need is not met by an approver named like the group.
+        let g = needs(&platform(), &changes(&[ChangeKind::RouteChange], &[]));
+        let s = evaluate(&g, &[accepted("platform", &[], 100)], 10);
+        assert!(!satisfied(&s));
     }
 
     #[test]

@@ -44,7 +44,35 @@ pub struct Pool {
     pub signal_window: f64,
     /// `price 3.2/h`: what one of its GPUs costs an hour.
     pub price_per_gpu_hour: Option<f64>,
+    /// Who owns the pool (`owner "gpu-infra"`) and whom to escalate to.
+    pub owner: Owner,
     pub span: Span,
+}
+
+/// Who owns a tier, pool, tenant, cohort or the policy (`owner "team"`),
+/// and the contact to escalate to when the owner does not answer
+/// (`escalation "oncall-lead"`). Owners label alerts and dashboards, head
+/// playbook sections, and approve changes to what they own where an
+/// approval rule says `require owner for [...]`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Owner {
+    pub owner: Option<String>,
+    pub escalation: Option<String>,
+}
+
+impl Owner {
+    /// This one where it names an owner, else `fallback`'s; the escalation
+    /// contact chains up the same way on its own (a team without an
+    /// escalation contact escalates to the policy's).
+    pub fn or(&self, fallback: &Owner) -> Owner {
+        Owner {
+            owner: self.owner.clone().or_else(|| fallback.owner.clone()),
+            escalation: self
+                .escalation
+                .clone()
+                .or_else(|| fallback.escalation.clone()),
+        }
+    }
 }
 
 impl Pool {
@@ -196,6 +224,7 @@ pub struct Tier {
     /// into this tier may ask for, ms, as written (`completion_windows
     /// [1h, 24h]`); never empty: `[24h]` when the policy names none.
     pub completion_windows: Vec<f64>,
+    pub owner: Owner,
     pub span: Span,
 }
 
@@ -313,6 +342,8 @@ impl Quota {
 pub struct Tenant {
     pub name: String,
     pub owner: Option<String>,
+    /// Whom to escalate to when the owner does not answer.
+    pub escalation: Option<String>,
     /// Tiers granted, the first is where the tenant lands when classify
     /// picks a tier it is not granted.
     pub tiers: Vec<TierId>,
@@ -339,6 +370,7 @@ pub struct Tenant {
 pub struct Cohort {
     pub name: String,
     pub owner: Option<String>,
+    pub escalation: Option<String>,
     pub span: Span,
 }
 
@@ -580,7 +612,11 @@ impl ChangeKind {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApprovalRule {
     pub count: u32,
+    /// The approvers' group; empty for `require owner`.
     pub group: String,
+    /// `require owner for [...]`: the owner of each thing the change
+    /// touches must approve (one approval per distinct owner).
+    pub owner: bool,
     pub kinds: Vec<ChangeKind>,
 }
 
@@ -614,6 +650,9 @@ pub struct DecisionGraph {
     /// `policy { timezone "…" }`: the zone `time`, `weekday`, `date` and
     /// `day` read (UTC without one).
     pub timezone: Option<crate::units::calendar::Zone>,
+    /// `policy { owner "…" escalation "…" }`: who owns the policy itself,
+    /// and what a tier, pool or tenant without an owner falls back to.
+    pub owner: Owner,
     pub(crate) index: Names,
     pub(crate) builtin: Builtin,
 }
@@ -688,6 +727,42 @@ impl DecisionGraph {
             })
     }
 
+    /// Who owns tier `t`: its own owner, else the policy's (the escalation
+    /// contact falls back on its own).
+    pub fn tier_owner(&self, t: TierId) -> Owner {
+        self.tiers
+            .get(usize::from(t))
+            .map_or_else(|| self.owner.clone(), |t| t.owner.or(&self.owner))
+    }
+
+    /// Who owns pool `p`: its own owner, else the policy's.
+    pub fn pool_owner(&self, p: PoolId) -> Owner {
+        self.pools
+            .get(usize::from(p))
+            .map_or_else(|| self.owner.clone(), |p| p.owner.or(&self.owner))
+    }
+
+    /// Who owns tenant `t`: its own owner, else its cohort's, else the
+    /// policy's.
+    pub fn tenant_owner(&self, t: TenantId) -> Owner {
+        let Some(t) = self.tenants.get(t as usize) else {
+            return self.owner.clone();
+        };
+        let own = Owner {
+            owner: t.owner.clone(),
+            escalation: t.escalation.clone(),
+        };
+        let cohort = t
+            .cohort
+            .and_then(|c| self.cohorts.get(usize::from(c)))
+            .map(|c| Owner {
+                owner: c.owner.clone(),
+                escalation: c.escalation.clone(),
+            })
+            .unwrap_or_default();
+        own.or(&cohort.or(&self.owner))
+    }
+
     /// The request headers the policy's classify, route and admit rules
     /// read (`header("…")`), lowercased, sorted, each once: what a request
     /// record needs to be decided again the same way.
@@ -740,6 +815,7 @@ impl DecisionGraph {
             degrade_models: Vec::new(),
             substitutions: Vec::new(),
             timezone: None,
+            owner: Owner::default(),
             index: Names::default(),
             builtin: Builtin::default(),
         }

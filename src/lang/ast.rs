@@ -334,6 +334,9 @@ pub struct Approval {
 /// `require 2 from "platform-leads" for [priority_increase]`
 #[derive(Debug, Clone, PartialEq)]
 pub struct Require {
+    /// `require owner for [...]`: the owners of what the change touches
+    /// (then `count` is 1 and `group` empty).
+    pub owner: bool,
     pub count: u32,
     pub count_span: Span,
     pub group: String,

@@ -310,12 +310,16 @@ impl Printer<'_> {
                     |r| r.span.start as usize,
                     |r| r.span.end as usize,
                     |p, r| {
-                        let s = format!(
-                            "require {} from \"{}\" for {}",
-                            r.count,
-                            escape(&r.group),
-                            name_set(&r.kinds)
-                        );
+                        let s = if r.owner {
+                            format!("require owner for {}", name_set(&r.kinds))
+                        } else {
+                            format!(
+                                "require {} from \"{}\" for {}",
+                                r.count,
+                                escape(&r.group),
+                                name_set(&r.kinds)
+                            )
+                        };
                         p.one_line(r.span.start as usize, r.span.end as usize, &s);
                     },
                 );

@@ -335,7 +335,7 @@ fn rule_name(r: &Rule) -> Option<&'static str> {
         Rule::string => "a string",
         Rule::list => "a list `[…]`",
         Rule::name_set => "a tier name or a list of tier names",
-        Rule::require_rule => "`require N from \"group\" for …`",
+        Rule::require_rule => "`require N from \"group\" for …` or `require owner for …`",
         Rule::rollback_rule => "`rollback when …`",
         Rule::degrade_arg => "`variant NAME` or `max_tokens N`",
         _ => return None,
@@ -776,12 +776,25 @@ impl Builder<'_> {
         let mut it = p.kids();
         let n = it.next()?;
         let count_span = self.span(&n);
+        if n.as_rule() == Rule::require_owner {
+            let kinds = self.name_set(it.next()?);
+            return Some(Require {
+                owner: true,
+                count: 1,
+                count_span,
+                group: String::new(),
+                group_span: count_span,
+                kinds,
+                span,
+            });
+        }
         let count = n.as_str().parse::<f64>().unwrap_or(0.0) as u32;
         let g = it.next()?;
         let group_span = self.span(&g);
         let group = unescape(g.kids().next().map(|i| i.as_str()).unwrap_or(""));
         let kinds = self.name_set(it.next()?);
         Some(Require {
+            owner: false,
             count,
             count_span,
             group,

@@ -20,7 +20,7 @@
 //! No YAML crate is needed for that (Cargo.toml has none), and JSON escapes
 //! alone would leave characters YAML refuses.
 
-use crate::graph::{DecisionGraph, Tier};
+use crate::graph::{DecisionGraph, Owner, Tier};
 use serde_json::{json, Map, Value};
 
 /// The gateway's `kiln_ttft_seconds` buckets (`server::metrics`; a test in
@@ -405,10 +405,80 @@ fn alert(name: &str, expr: String, for_: &str, severity: &str, ann: Value) -> Va
 
 /// A tier's alert: its `tier` label set too, so the same alert of two
 /// tiers are two rules (label values are templates: escaped).
-fn tier_alert(t: &Tier, name: &str, expr: String, for_: &str, severity: &str, ann: Value) -> Value {
+/// Its `owner` and `escalation` labels are the tier's owner (else the
+/// policy's), so Alertmanager can route the alert to the team that owns it.
+fn tier_alert(
+    (t, owner): (&Tier, &Owner),
+    name: &str,
+    expr: String,
+    for_: &str,
+    severity: &str,
+    ann: Value,
+) -> Value {
     let mut a = alert(name, expr, for_, severity, ann);
     a["labels"]["tier"] = Value::String(template_escape(&t.name));
+    owner_labels(&mut a, owner);
     a
+}
+
+/// `owner` and `escalation` labels, where the policy names them.
+fn owner_labels(a: &mut Value, owner: &Owner) {
+    if let Some(o) = &owner.owner {
+        a["labels"]["owner"] = Value::String(template_escape(o));
+    }
+    if let Some(e) = &owner.escalation {
+        a["labels"]["escalation"] = Value::String(template_escape(e));
+    }
+}
+
+/// Labels of an alert by pool (`$labels.pool`): each pool's owner where a
+/// pool names its own, chosen by a template on the firing series' pool
+/// label, the policy's owner otherwise.
+fn pool_owner_labels(a: &mut Value, g: &DecisionGraph) {
+    for (key, pick) in [
+        (
+            "owner",
+            (|o: &Owner| o.owner.clone()) as fn(&Owner) -> Option<String>,
+        ),
+        ("escalation", |o: &Owner| o.escalation.clone()),
+    ] {
+        // A pool's own value where it names one (an escalation contact
+        // of its own, else the policy's, as `pool_owner` resolves it).
+        let own: Vec<(&str, String)> = g
+            .pools
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| pick(&p.owner).is_some())
+            .filter_map(|(i, p)| pick(&g.pool_owner(i as u16)).map(|v| (p.name.as_str(), v)))
+            .collect();
+        let fallback = pick(&g.owner);
+        if own.is_empty() {
+            if let Some(f) = fallback {
+                a["labels"][key] = Value::String(template_escape(&f));
+            }
+            continue;
+        }
+        let mut t = String::new();
+        for (i, (pool, v)) in own.iter().enumerate() {
+            let kw = if i == 0 { "if" } else { "else if" };
+            t.push_str(&format!(
+                "{{{{ {kw} eq $labels.pool \"{}\" }}}}{}",
+                go_string(pool),
+                template_escape(v)
+            ));
+        }
+        // Prometheus keeps a label template that expands to nothing as it
+        // is written: the pools without a value read `none`.
+        let f = fallback.unwrap_or_else(|| "none".into());
+        t.push_str(&format!("{{{{ else }}}}{}", template_escape(&f)));
+        t.push_str("{{ end }}");
+        a["labels"][key] = Value::String(t);
+    }
+}
+
+/// A Go template string literal's contents.
+fn go_string(s: &str) -> String {
+    s.replace('\\', "\\\\").replace('"', "\\\"")
 }
 
 fn annotations(summary: String, description: String, anchor: &str) -> Value {
@@ -428,6 +498,10 @@ pub fn rules(g: &DecisionGraph, o: &Options) -> Value {
     let mut slo_alerts = Vec::new();
     let mut saturation = Vec::new();
     for t in &g.tiers {
+        let owner = g
+            .tier_id(&t.name)
+            .map_or_else(|| g.owner.clone(), |i| g.tier_owner(i));
+        let owner = &owner;
         let sel = tier_sel(t);
         if let Some(ttft) = t.slo.ttft {
             let (bound, exact) = slo_bucket(ttft / 1000.0);
@@ -454,7 +528,7 @@ pub fn rules(g: &DecisionGraph, o: &Options) -> Value {
                     short_r = ratio_name(short),
                 );
                 slo_alerts.push(tier_alert(
-                t,
+                (t, owner),
                     &format!("KilnTierTTFTBudgetBurn{suffix}"),
                     expr,
                     for_,
@@ -476,7 +550,7 @@ pub fn rules(g: &DecisionGraph, o: &Options) -> Value {
                 ));
             }
             saturation.push(tier_alert(
-                t,
+                (t, owner),
                 "KilnTierQueueWaitAboveSLO",
                 format!(
                     "max by (tier) (kiln_queue_oldest_wait_seconds{{{sel}}}) > {}",
@@ -496,7 +570,7 @@ pub fn rules(g: &DecisionGraph, o: &Options) -> Value {
         }
         if let Some(p95) = t.slo.e2e_p95 {
             slo_alerts.push(tier_alert(
-                t,
+                (t, owner),
                 "KilnTierE2EP95AboveSLO",
                 format!(
                     "histogram_quantile(0.95, sum by (tier, le) (rate(kiln_e2e_seconds_bucket{{{sel}}}[30m]))) > {}",
@@ -516,7 +590,7 @@ pub fn rules(g: &DecisionGraph, o: &Options) -> Value {
         }
         if let Some(window) = t.slo.window {
             slo_alerts.push(tier_alert(
-                t,
+                (t, owner),
                 "KilnTierBatchPredictedMiss",
                 format!("max by (tier) (kiln_batch_predicted_miss{{{sel}}}) > 0"),
                 "10m",
@@ -531,7 +605,7 @@ pub fn rules(g: &DecisionGraph, o: &Options) -> Value {
                 ),
             ));
             slo_alerts.push(tier_alert(
-                t,
+                (t, owner),
                 "KilnTierDeadlineMisses",
                 format!(
                     "((({a}) or ({b}) * 0) + (({b}) or ({a}) * 0)) > 0",
@@ -597,6 +671,15 @@ pub fn rules(g: &DecisionGraph, o: &Options) -> Value {
             ),
         ),
     ];
+    let mut fleet = fleet;
+    for a in &mut fleet {
+        let by_pool = a["expr"].as_str().is_some_and(|e| e.contains("by (pool"));
+        if by_pool {
+            pool_owner_labels(a, g);
+        } else {
+            owner_labels(a, &g.owner);
+        }
+    }
     let mut groups = Vec::new();
     if !recording.is_empty() {
         groups.push(json!({ "name": "kiln-slo-ratios", "rules": recording }));

@@ -75,6 +75,15 @@ fn timeseries(
     })
 }
 
+/// A panel's description naming who owns what it shows.
+fn owner_text(o: &crate::graph::Owner) -> Option<String> {
+    let owner = o.owner.as_ref()?;
+    Some(match &o.escalation {
+        Some(e) => format!("Owner: {owner}; escalation: {e}"),
+        None => format!("Owner: {owner}"),
+    })
+}
+
 fn row(id: &mut u32, title: &str, y: u32) -> Value {
     *id += 1;
     json!({
@@ -139,6 +148,15 @@ pub fn dashboard(g: &DecisionGraph, policy: &str) -> Value {
             t.slo.e2e_p95.or(t.slo.window).map(|v| v / 1000.0),
             (12, y, 12, 8),
         );
+        let mut ttft = ttft;
+        let mut e2e = e2e;
+        if let Some(d) = g
+            .tier_id(&t.name)
+            .and_then(|i| owner_text(&g.tier_owner(i)))
+        {
+            ttft["description"] = Value::String(d.clone());
+            e2e["description"] = Value::String(d);
+        }
         panels.push(ttft);
         panels.push(e2e);
         y += 8;
@@ -308,7 +326,7 @@ pub fn dashboard(g: &DecisionGraph, policy: &str) -> Value {
         None,
         (16, y, 8, 8),
     ));
-    json!({
+    let mut out = json!({
         "title": format!("kiln: {policy}"),
         "uid": null,
         "tags": ["kiln"],
@@ -332,7 +350,11 @@ pub fn dashboard(g: &DecisionGraph, policy: &str) -> Value {
             variable("tenant", "Tenant", "label_values(kiln_requests_total{tier=~\"$tier\"}, tenant)"),
         ]},
         "panels": panels,
-    })
+    });
+    if let Some(d) = owner_text(&g.owner) {
+        out["description"] = Value::String(d);
+    }
+    out
 }
 
 /// [`dashboard`] scoped to `matchers` (`--selector`): every query

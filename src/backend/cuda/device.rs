@@ -240,6 +240,7 @@ mod tests {
             deny_tenants: Vec::new(),
             signal_window: crate::graph::signal::DEFAULT_WINDOW_MS,
             price_per_gpu_hour: None,
+            owner: Default::default(),
             span: Default::default(),
         }
     }
