@@ -16,7 +16,9 @@ chat) are driven through the gateway once per setting:
   in the engine), scraped every `--scrape` .
 
 Reported per setting: the chat tier's TTFT p50/p95, the batch tier's TTFT
-p95, output throughput, from the gateway's decision log.
+p95, output throughput, from the gateway's decision log; and how often
+`/admin/queues` (polled every 0.5 s) showed the engine gate ok, saturated
+or in fallback.
 
     python3 scripts/engine_sweep.py [--slots 4 --sweep 2,4,8 --rate 1.0 --duration 60]
 
@@ -141,6 +143,32 @@ def drive(base: str, reqs: list[dict]) -> list:
     return results
 
 
+def engine_states(node, out: dict):
+    """Counts the `state` of every engine gate found in an /admin/queues
+    answer (ok, saturated, fallback)."""
+    if isinstance(node, dict):
+        if "engine" in node and isinstance(node.get("state"), str) and "ceiling" in node:
+            out[node["state"]] = out.get(node["state"], 0) + 1
+        for v in node.values():
+            engine_states(v, out)
+    elif isinstance(node, list):
+        for v in node:
+            engine_states(v, out)
+
+
+def sample_queues(base: str, stop: threading.Event, out: dict, every: float = 0.5):
+    """Polls GET /admin/queues until `stop`; tallies the engine gate states."""
+    import urllib.request
+
+    while not stop.is_set():
+        try:
+            with urllib.request.urlopen(base + "/admin/queues", timeout=2) as r:
+                engine_states(json.loads(r.read()), out)
+        except (OSError, ValueError):
+            out["unreadable"] = out.get("unreadable", 0) + 1
+        stop.wait(every)
+
+
 def summarize(log: Path) -> dict:
     lines = []
     for raw in log.read_text().splitlines():
@@ -179,6 +207,7 @@ def main() -> int:
     ap.add_argument("--token-scale", type=float, default=8.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--nice", type=int, default=0)
+    ap.add_argument("--engine-only", action="store_true", help="run only the engine-aware setting")
     ap.add_argument("--out", default=str(F.REPO / "target" / "engine-sweep"))
     a = ap.parse_args()
 
@@ -194,12 +223,13 @@ def main() -> int:
     for r in reqs:
         r["chat"] = rng.random() < a.interactive
 
-    settings = [(f"concurrency = {n}", n, None) for n in sweep]
+    settings = [] if a.engine_only else [(f"concurrency = {n}", n, None) for n in sweep]
     settings.append((f"engine-aware (ceiling {ceiling})", ceiling, "llama.cpp"))
     rows = []
     for label, conc, engine in settings:
         port = F.free_port()
-        llog = out / f"llama-{len(rows)}.log"
+        n = len(rows) + (len(sweep) if a.engine_only else 0)
+        llog = out / f"llama-{n}.log"
         cmd = [
             server, "-m", model, "--host", "127.0.0.1", "--port", str(port),
             "--threads", str(a.threads), "--threads-batch", str(a.threads),
@@ -211,19 +241,23 @@ def main() -> int:
         try:
             url = f"http://127.0.0.1:{port}"
             F.wait_http(url, lp, llog)
-            pdir = out / f"policy-{len(rows)}"
+            pdir = out / f"policy-{n}"
             pdir.mkdir(exist_ok=True)
             (pdir / "sweep.kiln").write_text(POLICY.format(max_batch=max(conc, a.slots)))
-            eng = f'engine = "{engine}"\nscrape_interval = "{a.scrape}"\nmax_engine_waiting = 0\n' if engine else ""
-            config = out / f"kiln-{len(rows)}.toml"
+            eng = (
+                f'engine = "{engine}"\nscrape_interval = "{a.scrape}"\nscrape_timeout = "{a.scrape}"\nmax_engine_waiting = 0\n'
+                if engine
+                else ""
+            )
+            config = out / f"kiln-{n}.toml"
             config.write_text(
                 f'[pools.cpu]\nbackend = "http"\n\n[[pools.cpu.upstreams]]\nmodel = "smollm2"\nvariant = "q4"\n'
                 f'url = "{url}"\nserved_model = "smollm2"\nconcurrency = {conc}\ntimeout = "600s"\n'
                 f'health_path = "/health"\nhealth_interval = "2s"\n{eng}\n'
                 f'[sim]\ncalibration = "{F.REPO / "examples" / "llama" / "calibration.toml"}"\n'
             )
-            dlog = out / f"decisions-{len(rows)}.jsonl"
-            klog = out / f"kiln-{len(rows)}.log"
+            dlog = out / f"decisions-{n}.jsonl"
+            klog = out / f"kiln-{n}.log"
             with open(klog, "wb") as f:
                 k = subprocess.Popen(
                     [a.kiln, "serve", "--policy", str(pdir), "--config", str(config), "--listen", "127.0.0.1:0", "--log", str(dlog)],
@@ -244,11 +278,17 @@ def main() -> int:
                 F.die("kiln serve did not start")
             time.sleep(1.0)  # a first scrape
             print(f"{label}: {len(reqs)} requests at {a.rate} req/s …", file=sys.stderr, flush=True)
+            states: dict = {}
+            halt = threading.Event()
+            sampler = threading.Thread(target=sample_queues, args=(f"http://{addr}", halt, states), daemon=True)
+            sampler.start()
             client = drive(f"http://{addr}", reqs)
+            halt.set()
+            sampler.join(timeout=5)
             F.stop(k)
             bad = sum(1 for r in client if r is None or r["status"] != 200)
             s = summarize(dlog)
-            s.update(label=label, failed=bad)
+            s.update(label=label, failed=bad, engine_states=states)
             rows.append(s)
             print(f"  {s}", file=sys.stderr, flush=True)
         finally:
