@@ -19,6 +19,7 @@ use crate::sched::plan::Plan;
 use crate::sched::{Action, Arrival, Event, Micros, QueueRow, Reason, ReqId, Scheduler};
 use rustc_hash::FxHashMap as HashMap;
 use serde::Serialize;
+use crate::sched::ratelimit::RateLimits;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
@@ -39,6 +40,9 @@ pub enum Progress {
         canary: Option<Arc<CanaryDecided>>,
         /// Scheduler time of the arrival.
         at: Micros,
+        /// Its rate limits after admission reserved its quotas
+        /// (`x-ratelimit-*`), where the quota gate saw it at arrival.
+        limits: Option<RateLimits>,
     },
     Started {
         replica: usize,
@@ -66,6 +70,8 @@ pub enum Progress {
         reason: Reason,
         status: u16,
         retry_after: Option<Micros>,
+        /// Its rate limits at the refusal, and which quota refused.
+        limits: Option<RateLimits>,
     },
     Preempted {
         by: ReqId,
@@ -409,6 +415,7 @@ impl Sink for Handlers {
                             signals,
                             canary,
                             at: now,
+                            limits: sched.rate_limits(id),
                         },
                     );
                 }
@@ -433,6 +440,7 @@ impl Sink for Handlers {
                         reason,
                         status,
                         retry_after,
+                        limits: sched.rate_limits(id),
                     });
                 }
             }

@@ -291,6 +291,8 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
                 .as_micros()
                 .min(crate::sched::Micros::MAX as u128) as crate::sched::Micros,
         ),
+        // Answers carry `x-ratelimit-*`; quota refusals name the quota.
+        rate_limits: true,
         ..SchedConfig::default()
     };
     if let Some(f) = &fleet {
