@@ -502,10 +502,8 @@ impl Quotas {
             concurrent: s.concurrent.map(|c| (c, s.in_flight)),
             gpu,
         };
-        let any = v.tokens.is_some()
-            || v.requests.is_some()
-            || v.concurrent.is_some()
-            || v.gpu.is_some();
+        let any =
+            v.tokens.is_some() || v.requests.is_some() || v.concurrent.is_some() || v.gpu.is_some();
         any.then_some(v)
     }
 

@@ -228,7 +228,11 @@ impl Limit {
     ) -> Option<super::ratelimit::QuotaView> {
         let gpu = self.gpu_per_day.map(|limit| {
             let day = now / (86_400 * SEC);
-            let used = if self.gpu_day == day { self.gpu_used } else { 0.0 };
+            let used = if self.gpu_day == day {
+                self.gpu_used
+            } else {
+                0.0
+            };
             let sc = if scale > 0.0 { scale } else { 1.0 };
             super::ratelimit::Window {
                 limit: limit / sc,
@@ -243,10 +247,8 @@ impl Limit {
             concurrent: self.concurrent.map(|c| (c, self.in_flight)),
             gpu,
         };
-        let any = v.tokens.is_some()
-            || v.requests.is_some()
-            || v.concurrent.is_some()
-            || v.gpu.is_some();
+        let any =
+            v.tokens.is_some() || v.requests.is_some() || v.concurrent.is_some() || v.gpu.is_some();
         any.then_some(v)
     }
 
@@ -471,11 +473,7 @@ impl ScopedQuotas {
     }
 
     /// A model's quota as a client sees it; `None` without one.
-    pub fn view_model(
-        &self,
-        model: ModelId,
-        now: Micros,
-    ) -> Option<super::ratelimit::QuotaView> {
+    pub fn view_model(&self, model: ModelId, now: Micros) -> Option<super::ratelimit::QuotaView> {
         self.models
             .get(model as usize)?
             .view(super::quota::Scope::Model(model), now, self.scale)
