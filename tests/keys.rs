@@ -416,7 +416,7 @@ fn sighup_reloads_the_keys_of_a_running_gateway() {
     let dir = TempDir::new("hup");
     let path = dir.0.join("kiln.toml");
     let audit = dir.0.join("audit.log");
-    std::fs::write(&dir.0.join("q.kiln"), QUOTAS).unwrap();
+    std::fs::write(dir.0.join("q.kiln"), QUOTAS).unwrap();
     std::fs::write(
         &path,
         format!(

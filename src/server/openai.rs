@@ -331,8 +331,9 @@ pub struct ApiError {
     /// The request it answers, where kiln recorded one (boxed: most
     /// errors are built and dropped on paths that never set it).
     pub recorded: Option<Box<Recorded>>,
-    /// More response headers (a quota refusal's `x-ratelimit-*`).
-    pub headers: Vec<(&'static str, String)>,
+    /// More response headers (a quota refusal's `x-ratelimit-*`; boxed
+    /// like `recorded`, to keep the error small).
+    pub headers: Option<Box<Vec<(&'static str, String)>>>,
 }
 
 /// The request a refusal answers, as its headers name it.
@@ -391,7 +392,7 @@ impl ApiError {
             param: None,
             retry_after_s: None,
             recorded: None,
-            headers: Vec::new(),
+            headers: None,
         }
     }
 
@@ -409,7 +410,11 @@ impl ApiError {
 
     /// Adds response headers (sent with the error).
     pub fn with_headers(mut self, headers: Vec<(&'static str, String)>) -> ApiError {
-        self.headers.extend(headers);
+        if !headers.is_empty() {
+            self.headers
+                .get_or_insert_with(Default::default)
+                .extend(headers);
+        }
         self
     }
 
@@ -469,7 +474,7 @@ impl IntoResponse for ApiError {
                 h.insert("retry-after", v);
             }
         }
-        for (k, v) in &self.headers {
+        for (k, v) in self.headers.iter().flat_map(|h| h.iter()) {
             if let Ok(v) = HeaderValue::from_str(v) {
                 h.insert(*k, v);
             }
