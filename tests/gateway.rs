@@ -287,6 +287,8 @@ async fn configured_keys_are_hashed_and_name_tenants() {
         sha256: hash_secret("analytics-secret"),
         tenant: "analytics".into(),
         name: None,
+        description: None,
+        expires: None,
     });
     let srv = serve(enterprise(), cfg, 50.0).await;
     let base = format!("http://{}", srv.addr);

@@ -21,6 +21,7 @@ mod approve;
 mod audit;
 mod batches;
 mod keygen;
+mod keys;
 mod overrides;
 mod propose;
 mod rollback;
@@ -83,6 +84,9 @@ pub enum Command {
     Serve(serve::Args),
     /// Print the SHA-256 of an API key or admin token, as kiln.toml stores it.
     HashKey(serve::HashKeyArgs),
+    /// API keys in kiln.toml: list, add (printed once, stored hashed),
+    /// revoke, rotate; a running gateway reloads them without a restart.
+    Keys(keys::Args),
     /// List the GPUs the CUDA driver sees (name, compute capability, SMs,
     /// memory); with --policy and --pool, check the pool fits them.
     Gpus(gpus::Args),
@@ -151,6 +155,7 @@ pub fn main() -> i32 {
         Command::Traffic(a) => traffic::run(a),
         Command::Serve(a) => serve::run(a),
         Command::HashKey(a) => serve::hash_key(a),
+        Command::Keys(a) => keys::run(a),
         Command::Gpus(a) => gpus::run(a),
         Command::Calibrate(a) => calibrate::run(a),
         Command::Keygen(a) => keygen::run(a),

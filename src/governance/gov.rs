@@ -534,6 +534,12 @@ impl Gov {
         let _ = self.audit(kind, actor, details);
     }
 
+    /// Appends an event the gateway's operators caused outside governance
+    /// (keys reloaded): who, and what changed (never a secret).
+    pub fn audit_event(&self, kind: &str, actor: &str, details: Value) -> Result<(), AuditError> {
+        self.audit(kind, actor, details)
+    }
+
     pub fn audit_head(&self) -> AuditHead {
         let a = lock(&self.audit);
         AuditHead {

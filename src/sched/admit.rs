@@ -221,6 +221,22 @@ fn retry_budget(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal>
 /// takes from all of them or none (the tier's and model's are checked
 /// first, then the tenant's is reserved, then theirs).
 fn quota(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal> {
+    let r = reserve_quotas(s, a);
+    if s.cfg.rate_limits {
+        let mut views = Vec::with_capacity(3);
+        views.extend(a.tenant.and_then(|t| s.quotas.view(t, s.now)));
+        views.extend(s.scoped.view_tier(a.tier, s.now));
+        views.extend(a.target.and_then(|t| s.scoped.view_model(t.model, s.now)));
+        let refused = r.as_ref().err().map(|e| e.reason);
+        let limits = super::ratelimit::RateLimits::of(&views, refused);
+        s.limits_out.push((a.id, limits));
+    }
+    r
+}
+
+/// The `quota` gate's work: reserve what the request needs of every quota
+/// that applies, or refuse.
+fn reserve_quotas(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal> {
     let need = f64::from(a.output) + a.req.prompt_tokens as f64;
     let scoped = a.target.filter(|_| s.cfg.mode == Mode::Kiln);
     // Claimed across the fleet for the tier and model it was decided

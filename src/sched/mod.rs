@@ -37,6 +37,7 @@ pub mod live;
 pub mod plan;
 pub mod queue;
 pub mod quota;
+pub mod ratelimit;
 pub mod replica;
 mod reserve;
 pub mod route;
@@ -375,6 +376,10 @@ pub struct Config {
     /// claimed across the fleet (while the shared store is down, with
     /// `on_unavailable = "local"`), so that together they stay within it.
     pub quota_scale: f64,
+    /// Record each admitted or quota-refused request's rate limits
+    /// ([`Scheduler::rate_limits`]) for its answer's `x-ratelimit-*`
+    /// headers (the gateway does; a replay has no use for them).
+    pub rate_limits: bool,
     /// HTTP upstreams are shared with other replicas of a fleet: an
     /// external replica runs nothing until the fleet grants it slots
     /// ([`Scheduler::set_slot_cap`]), so no start or swap can overshoot.
@@ -427,6 +432,7 @@ impl Default for Config {
             seed: 0,
             backfill_slack: 0.1,
             quota_scale: 1.0,
+            rate_limits: false,
             shared_upstreams: false,
             cache_bounds: cache::Bounds::default(),
             cache_on_finish: false,
@@ -553,6 +559,9 @@ pub struct Scheduler {
     quotas: Quotas,
     /// Tier and model quotas.
     scoped: scoped::ScopedQuotas,
+    /// The rate limits of requests the quota gate saw during the last
+    /// [`Scheduler::handle`] (with [`Config::rate_limits`]).
+    limits_out: Vec<(ReqId, ratelimit::RateLimits)>,
     held: HashMap<ReqId, Held>,
     /// Requests waiting for a delay window or a batching hold.
     timers: timers::Timers,
@@ -669,6 +678,7 @@ impl Scheduler {
             queues,
             quotas,
             scoped,
+            limits_out: Vec::new(),
             held: HashMap::default(),
             timers: timers::Timers::default(),
             sessions: HashMap::default(),
@@ -899,6 +909,7 @@ impl Scheduler {
     /// returns the actions it caused. The slice is valid until the next call.
     pub fn handle(&mut self, now: Micros, event: Event) -> &[Action] {
         self.out.clear();
+        self.limits_out.clear();
         self.now = self.now.max(now);
         self.queues.set_now(self.now);
         match event {
@@ -922,6 +933,18 @@ impl Scheduler {
         self.settle_cache();
         self.live.observe(&self.graph, self.now, &self.out);
         &self.out
+    }
+
+    /// The rate limits the quota gate found for request `id` during the
+    /// last [`Scheduler::handle`] (after its reservation, or at its
+    /// refusal): for the `x-ratelimit-*` headers and a quota refusal's
+    /// message. Only with [`Config::rate_limits`].
+    pub fn rate_limits(&self, id: ReqId) -> Option<ratelimit::RateLimits> {
+        self.limits_out
+            .iter()
+            .rev()
+            .find(|(i, _)| *i == id)
+            .map(|(_, l)| *l)
     }
 
     /// The tiers' exact caches (for metrics and tests).

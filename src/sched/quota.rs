@@ -53,6 +53,24 @@ impl Bucket {
         }
     }
 
+    /// This bucket as a client sees it, in the policy's units (`scale`:
+    /// the share of the limit enforced here).
+    fn window(&self, now: Micros, scale: f64) -> super::ratelimit::Window {
+        let mut b = *self;
+        b.refill(now);
+        let s = if scale > 0.0 { scale } else { 1.0 };
+        let reset = if b.rate > 0.0 && b.level < b.capacity {
+            ((b.capacity - b.level) / b.rate).ceil() as Micros
+        } else {
+            0
+        };
+        super::ratelimit::Window {
+            limit: b.capacity / s,
+            remaining: b.level.max(0.0) / s,
+            reset,
+        }
+    }
+
     /// Sets the level to `fraction` of the capacity (the fleet's level,
     /// [`Level`]); at most full, at least a full bucket in debt.
     pub(super) fn set_fraction(&mut self, fraction: f64, now: Micros) {
@@ -461,6 +479,32 @@ impl Quotas {
 
     pub fn cohort(&self, t: TenantId) -> Option<u16> {
         self.tenants.get(t as usize).and_then(|s| s.cohort)
+    }
+
+    /// Tenant `t`'s quota as its client sees it; `None` without one.
+    pub fn view(&self, t: TenantId, now: Micros) -> Option<super::ratelimit::QuotaView> {
+        let s = self.tenants.get(t as usize)?;
+        let scale = self.scale;
+        let gpu = s.gpu_per_day.map(|limit| {
+            let day = now / (86_400 * SEC);
+            let used = if s.gpu_day == day { s.gpu_used } else { 0.0 };
+            let sc = if scale > 0.0 { scale } else { 1.0 };
+            super::ratelimit::Window {
+                limit: limit / sc,
+                remaining: (limit - used).max(0.0) / sc,
+                reset: (day + 1) * 86_400 * SEC - now,
+            }
+        });
+        let v = super::ratelimit::QuotaView {
+            scope: Scope::Tenant(t),
+            tokens: s.tokens.map(|b| b.window(now, scale)),
+            requests: s.requests.map(|b| b.window(now, scale)),
+            concurrent: s.concurrent.map(|c| (c, s.in_flight)),
+            gpu,
+        };
+        let any =
+            v.tokens.is_some() || v.requests.is_some() || v.concurrent.is_some() || v.gpu.is_some();
+        any.then_some(v)
     }
 
     /// Share of the tightest bucket left, 0–100 (100 when unlimited).

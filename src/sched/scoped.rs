@@ -57,6 +57,24 @@ impl Bucket {
         }
     }
 
+    /// This bucket as a client sees it, in the policy's units (`scale`:
+    /// the share of the limit enforced here).
+    fn window(&self, now: Micros, scale: f64) -> super::ratelimit::Window {
+        let mut b = *self;
+        b.refill(now);
+        let s = if scale > 0.0 { scale } else { 1.0 };
+        let reset = if b.rate > 0.0 && b.level < b.capacity {
+            ((b.capacity - b.level) / b.rate).ceil() as Micros
+        } else {
+            0
+        };
+        super::ratelimit::Window {
+            limit: b.capacity / s,
+            remaining: b.level.max(0.0) / s,
+            reset,
+        }
+    }
+
     fn set_fraction(&mut self, fraction: f64, now: Micros) {
         if fraction.is_finite() {
             self.level = fraction.clamp(-1.0, 1.0) * self.capacity;
@@ -200,6 +218,38 @@ impl Limit {
         n.gpu_day = self.gpu_day;
         n.spent = self.spent;
         n
+    }
+
+    fn view(
+        &self,
+        scope: super::quota::Scope,
+        now: Micros,
+        scale: f64,
+    ) -> Option<super::ratelimit::QuotaView> {
+        let gpu = self.gpu_per_day.map(|limit| {
+            let day = now / (86_400 * SEC);
+            let used = if self.gpu_day == day {
+                self.gpu_used
+            } else {
+                0.0
+            };
+            let sc = if scale > 0.0 { scale } else { 1.0 };
+            super::ratelimit::Window {
+                limit: limit / sc,
+                remaining: (limit - used).max(0.0) / sc,
+                reset: (day + 1) * 86_400 * SEC - now,
+            }
+        });
+        let v = super::ratelimit::QuotaView {
+            scope,
+            tokens: self.tokens.map(|b| b.window(now, scale)),
+            requests: self.requests.map(|b| b.window(now, scale)),
+            concurrent: self.concurrent.map(|c| (c, self.in_flight)),
+            gpu,
+        };
+        let any =
+            v.tokens.is_some() || v.requests.is_some() || v.concurrent.is_some() || v.gpu.is_some();
+        any.then_some(v)
     }
 
     fn remaining_percent(&self, now: Micros) -> f64 {
@@ -413,6 +463,20 @@ impl ScopedQuotas {
             self.tiers.get(tier as usize).map_or(0, |l| l.in_flight),
             self.models.get(model as usize).map_or(0, |l| l.in_flight),
         )
+    }
+
+    /// A tier's quota as a client sees it; `None` without one.
+    pub fn view_tier(&self, tier: TierId, now: Micros) -> Option<super::ratelimit::QuotaView> {
+        self.tiers
+            .get(tier as usize)?
+            .view(super::quota::Scope::Tier(tier), now, self.scale)
+    }
+
+    /// A model's quota as a client sees it; `None` without one.
+    pub fn view_model(&self, model: ModelId, now: Micros) -> Option<super::ratelimit::QuotaView> {
+        self.models
+            .get(model as usize)?
+            .view(super::quota::Scope::Model(model), now, self.scale)
     }
 
     /// The tightest token or request bucket of a tier's and a model's

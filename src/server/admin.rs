@@ -28,6 +28,8 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/admin/costs", get(costs))
         .route("/admin/signals", get(signals))
         .route("/admin/policy", post(swap_policy).get(show_policy))
+        .route("/admin/keys", get(list_keys))
+        .route("/admin/keys/reload", post(reload_keys))
         .with_state(app)
 }
 
@@ -45,16 +47,51 @@ pub fn identify(app: &App, headers: &HeaderMap) -> Result<String, ApiError> {
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().strip_prefix("Bearer ").map(str::trim));
     match token {
-        Some(t) => match app.config.admin_identity(t) {
+        Some(t) => match app.auth.load().admin_identity(t) {
             Some(name) => Ok(name),
             None => Err(ApiError::new(403, "this admin token is not valid").code("forbidden")),
         },
-        None if app.admin_open => Ok("loopback".into()),
+        // Open on loopback while no tokens are configured (a reload that
+        // adds tokens closes it).
+        None if app.admin_open && !app.auth.load().has_admin_tokens() => Ok("loopback".into()),
         None => Err(ApiError::new(
             401,
             "admin endpoints need `Authorization: Bearer ADMIN-TOKEN` (see [admin] in kiln.toml)",
         )
         .code("unauthorized")),
+    }
+}
+
+/// `GET /admin/keys`: the API keys in use (labels, tenants, hash prefixes,
+/// expiry; never a key or its whole hash).
+async fn list_keys(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&app, &headers) {
+        return e.into_response();
+    }
+    axum::Json(json!({ "keys": super::keys::list(&app) })).into_response()
+}
+
+/// `POST /admin/keys/reload`: reloads keys and admin tokens from the
+/// config file (as SIGHUP does); a bad file is refused (422) and the keys
+/// in use stay.
+async fn reload_keys(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    let who = match identify(&app, &headers) {
+        Ok(w) => w,
+        Err(e) => return e.into_response(),
+    };
+    match super::keys::reload(&app, &who) {
+        Ok(r) => axum::Json(json!({ "reloaded": r })).into_response(),
+        Err(e) => {
+            let help = miette::Diagnostic::help(&e)
+                .map(|h| format!(" (help: {h})"))
+                .unwrap_or_default();
+            ApiError::new(
+                422,
+                format!("keys not reloaded, the keys in use stay: {e}{help}"),
+            )
+            .code("invalid_config")
+            .into_response()
+        }
     }
 }
 

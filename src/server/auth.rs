@@ -34,10 +34,23 @@ pub fn authenticate(
 ) -> Result<Option<String>, ApiError> {
     match bearer(headers) {
         Some(key) => {
-            if let Some(t) = app.config.tenant_for_key(key) {
-                return Ok(Some(t.to_string()));
+            let auth = app.auth.load();
+            if let Some(k) = auth.key_entry(key) {
+                let now = crate::clock::unix_ms() as i64;
+                if k.expired_at(now) {
+                    return Err(ApiError::new(
+                        401,
+                        format!(
+                            "the API key {} expired at {}: ask for a new one",
+                            k.label(),
+                            k.expires.as_deref().unwrap_or("?")
+                        ),
+                    )
+                    .code("expired_api_key"));
+                }
+                return Ok(Some(k.tenant.clone()));
             }
-            if app.config.policy_keys {
+            if auth.policy_keys {
                 if let Some(t) = g.tenant_for_key(key) {
                     return Ok(g.tenants.get(t as usize).map(|t| t.name.clone()));
                 }

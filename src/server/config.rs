@@ -69,6 +69,10 @@ pub struct ServerConfig {
     /// model a policy's semantic caches embed prompts with.
     #[serde(default)]
     pub cache: CacheSection,
+    /// The file this was read from (`ServerConfig::load`): a running
+    /// gateway reloads its keys and admin tokens from it.
+    #[serde(skip)]
+    pub source: Option<PathBuf>,
 }
 
 /// `[cache]`: where the semantic caches' embedding model lives.
@@ -346,9 +350,54 @@ pub struct KeyConfig {
     pub sha256: String,
     /// The policy tenant this key authenticates as.
     pub tenant: String,
-    /// A label for logs (never the key).
+    /// A label for logs (never the key); `kiln keys revoke NAME` and
+    /// `rotate NAME` find the key by it.
     #[serde(default)]
     pub name: Option<String>,
+    /// What the key is for, for whoever reads the file.
+    #[serde(default)]
+    pub description: Option<String>,
+    /// When the key stops authenticating: an RFC 3339 time
+    /// (`2027-01-31T00:00:00Z`) or a date (`2027-01-31`, midnight UTC).
+    #[serde(default)]
+    pub expires: Option<String>,
+}
+
+impl KeyConfig {
+    /// When the key expires, in Unix milliseconds (`None`: never, or an
+    /// `expires` that does not parse, which `validate` refuses).
+    pub fn expires_ms(&self) -> Option<i64> {
+        self.expires.as_deref().and_then(|e| parse_expiry(e).ok())
+    }
+
+    /// Whether the key has expired at `now_ms` (Unix milliseconds).
+    pub fn expired_at(&self, now_ms: i64) -> bool {
+        self.expires_ms().is_some_and(|e| now_ms >= e)
+    }
+
+    /// The key as messages name it: its name, else its entry's tenant.
+    pub fn label(&self) -> String {
+        match &self.name {
+            Some(n) => format!("`{n}`"),
+            None => format!("for tenant `{}`", self.tenant),
+        }
+    }
+}
+
+/// An `expires` value in Unix milliseconds: an RFC 3339 time, or a date
+/// (midnight UTC).
+pub fn parse_expiry(text: &str) -> Result<i64, String> {
+    let t = text.trim();
+    if let Ok(ts) = t.parse::<jiff::Timestamp>() {
+        return Ok(ts.as_millisecond());
+    }
+    match t.parse::<jiff::civil::Date>() {
+        Ok(d) => format!("{d}T00:00:00Z")
+            .parse::<jiff::Timestamp>()
+            .map(|ts| ts.as_millisecond())
+            .map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -721,7 +770,9 @@ impl ServerConfig {
             path: path.display().to_string(),
             message: e.to_string(),
         })?;
-        ServerConfig::parse(&path.display().to_string(), &text)
+        let mut cfg = ServerConfig::parse(&path.display().to_string(), &text)?;
+        cfg.source = Some(path.to_path_buf());
+        Ok(cfg)
     }
 
     pub fn parse(name: &str, text: &str) -> Result<ServerConfig, ConfigError> {
@@ -791,6 +842,20 @@ impl ServerConfig {
         let is_hash = |h: &str| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit());
         let mut key_tenants: BTreeMap<String, (usize, &str)> = BTreeMap::new();
         for (i, k) in self.keys.iter().enumerate() {
+            if let Some(e) = &k.expires {
+                if let Err(why) = parse_expiry(e) {
+                    return Err(ConfigError::Invalid {
+                        message: format!(
+                            "[[keys]] entry {} ({}): `expires = \"{e}\"` is not a time: {why}",
+                            i + 1,
+                            k.label()
+                        ),
+                        help: Some(
+                            "write an RFC 3339 time (`2027-01-31T00:00:00Z`) or a date (`2027-01-31`, midnight UTC)".into(),
+                        ),
+                    });
+                }
+            }
             if !is_hash(&k.sha256) {
                 return Err(ConfigError::Invalid {
                     message: format!(
@@ -1011,8 +1076,14 @@ impl ServerConfig {
         None
     }
 
-    /// The tenant a key authenticates as, by hash.
+    /// The tenant a key authenticates as, by hash (expired or not: see
+    /// [`ServerConfig::key_entry`]).
     pub fn tenant_for_key(&self, key: &str) -> Option<&str> {
+        self.key_entry(key).map(|k| k.tenant.as_str())
+    }
+
+    /// The `[[keys]]` entry of a key, by hash.
+    pub fn key_entry(&self, key: &str) -> Option<&KeyConfig> {
         if self.keys.is_empty() {
             return None;
         }
@@ -1020,7 +1091,6 @@ impl ServerConfig {
         self.keys
             .iter()
             .find(|k| constant_time_eq(k.sha256.to_ascii_lowercase().as_bytes(), h.as_bytes()))
-            .map(|k| k.tenant.as_str())
     }
 
     pub fn admin_token_ok(&self, token: &str) -> bool {

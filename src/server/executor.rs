@@ -16,6 +16,7 @@ use crate::driver::{Clock, Driver, Sink};
 use crate::graph::{DecisionGraph, Signals, TenantId, TierId};
 use crate::sched::canary::Canary;
 use crate::sched::plan::Plan;
+use crate::sched::ratelimit::RateLimits;
 use crate::sched::{Action, Arrival, Event, Micros, QueueRow, Reason, ReqId, Scheduler};
 use rustc_hash::FxHashMap as HashMap;
 use serde::Serialize;
@@ -39,6 +40,9 @@ pub enum Progress {
         canary: Option<Arc<CanaryDecided>>,
         /// Scheduler time of the arrival.
         at: Micros,
+        /// Its rate limits after admission reserved its quotas
+        /// (`x-ratelimit-*`), where the quota gate saw it at arrival.
+        limits: Option<RateLimits>,
     },
     Started {
         replica: usize,
@@ -66,6 +70,8 @@ pub enum Progress {
         reason: Reason,
         status: u16,
         retry_after: Option<Micros>,
+        /// Its rate limits at the refusal, and which quota refused.
+        limits: Option<RateLimits>,
     },
     Preempted {
         by: ReqId,
@@ -409,6 +415,7 @@ impl Sink for Handlers {
                             signals,
                             canary,
                             at: now,
+                            limits: sched.rate_limits(id),
                         },
                     );
                 }
@@ -433,6 +440,7 @@ impl Sink for Handlers {
                         reason,
                         status,
                         retry_after,
+                        limits: sched.rate_limits(id),
                     });
                 }
             }

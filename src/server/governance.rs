@@ -175,7 +175,7 @@ fn actor(app: &App, headers: &HeaderMap) -> Result<String, ApiError> {
         )
         .code("unauthorized"));
     }
-    if app.gov.enabled && app.config.is_unnamed_token(headers_token(headers)) {
+    if app.gov.enabled && app.auth.load().is_unnamed_token(headers_token(headers)) {
         return Err(ApiError::new(
             403,
             "this admin token names no person ([admin] token_sha256): with approvals required, governance actions need a token from [[admin.tokens]] with a name (and `person`), so that a proposer never approves their own change",

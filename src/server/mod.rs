@@ -27,6 +27,7 @@ pub mod executor;
 pub mod explain;
 pub mod fleet;
 pub mod governance;
+pub mod keys;
 pub mod limits;
 pub mod listen;
 pub mod metrics;
@@ -66,7 +67,11 @@ pub struct App {
     /// semantic cache is then refused).
     pub embedder: Option<Arc<dyn cache::EmbedText>>,
     pub policy: ArcSwap<Policy>,
+    /// The config the gateway started with.
     pub config: ServerConfig,
+    /// Who may call: API keys and admin tokens, as last (re)loaded
+    /// ([`keys::reload`]); read once per request.
+    pub auth: ArcSwap<ServerConfig>,
     pub tokenizer: openai::Tokenizer,
     pub metrics: metrics::Metrics,
     /// GPU-seconds and cost since start, per tenant, tier, pool, model and
@@ -291,6 +296,8 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
                 .as_micros()
                 .min(crate::sched::Micros::MAX as u128) as crate::sched::Micros,
         ),
+        // Answers carry `x-ratelimit-*`; quota refusals name the quota.
+        rate_limits: true,
         ..SchedConfig::default()
     };
     if let Some(f) = &fleet {
@@ -375,6 +382,7 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         exec: exec_handle,
         policy: ArcSwap::new(policy.clone()),
         versions: std::sync::Mutex::new(std::collections::VecDeque::from([policy])),
+        auth: ArcSwap::from_pointee(config.clone()),
         config,
         tokenizer,
         metrics,
@@ -410,6 +418,8 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         }
         None => Vec::new(),
     };
+    let mut fleet_tasks = fleet_tasks;
+    fleet_tasks.extend(keys::spawn_watch(app.clone()));
     let router = routes::router(app.clone())
         .merge(batches::router(app.clone()))
         .merge(admin::router(app.clone()))

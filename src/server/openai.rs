@@ -331,6 +331,9 @@ pub struct ApiError {
     /// The request it answers, where kiln recorded one (boxed: most
     /// errors are built and dropped on paths that never set it).
     pub recorded: Option<Box<Recorded>>,
+    /// More response headers (a quota refusal's `x-ratelimit-*`; boxed
+    /// like `recorded`, to keep the error small).
+    pub headers: Option<Box<Vec<(&'static str, String)>>>,
 }
 
 /// The request a refusal answers, as its headers name it.
@@ -389,6 +392,7 @@ impl ApiError {
             param: None,
             retry_after_s: None,
             recorded: None,
+            headers: None,
         }
     }
 
@@ -401,6 +405,16 @@ impl ApiError {
 
     pub fn code(mut self, code: impl Into<String>) -> ApiError {
         self.code = Some(code.into());
+        self
+    }
+
+    /// Adds response headers (sent with the error).
+    pub fn with_headers(mut self, headers: Vec<(&'static str, String)>) -> ApiError {
+        if !headers.is_empty() {
+            self.headers
+                .get_or_insert_with(Default::default)
+                .extend(headers);
+        }
         self
     }
 
@@ -458,6 +472,11 @@ impl IntoResponse for ApiError {
         if let Some(s) = self.retry_after_s {
             if let Ok(v) = HeaderValue::from_str(&s.to_string()) {
                 h.insert("retry-after", v);
+            }
+        }
+        for (k, v) in self.headers.iter().flat_map(|h| h.iter()) {
+            if let Ok(v) = HeaderValue::from_str(v) {
+                h.insert(*k, v);
             }
         }
         if let Some(r) = &self.recorded {

@@ -97,8 +97,8 @@ pub fn explain_recorded(
 /// Whether callers must present a key: the config lists hashed keys, or
 /// the policy declares keys and the config accepts them.
 pub fn keys_required(app: &App, g: &DecisionGraph) -> bool {
-    !app.config.keys.is_empty()
-        || (app.config.policy_keys && g.tenants.iter().any(|t| !t.api_keys.is_empty()))
+    let auth = app.auth.load();
+    !auth.keys.is_empty() || (auth.policy_keys && g.tenants.iter().any(|t| !t.api_keys.is_empty()))
 }
 
 /// The tiers a tenant's requests can be classified to: those classify can

@@ -102,6 +102,8 @@ pub async fn gateway_seen(p: Policy, records: &[Record]) -> Vec<Seen> {
             sha256: hash_secret(&key_of(t)),
             tenant: t.to_string(),
             name: None,
+            description: None,
+            expires: None,
         });
     }
     cfg.log = Some(LogSection::at(log.clone()));

@@ -25,6 +25,7 @@ pub(in crate::server) mod cache;
 pub(in crate::server) mod gates;
 pub(in crate::server) mod headers;
 pub(in crate::server) mod pipeline;
+pub(in crate::server) mod ratelimit;
 pub(in crate::server) mod recorder;
 pub(in crate::server) mod refusal;
 pub(in crate::server) mod stream;
@@ -76,6 +77,9 @@ pub(in crate::server) struct Decided {
     /// Missed its tier's exact cache: a complete answer is stored under
     /// this key ([`super::cache`]).
     pub(in crate::server) cache: Option<crate::sched::cache::Key>,
+    /// Its rate limits after admission (`x-ratelimit-*`), where the quota
+    /// gate saw it.
+    pub(in crate::server) limits: Option<crate::sched::ratelimit::RateLimits>,
 }
 
 pub(in crate::server) struct Ctx {

@@ -512,6 +512,7 @@ async fn wait_inner(
                 signals,
                 canary,
                 at,
+                limits,
             } => {
                 let (dversion, pgraph, psignals) = match &canary {
                     Some(c) => (c.version.clone(), c.graph.clone(), c.signals.clone()),
@@ -527,6 +528,7 @@ async fn wait_inner(
                     policy_signals: psignals,
                     canary: canary.is_some(),
                     cache: None,
+                    limits,
                 };
                 // An override refusal returns here; the guard cancels the
                 // request in the scheduler.
@@ -544,9 +546,17 @@ async fn wait_inner(
                 reason,
                 status,
                 retry_after,
+                limits,
             } => {
                 guard.armed = false;
-                let err = refusal(ctx, decided.as_ref(), reason, status, retry_after);
+                let err = refusal(
+                    ctx,
+                    decided.as_ref(),
+                    reason,
+                    status,
+                    retry_after,
+                    limits.as_ref(),
+                );
                 record(
                     ctx,
                     End::Refused {

@@ -532,6 +532,9 @@ pub(in crate::server) fn kiln_headers(
         ("x-kiln-explain", format!("/admin/explain/{}", ctx.rid)),
     ];
     h.extend(miss_headers(ctx, &s.d));
+    if let Some(l) = &s.d.limits {
+        h.extend(super::ratelimit::headers(g, l, ctx.app.speed));
+    }
     if let Some(w) = s.waited_for {
         h.push(("x-kiln-waited-for", w.name().to_string()));
     }

@@ -4,6 +4,7 @@
 use super::recorder::decided_names;
 use super::{Ctx, Decided};
 use crate::backend::Backend;
+use crate::sched::ratelimit::RateLimits;
 use crate::sched::{Reason, SEC};
 use crate::server::openai::ApiError;
 use crate::server::App;
@@ -31,8 +32,15 @@ pub(in crate::server) fn refusal(
     reason: Reason,
     status: u16,
     retry_after: Option<crate::sched::Micros>,
+    limits: Option<&RateLimits>,
 ) -> ApiError {
     let app = &ctx.app;
+    // The quota that refused, in words, and the binding quotas' headers.
+    let g = d.map_or_else(|| app.policy.load().graph.clone(), |d| d.graph.clone());
+    let hit = limits
+        .and_then(|l| l.hit.as_ref())
+        .map(|h| super::ratelimit::describe(&g, h, app.speed));
+    let rl_headers = limits.map_or_else(Vec::new, |l| super::ratelimit::headers(&g, l, app.speed));
     let (tier, tenant) = decided_names(d);
     let mut route: Option<(String, Option<String>)> = None;
     let (policy_msg, policy_reason) = d.map_or((None, None), |d| {
@@ -88,6 +96,11 @@ pub(in crate::server) fn refusal(
             )
         }
         Reason::Policy => policy_msg.unwrap_or_else(|| "the policy refused this request".into()),
+        Reason::Quota | Reason::TierQuota | Reason::ModelQuota | Reason::Concurrency
+            if hit.is_some() =>
+        {
+            format!("refused by {}", hit.unwrap_or_default())
+        }
         Reason::Quota => format!("tenant {tenant} is over its token or request quota"),
         Reason::TierQuota => format!(
             "tier {tier} is over its quota (tokens, requests, concurrent requests or GPU-seconds its requests share)"
@@ -132,7 +145,10 @@ pub(in crate::server) fn refusal(
         (_, Reason::Policy, Some(r)) => r.replace('-', "_"),
         _ => reason.name().to_string(),
     };
-    ApiError::new(status, msg).code(code).retry_after(retry)
+    ApiError::new(status, msg)
+        .code(code)
+        .retry_after(retry)
+        .with_headers(rl_headers)
 }
 
 /// The longest Retry-After an outage answers with: a breaker reopens (for
