@@ -85,8 +85,13 @@ struct Replica {
 
 impl Replica {
     fn start(dir: &Path, name: &str, url: &str) -> Replica {
+        Replica::start_with(dir, name, url, &format!("lease = \"{LEASE}\"\n"))
+    }
+
+    /// A replica whose `[batch]` section is `batch`.
+    fn start_with(dir: &Path, name: &str, url: &str, batch: &str) -> Replica {
         let cfg = dir.join(format!("{name}.toml"));
-        std::fs::write(&cfg, format!("[batch]\nlease = \"{LEASE}\"\n")).unwrap();
+        std::fs::write(&cfg, format!("[batch]\n{batch}")).unwrap();
         let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
             .arg("serve")
             .arg("--policy")
@@ -143,6 +148,28 @@ impl Replica {
     fn log_tail(&self) -> String {
         let l = self.log.lock().unwrap();
         l.iter().cloned().collect::<Vec<_>>().join("\n")
+    }
+
+    /// SIGTERM (a graceful stop, as Kubernetes sends), and reap it.
+    fn terminate(mut self) {
+        let ok = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
+        assert!(ok, "cannot send SIGTERM to {}", self.name);
+        let until = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < until {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!(
+            "{} did not stop within 20 s of SIGTERM:\n{}",
+            self.name,
+            self.log_tail()
+        );
     }
 
     /// SIGKILL (what `Child::kill` sends on unix), and reap it.
@@ -558,5 +585,150 @@ fn leases_admit_one_runner_and_results_are_written_once() {
         let err = stores[3].results(&id, false, 0, 1000).unwrap();
         assert_eq!(out.len() as u64 + err.len() as u64, LINES);
         assert_eq!(out.len() as u64, b.counts.completed);
+    }
+}
+
+/// Per-item fencing on the store: a replica whose lease on a batch passed
+/// to another cannot write a result under its old token, even where the
+/// item has no result yet; the new holder can; a holder that released its
+/// leases (a graceful stop) is fenced off too; a renewal by the same
+/// holder keeps its token.
+#[test]
+fn a_replica_that_lost_its_lease_writes_no_result() {
+    let Some(pg) = support::postgres::Postgres::start() else {
+        return;
+    };
+    let a = Store::connect(&pg.url()).unwrap();
+    let b = Store::connect(&pg.url()).unwrap();
+    let mut up = a.upload("file-f");
+    for i in 0..4 {
+        assert_eq!(up.line(i, i + 1, &format!("c{i}"), "{}").unwrap(), None);
+    }
+    assert_eq!(up.commit(&file("file-f", 4)).unwrap(), None);
+    drop(up);
+    assert!(a.insert_batch(&batch_row("batch_f", "file-f", 4)).unwrap());
+    let result = |line: u64| ItemResult {
+        line,
+        ok: true,
+        text: format!("{{\"custom_id\":\"c{line}\"}}"),
+        gpu_seconds: 0.0,
+        missed: false,
+    };
+    let token = |held: Option<Vec<(String, i64)>>| {
+        held.unwrap()
+            .into_iter()
+            .find(|(id, _)| id == "batch_f")
+            .map(|(_, t)| t)
+    };
+    let ta = token(a.claim_all("ra", 0.4).unwrap()).expect("a takes the free lease");
+    assert_eq!(
+        token(b.claim_all("rb", 0.4).unwrap()),
+        None,
+        "a live lease keeps b out"
+    );
+    // Renewed by a: the same token, and a writes under it.
+    assert_eq!(token(a.claim_all("ra", 0.4).unwrap()), Some(ta));
+    assert_eq!(
+        a.put_result_as("batch_f", &result(0), 1, 1, Some(("ra", ta)))
+            .unwrap(),
+        Some(true)
+    );
+    // a stops renewing (stalled); its lease runs out and b takes it.
+    std::thread::sleep(Duration::from_millis(600));
+    let tb = token(b.claim_all("rb", 5.0).unwrap()).expect("b takes the expired lease");
+    assert_ne!(ta, tb, "a lease that changed hands has a new token");
+    // a comes back with item 1's result: fenced off, nothing written.
+    assert_eq!(
+        a.put_result_as("batch_f", &result(1), 1, 1, Some(("ra", ta)))
+            .unwrap(),
+        None
+    );
+    let row = a.batch("batch_f").unwrap().unwrap();
+    assert_eq!(row.counts.completed, 1, "{row:?}");
+    assert_eq!(a.pending("batch_f", "file-f", 0, 10).unwrap().len(), 3);
+    // b writes it.
+    assert_eq!(
+        b.put_result_as("batch_f", &result(1), 1, 1, Some(("rb", tb)))
+            .unwrap(),
+        Some(true)
+    );
+    // a cannot take the lease back while b holds it, nor write.
+    assert_eq!(token(a.claim_all("ra", 0.4).unwrap()), None);
+    // b stops gracefully: its leases go at once, and its late writes too.
+    assert_eq!(b.release_all("rb").unwrap(), 1);
+    assert_eq!(
+        b.put_result_as("batch_f", &result(2), 1, 1, Some(("rb", tb)))
+            .unwrap(),
+        None
+    );
+    // a takes the released lease without waiting for it to run out.
+    let ta2 = token(a.claim_all("ra", 5.0).unwrap()).expect("a takes the released lease");
+    assert!(ta2 > tb);
+    assert_eq!(
+        a.put_result_as("batch_f", &result(2), 1, 1, Some(("ra", ta2)))
+            .unwrap(),
+        Some(true)
+    );
+    let row = a.batch("batch_f").unwrap().unwrap();
+    assert_eq!(row.counts.completed, 3, "{row:?}");
+}
+
+/// Every store call is bounded: through a proxy that stalls (connections
+/// open, nothing forwarded) or cuts (connections closed, new ones refused),
+/// a call fails within the store's timeout with an error that says the
+/// store is unavailable (what `kiln serve` answers 503); when the proxy
+/// passes again, the next call succeeds on a new connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_calls_are_bounded_when_postgres_stalls_or_is_cut() {
+    use support::postgres::{Mode, PgProxy};
+    let Some(pg) = support::postgres::Postgres::start() else {
+        return;
+    };
+    let proxy = PgProxy::start(pg.port).await;
+    let url = proxy.url();
+    let remote = kiln::batch::store::Remote {
+        timeout: Duration::from_millis(800),
+        tls: None,
+    };
+    let store = tokio::task::spawn_blocking(move || Store::connect_with(&url, &remote).unwrap())
+        .await
+        .unwrap();
+    assert!(store.run(|s| s.batch("none")).await.unwrap().is_none());
+    for mode in [Mode::Stall, Mode::Cut, Mode::Stall] {
+        proxy.set(mode);
+        // Several calls, on the lease and the data connections.
+        for _ in 0..3 {
+            let t = Instant::now();
+            let r = store.run(|s| s.batch("none")).await;
+            let e = r.expect_err("a call through a dead proxy fails");
+            assert!(e.is_unavailable(), "{mode:?}: {e}");
+            assert!(
+                t.elapsed() < Duration::from_millis(2_000),
+                "{mode:?}: took {:?}",
+                t.elapsed()
+            );
+            let t = Instant::now();
+            let e = store
+                .run(|s| s.claim_all("r", 1.0))
+                .await
+                .expect_err("fails");
+            assert!(e.is_unavailable(), "{mode:?}: {e}");
+            assert!(
+                t.elapsed() < Duration::from_millis(2_000),
+                "{mode:?}: took {:?}",
+                t.elapsed()
+            );
+        }
+        proxy.set(Mode::Pass);
+        // Back: the next calls succeed (each connection made again).
+        for _ in 0..6 {
+            let t = Instant::now();
+            assert!(store.run(|s| s.batch("none")).await.unwrap().is_none());
+            assert!(t.elapsed() < Duration::from_millis(2_000));
+        }
+        assert_eq!(
+            store.run(|s| s.claim_all("r", 1.0)).await.unwrap(),
+            Some(vec![])
+        );
     }
 }
