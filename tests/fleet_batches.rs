@@ -732,3 +732,216 @@ async fn store_calls_are_bounded_when_postgres_stalls_or_is_cut() {
         );
     }
 }
+
+/// Batch items the replica at `base` served (`kiln_requests_total` with
+/// outcome `ok`, tier `batch`): an item run twice counts twice.
+async fn served_items(c: &reqwest::Client, base: &str) -> u64 {
+    let text = c
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| {
+            l.starts_with("kiln_requests_total{")
+                && l.contains("outcome=\"ok\"")
+                && l.contains("tier=\"batch\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// Waits for batch `id` to complete (polled through `base`), progress never
+/// going back; then every `custom_id` of `items` is in its output exactly
+/// once and none failed.
+async fn completes_once(
+    c: &reqwest::Client,
+    base: &str,
+    id: &str,
+    items: usize,
+    log: &dyn Fn() -> String,
+) {
+    let until = Instant::now() + Duration::from_secs(300);
+    let mut last = 0;
+    let b = loop {
+        let r = get(c, base, &format!("/v1/batches/{id}")).await;
+        if r.status() == 200 {
+            let b: Value = r.json().await.unwrap();
+            assert!(done_of(&b) >= last, "progress went back: {b}");
+            last = done_of(&b);
+            if b["status"] == "completed" {
+                break b;
+            }
+            assert!(
+                ["in_progress", "finalizing", "validating"]
+                    .contains(&b["status"].as_str().unwrap()),
+                "{b}\n{}",
+                log()
+            );
+            assert!(Instant::now() < until, "not done in time: {b}\n{}", log());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(done_of(&b), items as u64, "{b}");
+    assert_eq!(count(&b, "failed"), 0, "{b}");
+    let file = b["output_file_id"].as_str().unwrap();
+    let resp = get(c, base, &format!("/v1/files/{file}/content")).await;
+    assert_eq!(resp.status(), 200);
+    let all = ids(&resp.text().await.unwrap());
+    assert_eq!(all.len(), items, "{b}");
+    for i in 0..items {
+        assert_eq!(all.get(&format!("req-{i}")), Some(&1), "req-{i}: {b}");
+    }
+}
+
+async fn create(c: &reqwest::Client, base: &str, fid: &str) -> String {
+    let r = c
+        .post(format!("{base}/v1/batches"))
+        .bearer_auth(KEY)
+        .json(&json!({"input_file_id": fid, "endpoint": "/v1/chat/completions", "completion_window": "24h"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let b: Value = r.json().await.unwrap();
+    b["id"].as_str().unwrap().to_string()
+}
+
+/// A request the replica must answer 503 with Retry-After, quickly, while
+/// the store is unavailable.
+async fn answers_503(c: &reqwest::Client, req: reqwest::RequestBuilder, what: &str) {
+    let _ = c;
+    let t = Instant::now();
+    let r = req.send().await.unwrap();
+    let took = t.elapsed();
+    let status = r.status();
+    let retry = r.headers().get("retry-after").cloned();
+    let body = r.text().await.unwrap_or_default();
+    assert_eq!(status, 503, "{what}: {body}");
+    assert!(retry.is_some(), "{what}: no Retry-After");
+    assert!(body.contains("store_unavailable"), "{what}: {body}");
+    // store_timeout is 3 s (the wait for a connection included).
+    assert!(took < Duration::from_secs(7), "{what} took {took:?}");
+}
+
+/// PostgreSQL stalling (connections open, nothing forwarded) and then cut
+/// (connections closed, new ones refused) under a running batch, through a
+/// loopback proxy: meanwhile `kiln serve` answers file and batch requests
+/// 503 with Retry-After within its store timeout instead of hanging; when
+/// the database is back the runner resumes by itself, and the batch
+/// completes with every `custom_id` once and every item served once (the
+/// replica's own count of batch requests served equals the items).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_postgres_outage_is_answered_503_and_the_batch_resumes_with_every_item_once() {
+    use support::postgres::{Mode, PgProxy};
+    let Some(pg) = support::postgres::Postgres::start() else {
+        return;
+    };
+    const N: usize = 2_000;
+    let proxy = PgProxy::start(pg.port).await;
+    let dir = TempDir::new();
+    std::fs::write(dir.0.join("fleet.kiln"), POLICY).unwrap();
+    let r = Replica::start_with(
+        &dir.0,
+        "a",
+        &proxy.url(),
+        "lease = \"2s\"\nstore_timeout = \"3s\"\n",
+    );
+    let c = client();
+    let f = upload(&c, &r.base, &jsonl(N)).await;
+    let fid = f["id"].as_str().unwrap().to_string();
+    let id = create(&c, &r.base, &fid).await;
+    let until = Instant::now() + Duration::from_secs(60);
+    loop {
+        let resp = get(&c, &r.base, &format!("/v1/batches/{id}")).await;
+        let status = resp.status();
+        let text = resp.text().await.unwrap();
+        assert_eq!(status, 200, "{text}\n{}", r.log_tail());
+        let b: Value = serde_json::from_str(&text).unwrap();
+        if done_of(&b) >= 100 {
+            assert_eq!(b["status"], "in_progress", "ended before the outage: {b}");
+            break;
+        }
+        assert!(Instant::now() < until, "no progress: {b}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let outage = Instant::now();
+    for mode in [Mode::Stall, Mode::Cut] {
+        proxy.set(mode);
+        let began = Instant::now();
+        // Longer than the lease: the runner must not lose what it ran.
+        while began.elapsed() < Duration::from_secs(3) {
+            answers_503(
+                &c,
+                c.get(format!("{}/v1/batches/{id}", r.base))
+                    .bearer_auth(KEY),
+                &format!("{mode:?}: GET batch"),
+            )
+            .await;
+            answers_503(
+                &c,
+                c.get(format!("{}/v1/files/{fid}", r.base)).bearer_auth(KEY),
+                &format!("{mode:?}: GET file"),
+            )
+            .await;
+            answers_503(
+                &c,
+                c.get(format!("{}/v1/batches", r.base)).bearer_auth(KEY),
+                &format!("{mode:?}: list batches"),
+            )
+            .await;
+        }
+    }
+    proxy.set(Mode::Pass);
+    eprintln!("outage of {:.1}s over", outage.elapsed().as_secs_f64());
+    completes_once(&c, &r.base, &id, N, &|| r.log_tail()).await;
+    assert_eq!(
+        served_items(&c, &r.base).await,
+        N as u64,
+        "an item ran twice (or not at all)\n{}",
+        r.log_tail()
+    );
+}
+
+/// A replica stopped gracefully (SIGTERM) gives its batch leases up: the
+/// other replica takes the batch over at its next renewal, well before the
+/// lease (30 s here) would have run out, and the batch completes with
+/// every `custom_id` once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_stopped_gracefully_hands_its_batch_on_at_once() {
+    let Some(pg) = support::postgres::Postgres::start() else {
+        return;
+    };
+    const N: usize = 3_000;
+    let dir = TempDir::new();
+    std::fs::write(dir.0.join("fleet.kiln"), POLICY).unwrap();
+    let url = pg.url();
+    let mut fleet: Vec<Replica> = ["a", "b"]
+        .iter()
+        .map(|n| Replica::start_with(&dir.0, n, &url, "lease = \"30s\"\n"))
+        .collect();
+    let c = client();
+    let f = upload(&c, &fleet[0].base, &jsonl(N)).await;
+    let fid = f["id"].as_str().unwrap().to_string();
+    let id = create(&c, &fleet[0].base, &fid).await;
+    let run = runner(&c, &fleet, &id).await;
+    let b = batch(&c, &fleet[run].base, &id).await;
+    assert_eq!(b["status"], "in_progress", "{b}");
+    let stopped = fleet.remove(run);
+    let name = stopped.name.clone();
+    let t = Instant::now();
+    stopped.terminate();
+    let next = runner(&c, &fleet, &id).await;
+    let took = t.elapsed();
+    eprintln!(
+        "{name} stopped with SIGTERM; {} took the batch over in {:.2}s (lease 30 s)",
+        fleet[next].name,
+        took.as_secs_f64()
+    );
+    assert!(took < Duration::from_secs(10), "takeover took {took:?}");
+    let other = &fleet[next];
+    completes_once(&c, &other.base, &id, N, &|| other.log_tail()).await;
+}

@@ -19,7 +19,7 @@
 
 use super::store::{Extras, ItemResult, StoreError};
 use super::{BatchRow, BatchStatus, FileRow, ItemLine, RequestCounts};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio_postgres::{Client, Row};
 
@@ -171,7 +171,26 @@ impl Drop for Live {
     }
 }
 
-struct Slot(Mutex<Option<Live>>);
+/// A connection's place: a fair (first come, first served) lock, so a
+/// request's read is not starved by the runner's many result writes.
+struct Slot(tokio::sync::Mutex<Option<Live>>);
+
+impl Slot {
+    fn busy(&self) -> bool {
+        self.0.try_lock().is_err()
+    }
+}
+
+/// Holds a slot; dropped while still holding it, it drops the connection.
+struct Discard<'a>(Option<tokio::sync::MutexGuard<'a, Option<Live>>>);
+
+impl Drop for Discard<'_> {
+    fn drop(&mut self) {
+        if let Some(g) = self.0.as_mut() {
+            **g = None;
+        }
+    }
+}
 
 /// The URL with its password hidden, for messages.
 pub fn redact(url: &str) -> String {
@@ -244,7 +263,7 @@ impl Pg {
             .build()
             .map_err(|e| open(e.to_string()))?;
         let conns: Vec<Slot> = (0..=DATA_CONNECTIONS)
-            .map(|_| Slot(Mutex::new(None)))
+            .map(|_| Slot(tokio::sync::Mutex::new(None)))
             .collect();
         let pg = Pg {
             url: Arc::from(url),
@@ -303,49 +322,51 @@ impl Pg {
     }
 
     /// Runs `f` on `slot`'s connection (made first where there is none or
-    /// it broke), all of it within the store's timeout.
+    /// it broke), all of it within the store's timeout: the wait for the
+    /// connection (first come, first served), connecting, and `f`.
     fn with<T>(
         &self,
         slot: &Slot,
         f: impl AsyncFnOnce(&mut Client) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
-        let mut g = slot.0.lock().map_err(|_| StoreError::Poisoned)?;
         let Some(rt) = self.rt.0.as_ref() else {
             return Err(StoreError::Poisoned);
         };
         let timeout = self.timeout;
         let r = rt.handle().block_on(async {
             tokio::time::timeout(timeout, async {
+                // Dropped before it is disarmed (the call ran out of time
+                // while holding the connection, which may be mid-reply):
+                // the connection is not used again.
+                let mut held = Discard(Some(slot.0.lock().await));
+                let Some(g) = held.0.as_mut() else {
+                    return Err(StoreError::Poisoned);
+                };
                 if g.as_ref().is_none_or(|l| l.client.is_closed()) {
-                    *g = None;
-                    *g = Some(self.connect().await?);
+                    **g = None;
+                    **g = Some(self.connect().await?);
                 }
-                match g.as_mut() {
+                let out = match g.as_mut() {
                     Some(l) => f(&mut l.client).await,
                     None => Err(StoreError::Poisoned),
+                };
+                let keep = !out.as_ref().err().is_some_and(StoreError::drops_connection);
+                if keep {
+                    held.0 = None;
                 }
+                out
             })
             .await
         });
         match r {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => {
-                if e.drops_connection() {
-                    *g = None;
-                }
-                Err(e)
-            }
-            Err(_) => {
-                // The connection may be mid-reply: it is not used again.
-                *g = None;
-                Err(StoreError::Unavailable {
-                    url: redact(&self.url),
-                    message: format!(
-                        "no answer within {} ms (`[batch] store_timeout`)",
-                        timeout.as_millis()
-                    ),
-                })
-            }
+            Ok(out) => out,
+            Err(_) => Err(StoreError::Unavailable {
+                url: redact(&self.url),
+                message: format!(
+                    "no answer within {} ms (`[batch] store_timeout`)",
+                    timeout.as_millis()
+                ),
+            }),
         }
     }
 
@@ -355,14 +376,7 @@ impl Pg {
         f: impl AsyncFnOnce(&mut Client) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
         let data = &self.conns[1..];
-        let mut pick = None;
-        for (i, s) in data.iter().enumerate() {
-            if let Ok(g) = s.0.try_lock() {
-                drop(g);
-                pick = Some(i);
-                break;
-            }
-        }
+        let pick = data.iter().position(|s| !s.busy());
         let i = pick.unwrap_or_else(|| {
             self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % data.len()
         });
