@@ -945,3 +945,78 @@ async fn a_replica_stopped_gracefully_hands_its_batch_on_at_once() {
     let other = &fleet[next];
     completes_once(&c, &other.base, &id, N, &|| other.log_tail()).await;
 }
+
+/// TLS to PostgreSQL: a server that takes TLS connections only, with a
+/// certificate from a CA made in the test. With `sslmode=require` and that
+/// CA as `[batch] ca_file`, the store connects and works; with the
+/// platform's roots instead, the certificate is refused and the error says
+/// so; a plain connection (`sslmode=disable`) is refused by the server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_reaches_postgres_over_tls_with_a_custom_ca() {
+    kiln::tls::install_default_provider();
+    let pki = support::tls::Pki::new("pg");
+    let server = pki.server();
+    let Some(pg) = support::postgres::Postgres::start_tls(&server.cert, &server.key) else {
+        return;
+    };
+    let ca = kiln::tls::ClientTls {
+        ca_file: Some(pki.ca_file()),
+        client_cert: None,
+        client_key: None,
+    }
+    .client_config(&[])
+    .unwrap();
+    let remote = |tls: Option<rustls::ClientConfig>| kiln::batch::store::Remote {
+        timeout: Duration::from_secs(5),
+        tls: tls.map(Arc::new),
+    };
+    let url = pg.url();
+    let (r_ca, r_none) = (remote(Some(ca)), remote(None));
+    let (ok, roots, plain) = tokio::task::spawn_blocking(move || {
+        (
+            Store::connect_with(&format!("{url}?sslmode=require"), &r_ca),
+            Store::connect_with(&format!("{url}?sslmode=require"), &r_none),
+            Store::connect_with(&format!("{url}?sslmode=disable"), &r_none),
+        )
+    })
+    .await
+    .unwrap();
+    let store = ok.unwrap_or_else(|e| panic!("TLS with the test CA: {e}"));
+    assert!(store.run(|s| s.batch("none")).await.unwrap().is_none());
+    let e = roots
+        .err()
+        .expect("the platform's roots do not trust the test CA");
+    let msg = e.to_string();
+    assert!(msg.contains("certificate"), "{msg}");
+    let e = plain.err().expect("the server takes TLS connections only");
+    assert!(
+        e.to_string().contains("no pg_hba.conf entry") || e.to_string().contains("SSL off"),
+        "{e}"
+    );
+    // `[batch]` in kiln.toml builds the same client from its files.
+    let cfg: kiln::server::config::ServerConfig = toml::from_str(&format!(
+        "[batch]\nstore = \"{}?sslmode=require\"\nca_file = \"{}\"\n",
+        pg.url(),
+        pki.ca_file().display()
+    ))
+    .unwrap();
+    let remote = cfg.batch.remote().unwrap();
+    assert!(remote.tls.is_some());
+    let url = pg.url();
+    let s = tokio::task::spawn_blocking(move || {
+        Store::connect_with(&format!("{url}?sslmode=require"), &remote)
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    assert!(s.run(|s| s.batch("none")).await.unwrap().is_none());
+    // A missing CA file is a diagnostic at startup, naming the file.
+    let cfg: kiln::server::config::ServerConfig =
+        toml::from_str("[batch]\nca_file = \"/nonexistent/ca.pem\"\n").unwrap();
+    let e = cfg
+        .batch
+        .remote()
+        .err()
+        .expect("a missing CA file is refused");
+    assert!(e.to_string().contains("/nonexistent/ca.pem"), "{e}");
+}

@@ -48,6 +48,17 @@ fn is_root() -> bool {
 impl Postgres {
     /// `None` (after saying so) where PostgreSQL is not installed.
     pub fn start() -> Option<Postgres> {
+        Postgres::start_with(None)
+    }
+
+    /// With TLS: the server presents `tls` (certificate and key PEM files)
+    /// and accepts TCP connections over TLS only (`hostssl` in
+    /// `pg_hba.conf`): a plain connection is refused.
+    pub fn start_tls(cert: &Path, key: &Path) -> Option<Postgres> {
+        Postgres::start_with(Some((cert, key)))
+    }
+
+    fn start_with(tls: Option<(&Path, &Path)>) -> Option<Postgres> {
         let Some(bin) = bin_dir() else {
             eprintln!("SKIPPED: PostgreSQL is not installed (no initdb on PATH or under /usr/lib/postgresql); `.ci/run` installs it (apt-get install postgresql)");
             return None;
@@ -96,10 +107,34 @@ impl Postgres {
             "initdb failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let opts = format!(
+        let mut opts = format!(
             "-p {port} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=50",
             pg.dir.display()
         );
+        if let Some((cert, key)) = tls {
+            let (c, k) = (data.join("server.crt"), data.join("server.key"));
+            std::fs::copy(cert, &c).unwrap();
+            std::fs::copy(key, &k).unwrap();
+            std::fs::write(
+                data.join("pg_hba.conf"),
+                "local all all trust\nhostssl all all 127.0.0.1/32 trust\n",
+            )
+            .unwrap();
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&k, std::fs::Permissions::from_mode(0o600)).unwrap();
+            if let Some(u) = user {
+                for f in [&c, &k, &data.join("pg_hba.conf")] {
+                    let ok = Command::new("chown")
+                        .arg(format!("{u}:"))
+                        .arg(f)
+                        .status()
+                        .map(|s| s.success())
+                        .unwrap_or(false);
+                    assert!(ok, "cannot chown {}", f.display());
+                }
+            }
+            opts.push_str(" -c ssl=on -c ssl_cert_file=server.crt -c ssl_key_file=server.key");
+        }
         let out = pg
             .cmd("pg_ctl")
             .arg("-D")
