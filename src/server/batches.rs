@@ -63,11 +63,11 @@ fn store_error(e: StoreError) -> ApiError {
     }
     if e.is_unavailable() {
         // 503 with Retry-After: the database is down, stalled or
-        // restarting (each call is bounded by `[batch] store_timeout`);
-        // nothing of this request was done, and it may be sent again.
+        // restarting (each call is bounded by `[batch] store_timeout`).
+        // A write whose commit the timeout cut off may have been stored.
         return ApiError::new(
             503,
-            format!("the batch store is unavailable for now ({e}); nothing was changed: retry after the Retry-After delay"),
+            format!("the batch store is unavailable for now ({e}); retry after the Retry-After delay (a write cut off by the timeout may still have been stored: list your files or batches before creating one again)"),
         )
         .code("store_unavailable")
         .retry_after(Some(STORE_RETRY_AFTER_S));
