@@ -85,8 +85,13 @@ struct Replica {
 
 impl Replica {
     fn start(dir: &Path, name: &str, url: &str) -> Replica {
+        Replica::start_with(dir, name, url, &format!("lease = \"{LEASE}\"\n"))
+    }
+
+    /// A replica whose `[batch]` section is `batch`.
+    fn start_with(dir: &Path, name: &str, url: &str, batch: &str) -> Replica {
         let cfg = dir.join(format!("{name}.toml"));
-        std::fs::write(&cfg, format!("[batch]\nlease = \"{LEASE}\"\n")).unwrap();
+        std::fs::write(&cfg, format!("[batch]\n{batch}")).unwrap();
         let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
             .arg("serve")
             .arg("--policy")
@@ -143,6 +148,28 @@ impl Replica {
     fn log_tail(&self) -> String {
         let l = self.log.lock().unwrap();
         l.iter().cloned().collect::<Vec<_>>().join("\n")
+    }
+
+    /// SIGTERM (a graceful stop, as Kubernetes sends), and reap it.
+    fn terminate(mut self) {
+        let ok = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
+        assert!(ok, "cannot send SIGTERM to {}", self.name);
+        let until = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < until {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!(
+            "{} did not stop within 20 s of SIGTERM:\n{}",
+            self.name,
+            self.log_tail()
+        );
     }
 
     /// SIGKILL (what `Child::kill` sends on unix), and reap it.
@@ -559,4 +586,437 @@ fn leases_admit_one_runner_and_results_are_written_once() {
         assert_eq!(out.len() as u64 + err.len() as u64, LINES);
         assert_eq!(out.len() as u64, b.counts.completed);
     }
+}
+
+/// Per-item fencing on the store: a replica whose lease on a batch passed
+/// to another cannot write a result under its old token, even where the
+/// item has no result yet; the new holder can; a holder that released its
+/// leases (a graceful stop) is fenced off too; a renewal by the same
+/// holder keeps its token.
+#[test]
+fn a_replica_that_lost_its_lease_writes_no_result() {
+    let Some(pg) = support::postgres::Postgres::start() else {
+        return;
+    };
+    let a = Store::connect(&pg.url()).unwrap();
+    let b = Store::connect(&pg.url()).unwrap();
+    let mut up = a.upload("file-f");
+    for i in 0..4 {
+        assert_eq!(up.line(i, i + 1, &format!("c{i}"), "{}").unwrap(), None);
+    }
+    assert_eq!(up.commit(&file("file-f", 4)).unwrap(), None);
+    drop(up);
+    assert!(a.insert_batch(&batch_row("batch_f", "file-f", 4)).unwrap());
+    let result = |line: u64| ItemResult {
+        line,
+        ok: true,
+        text: format!("{{\"custom_id\":\"c{line}\"}}"),
+        gpu_seconds: 0.0,
+        missed: false,
+    };
+    let token = |held: Option<Vec<(String, i64)>>| {
+        held.unwrap()
+            .into_iter()
+            .find(|(id, _)| id == "batch_f")
+            .map(|(_, t)| t)
+    };
+    let ta = token(a.claim_all("ra", 0.4).unwrap()).expect("a takes the free lease");
+    assert_eq!(
+        token(b.claim_all("rb", 0.4).unwrap()),
+        None,
+        "a live lease keeps b out"
+    );
+    // Renewed by a: the same token, and a writes under it.
+    assert_eq!(token(a.claim_all("ra", 0.4).unwrap()), Some(ta));
+    assert_eq!(
+        a.put_result_as("batch_f", &result(0), 1, 1, Some(("ra", ta)))
+            .unwrap(),
+        Some(true)
+    );
+    // a stops renewing (stalled); its lease runs out and b takes it.
+    std::thread::sleep(Duration::from_millis(600));
+    let tb = token(b.claim_all("rb", 5.0).unwrap()).expect("b takes the expired lease");
+    assert_ne!(ta, tb, "a lease that changed hands has a new token");
+    // a comes back with item 1's result: fenced off, nothing written.
+    assert_eq!(
+        a.put_result_as("batch_f", &result(1), 1, 1, Some(("ra", ta)))
+            .unwrap(),
+        None
+    );
+    let row = a.batch("batch_f").unwrap().unwrap();
+    assert_eq!(row.counts.completed, 1, "{row:?}");
+    assert_eq!(a.pending("batch_f", "file-f", 0, 10).unwrap().len(), 3);
+    // b writes it.
+    assert_eq!(
+        b.put_result_as("batch_f", &result(1), 1, 1, Some(("rb", tb)))
+            .unwrap(),
+        Some(true)
+    );
+    // a cannot take the lease back while b holds it, nor write.
+    assert_eq!(token(a.claim_all("ra", 0.4).unwrap()), None);
+    // b stops gracefully: its leases go at once, and its late writes too.
+    assert_eq!(b.release_all("rb").unwrap(), 1);
+    assert_eq!(
+        b.put_result_as("batch_f", &result(2), 1, 1, Some(("rb", tb)))
+            .unwrap(),
+        None
+    );
+    // a takes the released lease without waiting for it to run out.
+    let ta2 = token(a.claim_all("ra", 5.0).unwrap()).expect("a takes the released lease");
+    assert!(ta2 > tb);
+    assert_eq!(
+        a.put_result_as("batch_f", &result(2), 1, 1, Some(("ra", ta2)))
+            .unwrap(),
+        Some(true)
+    );
+    let row = a.batch("batch_f").unwrap().unwrap();
+    assert_eq!(row.counts.completed, 3, "{row:?}");
+}
+
+/// Every store call is bounded: through a proxy that stalls (connections
+/// open, nothing forwarded) or cuts (connections closed, new ones refused),
+/// a call fails within the store's timeout with an error that says the
+/// store is unavailable (what `kiln serve` answers 503); when the proxy
+/// passes again, the next call succeeds on a new connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_calls_are_bounded_when_postgres_stalls_or_is_cut() {
+    use support::postgres::{Mode, PgProxy};
+    let Some(pg) = support::postgres::Postgres::start() else {
+        return;
+    };
+    let proxy = PgProxy::start(pg.port).await;
+    let url = proxy.url();
+    let remote = kiln::batch::store::Remote {
+        timeout: Duration::from_millis(800),
+        tls: None,
+    };
+    let store = tokio::task::spawn_blocking(move || Store::connect_with(&url, &remote).unwrap())
+        .await
+        .unwrap();
+    assert!(store.run(|s| s.batch("none")).await.unwrap().is_none());
+    for mode in [Mode::Stall, Mode::Cut, Mode::Stall] {
+        proxy.set(mode);
+        // Several calls, on the lease and the data connections.
+        for _ in 0..3 {
+            let t = Instant::now();
+            let r = store.run(|s| s.batch("none")).await;
+            let e = r.expect_err("a call through a dead proxy fails");
+            assert!(e.is_unavailable(), "{mode:?}: {e}");
+            assert!(
+                t.elapsed() < Duration::from_millis(2_000),
+                "{mode:?}: took {:?}",
+                t.elapsed()
+            );
+            let t = Instant::now();
+            let e = store
+                .run(|s| s.claim_all("r", 1.0))
+                .await
+                .expect_err("fails");
+            assert!(e.is_unavailable(), "{mode:?}: {e}");
+            assert!(
+                t.elapsed() < Duration::from_millis(2_000),
+                "{mode:?}: took {:?}",
+                t.elapsed()
+            );
+        }
+        proxy.set(Mode::Pass);
+        // Back: the next calls succeed (each connection made again).
+        for _ in 0..6 {
+            let t = Instant::now();
+            assert!(store.run(|s| s.batch("none")).await.unwrap().is_none());
+            assert!(t.elapsed() < Duration::from_millis(2_000));
+        }
+        assert_eq!(
+            store.run(|s| s.claim_all("r", 1.0)).await.unwrap(),
+            Some(vec![])
+        );
+    }
+}
+
+/// Batch items the replica at `base` served (`kiln_requests_total` with
+/// outcome `ok`, tier `batch`): an item run twice counts twice.
+async fn served_items(c: &reqwest::Client, base: &str) -> u64 {
+    let text = c
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| {
+            l.starts_with("kiln_requests_total{")
+                && l.contains("outcome=\"ok\"")
+                && l.contains("tier=\"batch\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// Waits for batch `id` to complete (polled through `base`), progress never
+/// going back; then every `custom_id` of `items` is in its output exactly
+/// once and none failed.
+async fn completes_once(
+    c: &reqwest::Client,
+    base: &str,
+    id: &str,
+    items: usize,
+    log: &dyn Fn() -> String,
+) {
+    let until = Instant::now() + Duration::from_secs(300);
+    let mut last = 0;
+    let b = loop {
+        let r = get(c, base, &format!("/v1/batches/{id}")).await;
+        if r.status() == 200 {
+            let b: Value = r.json().await.unwrap();
+            assert!(done_of(&b) >= last, "progress went back: {b}");
+            last = done_of(&b);
+            if b["status"] == "completed" {
+                break b;
+            }
+            assert!(
+                ["in_progress", "finalizing", "validating"]
+                    .contains(&b["status"].as_str().unwrap()),
+                "{b}\n{}",
+                log()
+            );
+            assert!(Instant::now() < until, "not done in time: {b}\n{}", log());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(done_of(&b), items as u64, "{b}");
+    assert_eq!(count(&b, "failed"), 0, "{b}");
+    let file = b["output_file_id"].as_str().unwrap();
+    let resp = get(c, base, &format!("/v1/files/{file}/content")).await;
+    assert_eq!(resp.status(), 200);
+    let all = ids(&resp.text().await.unwrap());
+    assert_eq!(all.len(), items, "{b}");
+    for i in 0..items {
+        assert_eq!(all.get(&format!("req-{i}")), Some(&1), "req-{i}: {b}");
+    }
+}
+
+async fn create(c: &reqwest::Client, base: &str, fid: &str) -> String {
+    let r = c
+        .post(format!("{base}/v1/batches"))
+        .bearer_auth(KEY)
+        .json(&json!({"input_file_id": fid, "endpoint": "/v1/chat/completions", "completion_window": "24h"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let b: Value = r.json().await.unwrap();
+    b["id"].as_str().unwrap().to_string()
+}
+
+/// A request the replica must answer 503 with Retry-After, quickly, while
+/// the store is unavailable.
+async fn answers_503(c: &reqwest::Client, req: reqwest::RequestBuilder, what: &str) {
+    let _ = c;
+    let t = Instant::now();
+    let r = req.send().await.unwrap();
+    let took = t.elapsed();
+    let status = r.status();
+    let retry = r.headers().get("retry-after").cloned();
+    let body = r.text().await.unwrap_or_default();
+    assert_eq!(status, 503, "{what}: {body}");
+    assert!(retry.is_some(), "{what}: no Retry-After");
+    assert!(body.contains("store_unavailable"), "{what}: {body}");
+    // store_timeout is 3 s (the wait for a connection included).
+    assert!(took < Duration::from_secs(7), "{what} took {took:?}");
+}
+
+/// PostgreSQL stalling (connections open, nothing forwarded) and then cut
+/// (connections closed, new ones refused) under a running batch, through a
+/// loopback proxy: meanwhile `kiln serve` answers file and batch requests
+/// 503 with Retry-After within its store timeout instead of hanging; when
+/// the database is back the runner resumes by itself, and the batch
+/// completes with every `custom_id` once and every item served once (the
+/// replica's own count of batch requests served equals the items).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_postgres_outage_is_answered_503_and_the_batch_resumes_with_every_item_once() {
+    use support::postgres::{Mode, PgProxy};
+    let Some(pg) = support::postgres::Postgres::start() else {
+        return;
+    };
+    const N: usize = 2_000;
+    let proxy = PgProxy::start(pg.port).await;
+    let dir = TempDir::new();
+    std::fs::write(dir.0.join("fleet.kiln"), POLICY).unwrap();
+    let r = Replica::start_with(
+        &dir.0,
+        "a",
+        &proxy.url(),
+        "lease = \"2s\"\nstore_timeout = \"3s\"\n",
+    );
+    let c = client();
+    let f = upload(&c, &r.base, &jsonl(N)).await;
+    let fid = f["id"].as_str().unwrap().to_string();
+    let id = create(&c, &r.base, &fid).await;
+    let until = Instant::now() + Duration::from_secs(60);
+    loop {
+        let resp = get(&c, &r.base, &format!("/v1/batches/{id}")).await;
+        let status = resp.status();
+        let text = resp.text().await.unwrap();
+        assert_eq!(status, 200, "{text}\n{}", r.log_tail());
+        let b: Value = serde_json::from_str(&text).unwrap();
+        if done_of(&b) >= 100 {
+            assert_eq!(b["status"], "in_progress", "ended before the outage: {b}");
+            break;
+        }
+        assert!(Instant::now() < until, "no progress: {b}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let outage = Instant::now();
+    for mode in [Mode::Stall, Mode::Cut] {
+        proxy.set(mode);
+        let began = Instant::now();
+        // Longer than the lease: the runner must not lose what it ran.
+        while began.elapsed() < Duration::from_secs(3) {
+            answers_503(
+                &c,
+                c.get(format!("{}/v1/batches/{id}", r.base))
+                    .bearer_auth(KEY),
+                &format!("{mode:?}: GET batch"),
+            )
+            .await;
+            answers_503(
+                &c,
+                c.get(format!("{}/v1/files/{fid}", r.base)).bearer_auth(KEY),
+                &format!("{mode:?}: GET file"),
+            )
+            .await;
+            answers_503(
+                &c,
+                c.get(format!("{}/v1/batches", r.base)).bearer_auth(KEY),
+                &format!("{mode:?}: list batches"),
+            )
+            .await;
+        }
+    }
+    proxy.set(Mode::Pass);
+    eprintln!("outage of {:.1}s over", outage.elapsed().as_secs_f64());
+    completes_once(&c, &r.base, &id, N, &|| r.log_tail()).await;
+    assert_eq!(
+        served_items(&c, &r.base).await,
+        N as u64,
+        "an item ran twice (or not at all)\n{}",
+        r.log_tail()
+    );
+}
+
+/// A replica stopped gracefully (SIGTERM) gives its batch leases up: the
+/// other replica takes the batch over at its next renewal, well before the
+/// lease (30 s here) would have run out, and the batch completes with
+/// every `custom_id` once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_stopped_gracefully_hands_its_batch_on_at_once() {
+    let Some(pg) = support::postgres::Postgres::start() else {
+        return;
+    };
+    const N: usize = 3_000;
+    let dir = TempDir::new();
+    std::fs::write(dir.0.join("fleet.kiln"), POLICY).unwrap();
+    let url = pg.url();
+    let mut fleet: Vec<Replica> = ["a", "b"]
+        .iter()
+        .map(|n| Replica::start_with(&dir.0, n, &url, "lease = \"30s\"\n"))
+        .collect();
+    let c = client();
+    let f = upload(&c, &fleet[0].base, &jsonl(N)).await;
+    let fid = f["id"].as_str().unwrap().to_string();
+    let id = create(&c, &fleet[0].base, &fid).await;
+    let run = runner(&c, &fleet, &id).await;
+    let b = batch(&c, &fleet[run].base, &id).await;
+    assert_eq!(b["status"], "in_progress", "{b}");
+    let stopped = fleet.remove(run);
+    let name = stopped.name.clone();
+    let t = Instant::now();
+    stopped.terminate();
+    let next = runner(&c, &fleet, &id).await;
+    let took = t.elapsed();
+    eprintln!(
+        "{name} stopped with SIGTERM; {} took the batch over in {:.2}s (lease 30 s)",
+        fleet[next].name,
+        took.as_secs_f64()
+    );
+    assert!(took < Duration::from_secs(10), "takeover took {took:?}");
+    let other = &fleet[next];
+    completes_once(&c, &other.base, &id, N, &|| other.log_tail()).await;
+}
+
+/// TLS to PostgreSQL: a server that takes TLS connections only, with a
+/// certificate from a CA made in the test. With `sslmode=require` and that
+/// CA as `[batch] ca_file`, the store connects and works; with the
+/// platform's roots instead, the certificate is refused and the error says
+/// so; a plain connection (`sslmode=disable`) is refused by the server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_reaches_postgres_over_tls_with_a_custom_ca() {
+    kiln::tls::install_default_provider();
+    let pki = support::tls::Pki::new("pg");
+    let server = pki.server();
+    let Some(pg) = support::postgres::Postgres::start_tls(&server.cert, &server.key) else {
+        return;
+    };
+    let ca = kiln::tls::ClientTls {
+        ca_file: Some(pki.ca_file()),
+        client_cert: None,
+        client_key: None,
+    }
+    .client_config(&[])
+    .unwrap();
+    let remote = |tls: Option<rustls::ClientConfig>| kiln::batch::store::Remote {
+        timeout: Duration::from_secs(5),
+        tls: tls.map(Arc::new),
+    };
+    let url = pg.url();
+    let (r_ca, r_none) = (remote(Some(ca)), remote(None));
+    let (ok, roots, plain) = tokio::task::spawn_blocking(move || {
+        (
+            Store::connect_with(&format!("{url}?sslmode=require"), &r_ca),
+            Store::connect_with(&format!("{url}?sslmode=require"), &r_none),
+            Store::connect_with(&format!("{url}?sslmode=disable"), &r_none),
+        )
+    })
+    .await
+    .unwrap();
+    let store = ok.unwrap_or_else(|e| panic!("TLS with the test CA: {e}"));
+    assert!(store.run(|s| s.batch("none")).await.unwrap().is_none());
+    let e = roots
+        .err()
+        .expect("the platform's roots do not trust the test CA");
+    let msg = e.to_string();
+    assert!(msg.contains("certificate"), "{msg}");
+    let e = plain.err().expect("the server takes TLS connections only");
+    assert!(
+        e.to_string().contains("no pg_hba.conf entry") || e.to_string().contains("SSL off"),
+        "{e}"
+    );
+    // `[batch]` in kiln.toml builds the same client from its files.
+    let cfg: kiln::server::config::ServerConfig = toml::from_str(&format!(
+        "[batch]\nstore = \"{}?sslmode=require\"\nca_file = \"{}\"\n",
+        pg.url(),
+        pki.ca_file().display()
+    ))
+    .unwrap();
+    let remote = cfg.batch.remote().unwrap();
+    assert!(remote.tls.is_some());
+    let url = pg.url();
+    let s = tokio::task::spawn_blocking(move || {
+        Store::connect_with(&format!("{url}?sslmode=require"), &remote)
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    assert!(s.run(|s| s.batch("none")).await.unwrap().is_none());
+    // A missing CA file is a diagnostic at startup, naming the file.
+    let cfg: kiln::server::config::ServerConfig =
+        toml::from_str("[batch]\nca_file = \"/nonexistent/ca.pem\"\n").unwrap();
+    let e = cfg
+        .batch
+        .remote()
+        .err()
+        .expect("a missing CA file is refused");
+    assert!(e.to_string().contains("/nonexistent/ca.pem"), "{e}");
 }

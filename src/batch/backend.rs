@@ -3,10 +3,28 @@
 //! answers any file or batch). [`Store`] has the same calls on both; each
 //! forwards to [`super::store::Sqlite`] or [`super::pg::Pg`].
 
-use super::pg::Pg;
+use super::pg::{Pg, Written};
 use super::store::{Extras, ItemResult, Sqlite, SqliteUpload, StoreError};
 use super::{BatchRow, BatchStatus, FileRow, ItemLine};
 use std::path::Path;
+
+/// How a PostgreSQL store is reached: each call's time limit, and the
+/// TLS client (`[batch] ca_file`, `client_cert`, `client_key`; `None`:
+/// none set).
+#[derive(Clone)]
+pub struct Remote {
+    pub timeout: std::time::Duration,
+    pub tls: Option<std::sync::Arc<rustls::ClientConfig>>,
+}
+
+impl Default for Remote {
+    fn default() -> Self {
+        Remote {
+            timeout: super::pg::DEFAULT_TIMEOUT,
+            tls: None,
+        }
+    }
+}
 
 /// The batch store. Cheap to clone; every call blocks, so async callers
 /// run it on a blocking thread ([`Store::run`]).
@@ -40,8 +58,13 @@ impl Store {
     /// `spec` is a `postgres://` URL (a shared database) or a path (an
     /// SQLite file). Blocks: call it on a blocking thread.
     pub fn connect(spec: &str) -> Result<Store, StoreError> {
+        Store::connect_with(spec, &Remote::default())
+    }
+
+    /// [`Store::connect`] with a PostgreSQL's call timeout and TLS.
+    pub fn connect_with(spec: &str, remote: &Remote) -> Result<Store, StoreError> {
         if is_url(spec) {
-            Pg::open(spec).map(Store::Postgres)
+            Pg::open(spec, remote.timeout, remote.tls.clone()).map(Store::Postgres)
         } else {
             Store::open(Path::new(spec))
         }
@@ -184,7 +207,11 @@ impl Store {
     /// Takes every active batch whose lease is free or expired and renews
     /// `holder`'s own: the ids `holder` holds now (on one gateway's own
     /// store, `None`: it runs every batch).
-    pub fn claim_all(&self, holder: &str, ttl_s: f64) -> Result<Option<Vec<String>>, StoreError> {
+    pub fn claim_all(
+        &self,
+        holder: &str,
+        ttl_s: f64,
+    ) -> Result<Option<Vec<(String, i64)>>, StoreError> {
         match self {
             Store::Sqlite(_) => Ok(None),
             Store::Postgres(p) => p.claim_all(holder, ttl_s).map(Some),
@@ -196,6 +223,14 @@ impl Store {
         match self {
             Store::Sqlite(_) => Ok(()),
             Store::Postgres(p) => p.release(id, holder),
+        }
+    }
+
+    /// Gives up every lease `holder` has (a gateway that stops): how many.
+    pub fn release_all(&self, holder: &str) -> Result<u64, StoreError> {
+        match self {
+            Store::Sqlite(_) => Ok(0),
+            Store::Postgres(p) => p.release_all(holder),
         }
     }
 
@@ -259,6 +294,32 @@ impl Store {
         output_tokens: u64,
     ) -> Result<bool, StoreError> {
         each!(self, s => s.put_result_usage(batch, r, input_tokens, output_tokens))
+    }
+
+    /// [`Store::put_result_usage`] under a batch lease (`holder`, fencing
+    /// token; `None`, and always on one gateway's own store: unfenced):
+    /// `None` when the lease has passed to another holder and nothing was
+    /// written, else whether the result is new.
+    pub fn put_result_as(
+        &self,
+        batch: &str,
+        r: &ItemResult,
+        input_tokens: u64,
+        output_tokens: u64,
+        lease: Option<(&str, i64)>,
+    ) -> Result<Option<bool>, StoreError> {
+        match self {
+            Store::Sqlite(s) => s
+                .put_result_usage(batch, r, input_tokens, output_tokens)
+                .map(Some),
+            Store::Postgres(p) => p
+                .put_result_as(batch, r, input_tokens, output_tokens, lease)
+                .map(|w| match w {
+                    Written::New => Some(true),
+                    Written::Had => Some(false),
+                    Written::Fenced => None,
+                }),
+        }
     }
 
     pub fn put_results(

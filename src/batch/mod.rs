@@ -17,6 +17,7 @@
 
 pub mod backend;
 pub mod pg;
+pub mod pg_tls;
 pub mod plan;
 pub mod store;
 pub mod view;

@@ -19,8 +19,9 @@
 
 use super::store::{Extras, ItemResult, StoreError};
 use super::{BatchRow, BatchStatus, FileRow, ItemLine, RequestCounts};
-use postgres::{Client, NoTls, Row};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_postgres::{Client, Row};
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS files (
@@ -85,6 +86,7 @@ ALTER TABLE batches ADD COLUMN IF NOT EXISTS model TEXT;
 ALTER TABLE batches ADD COLUMN IF NOT EXISTS input_tokens BIGINT NOT NULL DEFAULT 0;
 ALTER TABLE batches ADD COLUMN IF NOT EXISTS output_tokens BIGINT NOT NULL DEFAULT 0;
 ALTER TABLE batches ADD COLUMN IF NOT EXISTS output_expires_s DOUBLE PRECISION;
+ALTER TABLE batches ADD COLUMN IF NOT EXISTS lease_epoch BIGINT NOT NULL DEFAULT 0;
 CREATE INDEX IF NOT EXISTS batches_seq ON batches (seq);
 CREATE TABLE IF NOT EXISTS results (
     batch_id TEXT NOT NULL,
@@ -98,6 +100,13 @@ CREATE TABLE IF NOT EXISTS results (
 /// Statuses the runner still has work for.
 const ACTIVE: &str = "('validating','in_progress','finalizing','cancelling')";
 
+/// A lease taken or renewed by `$1` for `$2` seconds; its epoch (the
+/// fencing token) moves on when the holder changes (the right-hand sides
+/// read the row as it was).
+const TAKE: &str = "lease_epoch = CASE WHEN lease_holder IS DISTINCT FROM $1 THEN lease_epoch + 1 ELSE lease_epoch END,
+    lease_holder = $1,
+    lease_until = EXTRACT(EPOCH FROM clock_timestamp())::DOUBLE PRECISION + $2";
+
 const BATCH_COLS: &str = "id, owner, input_file_id, endpoint, completion_window, window_s, status, created_at, expires_at,
     in_progress_at, finalizing_at, completed_at, failed_at, expired_at, cancelling_at, cancelled_at,
     total, completed, failed, metadata, errors, output_file_id, error_file_id, tier, predicted_finish, gpu_seconds, deadline_misses";
@@ -105,29 +114,80 @@ const BATCH_COLS: &str = "id, owner, input_file_id, endpoint, completion_window,
 /// Connections for data: item results, pages of lines, listings.
 const DATA_CONNECTIONS: usize = 4;
 
+/// How long one store call (connecting included) may take where `[batch]
+/// store_timeout` does not say.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// The PostgreSQL store: a few connections for data, and one of its own
 /// for leases, so that renewing a lease never waits behind result writes;
 /// each made again when it breaks.
+///
+/// **Every call is bounded.** The connections are `tokio-postgres`
+/// clients driven by a runtime of the store's own (one thread); a call
+/// blocks its (blocking) thread on that runtime under one timeout that
+/// covers connecting, the statements and the commit. A call that runs out
+/// of time closes its connection (a stalled server holds no thread, and a
+/// late reply is never read as the next call's) and fails with
+/// [`StoreError::Unavailable`]; the next call connects again. A database
+/// that came back empty (its tables gone) is answered the same way once,
+/// and the next connection makes the tables again.
 #[derive(Clone)]
 pub struct Pg {
     url: Arc<str>,
+    config: Arc<tokio_postgres::Config>,
+    /// TLS to the server (`sslmode=require`): rustls, the server's
+    /// certificate checked against the roots or `[batch] ca_file`.
+    tls: Option<super::pg_tls::MakeRustls>,
+    timeout: Duration,
+    rt: Arc<Rt>,
     /// `[0]` leases; the rest data (made on first use).
     conns: Arc<[Slot]>,
     next: Arc<std::sync::atomic::AtomicUsize>,
 }
 
-/// The connection. Closing one blocks (the client runs its own runtime),
-/// which a runtime's thread must not do: the last clone of the store may be
-/// dropped on one, so the connection is closed on a thread of its own.
-struct Slot(Mutex<Option<Client>>);
+/// The store's runtime: one worker thread that drives the connections'
+/// sockets. Shut down without waiting (the last clone of the store may be
+/// dropped on an async thread, where blocking is not allowed).
+struct Rt(Option<tokio::runtime::Runtime>);
 
-impl Drop for Slot {
+impl Drop for Rt {
     fn drop(&mut self) {
-        let c = self.0.get_mut().ok().and_then(Option::take);
-        if let Some(c) = c {
-            let _ = std::thread::Builder::new()
-                .name("kiln-pg-close".into())
-                .spawn(move || drop(c));
+        if let Some(rt) = self.0.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// A live connection: the client, and the task that drives its socket
+/// (stopped with it, which closes the socket).
+struct Live {
+    client: Client,
+    task: tokio::task::AbortHandle,
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A connection's place: a fair (first come, first served) lock, so a
+/// request's read is not starved by the runner's many result writes.
+struct Slot(tokio::sync::Mutex<Option<Live>>);
+
+impl Slot {
+    fn busy(&self) -> bool {
+        self.0.try_lock().is_err()
+    }
+}
+
+/// Holds a slot; dropped while still holding it, it drops the connection.
+struct Discard<'a>(Option<tokio::sync::MutexGuard<'a, Option<Live>>>);
+
+impl Drop for Discard<'_> {
+    fn drop(&mut self) {
+        if let Some(g) = self.0.as_mut() {
+            **g = None;
         }
     }
 }
@@ -146,89 +206,209 @@ pub fn redact(url: &str) -> String {
     }
 }
 
-fn connect(url: &str) -> Result<Client, StoreError> {
-    let open = |message: String| StoreError::Open {
-        path: redact(url),
-        message,
-    };
-    let mut c = Client::connect(url, NoTls).map_err(|e| {
-        // The cause (refused, unknown host, authentication) is the source.
-        let why = std::error::Error::source(&e).map(|s| format!(": {s}"));
-        open(format!("{e}{}", why.unwrap_or_default()))
-    })?;
-    // Replicas starting together: one makes the tables, the others wait.
-    let mut tx = c.transaction().map_err(|e| open(e.to_string()))?;
-    tx.execute("SELECT pg_advisory_xact_lock(7315002)", &[])
-        .map_err(|e| open(e.to_string()))?;
-    tx.batch_execute(SCHEMA).map_err(|e| open(e.to_string()))?;
-    tx.commit().map_err(|e| open(e.to_string()))?;
-    Ok(c)
+/// The connection error's words with its cause (refused, unknown host,
+/// authentication, certificate).
+fn cause(e: &tokio_postgres::Error) -> String {
+    let mut out = e.to_string();
+    let mut src = std::error::Error::source(e);
+    while let Some(s) = src {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        src = s.source();
+    }
+    out
 }
 
-/// A connection, made (again) where there is none or it broke.
-struct Conn<'a>(MutexGuard<'a, Option<Client>>);
-
-impl Conn<'_> {
-    fn client(&mut self) -> Result<&mut Client, StoreError> {
-        self.0.as_mut().ok_or(StoreError::Poisoned)
-    }
+/// A result write's outcome under a lease ([`Pg::put_result_as`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Written {
+    /// A new result, counted.
+    New,
+    /// The item had a result already (kept; this one is not counted).
+    Had,
+    /// The writer no longer holds the batch's lease under the token it
+    /// ran the item with: nothing was written.
+    Fenced,
 }
 
 impl Pg {
     /// Connects to `url` (`postgres://user:password@host:port/db`) and
-    /// makes the tables where they are missing.
-    pub fn open(url: &str) -> Result<Pg, StoreError> {
-        let c = connect(url)?;
-        let conns: Vec<Slot> = std::iter::once(Slot(Mutex::new(Some(c))))
-            .chain((0..DATA_CONNECTIONS).map(|_| Slot(Mutex::new(None))))
+    /// makes the tables where they are missing; every call after is
+    /// bounded by `timeout`. `tls`: the TLS client for a URL with
+    /// `sslmode=require` (or `prefer`, the default, where the server
+    /// offers TLS).
+    pub fn open(
+        url: &str,
+        timeout: Duration,
+        tls: Option<Arc<rustls::ClientConfig>>,
+    ) -> Result<Pg, StoreError> {
+        let open = |message: String| StoreError::Open {
+            path: redact(url),
+            message,
+        };
+        let mut config: tokio_postgres::Config = url
+            .parse()
+            .map_err(|e: tokio_postgres::Error| open(cause(&e)))?;
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(timeout);
+        }
+        if config.get_application_name().is_none() {
+            config.application_name("kiln");
+        }
+        let tls = super::pg_tls::for_config(&config, tls).map_err(open)?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("kiln-pg")
+            .enable_all()
+            .build()
+            .map_err(|e| open(e.to_string()))?;
+        let conns: Vec<Slot> = (0..=DATA_CONNECTIONS)
+            .map(|_| Slot(tokio::sync::Mutex::new(None)))
             .collect();
-        Ok(Pg {
+        let pg = Pg {
             url: Arc::from(url),
+            config: Arc::new(config),
+            tls,
+            timeout,
+            rt: Arc::new(Rt(Some(rt))),
             conns: conns.into(),
             next: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
-        })
+        };
+        // The first connection, made now: a store that cannot be reached
+        // at start says why before the gateway serves.
+        pg.with(&pg.conns[0], async |_| Ok(()))
+            .map_err(|e| match e {
+                StoreError::Unavailable { message, .. } => open(message),
+                e => e,
+            })?;
+        Ok(pg)
     }
 
-    /// A data connection: a free one, else the next in turn.
-    fn lock(&self) -> Result<Conn<'_>, StoreError> {
-        let data = &self.conns[1..];
-        for s in data {
-            if let Ok(g) = s.0.try_lock() {
-                return self.ready(g);
+    /// A new connection, driven by the store's runtime, with its tables.
+    async fn connect(&self) -> Result<Live, StoreError> {
+        let unavailable = |e: tokio_postgres::Error| StoreError::Unavailable {
+            url: redact(&self.url),
+            message: cause(&e),
+        };
+        let mut live = match &self.tls {
+            Some(tls) => {
+                let (client, conn) = self
+                    .config
+                    .connect(tls.clone())
+                    .await
+                    .map_err(unavailable)?;
+                let task = tokio::spawn(conn).abort_handle();
+                Live { client, task }
             }
-        }
-        let i = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % data.len();
-        let g = data[i].0.lock().map_err(|_| StoreError::Poisoned)?;
-        self.ready(g)
+            None => {
+                let (client, conn) = self
+                    .config
+                    .connect(tokio_postgres::NoTls)
+                    .await
+                    .map_err(unavailable)?;
+                let task = tokio::spawn(conn).abort_handle();
+                Live { client, task }
+            }
+        };
+        // Replicas starting together: one makes the tables, the others
+        // wait.
+        let tx = live.client.transaction().await.map_err(unavailable)?;
+        tx.execute("SELECT pg_advisory_xact_lock(7315002)", &[])
+            .await
+            .map_err(unavailable)?;
+        tx.batch_execute(SCHEMA).await.map_err(unavailable)?;
+        tx.commit().await.map_err(unavailable)?;
+        Ok(live)
     }
 
-    /// The lease connection.
-    fn lock_lease(&self) -> Result<Conn<'_>, StoreError> {
-        let g = self.conns[0].0.lock().map_err(|_| StoreError::Poisoned)?;
-        self.ready(g)
+    /// Runs `f` on `slot`'s connection (made first where there is none or
+    /// it broke), all of it within the store's timeout: the wait for the
+    /// connection (first come, first served), connecting, and `f`.
+    fn with<T>(
+        &self,
+        slot: &Slot,
+        f: impl AsyncFnOnce(&mut Client) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let Some(rt) = self.rt.0.as_ref() else {
+            return Err(StoreError::Poisoned);
+        };
+        let timeout = self.timeout;
+        let r = rt.handle().block_on(async {
+            tokio::time::timeout(timeout, async {
+                // Dropped before it is disarmed (the call ran out of time
+                // while holding the connection, which may be mid-reply):
+                // the connection is not used again.
+                let mut held = Discard(Some(slot.0.lock().await));
+                let Some(g) = held.0.as_mut() else {
+                    return Err(StoreError::Poisoned);
+                };
+                if g.as_ref().is_none_or(|l| l.client.is_closed()) {
+                    **g = None;
+                    **g = Some(self.connect().await?);
+                }
+                let out = match g.as_mut() {
+                    Some(l) => f(&mut l.client).await,
+                    None => Err(StoreError::Poisoned),
+                };
+                let keep = !out.as_ref().err().is_some_and(StoreError::drops_connection);
+                if keep {
+                    held.0 = None;
+                }
+                out
+            })
+            .await
+        });
+        match r {
+            Ok(out) => out,
+            Err(_) => Err(StoreError::Unavailable {
+                url: redact(&self.url),
+                message: format!(
+                    "no answer within {} ms (`[batch] store_timeout`)",
+                    timeout.as_millis()
+                ),
+            }),
+        }
     }
 
-    fn ready<'a>(&self, mut g: MutexGuard<'a, Option<Client>>) -> Result<Conn<'a>, StoreError> {
-        if g.as_ref().is_none_or(|c| c.is_closed()) {
-            *g = None;
-            *g = Some(connect(&self.url)?);
-        }
-        Ok(Conn(g))
+    /// On a data connection: a free one, else the next in turn.
+    fn data<T>(
+        &self,
+        f: impl AsyncFnOnce(&mut Client) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let data = &self.conns[1..];
+        let pick = data.iter().position(|s| !s.busy());
+        let i = pick.unwrap_or_else(|| {
+            self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % data.len()
+        });
+        self.with(&data[i], f)
+    }
+
+    /// On the lease connection.
+    fn lease<T>(
+        &self,
+        f: impl AsyncFnOnce(&mut Client) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        self.with(&self.conns[0], f)
     }
 
     pub fn url(&self) -> String {
         redact(&self.url)
     }
 
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     // ---- files ---------------------------------------------------------
 
     pub fn file(&self, id: &str) -> Result<Option<FileRow>, StoreError> {
-        let mut g = self.lock()?;
-        let r = g.client()?.query_opt(
+        self.data(async |c| {
+        let r = c.query_opt(
             "SELECT id, owner, purpose, filename, bytes, created_at, lines, endpoint, batch_id, ok FROM files WHERE id = $1",
             &[&id],
-        )?;
+        ).await?;
         r.as_ref().map(file_row).transpose()
+        })
     }
 
     pub fn files(
@@ -242,43 +422,50 @@ impl Pg {
             Some(o) => (true, o),
             None => (false, None),
         };
-        let mut g = self.lock()?;
-        let rows = g.client()?.query(
+        self.data(async |c| {
+        let rows = c.query(
             "SELECT id, owner, purpose, filename, bytes, created_at, lines, endpoint, batch_id, ok FROM files
              WHERE (NOT $1 OR owner IS NOT DISTINCT FROM $2) AND ($3::TEXT IS NULL OR purpose = $3)
                AND ($4::TEXT IS NULL OR seq < (SELECT seq FROM files WHERE id = $4))
              ORDER BY seq DESC LIMIT $5",
             &[&filter, &who, &purpose, &after, &(limit as i64)],
-        )?;
+        ).await?;
         rows.iter().map(file_row).collect()
+        })
     }
 
     pub fn delete_file(&self, id: &str) -> Result<bool, StoreError> {
-        let mut g = self.lock()?;
-        let mut tx = g.client()?.transaction()?;
-        let busy: i64 = tx
-            .query_one(
-                &format!(
+        self.data(async |c| {
+            let tx = c.transaction().await?;
+            let busy: i64 = tx
+                .query_one(
+                    &format!(
                     "SELECT COUNT(*) FROM batches WHERE input_file_id = $1 AND status IN {ACTIVE}"
                 ),
+                    &[&id],
+                )
+                .await?
+                .try_get(0)?;
+            if busy > 0 {
+                return Ok(false);
+            }
+            tx.execute("DELETE FROM lines WHERE file_id = $1", &[&id])
+                .await?;
+            tx.execute("DELETE FROM files WHERE id = $1", &[&id])
+                .await?;
+            tx.execute(
+                "UPDATE batches SET output_file_id = NULL WHERE output_file_id = $1",
                 &[&id],
-            )?
-            .try_get(0)?;
-        if busy > 0 {
-            return Ok(false);
-        }
-        tx.execute("DELETE FROM lines WHERE file_id = $1", &[&id])?;
-        tx.execute("DELETE FROM files WHERE id = $1", &[&id])?;
-        tx.execute(
-            "UPDATE batches SET output_file_id = NULL WHERE output_file_id = $1",
-            &[&id],
-        )?;
-        tx.execute(
-            "UPDATE batches SET error_file_id = NULL WHERE error_file_id = $1",
-            &[&id],
-        )?;
-        tx.commit()?;
-        Ok(true)
+            )
+            .await?;
+            tx.execute(
+                "UPDATE batches SET error_file_id = NULL WHERE error_file_id = $1",
+                &[&id],
+            )
+            .await?;
+            tx.commit().await?;
+            Ok(true)
+        })
     }
 
     pub fn lines(
@@ -287,14 +474,15 @@ impl Pg {
         from: u64,
         limit: usize,
     ) -> Result<Vec<(u64, String)>, StoreError> {
-        let mut g = self.lock()?;
-        let rows = g.client()?.query(
+        self.data(async |c| {
+            let rows = c.query(
             "SELECT line, text FROM lines WHERE file_id = $1 AND line >= $2 ORDER BY line LIMIT $3",
             &[&file, &(from as i64), &(limit as i64)],
-        )?;
-        rows.iter()
-            .map(|r| Ok((r.try_get::<_, i64>(0)? as u64, r.try_get(1)?)))
-            .collect()
+        ).await?;
+            rows.iter()
+                .map(|r| Ok((r.try_get::<_, i64>(0)? as u64, r.try_get(1)?)))
+                .collect()
+        })
     }
 
     pub fn results(
@@ -304,28 +492,30 @@ impl Pg {
         from: u64,
         limit: usize,
     ) -> Result<Vec<(u64, String)>, StoreError> {
-        let mut g = self.lock()?;
-        let rows = g.client()?.query(
+        self.data(async |c| {
+        let rows = c.query(
             "SELECT line, text FROM results WHERE batch_id = $1 AND ok = $2 AND line >= $3 ORDER BY line LIMIT $4",
             &[&batch, &ok, &(from as i64), &(limit as i64)],
-        )?;
+        ).await?;
         rows.iter()
             .map(|r| Ok((r.try_get::<_, i64>(0)? as u64, r.try_get(1)?)))
             .collect()
+        })
     }
 
     // ---- batches -------------------------------------------------------
 
     pub fn insert_batch(&self, b: &BatchRow) -> Result<bool, StoreError> {
-        let mut g = self.lock()?;
-        let mut tx = g.client()?.transaction()?;
+        self.data(async |c| {
+        let tx = c.transaction().await?;
         // The file row is locked: a concurrent delete waits, then finds
         // the batch (or the batch finds no file).
         let exists = tx
             .query_opt(
                 "SELECT 1 FROM files WHERE id = $1 FOR SHARE",
                 &[&b.input_file_id],
-            )?
+            )
+            .await?
             .is_some();
         if !exists {
             return Ok(false);
@@ -349,18 +539,22 @@ impl Pg {
                 &b.tier,
                 &b.predicted_finish,
             ],
-        )?;
-        tx.commit()?;
+        ).await?;
+        tx.commit().await?;
         Ok(true)
+        })
     }
 
     pub fn batch(&self, id: &str) -> Result<Option<BatchRow>, StoreError> {
-        let mut g = self.lock()?;
-        let r = g.client()?.query_opt(
-            &format!("SELECT {BATCH_COLS} FROM batches WHERE id = $1"),
-            &[&id],
-        )?;
-        r.as_ref().map(batch_row).transpose()
+        self.data(async |c| {
+            let r = c
+                .query_opt(
+                    &format!("SELECT {BATCH_COLS} FROM batches WHERE id = $1"),
+                    &[&id],
+                )
+                .await?;
+            r.as_ref().map(batch_row).transpose()
+        })
     }
 
     pub fn batches(
@@ -373,68 +567,102 @@ impl Pg {
             Some(o) => (true, o),
             None => (false, None),
         };
-        let mut g = self.lock()?;
-        let rows = g.client()?.query(
-            &format!(
-                "SELECT {BATCH_COLS} FROM batches
+        self.data(async |c| {
+            let rows = c
+                .query(
+                    &format!(
+                        "SELECT {BATCH_COLS} FROM batches
                  WHERE (NOT $1 OR owner IS NOT DISTINCT FROM $2)
                    AND ($3::TEXT IS NULL OR seq < (SELECT seq FROM batches WHERE id = $3))
                  ORDER BY seq DESC LIMIT $4"
-            ),
-            &[&filter, &who, &after, &(limit as i64)],
-        )?;
-        rows.iter().map(batch_row).collect()
+                    ),
+                    &[&filter, &who, &after, &(limit as i64)],
+                )
+                .await?;
+            rows.iter().map(batch_row).collect()
+        })
     }
 
     pub fn active(&self) -> Result<Vec<BatchRow>, StoreError> {
-        let mut g = self.lock()?;
-        let rows = g.client()?.query(
-            &format!("SELECT {BATCH_COLS} FROM batches WHERE status IN {ACTIVE} ORDER BY seq"),
-            &[],
-        )?;
-        rows.iter().map(batch_row).collect()
+        self.data(async |c| {
+            let rows = c
+                .query(
+                    &format!(
+                        "SELECT {BATCH_COLS} FROM batches WHERE status IN {ACTIVE} ORDER BY seq"
+                    ),
+                    &[],
+                )
+                .await?;
+            rows.iter().map(batch_row).collect()
+        })
     }
 
     /// Takes or renews the lease on batch `id` for `holder`, for `ttl_s`
     /// seconds on the database's clock: true when `holder` holds it now
     /// (it was free, expired, or already `holder`'s).
     pub fn claim(&self, id: &str, holder: &str, ttl_s: f64) -> Result<bool, StoreError> {
-        let mut g = self.lock_lease()?;
-        let n = g.client()?.execute(
-            "UPDATE batches SET lease_holder = $1,
-                 lease_until = EXTRACT(EPOCH FROM clock_timestamp())::DOUBLE PRECISION + $2
-             WHERE id = $3 AND (lease_holder IS NULL OR lease_holder = $1
-                 OR lease_until < EXTRACT(EPOCH FROM clock_timestamp())::DOUBLE PRECISION)",
-            &[&holder, &ttl_s, &id],
-        )?;
-        Ok(n == 1)
+        self.lease(async |c| {
+            let n = c
+                .execute(
+                    &format!(
+                        "UPDATE batches SET {TAKE} WHERE id = $3 AND (lease_holder IS NULL OR lease_holder = $1
+                             OR lease_until < EXTRACT(EPOCH FROM clock_timestamp())::DOUBLE PRECISION)"
+                    ),
+                    &[&holder, &ttl_s, &id],
+                )
+                .await?;
+            Ok(n == 1)
+        })
     }
 
     /// Takes every active batch whose lease is free or expired and renews
-    /// `holder`'s own, in one statement: the ids `holder` holds now.
-    pub fn claim_all(&self, holder: &str, ttl_s: f64) -> Result<Vec<String>, StoreError> {
-        let mut g = self.lock_lease()?;
-        let rows = g.client()?.query(
-            &format!(
-                "UPDATE batches SET lease_holder = $1,
-                     lease_until = EXTRACT(EPOCH FROM clock_timestamp())::DOUBLE PRECISION + $2
-                 WHERE status IN {ACTIVE} AND (lease_holder IS NULL OR lease_holder = $1
-                     OR lease_until < EXTRACT(EPOCH FROM clock_timestamp())::DOUBLE PRECISION)
-                 RETURNING id"
-            ),
-            &[&holder, &ttl_s],
-        )?;
-        rows.iter().map(|r| Ok(r.try_get(0)?)).collect()
+    /// `holder`'s own, in one statement: the batches `holder` holds now,
+    /// each with its fencing token (the lease's epoch: it changes whenever
+    /// the lease passes to another holder, and a result is written only
+    /// under the token its item ran with, [`Pg::put_result_as`]).
+    pub fn claim_all(&self, holder: &str, ttl_s: f64) -> Result<Vec<(String, i64)>, StoreError> {
+        self.lease(async |c| {
+            let rows = c
+                .query(
+                    &format!(
+                        "UPDATE batches SET {TAKE}
+                         WHERE status IN {ACTIVE} AND (lease_holder IS NULL OR lease_holder = $1
+                             OR lease_until < EXTRACT(EPOCH FROM clock_timestamp())::DOUBLE PRECISION)
+                         RETURNING id, lease_epoch"
+                    ),
+                    &[&holder, &ttl_s],
+                )
+                .await?;
+            rows.iter()
+                .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+                .collect()
+        })
     }
 
-    /// Gives up `holder`'s lease on batch `id` (a gateway that stops).
+    /// Gives up `holder`'s lease on batch `id`.
     pub fn release(&self, id: &str, holder: &str) -> Result<(), StoreError> {
-        let mut g = self.lock_lease()?;
-        g.client()?.execute(
-            "UPDATE batches SET lease_holder = NULL, lease_until = NULL WHERE id = $1 AND lease_holder = $2",
-            &[&id, &holder],
-        )?;
-        Ok(())
+        self.lease(async |c| {
+            c.execute(
+                "UPDATE batches SET lease_holder = NULL, lease_until = NULL WHERE id = $1 AND lease_holder = $2",
+                &[&id, &holder],
+            )
+            .await?;
+            Ok(())
+        })
+    }
+
+    /// Gives up every lease `holder` has (a gateway that stops): the
+    /// number of batches let go, which other replicas take at their next
+    /// renewal instead of after the lease runs out. A result `holder`
+    /// writes after this is fenced off.
+    pub fn release_all(&self, holder: &str) -> Result<u64, StoreError> {
+        self.lease(async |c| {
+            Ok(c.execute(
+                "UPDATE batches SET lease_holder = NULL, lease_until = NULL WHERE lease_holder = $1",
+                &[&holder],
+            )
+            .await?)
+        })
     }
 
     pub fn transition(
@@ -446,33 +674,38 @@ impl Pg {
     ) -> Result<bool, StoreError> {
         let list: Vec<String> = from.iter().map(|s| format!("'{}'", s.name())).collect();
         let col = to.stamp_column();
-        let mut g = self.lock()?;
-        let n = g.client()?.execute(
+        self.data(async |c| {
+        let n = c.execute(
             &format!(
                 "UPDATE batches SET status = $1, {col} = COALESCE({col}, $2) WHERE id = $3 AND status IN ({})",
                 list.join(",")
             ),
             &[&to.name(), &at, &id],
-        )?;
+        ).await?;
         Ok(n == 1)
+        })
     }
 
     pub fn set_errors(&self, id: &str, errors: &serde_json::Value) -> Result<(), StoreError> {
-        let mut g = self.lock()?;
-        g.client()?.execute(
-            "UPDATE batches SET errors = $1 WHERE id = $2",
-            &[&errors.to_string(), &id],
-        )?;
-        Ok(())
+        self.data(async |c| {
+            c.execute(
+                "UPDATE batches SET errors = $1 WHERE id = $2",
+                &[&errors.to_string(), &id],
+            )
+            .await?;
+            Ok(())
+        })
     }
 
     pub fn fail(&self, id: &str, errors: &serde_json::Value, at: i64) -> Result<(), StoreError> {
-        let mut g = self.lock()?;
-        g.client()?.execute(
-            "UPDATE batches SET status = 'failed', failed_at = $1, errors = $2 WHERE id = $3",
-            &[&at, &errors.to_string(), &id],
-        )?;
-        Ok(())
+        self.data(async |c| {
+            c.execute(
+                "UPDATE batches SET status = 'failed', failed_at = $1, errors = $2 WHERE id = $3",
+                &[&at, &errors.to_string(), &id],
+            )
+            .await?;
+            Ok(())
+        })
     }
 
     pub fn set_prediction(
@@ -481,12 +714,14 @@ impl Pg {
         finish: Option<f64>,
         tier: Option<&str>,
     ) -> Result<(), StoreError> {
-        let mut g = self.lock()?;
-        g.client()?.execute(
-            "UPDATE batches SET predicted_finish = $1, tier = COALESCE($2, tier) WHERE id = $3",
-            &[&finish, &tier, &id],
-        )?;
-        Ok(())
+        self.data(async |c| {
+            c.execute(
+                "UPDATE batches SET predicted_finish = $1, tier = COALESCE($2, tier) WHERE id = $3",
+                &[&finish, &tier, &id],
+            )
+            .await?;
+            Ok(())
+        })
     }
 
     /// Sets a batch's model and output expiry (at creation).
@@ -496,39 +731,42 @@ impl Pg {
         model: Option<&str>,
         output_expires_s: Option<f64>,
     ) -> Result<(), StoreError> {
-        let mut g = self.lock()?;
-        g.client()?.execute(
+        self.data(async |c| {
+            c.execute(
             "UPDATE batches SET model = COALESCE($1, model), output_expires_s = $2 WHERE id = $3",
             &[&model, &output_expires_s, &id],
-        )?;
-        Ok(())
+        ).await?;
+            Ok(())
+        })
     }
 
     /// A batch's [`Extras`] (`None`: no such batch).
     pub fn extras(&self, id: &str) -> Result<Option<Extras>, StoreError> {
-        let mut g = self.lock()?;
-        let row = g.client()?.query_opt(
+        self.data(async |c| {
+        let row = c.query_opt(
             "SELECT model, input_tokens, output_tokens, output_expires_s FROM batches WHERE id = $1",
             &[&id],
-        )?;
+        ).await?;
         Ok(row.map(|r| Extras {
             model: r.get(0),
             input_tokens: r.get::<_, i64>(1).max(0) as u64,
             output_tokens: r.get::<_, i64>(2).max(0) as u64,
             output_expires_s: r.get(3),
         }))
+        })
     }
 
     /// Output and error files past their batch's `output_expires_after`
     /// at `now` (unix seconds).
     pub fn expired_outputs(&self, now: f64) -> Result<Vec<String>, StoreError> {
-        let mut g = self.lock()?;
-        let rows = g.client()?.query(
+        self.data(async |c| {
+        let rows = c.query(
             "SELECT f.id FROM files f JOIN batches b ON f.batch_id = b.id
              WHERE b.output_expires_s IS NOT NULL AND f.created_at::DOUBLE PRECISION + b.output_expires_s <= $1",
             &[&now],
-        )?;
+        ).await?;
         Ok(rows.iter().map(|r| r.get::<_, String>(0)).collect())
+        })
     }
 
     /// [`Pg::put_result`], adding the item's tokens to its batch's usage
@@ -540,30 +778,66 @@ impl Pg {
         input_tokens: u64,
         output_tokens: u64,
     ) -> Result<bool, StoreError> {
-        let mut g = self.lock()?;
-        let mut tx = g.client()?.transaction()?;
-        let n = tx.execute(
-            "INSERT INTO results (batch_id, line, ok, text) VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
-            &[&batch, &(r.line as i64), &r.ok, &r.text],
-        )?;
-        if n == 1 {
-            tx.execute(
-                "UPDATE batches SET completed = completed + $1, failed = failed + $2,
-                     gpu_seconds = gpu_seconds + $3, deadline_misses = deadline_misses + $4,
-                     input_tokens = input_tokens + $5, output_tokens = output_tokens + $6 WHERE id = $7",
-                &[
-                    &i64::from(r.ok),
-                    &i64::from(!r.ok),
-                    &r.gpu_seconds,
-                    &i64::from(r.missed),
-                    &(input_tokens as i64),
-                    &(output_tokens as i64),
-                    &batch,
-                ],
-            )?;
-        }
-        tx.commit()?;
-        Ok(n == 1)
+        self.put_result_as(batch, r, input_tokens, output_tokens, None)
+            .map(|w| w == Written::New)
+    }
+
+    /// Writes an item's result (once: a second result of the same item is
+    /// kept out) and counts it with its tokens, in one transaction. Under
+    /// `lease` (`holder`, fencing token): only while the batch's lease is
+    /// still `holder`'s with that token; the batch's row is locked for the
+    /// check, so a replica taking the lease over waits for this write or
+    /// this write finds the lease gone ([`Written::Fenced`], nothing
+    /// written). Whether the lease has run out does not matter: until
+    /// another replica takes it, nobody else runs the batch's items.
+    pub fn put_result_as(
+        &self,
+        batch: &str,
+        r: &ItemResult,
+        input_tokens: u64,
+        output_tokens: u64,
+        lease: Option<(&str, i64)>,
+    ) -> Result<Written, StoreError> {
+        self.data(async |c| {
+            let tx = c.transaction().await?;
+            if let Some((holder, epoch)) = lease {
+                let held = tx
+                    .query_opt(
+                        "SELECT 1 FROM batches WHERE id = $1 AND lease_holder = $2 AND lease_epoch = $3 FOR UPDATE",
+                        &[&batch, &holder, &epoch],
+                    )
+                    .await?
+                    .is_some();
+                if !held {
+                    return Ok(Written::Fenced);
+                }
+            }
+            let n = tx
+                .execute(
+                    "INSERT INTO results (batch_id, line, ok, text) VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
+                    &[&batch, &(r.line as i64), &r.ok, &r.text],
+                )
+                .await?;
+            if n == 1 {
+                tx.execute(
+                    "UPDATE batches SET completed = completed + $1, failed = failed + $2,
+                         gpu_seconds = gpu_seconds + $3, deadline_misses = deadline_misses + $4,
+                         input_tokens = input_tokens + $5, output_tokens = output_tokens + $6 WHERE id = $7",
+                    &[
+                        &i64::from(r.ok),
+                        &i64::from(!r.ok),
+                        &r.gpu_seconds,
+                        &i64::from(r.missed),
+                        &(input_tokens as i64),
+                        &(output_tokens as i64),
+                        &batch,
+                    ],
+                )
+                .await?;
+            }
+            tx.commit().await?;
+            Ok(if n == 1 { Written::New } else { Written::Had })
+        })
     }
 
     pub fn put_result(&self, batch: &str, r: &ItemResult) -> Result<bool, StoreError> {
@@ -576,23 +850,24 @@ impl Pg {
         rs: &[ItemResult],
         missed: bool,
     ) -> Result<u64, StoreError> {
-        let mut g = self.lock()?;
-        let mut tx = g.client()?.transaction()?;
+        self.data(async |c| {
+        let tx = c.transaction().await?;
         let ins = tx.prepare(
             "INSERT INTO results (batch_id, line, ok, text) VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
-        )?;
+        ).await?;
         let mut new = 0u64;
         for r in rs {
-            new += tx.execute(&ins, &[&batch, &(r.line as i64), &r.ok, &r.text])?;
+            new += tx.execute(&ins, &[&batch, &(r.line as i64), &r.ok, &r.text]).await?;
         }
         if new > 0 {
             tx.execute(
                 "UPDATE batches SET failed = failed + $1, deadline_misses = deadline_misses + $2 WHERE id = $3",
                 &[&(new as i64), &(if missed { new as i64 } else { 0 }), &batch],
-            )?;
+            ).await?;
         }
-        tx.commit()?;
+        tx.commit().await?;
         Ok(new)
+        })
     }
 
     pub fn pending(
@@ -602,34 +877,37 @@ impl Pg {
         from: u64,
         limit: usize,
     ) -> Result<Vec<ItemLine>, StoreError> {
-        let mut g = self.lock()?;
-        let rows = g.client()?.query(
-            "SELECT l.line, l.custom_id, l.text FROM lines l
+        self.data(async |c| {
+            let rows = c
+                .query(
+                    "SELECT l.line, l.custom_id, l.text FROM lines l
              WHERE l.file_id = $1 AND l.line >= $2
                AND NOT EXISTS (SELECT 1 FROM results r WHERE r.batch_id = $3 AND r.line = l.line)
              ORDER BY l.line LIMIT $4",
-            &[&file, &(from as i64), &batch, &(limit as i64)],
-        )?;
-        rows.iter()
-            .map(|r| {
-                Ok(ItemLine {
-                    line: r.try_get::<_, i64>(0)? as u64,
-                    custom_id: r.try_get(1)?,
-                    text: r.try_get(2)?,
+                    &[&file, &(from as i64), &batch, &(limit as i64)],
+                )
+                .await?;
+            rows.iter()
+                .map(|r| {
+                    Ok(ItemLine {
+                        line: r.try_get::<_, i64>(0)? as u64,
+                        custom_id: r.try_get(1)?,
+                        text: r.try_get(2)?,
+                    })
                 })
-            })
-            .collect()
+                .collect()
+        })
     }
 
     pub fn finalize(&self, id: &str, to: BatchStatus, at: i64) -> Result<bool, StoreError> {
-        let mut g = self.lock()?;
-        let mut tx = g.client()?.transaction()?;
+        self.data(async |c| {
+        let tx = c.transaction().await?;
         // The batch row is locked: two replicas finalizing at once take
         // turns, and the second finds it done.
         let Some(row) = tx.query_opt(
             "SELECT owner, status, endpoint FROM batches WHERE id = $1 FOR UPDATE",
             &[&id],
-        )?
+        ).await?
         else {
             return Ok(false);
         };
@@ -644,7 +922,7 @@ impl Pg {
             let r = tx.query_one(
                 "SELECT COUNT(*), COALESCE(SUM(OCTET_LENGTH(text) + 1), 0)::BIGINT FROM results WHERE batch_id = $1 AND ok = $2",
                 &[&id, &ok],
-            )?;
+            ).await?;
             let (lines, bytes): (i64, i64) = (r.try_get(0)?, r.try_get(1)?);
             if lines == 0 {
                 continue;
@@ -673,7 +951,7 @@ impl Pg {
                     &id,
                     &ok,
                 ],
-            )?;
+            ).await?;
             ids[i] = Some(fid);
         }
         let col = to.stamp_column();
@@ -683,9 +961,10 @@ impl Pg {
                      lease_holder = NULL, lease_until = NULL WHERE id = $5"
             ),
             &[&to.name(), &at, &ids[0], &ids[1], &id],
-        )?;
-        tx.commit()?;
+        ).await?;
+        tx.commit().await?;
         Ok(true)
+        })
     }
 
     // ---- uploads -------------------------------------------------------
@@ -697,47 +976,53 @@ impl Pg {
         file: &str,
         lines: &[(u64, u64, String, String)],
     ) -> Result<Option<(u64, String)>, StoreError> {
-        let mut g = self.lock()?;
-        let mut tx = g.client()?.transaction()?;
+        self.data(async |c| {
+        let tx = c.transaction().await?;
         let st = tx.prepare(
             "INSERT INTO lines (file_id, line, custom_id, text) VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
-        )?;
+        ).await?;
         for (index, number, id, text) in lines {
-            if tx.execute(&st, &[&file, &(*index as i64), id, text])? == 0 {
-                tx.commit()?;
+            if tx.execute(&st, &[&file, &(*index as i64), id, text]).await? == 0 {
+                tx.commit().await?;
                 return Ok(Some((*number, id.clone())));
             }
         }
-        tx.commit()?;
+        tx.commit().await?;
         Ok(None)
+        })
     }
 
     pub(super) fn first_use(&self, file: &str, custom_id: &str) -> Result<Option<u64>, StoreError> {
-        let mut g = self.lock()?;
-        let r = g.client()?.query_opt(
-            "SELECT line FROM lines WHERE file_id = $1 AND custom_id = $2",
-            &[&file, &custom_id],
-        )?;
-        Ok(match r {
-            Some(r) => Some(r.try_get::<_, i64>(0)? as u64),
-            None => None,
+        self.data(async |c| {
+            let r = c
+                .query_opt(
+                    "SELECT line FROM lines WHERE file_id = $1 AND custom_id = $2",
+                    &[&file, &custom_id],
+                )
+                .await?;
+            Ok(match r {
+                Some(r) => Some(r.try_get::<_, i64>(0)? as u64),
+                None => None,
+            })
         })
     }
 
     pub(super) fn insert_file(&self, f: &FileRow) -> Result<(), StoreError> {
-        let mut g = self.lock()?;
-        g.client()?.execute(
+        self.data(async |c| {
+        c.execute(
             "INSERT INTO files (id, owner, purpose, filename, bytes, created_at, lines, endpoint) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
             &[&f.id, &f.owner, &f.purpose, &f.filename, &(f.bytes as i64), &f.created_at, &(f.lines as i64), &f.endpoint],
-        )?;
+        ).await?;
         Ok(())
+        })
     }
 
     pub(super) fn drop_lines(&self, file: &str) -> Result<(), StoreError> {
-        let mut g = self.lock()?;
-        g.client()?
-            .execute("DELETE FROM lines WHERE file_id = $1", &[&file])?;
-        Ok(())
+        self.data(async |c| {
+            c.execute("DELETE FROM lines WHERE file_id = $1", &[&file])
+                .await?;
+            Ok(())
+        })
     }
 }
 

@@ -52,7 +52,19 @@ pub enum StoreError {
         code(kiln::batch::store_pg),
         help("check that the PostgreSQL in `[batch] store` is up and reachable; the batch runner retries with backoff")
     )]
-    Pg(#[from] postgres::Error),
+    Pg(#[from] tokio_postgres::Error),
+    #[error("batch store (PostgreSQL at {url}) is unavailable: {message}")]
+    #[diagnostic(
+        code(kiln::batch::store_unavailable),
+        help("check that the PostgreSQL in `[batch] store` is up and reachable from this replica; meanwhile file and batch requests are answered 503 with Retry-After, and the batch runner sends nothing, keeps the results it has, and resumes by itself when the database answers (`[batch] store_timeout` bounds each call)")
+    )]
+    Unavailable { url: String, message: String },
+    #[error("batch store (PostgreSQL): TLS: {0}")]
+    #[diagnostic(
+        code(kiln::batch::store_tls),
+        help("`[batch] ca_file`, `client_cert` and `client_key` are PEM files read at startup: the CA that signed the PostgreSQL server's certificate, and a client certificate and its key where the server asks for one (both or neither)")
+    )]
+    Tls(crate::tls::TlsError),
     #[error("batch store: a lock was poisoned")]
     #[diagnostic(code(kiln::batch::store_lock), help("restart the gateway"))]
     Poisoned,
@@ -74,6 +86,48 @@ impl StoreError {
     /// The store is out of room (disk full or `[batch] max_store_bytes`).
     pub fn is_full(&self) -> bool {
         matches!(self, StoreError::Full(_))
+    }
+
+    /// The store cannot be reached for now (PostgreSQL down, stalled,
+    /// restarting, out of connections, its tables gone): a caller answers
+    /// 503 with Retry-After and tries again later, rather than 500.
+    pub fn is_unavailable(&self) -> bool {
+        match self {
+            StoreError::Unavailable { .. } => true,
+            StoreError::Pg(e) => pg_transient(e),
+            _ => false,
+        }
+    }
+
+    /// The PostgreSQL connection this came from is not to be used again
+    /// (closed, broken, or the database lost its tables: the next
+    /// connection makes them).
+    pub fn drops_connection(&self) -> bool {
+        match self {
+            StoreError::Unavailable { .. } => true,
+            StoreError::Pg(e) => pg_transient(e),
+            _ => false,
+        }
+    }
+}
+
+/// A PostgreSQL error that says the server or the connection is at fault,
+/// not the statement: no answer from the server at all (I/O, closed), or
+/// its codes for a lost connection (class 08), a server shutting down or
+/// starting (57P01-57P03), too many connections (53300), and a missing
+/// table (42P01: a database that came back empty).
+fn pg_transient(e: &tokio_postgres::Error) -> bool {
+    if e.is_closed() {
+        return true;
+    }
+    match e.code() {
+        // No answer from the server: the socket failed or timed out.
+        None => std::error::Error::source(e)
+            .is_some_and(|s| s.downcast_ref::<std::io::Error>().is_some()),
+        Some(c) => {
+            let c = c.code();
+            c.starts_with("08") || matches!(c, "57P01" | "57P02" | "57P03" | "53300" | "42P01")
+        }
     }
 }
 
@@ -143,7 +197,7 @@ CREATE TABLE IF NOT EXISTS results (
 );
 ";
 
-pub use super::backend::{Store, Upload};
+pub use super::backend::{is_url, Remote, Store, Upload};
 
 /// The embedded SQLite store, one gateway's ([`Store`] picks it or
 /// PostgreSQL). Cheap to clone; every call blocks on SQLite, so async

@@ -80,6 +80,55 @@ pub struct BatchSection {
         deserialize_with = "crate::units::duration::deserialize"
     )]
     pub lease: std::time::Duration,
+    /// On a PostgreSQL store: the longest one store call may take,
+    /// connecting included. A database that is down or stalled is then
+    /// answered 503 (file and batch requests, with Retry-After) and
+    /// waited out by the runner, instead of holding requests.
+    #[serde(
+        default = "default_store_timeout",
+        deserialize_with = "crate::units::duration::deserialize"
+    )]
+    pub store_timeout: std::time::Duration,
+    /// On a PostgreSQL store with TLS (`?sslmode=require` in the URL, or
+    /// `prefer` where these are set): the CA to trust instead of the
+    /// platform's roots, and a client certificate and key (PEM) where the
+    /// server asks for one.
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
+    #[serde(default)]
+    pub client_cert: Option<PathBuf>,
+    #[serde(default)]
+    pub client_key: Option<PathBuf>,
+}
+
+impl BatchSection {
+    /// The client TLS settings for a PostgreSQL store.
+    pub fn tls(&self) -> crate::tls::ClientTls {
+        crate::tls::ClientTls {
+            ca_file: self.ca_file.clone(),
+            client_cert: self.client_cert.clone(),
+            client_key: self.client_key.clone(),
+        }
+    }
+
+    /// How a PostgreSQL store is reached (timeout, TLS), or why the TLS
+    /// files cannot be used.
+    pub fn remote(&self) -> Result<crate::batch::store::Remote, crate::tls::TlsError> {
+        let tls = self.tls();
+        let tls = if tls.is_set() {
+            Some(std::sync::Arc::new(tls.client_config(&[])?))
+        } else {
+            None
+        };
+        Ok(crate::batch::store::Remote {
+            timeout: self.store_timeout,
+            tls,
+        })
+    }
+}
+
+fn default_store_timeout() -> std::time::Duration {
+    crate::batch::pg::DEFAULT_TIMEOUT
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -150,6 +199,10 @@ impl Default for BatchSection {
             order: BatchOrder::default(),
             on_predicted_miss: OnPredictedMiss::default(),
             lease: default_batch_lease(),
+            store_timeout: default_store_timeout(),
+            ca_file: None,
+            client_cert: None,
+            client_key: None,
         }
     }
 }

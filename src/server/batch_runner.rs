@@ -67,8 +67,14 @@ pub struct Batches {
     pub plans: Plans,
     /// This replica's name on batch leases (a shared store).
     pub holder: String,
-    /// The batches whose lease this replica holds (a shared store).
-    pub held: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// The batches whose lease this replica holds (a shared store), each
+    /// with its fencing token: an item's result is written only under the
+    /// token it was sent with.
+    pub held: std::sync::Mutex<HashMap<String, i64>>,
+    /// The last renewal of the leases succeeded less than half a lease
+    /// ago: while it is not so, no new item is sent (items in flight end
+    /// and write under their token, or are fenced off).
+    pub leases_fresh: std::sync::atomic::AtomicBool,
 }
 
 impl Batches {
@@ -81,7 +87,8 @@ impl Batches {
             store_waiting: AtomicUsize::new(0),
             plans: Plans::default(),
             holder: crate::batch::new_id("runner-"),
-            held: std::sync::Mutex::new(std::collections::HashSet::new()),
+            held: std::sync::Mutex::new(HashMap::new()),
+            leases_fresh: std::sync::atomic::AtomicBool::new(true),
         }
     }
 
@@ -98,6 +105,37 @@ impl Batches {
     /// Whether the store takes writes (no result is waiting for it).
     pub fn store_writable(&self) -> bool {
         self.store_waiting.load(Ordering::SeqCst) == 0
+    }
+
+    /// The fencing token of this replica's lease on `batch` (`None`: one
+    /// gateway's own store, or no lease held).
+    pub fn token(&self, batch: &str) -> Option<i64> {
+        if !self.store.shared() {
+            return None;
+        }
+        self.held.lock().ok().and_then(|h| h.get(batch).copied())
+    }
+
+    /// Gives up this replica's batch leases (a gateway that stops), so
+    /// that another replica takes its batches at its next renewal instead
+    /// of after the lease runs out. Bounded by the store's own timeout.
+    pub async fn release_leases(&self) {
+        if !self.store.shared() {
+            return;
+        }
+        let holder = self.holder.clone();
+        match self.store.run(move |s| s.release_all(&holder)).await {
+            Ok(n) => {
+                if n > 0 {
+                    tracing::info!(batches = n, "batch runner: leases released on shutdown");
+                }
+            }
+            Err(e) => tracing::warn!(error = %e,
+                "batch runner: cannot release batch leases on shutdown; other replicas take them when they run out"),
+        }
+        if let Ok(mut h) = self.held.lock() {
+            h.clear();
+        }
     }
 
     pub fn in_flight_of(&self, batch: &str) -> u64 {
@@ -434,15 +472,17 @@ async fn claimed(app: &Arc<App>, active: Vec<BatchRow>) -> Result<Vec<BatchRow>,
         .unwrap_or_default();
     Ok(active
         .into_iter()
-        .filter(|b| held.contains(&b.id))
+        .filter(|b| held.contains_key(&b.id))
         .collect())
 }
 
 /// On a shared store: takes free or expired batch leases and renews this
 /// replica's own, four times per lease, on a connection of its own (so a
-/// renewal never waits behind result writes). A renewal that keeps
-/// failing for half a lease gives the batches up here before the lease
-/// lets another replica take them.
+/// renewal never waits behind result writes). While renewals keep failing
+/// for half a lease, no new item is sent (another replica may take the
+/// batches once the lease runs out); items in flight finish and write
+/// under their fencing token, so what ran here while the lease was still
+/// ours is kept and what a new holder runs is not written twice.
 async fn keep_leases(app: Arc<App>) {
     let lease = app.config.batch.lease;
     let every = (lease / 4).max(Duration::from_millis(50));
@@ -458,24 +498,23 @@ async fn keep_leases(app: Arc<App>) {
         {
             Ok(ids) => {
                 last_ok = Instant::now();
+                let was_fresh = app.batches.leases_fresh.swap(true, Ordering::SeqCst);
                 let taken = ids.is_some_and(|ids| {
-                    let ids: std::collections::HashSet<String> = ids.into_iter().collect();
+                    let ids: HashMap<String, i64> = ids.into_iter().collect();
                     let mut new = false;
                     if let Ok(mut h) = app.batches.held.lock() {
-                        new = ids.iter().any(|i| !h.contains(i));
+                        new = ids.iter().any(|(i, t)| h.get(i) != Some(t));
                         *h = ids;
                     }
                     new
                 });
-                if taken {
+                if taken || !was_fresh {
                     app.batches.wake.notify_one();
                 }
             }
             Err(e) => {
                 if last_ok.elapsed() > lease / 2 {
-                    if let Ok(mut h) = app.batches.held.lock() {
-                        h.clear();
-                    }
+                    app.batches.leases_fresh.store(false, Ordering::SeqCst);
                 }
                 tracing::warn!(error = %e, "batch runner: cannot renew batch leases");
             }
@@ -506,6 +545,7 @@ async fn top_up(
     // batch's model has no replica in service, or while the batch pauses
     // after a run of failures.
     if !app.batches.store_writable()
+        || (app.batches.store.shared() && !app.batches.leases_fresh.load(Ordering::SeqCst))
         || !app.batches.model_serving(l.model.as_deref())
         || l.paused_until.is_some_and(|t| Instant::now() < t)
     {
@@ -546,7 +586,8 @@ async fn top_up(
             l.model = model_of(&it.text);
         }
         let line = it.line;
-        let h = tasks.spawn(item(app.clone(), b.clone(), it, done.clone()));
+        let token = app.batches.token(&b.id);
+        let h = tasks.spawn(item(app.clone(), b.clone(), it, token, done.clone()));
         l.in_flight.insert(line, h);
         taken += 1;
     }
@@ -612,8 +653,16 @@ impl Drop for Waiting<'_> {
 
 /// Runs one item to its result and stores it. A result the store refuses
 /// is kept and written again with backoff, never run again: the model
-/// call is not repeated for a store fault.
-async fn item(app: Arc<App>, b: BatchRow, it: ItemLine, done: mpsc::UnboundedSender<Done>) {
+/// call is not repeated for a store fault. On a shared store the result
+/// is written under `token`, the batch lease's fencing token when the
+/// item was sent: a replica that lost the lease meanwhile writes nothing.
+async fn item(
+    app: Arc<App>,
+    b: BatchRow,
+    it: ItemLine,
+    token: Option<i64>,
+    done: mpsc::UnboundedSender<Done>,
+) {
     let r = serve(&app, &b, &it).await;
     let missed = r.missed;
     let failed = !r.ok;
@@ -624,11 +673,20 @@ async fn item(app: Arc<App>, b: BatchRow, it: ItemLine, done: mpsc::UnboundedSen
     let tokens = usage_of(&r.text).unwrap_or((0, 0));
     let wrote = loop {
         let (id, r) = (b.id.clone(), r.clone());
+        let holder = app.batches.holder.clone();
         match store
-            .run(move |s| s.put_result_usage(&id, &r, tokens.0, tokens.1))
+            .run(move |s| {
+                let lease = token.map(|t| (holder.as_str(), t));
+                s.put_result_as(&id, &r, tokens.0, tokens.1, lease)
+            })
             .await
         {
-            Ok(w) => break w,
+            Ok(Some(w)) => break w,
+            Ok(None) => {
+                tracing::info!(batch = %b.id, line = it.line,
+                    "batch item's result not written: this replica's lease on the batch passed to another (fenced)");
+                break false;
+            }
             Err(e) => {
                 tries = tries.saturating_add(1);
                 if waiting.is_none() {

@@ -61,8 +61,22 @@ fn store_error(e: StoreError) -> ApiError {
         )
         .code("insufficient_storage");
     }
+    if e.is_unavailable() {
+        // 503 with Retry-After: the database is down, stalled or
+        // restarting (each call is bounded by `[batch] store_timeout`).
+        // A write whose commit the timeout cut off may have been stored.
+        return ApiError::new(
+            503,
+            format!("the batch store is unavailable for now ({e}); retry after the Retry-After delay (a write cut off by the timeout may still have been stored: list your files or batches before creating one again)"),
+        )
+        .code("store_unavailable")
+        .retry_after(Some(STORE_RETRY_AFTER_S));
+    }
     ApiError::new(500, format!("the batch store failed: {e}")).code("store_error")
 }
+
+/// Seconds a client is asked to wait when the batch store is unavailable.
+const STORE_RETRY_AFTER_S: u64 = 2;
 
 /// A count with thousands separators (50,000).
 fn grouped(n: u64) -> String {

@@ -831,6 +831,17 @@ impl ServerConfig {
                 help: Some("give a share above 0 and at most 1.0 (1.0: no failure budget)".into()),
             });
         }
+        if b.store_timeout < std::time::Duration::from_millis(100)
+            || b.store_timeout > std::time::Duration::from_secs(300)
+        {
+            return Err(ConfigError::Invalid {
+                message: format!(
+                    "`[batch] store_timeout = {}ms` is out of range",
+                    b.store_timeout.as_millis()
+                ),
+                help: Some("give 100ms to 300s (default 5s): the longest one PostgreSQL call may take before file and batch requests are answered 503".into()),
+            });
+        }
         if b.max_store_bytes.is_some_and(|n| n < 1024 * 1024) {
             return Err(ConfigError::Invalid {
                 message: "`[batch] max_store_bytes` is below 1 MiB".into(),

@@ -222,6 +222,8 @@ impl Running {
         let _ = self.server.await;
         self.governance.abort();
         self.batch_runner.abort();
+        let _ = self.batch_runner.await;
+        self.app.batches.release_leases().await;
         for t in &self.fleet {
             t.abort();
         }
@@ -233,7 +235,11 @@ impl Running {
     pub async fn wait(self) {
         let _ = self.server.await;
         self.governance.abort();
+        // The runner stops (its items with it), then its batch leases go,
+        // so another replica takes them at once.
         self.batch_runner.abort();
+        let _ = self.batch_runner.await;
+        self.app.batches.release_leases().await;
         for t in &self.fleet {
             t.abort();
         }
@@ -353,8 +359,15 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
     // A `postgres://` URL is a database the fleet shares; a path, this
     // gateway's SQLite file. Connecting blocks: off the async threads.
     let spec = config.batch.store.clone();
+    let remote = match &spec {
+        Some(p) if crate::batch::store::is_url(&p.to_string_lossy()) => config
+            .batch
+            .remote()
+            .map_err(|e| ServeError::Batch(crate::batch::store::StoreError::Tls(e)))?,
+        _ => crate::batch::store::Remote::default(),
+    };
     let store = tokio::task::spawn_blocking(move || match spec {
-        Some(p) => crate::batch::store::Store::connect(&p.to_string_lossy()),
+        Some(p) => crate::batch::store::Store::connect_with(&p.to_string_lossy(), &remote),
         None => crate::batch::store::Store::temporary(),
     })
     .await
