@@ -370,7 +370,9 @@ impl Pg {
         }
     }
 
-    /// On a data connection: a free one, else the next in turn.
+    /// On a data connection: the first free one (the first data
+    /// connection is never taken by [`Pg::bulk`], so an API call finds it
+    /// free unless other API calls hold it), else the next in turn.
     fn data<T>(
         &self,
         f: impl AsyncFnOnce(&mut Client) -> Result<T, StoreError>,
@@ -381,6 +383,26 @@ impl Pg {
             self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % data.len()
         });
         self.with(&data[i], f)
+    }
+
+    /// On a data connection other than the first: the runner's result
+    /// writes. Under a fast upstream they arrive faster than the batch
+    /// row's lock lets them commit, and a queue of them on every connection
+    /// made a client's `GET /v1/batches/ID` wait past `store_timeout` (a
+    /// 503 while PostgreSQL was healthy).
+    fn bulk<T>(
+        &self,
+        f: impl AsyncFnOnce(&mut Client) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let bulk = self.conns.get(2..).filter(|b| !b.is_empty());
+        let Some(bulk) = bulk else {
+            return self.data(f);
+        };
+        let pick = bulk.iter().position(|s| !s.busy());
+        let i = pick.unwrap_or_else(|| {
+            self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % bulk.len()
+        });
+        self.with(&bulk[i], f)
     }
 
     /// On the lease connection.
@@ -798,7 +820,7 @@ impl Pg {
         output_tokens: u64,
         lease: Option<(&str, i64)>,
     ) -> Result<Written, StoreError> {
-        self.data(async |c| {
+        self.bulk(async |c| {
             let tx = c.transaction().await?;
             if let Some((holder, epoch)) = lease {
                 let held = tx
@@ -850,7 +872,7 @@ impl Pg {
         rs: &[ItemResult],
         missed: bool,
     ) -> Result<u64, StoreError> {
-        self.data(async |c| {
+        self.bulk(async |c| {
         let tx = c.transaction().await?;
         let ins = tx.prepare(
             "INSERT INTO results (batch_id, line, ok, text) VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
