@@ -671,6 +671,28 @@ fn a_replica_that_lost_its_lease_writes_no_result() {
     );
     let row = a.batch("batch_f").unwrap().unwrap();
     assert_eq!(row.counts.completed, 3, "{row:?}");
+    // Results written together (the runner's writer): one already there
+    // and one twice in the group count once each; b's stale token writes
+    // none of them.
+    let finished = |line: u64| kiln::batch::store::Finished {
+        result: result(line),
+        input_tokens: 2,
+        output_tokens: 1,
+    };
+    let group = [finished(2), finished(3), finished(3)];
+    assert_eq!(
+        b.put_finished_as("batch_f", &group, Some(("rb", tb)))
+            .unwrap(),
+        None
+    );
+    assert_eq!(
+        a.put_finished_as("batch_f", &group, Some(("ra", ta2)))
+            .unwrap(),
+        Some(vec![false, true, false])
+    );
+    let row = a.batch("batch_f").unwrap().unwrap();
+    assert_eq!(row.counts.completed, 4, "{row:?}");
+    assert!(a.pending("batch_f", "file-f", 0, 10).unwrap().is_empty());
 }
 
 /// Every store call is bounded: through a proxy that stalls (connections

@@ -4,7 +4,7 @@
 //! forwards to [`super::store::Sqlite`] or [`super::pg::Pg`].
 
 use super::pg::{Pg, Written};
-use super::store::{Extras, ItemResult, Sqlite, SqliteUpload, StoreError};
+use super::store::{Extras, Finished, ItemResult, Sqlite, SqliteUpload, StoreError};
 use super::{BatchRow, BatchStatus, FileRow, ItemLine};
 use std::path::Path;
 
@@ -319,6 +319,22 @@ impl Store {
                     Written::Had => Some(false),
                     Written::Fenced => None,
                 }),
+        }
+    }
+
+    /// Finished items' results with their tokens, in one transaction,
+    /// under a batch lease as [`Store::put_result_as`]: `None` when the
+    /// lease has passed to another holder and nothing was written, else
+    /// for each item whether its result is new.
+    pub fn put_finished_as(
+        &self,
+        batch: &str,
+        items: &[Finished],
+        lease: Option<(&str, i64)>,
+    ) -> Result<Option<Vec<bool>>, StoreError> {
+        match self {
+            Store::Sqlite(s) => s.put_finished(batch, items).map(Some),
+            Store::Postgres(p) => p.put_finished_as(batch, items, lease),
         }
     }
 

@@ -122,6 +122,23 @@ pub struct FileRow {
 }
 
 impl FileRow {
+    /// A batch input file of `lines` lines, for tests.
+    #[cfg(test)]
+    pub fn example(id: &str, lines: u64) -> FileRow {
+        FileRow {
+            id: id.into(),
+            owner: Some("t".into()),
+            purpose: "batch".into(),
+            filename: "f.jsonl".into(),
+            bytes: 10,
+            created_at: 1,
+            lines,
+            endpoint: Some("/v1/chat/completions".into()),
+            batch_id: None,
+            ok: None,
+        }
+    }
+
     /// OpenAI's file object.
     pub fn to_json(&self) -> Value {
         json!({
@@ -172,6 +189,42 @@ pub struct BatchRow {
 }
 
 impl BatchRow {
+    /// A batch in progress with nothing done, for tests.
+    #[cfg(test)]
+    pub fn example(id: &str, file: &str, total: u64) -> BatchRow {
+        BatchRow {
+            id: id.into(),
+            owner: Some("t".into()),
+            input_file_id: file.into(),
+            endpoint: "/v1/chat/completions".into(),
+            completion_window: "24h".into(),
+            window_s: 86_400.0,
+            status: BatchStatus::InProgress,
+            created_at: 1,
+            expires_at: 86_401,
+            in_progress_at: None,
+            finalizing_at: None,
+            completed_at: None,
+            failed_at: None,
+            expired_at: None,
+            cancelling_at: None,
+            cancelled_at: None,
+            counts: RequestCounts {
+                total,
+                completed: 0,
+                failed: 0,
+            },
+            metadata: None,
+            errors: None,
+            output_file_id: None,
+            error_file_id: None,
+            tier: None,
+            predicted_finish: None,
+            gpu_seconds: 0.0,
+            deadline_misses: 0,
+        }
+    }
+
     /// Will it finish after its window, by the last estimate?
     pub fn predicted_miss(&self) -> bool {
         !self.status.terminal()

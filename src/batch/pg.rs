@@ -17,8 +17,9 @@
 //! Calls block (the `postgres` client): async callers run them on a
 //! blocking thread ([`super::store::Store::run`]), as they do for SQLite.
 
-use super::store::{Extras, ItemResult, StoreError};
+use super::store::{Counted, Extras, Finished, ItemResult, StoreError};
 use super::{BatchRow, BatchStatus, FileRow, ItemLine, RequestCounts};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_postgres::{Client, Row};
@@ -124,13 +125,19 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
 ///
 /// **Every call is bounded.** The connections are `tokio-postgres`
 /// clients driven by a runtime of the store's own (one thread); a call
-/// blocks its (blocking) thread on that runtime under one timeout that
-/// covers connecting, the statements and the commit. A call that runs out
-/// of time closes its connection (a stalled server holds no thread, and a
-/// late reply is never read as the next call's) and fails with
-/// [`StoreError::Unavailable`]; the next call connects again. A database
-/// that came back empty (its tables gone) is answered the same way once,
-/// and the next connection makes the tables again.
+/// blocks its (blocking) thread on that runtime. It waits at most the
+/// store's timeout for its connection, and then has the timeout again for
+/// connecting, the statements and the commit: a call that waited its turn
+/// behind others still has the time to do its work. (With one budget for
+/// both, callers queued after an outage got their connection with almost
+/// nothing left, each dropped it mid-connect, and the store never came
+/// back while callers kept arriving.) A call that runs out of time holding
+/// its connection closes it (a stalled server holds no thread, and a late
+/// reply is never read as the next call's) and fails with
+/// [`StoreError::Unavailable`]; the next call connects again. The tables
+/// are made on the first connection, and again on the next connection
+/// after a statement found one missing (a database that came back empty,
+/// answered [`StoreError::Unavailable`] once).
 #[derive(Clone)]
 pub struct Pg {
     url: Arc<str>,
@@ -143,6 +150,9 @@ pub struct Pg {
     /// `[0]` leases; the rest data (made on first use).
     conns: Arc<[Slot]>,
     next: Arc<std::sync::atomic::AtomicUsize>,
+    /// The tables are to be made on the next connection: at first, and
+    /// after a statement found a table missing.
+    make_tables: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// The store's runtime: one worker thread that drives the connections'
@@ -273,6 +283,7 @@ impl Pg {
             rt: Arc::new(Rt(Some(rt))),
             conns: conns.into(),
             next: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+            make_tables: Arc::new(std::sync::atomic::AtomicBool::new(true)),
         };
         // The first connection, made now: a store that cannot be reached
         // at start says why before the gateway serves.
@@ -310,20 +321,26 @@ impl Pg {
                 Live { client, task }
             }
         };
-        // Replicas starting together: one makes the tables, the others
-        // wait.
-        let tx = live.client.transaction().await.map_err(unavailable)?;
-        tx.execute("SELECT pg_advisory_xact_lock(7315002)", &[])
-            .await
-            .map_err(unavailable)?;
-        tx.batch_execute(SCHEMA).await.map_err(unavailable)?;
-        tx.commit().await.map_err(unavailable)?;
+        // Once, not on every connection: a reconnect is then only the
+        // handshake (the DDL under an advisory lock made each reconnect
+        // after an outage slow, and reconnects queue behind each other).
+        if self.make_tables.load(Ordering::SeqCst) {
+            // Replicas starting together: one makes the tables, the others
+            // wait.
+            let tx = live.client.transaction().await.map_err(unavailable)?;
+            tx.execute("SELECT pg_advisory_xact_lock(7315002)", &[])
+                .await
+                .map_err(unavailable)?;
+            tx.batch_execute(SCHEMA).await.map_err(unavailable)?;
+            tx.commit().await.map_err(unavailable)?;
+            self.make_tables.store(false, Ordering::SeqCst);
+        }
         Ok(live)
     }
 
     /// Runs `f` on `slot`'s connection (made first where there is none or
-    /// it broke), all of it within the store's timeout: the wait for the
-    /// connection (first come, first served), connecting, and `f`.
+    /// it broke): the wait for the connection (first come, first served)
+    /// within the store's timeout, then connecting and `f` within it again.
     fn with<T>(
         &self,
         slot: &Slot,
@@ -333,12 +350,22 @@ impl Pg {
             return Err(StoreError::Poisoned);
         };
         let timeout = self.timeout;
-        let r = rt.handle().block_on(async {
-            tokio::time::timeout(timeout, async {
-                // Dropped before it is disarmed (the call ran out of time
-                // while holding the connection, which may be mid-reply):
-                // the connection is not used again.
-                let mut held = Discard(Some(slot.0.lock().await));
+        let late = || StoreError::Unavailable {
+            url: redact(&self.url),
+            message: format!(
+                "no answer within {} ms (`[batch] store_timeout`)",
+                timeout.as_millis()
+            ),
+        };
+        rt.handle().block_on(async {
+            let Ok(guard) = tokio::time::timeout(timeout, slot.0.lock()).await else {
+                return Err(late());
+            };
+            // Dropped before it is disarmed (the call ran out of time while
+            // holding the connection, which may be mid-reply): the
+            // connection is not used again.
+            let mut held = Discard(Some(guard));
+            let work = async {
                 let Some(g) = held.0.as_mut() else {
                     return Err(StoreError::Poisoned);
                 };
@@ -346,28 +373,25 @@ impl Pg {
                     **g = None;
                     **g = Some(self.connect().await?);
                 }
-                let out = match g.as_mut() {
+                match g.as_mut() {
                     Some(l) => f(&mut l.client).await,
                     None => Err(StoreError::Poisoned),
-                };
-                let keep = !out.as_ref().err().is_some_and(StoreError::drops_connection);
-                if keep {
-                    held.0 = None;
                 }
-                out
-            })
-            .await
-        });
-        match r {
-            Ok(out) => out,
-            Err(_) => Err(StoreError::Unavailable {
-                url: redact(&self.url),
-                message: format!(
-                    "no answer within {} ms (`[batch] store_timeout`)",
-                    timeout.as_millis()
-                ),
-            }),
-        }
+            };
+            let out = match tokio::time::timeout(timeout, work).await {
+                Ok(out) => out,
+                Err(_) => return Err(late()),
+            };
+            if let Err(e) = &out {
+                if e.missing_table() {
+                    self.make_tables.store(true, Ordering::SeqCst);
+                }
+            }
+            if !out.as_ref().err().is_some_and(StoreError::drops_connection) {
+                held.0 = None;
+            }
+            out
+        })
     }
 
     /// On a data connection: the first free one (the first data
@@ -805,13 +829,8 @@ impl Pg {
     }
 
     /// Writes an item's result (once: a second result of the same item is
-    /// kept out) and counts it with its tokens, in one transaction. Under
-    /// `lease` (`holder`, fencing token): only while the batch's lease is
-    /// still `holder`'s with that token; the batch's row is locked for the
-    /// check, so a replica taking the lease over waits for this write or
-    /// this write finds the lease gone ([`Written::Fenced`], nothing
-    /// written). Whether the lease has run out does not matter: until
-    /// another replica takes it, nobody else runs the batch's items.
+    /// kept out) and counts it with its tokens, in one transaction; under
+    /// `lease`, as [`Pg::put_finished_as`].
     pub fn put_result_as(
         &self,
         batch: &str,
@@ -820,6 +839,37 @@ impl Pg {
         output_tokens: u64,
         lease: Option<(&str, i64)>,
     ) -> Result<Written, StoreError> {
+        let one = Finished {
+            result: r.clone(),
+            input_tokens,
+            output_tokens,
+        };
+        Ok(match self.put_finished_as(batch, &[one], lease)? {
+            None => Written::Fenced,
+            Some(new) if new.first() == Some(&true) => Written::New,
+            Some(_) => Written::Had,
+        })
+    }
+
+    /// Writes finished items' results (each once: an item that had a
+    /// result keeps it) and counts them with their tokens, in one
+    /// transaction and three statements however many there are; for each,
+    /// whether it was new. Under `lease` (`holder`, fencing token): only
+    /// while the batch's lease is still `holder`'s with that token; the
+    /// batch's row is locked for the check, so a replica taking the lease
+    /// over waits for this write or this write finds the lease gone
+    /// (`None`, nothing written). Whether the lease has run out does not
+    /// matter: until another replica takes it, nobody else runs the
+    /// batch's items.
+    pub fn put_finished_as(
+        &self,
+        batch: &str,
+        items: &[Finished],
+        lease: Option<(&str, i64)>,
+    ) -> Result<Option<Vec<bool>>, StoreError> {
+        let lines: Vec<i64> = items.iter().map(|f| f.result.line as i64).collect();
+        let oks: Vec<bool> = items.iter().map(|f| f.result.ok).collect();
+        let texts: Vec<&str> = items.iter().map(|f| f.result.text.as_str()).collect();
         self.bulk(async |c| {
             let tx = c.transaction().await?;
             if let Some((holder, epoch)) = lease {
@@ -831,34 +881,45 @@ impl Pg {
                     .await?
                     .is_some();
                 if !held {
-                    return Ok(Written::Fenced);
+                    return Ok(None);
                 }
             }
-            let n = tx
-                .execute(
-                    "INSERT INTO results (batch_id, line, ok, text) VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
-                    &[&batch, &(r.line as i64), &r.ok, &r.text],
+            let rows = tx
+                .query(
+                    "INSERT INTO results (batch_id, line, ok, text)
+                     SELECT $1, * FROM UNNEST($2::BIGINT[], $3::BOOLEAN[], $4::TEXT[])
+                     ON CONFLICT DO NOTHING RETURNING line",
+                    &[&batch, &lines, &oks, &texts],
                 )
                 .await?;
-            if n == 1 {
+            let written: std::collections::HashSet<i64> =
+                rows.iter().map(|r| r.get::<_, i64>(0)).collect();
+            // A line twice in one write: its first result is the new one.
+            let mut seen = std::collections::HashSet::new();
+            let new: Vec<bool> = lines
+                .iter()
+                .map(|l| written.contains(l) && seen.insert(*l))
+                .collect();
+            let sum = Counted::of(items, &new);
+            if sum.any {
                 tx.execute(
                     "UPDATE batches SET completed = completed + $1, failed = failed + $2,
                          gpu_seconds = gpu_seconds + $3, deadline_misses = deadline_misses + $4,
                          input_tokens = input_tokens + $5, output_tokens = output_tokens + $6 WHERE id = $7",
                     &[
-                        &i64::from(r.ok),
-                        &i64::from(!r.ok),
-                        &r.gpu_seconds,
-                        &i64::from(r.missed),
-                        &(input_tokens as i64),
-                        &(output_tokens as i64),
+                        &sum.completed,
+                        &sum.failed,
+                        &sum.gpu_seconds,
+                        &sum.missed,
+                        &sum.input_tokens,
+                        &sum.output_tokens,
                         &batch,
                     ],
                 )
                 .await?;
             }
             tx.commit().await?;
-            Ok(if n == 1 { Written::New } else { Written::Had })
+            Ok(Some(new))
         })
     }
 

@@ -109,6 +109,15 @@ impl StoreError {
             _ => false,
         }
     }
+
+    /// A statement found a table missing (PostgreSQL 42P01: a database that
+    /// came back empty); the store makes its tables on its next connection.
+    pub fn missing_table(&self) -> bool {
+        match self {
+            StoreError::Pg(e) => e.code().is_some_and(|c| c.code() == "42P01"),
+            _ => false,
+        }
+    }
 }
 
 /// A PostgreSQL error that says the server or the connection is at fault,
@@ -715,30 +724,49 @@ impl Sqlite {
         input_tokens: u64,
         output_tokens: u64,
     ) -> Result<bool, StoreError> {
+        let one = Finished {
+            result: r.clone(),
+            input_tokens,
+            output_tokens,
+        };
+        Ok(self.put_finished(batch, &[one])?.first() == Some(&true))
+    }
+
+    /// Writes finished items' results with their tokens, in one
+    /// transaction (one commit for many items); for each, whether it was
+    /// new (an item that had a result keeps it, and is not counted again).
+    pub fn put_finished(&self, batch: &str, items: &[Finished]) -> Result<Vec<bool>, StoreError> {
         let mut c = lock(&self.write)?;
         let tx = c.transaction()?;
-        let n = tx.execute(
-            "INSERT OR IGNORE INTO results (batch_id, line, ok, text) VALUES (?1, ?2, ?3, ?4)",
-            params![batch, r.line as i64, r.ok, r.text],
-        )?;
-        if n == 1 {
+        let mut new = Vec::with_capacity(items.len());
+        {
+            let mut ins = tx.prepare_cached(
+                "INSERT OR IGNORE INTO results (batch_id, line, ok, text) VALUES (?1, ?2, ?3, ?4)",
+            )?;
+            for f in items {
+                let r = &f.result;
+                new.push(ins.execute(params![batch, r.line as i64, r.ok, r.text])? == 1);
+            }
+        }
+        let sum = Counted::of(items, &new);
+        if sum.any {
             tx.execute(
                 "UPDATE batches SET completed = completed + ?1, failed = failed + ?2,
                      gpu_seconds = gpu_seconds + ?3, deadline_misses = deadline_misses + ?4,
                      input_tokens = input_tokens + ?5, output_tokens = output_tokens + ?6 WHERE id = ?7",
                 params![
-                    i64::from(r.ok),
-                    i64::from(!r.ok),
-                    r.gpu_seconds,
-                    i64::from(r.missed),
-                    input_tokens as i64,
-                    output_tokens as i64,
+                    sum.completed,
+                    sum.failed,
+                    sum.gpu_seconds,
+                    sum.missed,
+                    sum.input_tokens,
+                    sum.output_tokens,
                     batch
                 ],
             )?;
         }
         tx.commit()?;
-        Ok(n == 1)
+        Ok(new)
     }
 
     /// Writes many results in one transaction (items a batch's end left
@@ -879,6 +907,45 @@ pub struct ItemResult {
     pub gpu_seconds: f64,
     /// Finished after its batch's window.
     pub missed: bool,
+}
+
+/// A finished item as the runner writes it: its result and the tokens it
+/// used (counted in its batch's usage with the result, together).
+#[derive(Debug, Clone)]
+pub struct Finished {
+    pub result: ItemResult,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+}
+
+/// What the new results of a write add to their batch's counts.
+#[derive(Debug, Default)]
+pub(super) struct Counted {
+    pub any: bool,
+    pub completed: i64,
+    pub failed: i64,
+    pub gpu_seconds: f64,
+    pub missed: i64,
+    pub input_tokens: i64,
+    pub output_tokens: i64,
+}
+
+impl Counted {
+    /// The sums over `items` whose flag in `new` is set.
+    pub fn of(items: &[Finished], new: &[bool]) -> Counted {
+        let mut c = Counted::default();
+        for (f, _) in items.iter().zip(new).filter(|(_, n)| **n) {
+            let r = &f.result;
+            c.any = true;
+            c.completed += i64::from(r.ok);
+            c.failed += i64::from(!r.ok);
+            c.gpu_seconds += r.gpu_seconds;
+            c.missed += i64::from(r.missed);
+            c.input_tokens = c.input_tokens.saturating_add(f.input_tokens as i64);
+            c.output_tokens = c.output_tokens.saturating_add(f.output_tokens as i64);
+        }
+        c
+    }
 }
 
 /// An upload in progress: lines buffered, then written a page at a time.
@@ -1048,55 +1115,14 @@ fn batch_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<BatchRow> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::batch::{BatchRow, BatchStatus, FileRow, RequestCounts};
+    use crate::batch::{BatchRow, BatchStatus, FileRow};
 
     fn file(id: &str, lines: u64) -> FileRow {
-        FileRow {
-            id: id.into(),
-            owner: Some("t".into()),
-            purpose: "batch".into(),
-            filename: "f.jsonl".into(),
-            bytes: 10,
-            created_at: 1,
-            lines,
-            endpoint: Some("/v1/chat/completions".into()),
-            batch_id: None,
-            ok: None,
-        }
+        FileRow::example(id, lines)
     }
 
     fn batch(id: &str, file: &str, total: u64) -> BatchRow {
-        BatchRow {
-            id: id.into(),
-            owner: Some("t".into()),
-            input_file_id: file.into(),
-            endpoint: "/v1/chat/completions".into(),
-            completion_window: "24h".into(),
-            window_s: 86_400.0,
-            status: BatchStatus::InProgress,
-            created_at: 1,
-            expires_at: 86_401,
-            in_progress_at: None,
-            finalizing_at: None,
-            completed_at: None,
-            failed_at: None,
-            expired_at: None,
-            cancelling_at: None,
-            cancelled_at: None,
-            counts: RequestCounts {
-                total,
-                completed: 0,
-                failed: 0,
-            },
-            metadata: None,
-            errors: None,
-            output_file_id: None,
-            error_file_id: None,
-            tier: None,
-            predicted_finish: None,
-            gpu_seconds: 0.0,
-            deadline_misses: 0,
-        }
+        BatchRow::example(id, file, total)
     }
 
     fn result(line: u64, ok: bool, text: &str) -> ItemResult {

@@ -36,9 +36,10 @@
 //! sent (a model call whose result cannot be stored is wasted GPU time).
 
 use super::batch_plan::{endpoint_of, plan_rows, Plans};
+use super::batch_writer::Writer;
 use super::request::Outcome as Ended;
 use super::App;
-use crate::batch::store::{ItemResult, Store, StoreError};
+use crate::batch::store::{Finished, ItemResult, Store, StoreError};
 use crate::batch::{BatchRow, BatchStatus, ItemLine};
 use axum::response::IntoResponse;
 use serde_json::{json, Value};
@@ -149,6 +150,14 @@ impl Batches {
 
 pub use crate::batch::now_s;
 
+/// Where items end: their results go to the writer, then word of them to
+/// the runner.
+#[derive(Clone)]
+struct Ends {
+    done: mpsc::UnboundedSender<Done>,
+    writer: Writer,
+}
+
 /// A finished item, reported to the runner.
 struct Done {
     batch: String,
@@ -206,6 +215,10 @@ pub fn spawn(app: Arc<App>) -> tokio::task::JoinHandle<()> {
 
 async fn run(app: Arc<App>) {
     let (done_tx, mut done_rx) = mpsc::unbounded_channel::<Done>();
+    let ends = Ends {
+        done: done_tx,
+        writer: Writer::start(app.batches.store.clone(), app.batches.holder.clone()),
+    };
     let mut live: HashMap<String, Live> = HashMap::new();
     let wake = app.batches.wake.clone();
     // Item tasks live in this set: when the runner stops (the gateway
@@ -234,7 +247,7 @@ async fn run(app: Arc<App>) {
             _ = wake.notified() => {}
             _ = tokio::time::sleep(Duration::from_millis(250)) => {}
         }
-        match step(&app, &mut live, &done_tx, &mut tasks, &mut slots).await {
+        match step(&app, &mut live, &ends, &mut tasks, &mut slots).await {
             Ok(()) => failing = 0,
             Err(e) => {
                 failing = failing.saturating_add(1);
@@ -297,7 +310,7 @@ fn finished(app: &App, live: &mut HashMap<String, Live>, d: Done) {
 async fn step(
     app: &Arc<App>,
     live: &mut HashMap<String, Live>,
-    done: &mpsc::UnboundedSender<Done>,
+    ends: &Ends,
     tasks: &mut tokio::task::JoinSet<()>,
     slots: &mut (Option<Instant>, usize),
 ) -> Result<(), StoreError> {
@@ -419,7 +432,7 @@ async fn step(
                     continue;
                 }
                 let share = shares.get(&b.id).copied().unwrap_or(1);
-                top_up(app, b, l, share, done, tasks).await?;
+                top_up(app, b, l, share, ends, tasks).await?;
                 forecast(app, b, l, planned.get(&b.id)).await?;
             }
             BatchStatus::Cancelling => {
@@ -538,7 +551,7 @@ async fn top_up(
     b: &BatchRow,
     l: &mut Live,
     share: usize,
-    done: &mpsc::UnboundedSender<Done>,
+    ends: &Ends,
     tasks: &mut tokio::task::JoinSet<()>,
 ) -> Result<(), StoreError> {
     // Nothing is sent while a result waits for the store, while the
@@ -587,7 +600,7 @@ async fn top_up(
         }
         let line = it.line;
         let token = app.batches.token(&b.id);
-        let h = tasks.spawn(item(app.clone(), b.clone(), it, token, done.clone()));
+        let h = tasks.spawn(item(app.clone(), b.clone(), it, token, ends.clone()));
         l.in_flight.insert(line, h);
         taken += 1;
     }
@@ -656,31 +669,21 @@ impl Drop for Waiting<'_> {
 /// call is not repeated for a store fault. On a shared store the result
 /// is written under `token`, the batch lease's fencing token when the
 /// item was sent: a replica that lost the lease meanwhile writes nothing.
-async fn item(
-    app: Arc<App>,
-    b: BatchRow,
-    it: ItemLine,
-    token: Option<i64>,
-    done: mpsc::UnboundedSender<Done>,
-) {
+async fn item(app: Arc<App>, b: BatchRow, it: ItemLine, token: Option<i64>, ends: Ends) {
     let r = serve(&app, &b, &it).await;
     let missed = r.missed;
     let failed = !r.ok;
-    let store = app.batches.store.clone();
     let mut waiting: Option<Waiting<'_>> = None;
     let mut tries = 0u32;
     // Its tokens count in its batch's usage with the result, together.
     let tokens = usage_of(&r.text).unwrap_or((0, 0));
+    let finished = Finished {
+        result: r,
+        input_tokens: tokens.0,
+        output_tokens: tokens.1,
+    };
     let wrote = loop {
-        let (id, r) = (b.id.clone(), r.clone());
-        let holder = app.batches.holder.clone();
-        match store
-            .run(move |s| {
-                let lease = token.map(|t| (holder.as_str(), t));
-                s.put_result_as(&id, &r, tokens.0, tokens.1, lease)
-            })
-            .await
-        {
+        match ends.writer.put(&b.id, token, finished.clone()).await {
             Ok(Some(w)) => break w,
             Ok(None) => {
                 tracing::info!(batch = %b.id, line = it.line,
@@ -715,7 +718,7 @@ async fn item(
             1,
         );
     }
-    let _ = done.send(Done {
+    let _ = ends.done.send(Done {
         batch: b.id,
         line: it.line,
         wrote,
@@ -1177,32 +1180,8 @@ mod tests {
     }
 
     fn test_row() -> BatchRow {
-        BatchRow {
-            id: "batch_t".into(),
-            owner: None,
-            input_file_id: "file-t".into(),
-            endpoint: "/v1/chat/completions".into(),
-            completion_window: "24h".into(),
-            window_s: 86_400.0,
-            status: BatchStatus::InProgress,
-            created_at: 0,
-            expires_at: 86_400,
-            in_progress_at: None,
-            finalizing_at: None,
-            completed_at: None,
-            failed_at: None,
-            expired_at: None,
-            cancelling_at: None,
-            cancelled_at: None,
-            counts: crate::batch::RequestCounts::default(),
-            metadata: None,
-            errors: None,
-            output_file_id: None,
-            error_file_id: None,
-            tier: None,
-            predicted_finish: None,
-            gpu_seconds: 0.0,
-            deadline_misses: 0,
-        }
+        let mut b = BatchRow::example("batch_t", "file-t", 0);
+        (b.owner, b.created_at, b.expires_at) = (None, 0, 86_400);
+        b
     }
 }

@@ -18,6 +18,7 @@ pub mod batch_config;
 pub mod batch_lines;
 pub mod batch_plan;
 pub mod batch_runner;
+pub mod batch_writer;
 pub mod batches;
 pub mod cache;
 pub mod config;
