@@ -1042,3 +1042,44 @@ async fn the_store_reaches_postgres_over_tls_with_a_custom_ca() {
         .expect("a missing CA file is refused");
     assert!(e.to_string().contains("/nonexistent/ca.pem"), "{e}");
 }
+
+/// A database that came back empty (its tables gone, as after a restore
+/// or a new server at the same address): the next call says the store is
+/// unavailable, and the call after it makes the tables again and works,
+/// on the same store without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_that_came_back_empty_gets_its_tables_again() {
+    let Some(pg) = support::postgres::Postgres::start() else {
+        return;
+    };
+    let url = pg.url();
+    let store = tokio::task::spawn_blocking(move || Store::connect(&url).unwrap())
+        .await
+        .unwrap();
+    let s = store.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut up = s.upload("file-e");
+        assert_eq!(up.line(0, 1, "c0", "{}").unwrap(), None);
+        assert_eq!(up.commit(&file("file-e", 1)).unwrap(), None);
+    })
+    .await
+    .unwrap();
+    assert!(store.run(|s| s.file("file-e")).await.unwrap().is_some());
+    let (client, conn) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    let driver = tokio::spawn(conn);
+    client
+        .batch_execute("DROP TABLE files, lines, batches, results")
+        .await
+        .unwrap();
+    let e = store
+        .run(|s| s.file("file-e"))
+        .await
+        .expect_err("the tables are gone");
+    assert!(e.is_unavailable(), "{e}");
+    // The next call makes the tables again: an empty store, working.
+    assert_eq!(store.run(|s| s.file("file-e")).await.unwrap(), None);
+    assert!(store.run(|s| s.active()).await.unwrap().is_empty());
+    driver.abort();
+}
