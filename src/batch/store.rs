@@ -209,11 +209,17 @@ fn migrate_layout(c: &Connection) -> Result<(), rusqlite::Error> {
 
 /// Columns added to `batches` after its first layout, each added once
 /// to an older database (`ALTER TABLE … ADD COLUMN`, which keeps rows).
-const EXTRA_COLUMNS: [(&str, &str); 4] = [
+const EXTRA_COLUMNS: [(&str, &str); 8] = [
     ("model", "TEXT"),
     ("input_tokens", "INTEGER NOT NULL DEFAULT 0"),
     ("output_tokens", "INTEGER NOT NULL DEFAULT 0"),
     ("output_expires_s", "REAL"),
+    // The promise (`super::Promise`): made at submission, and the
+    // batch's place in the plan as the runner last saw it.
+    ("promised", "INTEGER"),
+    ("promised_finish", "REAL"),
+    ("plan_rank", "INTEGER"),
+    ("pace_ratio", "REAL"),
 ];
 
 fn add_columns(c: &Connection) -> Result<(), rusqlite::Error> {
@@ -482,8 +488,10 @@ impl Sqlite {
         }
         tx.execute(
             "INSERT INTO batches (id, owner, seq, input_file_id, endpoint, completion_window, window_s, status,
-                created_at, expires_at, total, metadata, tier, predicted_finish)
-             VALUES (?1, ?2, (SELECT COALESCE(MAX(seq), 0) + 1 FROM batches), ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
+                created_at, expires_at, total, metadata, tier, predicted_finish,
+                promised, promised_finish, plan_rank, pace_ratio)
+             VALUES (?1, ?2, (SELECT COALESCE(MAX(seq), 0) + 1 FROM batches), ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13,
+                ?14, ?15, ?16, ?17)",
             params![
                 b.id,
                 b.owner,
@@ -498,6 +506,10 @@ impl Sqlite {
                 b.metadata.as_ref().map(|m| m.to_string()),
                 b.tier,
                 b.predicted_finish,
+                b.promise.on_time,
+                b.promise.finish,
+                b.promise.rank.map(|r| r as i64),
+                b.promise.pace_ratio,
             ],
         )?;
         tx.commit()?;
@@ -631,17 +643,22 @@ impl Sqlite {
         Ok(())
     }
 
+    /// A running batch's predicted finish and its place in the plan (its
+    /// rank in its group and the group's pace ratio; `None` keeps the
+    /// stored one).
     pub fn set_prediction(
         &self,
         id: &str,
         finish: Option<f64>,
-        tier: Option<&str>,
+        rank: Option<u64>,
+        pace_ratio: Option<f64>,
     ) -> Result<(), StoreError> {
         let c = lock(&self.write)?;
-        c.execute(
-            "UPDATE batches SET predicted_finish = ?1, tier = COALESCE(?2, tier) WHERE id = ?3",
-            params![finish, tier, id],
-        )?;
+        c.prepare_cached(
+            "UPDATE batches SET predicted_finish = ?1, plan_rank = COALESCE(?2, plan_rank),
+                 pace_ratio = COALESCE(?3, pace_ratio) WHERE id = ?4",
+        )?
+        .execute(params![finish, rank.map(|r| r as i64), pace_ratio, id])?;
         Ok(())
     }
 
@@ -953,7 +970,8 @@ fn file_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<FileRow> {
 
 const BATCH_COLS: &str = "id, owner, input_file_id, endpoint, completion_window, window_s, status, created_at, expires_at,
     in_progress_at, finalizing_at, completed_at, failed_at, expired_at, cancelling_at, cancelled_at,
-    total, completed, failed, metadata, errors, output_file_id, error_file_id, tier, predicted_finish, gpu_seconds, deadline_misses";
+    total, completed, failed, metadata, errors, output_file_id, error_file_id, tier, predicted_finish, gpu_seconds, deadline_misses,
+    promised, promised_finish, plan_rank, pace_ratio";
 
 fn batch_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<BatchRow> {
     let json = |s: Option<String>| s.and_then(|s| serde_json::from_str(&s).ok());
@@ -988,6 +1006,12 @@ fn batch_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<BatchRow> {
         predicted_finish: r.get(24)?,
         gpu_seconds: r.get(25)?,
         deadline_misses: r.get::<_, i64>(26)? as u64,
+        promise: super::Promise {
+            on_time: r.get(27)?,
+            finish: r.get(28)?,
+            rank: r.get::<_, Option<i64>>(29)?.map(|r| r.max(0) as u64),
+            pace_ratio: r.get(30)?,
+        },
     })
 }
 
@@ -1042,6 +1066,7 @@ mod tests {
             predicted_finish: None,
             gpu_seconds: 0.0,
             deadline_misses: 0,
+            promise: Default::default(),
         }
     }
 
@@ -1244,6 +1269,50 @@ mod tests {
         }
         let s = Store::open(&path).unwrap();
         assert!(s.lines("file-z", 0, 10).unwrap().is_empty());
+        drop(s);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_promise_is_stored_and_read_back_after_reopening() {
+        let dir = std::env::temp_dir().join(format!(
+            "kiln-store-promise-{}-{}",
+            std::process::id(),
+            crate::clock::unix_ms() as u64
+        ));
+        let path = dir.join("b.db");
+        let promise = crate::batch::Promise {
+            on_time: Some(false),
+            finish: Some(1234.5),
+            rank: Some(1),
+            pace_ratio: None,
+        };
+        {
+            let s = Store::open(&path).unwrap();
+            stored(&s, "file-a", 2);
+            let mut b = batch("batch_a", "file-a", 2);
+            b.promise = promise;
+            assert!(s.insert_batch(&b).unwrap());
+            assert_eq!(s.batch("batch_a").unwrap().unwrap().promise, promise);
+            // The runner's plan: finish, rank and the group's pace.
+            s.set_prediction("batch_a", Some(1300.0), Some(2), Some(3.5))
+                .unwrap();
+            // None keeps what is stored.
+            s.set_prediction("batch_a", Some(1310.0), None, None)
+                .unwrap();
+        }
+        let s = Store::open(&path).unwrap();
+        let b = s.batch("batch_a").unwrap().unwrap();
+        assert_eq!(b.predicted_finish, Some(1310.0));
+        assert_eq!(
+            b.promise,
+            crate::batch::Promise {
+                rank: Some(2),
+                pace_ratio: Some(3.5),
+                ..promise
+            }
+        );
+        assert_eq!(s.active().unwrap()[0].promise, b.promise);
         drop(s);
         let _ = std::fs::remove_dir_all(&dir);
     }

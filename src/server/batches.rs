@@ -935,6 +935,7 @@ async fn create_inner(
         predicted_finish: est.as_ref().map(|e| created as f64 + e.secs(f.lines)),
         gpu_seconds: 0.0,
         deadline_misses: 0,
+        promise: Default::default(),
     };
     // The promise: this batch planned after every batch accepted before
     // it (in its group's run order), on its tenant's share of the tier.
@@ -950,8 +951,13 @@ async fn create_inner(
             .await
             .get(&row.id)
         {
-            row.predicted_finish = Some(p.finish);
+            row.predicted_finish = Some(p.plan.finish);
+            row.promise.rank = Some(p.plan.rank as u64);
+            row.promise.pace_ratio = p.pace_ratio;
         }
+        // The promise, stored with the batch (a restart keeps it).
+        row.promise.on_time = Some(!row.predicted_miss());
+        row.promise.finish = row.predicted_finish;
     }
     if row.predicted_miss()
         && app.config.batch.on_predicted_miss == super::batch_config::OnPredictedMiss::Refuse
@@ -983,7 +989,6 @@ async fn create_inner(
         )
         .code("not_found"));
     }
-    app.batches.plans.promise(&row.id, !row.predicted_miss());
     let (bid, model) = (row.id.clone(), model);
     app.batches
         .store
