@@ -32,6 +32,13 @@
 //!    gateway's peak VmRSS (sampled every 100 ms).
 //! 5. The batch's finish against its window (bounded wait), its counts.
 //!
+//! `BATCH_BENCH_INGEST=http` runs only the ingest over HTTP: the same
+//! 50,000 lines posted to `POST /v1/files` of the release binary from
+//! memory, then `POST /v1/batches`, timed, `BATCH_BENCH_ROUNDS` (5)
+//! times on a fresh gateway and store; with `KILN_BASE_BIN` set to
+//! another build, alternating with it in the same run (the ratio of the
+//! medians is printed).
+//!
 //! `BATCH_BENCH_INGEST=1` runs only the store's ingest instead: 50,000
 //! trace-sized lines (prompts capped at `BATCH_BENCH_INGEST_CAP` tokens,
 //! default 150: about 64 MB) validated and written as `POST /v1/files`
@@ -123,10 +130,17 @@ fn words(tokens: u64, seed: u64) -> String {
     s
 }
 
-fn start(t: &Target, store: &Path, speed: f64) -> (Proc, String) {
-    let bin = std::env::var("KILN_BIN")
+fn kiln_bin() -> PathBuf {
+    std::env::var("KILN_BIN")
         .map(PathBuf::from)
-        .unwrap_or_else(|_| Path::new(env!("CARGO_MANIFEST_DIR")).join("target/release/kiln"));
+        .unwrap_or_else(|_| Path::new(env!("CARGO_MANIFEST_DIR")).join("target/release/kiln"))
+}
+
+fn start(t: &Target, store: &Path, speed: f64) -> (Proc, String) {
+    start_bin(&kiln_bin(), t, store, speed)
+}
+
+fn start_bin(bin: &Path, t: &Target, store: &Path, speed: f64) -> (Proc, String) {
     assert!(
         bin.exists(),
         "{} is missing: run `cargo build --release` first",
@@ -528,6 +542,135 @@ fn ingest(sizes: &[(u64, u64)]) {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// 50,000 trace-sized lines (as [`ingest`] makes them) uploaded through
+/// `POST /v1/files` of a release `kiln serve` and batched with `POST
+/// /v1/batches`: wall time of each and of both, per round on a fresh
+/// gateway and store. With `KILN_BASE_BIN` (another build, e.g. of the
+/// commit before), the same rounds alternate between the two binaries in
+/// this run and the ratio of their medians is printed.
+fn ingest_http(sizes: &[(u64, u64)], policy: &Path) {
+    let n = env_f("BATCH_BENCH_ITEMS", 50_000.0) as usize;
+    let cap = env_f("BATCH_BENCH_INGEST_CAP", 150.0) as u64;
+    let rounds = env_f("BATCH_BENCH_ROUNDS", 5.0) as usize;
+    let b = "kilnbenchboundary";
+    let mut body = format!("--{b}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n--{b}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"items.jsonl\"\r\n\r\n");
+    let head = body.len();
+    for i in 0..n {
+        let (ctx, gen) = sizes[(i * 7919) % sizes.len()];
+        body.push_str(&json!({"custom_id": format!("item-{i}"), "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "llama-8b", "max_tokens": gen.clamp(1, 512),
+                     "messages": [{"role": "user", "content": words(ctx.min(cap), i as u64)}]}})
+        .to_string());
+        body.push('\n');
+    }
+    let mb = (body.len() - head) as f64 / 1e6;
+    body.push_str(&format!("\r\n--{b}--\r\n"));
+    let body = bytes::Bytes::from(body);
+    let t = Target {
+        name: "bench",
+        policy: policy.to_path_buf(),
+        config: None,
+        model: "llama-8b",
+        chat_key: "k-chat",
+        bulk_key: "k-bulk",
+        pool: "gpu",
+    };
+    let mut bins = vec![("now", kiln_bin())];
+    if let Ok(base) = std::env::var("KILN_BASE_BIN") {
+        bins.push(("base", PathBuf::from(base)));
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    // (upload, create, total) seconds per binary.
+    let mut got: Vec<Vec<(f64, f64, f64)>> = vec![Vec::new(); bins.len()];
+    for round in 0..rounds {
+        for k in 0..bins.len() {
+            // Alternate which binary goes first.
+            let k = (k + round) % bins.len();
+            let (name, bin) = &bins[k];
+            let dir = std::env::temp_dir()
+                .join(format!("kiln-ingest-http-{}-{name}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).unwrap();
+            let (proc, base) = start_bin(bin, &t, &dir.join("b.db"), 20.0);
+            let times = rt.block_on(async {
+                let c = reqwest::Client::builder()
+                    .no_proxy()
+                    .timeout(Duration::from_secs(120))
+                    .build()
+                    .unwrap();
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                let t0 = Instant::now();
+                let r = c
+                    .post(format!("{base}/v1/files"))
+                    .bearer_auth(t.bulk_key)
+                    .header("content-type", format!("multipart/form-data; boundary={b}"))
+                    .body(body.clone())
+                    .send()
+                    .await
+                    .unwrap();
+                assert!(r.status().is_success(), "upload: {}", r.text().await.unwrap_or_default());
+                let f: Value = r.json().await.unwrap();
+                let up = t0.elapsed().as_secs_f64();
+                let t1 = Instant::now();
+                let r = c
+                    .post(format!("{base}/v1/batches"))
+                    .bearer_auth(t.bulk_key)
+                    .json(&json!({"input_file_id": f["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}))
+                    .send()
+                    .await
+                    .unwrap();
+                assert!(r.status().is_success(), "create: {}", r.text().await.unwrap_or_default());
+                let created: Value = r.json().await.unwrap();
+                assert_eq!(created["request_counts"]["total"], n as u64, "{created}");
+                (up, t1.elapsed().as_secs_f64(), t0.elapsed().as_secs_f64())
+            });
+            println!(
+                "round {round} {name}: upload {:.3} s, create {:.1} ms, total {:.3} s",
+                times.0,
+                times.1 * 1000.0,
+                times.2
+            );
+            got[k].push(times);
+            drop(proc);
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let mut totals = Vec::new();
+    for ((name, bin), runs) in bins.iter().zip(&got) {
+        let mut up: Vec<f64> = runs.iter().map(|r| r.0).collect();
+        let mut cr: Vec<f64> = runs.iter().map(|r| r.1).collect();
+        let mut tot: Vec<f64> = runs.iter().map(|r| r.2).collect();
+        let under = tot.iter().filter(|t| **t < 2.0).count();
+        let m = median(&mut tot);
+        println!(
+            "ingest over HTTP, {n} lines ({mb:.1} MB), {name} ({}): median upload {:.3} s, create {:.1} ms, upload + create {m:.3} s (min {:.3}, max {:.3}); under 2 s in {under}/{}",
+            bin.display(),
+            median(&mut up),
+            median(&mut cr) * 1000.0,
+            tot[0],
+            tot[tot.len() - 1],
+            tot.len()
+        );
+        totals.push(m);
+    }
+    if totals.len() == 2 {
+        println!(
+            "base/now (median upload + create): {:.2}x",
+            totals[1] / totals[0]
+        );
+    }
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!("load average at the end: {}", load.trim());
+}
+
 fn main() {
     let sizes = sizes();
     if std::env::var("BATCH_BENCH_INGEST").is_ok_and(|v| v == "1") {
@@ -538,6 +681,11 @@ fn main() {
     std::fs::create_dir_all(&dir).unwrap();
     let bench_policy = dir.join("bench.kiln");
     std::fs::write(&bench_policy, BENCH_POLICY).unwrap();
+    if std::env::var("BATCH_BENCH_INGEST").is_ok_and(|v| v == "http") {
+        ingest_http(&sizes, &bench_policy);
+        let _ = std::fs::remove_dir_all(&dir);
+        return;
+    }
     let cfg = dir.join("kiln.toml");
     std::fs::write(
         &cfg,

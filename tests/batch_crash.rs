@@ -6,6 +6,8 @@
 //! counts add up, and no restart ever showed fewer finished items than the
 //! last look before the kill, or `completed` with files missing lines.
 //! A cancel acknowledged just before a kill completes after the restart.
+//! A batch's promise (on time or flagged, its place in the run order, its
+//! group's pace) is read back after a kill, and kept.
 //! (And, ignored until fixed: concurrent uploads must not stall the binary.)
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code may panic
 
@@ -76,11 +78,17 @@ struct Gateway {
 
 impl Gateway {
     fn start(dir: &Path) -> Gateway {
+        Gateway::start_at(dir, SPEED.parse().unwrap())
+    }
+
+    /// A gateway at simulator speed `speed`.
+    fn start_at(dir: &Path, speed: f64) -> Gateway {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
             .arg("serve")
             .arg("--policy")
             .arg(dir.join("crash.kiln"))
-            .args(["--listen", "127.0.0.1:0", "--sim-speed", SPEED])
+            .args(["--listen", "127.0.0.1:0", "--sim-speed"])
+            .arg(speed.to_string())
             .arg("--batch-store")
             .arg(dir.join("b.db"))
             .current_dir(dir)
@@ -497,4 +505,175 @@ async fn concurrent_uploads_do_not_stall_the_gateway() {
         "{n} concurrent uploads: {statuses:?}; /healthz then: {health:?}"
     );
     assert_eq!(health, Ok(200));
+}
+
+/// The crash policy with completion windows of 60 s to 1200 s (6 s to
+/// 120 s of wall time at `PROMISE_SPEED`).
+fn promise_policy() -> String {
+    let windows: Vec<String> = (6..=120).map(|i| format!("{}s", i * 10)).collect();
+    POLICY.replace(
+        "slo { window 24h } preemptible }",
+        &format!(
+            "slo {{ window 24h }} preemptible completion_windows [{}] }}",
+            windows.join(", ")
+        ),
+    )
+}
+
+const PROMISE_SPEED: f64 = 10.0;
+
+fn jsonl_tagged(tag: &str, n: usize, max_tokens: u64) -> String {
+    jsonl(n, max_tokens).replace("\"req-", &format!("\"{tag}-"))
+}
+
+async fn create(c: &reqwest::Client, base: &str, file: &Value, window_s: u64) -> Value {
+    let r = c
+        .post(format!("{base}/v1/batches"))
+        .bearer_auth(KEY)
+        .json(&json!({"input_file_id": file["id"], "endpoint": "/v1/chat/completions", "completion_window": format!("{window_s}s")}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    r.json().await.unwrap()
+}
+
+/// A batch's promise survives `kill -9`: two batches of one tenant, the
+/// first promised on time (a loose window), the second flagged at
+/// submission (heavy items in the shortest window). The gateway is
+/// SIGKILLed while the first runs, once its observed pace is stored, and
+/// restarted on the same store: before the runner has observed anything
+/// again, each batch shows what it was promised at submission (on time or
+/// flagged, and the finish then predicted), the same place in the run
+/// order, the at-risk flag it had, and the pace its group was planned at.
+/// The batch promised on time then finishes inside its window, and every
+/// item of both is in their files exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_promise_survives_sigkill_and_is_kept() {
+    const A: usize = 6000;
+    const B: usize = 2000;
+    let dir = TempDir::new();
+    std::fs::write(dir.0.join("crash.kiln"), promise_policy()).unwrap();
+    let c = client();
+    let gw = Gateway::start_at(&dir.0, PROMISE_SPEED);
+    let fa = upload(&c, &gw.base, &jsonl_tagged("a", A, 8)).await;
+    let fb = upload(&c, &gw.base, &jsonl_tagged("b", B, 512)).await;
+    // A: 1200 s (120 s of wall time) for a few seconds of work.
+    let a = create(&c, &gw.base, &fa, 1200).await;
+    // B: 2,000 items of 512 tokens in 60 s cannot be met: flagged.
+    let b = create(&c, &gw.base, &fb, 60).await;
+    assert_eq!(a["kiln"]["promise"]["on_time"], true, "{a}");
+    assert_eq!(a["kiln"]["predicted_miss"], false, "{a}");
+    assert_eq!(b["kiln"]["promise"]["on_time"], false, "{b}");
+    assert_eq!(b["kiln"]["predicted_miss"], true, "{b}");
+    assert_eq!(a["kiln"]["promise"]["rank"], 0, "{a}");
+    let (ida, idb) = (
+        a["id"].as_str().unwrap().to_string(),
+        b["id"].as_str().unwrap().to_string(),
+    );
+    // Run until A's group pace is measured and stored, then kill.
+    let mut before = batch(&c, &gw.base, &ida).await;
+    for _ in 0..600 {
+        if before["kiln"]["promise"]["pace_ratio"].is_number() && done_of(&before) > 0 {
+            break;
+        }
+        assert_eq!(
+            before["status"],
+            "in_progress",
+            "{before}\n{}",
+            gw.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        before = batch(&c, &gw.base, &ida).await;
+    }
+    let before_b = batch(&c, &gw.base, &idb).await;
+    assert!(
+        before["kiln"]["promise"]["pace_ratio"].is_number(),
+        "no pace stored: {before}"
+    );
+    assert_eq!(
+        before["status"], "in_progress",
+        "A ended before the kill: {before}"
+    );
+    gw.kill();
+    let gw = Gateway::start_at(&dir.0, PROMISE_SPEED);
+    let after = batch(&c, &gw.base, &ida).await;
+    let after_b = batch(&c, &gw.base, &idb).await;
+    eprintln!(
+        "before the kill: A {} done, promise {}, predicted finish {}; B promise {}\nafter the restart: A {} done, promise {}, predicted finish {}; B promise {}",
+        done_of(&before),
+        before["kiln"]["promise"],
+        before["kiln"]["predicted_finish_at"],
+        before_b["kiln"]["promise"],
+        done_of(&after),
+        after["kiln"]["promise"],
+        after["kiln"]["predicted_finish_at"],
+        after_b["kiln"]["promise"],
+    );
+    assert!(done_of(&after) >= done_of(&before), "{before}\n{after}");
+    for (x, y) in [(&a, &after), (&b, &after_b)] {
+        // What submission promised, read back from the store.
+        assert_eq!(
+            y["kiln"]["promise"]["on_time"], x["kiln"]["promise"]["on_time"],
+            "{y}"
+        );
+        assert_eq!(
+            y["kiln"]["promise"]["finish_at"], x["kiln"]["promise"]["finish_at"],
+            "{y}"
+        );
+        assert_eq!(
+            y["kiln"]["promise"]["rank"], x["kiln"]["promise"]["rank"],
+            "{y}"
+        );
+    }
+    // The plan's pace and the at-risk flag, as the runner last stored them
+    // (the restarted runner has not observed a pace of its own yet, or
+    // has and stored it: either way there is one).
+    assert!(
+        after["kiln"]["promise"]["pace_ratio"].is_number(),
+        "{after}"
+    );
+    assert!(after["kiln"]["predicted_finish_at"].is_number(), "{after}");
+    assert_eq!(after["kiln"]["predicted_miss"], false, "{after}");
+    if after_b["status"] == "in_progress" {
+        assert_eq!(after_b["kiln"]["predicted_miss"], true, "{after_b}");
+    }
+    // A finishes inside its window; B ends (it may expire, as flagged).
+    let mut ends = Vec::new();
+    for id in [&ida, &idb] {
+        let mut x = batch(&c, &gw.base, id).await;
+        for _ in 0..1200 {
+            if ["completed", "expired", "failed", "cancelled"]
+                .contains(&x["status"].as_str().unwrap())
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            x = batch(&c, &gw.base, id).await;
+        }
+        ends.push(x);
+    }
+    let (ea, eb) = (&ends[0], &ends[1]);
+    assert_eq!(ea["status"], "completed", "{ea}\n{}", gw.log_tail());
+    assert!(
+        ea["completed_at"].as_i64().unwrap() <= ea["expires_at"].as_i64().unwrap(),
+        "A, promised on time, missed its window: {ea}"
+    );
+    assert_eq!(count(ea, "failed"), 0, "{ea}");
+    let all = check_completed(&c, &gw.base, ea).await;
+    assert_eq!(all.len(), A, "{ea}");
+    assert!(
+        ["completed", "expired"].contains(&eb["status"].as_str().unwrap()),
+        "{eb}"
+    );
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    for k in ["output_file_id", "error_file_id"] {
+        if let Some(f) = eb[k].as_str() {
+            for (id, n) in ids(&content(&c, &gw.base, f).await) {
+                *seen.entry(id).or_insert(0) += n;
+            }
+        }
+    }
+    assert_eq!(seen.len(), B, "{eb}");
+    assert!(seen.values().all(|&n| n == 1), "a B item twice: {eb}");
 }

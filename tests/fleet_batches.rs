@@ -479,6 +479,7 @@ fn batch_row(id: &str, file: &str, total: u64) -> BatchRow {
         predicted_finish: None,
         gpu_seconds: 0.0,
         deadline_misses: 0,
+        promise: Default::default(),
     }
 }
 
@@ -510,7 +511,30 @@ fn leases_admit_one_runner_and_results_are_written_once() {
     }
     for round in 0..5 {
         let id = format!("batch_{round}");
-        assert!(s0.insert_batch(&batch_row(&id, "file-1", LINES)).unwrap());
+        // The promise goes in with the batch and the plan's place after
+        // it; every replica (and a restarted one) reads them back.
+        let mut row = batch_row(&id, "file-1", LINES);
+        row.promise = kiln::batch::Promise {
+            on_time: Some(round % 2 == 0),
+            finish: Some(100.0 + round as f64),
+            rank: Some(round as u64),
+            pace_ratio: None,
+        };
+        assert!(s0.insert_batch(&row).unwrap());
+        stores[N - 1]
+            .set_prediction(&id, Some(200.0), None, Some(2.5))
+            .unwrap();
+        for s in &stores {
+            let got = s.batch(&id).unwrap().unwrap();
+            assert_eq!(got.predicted_finish, Some(200.0));
+            assert_eq!(
+                got.promise,
+                kiln::batch::Promise {
+                    pace_ratio: Some(2.5),
+                    ..row.promise
+                }
+            );
+        }
         // All claim at once (threads released together).
         let gate = Arc::new(std::sync::Barrier::new(N));
         let wins: Vec<bool> = std::thread::scope(|sc| {

@@ -252,13 +252,16 @@ impl Store {
         each!(self, s => s.fail(id, errors, at))
     }
 
+    /// A running batch's predicted finish, its rank in its group's run
+    /// order and its group's pace ratio (`None` keeps the stored one).
     pub fn set_prediction(
         &self,
         id: &str,
         finish: Option<f64>,
-        tier: Option<&str>,
+        rank: Option<u64>,
+        pace_ratio: Option<f64>,
     ) -> Result<(), StoreError> {
-        each!(self, s => s.set_prediction(id, finish, tier))
+        each!(self, s => s.set_prediction(id, finish, rank, pace_ratio))
     }
 
     pub fn put_result(&self, batch: &str, r: &ItemResult) -> Result<bool, StoreError> {

@@ -186,6 +186,30 @@ pub struct BatchRow {
     pub predicted_finish: Option<f64>,
     pub gpu_seconds: f64,
     pub deadline_misses: u64,
+    /// What the batch was promised and how the planner last placed it;
+    /// stored, so a restart plans on from it instead of afresh.
+    pub promise: Promise,
+}
+
+/// A batch's promise (made at submission) and its place in the plan (kept
+/// up to date by the runner), as the store holds them. A gateway that
+/// restarts (even after `kill -9`) reads them back: a batch promised on
+/// time keeps its place ahead of newer batches, a flagged one stays
+/// behind, and the group's observed pace is not measured again from
+/// nothing.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Promise {
+    /// Told at submission: on time (`Some(true)`) or flagged
+    /// `predicted_miss` (`Some(false)`); `None` for a batch from before
+    /// promises were stored (the plan decides it afresh).
+    pub on_time: Option<bool>,
+    /// Unix seconds it was predicted to finish at submission.
+    pub finish: Option<f64>,
+    /// Its position in its group's run order at the last plan (0 first).
+    pub rank: Option<u64>,
+    /// Its group's observed over estimated time per item at the last
+    /// plan (the pace calibration; 1 is the bare estimate).
+    pub pace_ratio: Option<f64>,
 }
 
 impl BatchRow {
@@ -222,6 +246,7 @@ impl BatchRow {
             predicted_finish: None,
             gpu_seconds: 0.0,
             deadline_misses: 0,
+            promise: Default::default(),
         }
     }
 
@@ -270,6 +295,12 @@ impl BatchRow {
                 "predicted_finish_at": self.predicted_finish.map(|f| f.round() as i64),
                 "predicted_miss": self.predicted_miss(),
                 "deadline_misses": self.deadline_misses,
+                "promise": {
+                    "on_time": self.promise.on_time,
+                    "finish_at": self.promise.finish.map(|f| f.round() as i64),
+                    "rank": self.promise.rank,
+                    "pace_ratio": self.promise.pace_ratio.map(|k| (k * 1000.0).round() / 1000.0),
+                },
                 "gpu_seconds": (self.gpu_seconds * 1000.0).round() / 1000.0,
                 "cost": rate_per_gpu_hour.map(|r| ((self.gpu_seconds / 3600.0 * r) * 1e6).round() / 1e6),
             },

@@ -81,13 +81,21 @@ CREATE TABLE IF NOT EXISTS batches (
     model TEXT,
     input_tokens BIGINT NOT NULL DEFAULT 0,
     output_tokens BIGINT NOT NULL DEFAULT 0,
-    output_expires_s DOUBLE PRECISION
+    output_expires_s DOUBLE PRECISION,
+    promised BOOLEAN,
+    promised_finish DOUBLE PRECISION,
+    plan_rank BIGINT,
+    pace_ratio DOUBLE PRECISION
 );
 ALTER TABLE batches ADD COLUMN IF NOT EXISTS model TEXT;
 ALTER TABLE batches ADD COLUMN IF NOT EXISTS input_tokens BIGINT NOT NULL DEFAULT 0;
 ALTER TABLE batches ADD COLUMN IF NOT EXISTS output_tokens BIGINT NOT NULL DEFAULT 0;
 ALTER TABLE batches ADD COLUMN IF NOT EXISTS output_expires_s DOUBLE PRECISION;
 ALTER TABLE batches ADD COLUMN IF NOT EXISTS lease_epoch BIGINT NOT NULL DEFAULT 0;
+ALTER TABLE batches ADD COLUMN IF NOT EXISTS promised BOOLEAN;
+ALTER TABLE batches ADD COLUMN IF NOT EXISTS promised_finish DOUBLE PRECISION;
+ALTER TABLE batches ADD COLUMN IF NOT EXISTS plan_rank BIGINT;
+ALTER TABLE batches ADD COLUMN IF NOT EXISTS pace_ratio DOUBLE PRECISION;
 CREATE INDEX IF NOT EXISTS batches_seq ON batches (seq);
 CREATE TABLE IF NOT EXISTS results (
     batch_id TEXT NOT NULL,
@@ -110,7 +118,8 @@ const TAKE: &str = "lease_epoch = CASE WHEN lease_holder IS DISTINCT FROM $1 THE
 
 const BATCH_COLS: &str = "id, owner, input_file_id, endpoint, completion_window, window_s, status, created_at, expires_at,
     in_progress_at, finalizing_at, completed_at, failed_at, expired_at, cancelling_at, cancelled_at,
-    total, completed, failed, metadata, errors, output_file_id, error_file_id, tier, predicted_finish, gpu_seconds, deadline_misses";
+    total, completed, failed, metadata, errors, output_file_id, error_file_id, tier, predicted_finish, gpu_seconds, deadline_misses,
+    promised, promised_finish, plan_rank, pace_ratio";
 
 /// Connections for data: item results, pages of lines, listings.
 const DATA_CONNECTIONS: usize = 4;
@@ -568,8 +577,9 @@ impl Pg {
         }
         tx.execute(
             "INSERT INTO batches (id, owner, input_file_id, endpoint, completion_window, window_s, status,
-                created_at, expires_at, total, metadata, tier, predicted_finish)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
+                created_at, expires_at, total, metadata, tier, predicted_finish,
+                promised, promised_finish, plan_rank, pace_ratio)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)",
             &[
                 &b.id,
                 &b.owner,
@@ -584,6 +594,10 @@ impl Pg {
                 &b.metadata.as_ref().map(|m| m.to_string()),
                 &b.tier,
                 &b.predicted_finish,
+                &b.promise.on_time,
+                &b.promise.finish,
+                &b.promise.rank.map(|r| r as i64),
+                &b.promise.pace_ratio,
             ],
         ).await?;
         tx.commit().await?;
@@ -754,16 +768,20 @@ impl Pg {
         })
     }
 
+    /// As SQLite's: the predicted finish, and the plan's rank and pace
+    /// ratio (`None` keeps the stored one).
     pub fn set_prediction(
         &self,
         id: &str,
         finish: Option<f64>,
-        tier: Option<&str>,
+        rank: Option<u64>,
+        pace_ratio: Option<f64>,
     ) -> Result<(), StoreError> {
         self.data(async |c| {
             c.execute(
-                "UPDATE batches SET predicted_finish = $1, tier = COALESCE($2, tier) WHERE id = $3",
-                &[&finish, &tier, &id],
+                "UPDATE batches SET predicted_finish = $1, plan_rank = COALESCE($2, plan_rank),
+                     pace_ratio = COALESCE($3, pace_ratio) WHERE id = $4",
+                &[&finish, &rank.map(|r| r as i64), &pace_ratio, &id],
             )
             .await?;
             Ok(())
@@ -1157,6 +1175,12 @@ fn batch_row(r: &Row) -> Result<BatchRow, StoreError> {
         predicted_finish: r.try_get(24)?,
         gpu_seconds: r.try_get(25)?,
         deadline_misses: r.try_get::<_, i64>(26)? as u64,
+        promise: super::Promise {
+            on_time: r.try_get(27)?,
+            finish: r.try_get(28)?,
+            rank: r.try_get::<_, Option<i64>>(29)?.map(|r| r.max(0) as u64),
+            pace_ratio: r.try_get(30)?,
+        },
     })
 }
 

@@ -219,6 +219,64 @@ pub struct Sqlite {
     read: Arc<Mutex<Connection>>,
     pub path: Option<PathBuf>,
     temp: Option<Arc<TempFile>>,
+    /// Checkpoints the WAL off the writer's path (`None`: SQLite's own
+    /// automatic checkpoints, in whichever commit passes 1,000 pages).
+    checkpoints: Option<Arc<Checkpointer>>,
+}
+
+/// Copies the WAL into the database on a thread of its own, with its own
+/// connection: every 2 s while there were writes and no upload is in
+/// progress, and as soon as an upload commits. An upload's pages then
+/// cost one write (to the WAL) on its path instead of two (WAL, then the
+/// checkpoint inside some later commit, with its fsyncs): a 64 MB upload
+/// no longer waits for 64 MB more to be copied into the database. What is
+/// committed is as durable either way (the WAL is the database until it
+/// is checkpointed; a restart recovers it).
+struct Checkpointer {
+    wake: Mutex<std::sync::mpsc::Sender<()>>,
+    /// Uploads writing now: checkpoints wait until none is.
+    uploads: std::sync::atomic::AtomicUsize,
+}
+
+impl Checkpointer {
+    /// Starts the thread on its own connection to `path`; `None` when it
+    /// cannot (the writer then checkpoints as SQLite does by default).
+    fn start(path: &Path) -> Option<Arc<Checkpointer>> {
+        let conn = Connection::open(path).ok()?;
+        configure(&conn).ok()?;
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let me = Arc::new(Checkpointer {
+            wake: Mutex::new(tx),
+            uploads: std::sync::atomic::AtomicUsize::new(0),
+        });
+        let weak = Arc::downgrade(&me);
+        std::thread::Builder::new()
+            .name("kiln-checkpoint".into())
+            .spawn(move || loop {
+                use std::sync::mpsc::RecvTimeoutError;
+                match rx.recv_timeout(std::time::Duration::from_secs(2)) {
+                    Ok(()) | Err(RecvTimeoutError::Timeout) => {}
+                    // The store is gone.
+                    Err(RecvTimeoutError::Disconnected) => break,
+                }
+                let Some(me) = weak.upgrade() else { break };
+                if me.uploads.load(std::sync::atomic::Ordering::Acquire) > 0 {
+                    continue;
+                }
+                drop(me);
+                // Passive: never waits for (nor blocks) readers or the
+                // writer; what it cannot copy now it copies next time.
+                let _ = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
+            })
+            .ok()?;
+        Some(me)
+    }
+
+    fn wake(&self) {
+        if let Ok(tx) = self.wake.lock() {
+            let _ = tx.send(());
+        }
+    }
 }
 
 /// Removes a temporary database (and its WAL files) when dropped.
@@ -272,11 +330,17 @@ fn migrate_layout(c: &Connection) -> Result<(), rusqlite::Error> {
 
 /// Columns added to `batches` after its first layout, each added once
 /// to an older database (`ALTER TABLE … ADD COLUMN`, which keeps rows).
-const EXTRA_COLUMNS: [(&str, &str); 4] = [
+const EXTRA_COLUMNS: [(&str, &str); 8] = [
     ("model", "TEXT"),
     ("input_tokens", "INTEGER NOT NULL DEFAULT 0"),
     ("output_tokens", "INTEGER NOT NULL DEFAULT 0"),
     ("output_expires_s", "REAL"),
+    // The promise (`super::Promise`): made at submission, and the
+    // batch's place in the plan as the runner last saw it.
+    ("promised", "INTEGER"),
+    ("promised_finish", "REAL"),
+    ("plan_rank", "INTEGER"),
+    ("pace_ratio", "REAL"),
 ];
 
 fn add_columns(c: &Connection) -> Result<(), rusqlite::Error> {
@@ -340,11 +404,23 @@ impl Sqlite {
         Sqlite::sweep_orphans(&write).map_err(|e| err(e.to_string()))?;
         let read = Connection::open(path).map_err(|e| err(e.to_string()))?;
         configure(&read).map_err(|e| err(e.to_string()))?;
+        let checkpoints = Checkpointer::start(path);
+        if checkpoints.is_some() {
+            // The checkpointer copies the WAL; the writer only appends to
+            // it. A WAL an upload grew is cut back to 64 MB when reused.
+            write
+                .pragma_update(None, "wal_autocheckpoint", 0)
+                .map_err(|e| err(e.to_string()))?;
+            write
+                .pragma_update(None, "journal_size_limit", 64 * 1024 * 1024)
+                .map_err(|e| err(e.to_string()))?;
+        }
         Ok(Sqlite {
             write: Arc::new(Mutex::new(write)),
             read: Arc::new(Mutex::new(read)),
             path: Some(path.to_path_buf()),
             temp: None,
+            checkpoints,
         })
     }
 
@@ -410,12 +486,16 @@ impl Sqlite {
     /// them; [`Upload::commit`] adds the row, and a dropped upload deletes
     /// them. Lines a crash left behind are removed at the next open.
     pub fn upload(&self, file: &str) -> SqliteUpload<'_> {
+        if let Some(c) = &self.checkpoints {
+            c.uploads.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        }
         SqliteUpload {
             store: self,
             file: file.to_string(),
             pending: Vec::new(),
             pending_bytes: 0,
             done: false,
+            writer: None,
         }
     }
 
@@ -545,8 +625,10 @@ impl Sqlite {
         }
         tx.execute(
             "INSERT INTO batches (id, owner, seq, input_file_id, endpoint, completion_window, window_s, status,
-                created_at, expires_at, total, metadata, tier, predicted_finish)
-             VALUES (?1, ?2, (SELECT COALESCE(MAX(seq), 0) + 1 FROM batches), ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
+                created_at, expires_at, total, metadata, tier, predicted_finish,
+                promised, promised_finish, plan_rank, pace_ratio)
+             VALUES (?1, ?2, (SELECT COALESCE(MAX(seq), 0) + 1 FROM batches), ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13,
+                ?14, ?15, ?16, ?17)",
             params![
                 b.id,
                 b.owner,
@@ -561,6 +643,10 @@ impl Sqlite {
                 b.metadata.as_ref().map(|m| m.to_string()),
                 b.tier,
                 b.predicted_finish,
+                b.promise.on_time,
+                b.promise.finish,
+                b.promise.rank.map(|r| r as i64),
+                b.promise.pace_ratio,
             ],
         )?;
         tx.commit()?;
@@ -694,17 +780,22 @@ impl Sqlite {
         Ok(())
     }
 
+    /// A running batch's predicted finish and its place in the plan (its
+    /// rank in its group and the group's pace ratio; `None` keeps the
+    /// stored one).
     pub fn set_prediction(
         &self,
         id: &str,
         finish: Option<f64>,
-        tier: Option<&str>,
+        rank: Option<u64>,
+        pace_ratio: Option<f64>,
     ) -> Result<(), StoreError> {
         let c = lock(&self.write)?;
-        c.execute(
-            "UPDATE batches SET predicted_finish = ?1, tier = COALESCE(?2, tier) WHERE id = ?3",
-            params![finish, tier, id],
-        )?;
+        c.prepare_cached(
+            "UPDATE batches SET predicted_finish = ?1, plan_rank = COALESCE(?2, plan_rank),
+                 pace_ratio = COALESCE(?3, pace_ratio) WHERE id = ?4",
+        )?
+        .execute(params![finish, rank.map(|r| r as i64), pace_ratio, id])?;
         Ok(())
     }
 
@@ -948,24 +1039,107 @@ impl Counted {
     }
 }
 
-/// An upload in progress: lines buffered, then written a page at a time.
+/// A line of an upload: (index, line number in the file, custom_id, text).
+type UploadLine = (u64, u64, String, String);
+
+/// What writing an upload's pages found: the first repeated `custom_id`
+/// (line number, id), or nothing.
+type PageOutcome = Result<Option<(u64, String)>, StoreError>;
+
+/// An upload in progress: lines buffered, then written a page at a time
+/// by a thread of the upload's own, so the next page is validated while
+/// the last one is written (on two cores, JSON checks and SQLite's writes
+/// overlap instead of taking turns).
 pub struct SqliteUpload<'a> {
     store: &'a Sqlite,
     file: String,
-    /// (index, line number in the file, custom_id, text) not yet written.
-    pending: Vec<(u64, u64, String, String)>,
+    /// Lines not yet handed to the writer.
+    pending: Vec<UploadLine>,
     pending_bytes: usize,
     done: bool,
+    /// The page writer (`None`: pages are written in the caller's thread,
+    /// where a thread could not be started, or once the writer ended).
+    writer: Option<PageWriter>,
+}
+
+struct PageWriter {
+    pages: std::sync::mpsc::SyncSender<Vec<UploadLine>>,
+    /// Its one answer, when it ends: the first repeat or error it met (it
+    /// stops there), or nothing once every page is written.
+    outcome: std::sync::mpsc::Receiver<PageOutcome>,
+    handle: std::thread::JoinHandle<()>,
+}
+
+impl PageWriter {
+    fn start(store: &Sqlite, file: &str) -> Option<PageWriter> {
+        // One page waiting while one is written: memory stays bounded.
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<UploadLine>>(1);
+        let (otx, orx) = std::sync::mpsc::channel::<PageOutcome>();
+        let (store, file) = (store.clone(), file.to_string());
+        let handle = std::thread::Builder::new()
+            .name("kiln-upload".into())
+            .spawn(move || {
+                for page in rx {
+                    match write_page(&store, &file, &page) {
+                        Ok(None) => {}
+                        other => {
+                            let _ = otx.send(other);
+                            return;
+                        }
+                    }
+                }
+                let _ = otx.send(Ok(None));
+            })
+            .ok()?;
+        Some(PageWriter {
+            pages: tx,
+            outcome: orx,
+            handle,
+        })
+    }
+
+    /// Closes it and waits for its answer.
+    fn finish(self) -> PageOutcome {
+        drop(self.pages);
+        let out = self.outcome.recv().unwrap_or(Err(StoreError::Poisoned));
+        let _ = self.handle.join();
+        out
+    }
 }
 
 /// Lines (or bytes of them) an upload buffers before it writes a page.
 const UPLOAD_PAGE_LINES: usize = 2000;
 const UPLOAD_PAGE_BYTES: usize = 8 * 1024 * 1024;
 
+/// Writes one page of `file`'s lines in one short transaction. A repeated
+/// `custom_id` stops it (the lines before it are kept, for
+/// [`SqliteUpload::first_use`]): `(line number, custom_id)` of the repeat.
+fn write_page(store: &Sqlite, file: &str, page: &[UploadLine]) -> PageOutcome {
+    let mut c = lock(&store.write)?;
+    let tx = c.transaction()?;
+    {
+        let mut st = tx.prepare_cached(
+            "INSERT OR IGNORE INTO lines (file_id, line, custom_id, text) VALUES (?1, ?2, ?3, ?4)",
+        )?;
+        for (index, number, id, text) in page {
+            if st.execute(params![file, *index as i64, id, text])? == 0 {
+                let dup = (*number, id.clone());
+                drop(st);
+                tx.commit()?;
+                return Ok(Some(dup));
+            }
+        }
+    }
+    tx.commit()?;
+    Ok(None)
+}
+
 impl SqliteUpload<'_> {
     /// Adds request `index` (line `number` of the file). `Ok(Some((n,
     /// id)))`: line `n` repeats an earlier `custom_id` (found when its page
-    /// is written: the caller stops at the first).
+    /// is written, so possibly a few pages later, or at
+    /// [`SqliteUpload::commit`]: the caller stops at the first). A store
+    /// error (a full disk) comes back the same way.
     pub fn line(
         &mut self,
         index: u64,
@@ -982,31 +1156,28 @@ impl SqliteUpload<'_> {
         Ok(None)
     }
 
-    /// Writes the buffered lines in one short transaction. A repeated
-    /// `custom_id` stops it: `(line index, custom_id)` of the repeat.
+    /// Hands the buffered lines to the writer (or writes them here). What
+    /// the writer met so far comes back.
     fn flush(&mut self) -> Result<Option<(u64, String)>, StoreError> {
         if self.pending.is_empty() {
             return Ok(None);
         }
-        let mut c = lock(&self.store.write)?;
-        let tx = c.transaction()?;
-        {
-            let mut st = tx.prepare_cached(
-                "INSERT OR IGNORE INTO lines (file_id, line, custom_id, text) VALUES (?1, ?2, ?3, ?4)",
-            )?;
-            for (index, number, id, text) in &self.pending {
-                if st.execute(params![self.file, *index as i64, id, text])? == 0 {
-                    let dup = (*number, id.clone());
-                    drop(st);
-                    tx.commit()?;
-                    self.pending.clear();
-                    return Ok(Some(dup));
-                }
-            }
-        }
-        tx.commit()?;
-        self.pending.clear();
+        let page = std::mem::take(&mut self.pending);
         self.pending_bytes = 0;
+        if self.writer.is_none() && !self.done {
+            self.writer = PageWriter::start(self.store, &self.file);
+        }
+        let Some(w) = &self.writer else {
+            return write_page(self.store, &self.file, &page);
+        };
+        // The writer stopped early (a repeat, an error): that is the answer.
+        if let Ok(out) = w.outcome.try_recv() {
+            self.writer.take().map(PageWriter::finish);
+            return out;
+        }
+        if w.pages.send(page).is_err() {
+            return self.writer.take().map_or(Ok(None), PageWriter::finish);
+        }
         Ok(None)
     }
 
@@ -1021,10 +1192,14 @@ impl SqliteUpload<'_> {
         Ok(n.map(|n| n as u64))
     }
 
-    /// Writes what is buffered and the file's row: the file exists from
-    /// here on. `Ok(Some(..))`: a repeated `custom_id` in the last page.
+    /// Writes what is buffered (and waits for every page) and the file's
+    /// row: the file exists from here on. `Ok(Some(..))`: a repeated
+    /// `custom_id`.
     pub fn commit(&mut self, f: &FileRow) -> Result<Option<(u64, String)>, StoreError> {
         if let Some(dup) = self.flush()? {
+            return Ok(Some(dup));
+        }
+        if let Some(dup) = self.writer.take().map_or(Ok(None), PageWriter::finish)? {
             return Ok(Some(dup));
         }
         let c = lock(&self.store.write)?;
@@ -1040,6 +1215,11 @@ impl SqliteUpload<'_> {
 impl Drop for SqliteUpload<'_> {
     /// An upload not committed leaves nothing.
     fn drop(&mut self) {
+        // Its pages are all written (or dropped) before anything is
+        // deleted.
+        if let Some(w) = self.writer.take() {
+            let _ = w.finish();
+        }
         if !self.done {
             // One statement, one transaction; then the space goes back
             // (a refused 200 MB upload must not leave the store 200 MB
@@ -1053,6 +1233,12 @@ impl Drop for SqliteUpload<'_> {
             if deleted {
                 self.store.reclaim();
             }
+        }
+        // Checkpoints go on, at once (after the reclaim above: one running
+        // beside it would keep the WAL at its size).
+        if let Some(c) = &self.store.checkpoints {
+            c.uploads.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+            c.wake();
         }
     }
 }
@@ -1074,7 +1260,8 @@ fn file_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<FileRow> {
 
 const BATCH_COLS: &str = "id, owner, input_file_id, endpoint, completion_window, window_s, status, created_at, expires_at,
     in_progress_at, finalizing_at, completed_at, failed_at, expired_at, cancelling_at, cancelled_at,
-    total, completed, failed, metadata, errors, output_file_id, error_file_id, tier, predicted_finish, gpu_seconds, deadline_misses";
+    total, completed, failed, metadata, errors, output_file_id, error_file_id, tier, predicted_finish, gpu_seconds, deadline_misses,
+    promised, promised_finish, plan_rank, pace_ratio";
 
 fn batch_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<BatchRow> {
     let json = |s: Option<String>| s.and_then(|s| serde_json::from_str(&s).ok());
@@ -1109,6 +1296,12 @@ fn batch_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<BatchRow> {
         predicted_finish: r.get(24)?,
         gpu_seconds: r.get(25)?,
         deadline_misses: r.get::<_, i64>(26)? as u64,
+        promise: super::Promise {
+            on_time: r.get(27)?,
+            finish: r.get(28)?,
+            rank: r.get::<_, Option<i64>>(29)?.map(|r| r.max(0) as u64),
+            pace_ratio: r.get(30)?,
+        },
     })
 }
 
@@ -1240,6 +1433,11 @@ mod tests {
                     break;
                 }
             }
+            // Pages are written behind the lines: the error may come with
+            // the last ones, at the commit.
+            if err.is_none() {
+                err = up.commit(&file("file-big", 5000)).err();
+            }
             err
             // Dropped: its rows go, and their pages with them.
         };
@@ -1324,6 +1522,50 @@ mod tests {
         }
         let s = Store::open(&path).unwrap();
         assert!(s.lines("file-z", 0, 10).unwrap().is_empty());
+        drop(s);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_promise_is_stored_and_read_back_after_reopening() {
+        let dir = std::env::temp_dir().join(format!(
+            "kiln-store-promise-{}-{}",
+            std::process::id(),
+            crate::clock::unix_ms() as u64
+        ));
+        let path = dir.join("b.db");
+        let promise = crate::batch::Promise {
+            on_time: Some(false),
+            finish: Some(1234.5),
+            rank: Some(1),
+            pace_ratio: None,
+        };
+        {
+            let s = Store::open(&path).unwrap();
+            stored(&s, "file-a", 2);
+            let mut b = batch("batch_a", "file-a", 2);
+            b.promise = promise;
+            assert!(s.insert_batch(&b).unwrap());
+            assert_eq!(s.batch("batch_a").unwrap().unwrap().promise, promise);
+            // The runner's plan: finish, rank and the group's pace.
+            s.set_prediction("batch_a", Some(1300.0), Some(2), Some(3.5))
+                .unwrap();
+            // None keeps what is stored.
+            s.set_prediction("batch_a", Some(1310.0), None, None)
+                .unwrap();
+        }
+        let s = Store::open(&path).unwrap();
+        let b = s.batch("batch_a").unwrap().unwrap();
+        assert_eq!(b.predicted_finish, Some(1310.0));
+        assert_eq!(
+            b.promise,
+            crate::batch::Promise {
+                rank: Some(2),
+                pace_ratio: Some(3.5),
+                ..promise
+            }
+        );
+        assert_eq!(s.active().unwrap()[0].promise, b.promise);
         drop(s);
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -51,31 +51,22 @@ pub struct Plans {
     pub pace: Mutex<HashMap<String, f64>>,
     /// Per group (tier, tenant): observed over estimated time per item,
     /// last seen. A new batch of a group that ran before is planned at
-    /// the pace the group showed, not at the bare estimate.
+    /// the pace the group showed, not at the bare estimate. The runner
+    /// stores it with each batch's prediction (`pace_ratio`), and a
+    /// restarted gateway starts from the stored value.
     ratio: Mutex<HashMap<(String, Option<String>), f64>>,
-    /// What each batch was told at submission: on time (true) or
-    /// flagged. The run order keeps it (kept in memory: after a restart
-    /// the plan decides afresh).
-    promised: Mutex<HashMap<String, bool>>,
+}
+
+/// Where the plan puts a batch, and the pace it was planned at.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Placed {
+    pub plan: Planned,
+    /// The group's observed over estimated time per item the plan used;
+    /// `None`: none observed yet (the bare estimate).
+    pub pace_ratio: Option<f64>,
 }
 
 impl Plans {
-    /// Forgets a batch the runner dropped (finished, or gone). Promises
-    /// are not dropped by [`Plans::retain`]: a batch created after the
-    /// runner read the active ones would lose its own.
-    pub fn forget(&self, id: &str) {
-        if let Ok(mut m) = self.promised.lock() {
-            m.remove(id);
-        }
-    }
-
-    /// Records what `id` was told at submission.
-    pub fn promise(&self, id: &str, on_time: bool) {
-        if let Ok(mut m) = self.promised.lock() {
-            m.insert(id.to_string(), on_time);
-        }
-    }
-
     fn cached(&self, id: &str, fresh_for: Duration) -> Option<Estimate> {
         let m = self.estimates.lock().ok()?;
         let (e, at) = m.get(id)?;
@@ -105,12 +96,14 @@ const ESTIMATE_FRESH: Duration = Duration::from_secs(10);
 /// Plans `rows` (the active batches, in acceptance order; the last may be
 /// a new one, not stored yet, whose estimate is `fresh`). Batches not
 /// running (cancelling, finalizing) and those the scheduler cannot
-/// estimate are left out.
+/// estimate are left out. What each batch was promised at submission is
+/// read from its row (the store keeps it across restarts), and so is its
+/// group's pace ratio when this process has not observed one yet.
 pub async fn plan_rows(
     app: &Arc<App>,
     rows: &[BatchRow],
     fresh: Option<(&str, &Estimate)>,
-) -> HashMap<String, Planned> {
+) -> HashMap<String, Placed> {
     let plans = &app.batches.plans;
     let mut ests: Vec<Option<Estimate>> = Vec::with_capacity(rows.len());
     for b in rows {
@@ -138,8 +131,6 @@ pub async fn plan_rows(
         ests.push(e);
     }
     let pace: HashMap<String, f64> = plans.pace.lock().map(|m| m.clone()).unwrap_or_default();
-    let promised: HashMap<String, bool> =
-        plans.promised.lock().map(|m| m.clone()).unwrap_or_default();
     let weight = {
         let p = app.policy.load_full();
         move |owner: Option<&str>| -> f64 {
@@ -191,14 +182,21 @@ pub async fn plan_rows(
                 if let Ok(mut m) = plans.ratio.lock() {
                     m.insert(gkey, k);
                 }
-                k
+                Some(k)
             }
-            _ => plans
-                .ratio
-                .lock()
-                .ok()
-                .and_then(|m| m.get(&gkey).copied())
-                .unwrap_or(1.0),
+            _ => {
+                let known = plans.ratio.lock().ok().and_then(|m| m.get(&gkey).copied());
+                // After a restart: the ratio the group's batches were
+                // last planned at (the store's), the most recent first.
+                known.or_else(|| {
+                    members
+                        .iter()
+                        .rev()
+                        .filter_map(|&i| rows[i].promise.pace_ratio)
+                        .find(|k| k.is_finite() && *k > 0.0)
+                        .map(|k| k.clamp(0.1, 10.0))
+                })
+            }
         };
         let running = front.is_some()
             || members
@@ -223,15 +221,21 @@ pub async fn plan_rows(
                     .saturating_sub(b.counts.completed + b.counts.failed);
                 Job {
                     deadline: b.expires_at as f64,
-                    work: left as f64 * eff(i) * k,
+                    work: left as f64 * eff(i) * k.unwrap_or(1.0),
                     seq: i as u64,
-                    promised: promised.get(&b.id).copied(),
+                    promised: b.promise.on_time,
                 }
             })
             .collect();
         let start = if start.is_finite() { now + start } else { now };
         for (&i, p) in members.iter().zip(plan::plan(start, &jobs)) {
-            out.insert(rows[i].id.clone(), p);
+            out.insert(
+                rows[i].id.clone(),
+                Placed {
+                    plan: p,
+                    pace_ratio: k,
+                },
+            );
         }
     }
     out

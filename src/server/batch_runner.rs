@@ -35,7 +35,7 @@
 //! written is kept and written again with backoff; meanwhile no item is
 //! sent (a model call whose result cannot be stored is wasted GPU time).
 
-use super::batch_plan::{endpoint_of, plan_rows, Plans};
+use super::batch_plan::{endpoint_of, plan_rows, Placed, Plans};
 use super::batch_writer::Writer;
 use super::request::Outcome as Ended;
 use super::App;
@@ -333,7 +333,6 @@ async fn step(
         let keep = active.iter().any(|b| &b.id == id);
         if !keep {
             l.abort_all();
-            app.batches.plans.forget(id);
         }
         keep
     });
@@ -1038,7 +1037,7 @@ fn split(
     cap: usize,
     running: usize,
     active: &[BatchRow],
-    planned: &HashMap<String, crate::batch::plan::Planned>,
+    planned: &HashMap<String, Placed>,
 ) -> HashMap<String, usize> {
     let run: Vec<&BatchRow> = active
         .iter()
@@ -1072,7 +1071,7 @@ fn split(
             .iter()
             .enumerate()
             .map(|(i, b)| match planned.get(&b.id) {
-                Some(p) => (i, false, p.rank as i64, 0),
+                Some(p) => (i, false, p.plan.rank as i64, 0),
                 None => (i, true, b.expires_at, i),
             })
             .collect();
@@ -1091,13 +1090,14 @@ fn split(
     out
 }
 
-/// Stores a running batch's predicted finish from the last plan (at most
-/// every 2 s).
+/// Stores a running batch's predicted finish and its place in the last
+/// plan (rank, pace ratio), at most every 2 s: what a restart plans on
+/// from.
 async fn forecast(
     app: &Arc<App>,
     b: &BatchRow,
     l: &mut Live,
-    planned: Option<&crate::batch::plan::Planned>,
+    planned: Option<&Placed>,
 ) -> Result<(), StoreError> {
     if l.last_forecast
         .is_some_and(|t| t.elapsed() < Duration::from_secs(2))
@@ -1105,11 +1105,13 @@ async fn forecast(
         return Ok(());
     }
     l.last_forecast = Some(Instant::now());
-    let finish = planned.map(|p| p.finish);
+    let finish = planned.map(|p| p.plan.finish);
+    let rank = planned.map(|p| p.plan.rank as u64);
+    let ratio = planned.and_then(|p| p.pace_ratio);
     let id = b.id.clone();
     app.batches
         .store
-        .run(move |s| s.set_prediction(&id, finish, None))
+        .run(move |s| s.set_prediction(&id, finish, rank, ratio))
         .await
 }
 

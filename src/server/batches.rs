@@ -113,8 +113,10 @@ fn respond(r: Result<Response, ApiError>) -> Response {
 
 /// What the line worker is told.
 enum Msg {
-    /// A physical line (1-based) of the file part.
-    Line(u64, String),
+    /// Physical lines (1-based numbers) of the file part, in order: the
+    /// lines of one piece of the body go together (one hand-over, not one
+    /// per line).
+    Lines(Vec<(u64, String)>),
     /// The upload ended: store it under these.
     Finish {
         purpose: Option<String>,
@@ -177,16 +179,17 @@ async fn upload_inner(
         let mut first_line_of_endpoint = 0;
         while let Some(msg) = rx.blocking_recv() {
             match msg {
-                Msg::Line(n, text) => {
-                    let v =
-                        validate::line_for(&text, n, &known, &target).map_err(UploadError::Line)?;
-                    match &endpoint {
-                        None => {
-                            endpoint = Some(v.clone());
-                            first_line_of_endpoint = n;
-                        }
-                        Some(e) if e.endpoint != v.endpoint => {
-                            return Err(UploadError::Line(LineError {
+                Msg::Lines(lines) => {
+                    for (n, text) in lines {
+                        let v = validate::line_for(&text, n, &known, &target)
+                            .map_err(UploadError::Line)?;
+                        match &endpoint {
+                            None => {
+                                endpoint = Some(v.clone());
+                                first_line_of_endpoint = n;
+                            }
+                            Some(e) if e.endpoint != v.endpoint => {
+                                return Err(UploadError::Line(LineError {
                                 line: n,
                                 field: "url",
                                 message: format!(
@@ -195,11 +198,11 @@ async fn upload_inner(
                                     e.endpoint.path()
                                 ),
                             }));
+                            }
+                            Some(_) => {}
                         }
-                        Some(_) => {}
-                    }
-                    if items >= max_requests {
-                        return Err(UploadError::Api(
+                        if items >= max_requests {
+                            return Err(UploadError::Api(
                             ApiError::new(
                                 413,
                                 format!(
@@ -209,11 +212,12 @@ async fn upload_inner(
                             )
                             .code("too_many_lines"),
                         ));
+                        }
+                        if let Some((n, cid)) = up.line(items, n, &v.custom_id, &text)? {
+                            return Err(dup(&up, n, cid));
+                        }
+                        items += 1;
                     }
-                    if let Some((n, cid)) = up.line(items, n, &v.custom_id, &text)? {
-                        return Err(dup(&up, n, cid));
-                    }
-                    items += 1;
                 }
                 Msg::Finish {
                     purpose,
@@ -327,13 +331,10 @@ fn line_error(l: &LineError) -> ApiError {
     ApiError::bad_request(format!("{l}"), Some(l.field)).code("invalid_batch_line")
 }
 
-/// Hands one line (1-based number `n`) to the worker; blank lines are
-/// skipped, as is a UTF-8 byte-order mark before the first.
-async fn send_line(
-    tx: &tokio::sync::mpsc::Sender<Msg>,
-    n: u64,
-    raw: &[u8],
-) -> Result<(), ApiError> {
+/// Adds one line (1-based number `n`) to what goes to the worker next;
+/// blank lines are skipped, as is a UTF-8 byte-order mark before the
+/// first.
+fn push_line(out: &mut Vec<(u64, String)>, n: u64, raw: &[u8]) -> Result<(), ApiError> {
     let raw = if n == 1 {
         raw.strip_prefix(b"\xef\xbb\xbf").unwrap_or(raw)
     } else {
@@ -350,7 +351,19 @@ async fn send_line(
     if text.is_empty() {
         return Ok(());
     }
-    tx.send(Msg::Line(n, text.to_string()))
+    out.push((n, text.to_string()));
+    Ok(())
+}
+
+/// Hands the lines gathered so far to the worker.
+async fn send_lines(
+    tx: &tokio::sync::mpsc::Sender<Msg>,
+    lines: &mut Vec<(u64, String)>,
+) -> Result<(), ApiError> {
+    if lines.is_empty() {
+        return Ok(());
+    }
+    tx.send(Msg::Lines(std::mem::take(lines)))
         .await
         .map_err(|_| ApiError::new(400, "the upload was refused").code(WORKER_STOPPED))
 }
@@ -438,25 +451,35 @@ async fn read_form(
                         continue;
                     }
                     let mut rest: &[u8] = &chunk;
-                    while let Some(i) = rest.iter().position(|&b| b == b'\n') {
+                    let mut lines = Vec::new();
+                    // A line that is not text ends the upload, after the
+                    // lines before it (the worker may find an earlier fault).
+                    let mut bad = None;
+                    while let Some(i) = memchr::memchr(b'\n', rest) {
                         n += 1;
-                        let sent = if buf.is_empty() {
-                            send_line(tx, n, &rest[..i]).await
+                        let pushed = if buf.is_empty() {
+                            push_line(&mut lines, n, &rest[..i])
                         } else {
                             buf.extend_from_slice(&rest[..i]);
-                            let r = send_line(tx, n, &buf).await;
+                            let r = push_line(&mut lines, n, &buf);
                             buf.clear();
                             r
                         };
-                        match sent {
-                            Ok(()) => {}
-                            Err(e) if e.code.as_deref() == Some(WORKER_STOPPED) => {
-                                stopped = Some(e);
-                                break;
-                            }
-                            Err(e) => return Err(e),
-                        }
                         rest = &rest[i + 1..];
+                        if let Err(e) = pushed {
+                            bad = Some(e);
+                            break;
+                        }
+                    }
+                    match send_lines(tx, &mut lines).await {
+                        Ok(()) => {}
+                        Err(e) if e.code.as_deref() == Some(WORKER_STOPPED) => {
+                            stopped = Some(e);
+                        }
+                        Err(e) => return Err(e),
+                    }
+                    if let Some(e) = bad {
+                        return Err(e);
                     }
                     if stopped.is_some() {
                         buf.clear();
@@ -475,7 +498,9 @@ async fn read_form(
                     return Err(e);
                 }
                 if !buf.is_empty() {
-                    send_line(tx, n + 1, &buf).await?;
+                    let mut last = Vec::new();
+                    push_line(&mut last, n + 1, &buf)?;
+                    send_lines(tx, &mut last).await?;
                 }
             }
             _ => {
@@ -949,6 +974,7 @@ async fn create_inner(
         predicted_finish: est.as_ref().map(|e| created as f64 + e.secs(f.lines)),
         gpu_seconds: 0.0,
         deadline_misses: 0,
+        promise: Default::default(),
     };
     // The promise: this batch planned after every batch accepted before
     // it (in its group's run order), on its tenant's share of the tier.
@@ -964,8 +990,13 @@ async fn create_inner(
             .await
             .get(&row.id)
         {
-            row.predicted_finish = Some(p.finish);
+            row.predicted_finish = Some(p.plan.finish);
+            row.promise.rank = Some(p.plan.rank as u64);
+            row.promise.pace_ratio = p.pace_ratio;
         }
+        // The promise, stored with the batch (a restart keeps it).
+        row.promise.on_time = Some(!row.predicted_miss());
+        row.promise.finish = row.predicted_finish;
     }
     if row.predicted_miss()
         && app.config.batch.on_predicted_miss == super::batch_config::OnPredictedMiss::Refuse
@@ -997,7 +1028,6 @@ async fn create_inner(
         )
         .code("not_found"));
     }
-    app.batches.plans.promise(&row.id, !row.predicted_miss());
     let (bid, model) = (row.id.clone(), model);
     app.batches
         .store
