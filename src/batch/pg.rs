@@ -410,32 +410,29 @@ impl Pg {
         &self,
         f: impl AsyncFnOnce(&mut Client) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
-        let data = &self.conns[1..];
-        let pick = data.iter().position(|s| !s.busy());
-        let i = pick.unwrap_or_else(|| {
-            self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % data.len()
-        });
-        self.with(&data[i], f)
+        self.with(self.pick(1), f)
     }
 
     /// On a data connection other than the first: the runner's result
-    /// writes. Under a fast upstream they arrive faster than the batch
-    /// row's lock lets them commit, and a queue of them on every connection
-    /// made a client's `GET /v1/batches/ID` wait past `store_timeout` (a
-    /// 503 while PostgreSQL was healthy).
+    /// writes. A queue of them on every connection made a client's `GET
+    /// /v1/batches/ID` wait past `store_timeout` (a 503 while PostgreSQL
+    /// was healthy).
     fn bulk<T>(
         &self,
         f: impl AsyncFnOnce(&mut Client) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
-        let bulk = self.conns.get(2..).filter(|b| !b.is_empty());
-        let Some(bulk) = bulk else {
-            return self.data(f);
-        };
-        let pick = bulk.iter().position(|s| !s.busy());
-        let i = pick.unwrap_or_else(|| {
-            self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % bulk.len()
-        });
-        self.with(&bulk[i], f)
+        let from = if self.conns.len() > 2 { 2 } else { 1 };
+        self.with(self.pick(from), f)
+    }
+
+    /// The first free connection from `from` on, else the next in turn.
+    fn pick(&self, from: usize) -> &Slot {
+        let range = &self.conns[from.min(self.conns.len() - 1)..];
+        let i = range
+            .iter()
+            .position(|s| !s.busy())
+            .unwrap_or_else(|| self.next.fetch_add(1, Ordering::Relaxed) % range.len());
+        &range[i]
     }
 
     /// On the lease connection.

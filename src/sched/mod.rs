@@ -29,6 +29,7 @@
 //!   policy version by name while requests wait and run.
 
 mod admit;
+mod bucket;
 pub mod cache;
 pub mod canary;
 pub mod forecast;

@@ -3,83 +3,10 @@
 //! the fact. A tenant short of tokens may borrow from idle cohort members,
 //! up to its `borrow` share of its own quota and each lender's `lend` share.
 
+use super::bucket::Bucket;
+use super::ratelimit::Window;
 use super::{Micros, Reason, SEC};
 use crate::graph::{DecisionGraph, TenantId};
-
-#[derive(Debug, Clone, Copy, PartialEq)]
-struct Bucket {
-    /// Tokens (or requests) per microsecond.
-    rate: f64,
-    capacity: f64,
-    level: f64,
-    at: Micros,
-}
-
-impl Bucket {
-    /// A bucket that holds one minute of its rate (`rate` per second).
-    fn per_minute(rate_per_s: f64) -> Bucket {
-        let capacity = rate_per_s * 60.0;
-        Bucket {
-            rate: rate_per_s / SEC as f64,
-            capacity,
-            level: capacity,
-            at: 0,
-        }
-    }
-
-    fn refill(&mut self, now: Micros) {
-        if now > self.at {
-            self.level = (self.level + self.rate * (now - self.at) as f64).min(self.capacity);
-            self.at = now;
-        }
-    }
-
-    /// Time until `need` is available.
-    fn wait_for(&self, need: f64) -> Micros {
-        if self.level >= need || self.rate <= 0.0 {
-            return 0;
-        }
-        ((need - self.level) / self.rate) as Micros
-    }
-
-    /// The share of its capacity left at `now` (below 0: in debt).
-    pub(super) fn fraction(&self, now: Micros) -> f64 {
-        let mut b = *self;
-        b.refill(now);
-        if b.capacity > 0.0 {
-            b.level / b.capacity
-        } else {
-            0.0
-        }
-    }
-
-    /// This bucket as a client sees it, in the policy's units (`scale`:
-    /// the share of the limit enforced here).
-    fn window(&self, now: Micros, scale: f64) -> super::ratelimit::Window {
-        let mut b = *self;
-        b.refill(now);
-        let s = if scale > 0.0 { scale } else { 1.0 };
-        let reset = if b.rate > 0.0 && b.level < b.capacity {
-            ((b.capacity - b.level) / b.rate).ceil() as Micros
-        } else {
-            0
-        };
-        super::ratelimit::Window {
-            limit: b.capacity / s,
-            remaining: b.level.max(0.0) / s,
-            reset,
-        }
-    }
-
-    /// Sets the level to `fraction` of the capacity (the fleet's level,
-    /// [`Level`]); at most full, at least a full bucket in debt.
-    pub(super) fn set_fraction(&mut self, fraction: f64, now: Micros) {
-        if fraction.is_finite() {
-            self.level = fraction.clamp(-1.0, 1.0) * self.capacity;
-            self.at = self.at.max(now);
-        }
-    }
-}
 
 /// Which quota: a tenant's ([`Quotas`]), a tier's or a model's
 /// ([`super::scoped`]).
@@ -226,10 +153,8 @@ impl Quotas {
     pub fn remap(&self, g: &DecisionGraph, tenant_map: &[Option<TenantId>], now: Micros) -> Quotas {
         let mut next = Quotas::scaled(g, self.scale);
         let resize = |old: Option<Bucket>, new: &mut Option<Bucket>| {
-            if let (Some(mut o), Some(n)) = (old, new.as_mut()) {
-                o.refill(now);
-                n.level = o.level.min(n.capacity);
-                n.at = now;
+            if let (Some(o), Some(n)) = (old, new.as_mut()) {
+                n.resized_from(o, now);
             }
         };
         for (i, old) in self.tenants.iter().enumerate() {
@@ -485,16 +410,9 @@ impl Quotas {
     pub fn view(&self, t: TenantId, now: Micros) -> Option<super::ratelimit::QuotaView> {
         let s = self.tenants.get(t as usize)?;
         let scale = self.scale;
-        let gpu = s.gpu_per_day.map(|limit| {
-            let day = now / (86_400 * SEC);
-            let used = if s.gpu_day == day { s.gpu_used } else { 0.0 };
-            let sc = if scale > 0.0 { scale } else { 1.0 };
-            super::ratelimit::Window {
-                limit: limit / sc,
-                remaining: (limit - used).max(0.0) / sc,
-                reset: (day + 1) * 86_400 * SEC - now,
-            }
-        });
+        let gpu = s
+            .gpu_per_day
+            .map(|limit| Window::per_day(limit, s.gpu_day, s.gpu_used, now, scale));
         let v = super::ratelimit::QuotaView {
             scope: Scope::Tenant(t),
             tokens: s.tokens.map(|b| b.window(now, scale)),
@@ -512,18 +430,7 @@ impl Quotas {
         let Some(s) = self.tenants.get(t as usize) else {
             return 100.0;
         };
-        let pct = |b: &Bucket| {
-            let mut b = *b;
-            b.refill(now);
-            if b.capacity > 0.0 {
-                100.0 * b.level / b.capacity
-            } else {
-                0.0
-            }
-        };
-        let a = s.tokens.as_ref().map_or(100.0, pct);
-        let r = s.requests.as_ref().map_or(100.0, pct);
-        a.min(r).max(0.0)
+        super::bucket::remaining_percent(s.tokens.as_ref(), s.requests.as_ref(), now)
     }
 }
 

@@ -19,6 +19,21 @@ pub struct Window {
 }
 
 impl Window {
+    /// A GPU-seconds budget of `limit` a day, `used` of it on day
+    /// `used_day` (days since the epoch; another day used nothing yet), as
+    /// a client sees it at `now` in the policy's units (`scale`: the share
+    /// enforced here): full again at the next midnight UTC.
+    pub fn per_day(limit: f64, used_day: u64, used: f64, now: Micros, scale: f64) -> Window {
+        let day = now / (86_400 * SEC);
+        let used = if used_day == day { used } else { 0.0 };
+        let sc = if scale > 0.0 { scale } else { 1.0 };
+        Window {
+            limit: limit / sc,
+            remaining: (limit - used).max(0.0) / sc,
+            reset: (day + 1) * 86_400 * SEC - now,
+        }
+    }
+
     /// The share left, 0 (or below, in debt) to 1.
     fn fraction(&self) -> f64 {
         if self.limit > 0.0 {

@@ -8,80 +8,12 @@
 //! says which (`tier-quota`, `model-quota`) with a Retry-After. No
 //! borrowing: cohorts lend between tenants only.
 
+use super::bucket::Bucket;
 use super::quota::{Level, Spent};
+use super::ratelimit::Window;
 use super::swap::Remap;
 use super::{Micros, Reason, SEC};
 use crate::graph::{DecisionGraph, ModelId, Quota, TierId};
-
-#[derive(Debug, Clone, Copy, PartialEq)]
-struct Bucket {
-    /// Per microsecond.
-    rate: f64,
-    capacity: f64,
-    level: f64,
-    at: Micros,
-}
-
-impl Bucket {
-    fn per_minute(rate_per_s: f64) -> Bucket {
-        let capacity = rate_per_s * 60.0;
-        Bucket {
-            rate: rate_per_s / SEC as f64,
-            capacity,
-            level: capacity,
-            at: 0,
-        }
-    }
-
-    fn refill(&mut self, now: Micros) {
-        if now > self.at {
-            self.level = (self.level + self.rate * (now - self.at) as f64).min(self.capacity);
-            self.at = now;
-        }
-    }
-
-    fn wait_for(&self, need: f64) -> Micros {
-        if self.level >= need || self.rate <= 0.0 {
-            return 0;
-        }
-        ((need - self.level) / self.rate) as Micros
-    }
-
-    fn fraction(&self, now: Micros) -> f64 {
-        let mut b = *self;
-        b.refill(now);
-        if b.capacity > 0.0 {
-            b.level / b.capacity
-        } else {
-            0.0
-        }
-    }
-
-    /// This bucket as a client sees it, in the policy's units (`scale`:
-    /// the share of the limit enforced here).
-    fn window(&self, now: Micros, scale: f64) -> super::ratelimit::Window {
-        let mut b = *self;
-        b.refill(now);
-        let s = if scale > 0.0 { scale } else { 1.0 };
-        let reset = if b.rate > 0.0 && b.level < b.capacity {
-            ((b.capacity - b.level) / b.rate).ceil() as Micros
-        } else {
-            0
-        };
-        super::ratelimit::Window {
-            limit: b.capacity / s,
-            remaining: b.level.max(0.0) / s,
-            reset,
-        }
-    }
-
-    fn set_fraction(&mut self, fraction: f64, now: Micros) {
-        if fraction.is_finite() {
-            self.level = fraction.clamp(-1.0, 1.0) * self.capacity;
-            self.at = self.at.max(now);
-        }
-    }
-}
 
 /// One quota's state.
 #[derive(Debug, Clone, Default)]
@@ -205,10 +137,8 @@ impl Limit {
     fn resized(&self, q: &Quota, scale: f64, now: Micros) -> Limit {
         let mut n = Limit::new(q, scale);
         let keep = |old: Option<Bucket>, new: &mut Option<Bucket>| {
-            if let (Some(mut o), Some(b)) = (old, new.as_mut()) {
-                o.refill(now);
-                b.level = o.level.min(b.capacity);
-                b.at = now;
+            if let (Some(o), Some(b)) = (old, new.as_mut()) {
+                b.resized_from(o, now);
             }
         };
         keep(self.tokens, &mut n.tokens);
@@ -226,20 +156,9 @@ impl Limit {
         now: Micros,
         scale: f64,
     ) -> Option<super::ratelimit::QuotaView> {
-        let gpu = self.gpu_per_day.map(|limit| {
-            let day = now / (86_400 * SEC);
-            let used = if self.gpu_day == day {
-                self.gpu_used
-            } else {
-                0.0
-            };
-            let sc = if scale > 0.0 { scale } else { 1.0 };
-            super::ratelimit::Window {
-                limit: limit / sc,
-                remaining: (limit - used).max(0.0) / sc,
-                reset: (day + 1) * 86_400 * SEC - now,
-            }
-        });
+        let gpu = self
+            .gpu_per_day
+            .map(|limit| Window::per_day(limit, self.gpu_day, self.gpu_used, now, scale));
         let v = super::ratelimit::QuotaView {
             scope,
             tokens: self.tokens.map(|b| b.window(now, scale)),
@@ -253,18 +172,7 @@ impl Limit {
     }
 
     fn remaining_percent(&self, now: Micros) -> f64 {
-        let pct = |b: &Bucket| {
-            let mut b = *b;
-            b.refill(now);
-            if b.capacity > 0.0 {
-                100.0 * b.level / b.capacity
-            } else {
-                0.0
-            }
-        };
-        let a = self.tokens.as_ref().map_or(100.0, pct);
-        let r = self.requests.as_ref().map_or(100.0, pct);
-        a.min(r).max(0.0)
+        super::bucket::remaining_percent(self.tokens.as_ref(), self.requests.as_ref(), now)
     }
 }
 
