@@ -19,7 +19,7 @@
 mod support;
 
 use kiln::batch::store::{ItemResult, Store};
-use kiln::batch::{BatchRow, BatchStatus, FileRow, RequestCounts};
+use kiln::batch::{BatchRow, BatchStatus, FileRow};
 use serde_json::{json, Value};
 use std::collections::{HashMap, VecDeque};
 use std::io::{BufRead, BufReader};
@@ -434,53 +434,13 @@ async fn a_batch_survives_two_kills_of_its_runner_with_every_item_once() {
 }
 
 fn file(id: &str, lines: u64) -> FileRow {
-    FileRow {
-        id: id.into(),
-        owner: Some("alpha".into()),
-        purpose: "batch".into(),
-        filename: "in.jsonl".into(),
-        bytes: 10,
-        created_at: 1,
-        lines,
-        endpoint: Some("/v1/chat/completions".into()),
-        batch_id: None,
-        ok: None,
-    }
+    FileRow::example(id, lines)
 }
 
 fn batch_row(id: &str, file: &str, total: u64) -> BatchRow {
-    BatchRow {
-        id: id.into(),
-        owner: Some("alpha".into()),
-        input_file_id: file.into(),
-        endpoint: "/v1/chat/completions".into(),
-        completion_window: "24h".into(),
-        window_s: 86_400.0,
-        status: BatchStatus::Validating,
-        created_at: 1,
-        expires_at: 86_401,
-        in_progress_at: None,
-        finalizing_at: None,
-        completed_at: None,
-        failed_at: None,
-        expired_at: None,
-        cancelling_at: None,
-        cancelled_at: None,
-        counts: RequestCounts {
-            total,
-            completed: 0,
-            failed: 0,
-        },
-        metadata: None,
-        errors: None,
-        output_file_id: None,
-        error_file_id: None,
-        tier: None,
-        predicted_finish: None,
-        gpu_seconds: 0.0,
-        deadline_misses: 0,
-        promise: Default::default(),
-    }
+    let mut b = BatchRow::example(id, file, total);
+    b.status = BatchStatus::Validating;
+    b
 }
 
 /// Leases and written-once on the store itself, several replicas (store

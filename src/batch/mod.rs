@@ -122,8 +122,7 @@ pub struct FileRow {
 }
 
 impl FileRow {
-    /// A batch input file of `lines` lines, for tests.
-    #[cfg(test)]
+    /// A batch input file of `lines` lines (tests build rows from it).
     pub fn example(id: &str, lines: u64) -> FileRow {
         FileRow {
             id: id.into(),
@@ -213,8 +212,7 @@ pub struct Promise {
 }
 
 impl BatchRow {
-    /// A batch in progress with nothing done, for tests.
-    #[cfg(test)]
+    /// A batch in progress with nothing done (tests build rows from it).
     pub fn example(id: &str, file: &str, total: u64) -> BatchRow {
         BatchRow {
             id: id.into(),
