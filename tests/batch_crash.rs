@@ -550,7 +550,7 @@ async fn create(c: &reqwest::Client, base: &str, file: &Value, window_s: u64) ->
 /// item of both is in their files exactly once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_promise_survives_sigkill_and_is_kept() {
-    const A: usize = 6000;
+    const A: usize = 20_000;
     const B: usize = 2000;
     let dir = TempDir::new();
     std::fs::write(dir.0.join("crash.kiln"), promise_policy()).unwrap();
@@ -577,9 +577,9 @@ async fn a_promise_survives_sigkill_and_is_kept() {
         if before["kiln"]["promise"]["pace_ratio"].is_number() && done_of(&before) > 0 {
             break;
         }
-        assert_eq!(
-            before["status"],
-            "in_progress",
+        // Validating until the runner's next pass takes it up.
+        assert!(
+            ["validating", "in_progress"].contains(&before["status"].as_str().unwrap_or("")),
             "{before}\n{}",
             gw.log_tail()
         );
