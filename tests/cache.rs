@@ -430,6 +430,61 @@ fn metric(text: &str, name: &str, labels: &str) -> f64 {
         .sum()
 }
 
+/// A cached answer carries the `x-ratelimit-*` headers of the quota it
+/// counted against, as a served answer does: the requests quota's limit,
+/// and one less left after each answer, hit or not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cached_answer_carries_the_rate_limit_headers() {
+    let srv = serve_on_loopback(
+        policy("cache.kiln", POLICY),
+        ServerConfig::default_embedded(),
+    )
+    .await;
+    let base = format!("http://{}", srv.addr);
+    let c = client(Duration::from_secs(60));
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let r = c
+            .post(format!("{base}/v1/chat/completions"))
+            .bearer_auth("k-a")
+            .json(&body(0.0, None, false))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let h = |n: &str| {
+            r.headers()
+                .get(n)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        assert_eq!(h("x-ratelimit-limit-requests").as_deref(), Some("3"));
+        seen.push((h("x-kiln-cache"), h("x-ratelimit-remaining-requests")));
+    }
+    assert_eq!(
+        seen,
+        vec![
+            (Some("miss".into()), Some("2".into())),
+            (Some("hit".into()), Some("1".into())),
+            (Some("hit".into()), Some("0".into())),
+        ]
+    );
+    // The fourth, a hit again, is past the quota: refused, naming it.
+    let r = c
+        .post(format!("{base}/v1/chat/completions"))
+        .bearer_auth("k-a")
+        .json(&body(0.0, None, false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["x-ratelimit-remaining-requests"], "0");
+    let e: Value = r.json().await.unwrap();
+    let msg = e["error"]["message"].as_str().unwrap_or("");
+    assert!(msg.contains("tenant a") && msg.contains("requests 3/min"), "{e}");
+    srv.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gateway_answers_a_repeated_deterministic_request_from_the_cache() {
     let text = POLICY.replace(" quota { requests 3/min }", "");

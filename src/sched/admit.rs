@@ -222,15 +222,8 @@ fn retry_budget(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal>
 /// first, then the tenant's is reserved, then theirs).
 fn quota(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal> {
     let r = reserve_quotas(s, a);
-    if s.cfg.rate_limits {
-        let mut views = Vec::with_capacity(3);
-        views.extend(a.tenant.and_then(|t| s.quotas.view(t, s.now)));
-        views.extend(s.scoped.view_tier(a.tier, s.now));
-        views.extend(a.target.and_then(|t| s.scoped.view_model(t.model, s.now)));
-        let refused = r.as_ref().err().map(|e| e.reason);
-        let limits = super::ratelimit::RateLimits::of(&views, refused);
-        s.limits_out.push((a.id, limits));
-    }
+    let refused = r.as_ref().err().map(|e| e.reason);
+    s.note_limits(a.id, a.tenant, a.tier, a.target.map(|t| t.model), refused);
     r
 }
 

@@ -1028,6 +1028,28 @@ impl Scheduler {
         }
     }
 
+    /// What request `id`'s answer reports of the quotas that apply to it
+    /// (tenant first, then tier, then model), now: `x-ratelimit-*`, and
+    /// for a quota refusal which quota refused.
+    pub(super) fn note_limits(
+        &mut self,
+        id: ReqId,
+        tenant: Option<TenantId>,
+        tier: TierId,
+        model: Option<u16>,
+        refused: Option<Reason>,
+    ) {
+        if !self.cfg.rate_limits {
+            return;
+        }
+        let mut views = Vec::with_capacity(3);
+        views.extend(tenant.and_then(|t| self.quotas.view(t, self.now)));
+        views.extend(self.scoped.view_tier(tier, self.now));
+        views.extend(model.and_then(|m| self.scoped.view_model(m, self.now)));
+        let limits = ratelimit::RateLimits::of(&views, refused);
+        self.limits_out.push((id, limits));
+    }
+
     /// Looks an admitted-so-far arrival up in its tier's exact cache. On a
     /// hit its requests quota is charged (one request; tokens and
     /// GPU-seconds are not: it uses none), [`Action::CacheHit`] answers it
@@ -1100,19 +1122,26 @@ impl Scheduler {
             self.out.push(Action::CacheMiss { id, key });
             return false;
         };
-        if let (Some(t), false) = (tenant, quota_claimed) {
-            match self.quotas.reserve(&g, t, 0.0, self.now) {
-                Ok(_) => self.quotas.release(t, 0.0, 0.0),
-                Err((reason, retry)) => {
-                    self.out.push(Action::Reject {
-                        id,
-                        reason,
-                        status: 429,
-                        retry_after: Some(retry),
-                    });
-                    return true;
-                }
+        let charged = match (tenant, quota_claimed) {
+            (Some(t), false) => Some((t, self.quotas.reserve(&g, t, 0.0, self.now))),
+            _ => None,
+        };
+        let refused = charged
+            .as_ref()
+            .and_then(|(_, c)| c.as_ref().err().map(|(r, _)| *r));
+        self.note_limits(id, tenant, tier, Some(target.model), refused);
+        match charged {
+            Some((t, Ok(_))) => self.quotas.release(t, 0.0, 0.0),
+            Some((_, Err((reason, retry)))) => {
+                self.out.push(Action::Reject {
+                    id,
+                    reason,
+                    status: 429,
+                    retry_after: Some(retry),
+                });
+                return true;
             }
+            None => {}
         }
         self.out.push(Action::CacheHit {
             id,

@@ -732,5 +732,10 @@ pub(in crate::server) fn hit_headers(
     if let Some(sim) = similarity {
         headers.push(("x-kiln-cache-similarity", format!("{sim:.4}")));
     }
+    // A hit counts against the requests quota like any answer, and says
+    // what is left of it the same way.
+    if let Some(l) = &d.limits {
+        headers.extend(super::ratelimit::headers(g, l, ctx.app.speed));
+    }
     headers
 }
