@@ -481,7 +481,10 @@ async fn a_cached_answer_carries_the_rate_limit_headers() {
     assert_eq!(r.headers()["x-ratelimit-remaining-requests"], "0");
     let e: Value = r.json().await.unwrap();
     let msg = e["error"]["message"].as_str().unwrap_or("");
-    assert!(msg.contains("tenant a") && msg.contains("requests 3/min"), "{e}");
+    assert!(
+        msg.contains("tenant a") && msg.contains("requests 3/min"),
+        "{e}"
+    );
     srv.stop().await;
 }
 

@@ -315,6 +315,23 @@ async fn keys_reload_without_a_restart_and_a_request_in_flight_keeps_its_key() {
         "{msg}"
     );
     assert_eq!(status_of(&c, &base, "sk-new").await.0, 200);
+    // Both reloads are counted (the file watch may have reloaded too).
+    let m = c
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let count = |result: &str| -> f64 {
+        let series = format!("kiln_keys_reloads_total{{result=\"{result}\"}} ");
+        m.lines()
+            .find_map(|l| l.strip_prefix(series.as_str()))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0)
+    };
+    assert!(count("ok") >= 1.0 && count("error") >= 1.0, "{m}");
     srv.stop().await;
 }
 

@@ -90,6 +90,7 @@ pub fn reload(app: &App, actor: &str) -> Result<Reloaded, ConfigError> {
         });
     };
     let result = reload_from(app, &path, actor);
+    app.metrics.keys_reload(result.is_ok());
     match &result {
         Ok(r) => {
             tracing::info!(

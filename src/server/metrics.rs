@@ -233,6 +233,7 @@ struct Collectors {
     fallbacks: CounterVec,
     deadline_misses: CounterVec,
     policy_swaps: CounterVec,
+    keys_reloads: CounterVec,
     policy_info: GaugeVec,
     queue_depth: GaugeVec,
     queue_oldest: GaugeVec,
@@ -299,9 +300,16 @@ impl Collectors {
             "Policy reloads attempted, by result (ok or error).",
             &["result"],
         )?;
+        let keys_reloads = counter(
+            r,
+            "kiln_keys_reloads_total",
+            "Reloads of the keys and admin tokens (SIGHUP, the file changing, POST /admin/keys/reload), by result (ok, or error: the keys in use stay).",
+            &["result"],
+        )?;
         // Both results are exported from the start, at 0.
         for result in ["ok", "error"] {
             policy_swaps.get_metric_with_label_values(&[result])?;
+            keys_reloads.get_metric_with_label_values(&[result])?;
         }
         Ok(Collectors {
             requests: counter(
@@ -371,6 +379,7 @@ impl Collectors {
                 TT,
             )?,
             policy_swaps,
+            keys_reloads,
             policy_info: gauge(
                 r,
                 "kiln_policy_info",
@@ -651,6 +660,7 @@ impl Metrics {
         }
         for result in ["ok", "error"] {
             b.touch(&c.policy_swaps, &[result]);
+            b.touch(&c.keys_reloads, &[result]);
         }
         for action in ["local", "refused"] {
             b.touch(&c.shared_unclaimed, &[action]);
@@ -787,6 +797,13 @@ impl Metrics {
     pub fn policy_swap(&self, ok: bool) {
         if let Some(c) = &self.c {
             add(&c.policy_swaps, &[if ok { "ok" } else { "error" }], 1.0);
+        }
+    }
+
+    /// A reload of the keys was attempted.
+    pub fn keys_reload(&self, ok: bool) {
+        if let Some(c) = &self.c {
+            add(&c.keys_reloads, &[if ok { "ok" } else { "error" }], 1.0);
         }
     }
 
@@ -1303,7 +1320,7 @@ mod tests {
         // Every metric has HELP and TYPE.
         let helps = series(&text, "# HELP").len();
         assert_eq!(helps, series(&text, "# TYPE").len());
-        assert_eq!(helps, 22);
+        assert_eq!(helps, 23);
     }
 
     #[test]
