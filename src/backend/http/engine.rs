@@ -11,7 +11,13 @@
 //! the Gateway API Inference Extension's saturation detector). Inside the
 //! static `concurrency` ceiling an adaptive limit moves with the time to
 //! first token kiln observes on the replica (AIMD against `target_ttft`,
-//! where one is set). A scrape that fails, or is older than three
+//! where one is set), and below the engine's slots: an open gate lets kiln
+//! fill what the engine runs at once (the most it was seen running while
+//! requests waited in it, plus `max_engine_waiting`), or, before it was
+//! ever seen full, one more than it ran at the last scrape. (Filling up to
+//! the ceiling at once overshot the engine between two scrapes, and the
+//! extra requests waited in the engine's own FIFO, where priority no
+//! longer orders them.) A scrape that fails, or is older than three
 //! intervals, falls back to the static ceiling, and `/admin/queues` says
 //! so. `engine = "openai"` (the default) scrapes nothing: `concurrency`
 //! alone bounds it.
@@ -236,6 +242,9 @@ impl Aimd {
 #[derive(Debug)]
 pub(super) struct EngineState {
     pub(super) last: Option<(EngineLoad, Instant)>,
+    /// The most requests the engine was seen running while others waited
+    /// in it: its slots (`None` until it was seen full).
+    pub(super) slots: Option<f64>,
     /// Why the last scrape failed, if it did.
     pub(super) error: Option<String>,
     pub(super) aimd: Aimd,
@@ -245,9 +254,36 @@ impl EngineState {
     pub(super) fn new(ceiling: u32, target: Option<Duration>) -> EngineState {
         EngineState {
             last: None,
+            slots: None,
             error: None,
             aimd: Aimd::new(ceiling, target),
         }
+    }
+}
+
+/// The engine's slots as far as scrapes have shown them: a scrape with
+/// requests waiting shows the engine full, running all it can.
+pub(super) fn learn_slots(slots: Option<f64>, load: &EngineLoad) -> Option<f64> {
+    if load.waiting > 0.0 && load.running >= 1.0 {
+        Some(slots.map_or(load.running, |s| s.max(load.running)))
+    } else {
+        slots
+    }
+}
+
+/// How many requests kiln may have on the engine with the gate open: its
+/// slots and the waiting it allows once they are known, else one more
+/// than it ran at the last scrape (a ramp of one a scrape until it is
+/// first seen full).
+pub(super) fn fill_below_slots(load: &EngineLoad, slots: Option<f64>, max_waiting: u32) -> u32 {
+    let n = match slots {
+        Some(s) => s + f64::from(max_waiting),
+        None => load.running.max(0.0) + 1.0,
+    };
+    if n.is_finite() {
+        (n.floor() as u32).max(1)
+    } else {
+        1
     }
 }
 
@@ -359,9 +395,10 @@ impl Upstream {
                 ..base
             });
         }
+        let room = fill_below_slots(&load, st.slots, self.cfg.max_engine_waiting);
         Some(EngineStatus {
             state: "ok",
-            cap: limit,
+            cap: limit.min(room),
             ..base
         })
     }
@@ -403,6 +440,7 @@ impl Upstream {
                     tracing::info!(upstream = &*self.name, "engine metrics scraped again");
                 }
                 st.last = Some((*load, Instant::now()));
+                st.slots = learn_slots(st.slots, load);
             }
             Err(e) => {
                 if st.error.is_none() {
@@ -483,6 +521,35 @@ vllm:prompt_tokens_total{model_name="m"} 1e6
             "{e}"
         );
         assert!(parse_metrics(Engine::OpenAi, VLLM).is_err());
+    }
+
+    /// The open gate fills below the engine's slots: one more than it ran
+    /// until it is seen full, then its slots (plus the waiting allowed),
+    /// learnt from scrapes that show requests waiting; a scrape with
+    /// nothing waiting teaches nothing.
+    #[test]
+    fn the_gate_fills_what_the_engine_runs_not_the_ceiling() {
+        let load = |running: f64, waiting: f64| EngineLoad {
+            running,
+            waiting,
+            kv_cache: None,
+        };
+        assert_eq!(fill_below_slots(&load(0.0, 0.0), None, 0), 1);
+        assert_eq!(fill_below_slots(&load(3.0, 0.0), None, 0), 4);
+        let mut slots = None;
+        for l in [load(2.0, 0.0), load(3.0, 0.0)] {
+            slots = learn_slots(slots, &l);
+        }
+        assert_eq!(slots, None, "never seen full");
+        slots = learn_slots(slots, &load(4.0, 2.0));
+        assert_eq!(slots, Some(4.0));
+        // Fewer running later (requests ending) does not shrink it.
+        slots = learn_slots(slots, &load(2.0, 1.0));
+        assert_eq!(slots, Some(4.0));
+        assert_eq!(fill_below_slots(&load(1.0, 0.0), slots, 0), 4);
+        assert_eq!(fill_below_slots(&load(1.0, 0.0), slots, 2), 6);
+        // Garbage from a scrape never opens more than one.
+        assert_eq!(fill_below_slots(&load(f64::NAN, 0.0), None, 0), 1);
     }
 
     #[test]
