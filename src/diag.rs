@@ -61,6 +61,7 @@ pub enum Code {
     UnreachableLimit,
     RollbackOnFewSamples,
     OwnerUnresolved,
+    RollbackOnSharedPool,
 }
 
 impl Code {
@@ -105,6 +106,7 @@ impl Code {
         Code::UnreachableLimit,
         Code::RollbackOnFewSamples,
         Code::OwnerUnresolved,
+        Code::RollbackOnSharedPool,
     ];
 
     /// The stable short name.
@@ -150,6 +152,7 @@ impl Code {
             Code::UnreachableLimit => "unreachable-limit",
             Code::RollbackOnFewSamples => "rollback-on-few-samples",
             Code::OwnerUnresolved => "owner-unresolved",
+            Code::RollbackOnSharedPool => "rollback-on-shared-pool",
         }
     }
 
@@ -239,6 +242,9 @@ impl Code {
             }
             Code::OwnerUnresolved => {
                 "`require owner` asks the owner of what a change touches; where nothing names one, any approver counts"
+            }
+            Code::RollbackOnSharedPool => {
+                "a pool's utilization and KV occupancy measure hardware the canary shares with the active version, so a rollback condition on them can roll a canary back for load it did not cause"
             }
             Code::RollbackOnFewSamples => {
                 "below `[governance] min_samples` a rollback condition reads healthy signals, so one that holds on them rolls back a version before it has been tried"

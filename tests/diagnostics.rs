@@ -333,6 +333,11 @@ fn cases() -> Vec<(&'static str, String, Code)> {
             plus("rollout {\n  canary { share 5% }\n  rollback when tier(chat).requests > 3 and tier(chat).slo_attainment <= 100%\n}"),
             Code::RollbackOnFewSamples,
         ),
+        (
+            "rollback_on_shared_pool",
+            plus("rollout {\n  canary { share 5% }\n  rollback when tier(chat).ttft_p95 > 2s or pool(gpu).kv_occupancy > 95%\n}"),
+            Code::RollbackOnSharedPool,
+        ),
         ("date_not_a_day", with("when tenant == app", "when date >= 2027-02-29"), Code::OutOfRange),
         ("date_range_backwards", with("when tenant == app", "when date in 2027-01-02..2026-12-28"), Code::InvalidValue),
         ("day_of_month_out_of_range", with("when tenant == app", "when day in 28..32"), Code::OutOfRange),
@@ -864,6 +869,63 @@ fn rollback_conditions_on_bad_values_are_not_flagged() {
         "{:?}",
         d.items
     );
+}
+
+#[test]
+fn rollback_on_shared_pool_flags_the_pools_hardware_only_during_a_canary() {
+    let flagged = |rollout: &str| {
+        let (_, d) = diagnose(&plus(rollout));
+        d.items
+            .iter()
+            .filter(|d| d.code == Code::RollbackOnSharedPool)
+            .map(|d| d.message.clone())
+            .collect::<Vec<_>>()
+    };
+    let hardware = [
+        ("pool(gpu).utilization > 97%", "`pool(gpu).utilization`"),
+        ("pool(gpu).kv_occupancy > 95%", "`pool(gpu).kv_occupancy`"),
+        (
+            "tier(chat).ttft_p95 > 2s or pool(gpu).utilization > 97%",
+            "`pool(gpu).utilization`",
+        ),
+        (
+            "error_rate > 2% and pool(gpu).kv_occupancy >= 90%",
+            "`pool(gpu).kv_occupancy`",
+        ),
+    ];
+    for canary in ["canary { share 5% }", "canary { tenants [app] }"] {
+        for (cond, names) in hardware {
+            let m = flagged(&format!(
+                "rollout {{\n  {canary}\n  rollback when {cond}\n}}"
+            ));
+            assert_eq!(m.len(), 1, "{canary} {cond}: {m:?}");
+            assert!(m[0].contains(names), "{cond}: {}", m[0]);
+            // Silenced where it is meant.
+            let m = flagged(&format!(
+                "rollout {{\n  {canary}\n  # kiln:allow(rollback-on-shared-pool)\n  rollback when {cond}\n}}"
+            ));
+            assert!(m.is_empty(), "{cond} with allow: {m:?}");
+        }
+        // Signals measured on the canary's own requests: quiet.
+        for cond in [
+            "pool(gpu).queued > 10",
+            "pool(gpu).running > 10",
+            "tier(chat).error_rate > 20%",
+            "tier(chat).fallback_rate > 20%",
+            "tenant(app).deadline_misses > 0",
+        ] {
+            let m = flagged(&format!(
+                "rollout {{\n  {canary}\n  rollback when {cond}\n}}"
+            ));
+            assert!(m.is_empty(), "{cond}: {m:?}");
+        }
+    }
+    // No canary: the version is judged once it decides all traffic, where
+    // the pool's load is its own.
+    for (cond, _) in hardware {
+        let m = flagged(&format!("rollout {{\n  rollback when {cond}\n}}"));
+        assert!(m.is_empty(), "{cond} without a canary: {m:?}");
+    }
 }
 
 #[test]

@@ -957,6 +957,80 @@ async fn a_tripped_condition_rolls_the_canary_back_by_itself() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// Issue #32: `rollback when tier(low).error_rate > 20%` read the
+/// scheduler's window over all traffic, unguarded, and rolled a canary back
+/// after its first 3 requests. It reads the canary's own requests, healthy
+/// under `min_samples`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollback_condition_reads_only_the_canarys_own_requests_past_min_samples() {
+    let d = dir("canary-min-samples");
+    let mut cfg = config(&d);
+    cfg.governance.min_samples = 20;
+    // Both versions refuse beta's low-tier requests; the new one refuses
+    // gamma's too, and gamma is its canary.
+    let v1 = pol(
+        &format!(
+            "{APPROVALS}\nadmit low {{\n  when tenant == beta => reject 503 \"down\" retry_after 1s\n  default => accept\n}}\n"
+        ),
+        false,
+        10,
+    );
+    let srv = serve(&v1, cfg).await;
+    let base = format!("http://{}", srv.addr);
+    let c = client();
+    let broken = pol(
+        &format!(
+            "{APPROVALS}\nadmit low {{\n  default => reject 503 \"broken\" retry_after 1s\n}}\nrollout {{\n  canary {{ tenants [gamma] duration 10m }}\n  rollback when tier(low).error_rate > 20%\n}}\n"
+        ),
+        false,
+        10,
+    );
+    let (s, p) = propose(&c, &base, "tok-alice", &broken).await;
+    assert_eq!(s, 201, "{p}");
+    let id = p["id"].as_str().unwrap().to_string();
+    let (s, v) = approve(&c, &base, &id, "bob", BOB, p["hash"].as_str().unwrap()).await;
+    assert_eq!(s, 200, "{v}");
+    wait_for(&c, &base, 5, "canary", |s| {
+        s["rollout"]["stage"] == "canary"
+    })
+    .await;
+    let healthy = |s: &Value, what: &str| {
+        assert_eq!(s["rollout"]["stage"], "canary", "{what}: {s:#}");
+        assert!(s["last_rollback"].is_null(), "{what}: {s:#}");
+        assert_eq!(
+            s["rollout"]["conditions"][0]["holds"], false,
+            "{what}: {s:#}"
+        );
+    };
+    // Failing requests the active version decided never count.
+    for _ in 0..30 {
+        assert_eq!(chat(&c, &base, "k-beta").await.status(), 503);
+    }
+    // Fewer failing canary requests than min_samples read as healthy,
+    // however many there are below it.
+    for n in 1..=19 {
+        assert_eq!(chat(&c, &base, "k-gamma").await.status(), 503);
+        if matches!(n, 1 | 3 | 19) {
+            // A few of the governance's 100 ms ticks.
+            tokio::time::sleep(Duration::from_millis(350)).await;
+            healthy(&status(&c, &base).await, &format!("{n} canary requests"));
+        }
+    }
+    // The 20th failing canary request trips it.
+    assert_eq!(chat(&c, &base, "k-gamma").await.status(), 503);
+    let st = wait_for(&c, &base, 10, "the automatic rollback", |s| {
+        !s["last_rollback"].is_null()
+    })
+    .await;
+    assert_eq!(
+        st["last_rollback"]["condition"],
+        "tier(low).error_rate > 20%"
+    );
+    assert_eq!(st["last_rollback"]["trigger"], "automatic");
+    srv.stop().await;
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rollback_after_activation_automatic_and_under_approval_rules() {
     let d = dir("rollbacks");

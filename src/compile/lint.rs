@@ -135,6 +135,52 @@ fn rollback_on_few_samples(g: &crate::graph::DecisionGraph, out: &mut Diagnostic
     }
 }
 
+/// The rollback-on-shared-pool lint: during a canary every traffic signal
+/// a rollback condition reads is the canary's own (`governance::live`), but
+/// `pool(P).utilization` and `pool(P).kv_occupancy` measure the pool's
+/// hardware, which the active version's traffic loads too: they cannot be
+/// split by who decided a request, so they stay the scheduler's whole-pool
+/// figures, and a condition on them can roll a canary back for load it
+/// did not cause. Without a canary the rollout only watches the version
+/// once it decides all traffic, where the pool's figures are its own.
+fn rollback_on_shared_pool(g: &crate::graph::DecisionGraph, out: &mut Diagnostics) {
+    use crate::graph::signal::PoolField;
+    use crate::graph::Sig;
+    let Some(r) = &g.rollout else {
+        return;
+    };
+    if r.canary_share.is_none() && r.canary_tenants.is_empty() {
+        return;
+    }
+    for b in &r.rollbacks {
+        let mut read: Vec<String> = Vec::new();
+        for f in [PoolField::Utilization, PoolField::KvOccupancy] {
+            for (i, p) in g.pools.iter().enumerate() {
+                let hit = b
+                    .cond
+                    .any_test(&|t| t.sig == Sig::Pool(i as crate::graph::PoolId, f));
+                if hit {
+                    read.push(format!("`pool({}).{}`", p.name, f.doc().field));
+                }
+            }
+        }
+        if read.is_empty() {
+            continue;
+        }
+        out.push(
+            Diagnostic::error(
+                Code::RollbackOnSharedPool,
+                format!(
+                    "during the canary this rollback condition reads {}, the whole pool's hardware, loaded by the active version's traffic too",
+                    read.join(" and ")
+                ),
+            )
+            .at(b.span, "can roll the canary back for load it did not cause")
+            .help("every other signal is measured on the canary's own requests; to judge the canary read those (`pool(P).queued`, `pool(P).running`, `tier(T).wait_p95`, `tier(T).ttft_p95`), or keep this and silence it with `# kiln:allow(rollback-on-shared-pool)` if a saturated pool should stop any canary"),
+        );
+    }
+}
+
 /// Notes for the author, not findings (they never fail `kiln lint` and
 /// are not diagnostics): which queue bound applies to each tier whose
 /// admission can accept a request without `queue max_wait`. Such a request
@@ -366,6 +412,7 @@ pub fn lint(c: &Compiled) -> Diagnostics {
         super::dead::dead_rules(g, &mut out);
         unreachable_limits(c, g, &mut out);
         rollback_on_few_samples(g, &mut out);
+        rollback_on_shared_pool(g, &mut out);
     }
     wrapping_times(c, &mut out);
     for (span, what) in &c.facts.redefined {

@@ -19,7 +19,10 @@
 //!   queue waits (or service times, or whole lives) of the requests in the
 //!   window, summed, over the time the window covers.
 //! * `pool(P).utilization` and `pool(P).kv_occupancy` measure the pool's
-//!   hardware, which the canary shares: they are the scheduler's.
+//!   hardware, which the canary shares with the active version: they cannot
+//!   be split by who decided a request, so they are the scheduler's
+//!   whole-pool figures, and [`crate::compile`]'s `rollback-on-shared-pool`
+//!   lint warns on a canary's condition that reads them.
 //! * Guard: a tier, pool or tenant with fewer than `min_samples` requests
 //!   in the window reads as healthy (latencies, rates and counts 0,
 //!   attainment 100%), and so does the global error rate, and the pools'

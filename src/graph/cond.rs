@@ -135,6 +135,16 @@ impl Cond {
         }
     }
 
+    /// Whether any test in this condition satisfies `f`.
+    pub fn any_test(&self, f: &impl Fn(&Test) -> bool) -> bool {
+        match self {
+            Cond::True => false,
+            Cond::Test(t) => f(t),
+            Cond::Not(c) => c.any_test(f),
+            Cond::And(cs) | Cond::Or(cs) => cs.iter().any(|c| c.any_test(f)),
+        }
+    }
+
     /// Evaluates a condition that reads only live signals (a rollout's
     /// rollback conditions), with no request.
     pub fn eval_signals<T: Tracer>(&self, signals: &Signals, t: &mut T) -> bool {
