@@ -670,6 +670,19 @@ pub fn rules(g: &DecisionGraph, o: &Options) -> Value {
                 "a-bad-policy-was-rolled-out",
             ),
         ),
+        // A refused reload leaves the keys of the last good file in use: a
+        // key revoked or expired in the file since then still works.
+        alert(
+            "KilnKeysReloadRefused",
+            "sum by (instance) (increase(kiln_keys_reloads_total{result=\"error\"}[15m])) > 0".into(),
+            "0m",
+            "page",
+            annotations(
+                "A reload of API keys was refused on {{ $labels.instance }}: the keys in use are not the file's".into(),
+                format!("Policy {policy}: on {{{{ $labels.instance }}}}, a reload of [[keys]] and admin tokens from kiln.toml (SIGHUP, a change to the file, or POST /admin/keys/reload) was refused in the last 15 minutes. The gateway still serves the keys of the last file it accepted, so a key revoked or expired in the file since then still works until the file is fixed."),
+                "a-keys-reload-was-refused",
+            ),
+        ),
     ];
     let mut fleet = fleet;
     for a in &mut fleet {
