@@ -677,3 +677,92 @@ async fn a_promise_survives_sigkill_and_is_kept() {
     assert_eq!(seen.len(), B, "{eb}");
     assert!(seen.values().all(|&n| n == 1), "a B item twice: {eb}");
 }
+
+/// Two gateways on one embedded store would each run the other's batches:
+/// a second `kiln serve` on a store a live gateway holds is refused at
+/// start (exit 2, naming the store and the holder's process id), and the
+/// lock dies with its holder, so after a SIGKILL (no clean-up at all) the
+/// next gateway starts on the same store.
+#[test]
+fn a_second_gateway_on_a_held_store_is_refused_and_a_killed_ones_store_is_free() {
+    use std::io::Read;
+    let dir = TempDir::new();
+    std::fs::write(dir.0.join("crash.kiln"), POLICY).unwrap();
+    let first = Gateway::start(&dir.0);
+    let holder = first.child.id();
+    let mut second = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .arg("serve")
+        .arg("--policy")
+        .arg(dir.0.join("crash.kiln"))
+        .args(["--listen", "127.0.0.1:0"])
+        .arg("--batch-store")
+        .arg(dir.0.join("b.db"))
+        .current_dir(&dir.0)
+        .env("NO_COLOR", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = second.try_wait().unwrap() {
+            break Some(s);
+        }
+        if Instant::now() > deadline {
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let Some(status) = status else {
+        let _ = second.kill();
+        let _ = second.wait();
+        panic!("a second gateway started on a store another one holds");
+    };
+    let mut err = String::new();
+    second
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert_eq!(status.code(), Some(2), "{err}");
+    // The report wraps its lines: read it as one line of words.
+    let text = err
+        .replace('│', " ")
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
+    assert!(text.contains("kiln::serve::store_in_use"), "{err}");
+    assert!(text.contains("in use by another kiln gateway"), "{err}");
+    assert!(text.contains(&format!("(process {holder})")), "{err}");
+    assert!(text.contains("b.db"), "{err}");
+    // The first one still serves.
+    let models = reqwest_get(&format!("{}/v1/models", first.base));
+    assert!(models.is_some(), "the first gateway stopped serving");
+    first.kill();
+    let third = Gateway::start(&dir.0);
+    assert!(reqwest_get(&format!("{}/v1/models", third.base)).is_some());
+}
+
+/// GET `url` with the test's key; the body when it answers 200.
+fn reqwest_get(url: &str) -> Option<String> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let r = reqwest::Client::new()
+            .get(url)
+            .bearer_auth(KEY)
+            .timeout(Duration::from_secs(10))
+            .send()
+            .await
+            .ok()?;
+        if r.status().is_success() {
+            r.text().await.ok()
+        } else {
+            None
+        }
+    })
+}

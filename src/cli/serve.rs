@@ -155,6 +155,23 @@ pub fn run(a: Args) -> i32 {
     if config.batch.store.is_none() {
         config.batch.store = Some(PathBuf::from(".kiln/batches.db"));
     }
+    // One gateway per embedded store: a second `kiln serve` in the same
+    // directory would otherwise share `.kiln/batches.db` silently, each
+    // running (and double-running) the other's batches.
+    let _store_held = match config.batch.store.as_deref() {
+        Some(p) if !crate::batch::store::is_url(&p.to_string_lossy()) => match hold_store(p) {
+            Ok(f) => f,
+            Err(e) => {
+                if json {
+                    tracing::error!(code = ?miette::Diagnostic::code(&e).map(|c| c.to_string()), help = ?miette::Diagnostic::help(&e).map(|h| h.to_string()), "{e}");
+                } else {
+                    eprintln!("{:?}", miette::Report::new(e));
+                }
+                return EXIT_USAGE;
+            }
+        },
+        _ => None,
+    };
     let listen = a
         .listen
         .clone()
@@ -219,6 +236,79 @@ pub fn run(a: Args) -> i32 {
         running.wait().await;
         EXIT_OK
     })
+}
+
+/// Why `kiln serve` could not take its batch store for itself.
+#[derive(Debug, thiserror::Error, miette::Diagnostic)]
+pub enum StoreLockError {
+    #[error("the batch store {path} is in use by another kiln gateway{holder}")]
+    #[diagnostic(
+        code(kiln::serve::store_in_use),
+        help("give each gateway on this machine its own store (`--batch-store PATH` or `[batch] store` in kiln.toml); to share batches between gateways, point every one at one PostgreSQL: `[batch] store = \"postgres://...\"`")
+    )]
+    InUse { path: String, holder: String },
+    #[error("cannot lock the batch store {path}: {message}")]
+    #[diagnostic(
+        code(kiln::serve::store_lock),
+        help("the directory of the batch store must exist or be creatable, and be writable by this user")
+    )]
+    Io { path: String, message: String },
+}
+
+/// Takes `<store>.lock` for this process, with the operating system's
+/// file lock: it is released when the process ends however it ends
+/// (`kill -9` included), so a crashed gateway never leaves a stale lock.
+/// The holder's process id is written in it for the next one's message.
+/// `None` where the file system has no locks (the store is then not
+/// guarded, as before).
+fn hold_store(store: &Path) -> Result<Option<std::fs::File>, StoreLockError> {
+    use std::io::{Read, Seek, Write};
+    let mut name = store.as_os_str().to_owned();
+    name.push(".lock");
+    let lock = PathBuf::from(name);
+    let io = |e: std::io::Error| StoreLockError::Io {
+        path: store.display().to_string(),
+        message: e.to_string(),
+    };
+    if let Some(dir) = lock.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(io)?;
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&lock)
+        .map_err(io)?;
+    match f.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            let mut pid = String::new();
+            let _ = f.read_to_string(&mut pid);
+            let pid = pid.trim();
+            let holder =
+                if !pid.is_empty() && pid.len() <= 20 && pid.bytes().all(|b| b.is_ascii_digit()) {
+                    format!(" (process {pid})")
+                } else {
+                    String::new()
+                };
+            return Err(StoreLockError::InUse {
+                path: store.display().to_string(),
+                holder,
+            });
+        }
+        Err(std::fs::TryLockError::Error(e)) if e.kind() == std::io::ErrorKind::Unsupported => {
+            tracing::warn!(path = %lock.display(), "the file system has no file locks: a second gateway on this batch store would not be refused");
+            return Ok(None);
+        }
+        Err(std::fs::TryLockError::Error(e)) => return Err(io(e)),
+    }
+    // Best effort: the lock, not this text, is what guards the store.
+    let _ = f.set_len(0);
+    let _ = f.rewind();
+    let _ = write!(f, "{}", std::process::id());
+    let _ = f.flush();
+    Ok(Some(f))
 }
 
 async fn shutdown_signal() {

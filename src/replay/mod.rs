@@ -180,7 +180,7 @@ fn run_inner(
         if arrival_next {
             let Some((at, a)) = pending.next() else { break };
             fed += 1;
-            if fed % 4096 == 0 {
+            if fed.is_multiple_of(4096) {
                 progress(fed, n);
             }
             driver.feed(at, Event::Arrive(a), &mut sink);
@@ -212,7 +212,7 @@ pub fn run_measured(
 ) -> (Vec<Outcome>, f64) {
     let mut gap: f64 = 0.0;
     let outcomes = run_inner(sched, arrivals, progress, &mut |s: &Scheduler, i: u64| {
-        if i % 64 == 0 {
+        if i.is_multiple_of(64) {
             gap = gap.max(s.service_gap());
         }
     });

@@ -677,7 +677,7 @@ async fn share_sync(app: Arc<App>, fleet: Arc<Fleet>) {
         if !down && !fleet.settle_unknown().await {
             down = true;
         }
-        if !down && (ticks % QUOTA_SYNC_TICKS == 0 || fleet.budget.has_unsent()) {
+        if !down && (ticks.is_multiple_of(QUOTA_SYNC_TICKS) || fleet.budget.has_unsent()) {
             match sync_quotas(&fleet, g).await {
                 Some(q) => quotas = q,
                 None => down = true,

@@ -73,7 +73,7 @@ fn from_secs(secs: f64, text: &str) -> Result<Duration, String> {
 pub fn format(d: Duration) -> String {
     if d.subsec_nanos() == 0 {
         format!("{}s", d.as_secs())
-    } else if d.as_nanos() % 1_000_000 == 0 && d < Duration::from_secs(10) {
+    } else if d.as_nanos().is_multiple_of(1_000_000) && d < Duration::from_secs(10) {
         format!("{}ms", d.as_millis())
     } else {
         format!("{}s", d.as_secs_f64())

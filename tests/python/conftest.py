@@ -147,7 +147,11 @@ class Kiln:
 def run_kiln(args: list[str], log: Path, ready_timeout: float = 30.0):
     """Starts `kiln serve ARGS --listen 127.0.0.1:0`, waits for its
     "listening" line on stderr and yields a Kiln; always stops it."""
-    cmd = [str(kiln_bin()), "serve", *args, "--listen", "127.0.0.1:0"]
+    # Each gateway its own batch store (beside its log) unless the test
+    # names one: two gateways on one store are refused, and the default
+    # (.kiln/ in the repository) is not a test's to write.
+    store = [] if "--batch-store" in args else ["--batch-store", str(log.with_suffix(".db"))]
+    cmd = [str(kiln_bin()), "serve", *args, *store, "--listen", "127.0.0.1:0"]
     env = dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "kiln=info"))
     with open(log, "wb") as f:
         proc = subprocess.Popen(

@@ -1456,7 +1456,7 @@ mod tests {
         let p = MemoryPlan::new(&s, 127_000_000_000, 8192, 8192, 65_536, None).unwrap();
         assert!(p.shape.layers < s.layers && p.shape.layers > 40, "{p:?}");
         assert!(p.note().is_some());
-        assert!(p.kv_tokens >= 65_536 && p.kv_tokens % u64::from(KV_BLOCK_TOKENS) == 0);
+        assert!(p.kv_tokens >= 65_536 && p.kv_tokens.is_multiple_of(u64::from(KV_BLOCK_TOKENS)));
         let total = p.weight_bytes + p.buffers.bytes() + p.kv_bytes;
         assert!(total <= p.usable_bytes, "{total} > {}", p.usable_bytes);
         // An 8B model fits whole, the rest of memory going to KV.
