@@ -18,9 +18,7 @@ pub fn unix_s() -> u64 {
 
 /// UTC minute of day and weekday (0 = Monday) now, for time-of-day rules.
 pub fn minute_and_weekday() -> (u32, u8) {
-    let secs = unix_s();
-    let minute = ((secs / 60) % 1440) as u32;
-    // 1970-01-01 was a Thursday (3 when Monday is 0).
-    let weekday = ((secs / 86_400 + 3) % 7) as u8;
-    (minute, weekday)
+    let now = jiff::Timestamp::now().to_zoned_datetime(jiff::tz::TimeZone::UTC);
+    let minute = u32::from(now.hour().unsigned_abs()) * 60 + u32::from(now.minute().unsigned_abs());
+    (minute, now.weekday().to_monday_zero_offset().unsigned_abs())
 }
