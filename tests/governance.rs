@@ -105,6 +105,7 @@ fn config(d: &Path) -> ServerConfig {
     }
     t.push_str(&format!(
         "[governance]\nwatch = \"40s\"\nwindow = \"60s\"\nmin_samples = 3\napproval_ttl = \"2h\"\n\
+         withdraw_groups = [\"platform-leads\"]\n\
          [audit]\npath = \"{}\"\n[log]\npath = \"{}\"\n[sim]\nspeed = {SPEED}\n",
         d.join("audit.jsonl").display(),
         d.join("decisions.jsonl").display()
@@ -628,15 +629,32 @@ async fn approvals_are_bound_to_hash_proposal_and_approver() {
         .unwrap()
         .contains(&json!("approval_change")));
     let lid = lower["id"].as_str().unwrap().to_string();
-    let (s, _) = call(
+    // Withdrawing is the proposer's right, or a withdraw group's: ops (an
+    // admin token, not an approver) may not; carol (platform-leads, the
+    // configured group) may.
+    let (s, v) = call(
         &c,
         reqwest::Method::DELETE,
         format!("{base}/admin/proposals/{lid}"),
-        Some("tok-alice"),
+        Some("tok-ops"),
         None,
     )
     .await;
-    assert_eq!(s, 200);
+    assert_eq!(s, 403, "ops withdrew alice's proposal: {v}");
+    assert!(
+        v.to_string()
+            .contains("only its proposer (alice), or a member of platform-leads, may withdraw"),
+        "{v}"
+    );
+    let (s, v) = call(
+        &c,
+        reqwest::Method::DELETE,
+        format!("{base}/admin/proposals/{lid}"),
+        Some("tok-carol"),
+        None,
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
 
     // Enough approvals (bob counts for both groups, carol is a lead): the
     // change has no rollout block, so it is enforced at once.

@@ -43,6 +43,17 @@ pub enum ActionError {
     #[error("only its proposer ({proposer}) may revise {id}")]
     #[diagnostic(code(kiln::governance::forbidden))]
     NotProposer { id: String, proposer: String },
+    #[error("only its proposer ({proposer}){groups} may withdraw {id}")]
+    #[diagnostic(
+        code(kiln::governance::forbidden),
+        help("ask the proposer to withdraw it; who else may is `[governance] withdraw_groups` in kiln.toml (approver groups)")
+    )]
+    NotWithdrawer {
+        id: String,
+        proposer: String,
+        /// ", or a member of g1, g2" when groups may; empty otherwise.
+        groups: String,
+    },
     #[error("this is the active policy ({0})")]
     #[diagnostic(code(kiln::governance::unchanged))]
     Unchanged(String),
@@ -107,7 +118,9 @@ impl ActionError {
             ActionError::NotOpen { .. }
             | ActionError::Unchanged(_)
             | ActionError::NoPrevious(_) => 409,
-            ActionError::NotProposer { .. } | ActionError::OverrideTooLong { .. } => 403,
+            ActionError::NotProposer { .. }
+            | ActionError::NotWithdrawer { .. }
+            | ActionError::OverrideTooLong { .. } => 403,
             ActionError::AuditUnavailable(_) | ActionError::Random(_) | ActionError::Shared(_) => {
                 503
             }
@@ -125,7 +138,7 @@ impl ActionError {
             | ActionError::UnknownTarget { .. }
             | ActionError::NoOverride { .. } => "not_found",
             ActionError::NotOpen { .. } => "not_pending",
-            ActionError::NotProposer { .. } => "forbidden",
+            ActionError::NotProposer { .. } | ActionError::NotWithdrawer { .. } => "forbidden",
             ActionError::Unchanged(_) => "unchanged",
             ActionError::AuditUnavailable(_) => "audit_unavailable",
             ActionError::OverrideTooLong { .. } => "override_too_long",
@@ -421,6 +434,17 @@ impl Gov {
     ) -> Result<ProposalView, ActionError> {
         let mut st = lock(&self.state);
         let p = open_proposal(&mut st, id, "not open")?;
+        if !self.may_withdraw(who, &p.proposer) {
+            return Err(ActionError::NotWithdrawer {
+                id: id.to_string(),
+                proposer: p.proposer.clone(),
+                groups: if self.withdraw_groups.is_empty() {
+                    String::new()
+                } else {
+                    format!(", or a member of {},", self.withdraw_groups.join(", "))
+                },
+            });
+        }
         audited(self.audit("proposal_withdrawn", who, json!({"id": id, "hash": p.hash})))?;
         p.state = PState::Withdrawn;
         p.note = Some(format!("withdrawn by {who}"));
@@ -428,6 +452,17 @@ impl Gov {
         drop(st);
         self.persist(gw);
         Ok(view)
+    }
+
+    /// A proposal is its proposer's to withdraw, or a member's of one of
+    /// `[governance] withdraw_groups` (as `[[approvers]]` list people's
+    /// groups): an admin token alone does not let one person drop
+    /// another's change.
+    fn may_withdraw(&self, who: &str, proposer: &str) -> bool {
+        who == proposer
+            || self.approvers.iter().any(|a| {
+                a.person == who && self.withdraw_groups.iter().any(|g| a.groups.contains(g))
+            })
     }
 
     async fn approve_here(

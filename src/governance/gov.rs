@@ -52,6 +52,9 @@ pub struct GovConfig {
     /// The longest pause or throttle an operator may set
     /// (`[governance] max_override`).
     pub max_override_ms: f64,
+    /// Approver groups whose members may withdraw anyone's proposal
+    /// (`[governance] withdraw_groups`); others withdraw only their own.
+    pub withdraw_groups: Vec<String>,
     /// The fleet's shared store (`[state] redis`): proposals, approvals,
     /// used signatures, rollback history and the audit chain live there,
     /// written one governance step at a time under a lease (see
@@ -119,6 +122,7 @@ pub struct Gov {
     pub(super) default_canary_ms: f64,
     pub(super) dry_run_records: usize,
     pub(super) max_override_ms: f64,
+    pub(super) withdraw_groups: Vec<String>,
     /// The gateway's identity (random, kept in the audit log's first
     /// `gateway` entry): approvals sign it. With a shared store it is the
     /// fleet's, empty until this replica has read (or written) it.
@@ -344,6 +348,7 @@ impl Gov {
             default_canary_ms: cfg.default_canary_ms,
             dry_run_records: cfg.dry_run_records,
             max_override_ms: cfg.max_override_ms,
+            withdraw_groups: cfg.withdraw_groups,
             gateway: Mutex::new(gateway),
             shared: cfg.shared,
             synced: Mutex::new(super::shared::Synced::default()),

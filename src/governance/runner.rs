@@ -794,6 +794,7 @@ route [low] tiny { default => fp16 }
             default_canary_ms: 0.0,
             dry_run_records: 10,
             max_override_ms: 86_400_000.0,
+            withdraw_groups: Vec::new(),
             shared: None,
         })
         .unwrap()

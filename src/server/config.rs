@@ -274,6 +274,11 @@ pub struct GovernanceSection {
     /// longer is refused: change the policy through a proposal instead.
     #[serde(default = "default_max_override")]
     pub max_override: String,
+    /// Approver groups (`[[approvers]] groups`) whose members may withdraw
+    /// any open proposal; everyone else only their own. Empty (the
+    /// default): only a proposal's proposer withdraws it.
+    #[serde(default)]
+    pub withdraw_groups: Vec<String>,
 }
 
 fn default_max_override() -> String {
@@ -310,6 +315,7 @@ impl Default for GovernanceSection {
             dry_run_records: default_dry_run(),
             state: None,
             max_override: default_max_override(),
+            withdraw_groups: Vec::new(),
         }
     }
 }

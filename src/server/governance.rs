@@ -78,6 +78,7 @@ pub fn gov_config(cfg: &ServerConfig, speed: f64) -> GovConfig {
         default_canary_ms: g.default_canary_ms(),
         dry_run_records: g.dry_run_records,
         max_override_ms: g.max_override_ms(),
+        withdraw_groups: g.withdraw_groups.clone(),
         // Set by `start`, which opens the fleet's store.
         shared: None,
     }
