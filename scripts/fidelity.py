@@ -55,19 +55,15 @@ LISTENING = re.compile(r"kiln gateway listening on http://(\S+)")
 API_KEY = "key-app"
 
 # Tolerances of --check (the CI test): loose enough for a noisy shared
-# 2-core machine, tight enough that a broken fit or replay fails (a fit gone
-# wrong is 100-300% off on latency). Errors are the calibrated replay's
-# median absolute error at the loads the calibration did not see;
-# `ttft_e2e_pooled` pools TTFT p50, TTFT p95 and e2e p50. Measured on the
-# same machine from run to run: pooled 49%, 56% and 72% (the last on a quiet
-# machine, where the engine ran faster at the overloaded load than the fit
-# from the middle one predicted), attainment 3.3 to 24.4 points, throughput
-# 7-8%. This is a check that the calibration pipeline works end to end, not
-# the fidelity target of issue 28, which is not met (BENCHMARKS.md).
+# 2-core machine, tight enough that a broken fit or replay fails (the
+# uncalibrated replay is 75-95% off on latency there, a fit gone wrong
+# 100-300%). Errors are the calibrated replay's median absolute error at the
+# loads the calibration did not see; `ttft_e2e_pooled` pools TTFT p50, TTFT
+# p95 and e2e p50.
 CHECK = {
-    "ttft_e2e_pooled": 0.95,
+    "ttft_e2e_pooled": 0.65,
     "throughput": 0.25,
-    "attainment_points": 40.0,
+    "attainment_points": 30.0,
 }
 
 WORDS = (
