@@ -161,14 +161,7 @@ pub fn run(a: Args) -> i32 {
     let _store_held = match config.batch.store.as_deref() {
         Some(p) if !crate::batch::store::is_url(&p.to_string_lossy()) => match hold_store(p) {
             Ok(f) => f,
-            Err(e) => {
-                if json {
-                    tracing::error!(code = ?miette::Diagnostic::code(&e).map(|c| c.to_string()), help = ?miette::Diagnostic::help(&e).map(|h| h.to_string()), "{e}");
-                } else {
-                    eprintln!("{:?}", miette::Report::new(e));
-                }
-                return EXIT_USAGE;
-            }
+            Err(e) => return startup_error(json, e),
         },
         _ => None,
     };
@@ -205,14 +198,7 @@ pub fn run(a: Args) -> i32 {
         .await
         {
             Ok(r) => r,
-            Err(e) => {
-                if json {
-                    tracing::error!(code = ?miette::Diagnostic::code(&e).map(|c| c.to_string()), help = ?miette::Diagnostic::help(&e).map(|h| h.to_string()), "{e}");
-                } else {
-                    eprintln!("{:?}", miette::Report::new(e));
-                }
-                return EXIT_USAGE;
-            }
+            Err(e) => return startup_error(json, e),
         };
         let addr = running.addr;
         say(format!(
@@ -223,9 +209,7 @@ pub fn run(a: Args) -> i32 {
             "  OpenAI base URL: http://{addr}/v1   explain: /admin/explain/ID   metrics: /metrics"
         ));
         if let Some(p) = running.app.batches.store.location() {
-            say(format!(
-                "  batches: /v1/files, /v1/batches; stored in {p}"
-            ));
+            say(format!("  batches: /v1/files, /v1/batches; stored in {p}"));
         }
         if !running.app.admin_open && !running.app.config.has_admin_tokens() {
             say("  admin endpoints are closed: no [admin] tokens and not on loopback".into());
@@ -236,6 +220,17 @@ pub fn run(a: Args) -> i32 {
         running.wait().await;
         EXIT_OK
     })
+}
+
+/// Reports why the gateway cannot start (one JSON log line with its code
+/// and help, or miette's report on a terminal) and gives the exit code.
+fn startup_error<E: miette::Diagnostic + Send + Sync + 'static>(json: bool, e: E) -> i32 {
+    if json {
+        tracing::error!(code = ?e.code().map(|c| c.to_string()), help = ?e.help().map(|h| h.to_string()), "{e}");
+    } else {
+        eprintln!("{:?}", miette::Report::new(e));
+    }
+    EXIT_USAGE
 }
 
 /// Why `kiln serve` could not take its batch store for itself.
