@@ -312,6 +312,9 @@ fn main() {
                                 mode_name(mode),
                                 100.0 * got / asked.max(1.0)
                             );
+                            if mode == Mode::Kiln {
+                                below_detail(&recs, &o, t, window, slo_s);
+                            }
                         }
                     }
                     // Only clearly backlogged tenants are held to their
@@ -383,4 +386,42 @@ fn mode_name(m: Mode) -> &'static str {
         Mode::Priority => "priority",
         Mode::Static => "static",
     }
+}
+
+/// Where a below-share tenant's misses come from: refused (by reason) or
+/// late, and for the late ones the wait to start and start to first token.
+fn below_detail(recs: &[Record], o: &[Outcome], t: &str, window: (f64, f64), slo_s: f64) {
+    let (mut n, mut late) = (0, 0);
+    let mut why: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut waits = Vec::new();
+    let mut prefills = Vec::new();
+    let mut waited: BTreeMap<&str, usize> = BTreeMap::new();
+    for (r, o) in recs.iter().zip(o) {
+        let at = r.at_ms / 1000.0;
+        if r.tenant.as_deref() != Some(t) || at < window.0 || at >= window.1 {
+            continue;
+        }
+        n += 1;
+        if let Some((reason, _)) = o.rejected {
+            *why.entry(reason.name()).or_default() += 1;
+            continue;
+        }
+        let (Some(st), Some(ft)) = (o.started, o.first_token) else {
+            continue;
+        };
+        if (ft.saturating_sub(o.arrival) as f64) > slo_s * SEC as f64 {
+            late += 1;
+            waits.push((st - o.arrival) as f64 / SEC as f64);
+            prefills.push(((ft - st) as f64 / SEC as f64, r.prompt_tokens));
+            if let Some(w) = o.waited_for {
+                *waited.entry(w.name()).or_default() += 1;
+            }
+        }
+    }
+    waits.sort_by(f64::total_cmp);
+    eprintln!(
+        "    {t}: {n} arrived, refused {why:?}, late {late} (waited for {waited:?}); waits {:?}; start->first token (s, prompt) {:?}",
+        waits.iter().step_by((waits.len() / 8).max(1)).map(|w| (w * 100.0).round() / 100.0).collect::<Vec<_>>(),
+        prefills.iter().take(12).map(|(a, p)| ((a * 100.0).round() / 100.0, *p)).collect::<Vec<_>>()
+    );
 }

@@ -59,8 +59,9 @@ pub(super) struct Admitting<'g> {
     pub borrowed: bool,
     /// Comparison baselines skip admission control.
     pub baseline: bool,
-    /// When admission estimated it would start (uncorrected).
-    pub est_start: Option<Micros>,
+    /// When admission estimated it would start (uncorrected), and whether
+    /// it was first in fair order then (its estimate's kind).
+    pub est_start: Option<(Micros, bool)>,
     /// Its completion window from arrival: its own ([`Arrival::window`],
     /// a batch item's) or else its tier's, µs.
     pub window: Option<Micros>,
@@ -414,7 +415,7 @@ fn wait_within_slo(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refus
         reference,
     };
     let e = s.estimate_for(&q, &a.candidates);
-    a.est_start = Some(e.raw_start);
+    a.est_start = Some((e.raw_start, e.first_in_order));
     let (est, above_share) = (e.first_token, e.above_share);
     if est <= limit {
         return Ok(());

@@ -473,6 +473,8 @@ pub(crate) struct Estimate {
     pub raw_start: Micros,
     pub first_token: Micros,
     pub above_share: bool,
+    /// Nothing queued goes ahead of it (its wait is the next slot).
+    pub first_in_order: bool,
 }
 
 /// How far off wait estimates run: a running estimate of a high quantile
@@ -589,7 +591,8 @@ pub struct Scheduler {
     /// (Per tenant was tried: a tenant pushed back by others then learnt a
     /// larger factor, was refused more and fell below its share; on
     /// generated mixes the worst deviation went from 7% to over 200%.)
-    misestimate: HashMap<((u16, u16), TierId), Misestimate>,
+    /// By route, tier and kind of estimate (first in fair order or not).
+    misestimate: HashMap<((u16, u16), TierId, bool), Misestimate>,
     /// Recent sizes of prompts to prefill, per (model, variant) and tier:
     /// admission's size-neutral reference ([`sizes`]).
     sizes: HashMap<((u16, u16), TierId), sizes::Sizes>,
@@ -1722,6 +1725,7 @@ impl Scheduler {
                 raw_start: u64::MAX / 4,
                 first_token: u64::MAX / 4,
                 above_share: ahead.above_share,
+                first_in_order: false,
             };
         }
         let rate = rate.max(self.drain_rate(q.key)) * share;
@@ -1753,16 +1757,24 @@ impl Scheduler {
             (((ahead_tokens / rate) * SEC as f64) as Micros).saturating_add(boundary)
         };
         let prefill = if above_share { prefill_ref } else { prefill };
-        // Corrected by how far off such estimates have been lately.
+        // Corrected by how far off such estimates have been lately, learnt
+        // apart for the two kinds: a request first in fair order (nothing
+        // queued ahead of it, it waits for the next slot to free) and one
+        // behind queued work (the queue-drain estimate). One factor for
+        // both made a light tenant pay for backlogged tenants' queue-drain
+        // misestimates, 11-20x on a KV-bound 70B pair: it was refused a
+        // fifth of its requests asking 2% of the pool (issue 26).
+        let first_in_order = ahead_tokens <= 0.0;
         let factor = self
             .misestimate
-            .get(&(q.key, q.tier))
+            .get(&(q.key, q.tier, first_in_order))
             .map_or(1.0, |m| m.factor());
         let corrected = (start as f64 * factor) as Micros;
         Estimate {
             raw_start: start,
             first_token: corrected.saturating_add(prefill),
             above_share,
+            first_in_order,
         }
     }
 
@@ -2152,11 +2164,11 @@ impl Scheduler {
             // Only a first start after an ordinary wait says how good the
             // estimate was (not a delay window, a batching hold or a
             // resumption after preemption).
-            if let (Some(est), false) = (w.est_start, w.started) {
+            if let (Some((est, first)), false) = (w.est_start, w.started) {
                 if !matches!(w.waiting_for, Some(Reason::Delay | Reason::Batching)) {
                     let waited = self.now.saturating_sub(w.arrival);
                     self.misestimate
-                        .entry(((w.model, w.variant), w.tier))
+                        .entry(((w.model, w.variant), w.tier, first))
                         .or_default()
                         .note(est, waited);
                 }

@@ -50,8 +50,9 @@ pub struct Waiting {
     /// strictly (an external router's choice: no other replica steals it).
     pub pin_until: Micros,
     /// The wait admission estimated for it (to learn how far off
-    /// estimates run), if it estimated one.
-    pub est_start: Option<Micros>,
+    /// estimates run), if it estimated one, and whether it was first in
+    /// fair order then (the two kinds are learnt apart).
+    pub est_start: Option<(Micros, bool)>,
     pub preemptions: u32,
     pub backfill: bool,
     /// Its reservation used tokens borrowed from the cohort: lenders may
