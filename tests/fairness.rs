@@ -262,24 +262,31 @@ fn aging_never_reorders_tenants_within_a_tier() {
 /// A pool shape for generated mixes: Llama-8B on one small L4 (its own
 /// capacity, slower prefill than the H100 above).
 fn l4_policy(tenants: &[(String, u32)]) -> Arc<DecisionGraph> {
-    let mut text = String::from(
+    let tenants: Vec<(&str, f64)> = tenants
+        .iter()
+        .map(|(t, w)| (t.as_str(), f64::from(*w)))
+        .collect();
+    one_tier_policy(
         r#"pool p { gpus 1 kind "L4" memory 24GB }
 model llama-8b { params 8B kv_per_token 128KB variant fp16 { memory 17GB pools [p] } }
 tier chat { priority 10 slo { ttft 3s } }
-classify { default => tier chat }
 route chat llama-8b { default => fp16 }
 "#,
-    );
+        &tenants,
+    )
+}
+
+/// A pool shape's policy: its pool, model, tier `chat` and route, every
+/// request classified to `chat`, and the tenants with their weights.
+fn one_tier_policy(shape: &str, tenants: &[(&str, f64)]) -> Arc<DecisionGraph> {
+    let mut text = format!("{shape}classify {{ default => tier chat }}\n");
     for (name, w) in tenants {
         text.push_str(&format!(
             "tenant {name} {{ owner \"o\" tiers [chat] weight {w} }}\n"
         ));
     }
-    Arc::new(
-        kiln::compile::compile_str("l4.kiln", &text)
-            .graph
-            .expect("compiles"),
-    )
+    let c = kiln::compile::compile_str("shape.kiln", &text);
+    Arc::new(c.graph.expect("policy compiles"))
 }
 
 fn l4_capacity() -> f64 {
@@ -436,21 +443,30 @@ fn busy_is_the_share_of_capacity_used_not_of_time_stepping() {
 /// short and the misestimate factor learnt from backlogged tenants is
 /// large.
 fn pair_policy(tenants: &[(&str, f64)]) -> Arc<DecisionGraph> {
-    let mut text = String::from(
+    one_tier_policy(
         r#"pool p { gpus 4 kind "H100-80GB" memory 80GB }
 model llama-70b { params 70B kv_per_token 320KB variant fp16 { memory 140GB gpus_per_replica 2 pools [p] } }
 tier chat { priority 10 slo { ttft 2s } }
-classify { default => tier chat }
 route chat llama-70b { default => fp16 }
 "#,
-    );
-    for (name, w) in tenants {
-        text.push_str(&format!(
-            "tenant {name} {{ owner \"o\" tiers [chat] weight {w} }}\n"
-        ));
-    }
-    let c = kiln::compile::compile_str("pair.kiln", &text);
-    Arc::new(c.graph.expect("policy compiles"))
+        tenants,
+    )
+}
+
+/// Requests per second the 70B pair finishes when it never runs dry.
+fn pair_capacity() -> f64 {
+    static C: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    *C.get_or_init(|| {
+        let g = pair_policy(&[("t", 1.0)]);
+        let load = [synth::Load {
+            tenant: "t".into(),
+            rate_per_s: 1e6,
+        }];
+        let burst = synth::poisson(sizes(), "llama-70b", &load, 0.0005, 1);
+        let o = run(&g, Mode::Fifo, &burst);
+        let end = o.iter().filter_map(|o| o.finished).max().unwrap() as f64 / SEC as f64;
+        burst.len() as f64 / end
+    })
 }
 
 /// A tenant asking a few percent of the pool is first in fair order
@@ -464,17 +480,7 @@ route chat llama-70b { default => fp16 }
 fn a_light_tenant_first_in_fair_order_is_not_refused_for_the_tiers_misestimate() {
     let ws = [("a", 4.0), ("b", 8.0), ("c", 1.0), ("light", 2.0)];
     let g = pair_policy(&ws);
-    let cap = {
-        let g1 = pair_policy(&[("t", 1.0)]);
-        let load = [synth::Load {
-            tenant: "t".into(),
-            rate_per_s: 1e6,
-        }];
-        let burst = synth::poisson(sizes(), "llama-70b", &load, 0.0005, 1);
-        let o = run(&g1, Mode::Fifo, &burst);
-        let end = o.iter().filter_map(|o| o.finished).max().unwrap() as f64 / SEC as f64;
-        burst.len() as f64 / end
-    };
+    let cap = pair_capacity();
     let secs = 480.0;
     let mut asked = 0usize;
     let mut refused = 0usize;
@@ -518,17 +524,7 @@ fn a_light_tenant_first_in_fair_order_is_not_refused_for_the_tiers_misestimate()
 fn a_backlogged_low_weight_tenant_is_not_served_only_its_short_requests() {
     let ws = [("a", 1.0), ("b", 8.0), ("c", 7.0), ("d", 8.0)];
     let g = pair_policy(&ws);
-    let cap = {
-        let g1 = pair_policy(&[("t", 1.0)]);
-        let load = [synth::Load {
-            tenant: "t".into(),
-            rate_per_s: 1e6,
-        }];
-        let burst = synth::poisson(sizes(), "llama-70b", &load, 0.0005, 1);
-        let o = run(&g1, Mode::Fifo, &burst);
-        let end = o.iter().filter_map(|o| o.finished).max().unwrap() as f64 / SEC as f64;
-        burst.len() as f64 / end
-    };
+    let cap = pair_capacity();
     let secs = 900.0;
     let (mut asked, mut asked_n, mut served, mut served_n) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
     for seed in [1, 2, 3] {
