@@ -214,64 +214,30 @@ pub fn azure(path: impl AsRef<Path>, map: &Mapping) -> Result<Loaded, TrafficErr
     })
 }
 
-/// `YYYY-MM-DD HH:MM:SS[.f…]` (or with `T`), no zone, to nanoseconds since
-/// 1970-01-01 00:00:00. `None` when it is not a valid time.
+/// `YYYY-MM-DD HH:MM:SS[.f…]` (or with `T`), no zone, read as UTC, to
+/// nanoseconds since 1970-01-01 00:00:00. `None` when it is not a valid
+/// time. The shape is checked here, because jiff's parser also reads a date
+/// alone, an expanded year or an offset, which an Azure trace never holds.
+/// The calendar (month lengths, leap years) and the arithmetic are jiff's.
+/// A leap second (`:60`) is read as `:59`, as jiff reads it.
 pub fn parse_timestamp(s: &str) -> Option<i128> {
     let b = s.as_bytes();
-    if b.len() < 19 || b[4] != b'-' || b[7] != b'-' || !matches!(b[10], b' ' | b'T') {
+    let digit = |i: usize| b.get(i).is_some_and(u8::is_ascii_digit);
+    let shape = b.len() >= 19
+        && [0, 1, 2, 3, 5, 6, 8, 9, 11, 12, 14, 15, 17, 18]
+            .into_iter()
+            .all(digit)
+        && (b[4], b[7], b[13], b[16]) == (b'-', b'-', b':', b':')
+        && matches!(b[10], b' ' | b'T');
+    // At most nine digits of fraction (nanoseconds), at least one.
+    let fraction = b.len() == 19
+        || (b.get(19) == Some(&b'.') && (21..=29).contains(&b.len()) && (20..b.len()).all(digit));
+    if !shape || !fraction {
         return None;
     }
-    if b[13] != b':' || b[16] != b':' {
-        return None;
-    }
-    let num = |r: std::ops::Range<usize>| -> Option<i64> {
-        let t = s.get(r)?;
-        if !t.bytes().all(|c| c.is_ascii_digit()) {
-            return None;
-        }
-        t.parse().ok()
-    };
-    let (y, mo, d) = (num(0..4)?, num(5..7)?, num(8..10)?);
-    let (h, mi, se) = (num(11..13)?, num(14..16)?, num(17..19)?);
-    if !(1..=12).contains(&mo) || d < 1 || d > days_in_month(y, mo) || h > 23 || mi > 59 || se > 60
-    {
-        return None;
-    }
-    let mut nanos: i128 = 0;
-    if b.len() > 19 {
-        if b[19] != b'.' || b.len() == 20 || b.len() > 29 {
-            return None;
-        }
-        let frac = &s[20..];
-        if !frac.bytes().all(|c| c.is_ascii_digit()) {
-            return None;
-        }
-        let v: i128 = frac.parse().ok()?;
-        nanos = v * 10i128.pow(9 - frac.len() as u32);
-    }
-    let days = days_from_civil(y, mo, d) as i128;
-    let secs = days * 86_400 + (h * 3600 + mi * 60 + se) as i128;
-    Some(secs * 1_000_000_000 + nanos)
-}
-
-fn days_in_month(y: i64, m: i64) -> i64 {
-    match m {
-        1 | 3 | 5 | 7 | 8 | 10 | 12 => 31,
-        4 | 6 | 9 | 11 => 30,
-        _ if (y % 4 == 0 && y % 100 != 0) || y % 400 == 0 => 29,
-        _ => 28,
-    }
-}
-
-/// Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant).
-fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (m + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
+    let civil: jiff::civil::DateTime = s.parse().ok()?;
+    let zoned = civil.to_zoned_datetime(jiff::tz::TimeZone::UTC).ok()?;
+    Some(zoned.timestamp().as_nanosecond())
 }
 
 #[derive(Deserialize)]
@@ -319,6 +285,12 @@ mod tests {
         let b = parse_timestamp("2023-11-16 18:15:50.9951690").unwrap();
         assert_eq!(b - a, 4_314_579_000);
         assert_eq!(parse_timestamp("1970-01-01 00:00:00"), Some(0));
+        // Read as UTC, whatever the machine's zone.
+        assert_eq!(
+            parse_timestamp("2023-11-16 18:15:46"),
+            Some(1_700_158_546_000_000_000)
+        );
+        assert_eq!(parse_timestamp("1969-12-31 23:59:59.5"), Some(-500_000_000));
         assert_eq!(
             parse_timestamp("1970-01-02T00:00:00.5"),
             Some(86_400_500_000_000)
@@ -339,6 +311,10 @@ mod tests {
             "2023-11-16 18:15:46.1234567890",
             "2023-11-16 18:1é:46",
             "+023-11-16 18:15:46",
+            "2023-11-16 18:15:46Z",
+            "2023-11-16 18:15:46+01:00",
+            "2023-11-16 18:15:46.1+01:00",
+            "2023-11-16 18:15",
         ] {
             assert_eq!(parse_timestamp(bad), None, "{bad}");
         }
