@@ -56,20 +56,24 @@ fn run(g: &Arc<DecisionGraph>, mode: Mode, records: &[Record]) -> Vec<Outcome> {
     replay::run(&mut s, replay::arrivals(records), |_, _| {})
 }
 
+/// Requests per second a policy's pool finishes when it never runs dry:
+/// a burst of `secs` of arrivals at a million a second, served first come
+/// first served, over the time the last one finished.
+fn burst_capacity(g: &Arc<DecisionGraph>, model: &str, secs: f64) -> f64 {
+    let load = [synth::Load {
+        tenant: "t".into(),
+        rate_per_s: 1e6,
+    }];
+    let burst = synth::poisson(sizes(), model, &load, secs, 1);
+    let o = run(g, Mode::Fifo, &burst);
+    let end = o.iter().filter_map(|o| o.finished).max().unwrap() as f64 / SEC as f64;
+    burst.len() as f64 / end
+}
+
 /// Requests per second one replica finishes when it never runs dry.
 fn capacity() -> f64 {
     static C: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
-    *C.get_or_init(|| {
-        let g = policy(&[("t", 1.0)], "");
-        let load = [synth::Load {
-            tenant: "t".into(),
-            rate_per_s: 1e6,
-        }];
-        let burst = synth::poisson(sizes(), "llama-8b", &load, 0.001, 1);
-        let o = run(&g, Mode::Fifo, &burst);
-        let end = o.iter().filter_map(|o| o.finished).max().unwrap() as f64 / SEC as f64;
-        burst.len() as f64 / end
-    })
+    *C.get_or_init(|| burst_capacity(&policy(&[("t", 1.0)], ""), "llama-8b", 0.001))
 }
 
 /// Tokens (prompt + output) of each tenant's requests that started inside
@@ -291,17 +295,7 @@ fn one_tier_policy(shape: &str, tenants: &[(&str, f64)]) -> Arc<DecisionGraph> {
 
 fn l4_capacity() -> f64 {
     static C: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
-    *C.get_or_init(|| {
-        let g = l4_policy(&[("t".into(), 1)]);
-        let load = [synth::Load {
-            tenant: "t".into(),
-            rate_per_s: 1e6,
-        }];
-        let burst = synth::poisson(sizes(), "llama-8b", &load, 0.0005, 1);
-        let o = run(&g, Mode::Fifo, &burst);
-        let end = o.iter().filter_map(|o| o.finished).max().unwrap() as f64 / SEC as f64;
-        burst.len() as f64 / end
-    })
+    *C.get_or_init(|| burst_capacity(&l4_policy(&[("t".into(), 1)]), "llama-8b", 0.0005))
 }
 
 proptest! {
@@ -456,17 +450,7 @@ route chat llama-70b { default => fp16 }
 /// Requests per second the 70B pair finishes when it never runs dry.
 fn pair_capacity() -> f64 {
     static C: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
-    *C.get_or_init(|| {
-        let g = pair_policy(&[("t", 1.0)]);
-        let load = [synth::Load {
-            tenant: "t".into(),
-            rate_per_s: 1e6,
-        }];
-        let burst = synth::poisson(sizes(), "llama-70b", &load, 0.0005, 1);
-        let o = run(&g, Mode::Fifo, &burst);
-        let end = o.iter().filter_map(|o| o.finished).max().unwrap() as f64 / SEC as f64;
-        burst.len() as f64 / end
-    })
+    *C.get_or_init(|| burst_capacity(&pair_policy(&[("t", 1.0)]), "llama-70b", 0.0005))
 }
 
 /// A tenant asking a few percent of the pool is first in fair order
