@@ -29,7 +29,10 @@ REQUEST_TIMEOUT = 120.0
 
 N_BATCH = 6
 N_CHAT = 3
-BATCH_TOKENS = 32
+# Long enough that one batch request outlasts the submissions around it on a
+# fast machine (CI's llama.cpp ran 32 tokens in 0.2 s and drained the queue
+# before the chat requests came).
+BATCH_TOKENS = 96
 CHAT_TOKENS = 16
 
 
@@ -237,9 +240,15 @@ def test_high_tier_overtakes_queued_batch_work(kiln):
             outcomes.append(o)
             futs.append(pool.submit(call, batch, o, BATCH_TOKENS))
             time.sleep(0.02)
-        # The first batch request is on llama.cpp now, the others queue in kiln.
-        time.sleep(0.3)
-        queues = kiln.get_json("/admin/queues")
+        # The first batch request is on llama.cpp now, the others queue in
+        # kiln: wait (bounded) until kiln's queue shows them, not a fixed time.
+        queues = {}
+        for _ in range(300):
+            queues = kiln.get_json("/admin/queues")
+            depth = sum(q["depth"] for q in queues.get("queues", []) if q.get("tier") == "batch")
+            if depth >= N_BATCH - 1:
+                break
+            time.sleep(0.01)
         for i in range(N_CHAT):
             o = Outcome("chat", i)
             outcomes.append(o)
