@@ -113,13 +113,29 @@ fn terminal(b: &Value) -> bool {
 
 /// Polls until every batch is final (bounded): the final objects.
 async fn wait_all(c: &reqwest::Client, base: &str, ids: &[String]) -> Vec<Value> {
+    wait_all_timed(c, base, ids).await.0
+}
+
+/// As [`wait_all`], with the wall seconds (from the call, to the 100 ms
+/// poll) at which each batch was first seen final.
+async fn wait_all_timed(
+    c: &reqwest::Client,
+    base: &str,
+    ids: &[String],
+) -> (Vec<Value>, Vec<f64>) {
+    let t = Instant::now();
+    let mut final_at: Vec<Option<f64>> = vec![None; ids.len()];
     for _ in 0..1200 {
         let mut all = Vec::new();
-        for id in ids {
-            all.push(get(c, base, id).await);
+        for (i, id) in ids.iter().enumerate() {
+            let b = get(c, base, id).await;
+            if terminal(&b) && final_at[i].is_none() {
+                final_at[i] = Some(t.elapsed().as_secs_f64());
+            }
+            all.push(b);
         }
         if all.iter().all(terminal) {
-            return all;
+            return (all, final_at.into_iter().map(|x| x.unwrap_or(0.0)).collect());
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -164,8 +180,9 @@ async fn calibrate(c: &reqwest::Client, base: &str, n: usize) -> f64 {
 /// deadline first): met one after the other (at 1, 2 and 3 times, a
 /// margin for a loaded machine), while side by side all three finish
 /// at about 3 times, past the first window.
-/// Returns (met, flagged at submission, wall seconds to the last).
-async fn three_in_sequence(order: BatchOrder) -> (usize, usize, f64, f64) {
+/// Returns (met, flagged at submission, one batch alone, wall seconds to
+/// the last, wall seconds to the one with the tightest window).
+async fn three_in_sequence(order: BatchOrder) -> (usize, usize, f64, f64, f64) {
     let gw = gateway(order, OnPredictedMiss::Accept).await;
     let base = format!("http://{}", gw.addr);
     let c = client();
@@ -187,27 +204,39 @@ async fn three_in_sequence(order: BatchOrder) -> (usize, usize, f64, f64) {
         }
         ids.push(b["id"].as_str().unwrap().to_string());
     }
-    let done = wait_all(&c, &base, &ids).await;
+    let (done, final_at) = wait_all_timed(&c, &base, &ids).await;
     let took = t.elapsed().as_secs_f64();
+    // Created last, with the tightest window.
+    let tightest = final_at[2];
     let ok = done.iter().filter(|b| met(b)).count();
     eprintln!(
-        "{order:?}: one batch alone {alone:.2} s; three together: {ok}/3 met their windows, {flagged} flagged at submission, last done after {took:.2} s; {:?}",
+        "{order:?}: one batch alone {alone:.2} s; three together: {ok}/3 met their windows, {flagged} flagged at submission, tightest done after {tightest:.2} s, last after {took:.2} s; {:?}",
         done.iter()
             .map(|b| (b["status"].clone(), b["request_counts"]["completed"].clone()))
             .collect::<Vec<_>>()
     );
     gw.stop().await;
-    (ok, flagged, alone, took)
+    (ok, flagged, alone, took, tightest)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batches_feasible_only_in_sequence_all_meet_their_windows() {
-    let (ok, flagged, ..) = three_in_sequence(BatchOrder::Deadline).await;
+    let (ok, flagged, alone, _, tightest) = three_in_sequence(BatchOrder::Deadline).await;
     assert_eq!(ok, 3, "in deadline order every window is met");
     assert_eq!(flagged, 0, "and none was flagged at submission");
-    // The old even split, same mix, same machine: for comparison.
-    let (even_ok, ..) = three_in_sequence(BatchOrder::Even).await;
-    assert!(even_ok < 3, "an even split misses jointly: {even_ok}/3 met");
+    // The old even split, same mix, same machine, for comparison: the
+    // three share the capacity, so the tightest finishes with the others,
+    // about three times later than alone, where deadline order runs it
+    // first. (Whether that also misses its window depends on how the
+    // machine's load moved between the calibration and the run: CI saw
+    // the even split meet all three once, the calibration run having been
+    // slowed by other work; the order is what the planner decides.)
+    let (even_ok, _, even_alone, _, even_tightest) = three_in_sequence(BatchOrder::Even).await;
+    eprintln!("even split: {even_ok}/3 met");
+    assert!(
+        even_tightest / even_alone > 1.5 * (tightest / alone).max(1.0),
+        "an even split finishes the tightest batch with the others ({even_tightest:.2} s, alone {even_alone:.2} s), deadline order first ({tightest:.2} s, alone {alone:.2} s)"
+    );
 }
 
 /// A tiny deterministic generator (splitmix64), so a failing mix repeats.
