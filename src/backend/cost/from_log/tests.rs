@@ -134,6 +134,8 @@ fn recovers_the_factors_the_replay_ran_with() {
     let f = &fit.report.groups[0];
     assert_eq!((f.model.as_str(), f.variant.as_str()), ("m8", "bf16"));
     assert_eq!(f.replicas, 2);
+    // 600 clean lines: the free fit is the best on the held-back ones.
+    assert_eq!(f.prior_weight, Some(0.0), "{}", render(&fit.report));
     let within = |got: f64, want: f64, tol: f64| (got / want - 1.0).abs() <= tol;
     assert!(
         within(f.mbu, 0.55, 0.10),
@@ -168,6 +170,40 @@ fn recovers_the_factors_the_replay_ran_with() {
         "{r:?} {:?}",
         f.rates
     );
+}
+
+#[test]
+fn a_fit_worse_than_the_figures_before_on_held_back_lines_is_not_written() {
+    // The engine runs exactly at the figures the cost model already has,
+    // but the lines the fit sees (two of every three, in start order) were
+    // slowed threefold on the replica, as a noisy neighbour would: the free
+    // fit is three times too slow, the held-back lines say so, and the
+    // figures before are kept.
+    let g = graph();
+    let truth = Calibration::from_toml_str(TRUTH).unwrap();
+    let mut log = logged(&g, &traffic(2.0, 45, 5));
+    let start = |r: &Record| r.at_ms + r.queue_ms.unwrap_or(0.0);
+    log.sort_by(|a, b| start(a).total_cmp(&start(b)));
+    for (i, r) in log.iter_mut().enumerate() {
+        if i % 3 != 2 {
+            let q = r.queue_ms.unwrap_or(0.0);
+            r.ttft_ms = r.ttft_ms.map(|t| q + 3.0 * (t - q));
+            r.e2e_ms = r.e2e_ms.map(|e| q + 3.0 * (e - q));
+        }
+    }
+    let cost = CostModel::from_graph(&g, Some(&truth)).unwrap();
+    let fit = calibrate_from_log(&g, &cost, Some(&truth), &log, 0).unwrap();
+    let f = &fit.report.groups[0];
+    assert_eq!(f.prior_weight, None, "{}", render(&fit.report));
+    assert!(f.after.ttft.median <= f.before.ttft.median + 1e-9, "{f:?}");
+    let within = |got: f64, want: f64| (got / want - 1.0).abs() <= 1e-3;
+    assert!(within(f.mbu, 0.55) && within(f.mfu, 0.3), "{f:?}");
+    assert!(within(f.step_overhead_ms, 4.0), "{f:?}");
+    assert!(render(&fit.report).contains("kept: the figures before"));
+    // Unslowed, the same lines are fitted freely.
+    let clean = logged(&g, &traffic(2.0, 45, 5));
+    let fit = calibrate_from_log(&g, &cost, Some(&truth), &clean, 0).unwrap();
+    assert_ne!(fit.report.groups[0].prior_weight, None);
 }
 
 #[test]
