@@ -62,6 +62,7 @@ pub enum Code {
     RollbackOnFewSamples,
     OwnerUnresolved,
     RollbackOnSharedPool,
+    AbsentHeaderMatches,
 }
 
 impl Code {
@@ -107,6 +108,7 @@ impl Code {
         Code::RollbackOnFewSamples,
         Code::OwnerUnresolved,
         Code::RollbackOnSharedPool,
+        Code::AbsentHeaderMatches,
     ];
 
     /// The stable short name.
@@ -153,6 +155,7 @@ impl Code {
             Code::RollbackOnFewSamples => "rollback-on-few-samples",
             Code::OwnerUnresolved => "owner-unresolved",
             Code::RollbackOnSharedPool => "rollback-on-shared-pool",
+            Code::AbsentHeaderMatches => "absent-header-matches",
         }
     }
 
@@ -248,6 +251,9 @@ impl Code {
             }
             Code::RollbackOnFewSamples => {
                 "below `[governance] min_samples` a rollback condition reads healthy signals, so one that holds on them rolls back a version before it has been tried"
+            }
+            Code::AbsentHeaderMatches => {
+                "`header(\"…\") != \"\"` is true for a request without the header (absent is not the empty string), so it does not test that the header is set"
             }
             Code::UnknownLint => {
                 "a `kiln:allow` naming no lint silences nothing, so the warning it meant to silence still shows, or a typo hides that it never did"

@@ -23,7 +23,7 @@ tier batch { priority 10 slo { window 24h } preemptible }
 tenant alpha { owner "a@x" tiers [interactive, batch] api_keys ["k-alpha"] cost 4/h }
 tenant beta { owner "b@x" tiers [interactive, batch] api_keys ["k-beta"] }
 classify {
-  when header("x-kiln-batch") != "" => tier batch
+  when batch => tier batch
   default => tier interactive
 }
 route [interactive, batch] tiny { default => fp16 }

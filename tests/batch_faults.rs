@@ -119,7 +119,7 @@ tier interactive { priority 100 slo { ttft 5s } preempts [batch] }
 tier batch { priority 10 slo { window 24h } preemptible }
 tenant alpha { owner "a@x" tiers [interactive, batch] api_keys ["k-alpha"] }
 classify {
-  when header("x-kiln-batch") != "" => tier batch
+  when batch => tier batch
   default => tier interactive
 }
 route [interactive, batch] tiny { default => fp16 }

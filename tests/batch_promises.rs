@@ -33,7 +33,7 @@ tier interactive {{ priority 100 slo {{ ttft 2s }} preempts [batch] }}
 tier batch {{ priority 10 slo {{ window 24h }} preemptible completion_windows [{}] }}
 tenant alpha {{ owner "a@x" tiers [interactive, batch] api_keys ["k-alpha"] }}
 classify {{
-  when header("x-kiln-batch") != "" => tier batch
+  when batch => tier batch
   default => tier interactive
 }}
 route [interactive, batch] tiny {{ default => fp16 }}
@@ -118,11 +118,7 @@ async fn wait_all(c: &reqwest::Client, base: &str, ids: &[String]) -> Vec<Value>
 
 /// As [`wait_all`], with the wall seconds (from the call, to the 100 ms
 /// poll) at which each batch was first seen final.
-async fn wait_all_timed(
-    c: &reqwest::Client,
-    base: &str,
-    ids: &[String],
-) -> (Vec<Value>, Vec<f64>) {
+async fn wait_all_timed(c: &reqwest::Client, base: &str, ids: &[String]) -> (Vec<Value>, Vec<f64>) {
     let t = Instant::now();
     let mut final_at: Vec<Option<f64>> = vec![None; ids.len()];
     for _ in 0..1200 {
@@ -135,7 +131,10 @@ async fn wait_all_timed(
             all.push(b);
         }
         if all.iter().all(terminal) {
-            return (all, final_at.into_iter().map(|x| x.unwrap_or(0.0)).collect());
+            return (
+                all,
+                final_at.into_iter().map(|x| x.unwrap_or(0.0)).collect(),
+            );
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

@@ -303,6 +303,7 @@ fn cases() -> Vec<(&'static str, String, Code)> {
             Code::TimeRangeWraps,
         ),
         ("time_range_wraps", with("when tenant == app", "when time in 22:00..06:30"), Code::TimeRangeWraps),
+        ("absent_header_matches", with("when tenant == app", "when header(\"x-kiln-batch\") != \"\""), Code::AbsentHeaderMatches),
         (
             "shadowed_rule_numeric",
             plus("admit chat {\n  when estimated_wait > 2s => queue max_wait 10s\n  when estimated_wait > 5s => reject 429\n  default => accept\n}"),

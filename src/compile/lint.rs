@@ -255,6 +255,7 @@ pub fn build_features(c: &Compiled, semantic_cache_built: bool) -> Diagnostics {
 pub fn lint(c: &Compiled) -> Diagnostics {
     let mut out = Diagnostics::new();
     shadowed_rules(c, &mut out);
+    absent_header_matches(c, &mut out);
     if let Some(g) = &c.graph {
         // tier-without-slo
         for t in &g.tiers {
@@ -659,6 +660,39 @@ fn numeric_shadow(
 /// matches whenever j does: every conjunction of j contains all atoms of
 /// some conjunction of i. Subset lookups through a hash of atom sets keep
 /// this near linear for the 10k-rule policies some teams generate.
+/// `header("…") != ""` written to mean "the header is set". An absent
+/// header is not the empty string, so the rule takes every request without
+/// the header too: kiln's own batch tests classified interactive requests
+/// as batch this way, and a measurement of interactive latency beside a
+/// batch measured batch work.
+fn absent_header_matches(c: &Compiled, out: &mut Diagnostics) {
+    for block in &c.facts.blocks {
+        for (span, d) in &block.rules {
+            let Some(d) = d else { continue };
+            let Some(atom) = d
+                .iter()
+                .flatten()
+                .find(|a| a.starts_with("header(") && a.ends_with(") != \"\""))
+            else {
+                continue;
+            };
+            let batch = if atom.contains("\"x-kiln-batch\"") {
+                "for work that came through the Batches API write `when batch`; "
+            } else {
+                ""
+            };
+            out.push(
+                Diagnostic::error(
+                    Code::AbsentHeaderMatches,
+                    format!("`{atom}` in `{}` also matches requests without that header", block.name),
+                )
+                .at(*span, "true when the header is absent")
+                .help(format!("an absent header is not \"\", so this rule takes every request that lacks it; {batch}to require the header, compare it with the values it may have (`header(\"x-team\") in [\"search\", \"ads\"]`); if requests without it are meant to match, silence this with `# kiln:allow(absent-header-matches)`")),
+            );
+        }
+    }
+}
+
 fn shadowed_rules(c: &Compiled, out: &mut Diagnostics) {
     for block in &c.facts.blocks {
         let mut seen: HashMap<Vec<&str>, usize> = HashMap::new();
