@@ -891,7 +891,7 @@ pub fn render(r: &Report) -> String {
             g.before_rates.overhead * 1e3
         );
         let _ = match g.prior_weight {
-            Some(w) if w == 0.0 => writeln!(
+            Some(0.0) => writeln!(
                 s,
                 "  kept: the free fit, by its error on the held-back lines (also tried: pulls {:?} toward the figures before, and those figures)",
                 &PRIOR_WEIGHTS[1..]
