@@ -656,10 +656,6 @@ fn numeric_shadow(
     found
 }
 
-/// The shadowed-rule check. Rule j is shadowed when an earlier rule i
-/// matches whenever j does: every conjunction of j contains all atoms of
-/// some conjunction of i. Subset lookups through a hash of atom sets keep
-/// this near linear for the 10k-rule policies some teams generate.
 /// `header("…") != ""` written to mean "the header is set". An absent
 /// header is not the empty string, so the rule takes every request without
 /// the header too: kiln's own batch tests classified interactive requests
@@ -693,6 +689,10 @@ fn absent_header_matches(c: &Compiled, out: &mut Diagnostics) {
     }
 }
 
+/// The shadowed-rule check. Rule j is shadowed when an earlier rule i
+/// matches whenever j does: every conjunction of j contains all atoms of
+/// some conjunction of i. Subset lookups through a hash of atom sets keep
+/// this near linear for the 10k-rule policies some teams generate.
 fn shadowed_rules(c: &Compiled, out: &mut Diagnostics) {
     for block in &c.facts.blocks {
         let mut seen: HashMap<Vec<&str>, usize> = HashMap::new();

@@ -741,21 +741,19 @@ pub fn calibrate_from_log(
         // those rates themselves: each only if clearly better on the
         // held-back lines than the choice before it.
         let held_loss = |r: &Rates| objective(r, &shape, &held);
-        let mut choice: Option<(f64, Rates, Option<f64>)> = None;
-        let candidates = PRIOR_WEIGHTS
+        // PRIOR_WEIGHTS[0] is the free fit (no pull).
+        let free = fit_rates(&shape, &train, &before_rates, PRIOR_WEIGHTS[0]);
+        let mut choice = (held_loss(&free), free, Some(PRIOR_WEIGHTS[0]));
+        let cautious = PRIOR_WEIGHTS[1..]
             .iter()
             .map(|&w| (fit_rates(&shape, &train, &before_rates, w), Some(w)))
             .chain(std::iter::once((before_rates, None)));
-        for (r, w) in candidates {
+        for (r, w) in cautious {
             let l = held_loss(&r);
-            if choice
-                .as_ref()
-                .is_none_or(|(best, ..)| l < *best * (1.0 - HELD_GAIN))
-            {
-                choice = Some((l, r, w));
+            if l < choice.0 * (1.0 - HELD_GAIN) {
+                choice = (l, r, w);
             }
         }
-        let choice = choice.unwrap_or((0.0, before_rates, None));
         let (_, rates, prior_weight) = choice;
         let tp = f64::from(replica.tp.max(1));
         let mut mbu = rates.bandwidth / (tp * replica.gpu.hbm_bandwidth);
