@@ -493,63 +493,66 @@ async fn scenario(a: Mode, b: Mode) -> Counts {
 // ---------------------------------------------------------------------------
 // The suite.
 
-const FAULTS: [Mode; 7] = [
-    Mode::Refuse,
-    Mode::Hang,
-    Mode::Error500,
-    Mode::TooMany,
-    Mode::BadJson,
-    Mode::Cut,
-    Mode::Trickle,
-];
+// One test per fault and shape, so the harness runs them side by side: run
+// one after another in two tests they took 160 s of CI, most of it waiting
+// out queue bounds.
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_faulty_upstream_beside_a_healthy_one() {
-    let mut table = vec![HEADER.to_string()];
-    let mut failed = Vec::new();
-    for fault in FAULTS {
-        let n = scenario(fault, Mode::Healthy).await;
-        table.push(row(&format!("a {fault:?}, b healthy"), &n));
-        // Nearly every answer began (200): what fails after that is a
-        // stream cut mid-way, which no replica can take over; what fails
-        // before it is a half-open trial. (How many streams a cut upstream
-        // reaches depends on how long the run takes, through its breaker's
-        // half-open trials: counting only full answers here failed on a
-        // loaded CI machine at 189 of 200, with 8 cut mid-stream.)
-        let began = n.statuses.get(&200).copied().unwrap_or(0);
-        if n.hung > 0 || began * 100 < TOTAL * 95 || n.answered * 100 < TOTAL * 90 {
-            failed.push(fault);
-        }
-    }
-    println!("{}", table.join("\n"));
+/// One faulty upstream beside a healthy one: nearly every answer began
+/// (200). What fails after that is a stream cut mid-way, which no replica
+/// can take over; what fails before it is a half-open trial. (How many
+/// streams a cut upstream reaches depends on how long the run takes,
+/// through its breaker's half-open trials: counting only full answers here
+/// failed on a loaded CI machine at 189 of 200, with 8 cut mid-stream.)
+async fn one_faulty_beside_a_healthy_one(fault: Mode) {
+    let n = scenario(fault, Mode::Healthy).await;
+    let table = format!("{HEADER}\n{}", row(&format!("a {fault:?}, b healthy"), &n));
+    println!("{table}");
+    let began = n.statuses.get(&200).copied().unwrap_or(0);
     assert!(
-        failed.is_empty(),
-        "too few answered with {failed:?}:\n{}",
-        table.join("\n")
+        n.hung == 0 && began * 100 >= TOTAL * 95 && n.answered * 100 >= TOTAL * 90,
+        "too few answered with {fault:?}:\n{table}"
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn both_upstreams_faulty() {
-    let mut table = vec![HEADER.to_string()];
-    let mut failed = Vec::new();
-    for fault in FAULTS {
-        let n = scenario(fault, fault).await;
-        table.push(row(&format!("a and b {fault:?}"), &n));
-        let expect_answers = fault == Mode::Trickle;
-        if n.hung > 0 || (expect_answers && n.answered < TOTAL) {
-            failed.push(fault);
-        }
-        if n.slowest > QUEUE + BUDGET + SLACK {
-            failed.push(fault);
-        }
-    }
-    println!("{}", table.join("\n"));
+/// Both upstreams faulty: every request ends within the bound with an
+/// explicit error (or, for a slow but correct upstream, an answer).
+async fn both_faulty(fault: Mode) {
+    let n = scenario(fault, fault).await;
+    let table = format!("{HEADER}\n{}", row(&format!("a and b {fault:?}"), &n));
+    println!("{table}");
+    let expect_answers = fault == Mode::Trickle;
     assert!(
-        failed.is_empty(),
-        "failed with {failed:?}:\n{}",
-        table.join("\n")
+        n.hung == 0 && (!expect_answers || n.answered == TOTAL),
+        "failed with {fault:?}:\n{table}"
     );
+    assert!(
+        n.slowest <= QUEUE + BUDGET + SLACK,
+        "a request took {:?} with {fault:?}:\n{table}",
+        n.slowest
+    );
+}
+
+macro_rules! fault_tests {
+    ($($fault:ident: $one:ident, $both:ident;)*) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $one() {
+            one_faulty_beside_a_healthy_one(Mode::$fault).await;
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $both() {
+            both_faulty(Mode::$fault).await;
+        }
+    )*};
+}
+
+fault_tests! {
+    Refuse: one_refuses_beside_a_healthy_one, both_refuse;
+    Hang: one_hangs_beside_a_healthy_one, both_hang;
+    Error500: one_answers_500_beside_a_healthy_one, both_answer_500;
+    TooMany: one_answers_429_beside_a_healthy_one, both_answer_429;
+    BadJson: one_answers_bad_json_beside_a_healthy_one, both_answer_bad_json;
+    Cut: one_cuts_answers_beside_a_healthy_one, both_cut_answers;
+    Trickle: one_trickles_beside_a_healthy_one, both_trickle;
 }
 
 /// Both upstreams die mid-load: requests end (explicit errors, none hung),
