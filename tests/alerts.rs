@@ -225,6 +225,7 @@ fn exported() -> BTreeSet<String> {
     m.gpu_seconds(&l, 1.0, 1.0);
     m.preempted("a", "t");
     m.fallback("a", "t", 1);
+    m.retry("a", "t", "client");
     m.deadline_miss("a", "t");
     m.policy_swap(true);
     m.shared_state(true, 1);

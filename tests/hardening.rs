@@ -456,3 +456,82 @@ async fn large_prompts_do_not_stall_health_checks() {
     );
     srv.stop().await;
 }
+
+/// A client's retries, as the OpenAI SDKs mark them (`x-stainless-retry-
+/// count`, `0` on a first try): each is counted once in
+/// `kiln_retries_total{reason="client"}` whether served or refused, draws
+/// on the tenant's retry budget, and its marker is in the decision log
+/// (so `kiln report` and a replay see it), while the SDKs' other
+/// `x-stainless-*` headers stay out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sdk_retries_are_counted_once_budgeted_and_logged() {
+    let dir = TempDir::new("retries");
+    let text = POLICY.replace(
+        r#"api_keys ["k-alpha"] }"#,
+        r#"api_keys ["k-alpha"] retry_budget 10% }"#,
+    );
+    let srv = serve_on_loopback(policy("r.kiln", &text), with_log(&dir)).await;
+    let base = format!("http://{}", srv.addr);
+    let c = client();
+    let send = |count: &'static str| {
+        c.post(format!("{base}/v1/chat/completions"))
+            .bearer_auth("k-alpha")
+            .header("x-stainless-retry-count", count)
+            .header("x-stainless-os", "Linux")
+            .json(&chat(2))
+            .send()
+    };
+    for _ in 0..10 {
+        assert_eq!(send("0").await.unwrap().status(), 200);
+    }
+    // One retry is always allowed; the rest only up to 10% of the last
+    // minute's requests (11 by then).
+    let mut statuses = Vec::new();
+    for _ in 0..5 {
+        let r = send("1").await.unwrap();
+        statuses.push(r.status().as_u16());
+        let _ = r.bytes().await;
+    }
+    assert_eq!(statuses, [200, 429, 429, 429, 429]);
+    let m = c
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let retries = |reason: &str| -> f64 {
+        m.lines()
+            .filter(|l| {
+                l.starts_with("kiln_retries_total{") && l.contains(&format!("reason=\"{reason}\""))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    assert_eq!(retries("client"), 5.0, "{m}");
+    for other in ["batch_item", "upstream_failed", "upstream_unsent"] {
+        assert_eq!(retries(other), 0.0, "{other}: {m}");
+    }
+    srv.app.log.flush().await;
+    let text = std::fs::read_to_string(dir.0.join("d.jsonl")).unwrap();
+    assert!(!text.contains("x-stainless-os"), "{text}");
+    let counts: Vec<String> = text
+        .lines()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap();
+            v["headers"]["x-stainless-retry-count"]
+                .as_str()
+                .unwrap_or("absent")
+                .to_string()
+        })
+        .collect();
+    assert_eq!(counts.len(), 15, "{text}");
+    assert_eq!(counts.iter().filter(|c| *c == "1").count(), 5, "{counts:?}");
+    assert_eq!(
+        counts.iter().filter(|c| *c == "0").count(),
+        10,
+        "{counts:?}"
+    );
+    srv.stop().await;
+}

@@ -290,6 +290,42 @@ tenant bulk { owner "o" tiers [lo] }
     );
 }
 
+/// The OpenAI SDKs mark their own retries (`x-stainless-retry-count: 1`,
+/// 2, …) and send `0` on a first try; `x-kiln-retry: 0` or `false` says
+/// "not a retry". Only the retries draw on the budget.
+#[test]
+fn sdk_retries_draw_on_the_budget_and_first_tries_do_not() {
+    let tenants = r#"
+tenant chat { owner "o" tiers [hi] retry_budget 10% }
+tenant bulk { owner "o" tiers [lo] }
+"#;
+    let g = graph(&policy(TWO_TIERS, tenants, ROUTE));
+    let with = |at, h: (&'static str, &'static str)| A {
+        headers: vec![h],
+        ..a(at, "chat", 10, 2)
+    };
+    // 10 first tries, marked as such both ways, then five SDK retries: as
+    // with `x-kiln-retry`, one is allowed and four are refused.
+    let mut list: Vec<A> = (0..5)
+        .map(|i| with(i, ("x-stainless-retry-count", "0")))
+        .chain((5..10).map(|i| with(i, ("x-kiln-retry", "false"))))
+        .collect();
+    list.extend((0..5).map(|i| with(100 + i, ("X-Stainless-Retry-Count", "2"))));
+    let o = simulate(&g, Mode::Kiln, list);
+    let refused: Vec<usize> = o
+        .iter()
+        .enumerate()
+        .filter(|(_, x)| x.rejected == Some((Reason::RetryBudget, 429)))
+        .map(|(i, _)| i)
+        .collect();
+    assert_eq!(
+        refused,
+        [11, 12, 13, 14],
+        "{:?}",
+        o.iter().map(|x| x.rejected).collect::<Vec<_>>()
+    );
+}
+
 #[test]
 fn gpu_seconds_per_day_are_a_quota() {
     let tenants = r#"

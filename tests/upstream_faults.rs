@@ -804,3 +804,57 @@ async fn without_a_queue_bound_in_the_policy_nothing_hangs() {
     assert!(!n.statuses.contains_key(&429), "{n:?}");
     srv.stop().await;
 }
+
+/// Every time the gateway queues a request again because an upstream
+/// failed it (or never received it), `kiln_retries_total` counts it once,
+/// for the request's tier and tenant: the sum of the answers'
+/// `x-kiln-upstream-requeued` is the counter's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_requeue_after_an_upstream_failure_is_counted_once() {
+    let ma = Mock::start("a", Mode::Error500).await;
+    let mb = Mock::start("b", Mode::Healthy).await;
+    let srv = gateway(&[&ma, &mb], BUDGET, "1s").await;
+    let base = format!("http://{}", srv.addr);
+    let c = support::client(QUEUE + BUDGET + SLACK);
+    let mut requeued = 0u64;
+    for i in 0..60 {
+        let r = c
+            .post(format!("{base}/v1/chat/completions"))
+            .bearer_auth("k-alpha")
+            .json(&json!({"model": "tiny", "messages": [{"role": "user", "content": format!("q{i}")}], "max_tokens": 5}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "request {i}");
+        requeued += r
+            .headers()
+            .get("x-kiln-upstream-requeued")
+            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+            .unwrap_or(0);
+        let _ = r.bytes().await;
+    }
+    let m = c
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let counted = |reason: &str| -> f64 {
+        m.lines()
+            .filter(|l| {
+                l.starts_with("kiln_retries_total{")
+                    && l.contains(&format!("reason=\"{reason}\""))
+                    && l.contains("tier=\"high\"")
+                    && l.contains("tenant=\"alpha\"")
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let upstream = counted("upstream_failed") + counted("upstream_unsent");
+    assert!(requeued > 0, "the failing upstream was never tried");
+    assert_eq!(upstream, requeued as f64, "{m}");
+    assert_eq!(counted("client"), 0.0, "{m}");
+    srv.stop().await;
+}

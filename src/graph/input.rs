@@ -35,7 +35,65 @@ pub struct Request {
 /// submitted); its value is the batch id. The `batch` signal reads it.
 pub const BATCH_HEADER: &str = "x-kiln-batch";
 
+/// The try of a batch item, set by the batch runner on each send after the
+/// first (`2` for the first retry). It starts with [`BATCH_HEADER`], so a
+/// client cannot send it: the gateway drops such headers from requests.
+pub const BATCH_TRY_HEADER: &str = "x-kiln-batch-try";
+
+/// The header a client marks its own retry with.
+pub const RETRY_HEADER: &str = "x-kiln-retry";
+
+/// The retry counter the OpenAI SDKs send (`0` on a first try).
+pub const SDK_RETRY_HEADER: &str = "x-stainless-retry-count";
+
+/// What a retry is, one rule for admission's retry budget, the
+/// `kiln_retries_total` counter and `kiln report`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retry {
+    /// The client says so: [`RETRY_HEADER`] with any value but `0`/`false`,
+    /// or a non-zero [`SDK_RETRY_HEADER`]. Draws on the tenant's
+    /// `retry_budget`.
+    Client,
+    /// The batch runner sent an item again after a refusal or a failure
+    /// ([`BATCH_TRY_HEADER`] above 1). Bounded by `[batch] max_attempts`
+    /// and the batch's window, not by the tenant's retry budget.
+    BatchItem,
+}
+
+impl Retry {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Retry::Client => "client",
+            Retry::BatchItem => "batch_item",
+        }
+    }
+
+    /// Whether headers (names in any case) mark a retry, and which.
+    pub fn of(headers: &BTreeMap<String, String>) -> Option<Retry> {
+        let get = |name: &str| {
+            headers
+                .iter()
+                .find(|(k, _)| k.eq_ignore_ascii_case(name))
+                .map(|(_, v)| v.trim().to_ascii_lowercase())
+        };
+        let client = get(RETRY_HEADER).is_some_and(|v| v != "0" && v != "false")
+            || get(SDK_RETRY_HEADER).is_some_and(|v| !v.is_empty() && v != "0");
+        if client {
+            return Some(Retry::Client);
+        }
+        get(BATCH_TRY_HEADER)
+            .and_then(|v| v.parse::<u32>().ok())
+            .filter(|&n| n > 1)
+            .map(|_| Retry::BatchItem)
+    }
+}
+
 impl Request {
+    /// Whether this request is a retry, and which kind ([`Retry::of`]).
+    pub fn retry(&self) -> Option<Retry> {
+        Retry::of(&self.headers)
+    }
+
     /// The batch this request is an item of (its non-empty
     /// [`BATCH_HEADER`]), if it came through the Batches API.
     pub fn batch(&self) -> Option<&str> {

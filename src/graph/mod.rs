@@ -13,7 +13,10 @@ mod view;
 
 pub use cond::{Cond, Sig, Test, TestOp};
 pub use eval::{Admission, Decision, Target};
-pub use input::{Request, Signals, SignalsInput, TierMetrics, BATCH_HEADER, IDLE_DATE};
+pub use input::{
+    Request, Retry, Signals, SignalsInput, TierMetrics, BATCH_HEADER, BATCH_TRY_HEADER, IDLE_DATE,
+    RETRY_HEADER, SDK_RETRY_HEADER,
+};
 pub use view::{DecisionView, FiredRule};
 
 use crate::source::Span;

@@ -216,6 +216,35 @@ pub fn dashboard(g: &DecisionGraph, policy: &str) -> Value {
         (12, y, 12, 8),
     ));
     y += 8;
+    // What retries add to the queues: a refusal that comes back as a
+    // retry is pressure the refusal did not remove.
+    panels.push(timeseries(
+        &mut id,
+        "Retries, by reason".into(),
+        "reqps",
+        vec![target(
+            format!("sum by (tier, reason) (rate(kiln_retries_total{{{tt}}}[$__rate_interval]))"),
+            "{{tier}} {{reason}}",
+            0,
+        )],
+        None,
+        (0, y, 12, 8),
+    ));
+    panels.push(timeseries(
+        &mut id,
+        "Client retries' share of requests".into(),
+        "percentunit",
+        vec![target(
+            format!(
+                "sum by (tenant) (rate(kiln_retries_total{{{tt},reason=\"client\"}}[$__rate_interval])) / sum by (tenant) (rate(kiln_requests_total{{{tt}}}[$__rate_interval]))"
+            ),
+            "{{tenant}}",
+            0,
+        )],
+        None,
+        (12, y, 12, 8),
+    ));
+    y += 8;
     panels.push(row(&mut id, "Service, GPUs and cost", y));
     y += 1;
     panels.push(timeseries(

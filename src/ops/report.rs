@@ -182,14 +182,10 @@ pub fn hour_and_weekday(start_ms: i64, at_ms: f64) -> (usize, usize) {
     (hour as usize, (day + 3).rem_euclid(7) as usize)
 }
 
-/// Is this record a client retry? See [`RETRY_RULE`].
+/// Is this record a client retry? See [`RETRY_RULE`]; the same rule as
+/// admission's retry budget ([`crate::graph::Retry`]).
 pub fn is_retry(r: &Record) -> bool {
-    let on = |k: &str, zero: &[&str]| {
-        r.headers
-            .get(k)
-            .is_some_and(|v| !zero.contains(&v.trim().to_ascii_lowercase().as_str()))
-    };
-    on("x-kiln-retry", &["0", "false"]) || on("x-stainless-retry-count", &["0", ""])
+    crate::graph::Retry::of(&r.headers) == Some(crate::graph::Retry::Client)
 }
 
 /// The frame every row is measured in: the fleet's first arrival, span

@@ -207,10 +207,12 @@ fn fits_kv(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal> {
     Ok(())
 }
 
-/// Retries (`x-kiln-retry`) draw on the tenant's retry budget.
+/// A client's retries (`x-kiln-retry`, or the OpenAI SDKs' non-zero
+/// `x-stainless-retry-count`: [`crate::graph::Retry`]) draw on the
+/// tenant's retry budget.
 fn retry_budget(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refusal> {
     let Some(t) = a.tenant else { return Ok(()) };
-    let retry = a.req.header("x-kiln-retry").is_some();
+    let retry = a.req.retry() == Some(crate::graph::Retry::Client);
     if s.cfg.mode == Mode::Kiln && !s.quotas.note_request(a.graph, t, retry, s.now) {
         return Err(Refusal::new(Reason::RetryBudget, 429, Some(10 * SEC)));
     }

@@ -780,6 +780,7 @@ async fn serve(app: &Arc<App>, b: &BatchRow, it: &ItemLine) -> ItemResult {
             endpoint_of(b),
             b.owner.clone(),
             &b.id,
+            refusals.saturating_add(failures).saturating_add(1),
             body.clone(),
             window,
         )

@@ -20,7 +20,7 @@ pub(in crate::server) fn private_header(name: &str) -> bool {
             | "accept"
             | "accept-encoding"
             | "connection"
-    ) || name.starts_with("x-stainless")
+    ) || (name.starts_with("x-stainless") && name != crate::graph::SDK_RETRY_HEADER)
 }
 
 /// Header bytes (names plus values) one record of a request keeps at most,
@@ -76,9 +76,15 @@ fn kept_headers(
                 continue;
             }
             let wanted = if policy_pass {
-                read.contains(&name) || name == BATCH_HEADER
+                // The retry markers too: admission's retry budget reads
+                // them, so a replay decides the request as the gateway did,
+                // and `kiln report` counts retries from them.
+                read.contains(&name) || name == BATCH_HEADER || retry_marker(&name)
             } else {
-                kiln && name.starts_with("x-kiln-") && !read.contains(&name) && name != BATCH_HEADER
+                kiln && name.starts_with("x-kiln-")
+                    && !read.contains(&name)
+                    && name != BATCH_HEADER
+                    && !retry_marker(&name)
             };
             let size = k.len() + v.len();
             if wanted && size <= left {
@@ -88,6 +94,12 @@ fn kept_headers(
         }
     }
     kept
+}
+
+/// The headers that say a request is a retry ([`crate::graph::Retry`]).
+fn retry_marker(name: &str) -> bool {
+    use crate::graph::{BATCH_TRY_HEADER, RETRY_HEADER, SDK_RETRY_HEADER};
+    name == RETRY_HEADER || name == SDK_RETRY_HEADER || name == BATCH_TRY_HEADER
 }
 
 /// Bytes of `x-kiln-tags` tags one record keeps at most (the tags a

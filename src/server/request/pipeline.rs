@@ -14,7 +14,7 @@ use super::{
     BATCH_HEADER,
 };
 use crate::backend::Backend;
-use crate::graph::{Request, ResponseModel};
+use crate::graph::{Request, ResponseModel, BATCH_TRY_HEADER};
 use crate::sched::{Arrival, Reason};
 use crate::server::executor::{Command, Progress};
 use crate::server::openai::{ApiError, Endpoint, GenerationRequest};
@@ -36,6 +36,7 @@ pub(in crate::server) async fn serve_batch_item(
     endpoint: Endpoint,
     tenant: Option<String>,
     batch: &str,
+    attempt: u32,
     body: Value,
     window: crate::sched::Micros,
 ) -> Outcome {
@@ -49,7 +50,16 @@ pub(in crate::server) async fn serve_batch_item(
         received,
         received_ms,
         tenant,
-        headers: BTreeMap::from([(BATCH_HEADER.to_string(), batch.to_string())]),
+        // Each send after the first says which try it is: a retry
+        // (`kiln_retries_total{reason="batch_item"}`, the decision log).
+        headers: if attempt > 1 {
+            BTreeMap::from([
+                (BATCH_HEADER.to_string(), batch.to_string()),
+                (BATCH_TRY_HEADER.to_string(), attempt.to_string()),
+            ])
+        } else {
+            BTreeMap::from([(BATCH_HEADER.to_string(), batch.to_string())])
+        },
         tags: vec!["batch".to_string()],
         session: None,
         window: Some(window),
@@ -337,6 +347,9 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Outcome, ApiError> {
                 ));
             }
             Backend::Http(u) => {
+                // Whom a requeue below is counted for (`started` goes to
+                // the upstream call).
+                let who = (started.d.graph.clone(), started.d.tier, started.d.tenant);
                 let at = *deadline
                     .get_or_insert_with(|| tokio::time::Instant::now() + limits.upstream_budget);
                 ctx.requeued = resent + retried;
@@ -368,17 +381,34 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Outcome, ApiError> {
                     }
                     Err(HttpFail::Unsent(back, err)) => {
                         resent += 1;
-                        (back, err, "the upstream never received it; queued again")
+                        (
+                            back,
+                            err,
+                            (
+                                "upstream_unsent",
+                                "the upstream never received it; queued again",
+                            ),
+                        )
                     }
                     Err(HttpFail::Failed(back, err)) => {
                         retried += 1;
                         (
                             back,
                             err,
-                            "the upstream failed before answering; queued again for another replica",
+                            (
+                                "upstream_failed",
+                                "the upstream failed before answering; queued again for another replica",
+                            ),
                         )
                     }
                 };
+                let (retry, what) = what;
+                let (graph, tier, tenant) = who;
+                let tier = graph
+                    .tiers
+                    .get(tier as usize)
+                    .map_or("none", |t| t.name.as_str());
+                app.metrics.retry(tier, &tenant_name(&graph, tenant), retry);
                 ctx = *back;
                 app.exec.send(Command::CheckHealth);
                 // Back off (exponentially, with jitter) before queueing it

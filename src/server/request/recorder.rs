@@ -56,6 +56,16 @@ pub(in crate::server) enum End<'a> {
 
 /// The one place a request's end is written.
 pub(in crate::server) fn record(ctx: &Ctx, end: End<'_>) {
+    // A retry is counted at its end, so once, whoever ended it.
+    if let Some(retry) = ctx.req.retry() {
+        let d = match &end {
+            End::Refused { d, .. } | End::Left { d } => *d,
+            End::Overridden { d, .. } | End::CacheHit { d, .. } => Some(*d),
+            End::Ran { s, .. } => Some(&s.d),
+        };
+        let (tier, tenant) = decided_names(d);
+        ctx.app.metrics.retry(&tier, &tenant, retry.as_str());
+    }
     match end {
         End::Refused { d, reason, err } => refused(ctx, d, reason, err),
         End::Overridden { d, r, err } => overridden(ctx, d, r, err),
