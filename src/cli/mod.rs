@@ -316,6 +316,16 @@ pub fn load_traffic(
     paths: &[PathBuf],
     skip_malformed: bool,
 ) -> Result<Vec<crate::traffic::Record>, i32> {
+    load_traffic_clocked(paths, skip_malformed).map(|(records, _)| records)
+}
+
+/// [`load_traffic`], and the Unix milliseconds of the first arrival when
+/// the traffic was a decision log stamped in wall-clock time (its `at_ms`
+/// then count from that arrival).
+pub fn load_traffic_clocked(
+    paths: &[PathBuf],
+    skip_malformed: bool,
+) -> Result<(Vec<crate::traffic::Record>, Option<f64>), i32> {
     let mut traces = Vec::new();
     for t in paths {
         let opts = crate::traffic::ReadOptions { skip_malformed };
@@ -338,8 +348,8 @@ pub fn load_traffic(
     }
     let mut all = crate::traffic::merge(traces);
     // A gateway decision log is stamped in wall-clock time.
-    crate::traffic::rebase_wall_clock(&mut all);
-    Ok(all)
+    let start = crate::traffic::rebase_wall_clock(&mut all);
+    Ok((all, start))
 }
 
 /// The simulator's cost model for a policy, with an optional calibration.

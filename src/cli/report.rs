@@ -27,6 +27,10 @@ pub struct Args {
     /// Roofline calibration (TOML) for the replay.
     #[arg(long)]
     pub calibration: Option<PathBuf>,
+    /// The window saturation episodes are found in, on a decision log
+    /// (a kiln duration: 60s, 5m, 500ms).
+    #[arg(long, default_value = "60s")]
+    pub episode_window: String,
     /// Skip malformed traffic lines (counted) instead of failing.
     #[arg(long)]
     pub skip_malformed: bool,
@@ -46,6 +50,15 @@ pub fn run(a: Args) -> i32 {
             return EXIT_USAGE;
         }
     };
+    let episode_window_s = match crate::governance::parse_duration_ms(&a.episode_window) {
+        Some(ms) if ms >= 1.0 => ms / 1000.0,
+        _ => {
+            return usage_error(&format!(
+                "--episode-window `{}` is not a duration of at least 1ms (60s, 5m)",
+                a.episode_window
+            ))
+        }
+    };
     let graph = if a.policy.is_empty() {
         None
     } else {
@@ -61,17 +74,25 @@ pub fn run(a: Args) -> i32 {
         },
         None => None,
     };
-    let records = match load_traffic(&a.traffic, a.skip_malformed) {
+    let (records, log_start) = match load_traffic_clocked(&a.traffic, a.skip_malformed) {
         Ok(r) => r,
         Err(code) => return code,
     };
+    // A decision log knows when it started: its times are then real ones
+    // unless --start says otherwise.
+    let start_from_log = start_ms.is_none() && log_start.is_some();
+    let start_ms = start_ms.or(log_start.map(|ms| ms.round() as i64));
     let replayed = match (&graph, &cost) {
         (Some(g), Some(c)) => Some(report::replay(g, c, &records)),
         _ => None,
     };
     let inv = report::build(
         &records,
-        Options { start_ms },
+        Options {
+            start_ms,
+            start_from_log,
+            episode_window_s,
+        },
         match (&graph, &replayed) {
             (Some(g), Some((outcomes, rep))) => Some(Replayed {
                 graph: g,

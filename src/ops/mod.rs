@@ -4,6 +4,7 @@
 //! `kiln dashboard`). Reads traffic, replays it and renders; never serves.
 
 pub mod alerts;
+pub mod baseline;
 pub mod dashboard;
 pub mod feasibility;
 pub mod plan;

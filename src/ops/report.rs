@@ -37,10 +37,24 @@ pub enum ReportError {
 }
 
 /// How to build an inventory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Options {
     /// Unix milliseconds of at_ms 0; `None`: [`ASSUMED_START_MS`].
     pub start_ms: Option<i64>,
+    /// `start_ms` is a decision log's first arrival, not `--start`.
+    pub start_from_log: bool,
+    /// The window saturation episodes are found in, seconds.
+    pub episode_window_s: f64,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            start_ms: None,
+            start_from_log: false,
+            episode_window_s: super::baseline::EPISODE_WINDOW_S,
+        }
+    }
 }
 
 /// One row: a tenant, a model, a tier or the fleet.
@@ -116,6 +130,9 @@ pub struct Inventory {
     pub start: String,
     /// True when `start` is the assumed Monday 00:00 UTC, not given.
     pub start_assumed: bool,
+    /// True when `start` is a decision log's first arrival.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub start_from_log: bool,
     pub peak_window_s: f64,
     pub retry_rule: &'static str,
     pub fleet: Row,
@@ -127,6 +144,11 @@ pub struct Inventory {
     /// Log-2 buckets of the fleet's prompt and output tokens.
     pub prompt_histogram: Vec<Bucket>,
     pub output_histogram: Vec<Bucket>,
+    /// What the gateway recorded of its service (a decision log's waits,
+    /// latencies, statuses and saturation episodes); absent for traffic
+    /// that records no outcomes, such as the public traces.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub recorded: Option<super::baseline::Recorded>,
 }
 
 fn tenant_of(r: &Record) -> String {
@@ -373,6 +395,7 @@ pub fn build(records: &[Record], opts: Options, replayed: Option<Replayed<'_>>) 
         span_s: round6(frame.span_s),
         start: format_rfc3339(frame.start_ms),
         start_assumed: opts.start_ms.is_none(),
+        start_from_log: opts.start_ms.is_some() && opts.start_from_log,
         peak_window_s: PEAK_WINDOW_S,
         retry_rule: RETRY_RULE,
         fleet: row("(fleet)".into(), &all, &frame),
@@ -381,6 +404,9 @@ pub fn build(records: &[Record], opts: Options, replayed: Option<Replayed<'_>>) 
         policy,
         prompt_histogram: histogram(records.iter().map(|r| r.prompt_tokens)),
         output_histogram: histogram(records.iter().map(|r| r.output_tokens)),
+        recorded: super::baseline::recorded(records, opts.episode_window_s, |at_ms| {
+            format_rfc3339(frame.start_ms.saturating_add(at_ms.floor() as i64))
+        }),
     }
 }
 
@@ -445,6 +471,11 @@ fn clock_note(inv: &Inventory) -> String {
     if inv.start_assumed {
         format!(
             "at_ms 0 is taken as {} (an assumed Monday 00:00 UTC: the traffic records no wall-clock start; pass --start RFC3339)",
+            inv.start
+        )
+    } else if inv.start_from_log {
+        format!(
+            "at_ms 0 is {} (the decision log's first arrival)",
             inv.start
         )
     } else {
@@ -527,6 +558,25 @@ pub fn markdown(inv: &Inventory) -> String {
                     pct(a.window_attainment),
                     pct(Some(a.slo_attainment))
                 );
+            }
+        }
+    }
+    if let Some(rec) = &inv.recorded {
+        let _ = writeln!(
+            s,
+            "\n## Recorded service\n\n{} of the requests say how they ended. Latencies are in milliseconds, nearest-rank. Saturation episodes: {}.",
+            rec.requests, rec.episode_rule
+        );
+        for t in super::baseline::tables(rec) {
+            let _ = writeln!(s, "\n### {}\n", md(&t.title));
+            let _ = writeln!(s, "| {} |", t.head.join(" | "));
+            let _ = writeln!(s, "|---|{}", "---:|".repeat(t.head.len().saturating_sub(1)));
+            for r in &t.rows {
+                let cells: Vec<String> = r.iter().map(|c| md(c)).collect();
+                let _ = writeln!(s, "| {} |", cells.join(" | "));
+            }
+            if t.rows.is_empty() {
+                let _ = writeln!(s, "\n(none)");
             }
         }
     }
@@ -770,6 +820,18 @@ pub fn html(inv: &Inventory) -> String {
             );
         }
     }
+    if let Some(rec) = &inv.recorded {
+        let _ = writeln!(
+            s,
+            "<h2>Recorded service</h2>\n<p class=\"note\">{} of the requests say how they ended. Latencies are in milliseconds, nearest-rank. Saturation episodes: {}.</p>",
+            rec.requests,
+            escape(&rec.episode_rule)
+        );
+        for t in super::baseline::tables(rec) {
+            let _ = writeln!(s, "<h3>{}</h3>", escape(&t.title));
+            html_table(&mut s, &t.head, t.rows);
+        }
+    }
     s.push_str("<h2>Demand by hour of day (UTC)</h2>\n");
     let hours: Vec<String> = (0..24).map(|h| format!("{h:02}")).collect();
     s.push_str(&bars_svg(
@@ -930,7 +992,7 @@ mod tests {
         fn peak_to_mean_is_at_least_one(mut times in proptest::collection::vec(0.0f64..3_600_000.0, 1..300)) {
             times.sort_by(f64::total_cmp);
             let recs: Vec<Record> = times.iter().map(|&t| Record { at_ms: t, tenant: Some("a".into()), ..Record::default() }).collect();
-            let inv = build(&recs, Options { start_ms: None }, None);
+            let inv = build(&recs, Options::default(), None);
             let p = inv.fleet.peak_to_mean.unwrap();
             proptest::prop_assert!(p >= 1.0 - 1e-9, "{}", p);
             proptest::prop_assert_eq!(inv.fleet.by_hour.iter().sum::<u64>(), recs.len() as u64);
@@ -961,7 +1023,7 @@ mod tests {
             .headers
             .insert("x-kiln-retry".into(), "false".into());
         recs.push(not_retry);
-        let inv = build(&recs, Options { start_ms: None }, None);
+        let inv = build(&recs, Options::default(), None);
         assert_eq!(inv.tenants.len(), 2);
         let a = &inv.tenants[0];
         assert_eq!(
@@ -981,7 +1043,7 @@ mod tests {
         assert_eq!((h[0].requests, h[1].requests, h[2].requests), (1, 1, 2));
         assert_eq!((h[10].lo, h[10].hi, h[10].requests), (512, 1024, 1));
         assert!(histogram(std::iter::empty()).is_empty());
-        let empty = build(&[], Options { start_ms: None }, None);
+        let empty = build(&[], Options::default(), None);
         assert_eq!(empty.requests, 0);
         assert!(markdown(&empty).contains("0 requests"));
     }
@@ -995,12 +1057,12 @@ mod tests {
             prompt_tokens: 5,
             ..Record::default()
         }];
-        let page = html(&build(&recs, Options { start_ms: None }, None));
+        let page = html(&build(&recs, Options::default(), None));
         assert!(!page.contains("<script"));
         assert!(!page.contains("m<b>"));
         assert!(page.contains("&lt;script&gt;alert(&#39;x&#39;)&lt;/script&gt;&amp;&quot;"));
         assert!(page.contains("<svg"));
-        let md = markdown(&build(&recs, Options { start_ms: None }, None));
+        let md = markdown(&build(&recs, Options::default(), None));
         assert!(md.contains("m&lt;b&gt;") && !md.contains("<script"));
     }
 }
