@@ -331,24 +331,15 @@ async fn poison_items_end_in_the_error_file_and_leave_the_breaker_closed() {
     // each poison item, and one for each refused try (the runner sends a
     // refused item again; the interactive requests were all served, so
     // every refusal is an item's).
-    let m = c
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let sum = |prefix: &str, filter: &str| -> f64 {
-        m.lines()
-            .filter(|l| l.starts_with(prefix) && l.contains(filter))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
-    };
-    let refused = sum("kiln_rejects_total{", "");
-    let retried = sum("kiln_retries_total{", "reason=\"batch_item\"");
+    let m = support::scrape(&c, &base).await;
+    let refused = support::metric_sum(&m, "kiln_rejects_total", &[]);
+    let retried = support::metric_sum(&m, "kiln_retries_total", &["reason=\"batch_item\""]);
     assert_eq!(retried, (2 * poisoned) as f64 + refused, "{m}");
-    assert_eq!(sum("kiln_retries_total{", "reason=\"client\""), 0.0, "{m}");
+    assert_eq!(
+        support::metric_sum(&m, "kiln_retries_total", &["reason=\"client\""]),
+        0.0,
+        "{m}"
+    );
     eprintln!(
         "{N} items, {poisoned} poison: terminal in {took:?}; interactive {} × 200; breaker closed throughout; {retried} item retries counted",
         statuses.len()

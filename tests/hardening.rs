@@ -493,21 +493,9 @@ async fn sdk_retries_are_counted_once_budgeted_and_logged() {
         let _ = r.bytes().await;
     }
     assert_eq!(statuses, [200, 429, 429, 429, 429]);
-    let m = c
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let retries = |reason: &str| -> f64 {
-        m.lines()
-            .filter(|l| {
-                l.starts_with("kiln_retries_total{") && l.contains(&format!("reason=\"{reason}\""))
-            })
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
+    let m = support::scrape(&c, &base).await;
+    let retries = |reason: &str| {
+        support::metric_sum(&m, "kiln_retries_total", &[&format!("reason=\"{reason}\"")])
     };
     assert_eq!(retries("client"), 5.0, "{m}");
     for other in ["batch_item", "upstream_failed", "upstream_unsent"] {

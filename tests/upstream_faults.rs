@@ -833,24 +833,14 @@ async fn each_requeue_after_an_upstream_failure_is_counted_once() {
             .unwrap_or(0);
         let _ = r.bytes().await;
     }
-    let m = c
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let counted = |reason: &str| -> f64 {
-        m.lines()
-            .filter(|l| {
-                l.starts_with("kiln_retries_total{")
-                    && l.contains(&format!("reason=\"{reason}\""))
-                    && l.contains("tier=\"high\"")
-                    && l.contains("tenant=\"alpha\"")
-            })
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
+    let m = support::scrape(&c, &base).await;
+    let counted = |reason: &str| {
+        let reason = format!("reason=\"{reason}\"");
+        support::metric_sum(
+            &m,
+            "kiln_retries_total",
+            &[&reason, "tier=\"high\"", "tenant=\"alpha\""],
+        )
     };
     let upstream = counted("upstream_failed") + counted("upstream_unsent");
     assert!(requeued > 0, "the failing upstream was never tried");

@@ -119,6 +119,20 @@ pub fn parse(text: &str) -> Result<Gate, String> {
                 .map_err(|_| format!("gate `{text}`: `{limit}` is not a number"))?,
         ),
     };
+    // The limit is how much worse the metric may get, whichever way worse
+    // is for it: a negative one would trip on no change at all (a gate
+    // that always fails), an infinite one never.
+    let (Limit::Percent(v) | Limit::Absolute(v)) = limit;
+    if !(v.is_finite() && v >= 0.0) {
+        let how = if FALL.contains(&metric.as_str()) {
+            "fall"
+        } else {
+            "rise"
+        };
+        return Err(format!(
+            "gate `{text}`: the limit is how much `{metric}` may worsen, a finite number from 0: for `{metric}` worse is to {how}, so write e.g. `+1` (or `+5%`), which trips when it {how}s by more"
+        ));
+    }
     Ok(Gate {
         text: text.to_string(),
         scope,
@@ -286,4 +300,31 @@ pub const MIN_PRICED_SHARE: f64 = 0.95;
 /// time.
 fn priced_share(g: &crate::replay::report::Group) -> Option<f64> {
     (g.gpu_seconds > 0.0).then(|| (g.priced_gpu_seconds / g.gpu_seconds).min(1.0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_limit_is_how_much_worse_and_never_negative_or_infinite() {
+        assert!(parse("tier:interactive slo_attainment +1").is_ok());
+        assert!(parse("tier:interactive ttft_p95 +10%").is_ok());
+        assert!(parse("all rejected 0").is_ok());
+        for bad in [
+            "tier:interactive slo_attainment -1%",
+            "tier:interactive ttft_p95 -10%",
+            "all rejected -0.5",
+            "all rejected inf",
+            "all rejected NaN%",
+        ] {
+            let e = parse(bad).unwrap_err();
+            assert!(e.contains("may worsen"), "{bad}: {e}");
+        }
+        let e = parse("tier:interactive slo_attainment -1%").unwrap_err();
+        assert!(e.contains("worse is to fall"), "{e}");
+        // Before, `-1%` on a metric that did not move tripped.
+        let g = parse("tier:interactive slo_attainment +1").unwrap();
+        assert!(!exceeds(20.0, 20.0, g.limit, false));
+    }
 }

@@ -48,3 +48,27 @@ pub fn client(timeout: Duration) -> reqwest::Client {
         .build()
         .unwrap()
 }
+
+/// The gateway's `/metrics` text.
+pub async fn scrape(c: &reqwest::Client, base: &str) -> String {
+    c.get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+/// The sum of `metric`'s series in a scrape whose labels contain every one
+/// of `labels` (`reason="client"`).
+pub fn metric_sum(scrape: &str, metric: &str, labels: &[&str]) -> f64 {
+    scrape
+        .lines()
+        .filter(|l| {
+            l.strip_prefix(metric).is_some_and(|r| r.starts_with('{'))
+                && labels.iter().all(|x| l.contains(x))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
