@@ -290,5 +290,38 @@ async fn a_gateways_decision_log_shows_its_service_and_when_it_was_saturated() {
     assert!(md.contains("## Recorded service"), "{md}");
     assert!(md.contains("### Saturation episodes"), "{md}");
     assert!(md.contains("the decision log's first arrival"), "{md}");
+
+    // `kiln explain --pool P --at T` on the same log: in the flood the pool
+    // runs the flooder's work; long after the last request it is idle.
+    let explain = |at: &str| -> serde_json::Value {
+        let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args([
+                "explain",
+                "--log",
+                log.to_str().unwrap(),
+                "--pool",
+                "gpu",
+                "--at",
+                at,
+            ])
+            .args(["--format", "json"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .unwrap();
+        serde_json::from_str(&ok(&o)).unwrap()
+    };
+    let mid = explain("+4500ms");
+    assert!(mid["running"]["flood"].as_u64().unwrap_or(0) > 0, "{mid}");
+    assert!(
+        mid["verdict"].as_str().unwrap().contains("was busy"),
+        "{mid}"
+    );
+    let late = explain("+10m");
+    assert!(late["running"].as_object().unwrap().is_empty(), "{late}");
+    assert!(
+        late["verdict"].as_str().unwrap().contains("was idle"),
+        "{late}"
+    );
+    assert!(late["last_busy_ms"].as_f64().unwrap() > 6_000.0, "{late}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -8,4 +8,5 @@ pub mod baseline;
 pub mod dashboard;
 pub mod feasibility;
 pub mod plan;
+pub mod pool_at;
 pub mod report;
