@@ -159,7 +159,9 @@ fn grouped(recs: &[&Record], key: impl Fn(&Record) -> String) -> Vec<Service> {
     by.into_iter().map(|(k, v)| service(k, &v)).collect()
 }
 
-fn tenant_of(r: &Record) -> String {
+/// Whom a record's request was for: its decided tenant, else the tenant
+/// or key it came with.
+pub(super) fn tenant_of(r: &Record) -> String {
     r.decision
         .as_ref()
         .and_then(|d| d.tenant.clone())
@@ -300,7 +302,8 @@ fn p3(p: &Option<Percentiles>) -> String {
         .map_or("-".into(), |p| format!("{}/{}/{}", p.p50, p.p95, p.p99))
 }
 
-fn mix(m: &BTreeMap<String, u64>) -> String {
+/// `a 3, b 1`: counts, largest first (`-` for none).
+pub(super) fn mix(m: &BTreeMap<String, u64>) -> String {
     if m.is_empty() {
         return "-".into();
     }

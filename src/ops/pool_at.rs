@@ -7,6 +7,7 @@
 //! start is its arrival plus its queue wait and its end its arrival plus
 //! its end-to-end latency, all as the gateway recorded them.
 
+use super::baseline::{mix as list, tenant_of};
 use crate::traffic::Record;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -43,29 +44,12 @@ pub fn pool_of(r: &Record) -> Option<&str> {
         .map(|(_, pool)| pool.trim())
 }
 
-fn tenant_of(r: &Record) -> String {
-    r.decision
-        .as_ref()
-        .and_then(|d| d.tenant.clone())
-        .or_else(|| r.tenant.clone())
-        .unwrap_or_else(|| "-".into())
-}
-
 fn refused(r: &Record) -> Option<&str> {
     let d = r.decision.as_ref()?;
     if d.status.is_some_and(|s| (200..300).contains(&s)) {
         return None;
     }
     d.reason.as_deref()
-}
-
-fn list(m: &BTreeMap<String, u64>) -> String {
-    let mut v: Vec<(&String, &u64)> = m.iter().collect();
-    v.sort_by(|a, b| b.1.cmp(a.1).then_with(|| a.0.cmp(b.0)));
-    v.iter()
-        .map(|(k, n)| format!("{k} {n}"))
-        .collect::<Vec<_>>()
-        .join(", ")
 }
 
 /// The pool at `at_ms` (from the first arrival, the clock of `records`
