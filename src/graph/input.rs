@@ -68,23 +68,27 @@ impl Retry {
         }
     }
 
-    /// Whether headers (names in any case) mark a retry, and which.
+    /// Whether headers (names in any case) mark a retry, and which. One
+    /// pass, no allocation: admission asks this of every request.
     pub fn of(headers: &BTreeMap<String, String>) -> Option<Retry> {
-        let get = |name: &str| {
-            headers
-                .iter()
-                .find(|(k, _)| k.eq_ignore_ascii_case(name))
-                .map(|(_, v)| v.trim().to_ascii_lowercase())
-        };
-        let client = get(RETRY_HEADER).is_some_and(|v| v != "0" && v != "false")
-            || get(SDK_RETRY_HEADER).is_some_and(|v| !v.is_empty() && v != "0");
-        if client {
-            return Some(Retry::Client);
+        let mut batch_item = false;
+        for (k, v) in headers {
+            let v = v.trim();
+            let client = if k.eq_ignore_ascii_case(RETRY_HEADER) {
+                v != "0" && !v.eq_ignore_ascii_case("false")
+            } else if k.eq_ignore_ascii_case(SDK_RETRY_HEADER) {
+                !v.is_empty() && v != "0"
+            } else {
+                if k.eq_ignore_ascii_case(BATCH_TRY_HEADER) {
+                    batch_item |= v.parse::<u32>().is_ok_and(|n| n > 1);
+                }
+                false
+            };
+            if client {
+                return Some(Retry::Client);
+            }
         }
-        get(BATCH_TRY_HEADER)
-            .and_then(|v| v.parse::<u32>().ok())
-            .filter(|&n| n > 1)
-            .map(|_| Retry::BatchItem)
+        batch_item.then_some(Retry::BatchItem)
     }
 }
 
