@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use support::redis::{DelayProxy, Redis};
-use support::{client, policy, serve_on_loopback};
+use support::{client, policy, scrape, serve_on_loopback};
 
 pub const POLICY: &str = r#"
 pool gpu { gpus 8 kind "H100-80GB" memory 80GB }
@@ -271,16 +271,6 @@ async fn a_quota_holds_over_the_fleet_whatever_the_spread() {
     }
 }
 
-async fn metrics(c: &reqwest::Client, base: &str) -> String {
-    c.get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
-}
-
 fn version_of(text: &str) -> String {
     policy("fleet.kiln", text).version.to_string()
 }
@@ -466,7 +456,7 @@ async fn while_redis_is_down_the_declared_behaviour_applies_and_sharing_resumes(
     assert_eq!(body["error"]["code"], "shared-state-unavailable", "{body}");
     // Said in the metrics.
     tokio::time::sleep(Duration::from_millis(1000)).await;
-    let m = metrics(&c, &local.bases[0]).await;
+    let m = scrape(&c, &local.bases[0]).await;
     assert!(m.contains("kiln_shared_state_up 0"), "{m}");
     assert!(
         m.contains("kiln_shared_state_unclaimed_total{action=\"local\"}"),
@@ -486,7 +476,7 @@ async fn while_redis_is_down_the_declared_behaviour_applies_and_sharing_resumes(
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     tokio::time::sleep(Duration::from_millis(1000)).await;
-    let m = metrics(&c, &local.bases[0]).await;
+    let m = scrape(&c, &local.bases[0]).await;
     assert!(m.contains("kiln_shared_state_up 1"), "{m}");
     local.stop().await;
     refuse.stop().await;

@@ -15,7 +15,7 @@ use proptest::prelude::*;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
-use support::{policy, serve_on_loopback};
+use support::{policy, scrape, serve_on_loopback};
 
 /// One simulated GPU; a 70B model decodes a token every few milliseconds,
 /// so a 200-token stream lasts long enough to leave part-way. Two slots:
@@ -111,16 +111,6 @@ async fn read_then_leave(r: reqwest::Response, tokens: usize) -> (String, usize)
 
 async fn get_json(c: &reqwest::Client, url: String) -> Value {
     c.get(url).send().await.unwrap().json().await.unwrap()
-}
-
-async fn scrape(c: &reqwest::Client, base: &str) -> String {
-    c.get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
 }
 
 /// Sum of the series of `metric` whose labels contain every `labels` pair.

@@ -22,7 +22,7 @@ use proptest::prelude::*;
 use serde_json::{json, Value};
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
-use support::{policy, serve_on_loopback};
+use support::{policy, scrape, serve_on_loopback};
 
 /// `big` on a simulated GPU, slow enough (a 70B model, two at a time) that
 /// a stream can be left part-way and a request can wait in the queue
@@ -182,16 +182,6 @@ async fn read_then_leave(r: reqwest::Response, tokens: usize) {
 
 async fn get_json(c: &reqwest::Client, url: String) -> Value {
     c.get(url).send().await.unwrap().json().await.unwrap()
-}
-
-async fn scrape(c: &reqwest::Client, base: &str) -> String {
-    c.get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
 }
 
 /// Sum of the series of `metric` whose labels contain every `labels` pair.
