@@ -223,6 +223,7 @@ fn exported() -> BTreeSet<String> {
     m.e2e(&l, 1.0);
     m.tokens(&l, 10, 10);
     m.gpu_seconds(&l, 1.0, 1.0);
+    m.gpu_wasted(&l, "recompute", 0.5);
     m.preempted("a", "t");
     m.fallback("a", "t", 1);
     m.retry("a", "t", "client");

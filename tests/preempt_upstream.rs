@@ -281,6 +281,22 @@ async fn a_preempted_batch_request_is_cancelled_upstream_and_served_later() {
     assert_eq!(d.tier.as_deref(), Some("batch"));
     assert_eq!(d.status, Some(200));
     assert_eq!(d.waited_for.as_deref(), Some("preempted"));
+
+    // The cancelled call held the upstream's only slot and served nothing:
+    // charged (a part of the request's GPU time), and wasted.
+    let m = support::scrape(&c, &base).await;
+    let batch_gpu = support::metric_sum(&m, "kiln_gpu_seconds_total", &["tier=\"batch\""]);
+    let wasted = support::metric_sum(
+        &m,
+        "kiln_gpu_seconds_wasted_total",
+        &["tier=\"batch\"", "reason=\"recompute\""],
+    );
+    assert!(
+        wasted > 0.0 && wasted < batch_gpu,
+        "{wasted} of {batch_gpu}: {m}"
+    );
+    let high_wasted = support::metric_sum(&m, "kiln_gpu_seconds_wasted_total", &["tier=\"high\""]);
+    assert_eq!(high_wasted, 0.0, "{m}");
     srv.stop().await;
     mock.abort();
 }
@@ -333,6 +349,18 @@ async fn a_tier_that_rejects_on_preemption_tells_its_client_503() {
     assert_eq!(d.reason.as_deref(), Some("preempted"));
     let e = explain(&c, &base, rec.id.as_deref().unwrap()).await;
     assert!(says_preempted(&e), "{e}");
+    // Its call held the slot until the preemption, for nothing.
+    let m = support::scrape(&c, &base).await;
+    let gpu = support::metric_sum(&m, "kiln_gpu_seconds_total", &["tier=\"batch_strict\""]);
+    let wasted = support::metric_sum(
+        &m,
+        "kiln_gpu_seconds_wasted_total",
+        &["tier=\"batch_strict\"", "reason=\"preempted\""],
+    );
+    assert!(
+        wasted > 0.0 && (wasted - gpu).abs() < 1e-9,
+        "{wasted} of {gpu}: {m}"
+    );
     srv.stop().await;
     mock.abort();
 }

@@ -166,6 +166,22 @@ async fn a_stream_the_client_leaves_is_recorded_once_as_cancelled() {
     assert!((190.0..200.0).contains(&completion), "{completion}: {m}");
     let gpu = metric_sum(&m, "kiln_gpu_seconds_total", &[]);
     assert!(gpu > 0.0, "{m}");
+    // The answer nobody read to its end: all its GPU time was wasted.
+    let abandoned = metric_sum(
+        &m,
+        "kiln_gpu_seconds_wasted_total",
+        &["reason=\"abandoned\""],
+    );
+    assert!((abandoned - gpu).abs() < 1e-9, "{abandoned} vs {gpu}: {m}");
+    assert_eq!(
+        metric_sum(&m, "kiln_gpu_seconds_wasted_total", &[]),
+        abandoned,
+        "{m}"
+    );
+    assert!(
+        m.contains("kiln_gpu_seconds_wasted_total{pool=\"gpu\",reason=\"recompute\""),
+        "primed at 0: {m}"
+    );
 
     let costs = get_json(&c, format!("{base}/admin/costs")).await;
     let total = &costs["costs"]["total"];

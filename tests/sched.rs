@@ -214,6 +214,15 @@ fn preemption_makes_room_and_the_victim_still_finishes() {
     assert_eq!(o[0].preemptions, 1, "{:?}", o[0]);
     assert!(o[1].finished.unwrap() < o[0].finished.unwrap());
     assert!(o[0].finished.is_some(), "the preempted request is not lost");
+    // Recomputing the victim's KV (its prompt and what it had generated)
+    // served nothing: wasted, a part of its GPU time; the chat request
+    // wasted none.
+    assert!(
+        o[0].wasted_gpu_seconds > 0.0 && o[0].wasted_gpu_seconds < o[0].gpu_seconds,
+        "{:?}",
+        o[0]
+    );
+    assert_eq!(o[1].wasted_gpu_seconds, 0.0);
     // Without a preempts right the chat request would wait ~550 ms for the
     // bulk one, far past its 100 ms TTFT: it is refused at once, not
     // admitted to miss its SLO.
@@ -1045,6 +1054,16 @@ model m {{ variant fp16 {{ memory 10GB pools [p] max_batch 16 }} }}
             "{mode:?}: blocks ran out, someone was preempted"
         );
         assert!(o.iter().all(|x| x.rejected.is_none()));
+        // Exactly the preempted ones wasted GPU time (their recompute),
+        // never all of it.
+        for x in &o {
+            assert_eq!(
+                x.preemptions > 0,
+                x.wasted_gpu_seconds > 0.0,
+                "{mode:?}: {x:?}"
+            );
+            assert!(x.wasted_gpu_seconds < x.gpu_seconds, "{mode:?}: {x:?}");
+        }
         assert!(s
             .replicas()
             .iter()

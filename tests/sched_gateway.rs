@@ -251,7 +251,9 @@ fn an_external_replica_is_filled_in_queue_order_and_refilled_on_completion() {
     let gpu = acts
         .iter()
         .find_map(|a| match a {
-            Action::Finished { id: 1, gpu_seconds } => Some(*gpu_seconds),
+            Action::Finished {
+                id: 1, gpu_seconds, ..
+            } => Some(*gpu_seconds),
             _ => None,
         })
         .expect("finished");

@@ -5,8 +5,9 @@
 //! tier's SLO (a threshold line at it). Then the fleet: queue depth and
 //! oldest wait, admitted and refused by reason, what each tenant is served
 //! (tokens per second: fair share is over service, and there is no fair
-//! share metric), GPU busy ratio, cost per tenant, the policy version in
-//! force and the rollout (canary and shadow decisions), upstream breakers.
+//! share metric), GPU busy ratio, cost per tenant, useful and wasted GPU
+//! time, the policy version in force and the rollout (canary and shadow
+//! decisions), upstream breakers.
 //!
 //! Tier names are written into PromQL string literals escaped
 //! ([`super::alerts::promql_escape`]). Grafana expands `$name` in queries
@@ -302,6 +303,33 @@ pub fn dashboard(g: &DecisionGraph, policy: &str) -> Value {
         ],
         None,
         (12, y, 12, 8),
+    ));
+    y += 8;
+    // Useful against wasted: GPU time spent on answers nobody received
+    // (recompute after a preemption, abandoned and failed answers, work
+    // preempted and refused) is capacity bought for nothing.
+    panels.push(timeseries(
+        &mut id,
+        "GPU time: useful and wasted, by reason (GPU-seconds per second)".into(),
+        "short",
+        vec![
+            target(
+                format!(
+                    "sum by (pool) (rate(kiln_gpu_seconds_total{{{tt}}}[$__rate_interval])) - sum by (pool) (rate(kiln_gpu_seconds_wasted_total{{{tt}}}[$__rate_interval]))"
+                ),
+                "{{pool}} useful",
+                0,
+            ),
+            target(
+                format!(
+                    "sum by (pool, reason) (rate(kiln_gpu_seconds_wasted_total{{{tt}}}[$__rate_interval]))"
+                ),
+                "{{pool}} wasted: {{reason}}",
+                1,
+            ),
+        ],
+        None,
+        (0, y, 24, 8),
     ));
     y += 8;
     panels.push(row(&mut id, "Policy and rollout", y));

@@ -397,6 +397,7 @@ mod tests {
             cost: 0.0,
             priced_gpu_seconds: 0.0,
             cache_hits: None,
+            wasted_gpu_seconds: None,
         };
         let mut r = Report {
             scheduler: "kiln".into(),

@@ -35,6 +35,8 @@ pub struct Outcome {
     /// Why it did not start on arrival, when it waited.
     pub waited_for: Option<crate::sched::Reason>,
     pub gpu_seconds: f64,
+    /// The part of `gpu_seconds` that recomputed KV lost to a preemption.
+    pub wasted_gpu_seconds: f64,
     /// When it had to be finished (its own window, a batch item's, or its
     /// tier's), µs on the replay clock.
     pub deadline: Option<Micros>,
@@ -113,10 +115,15 @@ impl Sink for Outcomes {
                     o.first_token = Some(t);
                 }
             }
-            Action::Finished { id, gpu_seconds } => {
+            Action::Finished {
+                id,
+                gpu_seconds,
+                wasted_gpu_seconds,
+            } => {
                 if let Some(o) = self.get(id) {
                     o.finished = Some(t);
                     o.gpu_seconds = gpu_seconds;
+                    o.wasted_gpu_seconds = wasted_gpu_seconds;
                 }
             }
             Action::Preempted { id, .. } => {

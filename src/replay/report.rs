@@ -64,6 +64,10 @@ pub struct Group {
     /// time); absent for a tier without one and a group with none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cache_hits: Option<u64>,
+    /// The part of `gpu_seconds` spent recomputing KV that preemptions
+    /// threw away (useful GPU time is the rest); absent when none was.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub wasted_gpu_seconds: Option<f64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -208,8 +212,10 @@ fn group<'a>(
         cost: 0.0,
         priced_gpu_seconds: 0.0,
         cache_hits: None,
+        wasted_gpu_seconds: None,
     };
     let mut hits = 0u64;
+    let mut wasted = 0.0;
     let (mut ttft, mut e2e) = (Vec::new(), Vec::new());
     let mut met = 0u64;
     // (with the SLO, met it) for TTFT and for the completion window
@@ -237,6 +243,7 @@ fn group<'a>(
         }
         gr.deadline_misses += u64::from(missed_deadline(o));
         gr.gpu_seconds += o.gpu_seconds;
+        wasted += o.wasted_gpu_seconds;
         if let Some(c) = cost_of(g, o) {
             gr.cost += c;
             gr.priced_gpu_seconds += o.gpu_seconds;
@@ -264,6 +271,7 @@ fn group<'a>(
     gr.gpu_seconds = round(gr.gpu_seconds);
     gr.cost = round(gr.cost);
     gr.cache_hits = (hits > 0).then_some(hits);
+    gr.wasted_gpu_seconds = Some(round(wasted)).filter(|w| *w > 0.0);
     gr.ttft_ms = pct(ttft);
     gr.e2e_ms = pct(e2e);
     if gr.requests > 0 {

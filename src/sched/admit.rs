@@ -734,6 +734,8 @@ impl Scheduler {
             borrowed: a.borrowed,
             waiting_for: None,
             gpu_seconds: 0.0,
+            wasted_gpu_seconds: 0.0,
+            redo_tokens: 0,
             claims: a.claims,
             started: false,
             orphan: false,

@@ -578,6 +578,7 @@ mod tests {
         let done = |id| Action::Finished {
             id,
             gpu_seconds: 0.0,
+            wasted_gpu_seconds: 0.0,
         };
         let refused = |id, reason| Action::Reject {
             id,

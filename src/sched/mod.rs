@@ -290,7 +290,14 @@ pub enum Action {
     FirstToken { id: ReqId },
     /// The request produced its last token, having used this much GPU time
     /// (its share of every step it was part of, times the replica's GPUs).
-    Finished { id: ReqId, gpu_seconds: f64 },
+    /// `wasted_gpu_seconds` is the part of it that did not serve the
+    /// answer: recomputing KV it had before a preemption, and an
+    /// upstream's attempts that were preempted.
+    Finished {
+        id: ReqId,
+        gpu_seconds: f64,
+        wasted_gpu_seconds: f64,
+    },
     /// A running sequence was preempted to make room; it is queued again.
     Preempted {
         id: ReqId,
@@ -1284,6 +1291,7 @@ impl Scheduler {
         self.out.push(Action::Finished {
             id,
             gpu_seconds: s.gpu_seconds + share,
+            wasted_gpu_seconds: s.w.wasted_gpu_seconds,
         });
     }
 
@@ -2003,7 +2011,7 @@ impl Scheduler {
         if !rep.running.is_empty() {
             let share = rep.last_step * f64::from(rep.spec.gpus) / rep.running.len() as f64;
             for s in rep.running.iter_mut() {
-                s.gpu_seconds += share;
+                s.charge(share);
                 if let Some(t) = s.w.tenant {
                     self.quotas.charge_gpu(t, share, now, s.w.claims.tenant);
                 }
@@ -2385,6 +2393,9 @@ impl Scheduler {
         seq.w.preemptions += 1;
         seq.w.generated = seq.generated;
         seq.w.gpu_seconds = seq.gpu_seconds + share;
+        // An upstream starts again from its prompt: this attempt's time
+        // served nothing.
+        seq.w.wasted_gpu_seconds += share;
         seq.w.waiting_for = Some(Reason::Preempted);
         self.preempted_out(seq.w, r, w.id, true);
         true
@@ -2642,7 +2653,9 @@ mod tests {
             )
             .to_vec();
         let gpu = acts.iter().find_map(|a| match a {
-            Action::Finished { id: 1, gpu_seconds } => Some(*gpu_seconds),
+            Action::Finished {
+                id: 1, gpu_seconds, ..
+            } => Some(*gpu_seconds),
             _ => None,
         });
         assert_eq!(gpu, Some(1.0));
@@ -2744,12 +2757,20 @@ mod tests {
             )
             .to_vec();
         let total = acts.iter().find_map(|a| match a {
-            Action::Finished { id, gpu_seconds } if *id == v => Some(*gpu_seconds),
+            Action::Finished {
+                id,
+                gpu_seconds,
+                wasted_gpu_seconds,
+            } if *id == v => Some((*gpu_seconds, *wasted_gpu_seconds)),
             _ => None,
         });
         // Both runs' GPU time: the first (30 s of wall time over two
-        // sequences) and the second.
-        assert!(total.is_some_and(|x| x > 14.0), "{total:?}");
+        // sequences) and the second; the first served nothing (the
+        // upstream started again from the prompt).
+        assert!(
+            total.is_some_and(|(x, w)| x > 14.0 && w > 14.0 && w < x),
+            "{total:?}"
+        );
     }
 
     #[test]

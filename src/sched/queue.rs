@@ -62,6 +62,12 @@ pub struct Waiting {
     pub waiting_for: Option<super::Reason>,
     /// GPU time used before a preemption (it counts toward cost).
     pub gpu_seconds: f64,
+    /// The part of `gpu_seconds` that served nothing: an upstream's
+    /// preempted attempts, and recomputing KV lost to a preemption.
+    pub wasted_gpu_seconds: f64,
+    /// Tokens whose KV it had computed when it was last taken off a
+    /// replica: recomputing them when it resumes is wasted GPU time.
+    pub redo_tokens: u32,
     /// Which of its quotas a fleet claimed (and charges its GPU-seconds
     /// to): the others' GPU-seconds are reported from here.
     pub claims: super::quota::Claims,

@@ -59,6 +59,8 @@ pub struct Seq {
     pub w: Waiting,
     /// Prompt (plus, after a preemption, regenerated) tokens still to prefill.
     pub prefill_left: u32,
+    /// Of those, tokens it had computed before a preemption.
+    redo_left: u32,
     pub generated: u32,
     pub started: Micros,
     pub first_token_sent: bool,
@@ -97,11 +99,18 @@ pub struct Seq {
 impl Seq {
     /// A sequence resumes after preemption by recomputing the KV cache of
     /// its prompt and of what it had generated (the recompute cost).
-    pub fn from_waiting(w: Waiting, cached_prefix: u32) -> Seq {
+    pub fn from_waiting(mut w: Waiting, cached_prefix: u32) -> Seq {
         let recompute = w.prompt_tokens.saturating_add(w.generated);
         let kv = u64::from(w.prompt_tokens) + u64::from(w.output_tokens);
+        let prefill_left = recompute.saturating_sub(cached_prefix).max(1);
+        // What it had computed before, less what the prefix cache still
+        // holds, is prefilled again for nothing.
+        let redo = std::mem::take(&mut w.redo_tokens)
+            .saturating_sub(cached_prefix)
+            .min(prefill_left);
         Seq {
-            prefill_left: recompute.saturating_sub(cached_prefix).max(1),
+            prefill_left,
+            redo_left: redo,
             generated: w.generated,
             started: 0,
             first_token_sent: w.generated > 0,
@@ -117,6 +126,17 @@ impl Seq {
             step_prefill: 0,
             step_decode: false,
             w,
+        }
+    }
+
+    /// Adds its `share` of the step just done; the part of it spent
+    /// prefilling tokens it had computed before a preemption is wasted.
+    pub fn charge(&mut self, share: f64) {
+        self.gpu_seconds += share;
+        if self.redo_left > 0 && self.step_prefill > 0 {
+            let redo = self.step_prefill.min(self.redo_left);
+            self.w.wasted_gpu_seconds += share * f64::from(redo) / f64::from(self.step_prefill);
+            self.redo_left -= redo;
         }
     }
 
@@ -655,6 +675,12 @@ impl Replica {
     }
 
     fn release(&mut self, s: &mut Seq) {
+        // Taken off (or done): the tokens whose KV it computed, which a
+        // resume recomputes.
+        s.w.redo_tokens =
+            s.w.prompt_tokens
+                .saturating_add(s.generated)
+                .saturating_sub(s.prefill_left);
         self.blocks.private = self.blocks.private.saturating_sub(s.blocks);
         s.blocks = 0;
         // The tail first, so that it is evicted before the head.
@@ -1021,6 +1047,7 @@ impl Replica {
                 out.push(Action::Finished {
                     id: s.w.id,
                     gpu_seconds: s.gpu_seconds,
+                    wasted_gpu_seconds: s.w.wasted_gpu_seconds,
                 });
                 done.push((s.w.id, s));
             } else {

@@ -100,6 +100,8 @@ pub fn waiting(id: ReqId, tier: u16, tenant: Option<u32>) -> Waiting {
         borrowed: false,
         waiting_for: None,
         gpu_seconds: 0.0,
+        wasted_gpu_seconds: 0.0,
+        redo_tokens: 0,
         claims: Default::default(),
         started: false,
         orphan: false,

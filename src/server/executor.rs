@@ -63,6 +63,9 @@ pub enum Progress {
     FirstToken,
     Finished {
         gpu_seconds: f64,
+        /// The part of it that served nothing (recomputing KV lost to a
+        /// preemption).
+        wasted_gpu_seconds: f64,
         /// Scheduler time of the end.
         at: Micros,
     },
@@ -490,7 +493,11 @@ impl Sink for Handlers {
                 }
             }
             Action::FirstToken { id } => self.send(id, Progress::FirstToken),
-            Action::Finished { id, gpu_seconds } => {
+            Action::Finished {
+                id,
+                gpu_seconds,
+                wasted_gpu_seconds,
+            } => {
                 self.release_gpu_kv(id);
                 if let Some(e) = self.reqs.remove(&id) {
                     if let Some(c) = &e.claim {
@@ -504,6 +511,7 @@ impl Sink for Handlers {
                     }
                     let _ = e.events.send(Progress::Finished {
                         gpu_seconds,
+                        wasted_gpu_seconds,
                         at: now,
                     });
                 }

@@ -228,6 +228,7 @@ struct Collectors {
     e2e: HistogramVec,
     tokens: CounterVec,
     gpu_seconds: CounterVec,
+    gpu_wasted: CounterVec,
     cost: CounterVec,
     preemptions: CounterVec,
     fallbacks: CounterVec,
@@ -282,6 +283,20 @@ const PM: &[&str] = &["pool", "model", "variant"];
 
 /// The `reason` label of `kiln_retries_total`, each exported at 0.
 pub const RETRY_REASONS: [&str; 4] = ["client", "batch_item", "upstream_failed", "upstream_unsent"];
+
+/// The reasons of `kiln_gpu_seconds_wasted_total`.
+pub const WASTE_REASONS: [&str; 4] = ["recompute", "abandoned", "failed", "preempted"];
+
+/// Why the GPU time of a request that ran served no answer, by how it
+/// ended; `None` for a served one (only its recompute was wasted).
+pub fn waste_reason(o: Outcome) -> Option<&'static str> {
+    match o {
+        Outcome::Ok => None,
+        Outcome::Cancelled => Some("abandoned"),
+        Outcome::UpstreamError | Outcome::Timeout => Some("failed"),
+        Outcome::Rejected | Outcome::Preempted => Some("preempted"),
+    }
+}
 
 impl Collectors {
     /// The gauges of one (pool, model) replica group.
@@ -357,6 +372,12 @@ impl Collectors {
                 "kiln_gpu_seconds_total",
                 "GPU time used by finished requests (their share of each batch step, times the replica's GPUs).",
                 RTPM,
+            )?,
+            gpu_wasted: counter(
+                r,
+                "kiln_gpu_seconds_wasted_total",
+                "The part of kiln_gpu_seconds_total that served no answer, by reason: recompute (a served request recomputing the KV cache it lost to a preemption, and an upstream's preempted attempts), abandoned (its client left during the answer), failed (the upstream failed or timed out after it started), preempted (preempted and refused, `on_preempt reject`). Useful GPU time is the total less this.",
+                &["tier", "tenant", "pool", "reason"],
             )?,
             cost: counter(
                 r,
@@ -665,6 +686,9 @@ impl Metrics {
                     }
                     b.touch(&c.gpu_seconds, &v);
                     b.touch(&c.cost, &v);
+                    for reason in WASTE_REASONS {
+                        b.touch(&c.gpu_wasted, &[tier, tenant, pool.as_str(), reason]);
+                    }
                     for h in [&c.queue_wait, &c.ttft, &c.e2e] {
                         b.touch(h, &v);
                     }
@@ -785,6 +809,15 @@ impl Metrics {
         let v = l.values();
         add(&c.gpu_seconds, &v, seconds);
         add(&c.cost, &v, cost_usd);
+    }
+
+    /// GPU time that served no answer (one of [`WASTE_REASONS`]); a
+    /// part of what [`Self::gpu_seconds`] counted.
+    pub fn gpu_wasted(&self, l: &Labels, reason: &str, seconds: f64) {
+        let Some(c) = &self.c else { return };
+        if seconds > 0.0 {
+            add(&c.gpu_wasted, &[l.tier, l.tenant, l.pool, reason], seconds);
+        }
     }
 
     pub fn preempted(&self, tier: &str, tenant: &str) {

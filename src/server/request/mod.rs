@@ -98,6 +98,12 @@ pub(in crate::server) struct Ctx {
     /// Times it went back to the queue after an upstream did not serve it
     /// (`x-kiln-upstream-requeued`).
     pub(in crate::server) requeued: u32,
+    /// GPU time its earlier upstream attempts held a slot for (preempted,
+    /// failed, never received): charged, and served nothing.
+    pub(in crate::server) spent_gpu_seconds: f64,
+    /// Where it ran last (`model.variant on pool`), for the labels of
+    /// that time when it is refused afterwards.
+    pub(in crate::server) spent_on: Option<String>,
     /// The prompt's prefix block ids ([`crate::server::prefix`]).
     pub(in crate::server) prefix_blocks: Vec<u64>,
     /// A batch item's own deadline, from its arrival.

@@ -158,6 +158,8 @@ pub(in crate::server) async fn run_request(
         received_ms,
         explain,
         requeued: 0,
+        spent_gpu_seconds: 0.0,
+        spent_on: None,
         prefix_blocks: prompt.prefix_blocks,
         window,
         claim: None,

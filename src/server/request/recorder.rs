@@ -43,6 +43,8 @@ pub(in crate::server) enum End<'a> {
         ttft_s: Option<f64>,
         outcome: MetricOutcome,
         gpu_seconds: f64,
+        /// The part of `gpu_seconds` that served no answer.
+        wasted_gpu_seconds: f64,
         status: Option<u16>,
     },
     /// Answered from its tier's cache (`similarity` for a semantic hit).
@@ -76,8 +78,17 @@ pub(in crate::server) fn record(ctx: &Ctx, end: End<'_>) {
             ttft_s,
             outcome,
             gpu_seconds,
+            wasted_gpu_seconds,
             status,
-        } => ran(ctx, s, output_tokens, ttft_s, outcome, gpu_seconds, status),
+        } => ran(
+            ctx,
+            s,
+            output_tokens,
+            ttft_s,
+            outcome,
+            (gpu_seconds, wasted_gpu_seconds),
+            status,
+        ),
         End::CacheHit {
             d,
             shown,
@@ -171,8 +182,10 @@ fn left(ctx: &Ctx, d: Option<&Decided>) {
     if let Ok(mut e) = ctx.explain.lock() {
         e.outcome = Some("cancelled while queued".into());
     }
+    // An upstream's attempts before it went back to the queue.
+    charge_spent(ctx, d, "abandoned");
     // Counted like every other end (`kiln_requests_total{outcome="cancelled"}`):
-    // no pool served it, and no tokens or GPU time were used.
+    // no pool served it, and no tokens were produced.
     let (tier, tenant) = decided_names(d);
     // Only a model the policy knows becomes a label value.
     let model = match d {
@@ -200,10 +213,50 @@ fn left(ctx: &Ctx, d: Option<&Decided>) {
     }
 }
 
+/// GPU time a request that ended without running to its end had used
+/// before (an upstream's attempts, a run cut short by a preemption):
+/// charged where it ran, and all of it wasted (`reason`).
+fn charge_spent(ctx: &Ctx, d: Option<&Decided>, reason: &str) {
+    let gpu = ctx.spent_gpu_seconds;
+    let (Some(d), Some(route), true) = (d, ctx.spent_on.as_deref(), gpu > 0.0) else {
+        return;
+    };
+    let g = &d.graph;
+    let tier = g
+        .tiers
+        .get(d.tier as usize)
+        .map_or("none", |t| t.name.as_str());
+    let tenant = tenant_name(g, d.tenant);
+    let (pool, model) = route
+        .split_once(" on ")
+        .map_or((route, ""), |(m, p)| (p, m));
+    let labels = Labels {
+        tier,
+        tenant: &tenant,
+        pool,
+        model,
+    };
+    let cost = gpu / 3600.0 * g.gpu_hour_price(d.tenant, g.pool_id(pool)).unwrap_or(0.0);
+    ctx.app.metrics.gpu_seconds(&labels, gpu, cost);
+    ctx.app.metrics.gpu_wasted(&labels, reason, gpu);
+    ctx.app.costs.charge(
+        [tier, &tenant, pool, model],
+        ctx.req.headers.get(BATCH_HEADER).map(String::as_str),
+        gpu,
+        cost,
+    );
+}
+
 /// A refusal, by the scheduler (`reason` is its [`Reason`]'s name) or a
 /// gate (its code, such as `unsupported_parameter`).
 fn refused(ctx: &Ctx, d: Option<&Decided>, reason: &str, err: &ApiError) {
     refused_logged(ctx, d, reason, err);
+    let waste = if reason == Reason::Preempted.name() {
+        "preempted"
+    } else {
+        "failed"
+    };
+    charge_spent(ctx, d, waste);
     record_live(
         ctx,
         d,
@@ -319,7 +372,7 @@ fn ran(
     output_tokens: u64,
     ttft_s: Option<f64>,
     outcome: MetricOutcome,
-    gpu_seconds: f64,
+    (gpu_seconds, wasted_gpu_seconds): (f64, f64),
     status: Option<u16>,
 ) {
     let app = &ctx.app;
@@ -352,6 +405,9 @@ fn ran(
     let cost_per_h = g.gpu_hour_price(s.d.tenant, g.pool_id(pool)).unwrap_or(0.0);
     let cost = gpu_seconds / 3600.0 * cost_per_h;
     app.metrics.gpu_seconds(&labels, gpu_seconds, cost);
+    let waste = crate::server::metrics::waste_reason(outcome).unwrap_or("recompute");
+    app.metrics
+        .gpu_wasted(&labels, waste, wasted_gpu_seconds.min(gpu_seconds));
     app.costs.charge(
         [tier, &tenant, pool, model],
         ctx.req.headers.get(BATCH_HEADER).map(String::as_str),

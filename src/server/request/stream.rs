@@ -34,15 +34,25 @@ enum Piece {
     Whole(Value),
     /// The scheduler preempted the sequence (it will resume).
     Preempted(ReqId),
-    /// The end: GPU time and the scheduler-clock finish, where known.
+    /// The end: GPU time (and the part of it that recomputed KV lost to
+    /// a preemption) and the scheduler-clock finish, where known.
     End {
         gpu_seconds: f64,
+        wasted: f64,
         at: Option<Micros>,
     },
     /// A failure; nothing follows.
     Failed {
         err: ApiError,
         outcome: MetricOutcome,
+    },
+    /// The scheduler refused it after it ran (preempted, and its tier says
+    /// `on_preempt reject`); nothing follows.
+    Refused {
+        reason: Reason,
+        status: u16,
+        retry_after: Option<Micros>,
+        limits: Option<crate::sched::ratelimit::RateLimits>,
     },
 }
 
@@ -71,11 +81,27 @@ pub(in crate::server) async fn serve_scheduled(
         .filter_map(|p| async move {
             match p {
                 Progress::Tokens { n, gpu_seconds } => Some(Piece::Tokens { n, gpu_seconds }),
-                Progress::Finished { gpu_seconds, at } => Some(Piece::End {
+                Progress::Finished {
                     gpu_seconds,
+                    wasted_gpu_seconds,
+                    at,
+                } => Some(Piece::End {
+                    gpu_seconds,
+                    wasted: wasted_gpu_seconds,
                     at: Some(at),
                 }),
                 Progress::Preempted { by } => Some(Piece::Preempted(by)),
+                Progress::Rejected {
+                    reason,
+                    status,
+                    retry_after,
+                    limits,
+                } => Some(Piece::Refused {
+                    reason,
+                    status,
+                    retry_after,
+                    limits,
+                }),
                 _ => None,
             }
         })
@@ -184,7 +210,7 @@ pub(in crate::server) async fn serve_upstream(
     attempt: Attempt,
 ) -> Result<Response, HttpFail> {
     // The slot is held from here: its GPU time is charged to the request.
-    let hold = up.hold();
+    let mut hold = up.hold();
     let headers = kiln_headers(&ctx, &s, &format!("http:{}", up.name()));
     let served_model = up.served_model().map(str::to_string);
     let path = ctx.endpoint.path();
@@ -233,7 +259,7 @@ pub(in crate::server) async fn serve_upstream(
         left.disarm();
         let first = match raced {
             Raced::Done(first) => first,
-            Raced::Preempted(by) => return Err(requeued(ctx, guard, rx, s, by)),
+            Raced::Preempted(by) => return Err(requeued(ctx, guard, rx, s, by, &mut hold)),
         };
         match first {
             Ok((first, chunks)) => {
@@ -265,6 +291,7 @@ pub(in crate::server) async fn serve_upstream(
                             Ok(None) => Some((
                                 Piece::End {
                                     gpu_seconds: 0.0,
+                                    wasted: 0.0,
                                     at: None,
                                 },
                                 None,
@@ -281,7 +308,7 @@ pub(in crate::server) async fn serve_upstream(
                 });
                 stream::iter(first.map(Piece::Chunk)).chain(rest).boxed()
             }
-            Err(e) => return Err(before_answer(ctx, guard, &s, &up, &attempt, e)),
+            Err(e) => return Err(before_answer(ctx, guard, (&s, &mut hold), &up, &attempt, e)),
         }
     } else {
         // A batch item (it has a window) calls as a batch: its 5xx
@@ -301,7 +328,7 @@ pub(in crate::server) async fn serve_upstream(
         left.disarm();
         let answer = match raced {
             Raced::Done(r) => r,
-            Raced::Preempted(by) => return Err(requeued(ctx, guard, rx, s, by)),
+            Raced::Preempted(by) => return Err(requeued(ctx, guard, rx, s, by, &mut hold)),
         };
         drop(rx);
         match answer {
@@ -309,6 +336,7 @@ pub(in crate::server) async fn serve_upstream(
                 Piece::Whole(v),
                 Piece::End {
                     gpu_seconds: 0.0,
+                    wasted: 0.0,
                     at: None,
                 },
             ])
@@ -317,13 +345,22 @@ pub(in crate::server) async fn serve_upstream(
                 return Err(before_answer(
                     ctx,
                     guard,
-                    &s,
+                    (&s, &mut hold),
                     &up,
                     &attempt,
                     Before::Upstream(e),
                 ))
             }
-            Err(_) => return Err(before_answer(ctx, guard, &s, &up, &attempt, Before::Budget)),
+            Err(_) => {
+                return Err(before_answer(
+                    ctx,
+                    guard,
+                    (&s, &mut hold),
+                    &up,
+                    &attempt,
+                    Before::Budget,
+                ))
+            }
         }
     };
     respond(
@@ -381,7 +418,10 @@ impl Drop for LeftBeforeAnswer<'_> {
                 output_tokens: 0,
                 ttft_s: None,
                 outcome: MetricOutcome::Cancelled,
-                gpu_seconds: 0.0,
+                // Its earlier attempts' (this one's slot is released
+                // uncharged when the call is dropped).
+                gpu_seconds: self.ctx.spent_gpu_seconds,
+                wasted_gpu_seconds: self.ctx.spent_gpu_seconds,
                 status: None,
             },
         );
@@ -391,12 +431,15 @@ impl Drop for LeftBeforeAnswer<'_> {
 /// A call cut short by a preemption before the answer began: the call
 /// is already dropped; the request is the scheduler's again.
 fn requeued(
-    ctx: Ctx,
+    mut ctx: Ctx,
     guard: CancelGuard,
     rx: mpsc::UnboundedReceiver<Progress>,
     started: Started,
     by: ReqId,
+    hold: &mut crate::backend::http::Hold,
 ) -> HttpFail {
+    ctx.spent_gpu_seconds += hold.release();
+    ctx.spent_on = Some(started.route.clone());
     HttpFail::Preempted(Box::new(Requeued {
         ctx,
         rx,
@@ -410,14 +453,17 @@ fn requeued(
 /// goes back to the queue when it may (never received; or failed while
 /// another upstream is ready), else it ends with an explicit error.
 fn before_answer(
-    ctx: Ctx,
+    mut ctx: Ctx,
     mut guard: CancelGuard,
-    s: &Started,
+    (s, hold): (&Started, &mut crate::backend::http::Hold),
     up: &Arc<Upstream>,
     attempt: &Attempt,
     e: Before,
 ) -> HttpFail {
     guard.armed = false;
+    // The slot it held served nothing, whatever comes next.
+    ctx.spent_gpu_seconds += hold.release();
+    ctx.spent_on = Some(s.route.clone());
     report_output(&ctx, 0);
     let (err, outcome) = match &e {
         Before::Upstream(e) => {
@@ -447,7 +493,8 @@ fn before_answer(
             output_tokens: 0,
             ttft_s: None,
             outcome,
-            gpu_seconds: 0.0,
+            gpu_seconds: ctx.spent_gpu_seconds,
+            wasted_gpu_seconds: ctx.spent_gpu_seconds,
             status: Some(err.status),
         },
     );
@@ -508,6 +555,8 @@ struct Tally {
     upstream: bool,
     /// GPU time the scheduler's replica has spent on it so far.
     gpu_seconds: f64,
+    /// Of a served one's, the part that recomputed KV lost to a preemption.
+    wasted: f64,
     /// An upstream's slot: what it is charged instead (see
     /// `backend::http::meter`).
     hold: Option<crate::backend::http::Hold>,
@@ -558,7 +607,10 @@ async fn respond(
     let pieces = pieces
         .scan(false, |ended, p| {
             let next = (!*ended).then(|| {
-                *ended = matches!(p, Piece::End { .. } | Piece::Failed { .. });
+                *ended = matches!(
+                    p,
+                    Piece::End { .. } | Piece::Failed { .. } | Piece::Refused { .. }
+                );
                 p
             });
             std::future::ready(next)
@@ -582,6 +634,7 @@ async fn respond(
             ttft: None,
             upstream: producer == Producer::Upstream,
             gpu_seconds: 0.0,
+            wasted: 0.0,
             hold,
         },
         created: created(),
@@ -660,9 +713,11 @@ impl Generation {
         at: Option<Micros>,
         status: Option<u16>,
     ) -> f64 {
+        // An upstream's: its slot time, and its earlier attempts'.
+        let spent = self.ctx.spent_gpu_seconds;
         let gpu_seconds = match self.tally.hold.as_mut() {
-            Some(hold) => hold.release(),
-            None => gpu_seconds,
+            Some(hold) => hold.release() + spent,
+            None => gpu_seconds + spent,
         };
         self.guard.armed = false;
         if let Some(at) = at {
@@ -677,6 +732,12 @@ impl Generation {
             self.ctx.app.exec.send(Command::Cancel(self.ctx.id));
         }
         let (out, ttft) = (self.tally.output(), self.tally.ttft);
+        // A served answer wasted only its recompute and its earlier
+        // attempts; any other end, all of it.
+        let wasted_gpu_seconds = match outcome {
+            MetricOutcome::Ok => (self.tally.wasted + spent).clamp(0.0, gpu_seconds.max(0.0)),
+            _ => gpu_seconds,
+        };
         record(
             &self.ctx,
             End::Ran {
@@ -685,10 +746,46 @@ impl Generation {
                 ttft_s: ttft,
                 outcome,
                 gpu_seconds,
+                wasted_gpu_seconds,
                 status,
             },
         );
         gpu_seconds
+    }
+
+    /// Refused after it ran: answered and recorded as a refusal, charged
+    /// the GPU time it used (all of it wasted).
+    fn refused(
+        &mut self,
+        reason: Reason,
+        status: u16,
+        retry_after: Option<Micros>,
+        limits: Option<&crate::sched::ratelimit::RateLimits>,
+    ) -> ApiError {
+        self.guard.armed = false;
+        let used = match self.tally.hold.as_mut() {
+            Some(hold) => hold.release(),
+            None => self.tally.gpu_seconds,
+        };
+        self.ctx.spent_gpu_seconds += used;
+        self.ctx.spent_on = Some(self.s.route.clone());
+        let err = super::refusal::refusal(
+            &self.ctx,
+            Some(&self.s.d),
+            reason,
+            status,
+            retry_after,
+            limits,
+        );
+        record(
+            &self.ctx,
+            End::Refused {
+                d: Some(&self.s.d),
+                reason: reason.name(),
+                err: &err,
+            },
+        );
+        err
     }
 
     fn preempted(&self, by: ReqId) {
@@ -728,7 +825,12 @@ impl Generation {
                     answer = Some(v);
                 }
                 Piece::Preempted(by) => self.preempted(by),
-                Piece::End { gpu_seconds, at } => {
+                Piece::End {
+                    gpu_seconds,
+                    wasted,
+                    at,
+                } => {
+                    self.tally.wasted = wasted;
                     let gpu_seconds = self.settle(MetricOutcome::Ok, gpu_seconds, at, Some(200));
                     let body = match answer {
                         Some(b) => b,
@@ -759,6 +861,12 @@ impl Generation {
                     self.settle(outcome, 0.0, None, Some(err.status));
                     return Err(err);
                 }
+                Piece::Refused {
+                    reason,
+                    status,
+                    retry_after,
+                    limits,
+                } => return Err(self.refused(reason, status, retry_after, limits.as_ref())),
             }
         }
         // Every source ends with `End` or `Failed`.
@@ -847,7 +955,12 @@ impl Generation {
                 self.preempted(by);
                 None
             }
-            Piece::End { gpu_seconds, at } => {
+            Piece::End {
+                gpu_seconds,
+                wasted,
+                at,
+            } => {
+                self.tally.wasted = wasted;
                 self.settle(MetricOutcome::Ok, gpu_seconds, at, Some(200));
                 // The simulator's rest: text held back, a JSON answer's
                 // end, a tool call.
@@ -913,6 +1026,15 @@ impl Generation {
                 }
                 // The stream's 200 went out with its headers.
                 self.settle(outcome, 0.0, None, Some(200));
+                Some(sse(&err.body()))
+            }
+            Piece::Refused {
+                reason,
+                status,
+                retry_after,
+                limits,
+            } => {
+                let err = self.refused(reason, status, retry_after, limits.as_ref());
                 Some(sse(&err.body()))
             }
         }
