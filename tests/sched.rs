@@ -240,6 +240,35 @@ fn preemption_makes_room_and_the_victim_still_finishes() {
     assert_eq!(o2[1].rejected, Some((Reason::Overload, 429)), "{:?}", o2[1]);
 }
 
+/// A batch that marks its items preemptible (metadata `kiln_preemptible`,
+/// which the runner sends as `x-kiln-batch-preemptible: true`) is
+/// preempted in a tier that is not; the same work unmarked is waited for,
+/// and the protected request that cannot wait is refused.
+#[test]
+fn a_batch_that_opts_into_preemption_is_preempted_in_a_tier_that_is_not() {
+    let tiers = "tier hi { priority 100 slo { ttft 100ms } preempts [lo] }\n\
+                 tier lo { priority 10 slo { window 1h } }";
+    let g = graph(&policy(tiers, TWO_TENANTS, ROUTE));
+    assert!(!g.tiers[1].preemptible);
+    let run_with = |mark: Option<&'static str>| {
+        let mut bulk = a(0, "bulk", 100, 500);
+        bulk.headers = vec![("x-kiln-batch", "b1")];
+        if let Some(v) = mark {
+            bulk.headers.push(("x-kiln-batch-preemptible", v));
+        }
+        simulate(&g, Mode::Kiln, vec![bulk, a(10, "chat", 100, 5)])
+    };
+    let marked = run_with(Some("true"));
+    assert_eq!(marked[0].preemptions, 1, "{:?}", marked[0]);
+    assert!(marked[1].rejected.is_none(), "{:?}", marked[1]);
+    assert!(marked[1].finished.unwrap() < marked[0].finished.unwrap());
+    assert!(marked[0].wasted_gpu_seconds > 0.0, "it recomputed");
+    for unmarked in [run_with(None), run_with(Some("false"))] {
+        assert_eq!(unmarked[0].preemptions, 0, "{:?}", unmarked[0]);
+        assert_eq!(unmarked[1].rejected, Some((Reason::Overload, 429)));
+    }
+}
+
 #[test]
 fn backfill_work_gives_its_slot_up_at_once() {
     // Work without a first-token SLO only backfills: a request with one

@@ -16,6 +16,7 @@
 //! the restart.
 
 pub mod backend;
+pub mod job;
 pub mod pg;
 pub mod pg_tls;
 pub mod plan;
@@ -248,6 +249,12 @@ impl BatchRow {
         }
     }
 
+    /// Its `kiln_*` settings ([`job::JobSettings`]), checked when it was
+    /// created; none where its metadata has none.
+    pub fn job(&self) -> job::JobSettings {
+        job::JobSettings::parse(self.metadata.as_ref()).unwrap_or_default()
+    }
+
     /// Will it finish after its window, by the last estimate?
     pub fn predicted_miss(&self) -> bool {
         !self.status.terminal()
@@ -298,6 +305,11 @@ impl BatchRow {
                     "finish_at": self.promise.finish.map(|f| f.round() as i64),
                     "rank": self.promise.rank,
                     "pace_ratio": self.promise.pace_ratio.map(|k| (k * 1000.0).round() / 1000.0),
+                },
+                "job": {
+                    "priority": self.job().priority,
+                    "preemptible": self.job().preemptible,
+                    "max_in_flight": self.job().max_in_flight,
                 },
                 "gpu_seconds": (self.gpu_seconds * 1000.0).round() / 1000.0,
                 "cost": rate_per_gpu_hour.map(|r| ((self.gpu_seconds / 3600.0 * r) * 1e6).round() / 1e6),

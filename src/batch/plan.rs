@@ -10,6 +10,9 @@
 //! being the one accepted last (a promise already made is not broken by
 //! a newer batch). Batches out of the on-time set run after it (earliest
 //! deadline first among themselves) and are flagged `predicted_miss`.
+//! A batch's `kiln_priority` ([`super::job`]) comes before all that: the
+//! group's batches run highest priority first, each priority planned as
+//! above from where the one before it ends.
 //!
 //! Pure: the runner and the create endpoint feed it what they know (work
 //! left, deadlines, acceptance order) and read back finish times.
@@ -27,6 +30,8 @@ pub struct Job {
     /// time (it stays in the on-time set: a noisy pace later does not
     /// reorder what was promised), `Some(false)` flagged (it runs after).
     pub promised: Option<bool>,
+    /// Its `kiln_priority` (else its tier's): higher runs first.
+    pub priority: i64,
 }
 
 /// Where a job lands.
@@ -42,13 +47,56 @@ pub struct Planned {
 }
 
 /// Plans one group from `start` (unix seconds the group's first item
-/// could start); the answer is in the order of `jobs`.
+/// could start); the answer is in the order of `jobs`. Higher
+/// [`Job::priority`] runs first (a batch's `kiln_priority`); each
+/// priority is planned from where the one above it ends, so a promise
+/// holds against newer batches of its own priority or below.
 pub fn plan(start: f64, jobs: &[Job]) -> Vec<Planned> {
+    let mut levels: Vec<i64> = jobs.iter().map(|j| j.priority).collect();
+    levels.sort_unstable_by(|a, b| b.cmp(a));
+    levels.dedup();
+    let mut order: Vec<(usize, bool)> = Vec::with_capacity(jobs.len());
+    let mut t = start;
+    for level in levels {
+        let idx: Vec<usize> = (0..jobs.len())
+            .filter(|&j| jobs[j].priority == level)
+            .collect();
+        let (on_time, late) = one_level(t, jobs, idx);
+        t += on_time
+            .iter()
+            .chain(&late)
+            .map(|&j| jobs[j].work.max(0.0))
+            .sum::<f64>();
+        order.extend(on_time.into_iter().map(|j| (j, false)));
+        order.extend(late.into_iter().map(|j| (j, true)));
+    }
+    let mut out = vec![
+        Planned {
+            rank: 0,
+            finish: start,
+            late: false,
+        };
+        jobs.len()
+    ];
+    let mut t = start;
+    for (rank, &(j, late)) in order.iter().enumerate() {
+        t += jobs[j].work.max(0.0);
+        out[j] = Planned {
+            rank,
+            finish: t,
+            late: late || t > jobs[j].deadline,
+        };
+    }
+    out
+}
+
+/// One priority's jobs from `start`: the on-time set in run order (earliest
+/// deadline first, Moore–Hodgson), then the late ones.
+fn one_level(start: f64, jobs: &[Job], mut idx: Vec<usize>) -> (Vec<usize>, Vec<usize>) {
     let by_deadline = |a: &usize, b: &usize| {
         let (x, y) = (&jobs[*a], &jobs[*b]);
         x.deadline.total_cmp(&y.deadline).then(x.seq.cmp(&y.seq))
     };
-    let mut idx: Vec<usize> = (0..jobs.len()).collect();
     idx.sort_by(by_deadline);
     let mut on_time: Vec<usize> = Vec::new();
     let mut late: Vec<usize> = Vec::new();
@@ -78,24 +126,7 @@ pub fn plan(start: f64, jobs: &[Job]) -> Vec<Planned> {
         }
     }
     late.sort_by(by_deadline);
-    let mut out = vec![
-        Planned {
-            rank: 0,
-            finish: start,
-            late: false,
-        };
-        jobs.len()
-    ];
-    let mut t = start;
-    for (rank, &j) in on_time.iter().chain(late.iter()).enumerate() {
-        t += jobs[j].work.max(0.0);
-        out[j] = Planned {
-            rank,
-            finish: t,
-            late: rank >= on_time.len() || t > jobs[j].deadline,
-        };
-    }
-    out
+    (on_time, late)
 }
 
 /// How a group's in-flight items are split between its batches, in plan
@@ -133,6 +164,7 @@ mod tests {
             work,
             seq,
             promised: None,
+            priority: 0,
         }
     }
 
@@ -185,6 +217,22 @@ mod tests {
     }
 
     #[test]
+    fn a_higher_priority_runs_first_even_past_an_older_promise() {
+        // The tenant steps its older batch back (kiln_priority below the
+        // tier's): the newer one runs first, and the older one is told it
+        // will now be late.
+        let mut old = job(70.0, 60.0, 0);
+        old.promised = Some(true);
+        old.priority = 10;
+        let mut new = job(100.0, 20.0, 1);
+        new.priority = 40;
+        let p = plan(0.0, &[old, new]);
+        assert_eq!((p[1].rank, p[0].rank), (0, 1));
+        assert_eq!((p[1].finish, p[0].finish), (20.0, 80.0));
+        assert!(p[0].late && !p[1].late, "{p:?}");
+    }
+
+    #[test]
     fn shares_go_in_plan_order() {
         assert_eq!(
             shares(100, &[500, 30, 10], &[2, 0, 1], false),
@@ -213,13 +261,42 @@ mod tests {
                     prop_assert!(x.rank < first_late);
                 }
             }
-            // Adding one more job (the newest) keeps every earlier promise.
+            // Adding one more job (the newest) at the same priority keeps
+            // every earlier promise.
             let mut more = jobs.clone();
             more.push(job(raw[0].1 / 2.0, raw[0].0, jobs.len() as u64));
             let q = plan(0.0, &more);
             for i in 0..jobs.len() {
                 if !p[i].late {
                     prop_assert!(!q[i].late, "job {i} lost its promise: {p:?} -> {q:?}");
+                }
+            }
+        }
+
+        /// With priorities: every job of a higher priority runs before any
+        /// of a lower one, finishes are still the cumulative work, and each
+        /// level keeps the guarantees above among its own jobs.
+        #[test]
+        fn priorities_order_the_levels(
+            raw in proptest::collection::vec((1.0f64..100.0, 1.0f64..400.0, 0i64..3), 1..12)
+        ) {
+            let jobs: Vec<Job> = raw.iter().enumerate()
+                .map(|(i, (w, d, pr))| Job { priority: *pr, ..job(*d, *w, i as u64) }).collect();
+            let p = plan(0.0, &jobs);
+            let total: f64 = jobs.iter().map(|j| j.work).sum();
+            let last = p.iter().map(|x| x.finish).fold(0.0, f64::max);
+            prop_assert!((last - total).abs() < 1e-6);
+            let mut ranks: Vec<usize> = p.iter().map(|x| x.rank).collect();
+            ranks.sort_unstable();
+            prop_assert_eq!(ranks, (0..jobs.len()).collect::<Vec<_>>());
+            for (a, x) in jobs.iter().zip(&p) {
+                for (b, y) in jobs.iter().zip(&p) {
+                    if a.priority > b.priority {
+                        prop_assert!(x.rank < y.rank, "{p:?}");
+                    }
+                }
+                if !x.late {
+                    prop_assert!(x.finish <= a.deadline + 1e-9);
                 }
             }
         }

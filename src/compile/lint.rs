@@ -350,9 +350,12 @@ pub fn lint(c: &Compiled) -> Diagnostics {
                                     t.name, victim.name
                                 ),
                             )
-                            .at(span, "this preempt can never happen")
+                            .at(
+                                span,
+                                "only items of batches marked `kiln_preemptible` can be preempted there",
+                            )
                             .help(format!(
-                                "mark tier `{}` `preemptible`, or remove it from the list",
+                                "mark tier `{}` `preemptible`, or remove it from the list (keep it where its batches opt in with metadata `kiln_preemptible: \"true\"`)",
                                 victim.name
                             )),
                         );

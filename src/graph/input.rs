@@ -40,6 +40,13 @@ pub const BATCH_HEADER: &str = "x-kiln-batch";
 /// client cannot send it: the gateway drops such headers from requests.
 pub const BATCH_TRY_HEADER: &str = "x-kiln-batch-try";
 
+/// Set (`true`) by the batch runner on the items of a batch whose
+/// metadata says `kiln_preemptible: "true"`: the scheduler may preempt
+/// them even where their tier is not preemptible. A client cannot send it
+/// (it starts with [`BATCH_HEADER`]); the decision log keeps it, so a
+/// replay preempts them too.
+pub const BATCH_PREEMPTIBLE_HEADER: &str = "x-kiln-batch-preemptible";
+
 /// The header a client marks its own retry with.
 pub const RETRY_HEADER: &str = "x-kiln-retry";
 
@@ -93,6 +100,13 @@ impl Retry {
 }
 
 impl Request {
+    /// Its batch marked its items preemptible ([`BATCH_PREEMPTIBLE_HEADER`]).
+    pub fn preemptible_item(&self) -> bool {
+        self.headers
+            .get(BATCH_PREEMPTIBLE_HEADER)
+            .is_some_and(|v| v == "true")
+    }
+
     /// Whether this request is a retry, and which kind ([`Retry::of`]).
     pub fn retry(&self) -> Option<Retry> {
         Retry::of(&self.headers)

@@ -14,8 +14,8 @@ mod view;
 pub use cond::{Cond, Sig, Test, TestOp};
 pub use eval::{Admission, Decision, Target};
 pub use input::{
-    Request, Retry, Signals, SignalsInput, TierMetrics, BATCH_HEADER, BATCH_TRY_HEADER, IDLE_DATE,
-    RETRY_HEADER, SDK_RETRY_HEADER,
+    Request, Retry, Signals, SignalsInput, TierMetrics, BATCH_HEADER, BATCH_PREEMPTIBLE_HEADER,
+    BATCH_TRY_HEADER, IDLE_DATE, RETRY_HEADER, SDK_RETRY_HEADER,
 };
 pub use view::{DecisionView, FiredRule};
 

@@ -739,6 +739,7 @@ impl Scheduler {
             claims: a.claims,
             started: false,
             orphan: false,
+            preemptible_item: a.req.preemptible_item(),
             best_effort: a.best_effort,
         };
         let cost = self.cfg.vtc_input_weight * f64::from(w.prompt_tokens)

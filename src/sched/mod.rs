@@ -2238,11 +2238,12 @@ impl Scheduler {
                     .get(seq.w.tier as usize)
                     .is_some_and(|t| t.slo.ttft.is_none());
             seq.yields = seq.capped
-                && self
-                    .graph
-                    .tiers
-                    .get(seq.w.tier as usize)
-                    .is_some_and(|t| t.preemptible);
+                && (seq.w.preemptible_item
+                    || self
+                        .graph
+                        .tiers
+                        .get(seq.w.tier as usize)
+                        .is_some_and(|t| t.preemptible));
             self.replicas[r].admit(seq, now);
             self.out.push(Action::Started {
                 id,
@@ -2484,11 +2485,12 @@ impl Scheduler {
             && s.w.tenant != tenant
             && s.w.tenant.and_then(|t| self.quotas.cohort(t)) == cohort;
         (t.preempts.contains(&s.w.tier) || reclaim)
-            && self
-                .graph
-                .tiers
-                .get(s.w.tier as usize)
-                .is_some_and(|t| t.preemptible)
+            && (s.w.preemptible_item
+                || self
+                    .graph
+                    .tiers
+                    .get(s.w.tier as usize)
+                    .is_some_and(|t| t.preemptible))
             && !s.w.orphan
             && s.w.preemptions < self.cfg.max_preemptions_per_seq
             && self

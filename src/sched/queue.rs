@@ -76,6 +76,9 @@ pub struct Waiting {
     /// A policy swap removed its tier while it ran: it finishes under a
     /// stand-in tier and is never preempted.
     pub orphan: bool,
+    /// Its batch marked its items preemptible (`kiln_preemptible`): it is
+    /// preemptible whatever its tier says.
+    pub preemptible_item: bool,
     /// Admitted late on an idle replica though it could not meet its TTFT
     /// SLO (see `sched::admit`): never shed for being late.
     pub best_effort: bool,

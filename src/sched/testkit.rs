@@ -105,6 +105,7 @@ pub fn waiting(id: ReqId, tier: u16, tenant: Option<u32>) -> Waiting {
         claims: Default::default(),
         started: false,
         orphan: false,
+        preemptible_item: false,
         best_effort: false,
     }
 }

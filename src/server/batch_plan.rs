@@ -143,6 +143,15 @@ pub async fn plan_rows(
                 .unwrap_or(1.0)
         }
     };
+    let priority_of = {
+        let p = app.policy.load_full();
+        move |tier: &str| -> i64 {
+            let g = &p.graph;
+            g.tier_id(tier)
+                .and_then(|t| g.tiers.get(t as usize))
+                .map_or(0, |t| t.priority)
+        }
+    };
     // The tenants with batches in each tier, and their weights.
     let mut tiers: BTreeMap<&str, BTreeMap<Option<&str>, f64>> = BTreeMap::new();
     for (b, e) in rows.iter().zip(&ests) {
@@ -166,6 +175,7 @@ pub async fn plan_rows(
     let mut out = HashMap::new();
     for ((tier, owner), members) in groups {
         let sum: f64 = tiers.get(tier).map_or(1.0, |t| t.values().sum());
+        let tier_priority = priority_of(tier);
         let share = (weight(owner) / sum.max(f64::MIN_POSITIVE)).clamp(0.0, 1.0);
         let eff = |i: usize| ests[i].as_ref().map_or(0.0, |e| e.item_s) / share.max(1e-6);
         // The group's observed pace (its fastest running batch's, the
@@ -224,6 +234,7 @@ pub async fn plan_rows(
                     work: left as f64 * eff(i) * k.unwrap_or(1.0),
                     seq: i as u64,
                     promised: b.promise.on_time,
+                    priority: b.job().priority_in(tier_priority),
                 }
             })
             .collect();

@@ -779,8 +779,11 @@ async fn serve(app: &Arc<App>, b: &BatchRow, it: &ItemLine) -> ItemResult {
             app.clone(),
             endpoint_of(b),
             b.owner.clone(),
-            &b.id,
-            refusals.saturating_add(failures).saturating_add(1),
+            crate::server::request::pipeline::BatchItem {
+                batch: &b.id,
+                attempt: refusals.saturating_add(failures).saturating_add(1),
+                preemptible: b.job().opts_into_preemption(),
+            },
             body.clone(),
             window,
         )
@@ -1044,9 +1047,14 @@ fn split(
         .iter()
         .filter(|b| matches!(b.status, BatchStatus::InProgress | BatchStatus::Validating))
         .collect();
+    // A batch's own `kiln_max_in_flight` bounds what it takes.
+    let most = |b: &BatchRow| b.job().max_in_flight.map_or(usize::MAX, |n| n as usize);
     if c.order == super::batch_config::BatchOrder::Even {
         let share = (cap / running.max(1)).max(1);
-        return run.iter().map(|b| (b.id.clone(), share)).collect();
+        return run
+            .iter()
+            .map(|b| (b.id.clone(), share.min(most(b))))
+            .collect();
     }
     let mut groups: HashMap<(Option<&str>, Option<&str>), Vec<&BatchRow>> = HashMap::new();
     for b in &run {
@@ -1061,9 +1069,12 @@ fn split(
         let left: Vec<u64> = members
             .iter()
             .map(|b| {
-                b.counts
+                let left = b
+                    .counts
                     .total
-                    .saturating_sub(b.counts.completed + b.counts.failed)
+                    .saturating_sub(b.counts.completed + b.counts.failed);
+                // What it does not take goes to the batches after it.
+                left.min(u64::try_from(most(b)).unwrap_or(u64::MAX))
             })
             .collect();
         // Unplanned batches (no estimate yet) go after the planned ones,

@@ -863,6 +863,8 @@ async fn create_inner(
         .map_err(|e| ApiError::bad_request(format!("invalid batch request: {e}"), None))?;
     let expires_after = output_expiry(&req.output_expires_after, app.speed)?;
     check_metadata(&req.metadata)?;
+    let job = crate::batch::job::JobSettings::parse(req.metadata.as_ref())
+        .map_err(|m| ApiError::bad_request(m, Some("metadata")))?;
     let f = owned_file(&app, &headers, &req.input_file_id)
         .await
         .map_err(|_| {
@@ -940,6 +942,15 @@ async fn create_inner(
             ),
             Some("completion_window"),
         ));
+    }
+    // Its own settings, within its tier's bounds.
+    if let Some(t) = tier
+        .as_deref()
+        .and_then(|t| policy.graph.tier_id(t))
+        .and_then(|t| policy.graph.tiers.get(t as usize))
+    {
+        job.check(t)
+            .map_err(|m| ApiError::bad_request(m, Some("metadata")))?;
     }
     let speed = app.speed;
     let created = now_s();

@@ -3,6 +3,7 @@
 // Each test binary uses some of these helpers.
 #![allow(dead_code)]
 
+pub mod batches;
 pub mod postgres;
 pub mod redis;
 pub mod tls;

@@ -14,7 +14,7 @@ use super::{
     BATCH_HEADER,
 };
 use crate::backend::Backend;
-use crate::graph::{Request, ResponseModel, BATCH_TRY_HEADER};
+use crate::graph::{Request, ResponseModel, BATCH_PREEMPTIBLE_HEADER, BATCH_TRY_HEADER};
 use crate::sched::{Arrival, Reason};
 use crate::server::executor::{Command, Progress};
 use crate::server::openai::{ApiError, Endpoint, GenerationRequest};
@@ -27,6 +27,15 @@ use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc;
 
+/// Which batch an item belongs to, and what its runner knows of it.
+pub(in crate::server) struct BatchItem<'a> {
+    pub(in crate::server) batch: &'a str,
+    /// Which send of the item this is (1 the first).
+    pub(in crate::server) attempt: u32,
+    /// Its batch marked its items preemptible (`kiln_preemptible`).
+    pub(in crate::server) preemptible: bool,
+}
+
 /// One batch item, decided and served like any request of its tenant: the
 /// same classify, admission, routing, queues, log and explain. The answer
 /// is never a stream; the runner stores its status and body, and bills
@@ -35,11 +44,15 @@ pub(in crate::server) async fn serve_batch_item(
     app: Arc<App>,
     endpoint: Endpoint,
     tenant: Option<String>,
-    batch: &str,
-    attempt: u32,
+    item: BatchItem<'_>,
     body: Value,
     window: crate::sched::Micros,
 ) -> Outcome {
+    let BatchItem {
+        batch,
+        attempt,
+        preemptible,
+    } = item;
     let received = Instant::now();
     let received_ms = crate::clock::unix_ms();
     let greq = match GenerationRequest::from_value(endpoint, &body) {
@@ -50,15 +63,18 @@ pub(in crate::server) async fn serve_batch_item(
         received,
         received_ms,
         tenant,
-        // Each send after the first says which try it is: a retry
-        // (`kiln_retries_total{reason="batch_item"}`, the decision log).
-        headers: if attempt > 1 {
-            BTreeMap::from([
-                (BATCH_HEADER.to_string(), batch.to_string()),
-                (BATCH_TRY_HEADER.to_string(), attempt.to_string()),
-            ])
-        } else {
-            BTreeMap::from([(BATCH_HEADER.to_string(), batch.to_string())])
+        headers: {
+            let mut h = BTreeMap::from([(BATCH_HEADER.to_string(), batch.to_string())]);
+            // Each send after the first says which try it is: a retry
+            // (`kiln_retries_total{reason="batch_item"}`, the decision log).
+            if attempt > 1 {
+                h.insert(BATCH_TRY_HEADER.to_string(), attempt.to_string());
+            }
+            // The scheduler reads it; the log keeps it for the replay.
+            if preemptible {
+                h.insert(BATCH_PREEMPTIBLE_HEADER.to_string(), "true".into());
+            }
+            h
         },
         tags: vec!["batch".to_string()],
         session: None,
