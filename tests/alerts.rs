@@ -468,3 +468,86 @@ fn dashboard_panels_read_zero_on_a_fresh_gateway() {
     promtool_ok(&["test", "rules", "fresh.test.yml"], &dir);
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// batch-platform's `throughput { tokens 500k/min }` on batch-standard:
+/// served 6,000 tokens a second while its queue holds work fires after
+/// 15 minutes; served as little with an empty queue (it asked for no
+/// more) never does. Its backfill tier's `deadline soft` makes a miss a
+/// ticket, not a page.
+#[test]
+fn promtool_fires_the_throughput_alert_only_while_work_waits() {
+    if !promtool() {
+        return;
+    }
+    let dir = scratch("throughput");
+    let p = "policies/batch-platform";
+    std::fs::write(
+        dir.join("rules.yml"),
+        alerts::render(&graph(p), &options(p)),
+    )
+    .unwrap();
+    let tokens = |tier: &str| {
+        format!("kiln_tokens_total{{tier=\"{tier}\",tenant=\"t\",pool=\"p\",model=\"m\",variant=\"fp16\",kind=\"completion\"}}")
+    };
+    let depth = |tier: &str| format!("kiln_queue_depth{{tier=\"{tier}\",tenant=\"t\"}}");
+    let misses = |tier: &str| format!("kiln_deadline_misses_total{{tier=\"{tier}\",tenant=\"t\"}}");
+    let test = format!(
+        r#"rule_files:
+  - rules.yml
+evaluation_interval: 1m
+tests:
+  - interval: 1m
+    input_series:
+      - series: '{waiting_tokens}'
+        values: '0+360000x40'
+      - series: '{waiting_depth}'
+        values: '5x40'
+    alert_rule_test:
+      - eval_time: 10m
+        alertname: KilnTierThroughputBelowSLO
+        exp_alerts: []
+      - eval_time: 35m
+        alertname: KilnTierThroughputBelowSLO
+        exp_alerts:
+          - exp_labels:
+              severity: ticket
+              tier: batch-standard
+              owner: batch-platform@acme.example
+              escalation: batch-platform-lead@acme.example
+            exp_annotations:
+              description: "Policy policies/batch-platform: tier batch-standard has a throughput SLO of 500000 tokens a minute; for 15 minutes it was served 6k tokens a second with requests waiting in its queues."
+              runbook_url: "docs/playbooks.md#a-tier-is-missing-its-slo"
+              summary: "Tier batch-standard is served fewer tokens a second than its SLO while work waits"
+  - interval: 1m
+    input_series:
+      - series: '{waiting_tokens}'
+        values: '0+360000x40'
+      - series: '{waiting_depth}'
+        values: '0x40'
+      - series: '{backfill_misses}'
+        values: '0 1 2 3 4 5 6 7 8 9'
+    alert_rule_test:
+      - eval_time: 35m
+        alertname: KilnTierThroughputBelowSLO
+        exp_alerts: []
+      - eval_time: 5m
+        alertname: KilnTierDeadlineMisses
+        exp_alerts:
+          - exp_labels:
+              severity: ticket
+              tier: backfill
+              owner: batch-platform@acme.example
+              escalation: batch-platform-lead@acme.example
+            exp_annotations:
+              description: "Policy policies/batch-platform: requests or batch items of tier backfill (completion window SLO 72h) finished after their deadline, or expired unrun, in the last 30 minutes."
+              runbook_url: "docs/playbooks.md#a-tier-is-missing-its-slo"
+              summary: "Tier backfill is missing deadlines"
+"#,
+        waiting_tokens = tokens("batch-standard"),
+        waiting_depth = depth("batch-standard"),
+        backfill_misses = misses("backfill"),
+    );
+    std::fs::write(dir.join("test.yml"), test).unwrap();
+    promtool_ok(&["test", "rules", "test.yml"], &dir);
+    std::fs::remove_dir_all(dir).unwrap();
+}

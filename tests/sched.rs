@@ -269,6 +269,43 @@ fn a_batch_that_opts_into_preemption_is_preempted_in_a_tier_that_is_not() {
     }
 }
 
+/// `slo { deadline soft }`: windowed work that would finish after its
+/// window is admitted and runs late (a deadline miss), where a hard
+/// deadline (the default) refuses it at arrival as `deadline`. The same
+/// arrivals as `a_deadline_that_cannot_be_met_is_refused_at_admission`.
+#[test]
+fn a_soft_deadline_runs_late_where_a_hard_one_refuses() {
+    let run_with = |deadline: &str| {
+        let tiers = format!(
+            "tier hi {{ priority 100 slo {{ ttft 10s }} }}\n\
+             tier lo {{ priority 10 slo {{ window 200ms {deadline} }} }}"
+        );
+        let g = graph(&policy(&tiers, TWO_TENANTS, ROUTE));
+        simulate(
+            &g,
+            Mode::Kiln,
+            (0..20).map(|_| a(0, "bulk", 100, 500)).collect(),
+        )
+    };
+    let late = |o: &[Outcome]| {
+        o.iter()
+            .filter(|x| x.finished.zip(x.deadline).is_some_and(|(f, d)| f > d))
+            .count()
+    };
+    let refused = |o: &[Outcome]| {
+        o.iter()
+            .filter(|x| x.rejected == Some((Reason::Deadline, 429)))
+            .count()
+    };
+    for hard in [run_with(""), run_with("deadline hard")] {
+        assert!(refused(&hard) > 5, "{}", refused(&hard));
+    }
+    let soft = run_with("deadline soft");
+    assert!(soft.iter().all(|o| o.rejected.is_none()), "{soft:?}");
+    assert!(soft.iter().all(|o| o.finished.is_some()));
+    assert!(late(&soft) > 5, "they ran late: {}", late(&soft));
+}
+
 #[test]
 fn backfill_work_gives_its_slot_up_at_once() {
     // Work without a first-token SLO only backfills: a request with one

@@ -70,7 +70,15 @@ const FAIR_SHARE_FIELDS: &[&str] = &["window"];
 const CACHE_FIELDS: &[&str] = &["exact", "semantic"];
 const EXACT_CACHE_FIELDS: &[&str] = &["entries", "ttl", "shared"];
 const SEMANTIC_CACHE_FIELDS: &[&str] = &["similarity", "entries", "ttl", "shared"];
-const SLO_FIELDS: &[&str] = &["ttft", "p95", "window"];
+const SLO_FIELDS: &[&str] = &[
+    "ttft",
+    "p95",
+    "window",
+    "error_rate",
+    "throughput",
+    "deadline",
+];
+const THROUGHPUT_FIELDS: &[&str] = &["tokens", "requests"];
 const BATCH_FIELDS: &[&str] = &["max_wait"];
 const TENANT_FIELDS: &[&str] = &[
     "owner",
@@ -737,6 +745,9 @@ impl Compiler<'_> {
             slo.ttft = self.prop_quantity(s.get("ttft"), Ty::Duration, "`ttft`");
             slo.e2e_p95 = self.prop_quantity(s.get("p95"), Ty::Duration, "`p95`");
             slo.window = self.prop_quantity(s.get("window"), Ty::Duration, "`window`");
+            slo.error_rate = self.prop_percent(s.get("error_rate"), "`error_rate`");
+            slo.throughput = self.throughput(s.get("throughput"), &what);
+            slo.deadline = self.deadline(s.get("deadline"));
         }
         let mut batch_max_wait = None;
         if let Some(b) = self.sub_body(f.get("batch")) {
@@ -998,6 +1009,89 @@ impl Compiler<'_> {
             }
         }
         out
+    }
+
+    /// `throughput { tokens 50k/min requests 20/s }`: either or both, each
+    /// a rate above zero.
+    fn throughput(&mut self, p: Option<&Property>, what: &str) -> Option<Throughput> {
+        let b = self.sub_body(p)?;
+        let f = self.fields(
+            b,
+            THROUGHPUT_FIELDS,
+            &format!("the throughput objective of {what}"),
+            &[],
+        );
+        let t = Throughput {
+            tokens_per_s: self.prop_quantity(
+                f.get("tokens"),
+                Ty::Rate,
+                "`tokens` (a rate, like `50k/min`)",
+            ),
+            requests_per_s: self.prop_quantity(
+                f.get("requests"),
+                Ty::Rate,
+                "`requests` (a rate, like `20/s`)",
+            ),
+        };
+        let positive = |x: Option<f64>| x.is_none_or(|v| v > 0.0);
+        if let Some(p) = p {
+            if t.tokens_per_s.is_none() && t.requests_per_s.is_none() {
+                self.err(
+                    Diagnostic::error(Code::MissingField, "the throughput objective names no rate")
+                        .at(p.span, "empty")
+                        .help("write `throughput { tokens 50k/min }` or `throughput { requests 20/s }`"),
+                );
+                return None;
+            }
+            if !positive(t.tokens_per_s) || !positive(t.requests_per_s) {
+                self.err(
+                    Diagnostic::error(
+                        Code::InvalidValue,
+                        "a throughput objective of zero asks for nothing",
+                    )
+                    .at(p.span, "zero")
+                    .help("write a rate above zero, or remove `throughput`"),
+                );
+                return None;
+            }
+        }
+        Some(t)
+    }
+
+    /// `deadline hard|soft` (hard when absent).
+    fn deadline(&mut self, p: Option<&Property>) -> Deadline {
+        let Some(p) = p else {
+            return Deadline::default();
+        };
+        let Some(v) = self.one(p, "hard") else {
+            return Deadline::default();
+        };
+        let word = match &v.kind {
+            ValueKind::Path(path) if path.len() == 1 => Some(&path[0]),
+            _ => None,
+        };
+        match word.and_then(|w| Deadline::parse(&w.name)) {
+            Some(d) => d,
+            None => {
+                let help = word
+                    .and_then(|w| suggest(&w.name, Deadline::NAMES.iter().copied()))
+                    .unwrap_or_else(|| {
+                        "write `deadline hard` (work that would miss its window is refused) or `deadline soft` (it runs late and counts a miss)".into()
+                    });
+                self.err(
+                    Diagnostic::error(
+                        Code::InvalidValue,
+                        format!(
+                            "`deadline` is `hard` or `soft`, found `{}`",
+                            format::value(v)
+                        ),
+                    )
+                    .at(v.span, "not hard or soft")
+                    .help(help),
+                );
+                Deadline::default()
+            }
+        }
     }
 
     /// `on_preempt requeue|reject`: only on a preemptible tier, where it

@@ -417,6 +417,7 @@ impl<'s> Compiler<'s> {
     }
 
     fn finish(&mut self) -> DecisionGraph {
+        slo_rollbacks(&mut self.g);
         validate::run(self);
         let g = &mut self.g;
         let nt = g.tenants.len();
@@ -457,5 +458,109 @@ impl<'s> Compiler<'s> {
             }
         }
         std::mem::replace(g, DecisionGraph::empty())
+    }
+}
+
+/// A rollout rolls back on its tiers' `slo { error_rate }`: a tier whose
+/// errors stay above its objective for 5 minutes of the canary's (or the
+/// watch's) traffic trips it, unless a `rollback when` of the block
+/// already reads that tier's `error_rate`. Written as the rollback line
+/// would be, so `kiln status` shows it with the others.
+fn slo_rollbacks(g: &mut DecisionGraph) {
+    use crate::graph::signal::TierField;
+    use crate::graph::{Cond, Rollback, Sig, Test, TestOp};
+    fn reads(c: &Cond, sig: &Sig) -> bool {
+        match c {
+            Cond::True => false,
+            Cond::Test(t) => t.sig == *sig,
+            Cond::Not(c) => reads(c, sig),
+            Cond::And(v) | Cond::Or(v) => v.iter().any(|c| reads(c, sig)),
+        }
+    }
+    let Some(r) = g.rollout.as_mut() else { return };
+    for (i, t) in g.tiers.iter().enumerate() {
+        let Some(limit) = t.slo.error_rate else {
+            continue;
+        };
+        let sig = Sig::TierLive(i as TierId, TierField::ErrorRate);
+        if r.rollbacks.iter().any(|b| reads(&b.cond, &sig)) {
+            continue;
+        }
+        let text = format!("tier({}).error_rate > {limit}%", t.name);
+        r.rollbacks.push(Rollback {
+            cond: Cond::Test(Box::new(Test {
+                sig,
+                op: TestOp::Num(crate::units::CmpOp::Gt, limit),
+                negate: false,
+                text: text.clone(),
+            })),
+            hold: Some(300_000.0),
+            text: format!("{text} for 5m (its slo)"),
+            span: t.span,
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::compile_str;
+
+    const POLICY: &str = r#"
+pool p { gpus 1 kind "H100-80GB" memory 80GB }
+model m { variant fp16 { memory 10GB pools [p] } }
+tier chat { priority 100 slo { ttft 500ms error_rate 1% } }
+tier agent { priority 90 slo { ttft 1s error_rate 2.5% } }
+tier bulk { priority 10 slo { window 1h throughput { tokens 50k/min requests 2/s } deadline soft } }
+tenant t { owner "o" tiers [chat, agent, bulk] }
+classify { default => tier chat }
+route [chat, agent, bulk] m { default => fp16 }
+rollout {
+  canary { share 5% }
+  rollback when tier(agent).error_rate > 5%
+}
+"#;
+
+    #[test]
+    fn an_error_rate_slo_arms_the_rollout_unless_a_rollback_reads_it() {
+        let c = compile_str("t.kiln", POLICY);
+        let g = c.graph.expect("compiles");
+        let bulk = &g.tiers[2].slo;
+        assert_eq!(bulk.deadline, crate::graph::Deadline::Soft);
+        let tp = bulk.throughput.expect("throughput");
+        assert!((tp.tokens_per_s.unwrap() - 50_000.0 / 60.0).abs() < 1e-9);
+        assert_eq!(tp.requests_per_s, Some(2.0));
+        assert_eq!(g.tiers[0].slo.error_rate, Some(1.0));
+        let texts: Vec<&str> = g
+            .rollout
+            .as_ref()
+            .unwrap()
+            .rollbacks
+            .iter()
+            .map(|r| r.text.as_str())
+            .collect();
+        // agent's own rollback stands; chat's comes from its SLO.
+        assert_eq!(
+            texts,
+            [
+                "tier(agent).error_rate > 5%",
+                "tier(chat).error_rate > 1% for 5m (its slo)"
+            ]
+        );
+        let plan = crate::governance::rollout::Plan::of(&g, 60_000.0, 60_000.0);
+        assert_eq!(plan.rollbacks[1].hold_ms, Some(300_000.0));
+        // The same condition as the line written by hand.
+        let by_hand = POLICY.replace(
+            "  rollback when tier(agent)",
+            "  rollback when tier(chat).error_rate > 1% for 5m\n  rollback when tier(agent)",
+        );
+        let h = compile_str("t.kiln", &by_hand).graph.expect("compiles");
+        let hr = &h.rollout.as_ref().unwrap().rollbacks;
+        assert_eq!(hr.len(), 2, "nothing derived when a line reads it");
+        let derived = &g.rollout.as_ref().unwrap().rollbacks[1];
+        assert_eq!(hr[0].cond, derived.cond);
+        assert_eq!(hr[0].hold, derived.hold);
+        // Without a rollout block nothing is armed.
+        let c = compile_str("t.kiln", &POLICY[..POLICY.find("rollout").unwrap()]);
+        assert!(c.graph.unwrap().rollout.is_none());
     }
 }

@@ -349,9 +349,15 @@ mod tests {
         assert_eq!(c.share, 5.0);
         assert_eq!(c.tenants, vec!["query-rewrite", "assistant-evals"]);
         assert_eq!(c.duration_ms, 7_200_000.0);
-        assert_eq!(p.rollbacks.len(), 5);
+        // Five written, and interactive's `error_rate 1%` SLO.
+        assert_eq!(p.rollbacks.len(), 6);
         assert_eq!(p.rollbacks[0].hold_ms, Some(300_000.0));
         assert_eq!(p.rollbacks[4].hold_ms, None);
+        assert_eq!(
+            p.rollbacks[5].text,
+            "tier(interactive).error_rate > 1% for 5m (its slo)"
+        );
+        assert_eq!(p.rollbacks[5].hold_ms, Some(300_000.0));
         assert_eq!(p.watch_ms, 1_800_000.0);
     }
 }

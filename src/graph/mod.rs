@@ -178,11 +178,59 @@ pub struct Slo {
     pub e2e_p95: Option<f64>,
     /// Completion window for batch work, ms.
     pub window: Option<f64>,
+    /// The share of the tier's requests that may end in an error (a 5xx:
+    /// no capacity, a queue timeout, an upstream's failure), in percent.
+    pub error_rate: Option<f64>,
+    /// The service the tier must get while it has work waiting.
+    pub throughput: Option<Throughput>,
+    /// What a completion window is: a hard deadline (work that would
+    /// miss it is refused at admission, the default) or a soft one (it is
+    /// admitted, runs late, and counts a miss).
+    pub deadline: Deadline,
 }
 
 impl Slo {
     pub fn is_empty(&self) -> bool {
-        self.ttft.is_none() && self.e2e_p95.is_none() && self.window.is_none()
+        self.ttft.is_none()
+            && self.e2e_p95.is_none()
+            && self.window.is_none()
+            && self.error_rate.is_none()
+            && self.throughput.is_none()
+    }
+}
+
+/// A throughput objective: served tokens or finished requests a second,
+/// either or both.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Throughput {
+    pub tokens_per_s: Option<f64>,
+    pub requests_per_s: Option<f64>,
+}
+
+/// `slo { deadline hard|soft }`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Deadline {
+    #[default]
+    Hard,
+    Soft,
+}
+
+impl Deadline {
+    pub const NAMES: [&'static str; 2] = ["hard", "soft"];
+
+    pub fn parse(s: &str) -> Option<Deadline> {
+        match s {
+            "hard" => Some(Deadline::Hard),
+            "soft" => Some(Deadline::Soft),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Deadline::Hard => "hard",
+            Deadline::Soft => "soft",
+        }
     }
 }
 

@@ -385,12 +385,25 @@ fn ratio_name(w: &str) -> String {
 fn ratio_expr(sel: &str, le: &str, w: &str) -> String {
     let ft = format!("sum by (tier) (rate(kiln_ttft_seconds_count{{{sel}}}[{w}]))");
     let good = format!("sum by (tier) (rate(kiln_ttft_seconds_bucket{{{sel},le=\"{le}\"}}[{w}]))");
-    let rej =
-        format!("sum by (tier) (rate(kiln_requests_total{{{sel},outcome=\"rejected\"}}[{w}]))");
+    // Refusals are counted in kiln_rejects_total (a refused request never
+    // reaches kiln_requests_total).
+    let rej = format!("sum by (tier) (rate(kiln_rejects_total{{{sel}}}[{w}]))");
     let ft0 = format!("({ft} or {rej} * 0)");
     let good0 = format!("({good} or {rej} * 0)");
     let rej0 = format!("({rej} or {ft} * 0)");
     format!("({ft0} - {good0} + {rej0}) / ({ft0} + {rej0})")
+}
+
+/// A rate as the policy would write it: `500000 tokens a minute`, not
+/// `8333.333333333 tokens a second`.
+fn rate_words(per_s: f64, what: &str) -> String {
+    for (scale, unit) in [(1.0, "a second"), (60.0, "a minute"), (3600.0, "an hour")] {
+        let v = per_s * scale;
+        if (v - v.round()).abs() < 1e-6 * v.max(1.0) {
+            return format!("{} {what} {unit}", num(v.round()));
+        }
+    }
+    format!("{} {what} a second", num(per_s))
 }
 
 fn alert(name: &str, expr: String, for_: &str, severity: &str, ann: Value) -> Value {
@@ -588,6 +601,77 @@ pub fn rules(g: &DecisionGraph, o: &Options) -> Value {
                 ),
             ));
         }
+        if let Some(limit) = t.slo.error_rate {
+            // Errors: refusals answered with a 5xx, and answers an upstream
+            // failed or timed out; over everything that ended (refusals
+            // are not in kiln_requests_total).
+            let sum =
+                |m: &str, extra: &str| format!("sum by (tier) (rate({m}{{{sel}{extra}}}[30m]))");
+            let either =
+                |a: String, b: String| format!("(({a}) or ({b}) * 0) + (({b}) or ({a}) * 0)");
+            let errors = either(
+                sum("kiln_rejects_total", ",status=~\"5..\""),
+                sum(
+                    "kiln_requests_total",
+                    ",outcome=~\"upstream_error|timeout\"",
+                ),
+            );
+            let ended = either(
+                sum("kiln_rejects_total", ""),
+                sum("kiln_requests_total", ""),
+            );
+            slo_alerts.push(tier_alert(
+                (t, owner),
+                "KilnTierErrorRateAboveSLO",
+                format!("({errors}) / ({ended}) > {}", num(limit / 100.0)),
+                "15m",
+                "page",
+                annotations(
+                    "Tier {{ $labels.tier }} errors are above its SLO".into(),
+                    format!(
+                        "Policy {policy}: tier {{{{ $labels.tier }}}} has an error-rate SLO of {}%; over the last 30 minutes {{{{ $value | humanizePercentage }}}} of its requests ended in a 5xx (refused for capacity or a queue timeout, or failed by an upstream).",
+                        num(limit)
+                    ),
+                    "a-tier-is-missing-its-slo",
+                ),
+            ));
+        }
+        if let Some(tp) = t.slo.throughput {
+            // Below its objective while work waits: the tier asks for more
+            // than it gets (without a queue, less demand is not a miss).
+            let waiting = format!("sum by (tier) (kiln_queue_depth{{{sel}}}) > 0");
+            for (what, per_s, served) in [
+                (
+                    "tokens",
+                    tp.tokens_per_s,
+                    format!("sum by (tier) (rate(kiln_tokens_total{{{sel}}}[15m]))"),
+                ),
+                (
+                    "requests",
+                    tp.requests_per_s,
+                    format!(
+                        "sum by (tier) (rate(kiln_requests_total{{{sel},outcome=\"ok\"}}[15m]))"
+                    ),
+                ),
+            ] {
+                let Some(per_s) = per_s else { continue };
+                slo_alerts.push(tier_alert(
+                    (t, owner),
+                    "KilnTierThroughputBelowSLO",
+                    format!("({served} < {}) and on (tier) ({waiting})", num(per_s)),
+                    "15m",
+                    "ticket",
+                    annotations(
+                        format!("Tier {{{{ $labels.tier }}}} is served fewer {what} a second than its SLO while work waits"),
+                        format!(
+                            "Policy {policy}: tier {{{{ $labels.tier }}}} has a throughput SLO of {}; for 15 minutes it was served {{{{ $value | humanize }}}} {what} a second with requests waiting in its queues.",
+                            rate_words(per_s, what)
+                        ),
+                        "a-tier-is-missing-its-slo",
+                    ),
+                ));
+            }
+        }
         if let Some(window) = t.slo.window {
             slo_alerts.push(tier_alert(
                 (t, owner),
@@ -613,7 +697,11 @@ pub fn rules(g: &DecisionGraph, o: &Options) -> Value {
                     b = format!("sum by (tier) (increase(kiln_batch_deadline_misses_total{{{sel}}}[30m]))"),
                 ),
                 "0m",
-                "page",
+                // A soft deadline's misses are expected under load.
+                match t.slo.deadline {
+                    crate::graph::Deadline::Hard => "page",
+                    crate::graph::Deadline::Soft => "ticket",
+                },
                 annotations(
                     "Tier {{ $labels.tier }} is missing deadlines".into(),
                     format!(
@@ -887,6 +975,16 @@ mod tests {
         }
         assert_eq!(parse_selector("{job=\"kiln\"}").unwrap()[0].value, "kiln");
         assert!(parse_selector("").unwrap().is_empty());
+    }
+
+    #[test]
+    fn rates_read_as_written() {
+        assert_eq!(
+            rate_words(500_000.0 / 60.0, "tokens"),
+            "500000 tokens a minute"
+        );
+        assert_eq!(rate_words(20.0, "requests"), "20 requests a second");
+        assert_eq!(rate_words(3.0 / 3600.0, "requests"), "3 requests an hour");
     }
 
     #[test]

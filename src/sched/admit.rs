@@ -391,6 +391,12 @@ fn wait_within_slo(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refus
     if matches!(a.admission, Admission::Hold { .. }) || a.best_effort {
         return Ok(());
     }
+    // A soft deadline is not a reason to refuse: work that will finish
+    // after its window runs late and counts a miss.
+    let slo = &a.graph.tiers[a.tier as usize].slo;
+    if slo.ttft.is_none() && slo.deadline == crate::graph::Deadline::Soft {
+        return Ok(());
+    }
     let Some(limit) = s.wait_limit(a.tier, a.window) else {
         return Ok(());
     };
