@@ -136,6 +136,12 @@ async fn a_preempted_request_served_later_wastes_its_recompute() {
         recompute,
         "{m}"
     );
+    // The preemption is counted (work preempted while it ran was not).
+    assert_eq!(
+        metric_sum(&m, "kiln_preemptions_total", &["tier=\"batch\""]),
+        1.0,
+        "{m}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -159,5 +165,10 @@ async fn a_request_preempted_and_refused_wastes_all_it_used() {
     assert!(
         wasted > 0.0 && (wasted - gpu).abs() < 1e-9,
         "{wasted} of {gpu}: {m}"
+    );
+    assert_eq!(
+        metric_sum(&m, "kiln_preemptions_total", &["tier=\"batch_strict\""]),
+        1.0,
+        "{m}"
     );
 }

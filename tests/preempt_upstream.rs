@@ -297,6 +297,8 @@ async fn a_preempted_batch_request_is_cancelled_upstream_and_served_later() {
     );
     let high_wasted = support::metric_sum(&m, "kiln_gpu_seconds_wasted_total", &["tier=\"high\""]);
     assert_eq!(high_wasted, 0.0, "{m}");
+    let preemptions = support::metric_sum(&m, "kiln_preemptions_total", &["tier=\"batch\""]);
+    assert_eq!(preemptions, 1.0, "{m}");
     srv.stop().await;
     mock.abort();
 }

@@ -386,6 +386,7 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Outcome, ApiError> {
                     Err(HttpFail::Preempted(p)) => {
                         let p = *p;
                         ctx = p.ctx;
+                        recorder::preempted(&ctx, &p.started.d);
                         note(
         &ctx,
         format!(

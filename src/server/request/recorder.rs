@@ -166,6 +166,13 @@ pub(in crate::server) fn finished_at(ctx: &Ctx, at: crate::sched::Micros) {
     explain::clock(&ctx.explain, |c| c.finished_us = Some(at));
 }
 
+/// It was preempted while it ran (its answer not begun, or a stream cut
+/// short): `kiln_preemptions_total`, once per preemption.
+pub(in crate::server) fn preempted(ctx: &Ctx, d: &Decided) {
+    let (tier, tenant) = decided_names(Some(d));
+    ctx.app.metrics.preempted(&tier, &tenant);
+}
+
 /// A step of the request's life, for explain.
 pub(in crate::server) fn note(ctx: &Ctx, event: impl Into<String>, reason: Option<&str>) {
     explain::note(&ctx.explain, ctx.ms(), event, reason);
@@ -414,7 +421,11 @@ fn ran(
         gpu_seconds,
         cost,
     );
-    for _ in 0..s.preempted {
+    // Preemptions seen while it waited to start again, and a stream an
+    // upstream's preemption cut short (the others are counted as they
+    // happen: [`preempted`]).
+    let cut_short = u32::from(outcome == MetricOutcome::Preempted);
+    for _ in 0..s.preempted + cut_short {
         app.metrics.preempted(tier, &tenant);
     }
     let window = ctx

@@ -789,6 +789,7 @@ impl Generation {
     }
 
     fn preempted(&self, by: ReqId) {
+        super::recorder::preempted(&self.ctx, &self.s.d);
         note(
             &self.ctx,
             format!("preempted by request {by}"),
