@@ -268,6 +268,7 @@ impl BatchRow {
     /// (the tenant's `cost_per_gpu_hour`).
     pub fn to_json(&self, rate_per_gpu_hour: Option<f64>) -> Value {
         let done = self.counts.completed + self.counts.failed;
+        let job = self.job();
         json!({
             "id": self.id,
             "object": "batch",
@@ -307,9 +308,9 @@ impl BatchRow {
                     "pace_ratio": self.promise.pace_ratio.map(|k| (k * 1000.0).round() / 1000.0),
                 },
                 "job": {
-                    "priority": self.job().priority,
-                    "preemptible": self.job().preemptible,
-                    "max_in_flight": self.job().max_in_flight,
+                    "priority": job.priority,
+                    "preemptible": job.preemptible,
+                    "max_in_flight": job.max_in_flight,
                 },
                 "gpu_seconds": (self.gpu_seconds * 1000.0).round() / 1000.0,
                 "cost": rate_per_gpu_hour.map(|r| ((self.gpu_seconds / 3600.0 * r) * 1e6).round() / 1e6),

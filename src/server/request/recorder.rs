@@ -228,26 +228,39 @@ fn charge_spent(ctx: &Ctx, d: Option<&Decided>, reason: &str) {
     let (Some(d), Some(route), true) = (d, ctx.spent_on.as_deref(), gpu > 0.0) else {
         return;
     };
-    let g = &d.graph;
-    let tier = g
+    let tenant = tenant_name(&d.graph, d.tenant);
+    charge_gpu(ctx, d, &labels_at(d, route, &tenant), gpu, (gpu, reason));
+}
+
+/// The labels of a request decided as `d` that ran on `route`
+/// (`model.variant on pool`).
+fn labels_at<'a>(d: &'a Decided, route: &'a str, tenant: &'a str) -> Labels<'a> {
+    let tier = d
+        .graph
         .tiers
         .get(d.tier as usize)
-        .map_or("none", |t| t.name.as_str());
-    let tenant = tenant_name(g, d.tenant);
+        .map_or("?", |t| t.name.as_str());
     let (pool, model) = route
         .split_once(" on ")
         .map_or((route, ""), |(m, p)| (p, m));
-    let labels = Labels {
+    Labels {
         tier,
-        tenant: &tenant,
+        tenant,
         pool,
         model,
-    };
-    let cost = gpu / 3600.0 * g.gpu_hour_price(d.tenant, g.pool_id(pool)).unwrap_or(0.0);
-    ctx.app.metrics.gpu_seconds(&labels, gpu, cost);
-    ctx.app.metrics.gpu_wasted(&labels, reason, gpu);
+    }
+}
+
+/// GPU time a request used where `l` says, and the part of it wasted
+/// (`wasted`, for `reason`): the metrics, its cost at the tenant's or the
+/// pool's price, and `/admin/costs`.
+fn charge_gpu(ctx: &Ctx, d: &Decided, l: &Labels<'_>, gpu: f64, (wasted, reason): (f64, &str)) {
+    let g = &d.graph;
+    let cost = gpu / 3600.0 * g.gpu_hour_price(d.tenant, g.pool_id(l.pool)).unwrap_or(0.0);
+    ctx.app.metrics.gpu_seconds(l, gpu, cost);
+    ctx.app.metrics.gpu_wasted(l, reason, wasted.min(gpu));
     ctx.app.costs.charge(
-        [tier, &tenant, pool, model],
+        [l.tier, l.tenant, l.pool, l.model],
         ctx.req.headers.get(BATCH_HEADER).map(String::as_str),
         gpu,
         cost,
@@ -384,22 +397,9 @@ fn ran(
 ) {
     let app = &ctx.app;
     let g = &s.d.graph;
-    let tier = g
-        .tiers
-        .get(s.d.tier as usize)
-        .map(|t| t.name.as_str())
-        .unwrap_or("?");
     let tenant = tenant_name(g, s.d.tenant);
-    let (pool, model) = s
-        .route
-        .split_once(" on ")
-        .map_or((s.route.as_str(), ""), |(m, p)| (p, m));
-    let labels = Labels {
-        tier,
-        tenant: &tenant,
-        pool,
-        model,
-    };
+    let labels = labels_at(&s.d, &s.route, &tenant);
+    let tier = labels.tier;
     let e2e = ctx.received.elapsed().as_secs_f64();
     app.metrics.request_done(&labels, outcome);
     app.metrics.queue_wait(&labels, s.queue_s);
@@ -409,18 +409,8 @@ fn ran(
     app.metrics.e2e(&labels, e2e);
     app.metrics
         .tokens(&labels, ctx.req.prompt_tokens, output_tokens);
-    let cost_per_h = g.gpu_hour_price(s.d.tenant, g.pool_id(pool)).unwrap_or(0.0);
-    let cost = gpu_seconds / 3600.0 * cost_per_h;
-    app.metrics.gpu_seconds(&labels, gpu_seconds, cost);
     let waste = crate::server::metrics::waste_reason(outcome).unwrap_or("recompute");
-    app.metrics
-        .gpu_wasted(&labels, waste, wasted_gpu_seconds.min(gpu_seconds));
-    app.costs.charge(
-        [tier, &tenant, pool, model],
-        ctx.req.headers.get(BATCH_HEADER).map(String::as_str),
-        gpu_seconds,
-        cost,
-    );
+    charge_gpu(ctx, &s.d, &labels, gpu_seconds, (wasted_gpu_seconds, waste));
     // Preemptions seen while it waited to start again, and a stream an
     // upstream's preemption cut short (the others are counted as they
     // happen: [`preempted`]).
@@ -494,7 +484,7 @@ fn ran(
             MetricOutcome::UpstreamError | MetricOutcome::Timeout
         );
         let ran = Ran {
-            pool: Some(pool),
+            pool: Some(labels.pool),
             queue_s: Some(s.queue_s),
         };
         record_live(ctx, Some(&s.d), ttft_s, e2e, error, true, ran);
