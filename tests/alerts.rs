@@ -252,6 +252,7 @@ fn exported() -> BTreeSet<String> {
     m.set_batches(&[("t", "a", [1, 1, 1, 1])], &[("b", "t", "a", true)]);
     m.batch_deadline_misses("t", "a", 1);
     m.set_upstream_breaker("p", "u", true);
+    m.set_budget("tenant", "a", "day", 10.0, 2.0);
     m.render()
         .lines()
         .filter_map(|l| l.strip_prefix("# TYPE "))

@@ -90,6 +90,8 @@ fn cases() -> Vec<(&'static str, String, Code)> {
         ("invalid_value_deadline", with("  slo { window 6h }", "  slo { window 6h deadline sofft }"), Code::InvalidValue),
         ("missing_field_throughput", with("  slo { window 6h }", "  slo { window 6h throughput { } }"), Code::MissingField),
         ("invalid_value_throughput_zero", with("  slo { window 6h }", "  slo { window 6h throughput { tokens 0/s } }"), Code::InvalidValue),
+        ("invalid_value_budget_per_hour", with("  tiers [chat, bulk]\n}", "  tiers [chat, bulk]\n  budget 40/h\n}"), Code::InvalidValue),
+        ("invalid_value_rate_per_month", with("  tiers [chat, bulk]\n}", "  tiers [chat, bulk]\n  quota { tokens 2M/month }\n}"), Code::InvalidValue),
         ("invalid_value_on_preempt", with("  preemptible\n}", "  preemptible\n  on_preempt rejekt\n}"), Code::InvalidValue),
         ("invalid_value_on_preempt_not_preemptible", with("  slo { ttft 500ms }\n}", "  slo { ttft 500ms }\n  on_preempt reject\n}"), Code::InvalidValue),
         ("out_of_range", with("gpus 4 kind", "gpus 99999999999999999999999999 kind"), Code::OutOfRange),

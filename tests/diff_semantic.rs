@@ -262,6 +262,32 @@ fn a_raised_quota_is_one_escalation() {
 }
 
 #[test]
+fn a_raised_or_removed_money_budget_is_an_escalation() {
+    let old = enterprise_text();
+    // 2k a month is about 66 a day: 100 a day is more.
+    for (to, escalation) in [
+        ("budget 100/day", true),
+        ("budget 50/day", false),
+        ("budget 2.5k/month", true),
+        ("", true),
+    ] {
+        let new = edit(&old, "budget 2k/month", to);
+        let d = semantic(&policy_text(&old), &policy_text(&new));
+        let c = only(&d);
+        assert_eq!(c.subject, "tenant research");
+        assert_eq!(c.field.as_deref(), Some("budget"));
+        assert_eq!(c.old.as_deref(), Some("2000/month"));
+        assert_eq!(c.escalation, escalation, "{to}");
+        let kind = if escalation {
+            ChangeKind::QuotaIncrease
+        } else {
+            ChangeKind::TenantChange
+        };
+        assert_eq!(c.change_kind, kind, "{to}");
+    }
+}
+
+#[test]
 fn a_removed_quota_is_unlimited_and_an_escalation() {
     let old = enterprise_text();
     let new = edit(

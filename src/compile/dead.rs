@@ -61,6 +61,13 @@ fn known(g: &DecisionGraph, sig: &Sig) -> Option<Known> {
                         tier_name(*t)
                     ),
                 ),
+                TierField::BudgetRemaining if tier.budget.is_none() => fixed(
+                    100.0,
+                    format!(
+                        "tier `{}` has no `budget`, so its `budget_remaining` is always 100%",
+                        tier_name(*t)
+                    ),
+                ),
                 TierField::FallbackRate
                     if g.fallbacks.get(*t as usize).is_none_or(|f| f.is_none()) =>
                 {
@@ -98,6 +105,33 @@ fn known(g: &DecisionGraph, sig: &Sig) -> Option<Known> {
                 fixed(
                     100.0,
                     "no tenant has a quota, so `quota.remaining` is always 100%".to_string(),
+                )
+            }
+        }
+        Sig::BudgetRemaining => {
+            if g.tenants.iter().any(|t| t.budget.is_some())
+                || g.tiers.iter().any(|t| t.budget.is_some())
+            {
+                range(0.0, 100.0)
+            } else {
+                fixed(
+                    100.0,
+                    "no tenant or tier has a `budget`, so `budget.remaining` is always 100%"
+                        .to_string(),
+                )
+            }
+        }
+        Sig::TenantLive(x, TenantField::BudgetRemaining) => {
+            let tenant = g.tenants.get(*x as usize)?;
+            if tenant.budget.is_some() {
+                range(0.0, 100.0)
+            } else {
+                fixed(
+                    100.0,
+                    format!(
+                        "tenant `{}` has no `budget`, so its `budget_remaining` is always 100%",
+                        tenant.name
+                    ),
                 )
             }
         }

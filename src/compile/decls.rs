@@ -33,6 +33,7 @@ const MODEL_FIELDS: &[&str] = &[
     "kv_per_token",
     "served_by",
     "quota",
+    "value",
 ];
 const VARIANT_FIELDS: &[&str] = &[
     "precision",
@@ -62,6 +63,7 @@ const TIER_FIELDS: &[&str] = &[
     "fair_share",
     "quota",
     "completion_windows",
+    "budget",
     "description",
     "owner",
     "escalation",
@@ -92,6 +94,7 @@ const TENANT_FIELDS: &[&str] = &[
     "retry_budget",
     "session_steps",
     "cost",
+    "budget",
     "api_keys",
     "signal_window",
     "description",
@@ -801,6 +804,7 @@ impl Compiler<'_> {
             fair_share_window = self.fair_share_window(s.get("window"));
         }
         let completion_windows = self.completion_windows(f.get("completion_windows"));
+        let budget = self.budget(f.get("budget"), &what);
         let owner = self.owner(&f, &what);
         let _ = self.prop_string(f.get("description"));
         let signal_window = self.signal_window(f.get("signal_window"));
@@ -823,6 +827,7 @@ impl Compiler<'_> {
             fair_share_window,
             quota,
             completion_windows,
+            budget,
             owner,
             span: d.name.span,
         });
@@ -1297,6 +1302,12 @@ impl Compiler<'_> {
         let params = self.prop_quantity(f.get("params"), Ty::Count, "`params`");
         let kv_per_token = self.prop_quantity(f.get("kv_per_token"), Ty::Size, "`kv_per_token`");
         let quota = self.scoped_quota(f.get("quota"), &what);
+        // `value 0.04`: currency per answered request.
+        let value_per_request = self.prop_quantity(
+            f.get("value"),
+            Ty::Count,
+            "`value` (what an answered request is worth, like `0.04`)",
+        );
         let mut variants: Vec<Variant> = Vec::new();
         for p in f.repeated.clone() {
             if p.key.name != "variant" {
@@ -1438,8 +1449,49 @@ impl Compiler<'_> {
             params,
             kv_per_token,
             quota,
+            value_per_request,
             span: d.name.span,
         });
+    }
+
+    /// `budget 500/day` or `budget 12k/month`: currency per calendar day or
+    /// month. Its own parse: `/month` is a period no other rate may use.
+    fn budget(&mut self, p: Option<&Property>, what: &str) -> Option<Budget> {
+        let p = p?;
+        let v = self.one(p, "an amount per day or month")?;
+        let bad = |c: &mut Self, label: &str| {
+            c.err(
+                Diagnostic::error(
+                    Code::InvalidValue,
+                    format!("{what}'s `budget` is an amount of money per day or per month"),
+                )
+                .at(v.span, label.to_string())
+                .help("write `budget 500/day` or `budget 12k/month` (in the currency of `price` and `cost`; a month and a day are the policy's calendar ones)"),
+            );
+        };
+        let ValueKind::Quantity(q) = &v.kind else {
+            bad(self, "not an amount per period");
+            return None;
+        };
+        let period = match q.per.as_deref() {
+            Some("day" | "d") => BudgetPeriod::Day,
+            Some("month") => BudgetPeriod::Month,
+            _ => {
+                bad(self, "no `/day` or `/month`");
+                return None;
+            }
+        };
+        let amount = match units::quantity(&ast::Quantity {
+            per: None,
+            ..q.clone()
+        }) {
+            Ok(t) if t.ty == Ty::Count && t.value.is_finite() && t.value > 0.0 => t.value,
+            _ => {
+                bad(self, "not a positive amount");
+                return None;
+            }
+        };
+        Some(Budget { amount, period })
     }
 
     fn tenant(&mut self, d: &ast::Decl) {
@@ -1518,6 +1570,7 @@ impl Compiler<'_> {
                 "`cost` (per GPU-hour, like `2.5/h`)",
             )
             .map(|per_s| per_s * 3600.0);
+        let budget = self.budget(f.get("budget"), &what);
         let api_keys = match f.get("api_keys") {
             Some(p) => list_items(p)
                 .into_iter()
@@ -1550,6 +1603,7 @@ impl Compiler<'_> {
             retry_budget,
             session_steps,
             cost_per_gpu_hour,
+            budget,
             api_keys,
             signal_window,
             span: d.name.span,

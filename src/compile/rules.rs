@@ -44,6 +44,7 @@ const ALL_SIGNALS: &[&str] = &[
     "tag",
     "pool",
     "quota",
+    "budget",
 ];
 
 enum Const {
@@ -1032,7 +1033,7 @@ impl Compiler<'_> {
     }
 
     fn unknown_signal(&mut self, base: &Ident) {
-        let help = suggest(&base.name, ALL_SIGNALS.iter().copied()).unwrap_or_else(|| "signals are: tenant, api_key, model, tier, session, has_session, batch, prompt_tokens, max_tokens, header(\"…\"), tag(\"…\"), pool(P).…, tier(T).…, tenant(X).…, quota.remaining, estimated_wait, error_rate, time, weekday (README lists every field)".to_string());
+        let help = suggest(&base.name, ALL_SIGNALS.iter().copied()).unwrap_or_else(|| "signals are: tenant, api_key, model, tier, session, has_session, batch, prompt_tokens, max_tokens, header(\"…\"), tag(\"…\"), pool(P).…, tier(T).…, tenant(X).…, quota.remaining, budget.remaining, estimated_wait, error_rate, time, weekday, date, day (README lists every field)".to_string());
         self.err(
             Diagnostic::error(Code::UnknownName, format!("unknown signal `{}`", base.name))
                 .at(base.span, "not a signal")
@@ -1102,6 +1103,8 @@ impl Compiler<'_> {
             ("error_rate", None, []) => Sig::ErrorRate,
             ("quota", None, ["remaining"]) => Sig::QuotaRemaining,
             ("quota", _, _) => return bad_shape(self, "quota.remaining"),
+            ("budget", None, ["remaining"]) => Sig::BudgetRemaining,
+            ("budget", _, _) => return bad_shape(self, "budget.remaining"),
             ("header", Some(CallArg::Str(h, _)), []) => Sig::Header(h.to_ascii_lowercase()),
             ("header", _, _) => return bad_shape(self, "header(\"x-kiln-tier\")"),
             ("tag", Some(CallArg::Str(t, _)), []) => Sig::Tag(t.clone()),
@@ -1174,6 +1177,7 @@ impl Compiler<'_> {
                 | Sig::Header(_)
                 | Sig::Tag(_)
                 | Sig::QuotaRemaining
+                | Sig::BudgetRemaining
                 | Sig::EstimatedWait
         );
         if let (Some(msg), [field]) = (

@@ -598,6 +598,13 @@ fn models(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
                         k,
                     );
                     quota_limits(out, &subject, &a.quota, &b.quota, k);
+                    out.field(
+                        &subject,
+                        "value",
+                        opt(a.value_per_request, num, "none"),
+                        opt(b.value_per_request, num, "none"),
+                        k,
+                    );
                     by_name(
                         &a.variants,
                         &b.variants,
@@ -873,6 +880,7 @@ fn tiers(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
                         list(&w.into_iter().map(dur).collect::<Vec<_>>())
                     };
                     out.field(&subject, "completion_windows", windows(a), windows(b), tc);
+                    budget(out, &subject, (a.budget, b.budget), tc);
                 }
                 (None, None) => {}
             }
@@ -970,6 +978,40 @@ fn limit(
         up,
         ChangeKind::QuotaIncrease,
         ChangeKind::TenantChange,
+    );
+}
+
+/// A money budget: raised (compared per day, a month counted as 365/12
+/// days) or removed lets more be spent, a `quota_increase`.
+fn budget(
+    out: &mut Out,
+    subject: &str,
+    (a, b): (Option<crate::graph::Budget>, Option<crate::graph::Budget>),
+    kind: ChangeKind,
+) {
+    use crate::graph::{Budget, BudgetPeriod};
+    let per_day = |b: &Budget| match b.period {
+        BudgetPeriod::Day => b.amount,
+        BudgetPeriod::Month => b.amount * 12.0 / 365.0,
+    };
+    let up = match (&a, &b) {
+        (Some(x), Some(y)) => per_day(y) > per_day(x),
+        (Some(_), None) => true,
+        _ => false,
+    };
+    let show = |b: &Option<Budget>| {
+        b.map_or_else(
+            || "none".to_string(),
+            |b| format!("{}/{}", num(b.amount), b.period.name()),
+        )
+    };
+    out.directed(
+        subject,
+        "budget",
+        (show(&a), show(&b)),
+        up,
+        ChangeKind::QuotaIncrease,
+        kind,
     );
 }
 
@@ -1107,6 +1149,7 @@ fn tenants(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
                         opt(b.cost_per_gpu_hour, cost, "none"),
                         tc,
                     );
+                    budget(out, &subject, (a.budget, b.budget), tc);
                     out.field(
                         &subject,
                         "api_keys",

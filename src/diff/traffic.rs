@@ -233,7 +233,7 @@ pub fn metric(name: &str, old: f64, new: f64) -> MetricDelta {
 pub fn group_metrics(old: Option<&Group>, new: Option<&Group>) -> Vec<MetricDelta> {
     let f = |g: Option<&Group>, get: &dyn Fn(&Group) -> f64| g.map_or(0.0, get);
     let p = |g: Option<&Group>, get: &dyn Fn(&Group) -> Option<f64>| g.and_then(get).unwrap_or(0.0);
-    vec![
+    let mut v = vec![
         metric(
             "requests",
             f(old, &|g| g.requests as f64),
@@ -300,7 +300,12 @@ pub fn group_metrics(old: Option<&Group>, new: Option<&Group>) -> Vec<MetricDelt
             f(new, &|g| g.gpu_seconds),
         ),
         metric("cost", f(old, &|g| g.cost), f(new, &|g| g.cost)),
-    ]
+    ];
+    // Only where a model declares a value: other diffs read as before.
+    if old.or(new).is_some_and(|g| g.value.is_some()) || new.is_some_and(|g| g.value.is_some()) {
+        v.push(metric("value", p(old, &|g| g.value), p(new, &|g| g.value)));
+    }
+    v
 }
 
 fn deltas(old: &[Group], new: &[Group]) -> Vec<GroupDelta> {

@@ -161,6 +161,9 @@ pub struct TenantInput {
     /// Share of the tightest quota left, `"40%"`.
     #[serde(default)]
     pub quota_remaining: Option<Quant>,
+    /// Share of the tenant's money budget left, `"30%"`.
+    #[serde(default)]
+    pub budget_remaining: Option<Quant>,
     #[serde(default)]
     pub in_flight: Option<u64>,
     #[serde(default)]
@@ -230,6 +233,7 @@ impl Default for TierMetrics {
             v: [0.0; TierField::ALL.len()],
         };
         m.set(TierField::SloAttainment, 100.0);
+        m.set(TierField::BudgetRemaining, 100.0);
         m
     }
 }
@@ -246,6 +250,8 @@ impl TierMetrics {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TenantSignal {
     pub quota_remaining: f64,
+    /// %, of the tenant's money budget this period.
+    pub budget_remaining: f64,
     pub in_flight: u64,
     pub deadline_misses: f64,
     pub requests: f64,
@@ -255,6 +261,7 @@ impl Default for TenantSignal {
     fn default() -> Self {
         TenantSignal {
             quota_remaining: 100.0,
+            budget_remaining: 100.0,
             in_flight: 0,
             deadline_misses: 0.0,
             requests: 0.0,
@@ -268,6 +275,7 @@ impl TenantSignal {
             TenantField::DeadlineMisses => self.deadline_misses,
             TenantField::InFlight => self.in_flight as f64,
             TenantField::Requests => self.requests,
+            TenantField::BudgetRemaining => self.budget_remaining,
         }
     }
 }
@@ -374,6 +382,7 @@ impl Signals {
                 t.name.clone(),
                 TenantInput {
                     quota_remaining: Some(Quant::Num(round3(x.quota_remaining))),
+                    budget_remaining: Some(Quant::Num(round3(x.budget_remaining))),
                     in_flight: Some(x.in_flight),
                     deadline_misses: Some(x.deadline_misses.max(0.0) as u64),
                     requests: Some(x.requests.max(0.0) as u64),
@@ -454,6 +463,9 @@ impl Signals {
             if let Some(v) = &t.quota_remaining {
                 slot.quota_remaining = quant(v, Ty::Percent, "tenant quota_remaining")?;
             }
+            if let Some(v) = &t.budget_remaining {
+                slot.budget_remaining = quant(v, Ty::Percent, "tenant budget_remaining")?;
+            }
             if let Some(v) = t.in_flight {
                 slot.in_flight = v;
             }
@@ -505,6 +517,14 @@ impl Signals {
     pub fn quota_remaining(&self, t: Option<TenantId>) -> f64 {
         t.and_then(|t| self.tenants.get(t as usize))
             .map_or(100.0, |x| x.quota_remaining)
+    }
+    /// The tighter of `t`'s and `tier`'s money budgets, % left.
+    pub fn budget_remaining(&self, t: Option<TenantId>, tier: Option<TierId>) -> f64 {
+        let tenant = t
+            .and_then(|t| self.tenants.get(t as usize))
+            .map_or(100.0, |x| x.budget_remaining);
+        let tier = tier.map_or(100.0, |t| self.tier(t, TierField::BudgetRemaining));
+        tenant.min(tier)
     }
     pub fn in_flight(&self, t: TenantId) -> u64 {
         self.tenants.get(t as usize).map_or(0, |x| x.in_flight)

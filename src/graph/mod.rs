@@ -167,7 +167,34 @@ pub struct Model {
     pub kv_per_token: Option<f64>,
     /// Limits shared by all requests for the model (`quota { … }`).
     pub quota: Quota,
+    /// What one answered request is worth to the business, in the
+    /// currency of prices (`value 0.04`), for reports; `None`: not said.
+    pub value_per_request: Option<f64>,
     pub span: Span,
+}
+
+/// A money budget (`budget 500/day`, `budget 12k/month`): currency a
+/// tenant's or tier's GPU time may cost per calendar day or month in the
+/// policy's time zone, at the prices `gpu_hour_price` gives.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Budget {
+    pub amount: f64,
+    pub period: BudgetPeriod,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BudgetPeriod {
+    Day,
+    Month,
+}
+
+impl BudgetPeriod {
+    pub fn name(self) -> &'static str {
+        match self {
+            BudgetPeriod::Day => "day",
+            BudgetPeriod::Month => "month",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -275,6 +302,8 @@ pub struct Tier {
     /// into this tier may ask for, ms, as written (`completion_windows
     /// [1h, 24h]`); never empty: `[24h]` when the policy names none.
     pub completion_windows: Vec<f64>,
+    /// What the tier's GPU time may cost per day or month.
+    pub budget: Option<Budget>,
     pub owner: Owner,
     pub span: Span,
 }
@@ -411,6 +440,8 @@ pub struct Tenant {
     pub session_steps: Option<u64>,
     /// Cost per GPU-hour.
     pub cost_per_gpu_hour: Option<f64>,
+    /// What the tenant's GPU time may cost per day or month.
+    pub budget: Option<Budget>,
     pub api_keys: Vec<String>,
     /// Sliding window of its measured signals, ms.
     pub signal_window: f64,

@@ -42,6 +42,7 @@ pub enum TierField {
     ErrorRate,
     FallbackRate,
     DeadlineMisses,
+    BudgetRemaining,
 }
 
 /// A field of `tenant(X).…`.
@@ -50,6 +51,7 @@ pub enum TenantField {
     DeadlineMisses,
     InFlight,
     Requests,
+    BudgetRemaining,
 }
 
 /// How a signal is measured.
@@ -114,7 +116,7 @@ impl PoolField {
 }
 
 impl TierField {
-    pub const ALL: [TierField; 16] = [
+    pub const ALL: [TierField; 17] = [
         TierField::TtftP50,
         TierField::TtftP95,
         TierField::TtftP99,
@@ -131,6 +133,7 @@ impl TierField {
         TierField::ErrorRate,
         TierField::FallbackRate,
         TierField::DeadlineMisses,
+        TierField::BudgetRemaining,
     ];
 
     pub fn doc(self) -> Doc {
@@ -152,15 +155,17 @@ impl TierField {
             F::ErrorRate => doc("tier(T).error_rate", "error_rate", Ty::Percent, Windowed, "of the tier's requests that ended in the window, the share answered with a 5xx (no capacity, queue timeout, a policy's 503)"),
             F::FallbackRate => doc("tier(T).fallback_rate", "fallback_rate", Ty::Percent, Windowed, "of the tier's requests decided in the window, the share that took a fallback step"),
             F::DeadlineMisses => doc("tier(T).deadline_misses", "deadline_misses", Ty::Count, Windowed, "the tier's requests that finished after their completion window (a batch item's own, else the tier's), or were refused because they could not meet it, in the window"),
+            F::BudgetRemaining => doc("tier(T).budget_remaining", "budget_remaining", Ty::Percent, Instant, "the share left of the tier's money `budget` for the current day or month of the policy's calendar, its GPU time priced by the pool's `price` or the tenant's `cost` (100% without a budget)"),
         }
     }
 }
 
 impl TenantField {
-    pub const ALL: [TenantField; 3] = [
+    pub const ALL: [TenantField; 4] = [
         TenantField::DeadlineMisses,
         TenantField::InFlight,
         TenantField::Requests,
+        TenantField::BudgetRemaining,
     ];
 
     pub fn doc(self) -> Doc {
@@ -168,6 +173,7 @@ impl TenantField {
             TenantField::DeadlineMisses => doc("tenant(X).deadline_misses", "deadline_misses", Ty::Count, Windowed, "the tenant's requests that finished after their completion window (a batch item's own, else their tier's), or were refused because they could not meet it, in the tenant's window"),
             TenantField::InFlight => doc("tenant(X).in_flight", "in_flight", Ty::Count, Instant, "the tenant's requests admitted and not yet finished (queued, delayed or running)"),
             TenantField::Requests => doc("tenant(X).requests", "requests", Ty::Count, Windowed, "the tenant's requests that ended in the window"),
+            TenantField::BudgetRemaining => doc("tenant(X).budget_remaining", "budget_remaining", Ty::Percent, Instant, "the share left of the tenant's money `budget` for the current day or month of the policy's calendar (100% without a budget)"),
         }
     }
 }
@@ -177,6 +183,7 @@ pub const OTHERS: &[Doc] = &[
     doc("error_rate", "error_rate", Ty::Percent, Windowed, "of all requests that ended in the last 5m, the share answered with a 5xx"),
     doc("estimated_wait", "estimated_wait", Ty::Duration, Instant, "this request's predicted time to first token on the route chosen for it (admit only: it depends on the route)"),
     doc("quota.remaining", "remaining", Ty::Percent, Instant, "the share left of the request's tenant's tightest quota (100% without one)"),
+    doc("budget.remaining", "remaining", Ty::Percent, Instant, "the share left of the tighter of the request's tenant's and tier's money budgets (the tier's once classify chose it; 100% without either)"),
     doc("time", "time", Ty::TimeOfDay, Instant, "the time of day in the policy's time zone (`policy { timezone \"Europe/Berlin\" }`, UTC without one) (`09:00..18:00`, may wrap midnight)"),
     doc("weekday", "weekday", Ty::Weekday, Instant, "the weekday in the policy's time zone (`mon..fri`)"),
     doc("date", "date", Ty::Date, Instant, "the date in the policy's time zone (`date >= 2026-12-24`, `date in 2026-12-28..2027-01-02`: both ends included)"),

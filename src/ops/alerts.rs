@@ -713,6 +713,7 @@ pub fn rules(g: &DecisionGraph, o: &Options) -> Value {
             ));
         }
     }
+    let budgets = budget_alerts(g, &policy);
     let fleet = vec![
         alert(
             "KilnReplicasBusy",
@@ -791,9 +792,66 @@ pub fn rules(g: &DecisionGraph, o: &Options) -> Value {
     if !saturation.is_empty() {
         groups.push(json!({ "name": "kiln-saturation", "rules": saturation }));
     }
+    if !budgets.is_empty() {
+        groups.push(json!({ "name": "kiln-budgets", "rules": budgets }));
+    }
     groups.push(json!({ "name": "kiln-fleet", "rules": fleet }));
     let mut out = json!({ "groups": groups });
     finish(&mut out, o);
+    out
+}
+
+/// Per tenant or tier with a money `budget`: a ticket at 80% of it spent,
+/// a page once it is spent. Each replica exports its share of the budget
+/// and what it spent, so the sums over replicas are the fleet's.
+fn budget_alerts(g: &DecisionGraph, policy: &str) -> Vec<Value> {
+    let tenants = g.tenants.iter().filter_map(|t| {
+        let owner = Owner {
+            owner: t.owner.clone(),
+            escalation: t.escalation.clone(),
+        }
+        .or(&g.owner);
+        t.budget.map(|b| ("tenant", t.name.as_str(), b, owner))
+    });
+    let tiers = g.tiers.iter().enumerate().filter_map(|(i, t)| {
+        t.budget
+            .map(|b| ("tier", t.name.as_str(), b, g.tier_owner(i as u16)))
+    });
+    let mut out = Vec::new();
+    for (scope, name, b, owner) in tenants.chain(tiers) {
+        let sel = format!(
+            "scope=\"{scope}\",name=\"{}\",period=\"{}\"",
+            promql_escape(name),
+            b.period.name()
+        );
+        let share = format!(
+            "sum by (scope, name) (kiln_budget_spent{{{sel}}}) / sum by (scope, name) (kiln_budget_limit{{{sel}}})"
+        );
+        let amount = format!("{} a {}", num(b.amount), b.period.name());
+        // The low alert stops where the exhausted one starts.
+        for (alert_name, range, severity, words) in [
+            ("KilnBudgetLow", ">= 0.8 < 1", "ticket", "has spent 80% of"),
+            ("KilnBudgetExhausted", ">= 1", "page", "has spent all of"),
+        ] {
+            let mut a = alert(
+                alert_name,
+                format!("({share}) {range}"),
+                "0m",
+                severity,
+                annotations(
+                    format!("{scope} {{{{ $labels.name }}}} {words} its budget"),
+                    format!(
+                        "Policy {policy}: {scope} {{{{ $labels.name }}}} has a budget of {amount}; its GPU time this {} has cost {{{{ $value | humanizePercentage }}}} of it. What happens now is what the policy's rules on `budget.remaining` say.",
+                        b.period.name()
+                    ),
+                    "a-budget-is-running-out",
+                ),
+            );
+            a["labels"][scope] = Value::String(template_escape(name));
+            owner_labels(&mut a, &owner);
+            out.push(a);
+        }
+    }
     out
 }
 

@@ -332,6 +332,23 @@ pub fn dashboard(g: &DecisionGraph, policy: &str) -> Value {
         (0, y, 24, 8),
     ));
     y += 8;
+    // Money budgets: summed over replicas (each exports its share), the
+    // share of each tenant's and tier's budget spent this period.
+    if g.tenants.iter().any(|t| t.budget.is_some()) || g.tiers.iter().any(|t| t.budget.is_some()) {
+        panels.push(timeseries(
+            &mut id,
+            "Money budgets: share spent this period".into(),
+            "percentunit",
+            vec![target(
+                "sum by (scope, name, period) (kiln_budget_spent) / sum by (scope, name, period) (kiln_budget_limit)".into(),
+                "{{scope}} {{name}} ({{period}})",
+                0,
+            )],
+            Some(0.8),
+            (0, y, 24, 8),
+        ));
+        y += 8;
+    }
     panels.push(row(&mut id, "Policy and rollout", y));
     y += 1;
     panels.push(timeseries(

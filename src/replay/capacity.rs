@@ -398,6 +398,7 @@ mod tests {
             priced_gpu_seconds: 0.0,
             cache_hits: None,
             wasted_gpu_seconds: None,
+            value: None,
         };
         let mut r = Report {
             scheduler: "kiln".into(),

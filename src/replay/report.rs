@@ -68,6 +68,11 @@ pub struct Group {
     /// threw away (useful GPU time is the rest); absent when none was.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub wasted_gpu_seconds: Option<f64>,
+    /// What the requests that met their SLO are worth, at their model's
+    /// `value` per answered request (a late or refused answer earns
+    /// nothing); absent when no model of the group declares a value.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub value: Option<f64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -213,6 +218,7 @@ fn group<'a>(
         priced_gpu_seconds: 0.0,
         cache_hits: None,
         wasted_gpu_seconds: None,
+        value: None,
     };
     let mut hits = 0u64;
     let mut wasted = 0.0;
@@ -267,7 +273,12 @@ fn group<'a>(
         if met_slo(g, o) {
             met += 1;
         }
+        if let Some(v) = value_of(g, o) {
+            let earned = if met_slo(g, o) { v } else { 0.0 };
+            *gr.value.get_or_insert(0.0) += earned;
+        }
     }
+    gr.value = gr.value.map(round);
     gr.gpu_seconds = round(gr.gpu_seconds);
     gr.cost = round(gr.cost);
     gr.cache_hits = (hits > 0).then_some(hits);
@@ -300,6 +311,13 @@ fn round(x: f64) -> f64 {
 /// finish against the batch's deadline.
 /// What one request's GPU time cost: its tenant's `cost`, else its
 /// pool's `price`, per GPU-hour; `None` when neither is declared.
+/// The `value` of the model a request ran as (`None`: it ran nowhere, or
+/// its model declares none).
+fn value_of(g: &DecisionGraph, o: &Outcome) -> Option<f64> {
+    let (m, _) = o.variant?;
+    g.models.get(usize::from(m))?.value_per_request
+}
+
 fn cost_of(g: &DecisionGraph, o: &Outcome) -> Option<f64> {
     g.gpu_hour_price(o.tenant, o.pool)
         .map(|rate| o.gpu_seconds / 3600.0 * rate)
@@ -668,6 +686,19 @@ pub fn human(reports: &[Report]) -> String {
             }
         }
         reclaimed(&mut s, &r.tiers);
+        for m in r.models.iter().filter(|m| m.value.is_some()) {
+            let value = m.value.unwrap_or(0.0);
+            let per_cost = if m.cost > 0.0 {
+                format!(" ({:.2}x)", value / m.cost)
+            } else {
+                String::new()
+            };
+            let _ = writeln!(
+                s,
+                "  value, model {}: {:.2} earned by answers within their SLO, against a cost of {:.2}{}",
+                m.name, value, m.cost, per_cost
+            );
+        }
         for t in r.tiers.iter().filter(|t| t.cache_hits.is_some()) {
             let hits = t.cache_hits.unwrap_or(0);
             let share = if t.requests > 0 {
@@ -739,6 +770,36 @@ tenant b { owner "o" tiers [t] cost 2/h }
 classify { default => tier t }
 route [t] m { default => fp16 }
 "#;
+
+    /// Value is earned by answers within their SLO, at their model's
+    /// `value`; a group whose models declare none has no value at all.
+    #[test]
+    fn value_is_earned_by_answers_within_their_slo() {
+        let text = PRICED
+            .replace("model m {", "model m { value 0.25")
+            .replace("tier t { priority 1 slo { window 1h } }", "tier t { priority 1 slo { ttft 1s } }")
+            + "model n { variant fp16 { memory 10GB pools [h100] } }\nroute [t] n { default => fp16 }\n";
+        let g = crate::compile::compile_str("t.kiln", &text).graph.unwrap();
+        let (m, n) = (g.model_id("m").unwrap(), g.model_id("n").unwrap());
+        let o = |model: u16, ttft_ms: u64, refused: bool| Outcome {
+            tier: Some(0),
+            variant: Some((model, 0)),
+            arrival: 0,
+            first_token: Some(ttft_ms * MS),
+            finished: Some((ttft_ms + 100) * MS),
+            rejected: refused.then_some((crate::sched::Reason::Overload, 429)),
+            ..Outcome::default()
+        };
+        let on_time = o(m, 500, false);
+        let late = o(m, 2000, false);
+        let refused = o(m, 500, true);
+        let other = o(n, 500, false);
+        let all = [on_time.clone(), on_time, late, refused, other.clone()];
+        let gr = group(&g, "all".into(), all.iter(), 60.0);
+        assert_eq!(gr.value, Some(0.5));
+        let gr = group(&g, "n".into(), [other].iter(), 60.0);
+        assert_eq!(gr.value, None);
+    }
 
     /// Cost is each request's GPU time at its tenant's `cost`, else its
     /// pool's `price`; time with neither counts as unpriced.

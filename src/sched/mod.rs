@@ -30,6 +30,7 @@
 
 mod admit;
 mod bucket;
+pub mod budget;
 pub mod cache;
 pub mod canary;
 pub mod forecast;
@@ -569,6 +570,8 @@ pub struct Scheduler {
     quotas: Quotas,
     /// Tier and model quotas.
     scoped: scoped::ScopedQuotas,
+    /// Tenants' and tiers' money budgets.
+    budgets: budget::Budgets,
     /// The rate limits of requests the quota gate saw during the last
     /// [`Scheduler::handle`] (with [`Config::rate_limits`]).
     limits_out: Vec<(ReqId, ratelimit::RateLimits)>,
@@ -670,6 +673,7 @@ impl Scheduler {
         let idle = signals.clone();
         let quotas = Quotas::scaled(&graph, cfg.quota_scale);
         let scoped = scoped::ScopedQuotas::scaled(&graph, cfg.quota_scale);
+        let budgets = budget::Budgets::new(&graph, cfg.quota_scale);
         let queues = Queues::new(&graph, &cfg);
         let router = route::Router::new(cfg.routing, cfg.seed);
         let pinned = vec![0; replicas.len()];
@@ -688,6 +692,7 @@ impl Scheduler {
             by_variant,
             queues,
             quotas,
+            budgets,
             scoped,
             limits_out: Vec::new(),
             held: HashMap::default(),
@@ -776,6 +781,7 @@ impl Scheduler {
         let g = self.graph.clone();
         self.quotas = self.quotas.rescaled(&g, scale, self.now);
         self.scoped = self.scoped.rescaled(&g, scale, self.now);
+        self.budgets = self.budgets.rescaled(scale);
         self.cfg.quota_scale = self.quotas.scale();
     }
 
@@ -1235,6 +1241,7 @@ impl Scheduler {
             } else {
                 0.0
             };
+            let pool = self.replicas[r].spec.pool;
             let s = self.replicas[r].evict(i);
             if let Some(t) = s.w.tenant {
                 if share > 0.0 {
@@ -1242,6 +1249,7 @@ impl Scheduler {
                         .charge_gpu(t, share, self.now, s.w.claims.tenant);
                 }
             }
+            self.charge_budgets(&s.w, pool, share);
             if share > 0.0 {
                 self.scoped
                     .charge_gpu(s.w.tier, s.w.model, share, self.now, s.w.claims.scoped);
@@ -1280,6 +1288,7 @@ impl Scheduler {
         }
         self.scoped
             .charge_gpu(s.w.tier, s.w.model, share, self.now, s.w.claims.scoped);
+        self.charge_budgets(&s.w, pool, share);
         // Fair share was charged for the output budget at dispatch.
         let unused =
             s.w.output_tokens
@@ -1295,33 +1304,63 @@ impl Scheduler {
         });
     }
 
+    /// Charges `gpu_seconds` of `w`'s work on `pool` to its tenant's and
+    /// tier's money budgets, in the period the policy's calendar is in.
+    fn charge_budgets(&mut self, w: &Waiting, pool: PoolId, gpu_seconds: f64) {
+        if gpu_seconds <= 0.0 || !self.budgets.any() {
+            return;
+        }
+        let c = self.civil_now();
+        self.budgets
+            .charge(&self.graph, (w.tenant, w.tier, pool), gpu_seconds, &c);
+    }
+
     /// What the clock reads now: in the policy's zone from a wall-clock
-    /// start, else counted from the configured start.
+    /// start, else counted from the configured start (cached per minute).
     fn civil_now(&mut self) -> crate::units::calendar::Civil {
-        use crate::units::calendar;
-        let minute = self.now / (60 * SEC);
-        let wall_ms = self
-            .cfg
-            .start_unix_ms
-            .map(|ms| ms.saturating_add((self.now / 1000) as i64));
-        // The wall clock's minutes, or those since time 0.
-        let key = wall_ms.map_or(minute, |ms| (ms.max(0) / 60_000) as u64);
+        let key = self.civil_key();
         if let Some((m, c)) = self.civil {
             if m == key {
                 return c;
             }
         }
-        let c = match wall_ms {
+        let c = self.civil_read();
+        self.civil = Some((key, c));
+        c
+    }
+
+    /// The minute the clock reads: the wall clock's, or since time 0.
+    fn civil_key(&self) -> u64 {
+        let minute = self.now / (60 * SEC);
+        self.wall_ms()
+            .map_or(minute, |ms| (ms.max(0) / 60_000) as u64)
+    }
+
+    fn wall_ms(&self) -> Option<i64> {
+        self.cfg
+            .start_unix_ms
+            .map(|ms| ms.saturating_add((self.now / 1000) as i64))
+    }
+
+    fn civil_read(&self) -> crate::units::calendar::Civil {
+        use crate::units::calendar;
+        match self.wall_ms() {
             Some(ms) => calendar::civil_at(ms, self.graph.timezone.as_ref()),
             None => calendar::civil_after(
                 self.cfg.start_date,
                 self.cfg.start_minute_of_day,
                 self.cfg.start_weekday,
-                minute,
+                self.now / (60 * SEC),
             ),
-        };
-        self.civil = Some((key, c));
-        c
+        }
+    }
+
+    /// Every money budget: its share here and what this period spent.
+    pub fn budgets(&self) -> Vec<budget::BudgetView> {
+        if !self.budgets.any() {
+            return Vec::new();
+        }
+        self.budgets.view(&self.graph, &self.civil_read())
     }
 
     fn refresh_signals(&mut self) {
@@ -1435,6 +1474,17 @@ impl Scheduler {
         }
         self.live
             .fill(self.now, &mut self.signals, &self.scratch.capacity);
+        if self.budgets.any() {
+            for (t, s) in self.signals.tenants.iter_mut().enumerate() {
+                s.budget_remaining = self.budgets.tenant_remaining(t as TenantId, &c);
+            }
+            for (t, m) in self.signals.tiers.iter_mut().enumerate() {
+                m.set(
+                    TierField::BudgetRemaining,
+                    self.budgets.tier_remaining(t as TierId, &c),
+                );
+            }
+        }
         let _ = g;
     }
 
@@ -2001,6 +2051,7 @@ impl Scheduler {
 
     fn step_done(&mut self, r: usize) {
         let now = self.now;
+        let civil = self.civil_now();
         let Some(rep) = self.replicas.get_mut(r) else {
             return;
         };
@@ -2017,6 +2068,12 @@ impl Scheduler {
                 }
                 self.scoped
                     .charge_gpu(s.w.tier, s.w.model, share, now, s.w.claims.scoped);
+                self.budgets.charge(
+                    &self.graph,
+                    (s.w.tenant, s.w.tier, rep.spec.pool),
+                    share,
+                    &civil,
+                );
             }
         }
         let (prefill, decodes, context) = rep.step_shape;
@@ -2384,11 +2441,13 @@ impl Scheduler {
         } else {
             0.0
         };
+        let pool = self.replicas[r].spec.pool;
         let mut seq = self.replicas[r].evict(i);
         if let (Some(t), true) = (seq.w.tenant, share > 0.0) {
             self.quotas
                 .charge_gpu(t, share, self.now, seq.w.claims.tenant);
         }
+        self.charge_budgets(&seq.w, pool, share);
         // Keeps its place: back at the head of its tenant's queue, with its
         // generated tokens; the KV cache is recomputed when it resumes.
         seq.w.preemptions += 1;

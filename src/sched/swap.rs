@@ -245,6 +245,7 @@ impl Scheduler {
         }
         self.quotas = self.quotas.remap(&graph, &map.tenants, self.now);
         self.scoped = self.scoped.remap(&graph, &map, self.now);
+        self.budgets = self.budgets.remap(&graph, &map.tenants, &map.tiers);
         self.sessions = std::mem::take(&mut self.sessions)
             .into_iter()
             .filter_map(|(k, (t, n))| map.tier(t).map(|t| (k, (t, n))))

@@ -127,6 +127,10 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
                 },
             );
         }
+        for b in &s.budgets {
+            app.metrics
+                .set_budget(b.scope, &b.name, b.period, b.limit, b.spent);
+        }
         for (tier, n) in &s.semantic_entries {
             app.metrics.cache_entries(tier, "semantic", *n);
         }

@@ -232,6 +232,9 @@ pub struct Snapshot {
     /// (for `kiln_cache_entries`, so it falls as entries expire).
     #[serde(skip)]
     pub semantic_entries: Vec<(String, usize)>,
+    /// Tenants' and tiers' money budgets (for `kiln_budget_*`).
+    #[serde(skip)]
+    pub budgets: Vec<crate::sched::budget::BudgetView>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -1070,6 +1073,7 @@ impl<C: Clock> Executor<C> {
                     )
                 })
                 .collect(),
+            budgets: sched.budgets(),
         }
     }
 }

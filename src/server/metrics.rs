@@ -259,6 +259,8 @@ struct Collectors {
     shared_errors: CounterVec,
     shared_unclaimed: CounterVec,
     upstream_breaker: GaugeVec,
+    budget_limit: GaugeVec,
+    budget_spent: GaugeVec,
     cache_hits: CounterVec,
     cache_misses: CounterVec,
     cache_entries: GaugeVec,
@@ -548,6 +550,18 @@ impl Collectors {
                 "kiln_upstream_breaker_open",
                 "1 while an HTTP upstream's circuit breaker refuses requests (open, or half-open with its trial in flight), 0 while it lets them through.",
                 &["pool", "upstream"],
+            )?,
+            budget_limit: gauge(
+                r,
+                "kiln_budget_limit",
+                "A tenant's or tier's money `budget` for one period (`day` or `month` of the policy's calendar), in the currency of `price` and `cost`: this replica's share of it (1/N of N replicas).",
+                &["scope", "name", "period"],
+            )?,
+            budget_spent: gauge(
+                r,
+                "kiln_budget_spent",
+                "What the tenant's or tier's GPU time has cost so far this period on this replica (its GPU-seconds at the pool's `price`, or the tenant's `cost`), against `kiln_budget_limit`; 0 when a new period begins.",
+                &["scope", "name", "period"],
             )?,
             cache_hits: counter(
                 r,
@@ -1050,6 +1064,8 @@ impl Metrics {
             &c.queue_depth,
             &c.queue_oldest,
             &c.upstream_breaker,
+            &c.budget_limit,
+            &c.budget_spent,
         ]) {
             g.reset();
         }
@@ -1060,6 +1076,19 @@ impl Metrics {
             .and_then(|p| p.as_ref().map(|(_, cat)| cat.clone()));
         if let Some(cat) = cat {
             self.zero_gauges(&cat);
+        }
+    }
+
+    /// A money budget as the snapshot saw it. Refilled with the other
+    /// gauges.
+    pub fn set_budget(&self, scope: &str, name: &str, period: &str, limit: f64, spent: f64) {
+        let Some(c) = &self.c else { return };
+        let v = [scope, name, period];
+        if let Some(g) = get(&c.budget_limit, &v) {
+            g.set(limit);
+        }
+        if let Some(g) = get(&c.budget_spent, &v) {
+            g.set(spent);
         }
     }
 

@@ -51,6 +51,16 @@ pub fn parse_date(text: &str) -> Option<i32> {
     )
 }
 
+/// The calendar month of a day number, counted from year 0 (`year * 12 +
+/// month - 1`): two days share a month exactly when these are equal.
+pub fn month_index(days: i32) -> i32 {
+    epoch()
+        .checked_add(jiff::Span::new().days(i64::from(days)))
+        .map_or(1970 * 12, |d| {
+            i32::from(d.year()) * 12 + i32::from(d.month()) - 1
+        })
+}
+
 /// The day of the month (1–31) of a day number.
 pub fn day_of_month(days: i32) -> u8 {
     epoch()

@@ -168,6 +168,14 @@ pub fn quantity(q: QuantityParts<'_>) -> Result<Typed, UnitError> {
                 "min" => 60.0,
                 "h" => 3600.0,
                 "d" | "day" => 86_400.0,
+                // Months differ in length: a rate per month would read as
+                // a different rate each month.
+                "month" => {
+                    return Err(UnitError(format!(
+                        "`{}`: a month has no fixed length, so `/month` is only for a `budget` (write the rate per day, hour, minute or second)",
+                        q.raw
+                    )))
+                }
                 p => return Err(UnitError(format!("unknown period `/{p}`"))),
             };
             Ok(Typed {
@@ -235,7 +243,7 @@ pub fn time_of_day(t: &str) -> Option<u32> {
 const UNITS: [&str; 15] = [
     "ms", "min", "GiB", "MiB", "TiB", "KiB", "GB", "MB", "TB", "KB", "s", "m", "h", "d", "%",
 ];
-const PERIODS: [&str; 5] = ["s", "min", "h", "day", "d"];
+const PERIODS: [&str; 6] = ["s", "min", "h", "day", "d", "month"];
 
 fn ident_char(c: u8) -> bool {
     c.is_ascii_alphanumeric() || c == b'_' || c == b'-'
