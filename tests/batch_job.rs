@@ -199,3 +199,36 @@ async fn a_capped_batch_never_has_more_items_running_than_its_cap() {
     assert!(most > 2.0, "{most} running at once without a cap");
     srv.stop().await;
 }
+
+/// Seconds from creation to the predicted finish of a fresh batch of 200
+/// items of 200 tokens, alone on a gateway at real speed.
+async fn predicted_secs(metadata: Value) -> i64 {
+    let mut cfg = ServerConfig::default_embedded();
+    cfg.sim.speed = 1.0;
+    cfg.batch.max_in_flight = 64;
+    let srv = serve_on_loopback(policy("job.kiln", POLICY), cfg).await;
+    let base = format!("http://{}", srv.addr);
+    let c = client();
+    let file = upload(&c, &base, "k-alpha", &jsonl("p", "tiny", 200, 200)).await;
+    let r = create(&c, &base, "k-alpha", &file, "24h", metadata).await;
+    assert_eq!(r.status(), 200);
+    let b: Value = r.json().await.unwrap();
+    let finish = b["kiln"]["predicted_finish_at"]
+        .as_i64()
+        .expect("a prediction");
+    let created = b["created_at"].as_i64().unwrap();
+    srv.stop().await;
+    finish - created
+}
+
+/// A batch allowed one item at a time finishes no sooner than its items'
+/// latencies one after another: its promise says so, rather than the
+/// pace of a batch that fills the replica's eight slots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_capped_batch_is_promised_the_pace_its_cap_allows() {
+    let open = predicted_secs(json!({})).await;
+    let one = predicted_secs(json!({"kiln_max_in_flight": "1"})).await;
+    assert!(open >= 1, "{open}");
+    eprintln!("predicted: capped at 1 {one} s, uncapped {open} s");
+    assert!(one >= 3 * open, "capped at 1: {one} s, uncapped: {open} s");
+}

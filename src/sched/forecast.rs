@@ -28,6 +28,9 @@ pub struct Forecast {
     /// Of `secs`: each item's share of the drain (`secs = start_secs +
     /// items × item_secs`), so work not yet queued can be added up.
     pub item_secs: f64,
+    /// One item alone on a replica, start to last token: what bounds a
+    /// batch that runs few items at once (`kiln_max_in_flight`).
+    pub item_latency_secs: f64,
 }
 
 impl Scheduler {
@@ -95,12 +98,22 @@ impl Scheduler {
             f64::INFINITY
         };
         let secs = start + items as f64 * item_secs;
+        let item_latency_secs = reps
+            .iter()
+            .filter_map(|&r| self.replicas.get(r))
+            .map(|x| x.idle_latency_secs(prompt, output))
+            .fold(f64::INFINITY, f64::min);
         (secs.is_finite() && item_secs.is_finite()).then_some(Forecast {
             tier: d.tier,
             secs,
             tokens_per_s: free,
             start_secs: start,
             item_secs,
+            item_latency_secs: if item_latency_secs.is_finite() {
+                item_latency_secs
+            } else {
+                0.0
+            },
         })
     }
 }

@@ -554,6 +554,16 @@ impl Replica {
         self.prefill_time(pending.saturating_add(tokens.max(1)), decodes, context)
     }
 
+    /// How long one request takes here from start to last token when
+    /// nothing else runs: its prefill, then one single-sequence decode
+    /// step per output token at half its final context, seconds. A batch
+    /// allowed `n` items at once finishes no faster than `n` per this.
+    pub fn idle_latency_secs(&self, prompt: u32, output: u32) -> f64 {
+        let ctx = u64::from(prompt) + u64::from(output) / 2;
+        let prefill = self.idle_first_token_time(u64::from(prompt)) as f64 / SEC as f64;
+        prefill + f64::from(output) * sane_secs(self.spec.cost.step_time(0, 1, ctx.max(1)))
+    }
+
     /// The time before a prompt of `tokens` gets its first token here when
     /// nothing else runs: its zero-load TTFT, what no wait can improve.
     pub fn idle_first_token_time(&self, tokens: u64) -> Micros {

@@ -32,14 +32,28 @@ pub struct Estimate {
     /// Wall seconds of its tier's free capacity one item takes, never less
     /// than the tenant's quotas allow.
     pub item_s: f64,
+    /// Wall seconds one item takes alone on a replica, start to end.
+    pub item_latency_s: f64,
     /// The tier its items classify into.
     pub tier: String,
 }
 
 impl Estimate {
-    /// Wall seconds until `items` such items would be done, alone.
-    pub fn secs(&self, items: u64) -> f64 {
-        self.start_s + items as f64 * self.item_s
+    /// Wall seconds until `items` such items would be done, alone, at
+    /// most `cap` of them at once (a batch's `kiln_max_in_flight`).
+    pub fn secs(&self, items: u64, cap: Option<u32>) -> f64 {
+        self.start_s + items as f64 * self.item_s_capped(1.0, cap)
+    }
+
+    /// Wall seconds of the group's capacity per item when the batch gets
+    /// `share` of it, and no less than its cap allows: `cap` items at a
+    /// time, each taking its latency.
+    pub fn item_s_capped(&self, share: f64, cap: Option<u32>) -> f64 {
+        let by_share = self.item_s / share.max(1e-6);
+        match cap {
+            Some(c) if c > 0 => by_share.max(self.item_latency_s / f64::from(c)),
+            _ => by_share,
+        }
     }
 }
 
@@ -177,7 +191,11 @@ pub async fn plan_rows(
         let sum: f64 = tiers.get(tier).map_or(1.0, |t| t.values().sum());
         let tier_priority = priority_of(tier);
         let share = (weight(owner) / sum.max(f64::MIN_POSITIVE)).clamp(0.0, 1.0);
-        let eff = |i: usize| ests[i].as_ref().map_or(0.0, |e| e.item_s) / share.max(1e-6);
+        let eff = |i: usize| {
+            ests[i]
+                .as_ref()
+                .map_or(0.0, |e| e.item_s_capped(share, rows[i].job().max_in_flight))
+        };
         // The group's observed pace (its fastest running batch's, the
         // one sending) calibrates the estimate, within a factor of ten.
         let front = members
@@ -338,6 +356,7 @@ pub async fn estimate_for_lines(
     Some(Estimate {
         start_s: f.start_secs / speed,
         item_s: f.item_secs.max(floor) / speed,
+        item_latency_s: f.item_latency_secs / speed,
         tier,
     })
 }

@@ -955,6 +955,8 @@ async fn create_inner(
     let speed = app.speed;
     let created = now_s();
     let window_s = window / speed;
+    // A batch's own cap on items at once bounds its pace.
+    let cap = job.max_in_flight;
     let mut row = BatchRow {
         id: crate::batch::new_id("batch_"),
         owner: owner.clone(),
@@ -982,7 +984,7 @@ async fn create_inner(
         output_file_id: None,
         error_file_id: None,
         tier,
-        predicted_finish: est.as_ref().map(|e| created as f64 + e.secs(f.lines)),
+        predicted_finish: est.as_ref().map(|e| created as f64 + e.secs(f.lines, cap)),
         gpu_seconds: 0.0,
         deadline_misses: 0,
         promise: Default::default(),
