@@ -42,33 +42,12 @@ fn client() -> reqwest::Client {
 
 /// A JSONL batch file of `n` chat requests, ids `req-0`…
 fn jsonl(n: usize, max_tokens: u64) -> String {
-    let mut s = String::new();
-    for i in 0..n {
-        let line = json!({
-            "custom_id": format!("req-{i}"),
-            "method": "POST",
-            "url": "/v1/chat/completions",
-            "body": {"model": "tiny", "messages": [{"role": "user", "content": format!("summarise item {i}")}], "max_tokens": max_tokens}
-        });
-        s.push_str(&line.to_string());
-        s.push('\n');
-    }
-    s
+    support::batches::jsonl("req", "tiny", n, max_tokens)
 }
 
-/// POST /v1/files as multipart, purpose first or last.
+/// POST /v1/files as multipart.
 async fn upload(c: &reqwest::Client, base: &str, key: &str, content: &str) -> reqwest::Response {
-    let b = "kilnboundary7e3f";
-    let body = format!(
-        "--{b}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n--{b}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"in.jsonl\"\r\nContent-Type: application/jsonl\r\n\r\n{content}\r\n--{b}--\r\n"
-    );
-    c.post(format!("{base}/v1/files"))
-        .bearer_auth(key)
-        .header("content-type", format!("multipart/form-data; boundary={b}"))
-        .body(body)
-        .send()
-        .await
-        .unwrap()
+    support::batches::post_file(c, base, key, content).await
 }
 
 async fn create(

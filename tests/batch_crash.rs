@@ -11,6 +11,8 @@
 //! (And, ignored until fixed: concurrent uploads must not stall the binary.)
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code may panic
 
+mod support;
+
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Value};
@@ -157,18 +159,7 @@ impl Drop for Gateway {
 }
 
 fn jsonl(n: usize, max_tokens: u64) -> String {
-    let mut s = String::new();
-    for i in 0..n {
-        let line = json!({
-            "custom_id": format!("req-{i}"),
-            "method": "POST",
-            "url": "/v1/chat/completions",
-            "body": {"model": "tiny", "messages": [{"role": "user", "content": format!("summarise item {i}")}], "max_tokens": max_tokens}
-        });
-        s.push_str(&line.to_string());
-        s.push('\n');
-    }
-    s
+    support::batches::jsonl("req", "tiny", n, max_tokens)
 }
 
 fn client() -> reqwest::Client {
@@ -180,18 +171,7 @@ fn client() -> reqwest::Client {
 }
 
 async fn upload(c: &reqwest::Client, base: &str, content: &str) -> Value {
-    let b = "kilnboundary5c1d";
-    let body = format!(
-        "--{b}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n--{b}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"in.jsonl\"\r\nContent-Type: application/jsonl\r\n\r\n{content}\r\n--{b}--\r\n"
-    );
-    let r = c
-        .post(format!("{base}/v1/files"))
-        .bearer_auth(KEY)
-        .header("content-type", format!("multipart/form-data; boundary={b}"))
-        .body(body)
-        .send()
-        .await
-        .unwrap();
+    let r = support::batches::post_file(c, base, KEY, content).await;
     assert_eq!(r.status(), 200);
     r.json().await.unwrap()
 }

@@ -54,17 +54,7 @@ fn chat(i: usize, max_tokens: u64) -> String {
 }
 
 async fn upload(c: &reqwest::Client, base: &str, content: &str) -> reqwest::Response {
-    let b = "kilnboundary7e3f";
-    let body = format!(
-        "--{b}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n--{b}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"in.jsonl\"\r\nContent-Type: application/jsonl\r\n\r\n{content}\r\n--{b}--\r\n"
-    );
-    c.post(format!("{base}/v1/files"))
-        .bearer_auth("k-alpha")
-        .header("content-type", format!("multipart/form-data; boundary={b}"))
-        .body(body)
-        .send()
-        .await
-        .unwrap()
+    support::batches::post_file(c, base, "k-alpha", content).await
 }
 
 async fn file_of(c: &reqwest::Client, base: &str, lines: &[String]) -> String {

@@ -55,36 +55,11 @@ fn client() -> reqwest::Client {
 }
 
 fn jsonl(tag: &str, n: usize, max_tokens: u64) -> String {
-    let mut s = String::new();
-    for i in 0..n {
-        let line = json!({
-            "custom_id": format!("{tag}-{i}"),
-            "method": "POST",
-            "url": "/v1/chat/completions",
-            "body": {"model": "tiny", "messages": [{"role": "user", "content": format!("summarise item {i} of {tag}")}], "max_tokens": max_tokens}
-        });
-        s.push_str(&line.to_string());
-        s.push('\n');
-    }
-    s
+    support::batches::jsonl(tag, "tiny", n, max_tokens)
 }
 
 async fn upload(c: &reqwest::Client, base: &str, content: &str) -> String {
-    let b = "kilnboundary7e3f";
-    let body = format!(
-        "--{b}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n--{b}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"in.jsonl\"\r\nContent-Type: application/jsonl\r\n\r\n{content}\r\n--{b}--\r\n"
-    );
-    let r = c
-        .post(format!("{base}/v1/files"))
-        .bearer_auth("k-alpha")
-        .header("content-type", format!("multipart/form-data; boundary={b}"))
-        .body(body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let f: Value = r.json().await.unwrap();
-    f["id"].as_str().unwrap().to_string()
+    support::batches::upload(c, base, "k-alpha", content).await
 }
 
 async fn create(c: &reqwest::Client, base: &str, file: &str, window_s: u64) -> reqwest::Response {

@@ -20,20 +20,29 @@ pub fn jsonl(tag: &str, model: &str, n: usize, max_tokens: u64) -> String {
     s
 }
 
-/// Uploads `content` as a `batch` file with `key`; its id.
-pub async fn upload(c: &reqwest::Client, base: &str, key: &str, content: &str) -> String {
+/// `POST /v1/files`: `content` as a multipart `batch` file with `key`.
+pub async fn post_file(
+    c: &reqwest::Client,
+    base: &str,
+    key: &str,
+    content: &str,
+) -> reqwest::Response {
     let b = "kilnboundary7e3f";
     let body = format!(
         "--{b}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n--{b}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"in.jsonl\"\r\nContent-Type: application/jsonl\r\n\r\n{content}\r\n--{b}--\r\n"
     );
-    let r = c
-        .post(format!("{base}/v1/files"))
+    c.post(format!("{base}/v1/files"))
         .bearer_auth(key)
         .header("content-type", format!("multipart/form-data; boundary={b}"))
         .body(body)
         .send()
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// Uploads `content` as a `batch` file with `key`; its id.
+pub async fn upload(c: &reqwest::Client, base: &str, key: &str, content: &str) -> String {
+    let r = post_file(c, base, key, content).await;
     assert_eq!(r.status(), 200);
     let f: Value = r.json().await.unwrap();
     f["id"].as_str().unwrap().to_string()
