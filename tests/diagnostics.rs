@@ -967,3 +967,74 @@ fn numeric_shadowing_needs_the_stronger_rule_second() {
     );
     assert!(kiln::compile::build_features(&c, true).is_empty());
 }
+
+#[test]
+fn rollout_stages_are_checked_with_a_span_and_a_help() {
+    let errors = |rollout: &str| {
+        let (_, d) = diagnose(&plus(rollout));
+        d.items
+            .iter()
+            .map(|d| {
+                (
+                    d.code,
+                    d.message.clone(),
+                    d.span.is_some(),
+                    d.help.is_some(),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    // A good one: quiet.
+    let ok = errors(
+        "rollout {\n  stage pilot {\n    tenants [app]\n    duration 30m\n  }\n  stage bulk5 {\n    tiers [bulk]\n    models [m]\n    share 5%\n    gate when tier(bulk).error_rate < 1% for 10m\n  }\n}",
+    );
+    assert!(ok.is_empty(), "{ok:?}");
+    for (rollout, code, says) in [
+        (
+            "rollout {\n  stage a { share 5% }\n  stage a { share 50% }\n}",
+            Code::DuplicateDefinition,
+            "two stages named `a`",
+        ),
+        (
+            "rollout {\n  stage a { duration 1h }\n}",
+            Code::MissingField,
+            "stage `a` names no traffic",
+        ),
+        (
+            "rollout {\n  stage a { tiers [nope] }\n}",
+            Code::UnknownName,
+            "nope",
+        ),
+        (
+            "rollout {\n  stage a { models [nope] }\n}",
+            Code::UnknownName,
+            "nope",
+        ),
+        (
+            "rollout {\n  stage a { sahre 5% }\n}",
+            Code::UnknownField,
+            "sahre",
+        ),
+        (
+            "rollout {\n  canary { share 5% }\n  stage a { share 50% }\n}",
+            Code::DuplicateDefinition,
+            "both a canary and stages",
+        ),
+    ] {
+        let e = errors(rollout);
+        assert!(
+            e.iter()
+                .any(|(c, m, span, help)| *c == code && m.contains(says) && *span && *help),
+            "{rollout}: {e:?}"
+        );
+    }
+    // A gate on the pool's hardware is flagged like a rollback condition.
+    let e = errors(
+        "rollout {\n  stage a {\n    share 5%\n    gate when pool(gpu).utilization < 90%\n  }\n}",
+    );
+    assert!(
+        e.iter()
+            .any(|(c, m, _, _)| *c == Code::RollbackOnSharedPool && m.contains("stage gate")),
+        "{e:?}"
+    );
+}

@@ -1183,3 +1183,42 @@ fn a_rule_on_the_batch_signal_has_a_batch_item_for_a_witness() {
         );
     }
 }
+
+#[test]
+fn stage_changes_read_by_stage_name() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("policies/split");
+    let read = |f: &str| std::fs::read_to_string(dir.join(f)).expect("read");
+    let teams = format!(
+        "{}\n{}",
+        read("team-assistants.kiln"),
+        read("team-search.kiln")
+    );
+    let old = format!("{}\n{teams}", read("platform.kiln"));
+    let new = edit(&old, "    share 50%\n", "    share 25%\n");
+    let new = edit(
+        &new,
+        "    gate when tier(interactive).ttft_p95 < 2s for 1h\n",
+        "",
+    );
+    let new = edit(
+        &new,
+        "  stage pilot {\n    tenants [query-rewrite, assistant-evals]\n    duration 2h\n  }\n",
+        "",
+    );
+    let (a, b) = (policy_text(&old), policy_text(&new));
+    let d = semantic(&a, &b);
+    let human = render_human(&d);
+    for line in [
+        "  - stage pilot: tenants [assistant-evals, query-rewrite] for 2h  [rollout_change]",
+        "  ~ stage.half.share: 50% → 25%  [rollout_change]",
+        "  - stage half: gate when tier(interactive).ttft_p95 < 2s for 1h  [rollout_change]",
+        "  ~ stages: [pilot, batch-8b, half] → [batch-8b, half]  [rollout_change]",
+    ] {
+        assert!(human.contains(line), "missing {line:?} in:\n{human}");
+    }
+    assert!(d
+        .changes
+        .iter()
+        .filter(|c| c.subject == "rollout")
+        .all(|c| c.change_kind == ChangeKind::RolloutChange));
+}

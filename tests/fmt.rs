@@ -86,6 +86,18 @@ fn golden_rollout_and_approval() {
 }
 
 #[test]
+fn rollout_stages_format_one_field_or_gate_a_line_and_keep_comments() {
+    let text = "rollout {shadow 1h\n  stage pilot {tenants [a,b] duration 30m}   # first\n  stage  batch5 { tiers [batch] models [m] share 5% duration 1h\n gate when tier(batch).slo_attainment > 95%   for 10m # enough\n }\n  rollback when error_rate > 2%}\n";
+    let out = fmt(text).expect("parses");
+    assert_eq!(
+        out,
+        "rollout {\n  shadow 1h\n  stage pilot {\n    tenants [a, b]\n    duration 30m\n  } # first\n  stage batch5 {\n    tiers [batch]\n    models [m]\n    share 5%\n    duration 1h\n    gate when tier(batch).slo_attainment > 95% for 10m # enough\n  }\n  rollback when error_rate > 2%\n}\n"
+    );
+    assert_eq!(fmt(&out).as_deref(), Some(out.as_str()));
+    assert_eq!(comment_texts(text), comment_texts(&out));
+}
+
+#[test]
 fn golden_substitution_declaration() {
     let text = "model big {\n  variant fp16 { memory 40GB pools [p] }\n    served_by   small {tiers [a,b]\n response_model   requested }   # kept\n  served_by tiny { tiers [a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p, q, r, s, t, u, v, w] response_model served }\n}\n";
     let out = fmt(text).expect("parses");

@@ -773,7 +773,9 @@ async fn shadow_canary_enforce_while_traffic_flows() {
         p["dry_run"]
     );
     assert!(p["dry_run"]["by_kind"]["tier"].as_u64().unwrap() >= 3);
-    assert_eq!(p["rollout"]["canary"]["tenants"], json!(["beta"]));
+    // `canary { tenants [beta] }` is one stage taking beta's every request.
+    assert_eq!(p["rollout"]["stages"][0]["name"], "canary");
+    assert_eq!(p["rollout"]["stages"][0]["pinned"], json!(["beta"]));
     // beta's traffic moves from low (10) to high (100): a priority
     // increase, so two platform leads approve.
     let (s, v) = approve(&c, &base, &id, "carol", CAROL, p["hash"].as_str().unwrap()).await;
@@ -891,6 +893,142 @@ async fn shadow_canary_enforce_while_traffic_flows() {
         "{kinds:?}"
     );
     assert!(kinds.contains(&"activation".to_string()));
+    audit::verify_file(&d.join("audit.jsonl")).unwrap();
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// Two canary stages: beta alone for 60 s, then the low tier (as the new
+/// version classifies) for 20 s and until its gate holds on enough of the
+/// stage's own requests.
+fn two_stages() -> String {
+    pol(
+        &format!(
+            "{APPROVALS}\nrollout {{\n  stage pilot {{ tenants [beta] duration 60s }}\n  stage low {{ tiers [low] duration 20s\n    gate when tier(low).error_rate < 5% }}\n}}\n"
+        ),
+        true,
+        10,
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_stages_advance_on_time_and_gates_and_status_names_the_stage() {
+    let d = dir("two-stages");
+    let srv = serve(&v1(), config(&d)).await;
+    let base = format!("http://{}", srv.addr);
+    let c = client();
+    let v1_version = status(&c, &base).await["active"].clone();
+    let (s, p) = propose(&c, &base, "tok-alice", &two_stages()).await;
+    assert_eq!(s, 201, "{p}");
+    let id = p["id"].as_str().unwrap().to_string();
+    let names: Vec<&str> = p["rollout"]["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["pilot", "low"]);
+    let hash = p["hash"].as_str().unwrap().to_string();
+    let (s, v) = approve(&c, &base, &id, "carol", CAROL, &hash).await;
+    assert_eq!(s, 200, "{v}");
+    let (s, v) = approve(&c, &base, &id, "bob", BOB, &hash).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["state"], "rolling");
+
+    // Stage 1, pilot: beta's requests are the new version's, gamma's not.
+    let st = wait_for(&c, &base, 5, "stage 1", |s| {
+        s["rollout"]["stage_number"] == 1
+    })
+    .await;
+    assert_eq!(st["rollout"]["canary"]["name"], "pilot", "{st:#}");
+    assert_eq!(st["rollout"]["stages"], 2);
+    let r = chat(&c, &base, "k-beta").await;
+    assert_eq!(r.headers()["x-kiln-canary"], "true");
+    assert_eq!(r.headers()["x-kiln-tier"], "high");
+    let r = chat(&c, &base, "k-gamma").await;
+    assert!(r.headers().get("x-kiln-canary").is_none());
+    let view: StatusView = serde_json::from_value(st).unwrap();
+    let text = render_status(&view);
+    assert!(
+        text.contains("canary stage 1/2 \"pilot\" (tenants beta)"),
+        "{text}"
+    );
+
+    // Stage 2, low: its time passes with no low-tier traffic, so its gate
+    // is short of samples and the stage waits.
+    let st = wait_for(&c, &base, 15, "stage 2 past its time", |s| {
+        s["rollout"]["stage_number"] == 2 && s["rollout"]["remaining_s"] == 0.0
+    })
+    .await;
+    assert_eq!(st["rollout"]["canary"]["tiers"], json!(["low"]), "{st:#}");
+    let gate = &st["rollout"]["gates"][0];
+    assert_eq!(gate["text"], "tier(low).error_rate < 5%");
+    assert_eq!(gate["holds"], false, "{st:#}");
+    assert!(
+        gate["observed"].to_string().contains("of 3 samples"),
+        "{st:#}"
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let st = status(&c, &base).await;
+    assert_eq!(st["rollout"]["stage_number"], 2, "still waiting: {st:#}");
+    assert_eq!(st["active"], v1_version);
+    let view: StatusView = serde_json::from_value(st).unwrap();
+    let text = render_status(&view);
+    assert!(
+        text.contains("canary stage 2/2 \"low\" (tiers low)")
+            && text.contains("waiting for gate tier(low).error_rate < 5%"),
+        "{text}"
+    );
+    // beta is high under the new version: outside the stage's tier.
+    let r = chat(&c, &base, "k-beta").await;
+    assert!(r.headers().get("x-kiln-canary").is_none());
+    // gamma is low: the stage's. Enough healthy samples pass the gate.
+    for _ in 0..4 {
+        let r = chat(&c, &base, "k-gamma").await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.headers()["x-kiln-canary"], "true");
+    }
+    let st = wait_for(&c, &base, 10, "enforce", |s| s["active"] != v1_version).await;
+    assert_eq!(st["previous"], v1_version);
+    wait_for(&c, &base, 10, "the rollout to finish", |s| {
+        s["rollout"].is_null()
+    })
+    .await;
+    let metrics = c
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("kiln_rollout_stages_total{") && metrics.contains("stage=\"low\""),
+        "stage metric missing"
+    );
+    srv.stop().await;
+    let stages: Vec<(String, String)> = audit_lines(&d)
+        .iter()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|e| e["kind"] == "rollout")
+        .map(|e| {
+            let d = &e["details"];
+            (
+                d["stage"].as_str().unwrap().to_string(),
+                d["name"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect();
+    let want = [
+        ("started", ""),
+        ("canary", "pilot"),
+        ("canary", "low"),
+        ("finished", ""),
+    ];
+    let want: Vec<(String, String)> = want
+        .iter()
+        .map(|(a, b)| (a.to_string(), b.to_string()))
+        .collect();
+    assert_eq!(stages, want);
     audit::verify_file(&d.join("audit.jsonl")).unwrap();
     let _ = std::fs::remove_dir_all(&d);
 }
@@ -1552,7 +1690,11 @@ fn status_for_people() {
         "governance": true, "approvers": ["alice", "bob", "carol"],
         "audit": {"path": "/var/lib/kiln/audit.jsonl", "entries": 42, "head": "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"},
         "rollout": {"proposal": "p-2", "version": "sha256:5e6f7a8b9c0d", "stage": "canary", "elapsed_s": 754.0, "remaining_s": 6446.0,
-            "canary": {"share": 5.0, "tenants": ["query-rewrite", "assistant-evals"], "duration_ms": 7200000.0},
+            "canary": {"name": "batch-8b", "share": 10.0, "tiers": ["batch"], "models": ["llama-8b"], "duration_ms": 7200000.0,
+                "gates": [{"text": "tier(batch).slo_attainment > 95%", "hold_ms": 1800000.0}]},
+            "stage_number": 2, "stages": 3,
+            "gates": [{"text": "tier(batch).slo_attainment > 95%", "hold_s": 1800.0, "holds": false, "held_s": null,
+                "observed": ["tier(batch).slo_attainment > 95% (now 100%)", "tier(batch) has 12 of 20 samples"]}],
             "canary_requests": 1289,
             "shadow": {"decided": 51234, "differ": 2101, "by_field": {"route": 1800, "tier": 301}, "samples": []},
             "conditions": [

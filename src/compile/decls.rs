@@ -104,6 +104,7 @@ const COHORT_FIELDS: &[&str] = &["owner", "escalation", "description"];
 const ROLLOUT_FIELDS: &[&str] = &["shadow", "canary"];
 const SETTINGS_FIELDS: &[&str] = &["timezone", "owner", "escalation"];
 const CANARY_FIELDS: &[&str] = &["share", "tenants", "duration"];
+const STAGE_FIELDS: &[&str] = &["share", "tenants", "tiers", "models", "duration"];
 
 /// One cache block's settings, checked.
 struct CacheSettings {
@@ -1690,6 +1691,22 @@ impl Compiler<'_> {
             }
         }
         for i in &r.items {
+            if let ast::RolloutItem::Stage(st) = i {
+                self.rollout_stage(st, &mut out);
+            }
+        }
+        if let (Some(c), Some(first)) = (f.get("canary"), out.stages.first()) {
+            self.err(
+                Diagnostic::error(
+                    Code::DuplicateDefinition,
+                    "the rollout has both a canary and stages",
+                )
+                .at(c.key.span, "canary")
+                .also(first.span, "first stage")
+                .help("`canary { … }` is a one-stage rollout: write it as a `stage canary { … }` among the others"),
+            );
+        }
+        for i in &r.items {
             if let ast::RolloutItem::Rollback { cond, hold, span } = i {
                 let c = self.condition(cond, super::rules::Scope::Rollout);
                 let hold = hold
@@ -1704,6 +1721,85 @@ impl Compiler<'_> {
             }
         }
         self.g.rollout = Some(out);
+    }
+
+    /// One `stage NAME { … }` of a rollout block, appended to `out`.
+    fn rollout_stage(&mut self, st: &ast::Stage, out: &mut Rollout) {
+        if let Some(prev) = out.stages.iter().find(|s| s.name == st.name.name) {
+            self.err(
+                Diagnostic::error(
+                    Code::DuplicateDefinition,
+                    format!("the rollout has two stages named `{}`", st.name.name),
+                )
+                .at(st.name.span, "second stage of that name")
+                .also(prev.span, "first one")
+                .help("give each stage its own name: status, audit and metrics name the stage"),
+            );
+            return;
+        }
+        let props: Vec<Property> = st
+            .items
+            .iter()
+            .filter_map(|i| match i {
+                ast::StageItem::Prop(p) => Some(p.clone()),
+                ast::StageItem::Gate { .. } => None,
+            })
+            .collect();
+        let body = Body {
+            props,
+            span: st.span,
+        };
+        let what = format!("stage `{}`", st.name.name);
+        let f = self.fields(&body, STAGE_FIELDS, &what, &[]);
+        let share = self.prop_percent(f.get("share"), "`share`");
+        let tenants = self.prop_names(f.get("tenants"), DeclKind::Tenant);
+        // Ids are u16 for tiers and models (the compiler bounds their counts).
+        let narrow = |v: Vec<u32>| {
+            v.into_iter()
+                .filter_map(|i| u16::try_from(i).ok())
+                .collect()
+        };
+        let tiers = narrow(self.prop_names(f.get("tiers"), DeclKind::Tier));
+        let models = narrow(self.prop_names(f.get("models"), DeclKind::Model));
+        let duration = self.prop_quantity(f.get("duration"), Ty::Duration, "`duration`");
+        let named = ["share", "tenants", "tiers", "models"]
+            .iter()
+            .any(|k| f.get(k).is_some());
+        if !named {
+            self.err(
+                Diagnostic::error(
+                    Code::MissingField,
+                    format!("stage `{}` names no traffic", st.name.name),
+                )
+                .at(st.name.span, "empty stage")
+                .help("scope it with `tenants [..]`, `tiers [..]` or `models [..]` (they restrict together), and/or `share 5%` (a share of what they select, or of all traffic)"),
+            );
+        }
+        let mut gates = Vec::new();
+        for i in &st.items {
+            if let ast::StageItem::Gate { cond, hold, span } = i {
+                let c = self.condition(cond, super::rules::Scope::Rollout);
+                let hold = hold
+                    .as_ref()
+                    .and_then(|h| self.quantity(h, Ty::Duration, "the hold time after `for`"));
+                gates.push(Rollback {
+                    cond: c,
+                    hold,
+                    text: format::expr(cond),
+                    span: *span,
+                });
+            }
+        }
+        out.stages.push(crate::graph::RolloutStage {
+            name: st.name.name.clone(),
+            share,
+            tenants,
+            tiers,
+            models,
+            duration,
+            gates,
+            span: st.span,
+        });
     }
 
     fn approval(&mut self, a: &ast::Approval) {

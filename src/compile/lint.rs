@@ -149,10 +149,19 @@ fn rollback_on_shared_pool(g: &crate::graph::DecisionGraph, out: &mut Diagnostic
     let Some(r) = &g.rollout else {
         return;
     };
-    if r.canary_share.is_none() && r.canary_tenants.is_empty() {
+    if r.canary_share.is_none() && r.canary_tenants.is_empty() && r.stages.is_empty() {
         return;
     }
-    for b in &r.rollbacks {
+    // A stage's gates read the stage's own traffic like rollbacks do: a
+    // gate on the whole pool's hardware would pass or wait for load the
+    // canary did not cause.
+    let gates = r.stages.iter().flat_map(|s| s.gates.iter());
+    for (b, gate) in r
+        .rollbacks
+        .iter()
+        .map(|b| (b, false))
+        .chain(gates.map(|b| (b, true)))
+    {
         let mut read: Vec<String> = Vec::new();
         for f in [PoolField::Utilization, PoolField::KvOccupancy] {
             for (i, p) in g.pools.iter().enumerate() {
@@ -171,11 +180,19 @@ fn rollback_on_shared_pool(g: &crate::graph::DecisionGraph, out: &mut Diagnostic
             Diagnostic::error(
                 Code::RollbackOnSharedPool,
                 format!(
-                    "during the canary this rollback condition reads {}, the whole pool's hardware, loaded by the active version's traffic too",
+                    "during the canary this {} reads {}, the whole pool's hardware, loaded by the active version's traffic too",
+                    if gate { "stage gate" } else { "rollback condition" },
                     read.join(" and ")
                 ),
             )
-            .at(b.span, "can roll the canary back for load it did not cause")
+            .at(
+                b.span,
+                if gate {
+                    "can hold or pass the stage for load it did not cause"
+                } else {
+                    "can roll the canary back for load it did not cause"
+                },
+            )
             .help("every other signal is measured on the canary's own requests; to judge the canary read those (`pool(P).queued`, `pool(P).running`, `tier(T).wait_p95`, `tier(T).ttft_p95`), or keep this and silence it with `# kiln:allow(rollback-on-shared-pool)` if a saturated pool should stop any canary"),
         );
     }

@@ -1603,6 +1603,7 @@ fn rollout(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
                 opt(b.canary_duration, dur, "none"),
                 k,
             );
+            stages(old, new, a, b, out);
             let ra = rollbacks(a);
             let rb = rollbacks(b);
             for r in ra.iter().filter(|r| !rb.contains(r)) {
@@ -1627,6 +1628,139 @@ fn rollout(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
             }
         }
     }
+}
+
+/// A stage in one line: `tiers [batch] models [llama-8b] share 5% for 1h
+/// gate when … for 10m`.
+fn stage_text(g: &DecisionGraph, st: &crate::graph::RolloutStage) -> String {
+    let mut v = Vec::new();
+    let mut names = |what: &str, xs: Vec<String>| {
+        if !xs.is_empty() {
+            v.push(format!("{what} {}", sorted_list(&xs)));
+        }
+    };
+    names("tenants", tenant_names(g, &st.tenants));
+    names("tiers", tier_names(g, &st.tiers));
+    names("models", model_names(g, &st.models));
+    if let Some(x) = st.share {
+        v.push(format!("share {}", pct(x)));
+    }
+    if let Some(d) = st.duration {
+        v.push(format!("for {}", dur(d)));
+    }
+    for gt in &st.gates {
+        v.push(gate_text(gt));
+    }
+    v.join(" ")
+}
+
+fn gate_text(b: &crate::graph::Rollback) -> String {
+    match b.hold {
+        Some(h) => format!("gate when {} for {}", b.text, dur(h)),
+        None => format!("gate when {}", b.text),
+    }
+}
+
+/// Stages by name: added, removed, each field changed, and their order.
+fn stages(
+    old: &DecisionGraph,
+    new: &DecisionGraph,
+    a: &crate::graph::Rollout,
+    b: &crate::graph::Rollout,
+    out: &mut Out,
+) {
+    let k = ChangeKind::RolloutChange;
+    let s = "rollout";
+    for sa in &a.stages {
+        let subject = format!("stage {}", sa.name);
+        match b.stages.iter().find(|x| x.name == sa.name) {
+            None => out.push(
+                ChangeOp::Removed,
+                s,
+                Some(&subject),
+                (Some(stage_text(old, sa)), None),
+                k,
+                false,
+            ),
+            Some(sb) => {
+                let f = |x: &str| format!("stage.{}.{x}", sa.name);
+                out.field(
+                    s,
+                    &f("share"),
+                    opt(sa.share, pct, "all"),
+                    opt(sb.share, pct, "all"),
+                    k,
+                );
+                for (what, xa, xb) in [
+                    (
+                        "tenants",
+                        tenant_names(old, &sa.tenants),
+                        tenant_names(new, &sb.tenants),
+                    ),
+                    (
+                        "tiers",
+                        tier_names(old, &sa.tiers),
+                        tier_names(new, &sb.tiers),
+                    ),
+                    (
+                        "models",
+                        model_names(old, &sa.models),
+                        model_names(new, &sb.models),
+                    ),
+                ] {
+                    out.field(s, &f(what), sorted_list(&xa), sorted_list(&xb), k);
+                }
+                out.field(
+                    s,
+                    &f("duration"),
+                    opt(sa.duration, dur, "default"),
+                    opt(sb.duration, dur, "default"),
+                    k,
+                );
+                let ga: Vec<String> = sa.gates.iter().map(gate_text).collect();
+                let gb: Vec<String> = sb.gates.iter().map(gate_text).collect();
+                for g in ga.iter().filter(|g| !gb.contains(g)) {
+                    out.push(
+                        ChangeOp::Removed,
+                        s,
+                        Some(&subject),
+                        (Some(g.clone()), None),
+                        k,
+                        false,
+                    );
+                }
+                for g in gb.iter().filter(|g| !ga.contains(g)) {
+                    out.push(
+                        ChangeOp::Added,
+                        s,
+                        Some(&subject),
+                        (None, Some(g.clone())),
+                        k,
+                        false,
+                    );
+                }
+            }
+        }
+    }
+    for sb in b
+        .stages
+        .iter()
+        .filter(|x| !a.stages.iter().any(|y| y.name == x.name))
+    {
+        out.push(
+            ChangeOp::Added,
+            s,
+            Some(&format!("stage {}", sb.name)),
+            (None, Some(stage_text(new, sb))),
+            k,
+            false,
+        );
+    }
+    let order = |r: &crate::graph::Rollout| {
+        let v: Vec<&str> = r.stages.iter().map(|x| x.name.as_str()).collect();
+        format!("[{}]", v.join(", "))
+    };
+    out.field(s, "stages", order(a), order(b), k);
 }
 
 fn approval_text(a: &ApprovalRule) -> String {

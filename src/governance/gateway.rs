@@ -48,4 +48,7 @@ pub trait Gateway: Send + Sync {
 
     /// Counts an approval (`accepted`, or why it was refused).
     fn count_approval(&self, result: &str);
+
+    /// Counts a canary stage a rollout began.
+    fn count_stage(&self, version: &str, stage: &str);
 }

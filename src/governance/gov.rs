@@ -68,6 +68,8 @@ pub(super) struct Active {
     pub(super) policy: Arc<Policy>,
     pub(super) machine: Rollout,
     pub(super) conditions: Vec<ConditionView>,
+    /// The canary stage's gates, as of the last tick.
+    pub(super) gates: Vec<ConditionView>,
     /// What shadowing found, once it ended.
     pub(super) shadow: Option<ShadowCounts>,
     pub(super) canary_from: u64,
@@ -635,18 +637,16 @@ impl Gov {
         let shadow_now = self.shadow().map(|s| s.counts());
         let st = lock(&self.state);
         let local = st.rollout.as_ref().filter(|a| !a.machine.done()).map(|a| {
-            let canary = a
-                .machine
-                .plan
-                .canary
-                .clone()
-                .filter(|_| a.machine.stage == Stage::Canary);
+            let canary = a.machine.stage_plan().cloned();
             RolloutView {
                 proposal: a.proposal.clone(),
                 version: a.policy.version.to_string(),
                 stage: a.machine.stage.name().into(),
                 elapsed_s: (now - a.machine.since) / 1000.0,
                 remaining_s: a.machine.until.map(|u| ((u - now) / 1000.0).max(0.0)),
+                stage_number: canary.as_ref().map(|_| a.machine.index + 1),
+                stages: a.machine.plan.stages.len(),
+                gates: a.gates.clone(),
                 canary,
                 canary_requests: self
                     .canary_requests
@@ -659,7 +659,7 @@ impl Gov {
                 conditions: a.conditions.clone(),
                 live: a
                     .machine
-                    .armed()
+                    .reads()
                     .then(|| lock(&self.live).summary(now, a.machine.stage == Stage::Canary)),
                 min_samples: self.min_samples,
             }

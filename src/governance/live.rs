@@ -160,6 +160,60 @@ impl Window {
             .filter(move |s| s.at_ms >= from && (!canary_only || s.canary))
     }
 
+    /// What a stage's gate reads that fewer than `min_samples` requests
+    /// back, as `tier(batch) has 3 of 20 samples`; `None` when every tier,
+    /// tenant and pool it reads (and the whole window, for the global
+    /// error rate) has enough. Under `min_samples` live signals read as
+    /// healthy, which lets a rollback wait but must not let a gate pass:
+    /// a gate short of samples does not hold.
+    pub fn short_of(
+        &self,
+        g: &DecisionGraph,
+        cond: &crate::graph::Cond,
+        now: f64,
+        canary_only: bool,
+        min_samples: u64,
+    ) -> Option<String> {
+        use crate::graph::Sig;
+        let ss: Vec<&Sample> = self.recent(now, canary_only).collect();
+        let mut short = Vec::new();
+        let mut check = |what: String, n: usize| {
+            if (n as u64) < min_samples {
+                short.push(format!("{what} has {n} of {min_samples} samples"));
+            }
+        };
+        for (i, t) in g.tiers.iter().enumerate() {
+            if cond.any_test(&|x| matches!(x.sig, Sig::TierLive(id, _) if usize::from(id) == i)) {
+                check(
+                    format!("tier({})", t.name),
+                    ss.iter().filter(|s| s.tier == t.name).count(),
+                );
+            }
+        }
+        for (i, t) in g.tenants.iter().enumerate() {
+            if cond.any_test(&|x| matches!(x.sig, Sig::TenantLive(id, _) if id as usize == i)) {
+                let n = ss
+                    .iter()
+                    .filter(|s| s.tenant.as_deref() == Some(t.name.as_str()))
+                    .count();
+                check(format!("tenant({})", t.name), n);
+            }
+        }
+        for (i, p) in g.pools.iter().enumerate() {
+            if cond.any_test(&|x| matches!(x.sig, Sig::Pool(id, _) if id as usize == i)) {
+                let n = ss
+                    .iter()
+                    .filter(|s| s.pool.as_deref() == Some(p.name.as_str()))
+                    .count();
+                check(format!("pool({})", p.name), n);
+            }
+        }
+        if cond.any_test(&|x| x.sig == Sig::ErrorRate) {
+            check("the window".into(), ss.len());
+        }
+        (!short.is_empty()).then(|| short.join(", "))
+    }
+
     /// The figures over the window ending at `now` (only canary-decided
     /// requests with `canary_only`).
     pub fn summary(&self, now: f64, canary_only: bool) -> Live {

@@ -10,12 +10,12 @@ use super::gateway::Gateway;
 use super::gov::{previous_of, Active, Gov, KEEP_CLOSED};
 use super::lock;
 use super::proposal::{Kind, State as PState};
-use super::rollout::{Plan, Rollout, Stage, Step};
+use super::rollout::{Plan, Rollout, Stage, StagePlan, Step};
 use super::shadow::Shadow;
 use super::view::{ConditionView, RollbackView, ShadowCounts};
 use crate::graph::trace::Tracer;
 use crate::graph::Signals;
-use crate::sched::canary::{map_signals, Canary};
+use crate::sched::canary::{map_signals, Canary, Scope};
 use crate::sched::swap::Remap;
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -170,25 +170,34 @@ impl Gov {
     async fn tick_rollout(&self, gw: &impl Gateway, now: f64) {
         let current = {
             let st = lock(&self.state);
-            st.rollout
-                .as_ref()
-                .map(|a| (a.policy.clone(), a.machine.stage, a.machine.armed()))
+            st.rollout.as_ref().map(|a| {
+                let gate_of = a.machine.stage_plan().map(|s| s.name.clone());
+                (
+                    a.policy.clone(),
+                    a.machine.stage,
+                    a.machine.reads(),
+                    gate_of,
+                )
+            })
         };
-        let Some((policy, stage, armed)) = current else {
+        let Some((policy, stage, reads, stage_name)) = current else {
             return;
         };
-        let results = if armed {
-            self.evaluate(gw, &policy, stage, now).await
+        let (results, gate_results) = if reads {
+            self.evaluate(gw, &policy, stage, stage_name.as_deref(), now)
+                .await
         } else {
-            Vec::new()
+            (Vec::new(), Vec::new())
         };
         let holds: Vec<bool> = results.iter().map(|(h, _)| *h).collect();
+        let gates: Vec<bool> = gate_results.iter().map(|(h, _)| *h).collect();
         let step = {
             let mut st = lock(&self.state);
             match st.rollout.as_mut() {
                 Some(a) => {
-                    let step = a.machine.tick(now, &holds);
+                    let step = a.machine.tick(now, &holds, &gates);
                     a.conditions = condition_views(a, &holds, &results, now);
+                    a.gates = gate_views(a, &gates, &gate_results, now);
                     step
                 }
                 None => None,
@@ -212,7 +221,7 @@ impl Gov {
             st.rollout = None;
         }
         self.recording.store(
-            st.rollout.as_ref().is_some_and(|a| a.machine.armed()),
+            st.rollout.as_ref().is_some_and(|a| a.machine.reads()),
             Ordering::Relaxed,
         );
         let closed = st
@@ -233,18 +242,20 @@ impl Gov {
         }
     }
 
-    /// Whether each rollback condition of the rollout's version holds on
-    /// the live metrics (canary traffic only during canary), with what
-    /// its tests observed.
+    /// Whether each rollback condition of the rollout's version, and each
+    /// gate of canary stage `stage_name`, holds on the live metrics
+    /// (canary traffic only during canary), with what its tests observed.
+    /// A gate short of `min_samples` does not hold.
     async fn evaluate(
         &self,
         gw: &impl Gateway,
         policy: &Policy,
         stage: Stage,
+        stage_name: Option<&str>,
         now: f64,
-    ) -> Vec<(bool, Vec<String>)> {
+    ) -> (Vec<(bool, Vec<String>)>, Vec<(bool, Vec<String>)>) {
         let Some(r) = &policy.graph.rollout else {
-            return Vec::new();
+            return (Vec::new(), Vec::new());
         };
         let g = &policy.graph;
         let mut base = Signals::idle(g);
@@ -252,19 +263,46 @@ impl Gov {
             let map = Remap::new(g, &active);
             map_signals(&map, &signals, &mut base);
         }
-        let s = {
+        let canary = stage == Stage::Canary;
+        let (s, short) = {
             let mut w = lock(&self.live);
             w.prune(now);
-            w.signals(g, base, now, stage == Stage::Canary, self.min_samples)
+            let gates = stage_name
+                .and_then(|n| r.stages.iter().find(|s| s.name == n))
+                .map(|s| s.gates.as_slice())
+                .unwrap_or_default();
+            let short: Vec<Option<String>> = gates
+                .iter()
+                .map(|b| w.short_of(g, &b.cond, now, canary, self.min_samples))
+                .collect();
+            (w.signals(g, base, now, canary, self.min_samples), short)
         };
-        r.rollbacks
-            .iter()
-            .map(|b| {
-                let mut o = Observed(Vec::new());
-                let holds = b.cond.eval_signals(&s, &mut o);
-                (holds, o.0)
+        let eval = |b: &crate::graph::Rollback| {
+            let mut o = Observed(Vec::new());
+            let holds = b.cond.eval_signals(&s, &mut o);
+            (holds, o.0)
+        };
+        let rollbacks = r.rollbacks.iter().map(eval).collect();
+        let gates = stage_name
+            .and_then(|n| r.stages.iter().find(|s| s.name == n))
+            .map(|st| {
+                st.gates
+                    .iter()
+                    .zip(short)
+                    .map(|(b, short)| {
+                        let (holds, mut seen) = eval(b);
+                        match short {
+                            Some(why) => {
+                                seen.push(why);
+                                (false, seen)
+                            }
+                            None => (holds, seen),
+                        }
+                    })
+                    .collect()
             })
-            .collect()
+            .unwrap_or_default();
+        (rollbacks, gates)
     }
 
     fn current(&self) -> Option<Current> {
@@ -281,7 +319,7 @@ impl Gov {
         };
         match step {
             Step::Shadow => self.begin_shadow(gw, current),
-            Step::Canary => self.begin_canary(gw, current).await,
+            Step::Canary { index } => self.begin_canary(gw, current, index).await,
             Step::Enforce => self.enforce(gw, current, now).await,
             Step::Finish => self.finish_rollout(&current.0, now),
             Step::Rollback {
@@ -314,19 +352,27 @@ impl Gov {
         );
     }
 
-    async fn begin_canary(&self, gw: &impl Gateway, (id, policy): Current) {
+    /// Canary stage `index` begins: the version decides its traffic (in
+    /// place of the previous stage's), its metrics start afresh.
+    async fn begin_canary(&self, gw: &impl Gateway, (id, policy): Current, index: usize) {
         let shadow = self.end_shadow();
         gw.remember(policy.clone());
         let active = gw.active();
-        let plan = policy
-            .graph
-            .rollout
-            .as_ref()
-            .map(|r| (r.canary_tenants.clone(), r.canary_share.unwrap_or(0.0)))
-            .unwrap_or_default();
-        let canary = Canary::new(policy.graph.clone(), &active.graph, plan.0, plan.1);
-        let tenants = canary.tenant_names();
+        let (plan, of) = {
+            let st = lock(&self.state);
+            let m = st.rollout.as_ref().map(|a| &a.machine);
+            (
+                m.and_then(|m| m.plan.stages.get(index)).cloned(),
+                m.map_or(0, |m| m.plan.stages.len()),
+            )
+        };
+        let Some(plan) = plan else {
+            return;
+        };
+        let scope = scope_of(&policy.graph, &plan);
+        let canary = Canary::staged(policy.graph.clone(), &active.graph, scope);
         set_canary(gw, Some((canary, policy.version.clone()))).await;
+        gw.count_stage(policy.version.as_ref(), &plan.name);
         lock(&self.live).clear();
         self.recording.store(true, Ordering::Relaxed);
         {
@@ -336,13 +382,19 @@ impl Gov {
                     a.shadow = shadow.clone();
                 }
                 a.canary_from = self.canary_requests.load(Ordering::Relaxed);
+                a.gates = Vec::new();
             }
         }
+        let gates: Vec<&str> = plan.gates.iter().map(|g| g.text.as_str()).collect();
         self.audit_anyway(
             "rollout",
             "kiln",
             json!({"id": id, "version": policy.version.as_ref(), "stage": "canary",
-                   "share": plan.1, "tenants": tenants, "shadow": shadow}),
+                   "name": plan.name, "index": index + 1, "of": of,
+                   "share": plan.share, "tenants": plan.pinned, "scope": {
+                       "tenants": plan.tenants, "tiers": plan.tiers, "models": plan.models},
+                   "duration_s": plan.duration_ms / 1000.0, "gates": gates,
+                   "shadow": shadow}),
         );
     }
 
@@ -647,6 +699,7 @@ impl Gov {
                 policy: policy.clone(),
                 machine,
                 conditions: Vec::new(),
+                gates: Vec::new(),
                 shadow: None,
                 canary_from: self.canary_requests.load(Ordering::Relaxed),
             });
@@ -721,6 +774,46 @@ fn condition_views(
         .collect()
 }
 
+/// The gates of the canary stage after a tick, as conditions.
+fn gate_views(
+    a: &Active,
+    holds: &[bool],
+    results: &[(bool, Vec<String>)],
+    now: f64,
+) -> Vec<ConditionView> {
+    let Some(s) = a.machine.stage_plan() else {
+        return Vec::new();
+    };
+    s.gates
+        .iter()
+        .enumerate()
+        .map(|(i, c)| ConditionView {
+            text: c.text.clone(),
+            hold_s: c.hold_ms.map(|h| h / 1000.0),
+            holds: holds.get(i).copied().unwrap_or(false),
+            held_s: a
+                .machine
+                .gate_holding
+                .get(i)
+                .copied()
+                .flatten()
+                .map(|s| (now - s) / 1000.0),
+            observed: results.get(i).map(|r| r.1.clone()).unwrap_or_default(),
+        })
+        .collect()
+}
+
+/// A stage's scope in the canary graph's ids.
+pub(super) fn scope_of(g: &crate::graph::DecisionGraph, s: &StagePlan) -> Scope {
+    Scope {
+        pinned: s.pinned.iter().filter_map(|n| g.tenant_id(n)).collect(),
+        tenants: s.tenants.iter().filter_map(|n| g.tenant_id(n)).collect(),
+        tiers: s.tiers.iter().filter_map(|n| g.tier_id(n)).collect(),
+        models: s.models.iter().filter_map(|n| g.model_id(n)).collect(),
+        share: s.share,
+    }
+}
+
 pub(super) async fn set_canary(gw: &impl Gateway, c: Option<(Canary, Arc<str>)>) {
     if !gw.set_canary(c).await {
         tracing::warn!("the executor is not running; the canary could not be changed");
@@ -778,6 +871,7 @@ route [low] tiny { default => fp16 }
         }
         fn count_rollback(&self, _: &str) {}
         fn count_approval(&self, _: &str) {}
+        fn count_stage(&self, _: &str, _: &str) {}
     }
 
     fn gov() -> Gov {

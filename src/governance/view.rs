@@ -4,7 +4,7 @@
 
 use super::approval::NeedStatus;
 use super::live::Live;
-use super::rollout::{CanaryPlan, Plan};
+use super::rollout::{Plan, StagePlan};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -160,9 +160,19 @@ pub struct RolloutView {
     pub elapsed_s: f64,
     #[serde(default)]
     pub remaining_s: Option<f64>,
+    /// The canary stage in progress.
     #[serde(default)]
-    pub canary: Option<CanaryPlan>,
-    /// Requests the canary decided so far.
+    pub canary: Option<StagePlan>,
+    /// Its place among the plan's stages, from 1.
+    #[serde(default)]
+    pub stage_number: Option<usize>,
+    /// How many canary stages the plan has.
+    #[serde(default)]
+    pub stages: usize,
+    /// The stage's gates, as of the last tick.
+    #[serde(default)]
+    pub gates: Vec<ConditionView>,
+    /// Requests the canary stage decided so far.
     pub canary_requests: u64,
     pub shadow: ShadowCounts,
     pub conditions: Vec<ConditionView>,
@@ -388,17 +398,23 @@ pub fn render_proposal(p: &ProposalView) -> String {
         if let Some(s) = r.shadow_ms {
             stages.push(format!("shadow {}", secs(s / 1000.0)));
         }
-        if let Some(c) = &r.canary {
-            let mut who = Vec::new();
-            if c.share > 0.0 {
-                who.push(format!("{}%", c.share));
-            }
-            if !c.tenants.is_empty() {
-                who.push(format!("tenants [{}]", c.tenants.join(", ")));
-            }
+        for c in &r.stages {
+            let gates = if c.gates.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    " until {}",
+                    c.gates
+                        .iter()
+                        .map(|g| g.text.as_str())
+                        .collect::<Vec<_>>()
+                        .join(" and ")
+                )
+            };
             stages.push(format!(
-                "canary {} for {}",
-                who.join(" + "),
+                "{} ({}) for {}{gates}",
+                stage_label(c),
+                c.scope_text(),
                 secs(c.duration_ms / 1000.0)
             ));
         }
@@ -438,6 +454,15 @@ pub fn render_proposal(p: &ProposalView) -> String {
         );
     }
     out
+}
+
+/// `stage pilot`, or `canary` for the one-stage `canary { … }`.
+fn stage_label(c: &StagePlan) -> String {
+    if c.name == "canary" {
+        "canary".into()
+    } else {
+        format!("stage {}", c.name)
+    }
 }
 
 /// `kiln status` for people.
@@ -483,19 +508,50 @@ pub fn render_status(s: &StatusView) -> String {
                 secs(r.elapsed_s)
             );
             if let Some(c) = &r.canary {
-                let mut who = Vec::new();
-                if c.share > 0.0 {
-                    who.push(format!("{}% of requests", c.share));
-                }
-                if !c.tenants.is_empty() {
-                    who.push(format!("tenants [{}]", c.tenants.join(", ")));
-                }
+                let n = r
+                    .stage_number
+                    .map(|n| format!(" {n}/{}", r.stages.max(n)))
+                    .unwrap_or_default();
+                let waiting: Vec<&str> = r
+                    .gates
+                    .iter()
+                    .filter(|g| !g.holds || g.held_s.unwrap_or(0.0) < g.hold_s.unwrap_or(0.0))
+                    .map(|g| g.text.as_str())
+                    .collect();
+                let wait = if r.remaining_s.is_some_and(|x| x <= 0.0) && !waiting.is_empty() {
+                    format!(", waiting for gate {}", waiting.join(" and "))
+                } else {
+                    String::new()
+                };
                 let _ = writeln!(
                     out,
-                    "  canary: {}; {} decided by it",
-                    who.join(" + "),
+                    "  canary stage{n} \"{}\" ({}) {} of {}{wait}; {} decided by it",
+                    c.name,
+                    c.scope_text(),
+                    secs(r.elapsed_s),
+                    secs(c.duration_ms / 1000.0),
                     r.canary_requests
                 );
+                for g in &r.gates {
+                    let state = match (g.holds, g.held_s) {
+                        (true, Some(h)) => format!("holds for {}", secs(h)),
+                        (true, None) => "holds".into(),
+                        _ => "not yet".into(),
+                    };
+                    let _ = writeln!(
+                        out,
+                        "  gate when {}{}: {state}{}",
+                        g.text,
+                        g.hold_s
+                            .map(|h| format!(" for {}", secs(h)))
+                            .unwrap_or_default(),
+                        if g.observed.is_empty() {
+                            String::new()
+                        } else {
+                            format!(" [{}]", g.observed.join(", "))
+                        }
+                    );
+                }
             }
             if r.shadow.decided > 0 || r.stage == "shadow" {
                 let fields: Vec<String> = r

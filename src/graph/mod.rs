@@ -632,7 +632,27 @@ pub struct Rollout {
     pub canary_share: Option<f64>,
     pub canary_tenants: Vec<TenantId>,
     pub canary_duration: Option<f64>,
+    /// `stage NAME { … }` blocks, in order (never together with a canary).
+    pub stages: Vec<RolloutStage>,
     pub rollbacks: Vec<Rollback>,
+}
+
+/// One stage of a staged rollout: the canary version decides the requests
+/// in its scope (every list it names restricts; an empty list does not),
+/// sampled by `share`, for at least `duration`, and until its gates hold.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RolloutStage {
+    pub name: String,
+    /// % of the scoped requests; `None` is all of them.
+    pub share: Option<f64>,
+    pub tenants: Vec<TenantId>,
+    pub tiers: Vec<TierId>,
+    pub models: Vec<ModelId>,
+    /// ms
+    pub duration: Option<f64>,
+    /// `gate when …` lines: read like rollback conditions.
+    pub gates: Vec<Rollback>,
+    pub span: Span,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]

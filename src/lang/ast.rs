@@ -323,6 +323,44 @@ pub enum RolloutItem {
         hold: Option<Value>,
         span: Span,
     },
+    Stage(Stage),
+}
+
+impl RolloutItem {
+    pub fn span(&self) -> Span {
+        match self {
+            RolloutItem::Prop(p) => p.span,
+            RolloutItem::Rollback { span, .. } => *span,
+            RolloutItem::Stage(s) => s.span,
+        }
+    }
+}
+
+/// `stage pilot { tenants [a] duration 30m gate when COND for 5m }`
+#[derive(Debug, Clone, PartialEq)]
+pub struct Stage {
+    pub name: Ident,
+    pub items: Vec<StageItem>,
+    pub span: Span,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum StageItem {
+    Prop(Property),
+    Gate {
+        cond: Expr,
+        hold: Option<Value>,
+        span: Span,
+    },
+}
+
+impl StageItem {
+    pub fn span(&self) -> Span {
+        match self {
+            StageItem::Prop(p) => p.span,
+            StageItem::Gate { span, .. } => *span,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -265,22 +265,18 @@ impl Printer<'_> {
             }
             Item::Rollout(r) => {
                 let start = r.span.start as usize;
-                let first = r.items.first().map_or(usize::MAX, |i| match i {
-                    RolloutItem::Prop(p) => p.span.start as usize,
-                    RolloutItem::Rollback { span, .. } => span.start as usize,
-                });
+                let first = r
+                    .items
+                    .first()
+                    .map_or(usize::MAX, |i| i.span().start as usize);
                 self.open(start, brace_after(self.text, start), "rollout", first);
-                let span_of = |it: &RolloutItem| match it {
-                    RolloutItem::Prop(p) => p.span,
-                    RolloutItem::Rollback { span, .. } => *span,
-                };
                 let outer = self.limit;
                 self.limit = usize::MAX;
                 self.children(
                     &r.items,
                     (r.span.end as usize).saturating_sub(1),
-                    |it| span_of(it).start as usize,
-                    |it| span_of(it).end as usize,
+                    |it| it.span().start as usize,
+                    |it| it.span().end as usize,
                     |p, it| match it {
                         RolloutItem::Prop(prop) => p.property(prop),
                         RolloutItem::Rollback { cond, hold, span } => {
@@ -290,6 +286,7 @@ impl Printer<'_> {
                             }
                             p.one_line(span.start as usize, span.end as usize, &s);
                         }
+                        RolloutItem::Stage(st) => p.stage(st),
                     },
                 );
                 self.limit = outer;
@@ -376,6 +373,34 @@ impl Printer<'_> {
         );
         self.limit = outer;
         self.close(be, "}");
+    }
+
+    /// A rollout stage: always a block, one field or gate a line.
+    fn stage(&mut self, st: &Stage) {
+        let start = st.span.start as usize;
+        let first = st
+            .items
+            .first()
+            .map_or(usize::MAX, |i| i.span().start as usize);
+        let header = format!("stage {}", st.name.name);
+        self.open(start, brace_after(self.text, start), &header, first);
+        self.children(
+            &st.items,
+            (st.span.end as usize).saturating_sub(1),
+            |it| it.span().start as usize,
+            |it| it.span().end as usize,
+            |p, it| match it {
+                StageItem::Prop(prop) => p.property(prop),
+                StageItem::Gate { cond, hold, span } => {
+                    let mut s = format!("gate when {}", expr(cond));
+                    if let Some(h) = hold {
+                        s.push_str(&format!(" for {}", value(h)));
+                    }
+                    p.one_line(span.start as usize, span.end as usize, &s);
+                }
+            },
+        );
+        self.close(st.span.end as usize, "}");
     }
 
     fn property(&mut self, p: &Property) {

@@ -30,6 +30,8 @@ fn is_keyword(r: Rule) -> bool {
             | Rule::kw_admit
             | Rule::kw_fallback
             | Rule::kw_rollout
+            | Rule::kw_stage
+            | Rule::kw_gate
             | Rule::kw_approval
             | Rule::kw_when
             | Rule::kw_default
@@ -337,6 +339,8 @@ fn rule_name(r: &Rule) -> Option<&'static str> {
         Rule::name_set => "a tier name or a list of tier names",
         Rule::require_rule => "`require N from \"group\" for …` or `require owner for …`",
         Rule::rollback_rule => "`rollback when …`",
+        Rule::stage_block => "`stage NAME { … }`",
+        Rule::gate_rule => "`gate when …`",
         Rule::degrade_arg => "`variant NAME` or `max_tokens N`",
         _ => return None,
     })
@@ -754,6 +758,7 @@ impl Builder<'_> {
                             Some(RolloutItem::Rollback { cond, hold, span })
                         }
                         Rule::property => Some(RolloutItem::Prop(self.property(i))),
+                        Rule::stage_block => Some(RolloutItem::Stage(self.stage(i)?)),
                         _ => None,
                     })
                     .collect();
@@ -802,6 +807,27 @@ impl Builder<'_> {
             kinds,
             span,
         })
+    }
+
+    /// `stage NAME { property… gate when COND [for DUR]… }`
+    fn stage(&self, p: P) -> Option<Stage> {
+        let span = self.span(&p);
+        let mut it = p.kids();
+        let name = self.ident(it.next()?);
+        let items = it
+            .filter_map(|i| match i.as_rule() {
+                Rule::gate_rule => {
+                    let span = self.span(&i);
+                    let mut g = i.kids();
+                    let cond = self.expr(g.next()?);
+                    let hold = g.next().map(|v| self.value(v));
+                    Some(StageItem::Gate { cond, hold, span })
+                }
+                Rule::property => Some(StageItem::Prop(self.property(i))),
+                _ => None,
+            })
+            .collect();
+        Some(Stage { name, items, span })
     }
 
     fn body(&self, p: P) -> Body {

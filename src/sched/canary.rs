@@ -1,7 +1,11 @@
-//! Canary decisions: while a new policy version is in canary, a declared
-//! share of requests (chosen by a stable hash of the request id) and the
-//! requests of named tenants are decided by the canary graph instead of the
-//! active one. The scheduler keeps running the active graph (its tiers,
+//! Canary decisions: while a new policy version is in canary, the requests
+//! of its stage's scope are decided by the canary graph instead of the
+//! active one: every request of a pinned tenant (`canary { tenants […] }`),
+//! and, of the requests whose tenant, tier and requested model are each in
+//! the stage's lists (an empty list takes any), a share chosen by a stable
+//! hash of the request id. The tier is the one the *canary* version
+//! classifies the request into: a stage scoped to a tier takes the traffic
+//! the new version puts there, even a tier only it declares. The scheduler keeps running the active graph (its tiers,
 //! quotas and replicas); the canary's decision is carried into the active
 //! graph's ids by name, like a hot swap does. When something the canary
 //! decided does not exist in the active graph (a new tier, tenant, variant
@@ -12,17 +16,27 @@
 
 use super::swap::Remap;
 use super::ReqId;
-use crate::graph::{Decision, DecisionGraph, ModelId, Request, Signals, TenantId};
+use crate::graph::{Decision, DecisionGraph, ModelId, Request, Signals, TenantId, TierId};
 use std::sync::Arc;
+
+/// The traffic a canary stage decides, in the canary graph's ids.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Scope {
+    /// Tenants whose every request the canary decides.
+    pub pinned: Vec<TenantId>,
+    /// The rest restrict together; an empty list takes any.
+    pub tenants: Vec<TenantId>,
+    pub tiers: Vec<TierId>,
+    pub models: Vec<ModelId>,
+    /// Share of the requests in scope, 0 to 100 (%).
+    pub share: f64,
+}
 
 /// A canary version and the traffic it decides.
 #[derive(Debug, Clone)]
 pub struct Canary {
     graph: Arc<DecisionGraph>,
-    /// Tenants (canary graph ids) whose every request the canary decides.
-    tenants: Vec<TenantId>,
-    /// Share of the other requests, 0 to 100 (%).
-    share: f64,
+    scope: Scope,
     /// Canary ids → active ids, by name.
     map: Remap,
     models: Vec<Option<ModelId>>,
@@ -87,13 +101,24 @@ pub fn map_signals(map: &Remap, active: &Signals, out: &mut Signals) {
 }
 
 impl Canary {
-    /// `tenants` are ids of `graph` (the canary's rollout block names them).
+    /// A `canary { … }`: every request of `tenants` (ids of `graph`) and
+    /// `share` of the others.
     pub fn new(
         graph: Arc<DecisionGraph>,
         active: &DecisionGraph,
         tenants: Vec<TenantId>,
         share: f64,
     ) -> Canary {
+        let scope = Scope {
+            pinned: tenants,
+            share,
+            ..Scope::default()
+        };
+        Canary::staged(graph, active, scope)
+    }
+
+    /// A canary stage deciding `scope` (ids of `graph`).
+    pub fn staged(graph: Arc<DecisionGraph>, active: &DecisionGraph, mut scope: Scope) -> Canary {
         let map = Remap::new(&graph, active);
         let models = graph
             .models
@@ -101,14 +126,14 @@ impl Canary {
             .map(|m| active.model_id(&m.name))
             .collect();
         let signals = Signals::idle(&graph);
+        scope.share = if scope.share.is_finite() {
+            scope.share.clamp(0.0, 100.0)
+        } else {
+            0.0
+        };
         Canary {
             graph,
-            tenants,
-            share: if share.is_finite() {
-                share.clamp(0.0, 100.0)
-            } else {
-                0.0
-            },
+            scope,
             map,
             models,
             signals,
@@ -125,31 +150,60 @@ impl Canary {
     }
 
     pub fn share(&self) -> f64 {
-        self.share
+        self.scope.share
     }
 
-    /// Names of the canary tenants.
+    /// Names of the pinned tenants.
     pub fn tenant_names(&self) -> Vec<String> {
-        self.tenants
+        self.scope
+            .pinned
             .iter()
             .filter_map(|t| self.graph.tenants.get(*t as usize))
             .map(|t| t.name.clone())
             .collect()
     }
 
-    /// Does the canary decide this request?
-    pub fn selects(&self, id: ReqId, req: &Request) -> bool {
-        let tenant = match &req.tenant {
+    fn tenant_of(&self, req: &Request) -> Option<TenantId> {
+        match &req.tenant {
             Some(n) => self.graph.tenant_id(n),
             None => req
                 .api_key
                 .as_deref()
                 .and_then(|k| self.graph.tenant_for_key(k)),
-        };
-        if tenant.is_some_and(|t| self.tenants.contains(&t)) {
+        }
+    }
+
+    fn pinned(&self, req: &Request) -> bool {
+        !self.scope.pinned.is_empty()
+            && self
+                .tenant_of(req)
+                .is_some_and(|t| self.scope.pinned.contains(&t))
+    }
+
+    /// Does the canary decide this request? (The tier is checked once the
+    /// canary classified it: [`Canary::decide`].)
+    pub fn selects(&self, id: ReqId, req: &Request) -> bool {
+        if self.pinned(req) {
             return true;
         }
-        in_share(id, self.share)
+        let s = &self.scope;
+        if !s.tenants.is_empty() && !self.tenant_of(req).is_some_and(|t| s.tenants.contains(&t)) {
+            return false;
+        }
+        if !s.models.is_empty()
+            && !self
+                .graph
+                .model_id(&req.model)
+                .is_some_and(|m| s.models.contains(&m))
+        {
+            return false;
+        }
+        in_share(id, s.share)
+    }
+
+    /// Whether a decision of the canary graph is in the stage's tiers.
+    fn in_tiers(&self, tier: TierId, req: &Request) -> bool {
+        self.scope.tiers.is_empty() || self.scope.tiers.contains(&tier) || self.pinned(req)
     }
 
     /// The active graph changed under the canary (a swap): map anew.
@@ -175,6 +229,9 @@ impl Canary {
     ) -> Option<Decision<'g>> {
         map_signals(&self.map, active, &mut self.signals);
         let d = cg.decide(req, &self.signals);
+        if !self.in_tiers(d.tier, req) {
+            return None;
+        }
         self.map_decision(d)
     }
 
@@ -329,5 +386,93 @@ route [hi, lo, extra] api { default => up }
             s.canary().map(|c| c.tenant_names()),
             Some(vec!["bulk".into()])
         );
+    }
+
+    /// Which of `cases` (tenant, model) the canary decided.
+    fn decided_by_canary(s: &mut Scheduler, cases: &[(&str, &str)]) -> Vec<bool> {
+        cases
+            .iter()
+            .enumerate()
+            .map(|(i, (t, m))| {
+                let id = 100 + i as u64;
+                arrive(s, id, arrival(id, t, m, 10, 5));
+                s.last_arrival_canary()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_stage_scope_picks_exactly_its_tiers_models_and_tenants() {
+        let old = graph(BASE);
+        let new = graph(NEW);
+        let id = |n: &str| new.tenant_id(n).unwrap();
+        let cases = [
+            ("chat", "m"),
+            ("bulk", "m"),
+            ("fresh", "m"),
+            ("chat", "api"),
+            ("bulk", "api"),
+        ];
+        // Tier hi as the *canary* classifies (it moves bulk into hi; the
+        // active version has bulk in lo) and model m: all of that scope.
+        let mut s = sched(&old);
+        let scope = Scope {
+            tiers: vec![new.tier_id("hi").unwrap()],
+            models: vec![new.model_id("m").unwrap()],
+            share: 100.0,
+            ..Scope::default()
+        };
+        s.set_canary(Some(Canary::staged(new.clone(), &old, scope)));
+        assert_eq!(
+            decided_by_canary(&mut s, &cases),
+            [true, true, false, false, false]
+        );
+        // Tenants restrict too: bulk only, any model.
+        let mut s = sched(&old);
+        let scope = Scope {
+            tenants: vec![id("bulk")],
+            share: 100.0,
+            ..Scope::default()
+        };
+        s.set_canary(Some(Canary::staged(new.clone(), &old, scope)));
+        assert_eq!(
+            decided_by_canary(&mut s, &cases),
+            [false, true, false, false, true]
+        );
+        // All three together: bulk's requests for m that the canary puts in hi.
+        let mut s = sched(&old);
+        let scope = Scope {
+            tenants: vec![id("bulk"), id("fresh")],
+            tiers: vec![new.tier_id("hi").unwrap()],
+            models: vec![new.model_id("m").unwrap()],
+            share: 100.0,
+            ..Scope::default()
+        };
+        s.set_canary(Some(Canary::staged(new.clone(), &old, scope)));
+        assert_eq!(
+            decided_by_canary(&mut s, &cases),
+            [false, true, false, false, false]
+        );
+    }
+
+    #[test]
+    fn a_stage_share_samples_within_its_scope_only() {
+        let old = graph(BASE);
+        let new = graph(NEW);
+        let scope = Scope {
+            models: vec![new.model_id("m").unwrap()],
+            share: 30.0,
+            ..Scope::default()
+        };
+        let c = Canary::staged(new.clone(), &old, scope);
+        let req = |model: &str| arrival(0, "chat", model, 10, 5).request;
+        let (inside, outside) = (req("m"), req("api"));
+        let n = 10_000u64;
+        // In scope: exactly the ids the stable share picks, the same each time.
+        assert!((0..n).all(|i| c.selects(i, &inside) == in_share(i, 30.0)));
+        let picked = (0..n).filter(|&i| c.selects(i, &inside)).count() as f64;
+        assert!((picked / n as f64 - 0.30).abs() < 0.02, "{picked}");
+        // Out of scope: never, whatever the id.
+        assert!(!(0..n).any(|i| c.selects(i, &outside)));
     }
 }

@@ -129,6 +129,10 @@ impl Gateway for App {
     fn count_approval(&self, result: &str) {
         self.metrics.approval(result);
     }
+
+    fn count_stage(&self, version: &str, stage: &str) {
+        self.metrics.rollout_stage(version, stage);
+    }
 }
 
 /// Starts the rollout runner: every [`TICK`], expire overrides, advance the

@@ -249,6 +249,7 @@ struct Collectors {
     shadow: CounterVec,
     shadow_diffs: CounterVec,
     canary: CounterVec,
+    stages: CounterVec,
     rollbacks: CounterVec,
     override_refusals: CounterVec,
     approvals: CounterVec,
@@ -490,6 +491,12 @@ impl Collectors {
                 "kiln_canary_requests_total",
                 "Requests decided by a canary policy version.",
                 &["version"],
+            )?,
+            stages: counter(
+                r,
+                "kiln_rollout_stages_total",
+                "Canary stages a rollout began, by version and stage name.",
+                &["version", "stage"],
             )?,
             rollbacks: counter(
                 r,
@@ -1001,6 +1008,12 @@ impl Metrics {
     pub fn canary_request(&self, version: &str) {
         if let Some(c) = &self.c {
             add(&c.canary, &[version], 1.0);
+        }
+    }
+
+    pub fn rollout_stage(&self, version: &str, stage: &str) {
+        if let Some(c) = &self.c {
+            add(&c.stages, &[version, stage], 1.0);
         }
     }
 
