@@ -32,6 +32,7 @@ mod admit;
 mod bucket;
 pub mod cache;
 pub mod canary;
+mod exception;
 pub mod forecast;
 pub mod hold;
 pub mod live;
@@ -559,7 +560,12 @@ struct Held {
 
 /// The scheduler. Owns queues, replicas and quota state; borrows nothing.
 pub struct Scheduler {
+    /// The graph in force: `base` with today's exceptions applied.
     graph: std::sync::Arc<DecisionGraph>,
+    /// The policy version as compiled ([`exception`]).
+    base: std::sync::Arc<DecisionGraph>,
+    /// Which of `base`'s exceptions `graph` applies.
+    exceptions_active: Vec<bool>,
     cfg: Config,
     now: Micros,
     replicas: Vec<Replica>,
@@ -677,10 +683,13 @@ impl Scheduler {
         let reserves = Scheduler::reserves_of(&graph);
         let caches = cache::Caches::new(&graph, cfg.cache_bounds);
         let semantic = semantic::SemanticCaches::new(&graph, cfg.cache_bounds);
-        Scheduler {
+        let exceptions_active = vec![false; graph.exceptions.len()];
+        let mut s = Scheduler {
             caches,
             semantic,
             cache_pending: HashMap::default(),
+            base: graph.clone(),
+            exceptions_active,
             graph,
             cfg,
             now: 0,
@@ -712,7 +721,9 @@ impl Scheduler {
             live,
             scratch: Scratch::default(),
             reserves,
-        }
+        };
+        s.follow_exceptions_now();
+        s
     }
 
     /// Sets (or with `None` ends) the canary: the version that decides the
@@ -1326,6 +1337,7 @@ impl Scheduler {
 
     fn refresh_signals(&mut self) {
         let c = self.civil_now();
+        self.follow_exceptions(c.date);
         let g = &self.graph;
         self.signals.time_of_day = c.minute;
         self.signals.weekday = c.weekday;
