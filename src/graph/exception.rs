@@ -286,6 +286,40 @@ exception close_tier {
     }
 
     #[test]
+    fn explain_says_which_exception_applied_and_until_when() {
+        let g = crate::compile::compile_str("t", POLICY).graph.unwrap();
+        let req = crate::graph::Request {
+            tenant: Some("fin".into()),
+            model: "m".into(),
+            ..Default::default()
+        };
+        let mut s = crate::graph::Signals::idle(&g);
+        s.date = day(2026, 12, 29);
+        let (_, t) = g.explain(&req, &s);
+        let st = t.stages.iter().find(|s| s.stage == "exception").unwrap();
+        assert_eq!(st.block, "exceptions on 2026-12-29");
+        assert_eq!(st.notes.len(), 1, "{:?}", st.notes);
+        assert!(st.notes[0].starts_with("exception `close` applies to tenant fin"));
+        // The day after: no exception stage.
+        s.date = day(2027, 1, 3);
+        let (_, t) = g.explain(&req, &s);
+        assert!(!t.stages.iter().any(|s| s.stage == "exception"));
+        // On the 31st the tier's exception shows too.
+        s.date = day(2026, 12, 31);
+        let (_, t) = g.explain(&req, &s);
+        let st = t.stages.iter().find(|s| s.stage == "exception").unwrap();
+        assert_eq!(st.notes.len(), 2, "{:?}", st.notes);
+    }
+
+    #[test]
+    fn concurrency_granted_counts_in_the_graphs_own_check() {
+        let g = crate::compile::compile_str("t", POLICY).graph.unwrap();
+        let fin = g.tenant_id("fin");
+        assert_eq!(g.granted_concurrent(fin, day(2026, 12, 27), 2), 2);
+        assert_eq!(g.granted_concurrent(fin, day(2026, 12, 28), 2), 8);
+    }
+
+    #[test]
     fn note_says_what_to_whom_and_until_when() {
         let g = crate::compile::compile_str("t", POLICY).graph.unwrap();
         let e = &g.exceptions[0];
