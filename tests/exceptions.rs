@@ -106,7 +106,7 @@ fn an_added_exception_is_an_exception_change_and_its_grants_escalations() {
     assert!(!k.iter().any(|c| c.1.as_deref() == Some("quota.requests")));
     let human = render_human(&d);
     assert!(
-        human.contains("2026-12-28..2027-01-02: weight 4, quota tokens 4000000/min concurrent 8"),
+        human.contains("2026-12-28..2027-01-02: weight 4, quota tokens 4M/min concurrent 8"),
         "{human}"
     );
 

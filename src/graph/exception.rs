@@ -62,7 +62,20 @@ impl Exception {
         if let Some(w) = self.weight {
             out.push(format!("weight {w}"));
         }
-        let rate = |x: f64| crate::units::show(crate::units::Ty::Rate, x);
+        let rate = |per_s: f64| {
+            let m = per_s * 60.0;
+            let (v, suffix) = if m >= 1e6 && (m / 1e6).fract() == 0.0 {
+                (m / 1e6, "M")
+            } else if m >= 1e3 && (m / 1e3).fract() == 0.0 {
+                (m / 1e3, "k")
+            } else {
+                (m, "")
+            };
+            format!(
+                "{}{suffix}/min",
+                crate::units::show(crate::units::Ty::Count, v)
+            )
+        };
         let q = &self.quota;
         let mut qs = Vec::new();
         if let Some(t) = q.tokens {
@@ -325,7 +338,7 @@ exception close_tier {
         let e = &g.exceptions[0];
         assert_eq!(
             e.note(&g),
-            "exception `close` applies to tenant fin (quarter-end close, ends after 2027-01-02): weight 4, quota tokens 400000/min concurrent 8"
+            "exception `close` applies to tenant fin (quarter-end close, ends after 2027-01-02): weight 4, quota tokens 400k/min concurrent 8"
         );
     }
 }
