@@ -63,7 +63,13 @@ impl Exception {
             out.push(format!("weight {w}"));
         }
         let rate = |per_s: f64| {
+            // Per second in the graph: round off what the division left.
             let m = per_s * 60.0;
+            let m = if (m - m.round()).abs() < 1e-6 * m.abs().max(1.0) {
+                m.round()
+            } else {
+                m
+            };
             let (v, suffix) = if m >= 1e6 && (m / 1e6).fract() == 0.0 {
                 (m / 1e6, "M")
             } else if m >= 1e3 && (m / 1e3).fract() == 0.0 {
