@@ -234,3 +234,72 @@ proptest! {
         }
     }
 }
+
+/// `kiln simulate --start`: the same recorded burst of 40 requests,
+/// replayed from 23:30 in Berlin on the 27th and from 00:30 on the 28th
+/// (an hour apart in UTC). The exception raises the tenant's concurrency
+/// from 2 to 40 on the 28th: refused for concurrency before midnight in
+/// Berlin, admitted after.
+#[test]
+fn a_replay_inside_the_window_sees_the_grant_and_one_outside_does_not() {
+    let policy = r#"policy { timezone "Europe/Berlin" }
+pool p { gpus 1 kind "H100-80GB" memory 80GB }
+model m { params 8B kv_per_token 128KB variant fp16 { memory 18GB pools [p] } }
+tier lo { priority 10 slo { window 24h } }
+tenant fin { owner "fin" tiers [lo] quota { concurrent 2 } }
+classify { default => tier lo }
+route lo m { default => fp16 }
+exception close {
+  tenant fin
+  dates 2026-12-28..2027-01-02
+  quota { concurrent 40 }
+  reason "quarter-end close"
+}
+"#;
+    let dir = std::env::temp_dir().join(format!("kiln-exceptions-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join("p.kiln");
+    std::fs::write(&p, policy).unwrap();
+    let t = dir.join("t.jsonl");
+    let lines: Vec<String> = (0..40)
+        .map(|i| {
+            format!(
+                r#"{{"at_ms": {}, "tenant": "fin", "model": "m", "prompt_tokens": 500, "max_tokens": 800, "output_tokens": 800}}"#,
+                i * 10
+            )
+        })
+        .collect();
+    std::fs::write(&t, lines.join("\n") + "\n").unwrap();
+    let refused = |start: &str| -> u64 {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(["simulate", "--policy"])
+            .arg(&p)
+            .arg("--traffic")
+            .arg(&t)
+            .args(["--start", start, "--format", "json"])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        v["reports"][0]["tenants"][0]["rejects_by_reason"]["concurrency"]
+            .as_u64()
+            .unwrap_or(0)
+    };
+    assert_eq!(
+        refused("2026-12-27T22:30:00Z"),
+        38,
+        "23:30 on the 27th in Berlin"
+    );
+    assert_eq!(
+        refused("2026-12-27T23:30:00Z"),
+        0,
+        "00:30 on the 28th in Berlin"
+    );
+    assert_eq!(
+        refused("2027-01-02T22:30:00Z"),
+        0,
+        "23:30 on the 2nd, the last day"
+    );
+    assert_eq!(refused("2027-01-02T23:30:00Z"), 38, "00:30 on the 3rd");
+    let _ = std::fs::remove_dir_all(&dir);
+}
