@@ -14,9 +14,11 @@ use std::sync::Arc;
 impl Scheduler {
     /// Applies the exceptions of `date` if they differ from those applied.
     pub(super) fn follow_exceptions(&mut self, date: i32) {
-        if self.base.exceptions.is_empty() {
+        // Every arrival asks; only a new day is looked at.
+        if self.base.exceptions.is_empty() || self.exceptions_date == Some(date) {
             return;
         }
+        self.exceptions_date = Some(date);
         let active = self.base.active_set(date);
         if active == self.exceptions_active {
             return;

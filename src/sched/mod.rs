@@ -566,6 +566,8 @@ pub struct Scheduler {
     base: std::sync::Arc<DecisionGraph>,
     /// Which of `base`'s exceptions `graph` applies.
     exceptions_active: Vec<bool>,
+    /// The day `exceptions_active` was last worked out for.
+    exceptions_date: Option<i32>,
     cfg: Config,
     now: Micros,
     replicas: Vec<Replica>,
@@ -690,6 +692,7 @@ impl Scheduler {
             cache_pending: HashMap::default(),
             base: graph.clone(),
             exceptions_active,
+            exceptions_date: None,
             graph,
             cfg,
             now: 0,

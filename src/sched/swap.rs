@@ -269,6 +269,7 @@ impl Scheduler {
         self.graph = graph.clone();
         self.base = graph.clone();
         self.exceptions_active = vec![false; graph.exceptions.len()];
+        self.exceptions_date = None;
         // The new version may read another time zone.
         self.civil = None;
         // Tier ids and caches change with the version: start them afresh.
