@@ -72,7 +72,7 @@
 //!   A new tenant is a `tenant_change`: it has no previous grant to exceed.
 //! * `exception_change`: any change to an exception; its grants added or
 //!   raised, or its days extended, are escalations as well (see
-//!   [`exception`]).
+//!   `semantic/exception.rs`).
 
 use crate::ast::CmpOp;
 use crate::compile::units::{show, Ty};
