@@ -248,11 +248,12 @@ impl Compiler<'_> {
     /// that does not; false if any.
     fn exception_grants_more(&mut self, e: &Exception, f: &Fields, what: &str) -> bool {
         let ok = std::cell::Cell::new(true);
-        let refuse = |c: &mut Self, key: &str, msg: String, help: String| {
+        const NOT_MORE: &str = "not more than declared";
+        let refuse = |c: &mut Self, key: &str, label: &str, msg: String, help: String| {
             let span = f.get(key).map_or(e.span, |p| p.span);
             c.err(
                 Diagnostic::error(Code::InvalidValue, msg)
-                    .at(span, "grants nothing")
+                    .at(span, label)
                     .help(help),
             );
             ok.set(false);
@@ -273,6 +274,7 @@ impl Compiler<'_> {
                 refuse(
                     self,
                     "priority",
+                    NOT_MORE,
                     format!("{what} grants priority {p}, but {subject} already has {base}"),
                     format!(
                         "an exception only raises: grant more than {base}, or leave `priority` out"
@@ -286,6 +288,7 @@ impl Compiler<'_> {
                 refuse(
                     self,
                     "weight",
+                    NOT_MORE,
                     format!("{what} grants weight {w}, but {subject} already has {base}"),
                     format!(
                         "an exception only raises: grant more than {base}, or leave `weight` out"
@@ -311,13 +314,13 @@ impl Compiler<'_> {
                 None => refuse(
                     self,
                     "quota",
-                    format!("{what} grants a `{key}` quota {subject} does not have"),
+                    "would add a limit",format!("{what} grants a `{key}` quota {subject} does not have"),
                     format!("{subject} has no `{key}` limit, so it has all it could be granted; an exception raises a declared limit, it does not add one"),
                 ),
                 Some(b) if grant <= b => refuse(
                     self,
                     "quota",
-                    format!(
+                    NOT_MORE,format!(
                         "{what} grants `{key}` {}, but {subject} already has {}",
                         units::show(ty, grant),
                         units::show(ty, b)
@@ -344,7 +347,7 @@ impl Compiler<'_> {
                     refuse(
                         self,
                         "reserve",
-                        format!("{what} reserves {}% of pool `{pool_name}`, but {subject} already reserves {own}%", r.share),
+                        NOT_MORE,format!("{what} reserves {}% of pool `{pool_name}`, but {subject} already reserves {own}%", r.share),
                         format!("an exception only raises: reserve more than {own}%"),
                     );
                     continue;
