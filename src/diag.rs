@@ -63,6 +63,7 @@ pub enum Code {
     OwnerUnresolved,
     RollbackOnSharedPool,
     AbsentHeaderMatches,
+    ExceptionTooLong,
 }
 
 impl Code {
@@ -109,6 +110,7 @@ impl Code {
         Code::OwnerUnresolved,
         Code::RollbackOnSharedPool,
         Code::AbsentHeaderMatches,
+        Code::ExceptionTooLong,
     ];
 
     /// The stable short name.
@@ -156,6 +158,7 @@ impl Code {
             Code::OwnerUnresolved => "owner-unresolved",
             Code::RollbackOnSharedPool => "rollback-on-shared-pool",
             Code::AbsentHeaderMatches => "absent-header-matches",
+            Code::ExceptionTooLong => "exception-too-long",
         }
     }
 
@@ -254,6 +257,9 @@ impl Code {
             }
             Code::AbsentHeaderMatches => {
                 "`header(\"…\") != \"\"` is true for a request without the header (absent is not the empty string), so it does not test that the header is set"
+            }
+            Code::ExceptionTooLong => {
+                "an exception is a short, time-boxed grant; one that lasts longer than a month is a standing policy written where no one reviews it as one"
             }
             Code::UnknownLint => {
                 "a `kiln:allow` naming no lint silences nothing, so the warning it meant to silence still shows, or a typo hides that it never did"

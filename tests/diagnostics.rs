@@ -361,6 +361,46 @@ fn cases() -> Vec<(&'static str, String, Code)> {
         ("syntax_rate_period_spelt_out", with("  tiers [chat, bulk]\n", "  tiers [chat, bulk]\n  quota { tokens 2M/minute }\n"), Code::Syntax),
         ("syntax_cost_with_currency", with("  tiers [chat, bulk]\n", "  tiers [chat, bulk]\n  cost $3.20/hour\n"), Code::Syntax),
         (
+            "exception_too_long",
+            plus("exception autumn {\n  tier bulk\n  dates 2026-11-01..2026-12-31\n  priority 50\n  reason \"launch season\"\n}"),
+            Code::ExceptionTooLong,
+        ),
+        (
+            "exception_ends_before_it_starts",
+            plus("exception close {\n  tier bulk\n  dates 2027-01-02..2026-12-28\n  priority 50\n  reason \"quarter-end close\"\n}"),
+            Code::InvalidValue,
+        ),
+        (
+            "exception_not_a_date",
+            plus("exception close {\n  tier bulk\n  dates 2027-02-27..2027-02-29\n  priority 50\n  reason \"quarter-end close\"\n}"),
+            Code::OutOfRange,
+        ),
+        (
+            "exception_lowers_priority",
+            plus("exception close {\n  tier chat\n  dates 2026-12-28..2027-01-02\n  priority 50\n  reason \"quarter-end close\"\n}"),
+            Code::InvalidValue,
+        ),
+        (
+            "exception_quota_not_declared",
+            plus("exception launch {\n  tenant app\n  dates 2026-11-23..2026-11-29\n  quota { tokens 4M/min }\n  reason \"launch week\"\n}"),
+            Code::InvalidValue,
+        ),
+        (
+            "exception_priority_to_a_tenant",
+            plus("exception launch {\n  tenant app\n  dates 2026-11-23..2026-11-29\n  priority 200\n  reason \"launch week\"\n}"),
+            Code::InvalidValue,
+        ),
+        (
+            "exception_without_subject",
+            plus("exception launch {\n  dates 2026-11-23..2026-11-29\n  priority 200\n  reason \"launch week\"\n}"),
+            Code::MissingField,
+        ),
+        (
+            "exception_grants_nothing",
+            plus("exception launch {\n  tier bulk\n  dates 2026-11-23..2026-11-29\n  reason \"launch week\"\n}"),
+            Code::MissingField,
+        ),
+        (
             "duration_without_unit_seconds",
             plus("admit chat {\n  when estimated_wait > 2 => queue max_wait 2\n  default => accept\n}"),
             Code::UnitMismatch,

@@ -290,18 +290,20 @@ fn a_raised_or_removed_money_budget_is_an_escalation() {
 #[test]
 fn a_removed_quota_is_unlimited_and_an_escalation() {
     let old = enterprise_text();
+    // (Research's: analytics' limits are raised by an exception, which
+    // may only raise a limit the tenant has.)
     let new = edit(
         &old,
-        "quota { tokens 1M/min concurrent 32 }",
-        "quota { tokens 1M/min }",
+        "quota { tokens 500k/min concurrent 16 gpu_seconds 100k/day }",
+        "quota { tokens 500k/min gpu_seconds 100k/day }",
     );
     let d = semantic(&policy_text(&old), &policy_text(&new));
     let c = only(&d);
-    assert_eq!(c.subject, "tenant analytics");
+    assert_eq!(c.subject, "tenant research");
     assert_eq!(c.field.as_deref(), Some("quota.concurrent"));
     assert_eq!(
         (c.old.as_deref(), c.new.as_deref()),
-        (Some("32"), Some("unlimited"))
+        (Some("16"), Some("unlimited"))
     );
     assert!(c.escalation);
     assert_eq!(c.change_kind, ChangeKind::QuotaIncrease);

@@ -60,6 +60,12 @@ pub struct Args {
     /// Skip malformed traffic lines (counted) instead of failing.
     #[arg(long)]
     pub skip_malformed: bool,
+    /// The wall-clock moment the replay starts at, RFC 3339
+    /// (`2026-12-29T08:00:00Z`): what `time`, `weekday`, `date`, `day` and
+    /// exceptions read, in the policy's zone. Default: Monday 2024-01-01
+    /// 12:00 in virtual time.
+    #[arg(long)]
+    pub start: Option<String>,
     #[arg(long, value_enum, default_value_t = SimFormat::Human)]
     pub format: SimFormat,
 }
@@ -83,6 +89,7 @@ fn replay_one(
     mode: Mode,
     routing: Routing,
     seed: u64,
+    start_unix_ms: Option<i64>,
     scale: f64,
     show: bool,
 ) -> report::Report {
@@ -90,6 +97,7 @@ fn replay_one(
         mode,
         routing,
         seed,
+        start_unix_ms,
         ..Config::default()
     };
     let name = run_name(mode, routing);
@@ -121,6 +129,13 @@ pub fn run(a: Args) -> i32 {
             return usage_error("--capacity-ttft and --capacity-window are shares, 0 to 1");
         }
     }
+    let start = match a.start.as_deref().map(crate::ops::report::parse_rfc3339) {
+        None => None,
+        Some(Ok(ms)) => Some(ms),
+        Some(Err(_)) => {
+            return usage_error("--start is an RFC 3339 moment, like `2026-12-29T08:00:00Z`")
+        }
+    };
     let g = match compile_one(&a.policy) {
         Ok((_, g)) => Arc::new(g),
         Err(code) => return code,
@@ -155,11 +170,11 @@ pub fn run(a: Args) -> i32 {
     };
     let show = std::io::IsTerminal::is_terminal(&std::io::stderr());
     if a.capacity {
-        return run_capacity(&a, &g, &cost, &records, &runs, show);
+        return run_capacity(&a, &g, &cost, &records, &runs, start, show);
     }
     let reports: Vec<report::Report> = runs
         .iter()
-        .map(|&(m, r)| replay_one(&g, &cost, &records, m, r, a.seed, a.scale, show))
+        .map(|&(m, r)| replay_one(&g, &cost, &records, m, r, a.seed, start, a.scale, show))
         .collect();
     let out = match a.format {
         SimFormat::Human => report::human(&reports),
@@ -183,6 +198,7 @@ fn run_capacity(
     cost: &crate::backend::cost::CostModel,
     records: &[crate::traffic::Record],
     runs: &[(Mode, Routing)],
+    start: Option<i64>,
     show: bool,
 ) -> i32 {
     let th = capacity::Thresholds {
@@ -196,7 +212,7 @@ fn run_capacity(
             if show {
                 eprintln!("{name}: replaying at {x:.3}x");
             }
-            let rep = replay_one(g, cost, records, m, r, a.seed, x, false);
+            let rep = replay_one(g, cost, records, m, r, a.seed, start, x, false);
             capacity::judge(&rep, th)
         });
         rows.push(CapacityRow {

@@ -11,6 +11,9 @@ use crate::lang::format;
 use crate::source::FileId;
 use std::collections::BTreeMap;
 
+mod exception;
+pub use exception::MAX_EXCEPTION_DAYS;
+
 const POOL_FIELDS: &[&str] = &[
     "gpus",
     "kind",
@@ -551,6 +554,7 @@ impl Compiler<'_> {
             DeclKind::Tier => &self.tiers,
             DeclKind::Tenant => &self.tenants,
             DeclKind::Cohort => &self.cohorts,
+            DeclKind::Exception => &self.exceptions,
         };
         t.ids
             .get(&d.name.name)
@@ -573,6 +577,7 @@ impl Compiler<'_> {
             DeclKind::Tier,
             DeclKind::Model,
             DeclKind::Tenant,
+            DeclKind::Exception,
         ] {
             for d in decls.iter().filter(|d| d.kind == kind) {
                 if !self.is_first(d) {
@@ -584,6 +589,7 @@ impl Compiler<'_> {
                     DeclKind::Tier => self.tier(d),
                     DeclKind::Model => self.model(d),
                     DeclKind::Tenant => self.tenant(d),
+                    DeclKind::Exception => self.exception(d),
                 }
             }
         }

@@ -198,6 +198,24 @@ fn rollback_on_shared_pool(g: &crate::graph::DecisionGraph, out: &mut Diagnostic
     }
 }
 
+/// An exception over [`super::decls::MAX_EXCEPTION_DAYS`] days. (Lint
+/// has no clock, so one already over is shown by `kiln status`, not here.)
+fn long_exceptions(g: &crate::graph::DecisionGraph, out: &mut Diagnostics) {
+    let max = super::decls::MAX_EXCEPTION_DAYS;
+    for e in &g.exceptions {
+        if e.days() > max {
+            out.push(
+                Diagnostic::error(
+                    Code::ExceptionTooLong,
+                    format!("exception `{}` lasts {} days", e.name, e.days()),
+                )
+                .at(e.span, format!("more than {max} days"))
+                .help("an exception is a short grant that ends by itself; a grant for longer belongs in the tier or tenant, reviewed as the policy it is. Shorten `dates`, or silence this with `# kiln:allow(exception-too-long)`"),
+            );
+        }
+    }
+}
+
 /// Notes for the author, not findings (they never fail `kiln lint` and
 /// are not diagnostics): which queue bound applies to each tier whose
 /// admission can accept a request without `queue max_wait`. Such a request
@@ -434,6 +452,7 @@ pub fn lint(c: &Compiled) -> Diagnostics {
         unreachable_limits(c, g, &mut out);
         rollback_on_few_samples(g, &mut out);
         rollback_on_shared_pool(g, &mut out);
+        long_exceptions(g, &mut out);
     }
     wrapping_times(c, &mut out);
     for (span, what) in &c.facts.redefined {

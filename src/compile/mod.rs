@@ -243,6 +243,7 @@ pub(crate) struct Compiler<'s> {
     pub tiers: Table,
     pub tenants: Table,
     pub cohorts: Table,
+    pub exceptions: Table,
     pub g: DecisionGraph,
     pub facts: Facts,
     /// Rule blocks seen: (tier, model) routes, admits and fallbacks by tier.
@@ -270,6 +271,7 @@ impl<'s> Compiler<'s> {
             tiers: Table::default(),
             tenants: Table::default(),
             cohorts: Table::default(),
+            exceptions: Table::default(),
             g: DecisionGraph::empty(),
             facts: Facts::default(),
             route_spans: HashMap::new(),
@@ -294,6 +296,7 @@ impl<'s> Compiler<'s> {
             ast::DeclKind::Tier => &self.tiers,
             ast::DeclKind::Tenant => &self.tenants,
             ast::DeclKind::Cohort => &self.cohorts,
+            ast::DeclKind::Exception => &self.exceptions,
         }
     }
 
@@ -340,6 +343,7 @@ impl<'s> Compiler<'s> {
                             ast::DeclKind::Tier => &mut self.tiers,
                             ast::DeclKind::Tenant => &mut self.tenants,
                             ast::DeclKind::Cohort => &mut self.cohorts,
+                            ast::DeclKind::Exception => &mut self.exceptions,
                         };
                         if let Err(first) = table.insert(&d.name.name, d.name.span) {
                             let kw = d.kind.keyword();

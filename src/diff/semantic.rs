@@ -70,6 +70,9 @@
 //!   fields), `route_change` (models, variants, substitutions declared
 //!   with `served_by`, route blocks and fallback chains), `pool_change` (pools), `rollout_change`, `approval_change`.
 //!   A new tenant is a `tenant_change`: it has no previous grant to exceed.
+//! * `exception_change`: any change to an exception; its grants added or
+//!   raised, or its days extended, are escalations as well (see
+//!   `semantic/exception.rs`).
 
 use crate::ast::CmpOp;
 use crate::compile::units::{show, Ty};
@@ -80,6 +83,8 @@ use crate::graph::{
 use serde::Serialize;
 use similar::{capture_diff_slices, Algorithm, DiffOp};
 use std::collections::{BTreeMap, BTreeSet};
+
+mod exception;
 
 /// At most this many requests decided differently are reported.
 pub const MAX_CHANGED_REQUESTS: usize = 200;
@@ -188,6 +193,7 @@ pub fn semantic(old: &DecisionGraph, new: &DecisionGraph) -> SemanticDiff {
     fallbacks(old, new, &mut out);
     rollout(old, new, &mut out);
     approvals(old, new, &mut out);
+    exception::exceptions(old, new, &mut out);
     // The policy's owner approves what has no owner of its own where a
     // rule says `require owner`: changing it is an approval change.
     owners(

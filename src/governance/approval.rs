@@ -200,6 +200,11 @@ fn touched(subject: &str) -> Vec<(&'static str, String)> {
         "tenant" => vec![("tenant", rest.trim().to_string())],
         "cohort" => vec![("cohort", rest.trim().to_string())],
         "pool" => vec![("pool", rest.trim().to_string())],
+        // `exception NAME for tier T`: its tier's or tenant's owner.
+        "exception" => match rest.split_once(" for ") {
+            Some((_, whom)) => touched(whom),
+            None => Vec::new(),
+        },
         // `route [a, b] model`
         "route" => match rest.rsplit_once(' ') {
             Some((tiers, _model)) => names(tiers).into_iter().map(|n| ("tier", n)).collect(),

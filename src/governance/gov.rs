@@ -685,6 +685,10 @@ impl Gov {
                 .collect(),
             overrides: self.override_views(),
             last_rollback: st.last_rollback.clone(),
+            exceptions: super::view::ExceptionView::all(&active.graph, {
+                let ms = crate::clock::unix_ms() as i64;
+                crate::units::calendar::civil_at(ms, active.graph.timezone.as_ref()).date
+            }),
         }
     }
 

@@ -239,6 +239,54 @@ pub struct StatusView {
     pub overrides: Vec<OverrideView>,
     #[serde(default)]
     pub last_rollback: Option<RollbackView>,
+    /// The active policy's exceptions, as the gateway's clock reads them.
+    #[serde(default)]
+    pub exceptions: Vec<ExceptionView>,
+}
+
+/// One exception of the active policy in `kiln status`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExceptionView {
+    pub name: String,
+    /// `tenant analytics`, `tier batch`
+    pub subject: String,
+    /// First and last day, both included: `2026-12-28..2027-01-06`.
+    pub dates: String,
+    pub grants: String,
+    pub reason: String,
+    /// `active`, `upcoming` or `expired` on the policy's date today.
+    pub state: String,
+    /// Whole days left, today included (active only).
+    #[serde(default)]
+    pub days_left: Option<i32>,
+}
+
+impl ExceptionView {
+    /// The view of each of `g`'s exceptions on `today` (days since
+    /// 1970-01-01 in the policy's zone).
+    pub fn all(g: &crate::graph::DecisionGraph, today: i32) -> Vec<ExceptionView> {
+        g.exceptions
+            .iter()
+            .map(|e| {
+                let state = if e.covers(today) {
+                    "active"
+                } else if today < e.from {
+                    "upcoming"
+                } else {
+                    "expired"
+                };
+                ExceptionView {
+                    name: e.name.clone(),
+                    subject: e.subject_name(g),
+                    dates: e.window(),
+                    grants: e.grants(g),
+                    reason: e.reason.clone(),
+                    state: state.into(),
+                    days_left: e.covers(today).then(|| e.until - today + 1),
+                }
+            })
+            .collect()
+    }
 }
 
 /// Seconds for people: `42s`, `12m34s`, `30m`, `1h47m`, `2h`.
@@ -670,6 +718,21 @@ pub fn render_status(s: &StatusView) -> String {
             }
         }
     }
+    if !s.exceptions.is_empty() {
+        let _ = writeln!(out, "\nexceptions");
+        for e in &s.exceptions {
+            let when = match (e.state.as_str(), e.days_left) {
+                ("active", Some(d)) => format!("active, {d} day(s) left"),
+                ("expired", _) => "expired: remove it from the policy".to_string(),
+                (st, _) => st.to_string(),
+            };
+            let _ = writeln!(
+                out,
+                "  {} ({}, {}): {}; {when} (\"{}\")",
+                e.name, e.subject, e.dates, e.grants, e.reason
+            );
+        }
+    }
     let _ = writeln!(out);
     if s.overrides.is_empty() {
         let _ = writeln!(out, "overrides none");
@@ -695,4 +758,59 @@ pub fn render_status(s: &StatusView) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::units::calendar::date_days;
+
+    #[test]
+    fn status_says_which_exceptions_are_active_upcoming_or_expired() {
+        let text = r#"
+pool p { gpus 1 kind "H100-80GB" memory 80GB }
+model m { variant fp16 { memory 10GB pools [p] } }
+tier lo { priority 10 slo { window 1h } }
+tenant fin { owner "o" tiers [lo] weight 1 }
+classify { default => tier lo }
+route lo m { default => fp16 }
+exception close {
+  tenant fin
+  dates 2026-12-28..2027-01-02
+  weight 3
+  reason "quarter-end close"
+}
+"#;
+        let g = crate::compile::compile_str("t", text).graph.unwrap();
+        let state = |y, m, d| {
+            let v = ExceptionView::all(&g, date_days(y, m, d).unwrap());
+            (v[0].state.clone(), v[0].days_left)
+        };
+        assert_eq!(state(2026, 12, 27), ("upcoming".into(), None));
+        assert_eq!(state(2026, 12, 28), ("active".into(), Some(6)));
+        assert_eq!(state(2027, 1, 2), ("active".into(), Some(1)));
+        assert_eq!(state(2027, 1, 3), ("expired".into(), None));
+        let v = ExceptionView::all(&g, date_days(2027, 1, 1).unwrap());
+        let s = StatusView {
+            active: "sha256:x".into(),
+            previous: None,
+            governance: false,
+            approvers: Vec::new(),
+            audit: AuditHead {
+                path: None,
+                entries: 0,
+                head: String::new(),
+            },
+            rollout: None,
+            proposals: Vec::new(),
+            overrides: Vec::new(),
+            last_rollback: None,
+            exceptions: v,
+        };
+        let out = render_status(&s);
+        assert!(
+            out.contains("  close (tenant fin, 2026-12-28..2027-01-02): weight 3; active, 2 day(s) left (\"quarter-end close\")"),
+            "{out}"
+        );
+    }
 }

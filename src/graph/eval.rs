@@ -163,6 +163,9 @@ impl DecisionGraph {
             }
         }
         cx.tier = Some(tier);
+        if t.enabled() {
+            self.trace_exceptions(tier, tenant, signals.date, t);
+        }
 
         let mut d = Decision {
             tenant,
@@ -193,7 +196,13 @@ impl DecisionGraph {
                 d.admission = Admission::Reject(&self.builtin.quota);
                 return d;
             }
-            if let (Some(limit), Some(id)) = (tn.quota.concurrent, tenant) {
+            // An exception's concurrency grant counts here too, so a trace
+            // decided on the compiled graph says what the scheduler did.
+            let concurrent = tn
+                .quota
+                .concurrent
+                .map(|c| self.granted_concurrent(tenant, signals.date, c));
+            if let (Some(limit), Some(id)) = (concurrent, tenant) {
                 if signals.in_flight(id) >= limit {
                     if t.enabled() {
                         t.note(format!(

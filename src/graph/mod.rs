@@ -5,6 +5,7 @@
 
 mod cond;
 mod eval;
+pub mod exception;
 mod input;
 pub mod limits;
 pub mod signal;
@@ -13,6 +14,7 @@ mod view;
 
 pub use cond::{Cond, Sig, Test, TestOp};
 pub use eval::{Admission, Decision, Target};
+pub use exception::{Exception, Subject};
 pub use input::{
     Request, Retry, Signals, SignalsInput, TierMetrics, BATCH_HEADER, BATCH_PREEMPTIBLE_HEADER,
     BATCH_TRY_HEADER, IDLE_DATE, RETRY_HEADER, SDK_RETRY_HEADER,
@@ -669,10 +671,12 @@ pub enum ChangeKind {
     RolloutChange,
     ApprovalChange,
     Rollback,
+    /// An `exception` added, removed or changed.
+    ExceptionChange,
 }
 
 impl ChangeKind {
-    pub const ALL: [ChangeKind; 11] = [
+    pub const ALL: [ChangeKind; 12] = [
         ChangeKind::Any,
         ChangeKind::PriorityIncrease,
         ChangeKind::QuotaIncrease,
@@ -684,6 +688,7 @@ impl ChangeKind {
         ChangeKind::RolloutChange,
         ChangeKind::ApprovalChange,
         ChangeKind::Rollback,
+        ChangeKind::ExceptionChange,
     ];
 
     pub fn name(self) -> &'static str {
@@ -699,6 +704,7 @@ impl ChangeKind {
             ChangeKind::RolloutChange => "rollout_change",
             ChangeKind::ApprovalChange => "approval_change",
             ChangeKind::Rollback => "rollback",
+            ChangeKind::ExceptionChange => "exception_change",
         }
     }
 
@@ -755,6 +761,9 @@ pub struct DecisionGraph {
     /// `policy { owner "…" escalation "…" }`: who owns the policy itself,
     /// and what a tier, pool or tenant without an owner falls back to.
     pub owner: Owner,
+    /// Time-boxed grants (`exception NAME { … }`), not applied here: see
+    /// [`DecisionGraph::on_date`].
+    pub exceptions: Vec<Exception>,
     pub(crate) index: Names,
     pub(crate) builtin: Builtin,
 }
@@ -918,6 +927,7 @@ impl DecisionGraph {
             substitutions: Vec::new(),
             timezone: None,
             owner: Owner::default(),
+            exceptions: Vec::new(),
             index: Names::default(),
             builtin: Builtin::default(),
         }
@@ -934,6 +944,10 @@ impl DecisionGraph {
         g.cohorts.iter_mut().for_each(|c| c.span = z);
         g.rules.iter_mut().for_each(|r| r.span = z);
         g.substitutions.iter_mut().for_each(|s| s.span = z);
+        g.exceptions.iter_mut().for_each(|e| {
+            e.span = z;
+            e.reserve.iter_mut().for_each(|r| r.span = z);
+        });
         for m in &mut g.models {
             m.span = z;
             m.variants.iter_mut().for_each(|v| v.span = z);

@@ -57,6 +57,8 @@ pub enum DeclKind {
     Tier,
     Tenant,
     Cohort,
+    /// `exception NAME { … }`: a time-boxed grant to a tier or tenant.
+    Exception,
 }
 
 impl DeclKind {
@@ -67,6 +69,7 @@ impl DeclKind {
             DeclKind::Tier => "tier",
             DeclKind::Tenant => "tenant",
             DeclKind::Cohort => "cohort",
+            DeclKind::Exception => "exception",
         }
     }
 }

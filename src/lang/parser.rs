@@ -25,6 +25,7 @@ fn is_keyword(r: Rule) -> bool {
             | Rule::kw_tier
             | Rule::kw_tenant
             | Rule::kw_cohort
+            | Rule::kw_exception
             | Rule::kw_classify
             | Rule::kw_route
             | Rule::kw_admit
@@ -289,9 +290,12 @@ fn too_deep_error(file: FileId, start: usize, end: usize) -> Diagnostic {
 fn rule_name(r: &Rule) -> Option<&'static str> {
     Some(match r {
         Rule::EOI => "end of file",
-        Rule::kw_pool | Rule::kw_model | Rule::kw_tier | Rule::kw_tenant | Rule::kw_cohort => {
-            "a definition (pool, model, tier, tenant, cohort)"
-        }
+        Rule::kw_pool
+        | Rule::kw_model
+        | Rule::kw_tier
+        | Rule::kw_tenant
+        | Rule::kw_cohort
+        | Rule::kw_exception => "a definition (pool, model, tier, tenant, cohort)",
         Rule::kw_classify | Rule::kw_route | Rule::kw_admit | Rule::kw_fallback => {
             "a rule block (classify, route, admit, fallback)"
         }
@@ -310,7 +314,9 @@ fn rule_name(r: &Rule) -> Option<&'static str> {
         Rule::kw_for => "`for …`",
         Rule::kw_from => "`from \"group\"`",
         Rule::kw_retry_after => "`retry_after DURATION`",
-        Rule::pool | Rule::model | Rule::tier | Rule::tenant | Rule::cohort => "a definition",
+        Rule::pool | Rule::model | Rule::tier | Rule::tenant | Rule::cohort | Rule::exception => {
+            "a definition"
+        }
         Rule::classify | Rule::route | Rule::admit | Rule::fallback => "a rule block",
         Rule::rollout | Rule::approval => "a rollout or approval block",
         Rule::settings => "a policy block",
@@ -566,9 +572,19 @@ fn misspelt_quantity(file: FileId, text: &str, pos: usize) -> Option<Diagnostic>
     )
 }
 
-const TOP_KEYWORDS: [&str; 11] = [
-    "pool", "model", "tier", "tenant", "cohort", "classify", "route", "admit", "fallback",
-    "rollout", "approval",
+const TOP_KEYWORDS: [&str; 12] = [
+    "pool",
+    "model",
+    "tier",
+    "tenant",
+    "cohort",
+    "exception",
+    "classify",
+    "route",
+    "admit",
+    "fallback",
+    "rollout",
+    "approval",
 ];
 
 /// A new top-level item starting inside a still-open block is the commonest
@@ -700,12 +716,18 @@ impl Builder<'_> {
     fn item(&self, p: P) -> Option<Item> {
         let span = self.span(&p);
         Some(match p.as_rule() {
-            Rule::pool | Rule::model | Rule::tier | Rule::tenant | Rule::cohort => {
+            Rule::pool
+            | Rule::model
+            | Rule::tier
+            | Rule::tenant
+            | Rule::cohort
+            | Rule::exception => {
                 let kind = match p.as_rule() {
                     Rule::pool => DeclKind::Pool,
                     Rule::model => DeclKind::Model,
                     Rule::tier => DeclKind::Tier,
                     Rule::tenant => DeclKind::Tenant,
+                    Rule::exception => DeclKind::Exception,
                     _ => DeclKind::Cohort,
                 };
                 let mut it = p.kids();

@@ -33,6 +33,7 @@ mod bucket;
 pub mod budget;
 pub mod cache;
 pub mod canary;
+mod exception;
 pub mod forecast;
 pub mod hold;
 pub mod live;
@@ -560,7 +561,14 @@ struct Held {
 
 /// The scheduler. Owns queues, replicas and quota state; borrows nothing.
 pub struct Scheduler {
+    /// The graph in force: `base` with today's exceptions applied.
     graph: std::sync::Arc<DecisionGraph>,
+    /// The policy version as compiled ([`exception`]).
+    base: std::sync::Arc<DecisionGraph>,
+    /// Which of `base`'s exceptions `graph` applies.
+    exceptions_active: Vec<bool>,
+    /// The day `exceptions_active` was last worked out for.
+    exceptions_date: Option<i32>,
     cfg: Config,
     now: Micros,
     replicas: Vec<Replica>,
@@ -681,10 +689,14 @@ impl Scheduler {
         let reserves = Scheduler::reserves_of(&graph);
         let caches = cache::Caches::new(&graph, cfg.cache_bounds);
         let semantic = semantic::SemanticCaches::new(&graph, cfg.cache_bounds);
-        Scheduler {
+        let exceptions_active = vec![false; graph.exceptions.len()];
+        let mut s = Scheduler {
             caches,
             semantic,
             cache_pending: HashMap::default(),
+            base: graph.clone(),
+            exceptions_active,
+            exceptions_date: None,
             graph,
             cfg,
             now: 0,
@@ -717,7 +729,9 @@ impl Scheduler {
             live,
             scratch: Scratch::default(),
             reserves,
-        }
+        };
+        s.follow_exceptions_now();
+        s
     }
 
     /// Sets (or with `None` ends) the canary: the version that decides the
@@ -1365,6 +1379,7 @@ impl Scheduler {
 
     fn refresh_signals(&mut self) {
         let c = self.civil_now();
+        self.follow_exceptions(c.date);
         let g = &self.graph;
         self.signals.time_of_day = c.minute;
         self.signals.weekday = c.weekday;

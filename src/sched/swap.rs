@@ -268,6 +268,9 @@ impl Scheduler {
         }
         self.reserves = Scheduler::reserves_of(&graph);
         self.graph = graph.clone();
+        self.base = graph.clone();
+        self.exceptions_active = vec![false; graph.exceptions.len()];
+        self.exceptions_date = None;
         // The new version may read another time zone.
         self.civil = None;
         // Tier ids and caches change with the version: start them afresh.
@@ -288,6 +291,8 @@ impl Scheduler {
                 self.release_pins(r);
             }
         }
+        // Last: what the new version grants today, over what it declares.
+        self.follow_exceptions_now();
         self.settle();
         &self.out
     }
