@@ -85,12 +85,15 @@ async fn fleet(url: &str, speed: f64) -> Fleet {
 }
 
 async fn fleet_of(url: &str, speed: f64, on: OnUnavailable, n: usize) -> Fleet {
+    fleet_with(url, POLICY, speed, on, n).await
+}
+
+async fn fleet_with(url: &str, text: &str, speed: f64, on: OnUnavailable, n: usize) -> Fleet {
     let ns = support::redis::namespace("q");
     let mut gateways = Vec::new();
     for i in 0..n {
-        gateways.push(
-            serve_on_loopback(policy("q.kiln", POLICY), config(url, &ns, i, speed, on)).await,
-        );
+        gateways
+            .push(serve_on_loopback(policy("q.kiln", text), config(url, &ns, i, speed, on)).await);
     }
     let bases = gateways
         .iter()
@@ -213,6 +216,41 @@ async fn tier_and_model_quotas_hold_over_the_fleet() {
             "{what} quota 60/min: only {n} admitted over the fleet of {due:.0} due"
         );
     }
+}
+
+/// An exception that covers today grants tier `metered` 600 requests a
+/// minute over its declared 60: the fleet admits what the grant allows
+/// (each replica's claim on the shared bucket reads today's limits, as
+/// its scheduler does), and no more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_exceptions_quota_grant_holds_over_the_fleet() {
+    use kiln::units::calendar::{civil_at, show_date};
+    let Some(redis) = Redis::start() else { return };
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    let today = civil_at(now_ms, None).date;
+    let text = format!(
+        "{POLICY}\nexception launch {{\n  tier metered\n  dates {}..{}\n  quota {{ requests 600/min }}\n  reason \"launch week\"\n}}\n",
+        show_date(today - 1),
+        show_date(today + 1)
+    );
+    let f = fleet_with(&redis.url(), &text, SPEED, OnUnavailable::Local, 3).await;
+    f.registered().await;
+    let admitted = offer(&f, "k-a", "tiny", 30.0, MINUTE).await;
+    f.stop().await;
+    let (declared, granted) = (allowance(60.0, MINUTE), allowance(600.0, MINUTE));
+    eprintln!(
+        "tier quota granted 600/min: {} admitted ({declared:.0} due at the declared 60/min)",
+        admitted.len()
+    );
+    assert!(
+        admitted.len() as f64 > 1.1 * declared,
+        "the grant did not hold over the fleet: {} admitted",
+        admitted.len()
+    );
+    assert!(admitted.len() as f64 <= 1.1 * granted);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

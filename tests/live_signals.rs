@@ -43,6 +43,8 @@ fn probe_condition(spelling: &str) -> Option<String> {
         // Above what the idle round's own probes hold while they run.
         "kv_occupancy" => "> 5%".to_string(),
         "error_rate" | "fallback_rate" => "> 0%".to_string(),
+        // Full at idle; the first GPU time spent takes some.
+        "budget_remaining" => "< 100%".to_string(),
         _ => "> 0".to_string(),
     };
     Some(format!("{target}.{field} {test}"))
@@ -69,17 +71,17 @@ fn probes() -> Vec<(String, String)> {
 fn policy_text(probes: &[(String, String)]) -> String {
     let mut s = String::from(
         r#"
-pool gpu { gpus 1 kind "A100-80GB" memory 80GB }
+pool gpu { gpus 1 kind "A100-80GB" memory 80GB price 3.2/h }
 model llama-70b {
   params 70B
   kv_per_token 320KB
   variant int4 { memory 42GB pools [gpu] }
 }
 # Under four times the slice's load, one GPU misses this often.
-tier high { priority 50 slo { ttft 400ms } }
+tier high { priority 50 slo { ttft 400ms } budget 1k/day }
 tier batch { priority 20 slo { window 2s } signal_window 30s }
 tier junk { priority 10 }
-tenant chat { owner "c@x" tiers [high] }
+tenant chat { owner "c@x" tiers [high] budget 1k/day }
 tenant bulk { owner "b@x" tiers [batch] }
 tenant prober { owner "p@x" tiers [junk"#,
     );

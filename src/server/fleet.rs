@@ -81,7 +81,13 @@ pub struct Fleet {
     unsettled: Mutex<Vec<Unsettled>>,
     /// Claims taken back so far (granted in Redis, answer lost).
     taken_back: AtomicU64,
+    /// The graph in force today (its exceptions applied), for the last
+    /// policy graph asked about and the day it was made for.
+    today: Mutex<Option<Today>>,
 }
+
+/// A policy graph, a date, and the graph in force that day.
+type Today = (Arc<DecisionGraph>, i32, Arc<DecisionGraph>);
 
 /// A claim whose outcome this replica does not know.
 struct Unsettled {
@@ -231,7 +237,38 @@ impl Fleet {
             unannounced: AtomicBool::new(false),
             unsettled: Mutex::new(Vec::new()),
             taken_back: AtomicU64::new(0),
+            today: Mutex::new(None),
         }))
+    }
+
+    /// The limits in force today: `graph` with the exceptions that cover
+    /// today's date in the policy's zone applied, as each replica's
+    /// scheduler applies them, so a quota an exception grants holds over
+    /// the fleet too. Made once a day per policy version.
+    pub fn graph_today(&self, graph: &Arc<DecisionGraph>) -> Arc<DecisionGraph> {
+        if graph.exceptions.is_empty() {
+            return graph.clone();
+        }
+        let date = crate::units::calendar::civil_at(
+            crate::clock::unix_ms() as i64,
+            graph.timezone.as_ref(),
+        )
+        .date;
+        let Ok(mut today) = self.today.lock() else {
+            return Arc::new(graph.on_date(date));
+        };
+        if let Some((base, day, g)) = today.as_ref() {
+            if Arc::ptr_eq(base, graph) && *day == date {
+                return g.clone();
+            }
+        }
+        let g = if graph.active_set(date).iter().any(|&a| a) {
+            Arc::new(graph.on_date(date))
+        } else {
+            graph.clone()
+        };
+        *today = Some((graph.clone(), date, g.clone()));
+        g
     }
 
     /// The fleet's size: the live replicas the registry last counted, at

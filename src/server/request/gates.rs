@@ -156,14 +156,10 @@ async fn fleet_quota(
     };
     fleet.wait_for_version().await;
     let need = prompt_tokens as f64 + max_tokens as f64;
+    // Today's limits: an exception's quota grant holds over the fleet.
+    let graph = fleet.graph_today(&app.policy.load().graph);
     let gate = fleet
-        .claim(
-            &app.policy.load().graph,
-            &ctx.req,
-            &ctx.rid,
-            need,
-            prompt_tokens as f64,
-        )
+        .claim(&graph, &ctx.req, &ctx.rid, need, prompt_tokens as f64)
         .await;
     left.armed = false;
     drop(left);
