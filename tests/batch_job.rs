@@ -232,3 +232,79 @@ async fn a_capped_batch_is_promised_the_pace_its_cap_allows() {
     eprintln!("predicted: capped at 1 {one} s, uncapped {open} s");
     assert!(one >= 3 * open, "capped at 1: {one} s, uncapped: {open} s");
 }
+
+/// Two tenants' batches in one tier, weights 1 and 1, unless an exception
+/// covering today grants alpha weight 3.
+fn shared_tier_policy(grant: bool) -> String {
+    let mut text = String::from(
+        r#"
+pool gpu { gpus 1 kind "H100-80GB" memory 80GB }
+model tiny {
+  params 1B
+  kv_per_token 32KB
+  variant fp16 { memory 4GB pools [gpu] max_batch 8 }
+}
+tier batch { priority 40 slo { window 24h } }
+tenant alpha { owner "a@x" tiers [batch] api_keys ["k-alpha"] }
+tenant beta { owner "b@x" tiers [batch] api_keys ["k-beta"] }
+classify { default => tier batch }
+route batch tiny { default => fp16 }
+"#,
+    );
+    if grant {
+        use kiln::units::calendar::{civil_at, show_date};
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as i64;
+        let today = civil_at(now_ms, None).date;
+        text.push_str(&format!(
+            "exception push {{\n  tenant alpha\n  dates {}..{}\n  weight 3\n  reason \"launch\"\n}}\n",
+            show_date(today - 1),
+            show_date(today + 1)
+        ));
+    }
+    text
+}
+
+/// Seconds from creation to alpha's predicted finish, with beta's batch
+/// already accepted in the same tier.
+async fn alphas_prediction(grant: bool) -> i64 {
+    let mut cfg = ServerConfig::default_embedded();
+    cfg.sim.speed = 1.0;
+    let srv = serve_on_loopback(policy("share.kiln", &shared_tier_policy(grant)), cfg).await;
+    let base = format!("http://{}", srv.addr);
+    let c = client();
+    let fb = upload(&c, &base, "k-beta", &jsonl("b", "tiny", 200, 200)).await;
+    assert_eq!(
+        create(&c, &base, "k-beta", &fb, "24h", json!({}))
+            .await
+            .status(),
+        200
+    );
+    let fa = upload(&c, &base, "k-alpha", &jsonl("a", "tiny", 200, 200)).await;
+    let r = create(&c, &base, "k-alpha", &fa, "24h", json!({})).await;
+    assert_eq!(r.status(), 200);
+    let b: Value = r.json().await.unwrap();
+    let finish = b["kiln"]["predicted_finish_at"]
+        .as_i64()
+        .expect("a prediction");
+    let created = b["created_at"].as_i64().unwrap();
+    srv.stop().await;
+    finish - created
+}
+
+/// The promise reads today's weights: an exception that triples alpha's
+/// weight (a 3:1 share of the tier against 1:1) shortens its predicted
+/// finish to about two thirds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_weight_granted_by_exception_speeds_the_promise() {
+    let declared = alphas_prediction(false).await;
+    let granted = alphas_prediction(true).await;
+    eprintln!("alpha predicted: {declared} s at weight 1, {granted} s at weight 3");
+    assert!(declared >= 3, "{declared}");
+    assert!(
+        (granted as f64) <= 0.8 * declared as f64,
+        "granted {granted} s against declared {declared} s"
+    );
+}

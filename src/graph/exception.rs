@@ -156,6 +156,17 @@ impl DecisionGraph {
         self.exceptions.iter().map(|e| e.covers(date)).collect()
     }
 
+    /// The day `unix_ms` falls on in the policy's zone, and the graph in
+    /// force then: `graph` itself (shared) when no exception covers it.
+    pub fn in_force_at(graph: &Arc<DecisionGraph>, unix_ms: i64) -> (i32, Arc<DecisionGraph>) {
+        let date = crate::units::calendar::civil_at(unix_ms, graph.timezone.as_ref()).date;
+        if graph.exceptions.iter().any(|e| e.covers(date)) {
+            (date, Arc::new(graph.on_date(date)))
+        } else {
+            (date, graph.clone())
+        }
+    }
+
     /// The graph in force on `date`: this one with every exception that
     /// covers the day applied (the largest grant where two overlap). Ids,
     /// rules and everything else are unchanged, so the scheduler moves to

@@ -145,10 +145,15 @@ pub async fn plan_rows(
         ests.push(e);
     }
     let pace: HashMap<String, f64> = plans.pace.lock().map(|m| m.clone()).unwrap_or_default();
+    // Today's weights and priorities: an exception's grant counts.
+    let today = crate::graph::DecisionGraph::in_force_at(
+        &app.policy.load().graph,
+        crate::clock::unix_ms() as i64,
+    )
+    .1;
     let weight = {
-        let p = app.policy.load_full();
+        let g = today.clone();
         move |owner: Option<&str>| -> f64 {
-            let g = &p.graph;
             owner
                 .and_then(|o| g.tenant_id(o))
                 .and_then(|t| g.tenants.get(t as usize))
@@ -158,9 +163,8 @@ pub async fn plan_rows(
         }
     };
     let priority_of = {
-        let p = app.policy.load_full();
+        let g = today;
         move |tier: &str| -> i64 {
-            let g = &p.graph;
             g.tier_id(tier)
                 .and_then(|t| g.tiers.get(t as usize))
                 .map_or(0, |t| t.priority)

@@ -249,24 +249,17 @@ impl Fleet {
         if graph.exceptions.is_empty() {
             return graph.clone();
         }
-        let date = crate::units::calendar::civil_at(
-            crate::clock::unix_ms() as i64,
-            graph.timezone.as_ref(),
-        )
-        .date;
+        let now = crate::clock::unix_ms() as i64;
+        let date = crate::units::calendar::civil_at(now, graph.timezone.as_ref()).date;
         let Ok(mut today) = self.today.lock() else {
-            return Arc::new(graph.on_date(date));
+            return DecisionGraph::in_force_at(graph, now).1;
         };
         if let Some((base, day, g)) = today.as_ref() {
             if Arc::ptr_eq(base, graph) && *day == date {
                 return g.clone();
             }
         }
-        let g = if graph.active_set(date).iter().any(|&a| a) {
-            Arc::new(graph.on_date(date))
-        } else {
-            graph.clone()
-        };
+        let (date, g) = DecisionGraph::in_force_at(graph, now);
         *today = Some((graph.clone(), date, g.clone()));
         g
     }
