@@ -253,6 +253,7 @@ fn exported() -> BTreeSet<String> {
     m.batch_deadline_misses("t", "a", 1);
     m.set_upstream_breaker("p", "u", true);
     m.set_budget("tenant", "a", "day", 10.0, 2.0);
+    m.rollout_stage("v2", "pilot");
     m.render()
         .lines()
         .filter_map(|l| l.strip_prefix("# TYPE "))

@@ -365,7 +365,7 @@ pub fn dashboard(g: &DecisionGraph, policy: &str) -> Value {
     ));
     panels.push(timeseries(
         &mut id,
-        "Rollout: canary and shadow decisions".into(),
+        "Rollout: canary and shadow decisions, stages begun".into(),
         "reqps",
         vec![
             target(
@@ -383,6 +383,12 @@ pub fn dashboard(g: &DecisionGraph, policy: &str) -> Value {
                 "sum by (trigger) (increase(kiln_rollbacks_total[$__rate_interval]))".into(),
                 "rollback {{trigger}}",
                 2,
+            ),
+            target(
+                "sum by (version, stage) (increase(kiln_rollout_stages_total[$__rate_interval]))"
+                    .into(),
+                "stage {{stage}} began ({{version}})",
+                3,
             ),
         ],
         None,
