@@ -253,6 +253,72 @@ async fn an_exceptions_quota_grant_holds_over_the_fleet() {
     assert!(admitted.len() as f64 <= 1.1 * granted);
 }
 
+/// A money budget over a fleet: tenant `a` spends only through replica 0
+/// until its rule refuses it there; then the other replicas, which served
+/// it nothing, refuse it too (each reads the fleet's spending against the
+/// whole budget, not its own against its third).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_money_budget_is_the_fleets() {
+    const BUDGETED: &str = r#"
+pool gpu { gpus 8 kind "H100-80GB" memory 80GB price 3600000/h }
+model tiny {
+  params 1B
+  kv_per_token 32KB
+  variant fp16 { memory 4GB pools [gpu] max_batch 64 }
+}
+tier t { priority 10 slo { ttft 5s } }
+tenant a { owner "a@x" tiers [t] budget 2k/day api_keys ["k-a"] }
+classify { default => tier t }
+route t tiny { default => fp16 }
+admit t {
+  when budget.remaining <= 0% => reject 429 "budget spent"
+  default => accept
+}
+"#;
+    let Some(redis) = Redis::start() else { return };
+    let f = fleet_with(&redis.url(), BUDGETED, SPEED, OnUnavailable::Local, 3).await;
+    f.registered().await;
+    let c = client(Duration::from_secs(10));
+    let send = |base: String| {
+        let c = c.clone();
+        async move {
+            c.post(format!("{base}/v1/chat/completions"))
+                .bearer_auth("k-a")
+                .json(&json!({"model": "tiny", "max_tokens": 64,
+                    "messages": [{"role": "user", "content": "word ".repeat(200)}]}))
+                .send()
+                .await
+                .map_or(0, |r| r.status().as_u16())
+        }
+    };
+    let mut served = 0;
+    let mut refused = false;
+    for _ in 0..400 {
+        match send(f.bases[0].clone()).await {
+            200 => served += 1,
+            429 => {
+                refused = true;
+                break;
+            }
+            s => panic!("status {s}"),
+        }
+    }
+    assert!(
+        refused,
+        "the budget never ran out on replica 0 ({served} served)"
+    );
+    assert!(served >= 3, "{served}");
+    // The others learn the fleet's spending within a heartbeat or two.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut elsewhere = Vec::new();
+    for i in [1, 2, 1, 2] {
+        elsewhere.push(send(f.bases[i].clone()).await);
+    }
+    f.stop().await;
+    eprintln!("served {served} on replica 0, then on the others: {elsewhere:?}");
+    assert!(elsewhere.iter().all(|s| *s == 429), "{elsewhere:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn quota_remaining_reads_the_fleets_value() {
     let Some(redis) = Redis::start() else { return };

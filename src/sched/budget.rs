@@ -19,6 +19,9 @@ struct Account {
     /// The day (days since 1970) or month ([`month_index`]) `spent` is of.
     period: i32,
     spent: f64,
+    /// What the fleet's other replicas spent in a period, as last read
+    /// (`None` outside a fleet, or before its first reading).
+    others: Option<(i32, f64)>,
 }
 
 impl Account {
@@ -54,10 +57,18 @@ impl Account {
         self.spent += amount;
     }
 
-    /// Percent left, 0–100 (100 without a budget).
+    /// Percent left, 0–100 (100 without a budget): of the whole budget
+    /// against the fleet's spending where the fleet's is known for this
+    /// period, else of this replica's share against its own.
     fn remaining(&self, c: &Civil, scale: f64) -> f64 {
         match &self.budget {
             Some(b) => {
+                if let Some((p, others)) = self.others {
+                    if p == Account::period_of(b, c) && b.amount > 0.0 {
+                        let spent = self.spent_at(c) + others;
+                        return (100.0 * (1.0 - spent / b.amount)).clamp(0.0, 100.0);
+                    }
+                }
                 let limit = b.amount * scale;
                 if limit > 0.0 {
                     (100.0 * (1.0 - self.spent_at(c) / limit)).clamp(0.0, 100.0)
@@ -81,6 +92,19 @@ pub struct BudgetView {
     /// the current period.
     pub limit: f64,
     pub spent: f64,
+    /// The period `spent` is of: days since 1970, or a month index.
+    pub period_key: i32,
+}
+
+/// What a fleet keeps of one budget's period: this replica's total (more
+/// than it holds after a restart) and the other replicas' spending.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BudgetSync {
+    pub scope: String,
+    pub name: String,
+    pub period_key: i32,
+    pub own: f64,
+    pub others: f64,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -126,6 +150,7 @@ impl Budgets {
                     if let Some(slot) = to.get_mut(new) {
                         slot.period = a.period;
                         slot.spent = a.spent;
+                        slot.others = a.others;
                     }
                 }
             }
@@ -193,6 +218,7 @@ impl Budgets {
                         period: b.period.name(),
                         limit: b.amount * self.scale,
                         spent: a.spent_at(c),
+                        period_key: Account::period_of(&b, c),
                     })
                 })
                 .collect::<Vec<_>>()
@@ -210,6 +236,40 @@ impl Budgets {
 
     pub fn any(&self) -> bool {
         self.active
+    }
+
+    /// What the fleet keeps of each budget's period `c` is in: a replica
+    /// holding less than the fleet's record of it (restarted) goes on from
+    /// that, and the others' spending counts in `remaining`. A reading of
+    /// another period is ignored.
+    pub fn sync(&mut self, g: &DecisionGraph, s: &[BudgetSync], c: &Civil) {
+        for x in s {
+            let account = match x.scope.as_str() {
+                "tenant" => g
+                    .tenant_id(&x.name)
+                    .and_then(|t| self.tenants.get_mut(t as usize)),
+                "tier" => g
+                    .tier_id(&x.name)
+                    .and_then(|t| self.tiers.get_mut(usize::from(t))),
+                _ => None,
+            };
+            let Some(a) = account else { continue };
+            let Some(b) = a.budget else { continue };
+            let p = Account::period_of(&b, c);
+            if p != x.period_key {
+                continue;
+            }
+            if a.period != p {
+                a.period = p;
+                a.spent = 0.0;
+            }
+            if x.own.is_finite() && x.own > a.spent {
+                a.spent = x.own;
+            }
+            if x.others.is_finite() {
+                a.others = Some((p, x.others.max(0.0)));
+            }
+        }
     }
 }
 
@@ -273,6 +333,31 @@ route chat m {{ default => fp16 }}
         }
         assert_eq!(b.tenant_remaining(0, &c), 100.0);
         assert_eq!(b.view(&g, &c).len(), 2);
+    }
+
+    #[test]
+    fn a_fleets_record_counts_the_others_and_restores_a_restarted_replica() {
+        let g = graph("");
+        let mut b = Budgets::new(&g, 1.0 / 3.0);
+        let c = at("2026-12-04", 600);
+        b.charge(&g, (Some(0), 0, 0), 1.0, &c);
+        // Alone: a third of 10 a day, 1 spent.
+        assert!((b.tenant_remaining(0, &c) - 70.0).abs() < 1e-9);
+        let sync = |own: f64, others: f64, key: i32| BudgetSync {
+            scope: "tenant".into(),
+            name: "a".into(),
+            period_key: key,
+            own,
+            others,
+        };
+        // The fleet's record: it had spent 3 before a restart, others 4.
+        b.sync(&g, &[sync(3.0, 4.0, c.date)], &c);
+        assert!((b.tenant_remaining(0, &c) - 30.0).abs() < 1e-9);
+        assert_eq!(b.view(&g, &c)[0].spent, 3.0);
+        // Another day's reading changes nothing; a new day starts whole.
+        b.sync(&g, &[sync(9.0, 9.0, c.date - 1)], &c);
+        assert!((b.tenant_remaining(0, &c) - 30.0).abs() < 1e-9);
+        assert_eq!(b.tenant_remaining(0, &at("2026-12-05", 0)), 100.0);
     }
 
     #[test]

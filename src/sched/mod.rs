@@ -1369,6 +1369,16 @@ impl Scheduler {
         }
     }
 
+    /// What a fleet keeps of each budget's period ([`budget::Budgets::sync`]).
+    pub fn sync_budgets(&mut self, s: &[budget::BudgetSync]) {
+        if !self.budgets.any() {
+            return;
+        }
+        let c = self.civil_now();
+        let g = self.graph.clone();
+        self.budgets.sync(&g, s, &c);
+    }
+
     /// Every money budget: its share here and what this period spent.
     pub fn budgets(&self) -> Vec<budget::BudgetView> {
         if !self.budgets.any() {

@@ -172,6 +172,8 @@ pub enum Command {
     /// What a replica of a fleet shares: fair-share service charged since
     /// the last call, busy queues, and what each HTTP upstream needs.
     FleetView(oneshot::Sender<FleetView>),
+    /// What the fleet keeps of each money budget's current period.
+    SyncBudgets(Vec<crate::sched::budget::BudgetSync>),
     /// The fleet's fair-share counters and this replica's slots of each
     /// shared upstream, as read for `graph` (ignored after a swap).
     FleetApply {
@@ -841,6 +843,9 @@ impl<C: Clock> Executor<C> {
             }
             Command::FleetView(reply) => {
                 let _ = reply.send(self.fleet_view());
+            }
+            Command::SyncBudgets(s) => {
+                self.driver.sched_mut().sync_budgets(&s);
             }
             Command::FleetApply {
                 graph,

@@ -32,6 +32,7 @@
 use super::config::{OnUnavailable, StateSection};
 use super::App;
 use crate::graph::{DecisionGraph, Request};
+use crate::sched::budget::{BudgetSync, BudgetView};
 use crate::sched::quota::{FleetClaim, Scope};
 use crate::shared::budget::{Budget, Spend};
 use crate::shared::{
@@ -858,13 +859,37 @@ async fn sync_quotas(
     }
 }
 
+/// Each money budget's period over the fleet: this replica's spending
+/// written, the others' read, so `budget.remaining` reads the fleet's
+/// spending against the whole budget on every replica.
+async fn sync_budgets(app: &Arc<App>, fleet: &Arc<Fleet>, budgets: &[BudgetView]) {
+    let mut out = Vec::with_capacity(budgets.len());
+    for b in budgets {
+        let key = b.period_key.to_string();
+        let parts = [b.scope, b.name.as_str(), b.period, key.as_str()];
+        if let Ok((own, others)) = fleet.store.budget(&parts, b.spent).await {
+            out.push(BudgetSync {
+                scope: b.scope.to_string(),
+                name: b.name.clone(),
+                period_key: b.period_key,
+                own,
+                others,
+            });
+        }
+    }
+    if !out.is_empty() {
+        app.exec.send(super::executor::Command::SyncBudgets(out));
+    }
+}
+
 async fn heartbeat(app: Arc<App>, fleet: Arc<Fleet>) {
     let every = Duration::from_millis((fleet.store.lease_ms() / 3).max(100));
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let in_flight = app.exec.snapshot().await.map_or(0, |s| s.in_flight as u64);
+        let snap = app.exec.snapshot().await;
+        let in_flight = snap.as_ref().map_or(0, |s| s.in_flight as u64);
         let info = ReplicaInfo {
             id: fleet.store.replica().to_string(),
             version: app.policy.load().version.to_string(),
@@ -881,6 +906,11 @@ async fn heartbeat(app: Arc<App>, fleet: Arc<Fleet>) {
             if let Ok(list) = fleet.store.replicas().await {
                 let n = u32::try_from(list.len()).unwrap_or(u32::MAX).max(1);
                 fleet.live.store(n, Ordering::Relaxed);
+            }
+        }
+        if ok {
+            if let Some(s) = &snap {
+                sync_budgets(&app, &fleet, &s.budgets).await;
             }
         }
         app.metrics.shared_state(ok, fleet.store.failures());

@@ -760,6 +760,36 @@ impl Store {
         Ok(n.max(0) as u64)
     }
 
+    /// A money budget's period (`parts` name it): writes what this replica
+    /// spent of it (`spent`, its total for the period) and answers (what
+    /// the fleet keeps as this replica's total, what the others spent).
+    pub async fn budget(&self, parts: &[&str], spent: f64) -> Result<(f64, f64), StoreError> {
+        // A month's period and then some: a period is read while it runs.
+        const KEEP_S: u64 = 40 * 86_400;
+        let mut inv = self.scripts.budget.prepare_invoke();
+        let mut key = vec!["budget"];
+        key.extend_from_slice(parts);
+        inv.key(self.key(&key))
+            .arg(&self.replica)
+            .arg(if spent.is_finite() {
+                spent.max(0.0)
+            } else {
+                0.0
+            })
+            .arg(KEEP_S);
+        let mut c = self.conn.clone();
+        let (own, others): (String, String) = self
+            .call(async move { inv.invoke_async(&mut c).await })
+            .await?;
+        let num = |s: &str| {
+            s.parse::<f64>()
+                .ok()
+                .filter(|x| x.is_finite())
+                .unwrap_or(0.0)
+        };
+        Ok((num(&own), num(&others).max(0.0)))
+    }
+
     /// Says this replica is alive (for a lease's time) and what it runs.
     pub async fn heartbeat(&self, info: &ReplicaInfo) -> Result<(), StoreError> {
         let json = serde_json::to_string(info).map_err(|e| StoreError::Protocol {

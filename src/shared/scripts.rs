@@ -312,6 +312,26 @@ return 0
 "#;
 
 /// Gives a lease back, only if the caller still holds it.
+/// A money budget's period over a fleet (a hash: replica → what it spent
+/// this period). A replica writes its own total (the larger of what it
+/// holds and what the hash has for it, so one restarted with nothing goes
+/// on from what it had spent), and reads what the others spent. Absolute
+/// values, not increments: a call whose answer was lost, run again,
+/// charges nothing twice.
+/// KEYS[1] the period's hash; ARGV: replica, its total, ttl (s).
+/// Returns {its total as kept, the others' sum}, as strings.
+const BUDGET: &str = r#"
+local own = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0') or 0
+local mine = math.max(own, tonumber(ARGV[2]) or 0)
+redis.call('HSET', KEYS[1], ARGV[1], tostring(mine))
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
+local total = 0
+for _, v in ipairs(redis.call('HVALS', KEYS[1])) do
+  total = total + (tonumber(v) or 0)
+end
+return {tostring(mine), tostring(total - mine)}
+"#;
+
 const UNLEASE: &str = r#"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
@@ -575,6 +595,7 @@ pub struct Scripts {
     pub chain_read: redis::Script,
     pub chain_commit: redis::Script,
     pub policy: redis::Script,
+    pub budget: redis::Script,
 }
 
 impl Scripts {
@@ -592,6 +613,7 @@ impl Scripts {
             policy: redis::Script::new(POLICY),
             chain_read: redis::Script::new(CHAIN_READ),
             chain_commit: redis::Script::new(CHAIN_COMMIT),
+            budget: redis::Script::new(BUDGET),
         }
     }
 }
