@@ -176,7 +176,10 @@ async fn a_capped_batch_never_has_more_items_running_than_its_cap() {
     let srv = gateway(16).await;
     let base = format!("http://{}", srv.addr);
     let c = client();
-    let file = upload(&c, &base, "k-alpha", &jsonl("c", "tiny", 30, 60)).await;
+    // Items long enough (tens of ms each at speed 20) that polling every
+    // 10 ms sees the uncapped batch fill the slots on a loaded machine: at
+    // 60 tokens the whole batch ran between two polls on CI.
+    let file = upload(&c, &base, "k-alpha", &jsonl("c", "tiny", 30, 400)).await;
     let r = create(
         &c,
         &base,
