@@ -203,6 +203,17 @@ async fn a_capped_batch_never_has_more_items_running_than_its_cap() {
     srv.stop().await;
 }
 
+/// Seconds from creation to the predicted finish `POST /v1/batches`
+/// answered with.
+async fn promised_secs(r: reqwest::Response) -> i64 {
+    assert_eq!(r.status(), 200);
+    let b: Value = r.json().await.unwrap();
+    let finish = b["kiln"]["predicted_finish_at"]
+        .as_i64()
+        .expect("a prediction");
+    finish - b["created_at"].as_i64().unwrap()
+}
+
 /// Seconds from creation to the predicted finish of a fresh batch of 200
 /// items of 200 tokens, alone on a gateway at real speed.
 async fn predicted_secs(metadata: Value) -> i64 {
@@ -214,14 +225,9 @@ async fn predicted_secs(metadata: Value) -> i64 {
     let c = client();
     let file = upload(&c, &base, "k-alpha", &jsonl("p", "tiny", 200, 200)).await;
     let r = create(&c, &base, "k-alpha", &file, "24h", metadata).await;
-    assert_eq!(r.status(), 200);
-    let b: Value = r.json().await.unwrap();
-    let finish = b["kiln"]["predicted_finish_at"]
-        .as_i64()
-        .expect("a prediction");
-    let created = b["created_at"].as_i64().unwrap();
+    let secs = promised_secs(r).await;
     srv.stop().await;
-    finish - created
+    secs
 }
 
 /// A batch allowed one item at a time finishes no sooner than its items'
@@ -287,14 +293,9 @@ async fn alphas_prediction(grant: bool) -> i64 {
     );
     let fa = upload(&c, &base, "k-alpha", &jsonl("a", "tiny", 200, 200)).await;
     let r = create(&c, &base, "k-alpha", &fa, "24h", json!({})).await;
-    assert_eq!(r.status(), 200);
-    let b: Value = r.json().await.unwrap();
-    let finish = b["kiln"]["predicted_finish_at"]
-        .as_i64()
-        .expect("a prediction");
-    let created = b["created_at"].as_i64().unwrap();
+    let secs = promised_secs(r).await;
     srv.stop().await;
-    finish - created
+    secs
 }
 
 /// The promise reads today's weights: an exception that triples alpha's

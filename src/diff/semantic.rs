@@ -897,6 +897,22 @@ fn tiers(old: &DecisionGraph, new: &DecisionGraph, out: &mut Out) {
 /// A tier's reserved shares, by pool name: a share added or raised gives
 /// the tier capacity others had (`quota_increase`, an escalation), one
 /// lowered or removed is a `tier_change`.
+/// Reserved shares by pool name (what a diff compares across versions,
+/// whose pool ids may differ).
+pub(super) fn reserve_by_pool(
+    g: &DecisionGraph,
+    reserve: &[crate::graph::Reserve],
+) -> BTreeMap<String, f64> {
+    reserve
+        .iter()
+        .filter_map(|r| {
+            g.pools
+                .get(r.pool as usize)
+                .map(|p| (p.name.clone(), r.share))
+        })
+        .collect()
+}
+
 fn reserves(
     old: &DecisionGraph,
     new: &DecisionGraph,
@@ -905,17 +921,10 @@ fn reserves(
     subject: &str,
     out: &mut Out,
 ) {
-    let shares = |g: &DecisionGraph, t: &Tier| -> BTreeMap<String, f64> {
-        t.reserve
-            .iter()
-            .filter_map(|r| {
-                g.pools
-                    .get(r.pool as usize)
-                    .map(|p| (p.name.clone(), r.share))
-            })
-            .collect()
-    };
-    let (sa, sb) = (shares(old, a), shares(new, b));
+    let (sa, sb) = (
+        reserve_by_pool(old, &a.reserve),
+        reserve_by_pool(new, &b.reserve),
+    );
     let pools: BTreeSet<&String> = sa.keys().chain(sb.keys()).collect();
     for pool in pools {
         let (x, y) = (sa.get(pool).copied(), sb.get(pool).copied());

@@ -753,25 +753,13 @@ fn condition_views(
     results: &[(bool, Vec<String>)],
     now: f64,
 ) -> Vec<ConditionView> {
-    a.machine
-        .plan
-        .rollbacks
-        .iter()
-        .enumerate()
-        .map(|(i, c)| ConditionView {
-            text: c.text.clone(),
-            hold_s: c.hold_ms.map(|h| h / 1000.0),
-            holds: holds.get(i).copied().unwrap_or(false),
-            held_s: a
-                .machine
-                .holding
-                .get(i)
-                .copied()
-                .flatten()
-                .map(|s| (now - s) / 1000.0),
-            observed: results.get(i).map(|r| r.1.clone()).unwrap_or_default(),
-        })
-        .collect()
+    views(
+        &a.machine.plan.rollbacks,
+        &a.machine.holding,
+        holds,
+        results,
+        now,
+    )
 }
 
 /// The gates of the canary stage after a tick, as conditions.
@@ -781,19 +769,29 @@ fn gate_views(
     results: &[(bool, Vec<String>)],
     now: f64,
 ) -> Vec<ConditionView> {
-    let Some(s) = a.machine.stage_plan() else {
-        return Vec::new();
-    };
-    s.gates
+    match a.machine.stage_plan() {
+        Some(s) => views(&s.gates, &a.machine.gate_holding, holds, results, now),
+        None => Vec::new(),
+    }
+}
+
+/// Conditions as status shows them: each with whether it holds, since
+/// when (`holding`, ms), and what it read.
+fn views(
+    conditions: &[super::rollout::Condition],
+    holding: &[Option<f64>],
+    holds: &[bool],
+    results: &[(bool, Vec<String>)],
+    now: f64,
+) -> Vec<ConditionView> {
+    conditions
         .iter()
         .enumerate()
         .map(|(i, c)| ConditionView {
             text: c.text.clone(),
             hold_s: c.hold_ms.map(|h| h / 1000.0),
             holds: holds.get(i).copied().unwrap_or(false),
-            held_s: a
-                .machine
-                .gate_holding
+            held_s: holding
                 .get(i)
                 .copied()
                 .flatten()

@@ -2076,7 +2076,8 @@ impl Scheduler {
 
     fn step_done(&mut self, r: usize) {
         let now = self.now;
-        let civil = self.civil_now();
+        // The calendar only where a budget is charged: this is every step.
+        let civil = self.budgets.any().then(|| self.civil_now());
         let Some(rep) = self.replicas.get_mut(r) else {
             return;
         };
@@ -2093,12 +2094,14 @@ impl Scheduler {
                 }
                 self.scoped
                     .charge_gpu(s.w.tier, s.w.model, share, now, s.w.claims.scoped);
-                self.budgets.charge(
-                    &self.graph,
-                    (s.w.tenant, s.w.tier, rep.spec.pool),
-                    share,
-                    &civil,
-                );
+                if let Some(c) = &civil {
+                    self.budgets.charge(
+                        &self.graph,
+                        (s.w.tenant, s.w.tier, rep.spec.pool),
+                        share,
+                        c,
+                    );
+                }
             }
         }
         let (prefill, decodes, context) = rep.step_shape;

@@ -124,17 +124,8 @@ fn grants(
         qi,
     );
     let shares = |g: &DecisionGraph, e: Option<&Exception>| -> BTreeMap<String, f64> {
-        e.map(|e| {
-            e.reserve
-                .iter()
-                .filter_map(|r| {
-                    g.pools
-                        .get(r.pool as usize)
-                        .map(|p| (p.name.clone(), r.share))
-                })
-                .collect()
-        })
-        .unwrap_or_default()
+        e.map(|e| super::reserve_by_pool(g, &e.reserve))
+            .unwrap_or_default()
     };
     let (ra, rb) = (shares(old, a), shares(new, Some(b)));
     let pools: BTreeSet<&String> = ra.keys().chain(rb.keys()).collect();
