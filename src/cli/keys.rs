@@ -1,15 +1,22 @@
-//! `kiln keys list|add|revoke|rotate --config kiln.toml`: API keys as a
-//! managed object. Keys are stored hashed (SHA-256) in `[[keys]]`, with a
-//! name, the tenant, an optional description and expiry; a new key is
-//! printed once and never stored. The file is edited in place with its
-//! comments and layout kept, validated as the gateway would read it, and
-//! replaced atomically (a temporary file beside it, then a rename), so a
-//! running gateway's file watch never reads half a file; it reloads the
-//! keys within a second (or on SIGHUP, or `POST /admin/keys/reload`).
+//! `kiln keys list|add|revoke|rotate`: API keys as a managed object.
+//!
+//! With `--config kiln.toml` (the default) the file is edited: keys are
+//! stored hashed (SHA-256) in `[[keys]]`, with a name, the tenant, an
+//! optional description and expiry; a new key is printed once and never
+//! stored. The edit keeps the file's comments and layout, is validated as
+//! the gateway reads it and replaces the file atomically
+//! ([`crate::server::keys::file`]); a running gateway reloads its keys
+//! within a second (or on SIGHUP, or `POST /admin/keys/reload`).
+//!
+//! With `--server URL` the gateway's admin API does it: in a fleet
+//! (`[state] redis`) the key is kept in the fleet's store and holds on
+//! every replica within half a second; a single gateway edits its own
+//! `kiln.toml`.
 
+use super::admin_client::{self, Method, ServerArgs};
 use super::*;
-use crate::server::config::{hash_secret, parse_expiry, ServerConfig};
-use toml_edit::{value, ArrayOfTables, DocumentMut, Item, Table};
+use crate::server::config::ServerConfig;
+use crate::server::keys::file::{self, NewKey};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -17,23 +24,47 @@ pub struct Args {
     pub command: KeysCommand,
 }
 
+/// Where the keys are: a file, or a gateway's admin API.
+#[derive(clap::Args, Debug, Clone)]
+pub struct Target {
+    #[arg(long, default_value = "kiln.toml", conflicts_with = "server")]
+    config: PathBuf,
+    /// Through a running gateway's admin API instead of a file (in a
+    /// fleet, the fleet's keys); with --token or KILN_ADMIN_TOKEN.
+    #[arg(long)]
+    server: Option<String>,
+    /// Admin bearer token (default: $KILN_ADMIN_TOKEN).
+    #[arg(long, requires = "server")]
+    token: Option<String>,
+}
+
+impl Target {
+    fn api(&self) -> Option<ServerArgs> {
+        self.server.as_ref().map(|s| ServerArgs {
+            server: Some(s.clone()),
+            token: self.token.clone(),
+        })
+    }
+}
+
 #[derive(clap::Subcommand, Debug)]
 pub enum KeysCommand {
-    /// The keys in the file: name, tenant, hash prefix, expiry.
+    /// The keys: name, tenant, hash prefix, expiry (and, through a
+    /// gateway, where each is kept and which are revoked).
     List {
-        #[arg(long, default_value = "kiln.toml")]
-        config: PathBuf,
+        #[command(flatten)]
+        target: Target,
         #[arg(long, value_enum, default_value_t = Format::Human)]
         format: Format,
     },
     /// Make a key for a tenant: prints it once, stores its hash.
     Add {
-        #[arg(long, default_value = "kiln.toml")]
-        config: PathBuf,
+        #[command(flatten)]
+        target: Target,
         /// The policy tenant the key authenticates as.
         #[arg(long)]
         tenant: String,
-        /// The key's name (unique in the file): revoke and rotate find it by it.
+        /// The key's name (unique): revoke and rotate find it by it.
         #[arg(long)]
         name: String,
         #[arg(long)]
@@ -45,15 +76,16 @@ pub enum KeysCommand {
         #[arg(long)]
         expires_in: Option<String>,
     },
-    /// Remove a key by name: the gateway refuses it once it reloads.
+    /// Revoke a key by name: the gateway (every replica of a fleet) refuses it.
     Revoke {
-        #[arg(long, default_value = "kiln.toml")]
-        config: PathBuf,
+        #[command(flatten)]
+        target: Target,
         name: String,
     },
     /// Replace a key by a new one of the same name and tenant; the old one
     /// keeps working for --overlap (renamed NAME-rotated-DATE, with that
-    /// expiry), so clients can move over.
+    /// expiry), so clients can move over. Edits the file (in a fleet: add
+    /// a key under a new name, move the clients, then revoke the old one).
     Rotate {
         #[arg(long, default_value = "kiln.toml")]
         config: PathBuf,
@@ -64,151 +96,46 @@ pub enum KeysCommand {
     },
 }
 
-#[derive(Debug, thiserror::Error, miette::Diagnostic)]
-pub enum KeysError {
-    #[error("cannot read or write {path}: {message}")]
-    #[diagnostic(
-        code(kiln::keys::io),
-        help("check the path and that you may write its directory (the file is replaced by a rename)")
-    )]
-    Io { path: String, message: String },
-    #[error("{path} is not TOML kiln can edit: {message}")]
-    #[diagnostic(
-        code(kiln::keys::syntax),
-        help("fix the file (kiln serve --config reports where)")
-    )]
-    Syntax { path: String, message: String },
-    #[error("{0}")]
-    #[diagnostic(
-        code(kiln::keys::usage),
-        help("`kiln keys list` shows the keys by name")
-    )]
-    Usage(String),
+/// A row of the human listing.
+struct Row {
+    name: String,
+    tenant: String,
+    sha: String,
+    expires: String,
+    note: String,
 }
 
-fn io(path: &Path, e: impl std::fmt::Display) -> KeysError {
-    KeysError::Io {
-        path: path.display().to_string(),
-        message: e.to_string(),
+fn print_rows(rows: &[Row]) {
+    println!(
+        "{:<24} {:<20} {:<13} {:<26} DESCRIPTION",
+        "NAME", "TENANT", "SHA256", "EXPIRES"
+    );
+    for r in rows {
+        println!(
+            "{:<24} {:<20} {:<13} {:<26} {}",
+            r.name, r.tenant, r.sha, r.expires, r.note
+        );
     }
 }
 
-fn load(path: &Path) -> Result<DocumentMut, KeysError> {
-    let text = std::fs::read_to_string(path).map_err(|e| io(path, e))?;
-    text.parse::<DocumentMut>().map_err(|e| KeysError::Syntax {
-        path: path.display().to_string(),
-        message: e.to_string(),
-    })
-}
-
-/// Validates the edited file as the gateway reads it, then replaces the
-/// file with it: written beside it, synced, renamed over it (the old
-/// file's permissions kept).
-fn save(path: &Path, doc: &DocumentMut) -> Result<(), miette::Report> {
-    let text = doc.to_string();
-    ServerConfig::parse(&path.display().to_string(), &text)?;
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().to_string())
-        .unwrap_or_else(|| "kiln.toml".into());
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    let write = || -> std::io::Result<()> {
-        use std::io::Write;
-        let mut f = std::fs::File::create(&tmp)?;
-        if let Ok(m) = std::fs::metadata(path) {
-            f.set_permissions(m.permissions())?;
-        }
-        f.write_all(text.as_bytes())?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    };
-    if let Err(e) = write() {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(io(path, e).into());
+fn expires_text(expires: Option<&str>, expired: bool) -> String {
+    match (expires, expired) {
+        (Some(e), true) => format!("{e} (expired)"),
+        (Some(e), false) => e.to_string(),
+        (None, _) => "never".into(),
     }
-    Ok(())
-}
-
-fn keys_mut(doc: &mut DocumentMut) -> Result<&mut ArrayOfTables, KeysError> {
-    let item = doc
-        .entry("keys")
-        .or_insert(Item::ArrayOfTables(ArrayOfTables::new()));
-    item.as_array_of_tables_mut().ok_or_else(|| {
-        KeysError::Usage("`keys` in the file is not a list of [[keys]] tables".into())
-    })
-}
-
-fn find(keys: &ArrayOfTables, name: &str) -> Result<usize, KeysError> {
-    let hits: Vec<usize> = keys
-        .iter()
-        .enumerate()
-        .filter(|(_, t)| t.get("name").and_then(|n| n.as_str()) == Some(name))
-        .map(|(i, _)| i)
-        .collect();
-    match hits.as_slice() {
-        [i] => Ok(*i),
-        [] => Err(KeysError::Usage(format!("no key named `{name}`"))),
-        _ => Err(KeysError::Usage(format!(
-            "{} keys are named `{name}`: give each its own name in the file",
-            hits.len()
-        ))),
-    }
-}
-
-/// A new key: `sk-kiln-` and 32 random bytes in hex, from the OS RNG.
-fn new_key() -> Result<String, KeysError> {
-    let mut b = [0u8; 32];
-    getrandom::fill(&mut b).map_err(|e| KeysError::Usage(format!("no randomness: {e}")))?;
-    Ok(format!("sk-kiln-{}", hex::encode(b)))
-}
-
-fn now_ms() -> i64 {
-    crate::clock::unix_ms() as i64
-}
-
-/// An RFC 3339 time (UTC) for Unix milliseconds.
-fn rfc3339(ms: i64) -> String {
-    jiff::Timestamp::from_millisecond(ms)
-        .map(|t| {
-            t.round(jiff::Unit::Second)
-                .map_or_else(|_| t.to_string(), |t| t.to_string())
-        })
-        .unwrap_or_else(|_| ms.to_string())
-}
-
-fn after(text: &str) -> Result<String, KeysError> {
-    let d = crate::units::duration::parse(text)
-        .map_err(|e| KeysError::Usage(format!("`{text}` is not a duration: {e}")))?;
-    Ok(rfc3339(
-        now_ms().saturating_add(d.as_millis().min(i64::MAX as u128) as i64),
-    ))
-}
-
-fn entry(
-    name: &str,
-    tenant: &str,
-    key: &str,
-    description: Option<&str>,
-    expires: Option<&str>,
-) -> Table {
-    let mut t = Table::new();
-    t.insert("name", value(name));
-    t.insert("tenant", value(tenant));
-    t.insert("sha256", value(hash_secret(key)));
-    if let Some(d) = description {
-        t.insert("description", value(d));
-    }
-    if let Some(e) = expires {
-        t.insert("expires", value(e));
-    }
-    t
 }
 
 pub fn run(a: Args) -> i32 {
+    let api = match &a.command {
+        KeysCommand::List { target, .. }
+        | KeysCommand::Add { target, .. }
+        | KeysCommand::Revoke { target, .. } => target.api(),
+        KeysCommand::Rotate { .. } => None,
+    };
+    if let Some(args) = api {
+        return through_api(&args, &a.command);
+    }
     match exec(a) {
         Ok(()) => EXIT_OK,
         Err(e) => {
@@ -218,85 +145,164 @@ pub fn run(a: Args) -> i32 {
     }
 }
 
+fn api_call(
+    args: &ServerArgs,
+    method: Method,
+    path: &str,
+    body: Option<&serde_json::Value>,
+) -> Result<serde_json::Value, i32> {
+    let (status, v) = admin_client::call(args, method, path, body)?;
+    if status >= 300 {
+        return Err(admin_client::report_error(status, &v));
+    }
+    Ok(v)
+}
+
+/// `kiln keys` through a gateway's admin API; the exit code.
+fn through_api(args: &ServerArgs, command: &KeysCommand) -> i32 {
+    let out = match command {
+        KeysCommand::List { format, .. } => {
+            api_call(args, Method::Get, "/admin/keys", None).map(|v| match format {
+                Format::Json => admin_client::print_json(&v["keys"]),
+                Format::Human => {
+                    let rows: Vec<Row> = v["keys"]
+                        .as_array()
+                        .map(Vec::as_slice)
+                        .unwrap_or_default()
+                        .iter()
+                        .map(|k| {
+                            let s = |f: &str| k[f].as_str().unwrap_or("").to_string();
+                            let mut note = format!("[{}] {}", s("source"), s("description"));
+                            if let Some(r) = k["revoked"].as_str() {
+                                note = format!("REVOKED {r} {note}");
+                            }
+                            Row {
+                                name: k["name"].as_str().unwrap_or("-").to_string(),
+                                tenant: s("tenant"),
+                                sha: s("sha256_prefix"),
+                                expires: expires_text(
+                                    k["expires"].as_str(),
+                                    k["expired"].as_bool().unwrap_or(false),
+                                ),
+                                note,
+                            }
+                        })
+                        .collect();
+                    print_rows(&rows);
+                }
+            })
+        }
+        KeysCommand::Add {
+            tenant,
+            name,
+            description,
+            expires,
+            expires_in,
+            ..
+        } => {
+            let body = serde_json::json!({
+                "name": name, "tenant": tenant, "description": description,
+                "expires": expires, "expires_in": expires_in,
+            });
+            api_call(args, Method::Post, "/admin/keys", Some(&body)).map(|v| {
+                let a = &v["added"];
+                eprintln!(
+                    "added key `{name}` for tenant `{tenant}` ({}; its hash only); it is shown once, here:",
+                    match a["source"].as_str() {
+                        Some("fleet") => "in the fleet's store: every replica takes it within half a second",
+                        _ => "in the gateway's kiln.toml",
+                    }
+                );
+                println!("{}", a["key"].as_str().unwrap_or(""));
+            })
+        }
+        KeysCommand::Revoke { name, .. } => {
+            // The name as one path segment, percent-encoded.
+            let path = reqwest::Url::parse("http://kiln/admin/keys/")
+                .ok()
+                .and_then(|mut u| {
+                    u.path_segments_mut().ok()?.pop_if_empty().push(name);
+                    Some(u.path().to_string())
+                })
+                .unwrap_or_else(|| format!("/admin/keys/{name}"));
+            api_call(args, Method::Delete, &path, None).map(|v| {
+                eprintln!(
+                    "revoked key `{name}` (tenant `{}`); {}",
+                    v["revoked"]["tenant"].as_str().unwrap_or("?"),
+                    match v["revoked"]["source"].as_str() {
+                        Some("fleet") => "every replica refuses it within half a second",
+                        _ => "the gateway refuses it now",
+                    }
+                );
+            })
+        }
+        KeysCommand::Rotate { .. } => Ok(()),
+    };
+    match out {
+        Ok(()) => EXIT_OK,
+        Err(code) => code,
+    }
+}
+
 fn exec(a: Args) -> Result<(), miette::Report> {
     match a.command {
-        KeysCommand::List { config, format } => {
-            let cfg = ServerConfig::load(&config)?;
-            let now = now_ms();
-            let rows: Vec<_> = cfg
-                .keys
-                .iter()
-                .map(|k| {
-                    serde_json::json!({
-                        "name": k.name,
-                        "tenant": k.tenant,
-                        "sha256_prefix": k.sha256.chars().take(12).collect::<String>(),
-                        "description": k.description,
-                        "expires": k.expires,
-                        "expired": k.expired_at(now),
-                    })
-                })
-                .collect();
+        KeysCommand::List { target, format } => {
+            let cfg = ServerConfig::load(&target.config)?;
+            let now = crate::clock::unix_ms() as i64;
             match format {
-                Format::Json => println!("{}", serde_json::Value::Array(rows)),
+                Format::Json => {
+                    let rows: Vec<_> = cfg
+                        .keys
+                        .iter()
+                        .map(|k| {
+                            serde_json::json!({
+                                "name": k.name,
+                                "tenant": k.tenant,
+                                "sha256_prefix": k.sha256.chars().take(12).collect::<String>(),
+                                "description": k.description,
+                                "expires": k.expires,
+                                "expired": k.expired_at(now),
+                            })
+                        })
+                        .collect();
+                    println!("{}", serde_json::Value::Array(rows));
+                }
                 Format::Human => {
-                    println!(
-                        "{:<24} {:<20} {:<13} {:<26} DESCRIPTION",
-                        "NAME", "TENANT", "SHA256", "EXPIRES"
-                    );
-                    for k in &cfg.keys {
-                        let expires = match (&k.expires, k.expired_at(now)) {
-                            (Some(e), true) => format!("{e} (expired)"),
-                            (Some(e), false) => e.clone(),
-                            (None, _) => "never".into(),
-                        };
-                        println!(
-                            "{:<24} {:<20} {:<13} {:<26} {}",
-                            k.name.as_deref().unwrap_or("-"),
-                            k.tenant,
-                            k.sha256.chars().take(12).collect::<String>(),
-                            expires,
-                            k.description.as_deref().unwrap_or("")
-                        );
-                    }
+                    let rows: Vec<Row> = cfg
+                        .keys
+                        .iter()
+                        .map(|k| Row {
+                            name: k.name.clone().unwrap_or_else(|| "-".into()),
+                            tenant: k.tenant.clone(),
+                            sha: k.sha256.chars().take(12).collect(),
+                            expires: expires_text(k.expires.as_deref(), k.expired_at(now)),
+                            note: k.description.clone().unwrap_or_default(),
+                        })
+                        .collect();
+                    print_rows(&rows);
                 }
             }
             Ok(())
         }
         KeysCommand::Add {
-            config,
+            target,
             tenant,
             name,
             description,
             expires,
             expires_in,
         } => {
-            let expires = match (expires, expires_in) {
-                (Some(e), _) => {
-                    parse_expiry(&e)
-                        .map_err(|why| KeysError::Usage(format!("--expires {e}: {why}")))?;
-                    Some(e)
-                }
-                (None, Some(d)) => Some(after(&d)?),
-                (None, None) => None,
-            };
-            let mut doc = load(&config)?;
-            let keys = keys_mut(&mut doc)?;
-            if find(keys, &name).is_ok() {
-                return Err(KeysError::Usage(format!(
-                    "a key named `{name}` exists: pick another name, or `kiln keys rotate {name}`"
-                ))
-                .into());
-            }
-            let key = new_key()?;
-            keys.push(entry(
-                &name,
-                &tenant,
-                &key,
-                description.as_deref(),
-                expires.as_deref(),
-            ));
-            save(&config, &doc)?;
+            let expires = file::expiry(expires.as_deref(), expires_in.as_deref())?;
+            let config = target.config;
+            let key = file::add(
+                &config,
+                &NewKey {
+                    name: name.clone(),
+                    tenant: tenant.clone(),
+                    description,
+                    expires,
+                },
+            )?;
             eprintln!(
                 "added key `{name}` for tenant `{tenant}` to {} (its hash only); it is shown once, here:",
                 config.display()
@@ -305,15 +311,11 @@ fn exec(a: Args) -> Result<(), miette::Report> {
             eprintln!("a running gateway reloads its keys within a second (or on SIGHUP)");
             Ok(())
         }
-        KeysCommand::Revoke { config, name } => {
-            let mut doc = load(&config)?;
-            let keys = keys_mut(&mut doc)?;
-            let i = find(keys, &name)?;
-            keys.remove(i);
-            save(&config, &doc)?;
+        KeysCommand::Revoke { target, name } => {
+            file::revoke(&target.config, &name)?;
             eprintln!(
                 "revoked key `{name}` in {}; a running gateway refuses it once it reloads (within a second, or on SIGHUP)",
-                config.display()
+                target.config.display()
             );
             Ok(())
         }
@@ -322,39 +324,7 @@ fn exec(a: Args) -> Result<(), miette::Report> {
             name,
             overlap,
         } => {
-            let overlap_d = crate::units::duration::parse(&overlap)
-                .map_err(|e| KeysError::Usage(format!("--overlap {overlap}: {e}")))?;
-            let mut doc = load(&config)?;
-            let keys = keys_mut(&mut doc)?;
-            let i = find(keys, &name)?;
-            let (tenant, description, expires) = {
-                let Some(old) = keys.get(i) else {
-                    return Err(KeysError::Usage(format!("no key named `{name}`")).into());
-                };
-                let s = |k: &str| old.get(k).and_then(|v| v.as_str()).map(str::to_string);
-                (
-                    s("tenant").unwrap_or_default(),
-                    s("description"),
-                    s("expires"),
-                )
-            };
-            let key = new_key()?;
-            if overlap_d.is_zero() {
-                keys.remove(i);
-            } else if let Some(old) = keys.get_mut(i) {
-                let until = after(&overlap)?;
-                let date: String = until.chars().take(10).collect();
-                old.insert("name", value(format!("{name}-rotated-{date}")));
-                old.insert("expires", value(until));
-            }
-            keys.push(entry(
-                &name,
-                &tenant,
-                &key,
-                description.as_deref(),
-                expires.as_deref(),
-            ));
-            save(&config, &doc)?;
+            let (key, tenant) = file::rotate(&config, &name, &overlap)?;
             eprintln!(
                 "rotated key `{name}` (tenant `{tenant}`) in {}; the old key works for {overlap} more. The new key, shown once:",
                 config.display()

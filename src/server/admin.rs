@@ -28,7 +28,8 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/admin/costs", get(costs))
         .route("/admin/signals", get(signals))
         .route("/admin/policy", post(swap_policy).get(show_policy))
-        .route("/admin/keys", get(list_keys))
+        .route("/admin/keys", get(list_keys).post(add_key))
+        .route("/admin/keys/{name}", axum::routing::delete(revoke_key))
         .route("/admin/keys/reload", post(reload_keys))
         .with_state(app)
 }
@@ -69,6 +70,59 @@ async fn list_keys(State(app): State<Arc<App>>, headers: HeaderMap) -> Response 
         return e.into_response();
     }
     axum::Json(json!({ "keys": super::keys::list(&app) })).into_response()
+}
+
+/// A key operation's refusal, as the admin API answers it.
+fn key_refusal(e: &super::keys::KeyOpError) -> Response {
+    let (status, code) = e.status();
+    let mut r = ApiError::new(status, format!("{e} (help: {})", e.help())).code(code);
+    if status == 503 {
+        r = r.retry_after(Some(1));
+    }
+    r.into_response()
+}
+
+/// `POST /admin/keys` `{"name", "tenant", "description"?, "expires"?,
+/// "expires_in"?}`: makes a key and answers it once (201). Kept in the
+/// fleet's store in a fleet, else in the gateway's `kiln.toml`.
+async fn add_key(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let who = match identify(&app, &headers) {
+        Ok(w) => w,
+        Err(e) => return e.into_response(),
+    };
+    let req: super::keys::AddKey = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return key_refusal(&super::keys::KeyOpError::Invalid(format!(
+                "the body is not a key to add: {e}"
+            )))
+        }
+    };
+    match super::keys::add(&app, &who, req).await {
+        Ok(a) => (StatusCode::CREATED, axum::Json(json!({ "added": a }))).into_response(),
+        Err(e) => key_refusal(&e),
+    }
+}
+
+/// `DELETE /admin/keys/{name}`: revokes a key (in a fleet, through every
+/// replica; a key of `kiln.toml` too).
+async fn revoke_key(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+) -> Response {
+    let who = match identify(&app, &headers) {
+        Ok(w) => w,
+        Err(e) => return e.into_response(),
+    };
+    match super::keys::revoke(&app, &who, &name).await {
+        Ok(r) => axum::Json(json!({ "revoked": r })).into_response(),
+        Err(e) => key_refusal(&e),
+    }
 }
 
 /// `POST /admin/keys/reload`: reloads keys and admin tokens from the

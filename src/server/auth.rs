@@ -35,7 +35,32 @@ pub fn authenticate(
     match bearer(headers) {
         Some(key) => {
             let auth = app.auth.load();
-            if let Some(k) = auth.key_entry(key) {
+            let h = super::config::hash_secret(key);
+            let shared = app.shared_keys.load();
+            if let Some(r) = shared.revoked.get(&h) {
+                return Err(ApiError::new(
+                    401,
+                    format!(
+                        "the API key {} was revoked by {} at {}: ask for a new one",
+                        r.name.as_deref().unwrap_or("(unnamed)"),
+                        r.by,
+                        super::keys::rfc3339(r.at_ms as i64)
+                    ),
+                )
+                .code("revoked_api_key"));
+            }
+            let managed;
+            let entry = match auth.key_entry_hashed(&h) {
+                Some(k) => Some(k),
+                None => {
+                    managed = shared
+                        .managed
+                        .get(&h)
+                        .map(|m| super::keys::shared::as_config(&h, m));
+                    managed.as_ref()
+                }
+            };
+            if let Some(k) = entry {
                 let now = crate::clock::unix_ms() as i64;
                 if k.expired_at(now) {
                     return Err(ApiError::new(

@@ -1104,7 +1104,11 @@ impl ServerConfig {
         if self.keys.is_empty() {
             return None;
         }
-        let h = hash_secret(key);
+        self.key_entry_hashed(&hash_secret(key))
+    }
+
+    /// The `[[keys]]` entry of a key's hash ([`hash_secret`]).
+    pub fn key_entry_hashed(&self, h: &str) -> Option<&KeyConfig> {
         self.keys
             .iter()
             .find(|k| constant_time_eq(k.sha256.to_ascii_lowercase().as_bytes(), h.as_bytes()))

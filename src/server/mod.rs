@@ -73,6 +73,9 @@ pub struct App {
     /// Who may call: API keys and admin tokens, as last (re)loaded
     /// ([`keys::reload`]); read once per request.
     pub auth: ArcSwap<ServerConfig>,
+    /// Keys the fleet manages and revokes through the admin API (empty
+    /// on a single gateway): [`keys::shared`].
+    pub shared_keys: ArcSwap<crate::shared::keys::SharedKeys>,
     pub tokenizer: openai::Tokenizer,
     pub metrics: metrics::Metrics,
     /// GPU-seconds and cost since start, per tenant, tier, pool, model and
@@ -397,6 +400,7 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         policy: ArcSwap::new(policy.clone()),
         versions: std::sync::Mutex::new(std::collections::VecDeque::from([policy])),
         auth: ArcSwap::from_pointee(config.clone()),
+        shared_keys: ArcSwap::from_pointee(keys::shared::empty()),
         config,
         tokenizer,
         metrics,
@@ -434,6 +438,10 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
     };
     let mut fleet_tasks = fleet_tasks;
     fleet_tasks.extend(keys::spawn_watch(app.clone()));
+    if let Some(f) = &fleet {
+        let _ = keys::shared::sync(&app, f).await;
+        fleet_tasks.push(keys::shared::spawn(app.clone(), f.clone()));
+    }
     let router = routes::router(app.clone())
         .merge(batches::router(app.clone()))
         .merge(admin::router(app.clone()))

@@ -14,6 +14,7 @@
 //! manager reconnects by itself); the gateway logs the change.
 
 pub mod budget;
+pub mod keys;
 pub mod scripts;
 
 use redis::aio::ConnectionManager;

@@ -332,6 +332,63 @@ end
 return {tostring(mine), tostring(total - mine)}
 "#;
 
+/// Adds an API key managed through the fleet (KEYS: the keys by hash,
+/// the names, the epoch, the revoked hashes; ARGV: hash, name, record):
+/// refused (0) where the name is taken or the hash was revoked (a key
+/// once revoked never comes back), else the fleet's new epoch.
+const KEYS_ADD: &str = r#"
+if redis.call('HEXISTS', KEYS[2], ARGV[2]) == 1 then return 0 end
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
+if redis.call('HEXISTS', KEYS[4], ARGV[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[1])
+return redis.call('INCR', KEYS[3])
+"#;
+
+/// Revokes a key (same KEYS; ARGV: its hash, its name where the fleet
+/// manages it (else empty: a key of kiln.toml), the record): the managed
+/// entry goes, the hash is recorded as revoked; 0 where the name no
+/// longer names that hash (revoked or replaced meanwhile), else the new
+/// epoch.
+const KEYS_REVOKE: &str = r#"
+if ARGV[2] ~= '' then
+  if redis.call('HGET', KEYS[2], ARGV[2]) ~= ARGV[1] then return 0 end
+  redis.call('HDEL', KEYS[2], ARGV[2])
+  redis.call('HDEL', KEYS[1], ARGV[1])
+end
+redis.call('HSET', KEYS[4], ARGV[1], ARGV[3])
+return redis.call('INCR', KEYS[3])
+"#;
+
+/// Puts back what a replica last read where Redis lost it (restarted
+/// empty, or flushed): each record is set only where absent, and the
+/// epoch moves past both (ARGV: the replica's epoch, then the number of
+/// managed records, then hash/name/record triples, then hash/record pairs
+/// of revoked ones). A revoked hash wins over a managed one.
+const KEYS_RESTORE: &str = r#"
+local n = tonumber(ARGV[2])
+local i = 3
+for _ = 1, n do
+  if redis.call('HEXISTS', KEYS[4], ARGV[i]) == 0
+    and redis.call('HEXISTS', KEYS[2], ARGV[i + 1]) == 0
+    and redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 2]) == 1 then
+    redis.call('HSET', KEYS[2], ARGV[i + 1], ARGV[i])
+  end
+  i = i + 3
+end
+while i < #ARGV do
+  redis.call('HSETNX', KEYS[4], ARGV[i], ARGV[i + 1])
+  i = i + 2
+end
+local e = tonumber(redis.call('GET', KEYS[3]) or '0') or 0
+local want = tonumber(ARGV[1]) or 0
+if e <= want then
+  redis.call('SET', KEYS[3], want + 1)
+  return want + 1
+end
+return redis.call('INCR', KEYS[3])
+"#;
+
 const UNLEASE: &str = r#"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
@@ -596,6 +653,9 @@ pub struct Scripts {
     pub chain_commit: redis::Script,
     pub policy: redis::Script,
     pub budget: redis::Script,
+    pub keys_add: redis::Script,
+    pub keys_revoke: redis::Script,
+    pub keys_restore: redis::Script,
 }
 
 impl Scripts {
@@ -614,6 +674,9 @@ impl Scripts {
             chain_read: redis::Script::new(CHAIN_READ),
             chain_commit: redis::Script::new(CHAIN_COMMIT),
             budget: redis::Script::new(BUDGET),
+            keys_add: redis::Script::new(KEYS_ADD),
+            keys_revoke: redis::Script::new(KEYS_REVOKE),
+            keys_restore: redis::Script::new(KEYS_RESTORE),
         }
     }
 }
