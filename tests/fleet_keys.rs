@@ -193,6 +193,27 @@ async fn a_key_added_or_revoked_through_one_replica_holds_on_every_replica() {
     assert_eq!(row["tenant"], "beta");
     assert!(!list.to_string().contains(&key));
 
+    // The change is in the fleet's audit chain, read from another
+    // replica, and governance steps go on after it.
+    let (s, v) = admin(&c, reqwest::Method::POST, format!("{}/admin/overrides", bases[1]),
+        Some(json!({"scope": "tenant", "name": "beta", "action": "pause", "for": "1s", "reason": "audit check"}))).await;
+    assert!(s < 300, "{v}");
+    let (_, audit) = admin(
+        &c,
+        reqwest::Method::GET,
+        format!("{}/admin/audit", bases[2]),
+        None,
+    )
+    .await;
+    let kinds: Vec<&str> = audit["recent"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["kind"].as_str())
+        .collect();
+    assert!(kinds.contains(&"key-added"), "{kinds:?}");
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+
     // A name is the fleet's once: through another replica, and against
     // kiln.toml's names.
     for (name, base) in [("ci-bot", &bases[1]), ("file-key", &bases[2])] {
@@ -222,6 +243,21 @@ async fn a_key_added_or_revoked_through_one_replica_holds_on_every_replica() {
     );
     let (_, body) = chat(&c, &bases[0], &key).await;
     assert_eq!(body["error"]["code"], "revoked_api_key", "{body}");
+    let (_, audit) = admin(
+        &c,
+        reqwest::Method::GET,
+        format!("{}/admin/audit", bases[0]),
+        None,
+    )
+    .await;
+    let revoked = audit["recent"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["kind"] == "key-revoked")
+        .cloned();
+    let revoked = revoked.expect("the revocation is in the fleet's audit chain");
+    assert_eq!(revoked["details"]["name"], "ci-bot", "{revoked}");
 
     // A key of kiln.toml revoked through replica 1: every replica refuses
     // it, although the file still holds it.

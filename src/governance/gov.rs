@@ -542,9 +542,22 @@ impl Gov {
     }
 
     /// Appends an event the gateway's operators caused outside governance
-    /// (keys reloaded): who, and what changed (never a secret).
-    pub fn audit_event(&self, kind: &str, actor: &str, details: Value) -> Result<(), AuditError> {
-        self.audit(kind, actor, details)
+    /// (keys reloaded, added, revoked): who, and what changed (never a
+    /// secret). In a fleet it is one governance step, so the line joins
+    /// the fleet's chain (a line appended outside a step would be undone
+    /// by the next one).
+    pub async fn audit_event(
+        &self,
+        gw: &impl super::gateway::Gateway,
+        kind: &str,
+        actor: &str,
+        details: Value,
+    ) -> Result<(), super::shared::StepError> {
+        self.in_step(gw, async {
+            self.audit(kind, actor, details)
+                .map_err(|e| super::shared::StepError::Unavailable(e.to_string()))
+        })
+        .await
     }
 
     pub fn audit_head(&self) -> AuditHead {

@@ -133,7 +133,7 @@ async fn reload_keys(State(app): State<Arc<App>>, headers: HeaderMap) -> Respons
         Ok(w) => w,
         Err(e) => return e.into_response(),
     };
-    match super::keys::reload(&app, &who) {
+    match super::keys::reload(&app, &who).await {
         Ok(r) => axum::Json(json!({ "reloaded": r })).into_response(),
         Err(e) => {
             let help = miette::Diagnostic::help(&e)

@@ -201,6 +201,14 @@ impl KeyOpError {
     }
 }
 
+/// Records a key change in the audit log (the fleet's chain in a fleet);
+/// the change holds either way, a failure to record it is logged.
+async fn audit(app: &App, kind: &str, actor: &str, details: serde_json::Value) {
+    if let Err(e) = app.gov.audit_event(app, kind, actor, details).await {
+        tracing::error!(error = %e, kind, "a key change is in force but not in the audit log");
+    }
+}
+
 /// A key's name: what messages and `revoke` use, so printable and short.
 fn check_name(name: &str) -> Result<(), KeyOpError> {
     let ok = !name.is_empty()
@@ -290,12 +298,15 @@ pub async fn add(app: &App, actor: &str, req: AddKey) -> Result<Added, KeyOpErro
             let key = tokio::task::spawn_blocking(move || file::add(&path, &k))
                 .await
                 .map_err(|e| KeyOpError::Conflict(format!("the file edit stopped: {e}")))??;
-            reload(app, actor).map_err(|e| KeyOpError::File(file::KeysError::Invalid(e)))?;
+            reload(app, actor)
+                .await
+                .map_err(|e| KeyOpError::File(file::KeysError::Invalid(e)))?;
             (key, "file")
         }
     };
     let sha256_prefix: String = hash_secret(&key).chars().take(12).collect();
-    let _ = app.gov.audit_event(
+    audit(
+        app,
         "key-added",
         actor,
         json!({
@@ -305,7 +316,8 @@ pub async fn add(app: &App, actor: &str, req: AddKey) -> Result<Added, KeyOpErro
             "expires": expires,
             "source": source,
         }),
-    );
+    )
+    .await;
     tracing::info!(name = %req.name, tenant = %req.tenant, source, "API key added");
     Ok(Added {
         key,
@@ -377,16 +389,20 @@ pub async fn revoke(app: &App, actor: &str, name: &str) -> Result<RevokedView, K
                     }
                     e => KeyOpError::File(e),
                 })?;
-            reload(app, actor).map_err(|e| KeyOpError::File(file::KeysError::Invalid(e)))?;
+            reload(app, actor)
+                .await
+                .map_err(|e| KeyOpError::File(file::KeysError::Invalid(e)))?;
             (tenant, h, "file")
         }
     };
     let sha256_prefix: String = sha.chars().take(12).collect();
-    let _ = app.gov.audit_event(
+    audit(
+        app,
         "key-revoked",
         actor,
         json!({ "name": name, "tenant": tenant, "sha256_prefix": sha256_prefix, "source": source }),
-    );
+    )
+    .await;
     tracing::info!(name, tenant = %tenant, source, "API key revoked");
     Ok(RevokedView {
         name: name.to_string(),
@@ -414,7 +430,7 @@ fn label(k: &KeyConfig) -> String {
 
 /// Reloads the keys and admin tokens from the file the gateway started
 /// with; `actor` is who asked (audited). On an error nothing changes.
-pub fn reload(app: &App, actor: &str) -> Result<Reloaded, ConfigError> {
+pub async fn reload(app: &App, actor: &str) -> Result<Reloaded, ConfigError> {
     let Some(path) = app.config.source.clone() else {
         return Err(ConfigError::Invalid {
             message: "this gateway was started without a config file: there are no keys to reload"
@@ -422,7 +438,23 @@ pub fn reload(app: &App, actor: &str) -> Result<Reloaded, ConfigError> {
             help: Some("start it with `kiln serve --config kiln.toml`".into()),
         });
     };
-    let result = reload_from(app, &path, actor);
+    let result = reload_from(app, &path);
+    if let Ok(r) = &result {
+        let details = json!({
+            "path": r.path,
+            "keys": r.keys,
+            "added": r.added,
+            "removed": r.removed,
+            "admin_tokens": r.admin_tokens,
+        });
+        if let Err(e) = app
+            .gov
+            .audit_event(app, "keys-reloaded", actor, details)
+            .await
+        {
+            tracing::error!(error = %e, "the keys reload is in force but not in the audit log");
+        }
+    }
     app.metrics.keys_reload(result.is_ok());
     match &result {
         Ok(r) => {
@@ -445,7 +477,7 @@ pub fn reload(app: &App, actor: &str) -> Result<Reloaded, ConfigError> {
     result
 }
 
-fn reload_from(app: &App, path: &Path, actor: &str) -> Result<Reloaded, ConfigError> {
+fn reload_from(app: &App, path: &Path) -> Result<Reloaded, ConfigError> {
     let mut next = ServerConfig::load(path)?;
     let policy = app.policy.load();
     if let Some(clash) = next.key_clash(&policy.graph) {
@@ -483,17 +515,6 @@ fn reload_from(app: &App, path: &Path, actor: &str) -> Result<Reloaded, ConfigEr
         admin_tokens: next.admin.token_sha256.len() + next.admin.tokens.len(),
         needs_restart: differs_elsewhere(&app.config, &next),
     };
-    let _ = app.gov.audit_event(
-        "keys-reloaded",
-        actor,
-        json!({
-            "path": r.path,
-            "keys": r.keys,
-            "added": r.added,
-            "removed": r.removed,
-            "admin_tokens": r.admin_tokens,
-        }),
-    );
     app.auth.store(Arc::new(next));
     Ok(r)
 }
@@ -560,10 +581,10 @@ pub fn spawn_watch(app: Arc<App>) -> Option<tokio::task::JoinHandle<()>> {
             let now = fingerprint(&path);
             if signalled {
                 seen = now;
-                let _ = reload(&app, "sighup");
+                let _ = reload(&app, "sighup").await;
             } else if now.is_some() && now != seen {
                 seen = now;
-                let _ = reload(&app, "file-watch");
+                let _ = reload(&app, "file-watch").await;
             }
         }
     }))
