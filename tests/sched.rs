@@ -1196,10 +1196,12 @@ fn a_window_in_a_tier_without_one_is_kept_and_its_misses_counted() {
     let route = "classify { default => tier t }\nroute t m { default => fp16 }";
     let g = graph(&policy(tiers, tenants, route));
     assert!(g.tiers[0].slo.window.is_none());
-    // The first item starts at once but needs ~500 ms to decode: late for
-    // its 100 ms. The second cannot start within its 10 ms: refused for
-    // its deadline. A request without a window waits, as in any tier
-    // without an SLO.
+    // The first item would start at once but needs 5.5 s to decode: it
+    // cannot finish within its 100 ms, so it is refused for its deadline
+    // (admission holds a window against the finish; it used to be
+    // admitted, run late, and make the second item miss its 10 ms too).
+    // The second then starts at once and finishes in 6 ms. A request
+    // without a window waits, as in any tier without an SLO.
     let o = simulate(
         &g,
         Mode::Kiln,
@@ -1209,13 +1211,15 @@ fn a_window_in_a_tier_without_one_is_kept_and_its_misses_counted() {
             a(2, "bulk", 100, 5),
         ],
     );
+    assert_eq!(o[0].rejected, Some((Reason::Deadline, 429)), "{:?}", o[0]);
     assert!(
-        o[0].finished.unwrap() > o[0].deadline.unwrap(),
+        o[1].finished.unwrap() <= o[1].deadline.unwrap(),
         "{:?}",
-        o[0]
+        o[1]
     );
-    assert_eq!(o[1].rejected, Some((Reason::Deadline, 429)));
     assert!(o[2].finished.is_some() && o[2].deadline.is_none());
+    // The refused item keeps its window and counts as a miss.
+    assert_eq!(o[0].deadline, Some(100 * MS));
     let r = kiln::replay::report::build(
         &g,
         "kiln",
@@ -1223,8 +1227,8 @@ fn a_window_in_a_tier_without_one_is_kept_and_its_misses_counted() {
         &o,
         &kiln::replay::report::Fleet::default(),
     );
-    assert_eq!(r.tiers[0].deadline_misses, 2);
-    assert_eq!(r.tiers[0].window_attainment, Some(0.0));
+    assert_eq!(r.tiers[0].deadline_misses, 1);
+    assert_eq!(r.tiers[0].window_attainment, Some(0.5));
     assert_eq!(r.batches.len(), 1);
     let b = &r.batches[0];
     assert_eq!(
@@ -1235,9 +1239,8 @@ fn a_window_in_a_tier_without_one_is_kept_and_its_misses_counted() {
             b.rejected,
             b.deadline_misses
         ),
-        ("b1", 2, 1, 1, 2)
+        ("b1", 2, 1, 1, 1)
     );
-    assert!(b.finished_s.unwrap() > b.deadline_s.unwrap());
 }
 
 #[test]
@@ -1253,4 +1256,104 @@ fn in_a_ttft_tier_an_item_is_refused_for_the_ttft_not_its_window() {
     );
     assert_eq!(o[1].deadline, Some(MS + 3_600 * SEC));
     assert_eq!(o[1].rejected, Some((Reason::Overload, 429)), "{:?}", o[1]);
+}
+
+/// A window tier's admission promises the *finish* inside the window: a
+/// replica that runs one sequence at a time and decode-heavy requests
+/// (100 prompt tokens, 500 output: 0.55 s each alone) can finish one of
+/// six simultaneous arrivals inside a 1 s window, not all six. Every
+/// admitted request finishes inside its window, and the refused ones say
+/// `deadline`.
+#[test]
+fn a_window_tier_admits_only_what_can_finish_inside_the_window() {
+    let tiers = "tier w { priority 10 slo { window 1s } }";
+    let tenants = r#"tenant t { owner "o" tiers [w] }"#;
+    let route = "classify { default => tier w }\nroute w m { default => fp16 }";
+    let g = graph(&policy(tiers, tenants, route));
+    for (prompt, output) in [(100, 500), (2_000, 300), (100, 50)] {
+        let o = simulate(
+            &g,
+            Mode::Kiln,
+            (0..6).map(|i| a(i, "t", prompt, output)).collect(),
+        );
+        let admitted: Vec<_> = o.iter().filter(|x| x.rejected.is_none()).collect();
+        assert!(
+            !admitted.is_empty(),
+            "{prompt}/{output}: nothing admitted: {o:?}"
+        );
+        for x in &admitted {
+            let end = x.finished.unwrap();
+            assert!(
+                end.saturating_sub(x.arrival) <= SEC,
+                "{prompt}/{output}: admitted but finished after {} ms: {o:?}",
+                end.saturating_sub(x.arrival) / MS
+            );
+        }
+        for x in o.iter().filter(|x| x.rejected.is_some()) {
+            assert_eq!(x.rejected.map(|r| r.0), Some(Reason::Deadline), "{x:?}");
+        }
+        // Whatever fits is admitted: the pool is not left idle.
+        let alone =
+            0.001 * f64::from(output + 1) + f64::from(output) * 0.000_1 + prompt as f64 * 0.000_01;
+        let fit = (1.0 / alone).floor().clamp(1.0, 6.0) as usize;
+        assert!(
+            admitted.len() + 1 >= fit,
+            "{prompt}/{output}: {} admitted where {fit} fit",
+            admitted.len()
+        );
+    }
+}
+
+/// The same promise over generated shapes: batch sizes 1-8, prompts and
+/// outputs from short to decode-heavy, a burst of 4-24 arrivals within
+/// 50 ms against a window of 0.5-3 s. Admitted work finishes inside its
+/// window (within a tenth: a request that joins a batch later slows the
+/// ones already decoding), and the replica is not left idle while
+/// refusing what would have fit.
+mod window_promise {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+        #[test]
+        fn admitted_work_finishes_inside_its_window(
+            batch in 1u32..=8,
+            prompt in 50u64..4_000,
+            output in 10u32..800,
+            n in 4usize..24,
+            window_ms in 500u64..3_000,
+            seed in 0u64..1_000,
+        ) {
+            let tiers = format!("tier w {{ priority 10 slo {{ window {window_ms}ms }} }}");
+            let tenants = r#"tenant t { owner "o" tiers [w] }"#;
+            let route = "classify { default => tier w }\nroute w m { default => fp16 }";
+            let text = policy(&tiers, tenants, route).replace("max_batch 1", &format!("max_batch {batch}"));
+            let g = graph(&text);
+            let list: Vec<A> = (0..n as u64)
+                .map(|i| a((i * 7 + seed) % 50, "t", prompt, output))
+                .collect();
+            let o = simulate(&g, Mode::Kiln, list);
+            let window = window_ms * MS;
+            let admitted: Vec<_> = o.iter().filter(|x| x.rejected.is_none()).collect();
+            // One request alone (prefill, then a step per further token)
+            // fits well inside the window: something is admitted.
+            let alone = 0.001 + prompt as f64 * 0.000_01 + f64::from(output - 1) * 0.001_1;
+            prop_assert!(
+                !admitted.is_empty() || alone > 0.9 * window_ms as f64 / 1e3,
+                "nothing admitted though one request alone takes {alone:.3} s of {window_ms} ms"
+            );
+            for x in &admitted {
+                let took = x.finished.unwrap().saturating_sub(x.arrival);
+                prop_assert!(
+                    took as f64 <= window as f64 * 1.1,
+                    "batch {} prompt {} output {} n {}: admitted, finished after {} ms of {} ms",
+                    batch, prompt, output, n, took / MS, window_ms
+                );
+            }
+            for x in o.iter().filter(|x| x.rejected.is_some()) {
+                prop_assert_eq!(x.rejected.map(|r| r.0), Some(Reason::Deadline));
+            }
+        }
+    }
 }

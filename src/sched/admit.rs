@@ -424,7 +424,8 @@ fn wait_within_slo(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refus
     };
     let e = s.estimate_for(&q, &a.candidates);
     a.est_start = Some((e.raw_start, e.first_in_order));
-    let (est, above_share) = (e.first_token, e.above_share);
+    let est = if e.by_window { e.finish } else { e.first_token };
+    let above_share = e.above_share;
     if est <= limit {
         return Ok(());
     }
@@ -664,7 +665,8 @@ impl Scheduler {
             };
             let waited = self.now.saturating_sub(w.arrival);
             let e = self.estimate_for(&q, candidates);
-            if e.first_token.saturating_add(waited) as f64 <= SHED_MARGIN * limit as f64 {
+            let est = if e.by_window { e.finish } else { e.first_token };
+            if est.saturating_add(waited) as f64 <= SHED_MARGIN * limit as f64 {
                 return false;
             }
             let Some(w) = self.queues.remove(id) else {
@@ -678,7 +680,7 @@ impl Scheduler {
                 c.add(self.now, -cost);
                 t.add(self.now, -(w.tokens() as f64));
             }
-            let retry = e.first_token.saturating_add(waited).saturating_sub(limit);
+            let retry = est.saturating_add(waited).saturating_sub(limit);
             self.reject(id, Reason::Fairness, 429, Some(retry.max(SEC)));
         }
         true

@@ -481,6 +481,12 @@ pub(crate) struct Estimating<'a> {
 pub(crate) struct Estimate {
     pub raw_start: Micros,
     pub first_token: Micros,
+    /// Its last token: the first, then its own decode in the batch it
+    /// joins. What a completion window is held against.
+    pub finish: Micros,
+    /// Its limit is a completion window (its tier has no TTFT SLO): held
+    /// against [`Self::finish`], not the first token.
+    pub by_window: bool,
     pub above_share: bool,
     /// Nothing queued goes ahead of it (its wait is the next slot).
     pub first_in_order: bool,
@@ -1776,6 +1782,20 @@ impl Scheduler {
         } else {
             0
         };
+        // Work whose limit is a completion window is held against its
+        // finish, and its wait is priced by work, not by a fixed mix of
+        // prefill and decode: a decode-heavy queue on a replica running one
+        // sequence drains at a fraction of that mix's token rate, and the
+        // running sequences' remaining work is ahead of it too (before,
+        // six 500-token answers were all admitted inside a 1 s window on a
+        // replica that finishes one in 0.55 s).
+        let by_window = self
+            .graph
+            .tiers
+            .get(q.tier as usize)
+            .is_some_and(|t| t.slo.ttft.is_none());
+        let prompt32 = q.prompt.min(u64::from(u32::MAX)) as u32;
+        let (mut running_left, mut shape_rate, mut decode, mut n_up) = (0.0, 0.0, f64::MAX, 0usize);
         // A replica takes new work at its next step boundary.
         let (mut rate, mut prefill, mut prefill_ref) = (0.0, Micros::MAX, Micros::MAX);
         let (mut room_at, mut boundary) = (Micros::MAX, Micros::MAX);
@@ -1801,6 +1821,18 @@ impl Scheduler {
                 idle_now |= rep.running.is_empty() && step_left == 0 && rep.slot_cap != Some(0);
             }
             rate += rep.throughput_tokens_per_s();
+            if by_window {
+                n_up += 1;
+                running_left += rep.remaining_work_secs();
+                let work = rep.saturated_work(prompt32, q.output);
+                // Tokens (prompt and output, as the queue counts them) a
+                // second, for work shaped like this request.
+                let tokens = q.prompt as f64 + f64::from(q.output);
+                if work > 0.0 && work.is_finite() {
+                    shape_rate += tokens / work;
+                }
+                decode = decode.min(rep.decode_secs(prompt32, q.output));
+            }
             let cached = u64::from(rep.cached_prefix_tokens(q.prefix));
             let tokens = q.prompt.saturating_sub(cached);
             let rank = self.start_rank(r, q.tier);
@@ -1816,6 +1848,8 @@ impl Scheduler {
             return Estimate {
                 raw_start: u64::MAX / 4,
                 first_token: u64::MAX / 4,
+                finish: u64::MAX / 4,
+                by_window,
                 above_share: ahead.above_share,
                 first_in_order: false,
             };
@@ -1843,6 +1877,16 @@ impl Scheduler {
                 }
                 soonest.saturating_add(boundary)
             }
+        } else if by_window && shape_rate > 0.0 && n_up > 0 {
+            // The running work's remainder spread over the replicas, then
+            // the queue ahead at the rate work shaped like this drains.
+            // The measured drain where it is faster: the queue's own mix
+            // (this request's shape stands for it only until work flows;
+            // a long prompt priced alone reads a KV-bound replica 4-5x
+            // slower than the mix it is in drains).
+            let wrate = shape_rate.max(self.drain_rate(q.key)) * share;
+            let secs = running_left / n_up as f64 + ahead_tokens / wrate;
+            ((secs * SEC as f64) as Micros).saturating_add(boundary)
         } else if rate <= 0.0 {
             u64::MAX / 4
         } else {
@@ -1857,14 +1901,30 @@ impl Scheduler {
         // misestimates, 11-20x on a KV-bound 70B pair: it was refused a
         // fifth of its requests asking 2% of the pool (issue 26).
         let first_in_order = ahead_tokens <= 0.0;
-        let factor = self
-            .misestimate
-            .get(&(q.key, q.tier, first_in_order))
-            .map_or(1.0, |m| m.factor());
+        // Not for a completion window: its estimate counts the work ahead
+        // and running (not a fixed token mix), and a quantile learnt from
+        // waits that higher tiers' later arrivals stretch refused work an
+        // hour's window would have finished (8.5x on the Azure hour's batch
+        // tier).
+        let factor = if by_window {
+            1.0
+        } else {
+            self.misestimate
+                .get(&(q.key, q.tier, first_in_order))
+                .map_or(1.0, |m| m.factor())
+        };
         let corrected = (start as f64 * factor) as Micros;
+        let first_token = corrected.saturating_add(prefill);
+        let finish = if by_window && decode.is_finite() && decode < f64::MAX {
+            first_token.saturating_add((decode * SEC as f64) as Micros)
+        } else {
+            first_token
+        };
         Estimate {
             raw_start: start,
-            first_token: corrected.saturating_add(prefill),
+            first_token,
+            finish,
+            by_window,
             above_share,
             first_in_order,
         }

@@ -399,6 +399,37 @@ impl Replica {
         self.saturated_secs(prompt, 0, 0) + f64::from(output) * self.saturated_secs(0, 1, ctx)
     }
 
+    /// The running sequences' remaining work at saturated throughput
+    /// (what is left of each one's prefill and output), seconds.
+    pub fn remaining_work_secs(&self) -> f64 {
+        self.running
+            .iter()
+            .map(|s| {
+                let left = s.w.output_tokens.saturating_sub(s.generated);
+                let ctx =
+                    u64::from(s.w.prompt_tokens) + u64::from(s.generated) + u64::from(left) / 2;
+                self.saturated_secs(s.prefill_left, 0, 0)
+                    + f64::from(left) * self.saturated_secs(0, 1, ctx)
+            })
+            .sum()
+    }
+
+    /// How long a request's `output` takes to decode here after its first
+    /// token, in the batch it joins (what runs now and itself, up to the
+    /// batch's size), at half its final context per sequence, seconds.
+    pub fn decode_secs(&self, prompt: u32, output: u32) -> f64 {
+        let batch = (self.running.len() as u32)
+            .saturating_add(1)
+            .min(self.spec.max_batch.max(1));
+        let ctx = u64::from(prompt) + u64::from(output) / 2;
+        f64::from(output.saturating_sub(1))
+            * sane_secs(self.spec.cost.step_time(
+                0,
+                batch,
+                u64::from(batch).saturating_mul(ctx.max(1)),
+            ))
+    }
+
     pub fn new(spec: ReplicaSpec) -> Replica {
         let rate = throughput(&spec);
         let prefill_secs = prefill_secs_per_token(&spec);
