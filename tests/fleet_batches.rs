@@ -1045,3 +1045,84 @@ async fn a_database_that_came_back_empty_gets_its_tables_again() {
     assert!(store.run(|s| s.active()).await.unwrap().is_empty());
     driver.abort();
 }
+
+/// An upload whose replica died mid-way (its lines written a page at a
+/// time, no file row yet) is swept once no page came for the staleness,
+/// while an upload still going on another replica is kept and completes.
+#[test]
+fn an_interrupted_uploads_lines_are_swept_and_a_live_upload_is_kept() {
+    let Some(pg) = support::postgres::Postgres::start() else {
+        return;
+    };
+    let a = Store::connect(&pg.url()).unwrap();
+    let b = Store::connect(&pg.url()).unwrap();
+    // 2,100 lines: the first 2,000 are written as one page at once.
+    let fill = |up: &mut kiln::batch::store::Upload<'_>, from: u64, n: u64| {
+        for i in from..from + n {
+            assert_eq!(
+                up.line(i, i + 1, &format!("c{i}"), "{\"x\":1}").unwrap(),
+                None
+            );
+        }
+    };
+    let mut dead = a.upload("file-dead");
+    fill(&mut dead, 0, 2_100);
+    // The replica dies: nothing drops the upload.
+    std::mem::forget(dead);
+    assert_eq!(b.lines("file-dead", 0, 5).unwrap().len(), 5);
+    std::thread::sleep(Duration::from_millis(2_100));
+    let mut live = b.upload("file-live");
+    fill(&mut live, 0, 2_100);
+    // Stale after 1 s: the dead upload's last page is 2 s old, the live
+    // one's new.
+    let swept = a.sweep_uploads(1).unwrap();
+    assert_eq!(swept, 2_000, "the dead upload's written page");
+    assert!(b.lines("file-dead", 0, 5).unwrap().is_empty());
+    fill(&mut live, 2_100, 1_900);
+    assert_eq!(live.commit(&file("file-live", 4_000)).unwrap(), None);
+    drop(live);
+    // A committed file is never swept, however old.
+    std::thread::sleep(Duration::from_millis(1_100));
+    assert_eq!(a.sweep_uploads(0).unwrap(), 0);
+    let all = a.lines("file-live", 0, 10_000).unwrap();
+    assert_eq!(all.len(), 4_000);
+}
+
+/// `[batch] max_store_bytes` holds on PostgreSQL too: past it an upload is
+/// refused as on a full disk (507 at the API), and the refused upload's
+/// lines are not kept.
+#[test]
+fn max_store_bytes_refuses_uploads_on_postgres() {
+    let Some(pg) = support::postgres::Postgres::start() else {
+        return;
+    };
+    let s = Store::connect(&pg.url()).unwrap();
+    s.limit_bytes(2 * 1024 * 1024).unwrap();
+    // A small file fits.
+    let mut up = s.upload("file-small");
+    for i in 0..100 {
+        assert_eq!(up.line(i, i + 1, &format!("c{i}"), "{}").unwrap(), None);
+    }
+    assert_eq!(up.commit(&file("file-small", 100)).unwrap(), None);
+    drop(up);
+    // 1 KB lines, 8,000 of them: pages go in until the tables pass 2 MiB.
+    let text = format!("{{\"pad\":\"{}\"}}", "x".repeat(1_000));
+    let mut up = s.upload("file-big");
+    let mut err = None;
+    for i in 0..8_000 {
+        if let Err(e) = up.line(i, i + 1, &format!("c{i}"), &text) {
+            err = Some(e);
+            break;
+        }
+    }
+    let err = match err {
+        Some(e) => e,
+        None => up.commit(&file("file-big", 8_000)).unwrap_err(),
+    };
+    assert!(err.is_full(), "{err}");
+    assert!(err.to_string().contains("max_store_bytes"), "{err}");
+    drop(up);
+    assert!(s.lines("file-big", 0, 5).unwrap().is_empty());
+    assert!(s.file("file-big").unwrap().is_none());
+    assert_eq!(s.lines("file-small", 0, 1_000).unwrap().len(), 100);
+}

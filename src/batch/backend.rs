@@ -101,11 +101,25 @@ impl Store {
         }
     }
 
-    /// Caps an SQLite store's size; PostgreSQL's is the server's to set.
+    /// Caps the store's size: an SQLite file's pages; what kiln's
+    /// PostgreSQL tables hold before uploads are refused.
     pub fn limit_bytes(&self, bytes: u64) -> Result<(), StoreError> {
         match self {
             Store::Sqlite(s) => s.limit_bytes(bytes),
-            Store::Postgres(_) => Ok(()),
+            Store::Postgres(p) => {
+                p.limit_bytes(bytes);
+                Ok(())
+            }
+        }
+    }
+
+    /// Deletes what interrupted uploads left: SQLite does it when it
+    /// opens (one gateway, no upload can be running then); on PostgreSQL
+    /// the uploads no replica has written to for `stale_s`. Lines removed.
+    pub fn sweep_uploads(&self, stale_s: u64) -> Result<u64, StoreError> {
+        match self {
+            Store::Sqlite(_) => Ok(0),
+            Store::Postgres(p) => p.sweep_uploads(stale_s),
         }
     }
 

@@ -47,6 +47,10 @@ CREATE TABLE IF NOT EXISTS lines (
     PRIMARY KEY (file_id, line)
 );
 CREATE UNIQUE INDEX IF NOT EXISTS lines_custom_id ON lines (file_id, custom_id);
+CREATE TABLE IF NOT EXISTS uploads (
+    file_id TEXT PRIMARY KEY,
+    seen_at BIGINT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS batches (
     id TEXT PRIMARY KEY,
     owner TEXT,
@@ -162,6 +166,9 @@ pub struct Pg {
     /// The tables are to be made on the next connection: at first, and
     /// after a statement found a table missing.
     make_tables: Arc<std::sync::atomic::AtomicBool>,
+    /// `[batch] max_store_bytes` (0: none): past it, uploads are refused
+    /// as on a full disk.
+    limit: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// The store's runtime: one worker thread that drives the connections'
@@ -293,6 +300,7 @@ impl Pg {
             conns: conns.into(),
             next: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
             make_tables: Arc::new(std::sync::atomic::AtomicBool::new(true)),
+            limit: Arc::new(std::sync::atomic::AtomicU64::new(0)),
         };
         // The first connection, made now: a store that cannot be reached
         // at start says why before the gateway serves.
@@ -1069,13 +1077,73 @@ impl Pg {
 
     /// Writes lines of upload `file` in one transaction. A repeated
     /// `custom_id` stops it: `(line number, custom_id)` of the repeat.
+    /// Caps what kiln's tables may hold (`[batch] max_store_bytes`; 0:
+    /// no cap): past it, uploads are refused as on a full disk. Results of
+    /// accepted batches are still written (refusing them would lose work
+    /// already done), so the cap bounds what new uploads add.
+    pub fn limit_bytes(&self, bytes: u64) {
+        self.limit.store(bytes, Ordering::SeqCst);
+    }
+
+    /// What kiln's tables take (rows, indexes, TOAST), bytes.
+    pub fn table_bytes(&self) -> Result<u64, StoreError> {
+        self.data(async |c| {
+            let r = c
+                .query_one(
+                    "SELECT (pg_total_relation_size('files') + pg_total_relation_size('lines') \
+                     + pg_total_relation_size('batches') + pg_total_relation_size('results'))::BIGINT",
+                    &[],
+                )
+                .await?;
+            Ok(r.try_get::<_, i64>(0)?.max(0) as u64)
+        })
+    }
+
+    /// Deletes the lines of uploads that stopped (their replica died, or
+    /// its client went away without the upload being dropped) and were
+    /// not seen for `stale_s` seconds: an upload marks itself in `uploads`
+    /// with every page it writes, and its file row takes the mark away. An
+    /// upload still going (on any replica) is kept. The lines removed.
+    pub fn sweep_uploads(&self, stale_s: u64) -> Result<u64, StoreError> {
+        let cutoff = now_s() - stale_s.min(i64::MAX as u64) as i64;
+        self.data(async |c| {
+            let tx = c.transaction().await?;
+            let n = tx
+                .execute(
+                    "DELETE FROM lines l USING uploads u WHERE l.file_id = u.file_id AND u.seen_at < $1 \
+                     AND NOT EXISTS (SELECT 1 FROM files f WHERE f.id = u.file_id)",
+                    &[&cutoff],
+                )
+                .await?;
+            tx.execute("DELETE FROM uploads WHERE seen_at < $1", &[&cutoff])
+                .await?;
+            tx.commit().await?;
+            Ok(n)
+        })
+    }
+
     pub(super) fn write_lines(
         &self,
         file: &str,
         lines: &[(u64, u64, String, String)],
     ) -> Result<Option<(u64, String)>, StoreError> {
+        let limit = self.limit.load(Ordering::SeqCst);
+        if limit > 0 {
+            let used = self.table_bytes()?;
+            if used >= limit {
+                return Err(StoreError::Limit { used, limit });
+            }
+        }
         self.data(async |c| {
         let tx = c.transaction().await?;
+        // Marked first, in the same transaction: a replica that dies after
+        // this page leaves lines the sweep can find.
+        tx.execute(
+            "INSERT INTO uploads (file_id, seen_at) VALUES ($1, $2) \
+             ON CONFLICT (file_id) DO UPDATE SET seen_at = EXCLUDED.seen_at",
+            &[&file, &now_s()],
+        )
+        .await?;
         let st = tx.prepare(
             "INSERT INTO lines (file_id, line, custom_id, text) VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
         ).await?;
@@ -1107,21 +1175,35 @@ impl Pg {
 
     pub(super) fn insert_file(&self, f: &FileRow) -> Result<(), StoreError> {
         self.data(async |c| {
-        c.execute(
+        let tx = c.transaction().await?;
+        tx.execute(
             "INSERT INTO files (id, owner, purpose, filename, bytes, created_at, lines, endpoint) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
             &[&f.id, &f.owner, &f.purpose, &f.filename, &(f.bytes as i64), &f.created_at, &(f.lines as i64), &f.endpoint],
         ).await?;
+        tx.execute("DELETE FROM uploads WHERE file_id = $1", &[&f.id]).await?;
+        tx.commit().await?;
         Ok(())
         })
     }
 
     pub(super) fn drop_lines(&self, file: &str) -> Result<(), StoreError> {
         self.data(async |c| {
-            c.execute("DELETE FROM lines WHERE file_id = $1", &[&file])
+            let tx = c.transaction().await?;
+            tx.execute("DELETE FROM lines WHERE file_id = $1", &[&file])
                 .await?;
+            tx.execute("DELETE FROM uploads WHERE file_id = $1", &[&file])
+                .await?;
+            tx.commit().await?;
             Ok(())
         })
     }
+}
+
+/// Unix seconds, for the upload marks (one replica's clock against
+/// another's: the staleness the sweep waits for is minutes, far beyond
+/// their skew).
+fn now_s() -> i64 {
+    (crate::clock::unix_ms() / 1000.0) as i64
 }
 
 fn file_row(r: &Row) -> Result<FileRow, StoreError> {

@@ -47,6 +47,12 @@ pub enum StoreError {
         help("free disk space, raise `[batch] max_store_bytes`, or delete old files (`DELETE /v1/files/ID`); writes resume by themselves")
     )]
     Full(rusqlite::Error),
+    #[error("batch store is at its cap: its tables hold {used} bytes of `[batch] max_store_bytes` {limit}")]
+    #[diagnostic(
+        code(kiln::batch::store_full),
+        help("delete old files (`DELETE /v1/files/ID`) or raise `[batch] max_store_bytes`; uploads are taken again once the tables are under it (PostgreSQL gives deleted rows' space back at its next vacuum)")
+    )]
+    Limit { used: u64, limit: u64 },
     #[error("batch store (PostgreSQL): {0}")]
     #[diagnostic(
         code(kiln::batch::store_pg),
@@ -85,7 +91,11 @@ impl From<rusqlite::Error> for StoreError {
 impl StoreError {
     /// The store is out of room (disk full or `[batch] max_store_bytes`).
     pub fn is_full(&self) -> bool {
-        matches!(self, StoreError::Full(_))
+        match self {
+            StoreError::Full(_) | StoreError::Limit { .. } => true,
+            StoreError::Pg(e) => e.code() == Some(&tokio_postgres::error::SqlState::DISK_FULL),
+            _ => false,
+        }
     }
 
     /// The store cannot be reached for now (PostgreSQL down, stalled,

@@ -495,11 +495,33 @@ async fn claimed(app: &Arc<App>, active: Vec<BatchRow>) -> Result<Vec<BatchRow>,
 /// batches once the lease runs out); items in flight finish and write
 /// under their fencing token, so what ran here while the lease was still
 /// ours is kept and what a new holder runs is not written twice.
+/// How long an upload to a shared store may go without writing a page
+/// before its lines are taken for an interrupted upload's (its replica
+/// died): far beyond any gap between two pages of a live upload.
+const UPLOAD_STALE: Duration = Duration::from_secs(600);
+/// How often a replica looks for them.
+const SWEEP_EVERY: Duration = Duration::from_secs(60);
+
 async fn keep_leases(app: Arc<App>) {
     let lease = app.config.batch.lease;
     let every = (lease / 4).max(Duration::from_millis(50));
     let mut last_ok = Instant::now();
+    let mut swept: Option<Instant> = None;
     loop {
+        if swept.is_none_or(|t| t.elapsed() >= SWEEP_EVERY) {
+            swept = Some(Instant::now());
+            let stale = UPLOAD_STALE.as_secs();
+            match app.batches.store.run(move |s| s.sweep_uploads(stale)).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(
+                    lines = n,
+                    "batch store: removed the lines of interrupted uploads"
+                ),
+                Err(e) => {
+                    tracing::debug!(error = %e, "batch store: interrupted uploads not swept; next try in a minute")
+                }
+            }
+        }
         let holder = app.batches.holder.clone();
         let ttl = lease.as_secs_f64();
         match app
