@@ -69,10 +69,67 @@ pub struct ServerConfig {
     /// model a policy's semantic caches embed prompts with.
     #[serde(default)]
     pub cache: CacheSection,
+    /// OpenTelemetry spans over OTLP (`[otlp] endpoint = "http://…:4318"`),
+    /// built with the `otlp` feature: [`super::otel`].
+    #[serde(default)]
+    pub otlp: Option<OtlpSection>,
     /// The file this was read from (`ServerConfig::load`): a running
     /// gateway reloads its keys and admin tokens from it.
     #[serde(skip)]
     pub source: Option<PathBuf>,
+}
+
+/// `[otlp]`: where request spans go.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OtlpSection {
+    /// The collector's base URL (`http://otel-collector:4318`); spans are
+    /// posted to its `/v1/traces`.
+    pub endpoint: String,
+    /// `http/protobuf` (the default) or `http/json`.
+    #[serde(default = "default_otlp_protocol")]
+    pub protocol: String,
+    /// Sent with every export (a vendor's API key header).
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+    /// The `service.name` resource attribute.
+    #[serde(default = "default_service_name")]
+    pub service_name: String,
+    /// How long one export may take.
+    #[serde(
+        default = "default_otlp_timeout",
+        deserialize_with = "crate::units::duration::deserialize"
+    )]
+    pub timeout: std::time::Duration,
+    /// How often batched spans are sent.
+    #[serde(
+        default = "default_otlp_every",
+        deserialize_with = "crate::units::duration::deserialize"
+    )]
+    pub every: std::time::Duration,
+    /// Spans held for export at most; past it new ones are dropped.
+    #[serde(default = "default_otlp_queue")]
+    pub max_queue: usize,
+}
+
+fn default_otlp_protocol() -> String {
+    "http/protobuf".into()
+}
+
+fn default_service_name() -> String {
+    "kiln".into()
+}
+
+fn default_otlp_timeout() -> std::time::Duration {
+    std::time::Duration::from_secs(10)
+}
+
+fn default_otlp_every() -> std::time::Duration {
+    std::time::Duration::from_secs(1)
+}
+
+fn default_otlp_queue() -> usize {
+    4096
 }
 
 /// `[cache]`: where the semantic caches' embedding model lives.
@@ -796,6 +853,33 @@ impl ServerConfig {
     fn validate(&self) -> Result<(), ConfigError> {
         if let Some(st) = &self.state {
             st.validate()?;
+        }
+        if let Some(o) = &self.otlp {
+            let scheme_ok = o.endpoint.starts_with("http://") || o.endpoint.starts_with("https://");
+            if !scheme_ok {
+                return Err(ConfigError::Invalid {
+                    message: format!("`[otlp] endpoint` `{}` is not an http(s) URL", o.endpoint),
+                    help: Some(
+                        "the collector's OTLP/HTTP base URL, e.g. http://otel-collector:4318"
+                            .into(),
+                    ),
+                });
+            }
+            if o.protocol != "http/protobuf" && o.protocol != "http/json" {
+                return Err(ConfigError::Invalid {
+                    message: format!("`[otlp] protocol` `{}` is not one kiln speaks", o.protocol),
+                    help: Some(
+                        "\"http/protobuf\" (the default) or \"http/json\"; gRPC is not built in"
+                            .into(),
+                    ),
+                });
+            }
+            if o.max_queue == 0 || o.max_queue > 1_000_000 {
+                return Err(ConfigError::Invalid {
+                    message: "`[otlp] max_queue` is outside 1..1000000".into(),
+                    help: Some("the default, 4096, holds a few seconds of spans at 1,000 requests a second".into()),
+                });
+            }
         }
         let b = &self.batch;
         if b.max_in_flight == 0 || b.max_in_flight > 1_000_000 {

@@ -33,6 +33,7 @@ pub mod limits;
 pub mod listen;
 pub mod metrics;
 pub mod openai;
+pub mod otel;
 pub mod prefix;
 mod request;
 pub mod routes;
@@ -73,6 +74,8 @@ pub struct App {
     /// Who may call: API keys and admin tokens, as last (re)loaded
     /// ([`keys::reload`]); read once per request.
     pub auth: ArcSwap<ServerConfig>,
+    /// Request spans over OTLP (`[otlp]`, the `otlp` feature).
+    pub otel: Option<otel::Exporter>,
     /// Keys the fleet manages and revokes through the admin API (empty
     /// on a single gateway): [`keys::shared`].
     pub shared_keys: ArcSwap<crate::shared::keys::SharedKeys>,
@@ -131,6 +134,21 @@ impl App {
     }
 }
 
+/// Sends the request spans still batched (the SDK's flush blocks: on a
+/// blocking thread).
+async fn flush_otel(app: &Arc<App>) {
+    if app.otel.is_none() {
+        return;
+    }
+    let app = app.clone();
+    let _ = tokio::task::spawn_blocking(move || {
+        if let Some(x) = &app.otel {
+            x.shutdown();
+        }
+    })
+    .await;
+}
+
 #[derive(Debug, thiserror::Error, miette::Diagnostic)]
 pub enum ServeError {
     #[error("cannot build the simulated GPU pools: {0}")]
@@ -181,6 +199,10 @@ pub enum ServeError {
     #[error(transparent)]
     #[diagnostic(transparent)]
     Governance(governance::GovError),
+    /// `[otlp]` could not be set up (or the build has no OpenTelemetry).
+    #[error(transparent)]
+    #[diagnostic(transparent)]
+    Otel(otel::OtelError),
 }
 
 /// The deployment for a policy under this config (see
@@ -232,6 +254,7 @@ impl Running {
             t.abort();
         }
         self.app.log.flush().await;
+        flush_otel(&self.app).await;
         self.executor.abort();
     }
 
@@ -248,6 +271,7 @@ impl Running {
             t.abort();
         }
         self.app.log.flush().await;
+        flush_otel(&self.app).await;
     }
 
     pub fn trigger_shutdown(&mut self) {
@@ -380,6 +404,10 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
     if let Some(n) = config.batch.max_store_bytes {
         store.limit_bytes(n).map_err(ServeError::Batch)?;
     }
+    let otel = match &config.otlp {
+        Some(c) => Some(otel::Exporter::start(c).map_err(ServeError::Otel)?),
+        None => None,
+    };
     let metrics = metrics::Metrics::new();
     metrics.set_policy_version(&policy.version);
     for b in backends.iter() {
@@ -401,6 +429,7 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         versions: std::sync::Mutex::new(std::collections::VecDeque::from([policy])),
         auth: ArcSwap::from_pointee(config.clone()),
         shared_keys: ArcSwap::from_pointee(keys::shared::empty()),
+        otel,
         config,
         tokenizer,
         metrics,

@@ -468,23 +468,35 @@ pub async fn stamp(
     mut req: axum::extract::Request,
     next: Next,
 ) -> Response {
-    use crate::backend::http::trace::{TraceParent, TRACEPARENT};
+    use crate::backend::http::trace::{TraceParent, CLIENT_PARENT, TRACEPARENT};
     use tracing::Instrument;
     let incoming = req
         .headers()
         .get(TRACEPARENT)
         .and_then(|v| v.to_str().ok())
         .and_then(TraceParent::parse);
+    // kiln's own span: the client's trace continued under a new span id
+    // (or a new trace). Its upstream calls name it as their parent and
+    // the request's OpenTelemetry span is it; the client's span is kept
+    // apart as that span's parent.
+    let trace = TraceParent::child_of(None);
     let trace = match incoming {
-        Some(t) => t,
-        None => {
-            let t = TraceParent::child_of(None);
-            if let Ok(v) = HeaderValue::from_str(&t.to_string()) {
-                req.headers_mut().insert(TRACEPARENT, v);
-            }
-            t
-        }
+        Some(t) => TraceParent {
+            trace_id: t.trace_id,
+            flags: t.flags,
+            ..trace
+        },
+        None => trace,
     };
+    req.headers_mut().remove(CLIENT_PARENT);
+    if let Ok(v) = HeaderValue::from_str(&trace.to_string()) {
+        req.headers_mut().insert(TRACEPARENT, v);
+    }
+    if let Some(t) = incoming {
+        if let Ok(v) = HeaderValue::from_str(&format!("{:016x}", t.parent_id)) {
+            req.headers_mut().insert(CLIENT_PARENT, v);
+        }
+    }
     let span = tracing::info_span!(
         "request",
         request_id = tracing::field::Empty,

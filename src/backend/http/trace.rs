@@ -9,6 +9,13 @@ use std::fmt;
 /// The header's name.
 pub const TRACEPARENT: &str = "traceparent";
 
+/// Inside the gateway only: the client's span id (16 hex digits) where its
+/// `traceparent` named one. The gateway replaces `traceparent` with its
+/// own span's on arrival (what upstream calls and the request's
+/// OpenTelemetry span use) and keeps the client's here, as that span's
+/// parent; a value a client sends under this name is dropped.
+pub const CLIENT_PARENT: &str = "x-kiln-parent-span";
+
 /// One `traceparent` value: `00-<trace id>-<parent id>-<flags>`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TraceParent {

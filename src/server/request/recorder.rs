@@ -68,6 +68,9 @@ pub(in crate::server) fn record(ctx: &Ctx, end: End<'_>) {
         let (tier, tenant) = decided_names(d);
         ctx.app.metrics.retry(&tier, &tenant, retry.as_str());
     }
+    if let Some(x) = &ctx.app.otel {
+        x.emit(span_of(ctx, &end));
+    }
     match end {
         End::Refused { d, reason, err } => refused(ctx, d, reason, err),
         End::Overridden { d, r, err } => overridden(ctx, d, r, err),
@@ -96,6 +99,99 @@ pub(in crate::server) fn record(ctx: &Ctx, end: End<'_>) {
             completion,
         } => cache_hit(ctx, d, shown, similarity, completion),
     }
+}
+
+/// The request's OpenTelemetry span at its end ([`crate::server::otel`]):
+/// its trace and kiln's span id from the `traceparent` the gateway stamped
+/// it with, the client's span as parent where it sent one.
+fn span_of(ctx: &Ctx, end: &End<'_>) -> crate::server::otel::RequestSpan {
+    use crate::backend::http::trace::TraceParent;
+    let own = ctx
+        .req
+        .headers
+        .get("traceparent")
+        .and_then(|v| TraceParent::parse(v))
+        .unwrap_or_else(|| TraceParent::child_of(None));
+    let parent_id = ctx
+        .req
+        .headers
+        .get(crate::backend::http::trace::CLIENT_PARENT)
+        .and_then(|v| u64::from_str_radix(v, 16).ok())
+        .filter(|p| *p != 0);
+    let now_ns = crate::clock::unix_ms() * 1e6;
+    let start_ns = (ctx.received_ms * 1e6).max(0.0) as u128;
+    let d = match end {
+        End::Refused { d, .. } | End::Left { d } => *d,
+        End::Overridden { d, .. } | End::CacheHit { d, .. } => Some(*d),
+        End::Ran { s, .. } => Some(&s.d),
+    };
+    let (tier, tenant) = decided_names(d);
+    let mut span = crate::server::otel::RequestSpan {
+        trace_id: own.trace_id,
+        span_id: own.parent_id,
+        parent_id,
+        sampled: own.flags & 1 == 1,
+        start_unix_ns: start_ns,
+        end_unix_ns: (now_ns.max(0.0) as u128).max(start_ns),
+        operation: match ctx.endpoint {
+            crate::server::openai::Endpoint::Chat => "chat",
+            crate::server::openai::Endpoint::Completions => "text_completion",
+        },
+        request_model: ctx.client_model.clone(),
+        response_model: None,
+        request_id: ctx.rid.clone(),
+        input_tokens: ctx.req.prompt_tokens,
+        output_tokens: None,
+        max_tokens: Some(ctx.req.max_tokens),
+        status: None,
+        tier,
+        tenant,
+        route: None,
+        outcome: String::new(),
+        reason: None,
+        ttft_s: None,
+        gpu_seconds: None,
+        policy_version: d.map(|d| d.version.to_string()),
+    };
+    match end {
+        End::Refused { reason, err, .. } => {
+            span.outcome = "refused".into();
+            span.reason = Some(reason.to_string());
+            span.status = Some(err.status);
+        }
+        End::Overridden { err, .. } => {
+            span.outcome = "refused".into();
+            span.reason = Some("override".into());
+            span.status = Some(err.status);
+        }
+        End::Left { .. } => span.outcome = "left".into(),
+        End::Ran {
+            s,
+            output_tokens,
+            ttft_s,
+            outcome,
+            gpu_seconds,
+            status,
+            ..
+        } => {
+            span.outcome = outcome.as_str().to_string();
+            span.route = Some(s.route.clone());
+            span.response_model = s.route.split(" on ").next().map(str::to_string);
+            span.output_tokens = Some(*output_tokens);
+            span.ttft_s = *ttft_s;
+            span.gpu_seconds = Some(*gpu_seconds);
+            span.status = *status;
+            if !matches!(outcome, MetricOutcome::Ok) {
+                span.reason = Some(outcome.as_str().to_string());
+            }
+        }
+        End::CacheHit { completion, .. } => {
+            span.outcome = "cache_hit".into();
+            span.output_tokens = Some(*completion);
+            span.status = Some(200);
+        }
+    }
+    span
 }
 
 /// A request past authentication and its arrival gates: its explain

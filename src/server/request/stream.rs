@@ -216,12 +216,15 @@ pub(in crate::server) async fn serve_upstream(
     let path = ctx.endpoint.path();
     let body = upstream_body(&ctx, served_model.as_deref(), ctx.stream);
     // W3C trace context: the client's trace (or the one the gateway
-    // started for it) continued, kiln's hop as the parent.
+    // started for it) continued, kiln's span (stamped on arrival) as the
+    // parent.
     let traceparent = Some(
-        crate::backend::http::trace::TraceParent::child_of(
-            ctx.req.headers.get("traceparent").map(String::as_str),
-        )
-        .to_string(),
+        ctx.req
+            .headers
+            .get("traceparent")
+            .and_then(|v| crate::backend::http::trace::TraceParent::parse(v))
+            .unwrap_or_else(|| crate::backend::http::trace::TraceParent::child_of(None))
+            .to_string(),
     );
     let rid = ctx.rid.clone();
     let deadline = attempt.deadline;
