@@ -23,6 +23,7 @@ pub mod sched;
 pub mod server;
 pub mod shared;
 pub mod source;
+pub mod table;
 pub mod tls;
 pub mod traffic;
 pub mod units;

@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 const LAYERS: &[&[&str]] = &[
     // Values and text: units and quantities, source files, wall time;
     // outbound TLS settings (rustls client configurations).
-    &["units", "source", "clock", "tls"],
+    &["units", "source", "clock", "tls", "table"],
     // Diagnostics; the language (text → AST).
     &["diag"],
     &["lang"],

@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::diff::{self, gate, semantic, traffic as dtraffic, DiffReport};
+use crate::table::{self, Left, Right};
 use std::fmt::Write as _;
 use std::sync::Arc;
 
@@ -586,13 +587,18 @@ fn render(r: &DiffReport, a: &Args, md: bool) -> String {
                     let _ = writeln!(s, "| {} | {} | {} | {} |", t.kind, t.old, t.new, t.count);
                 }
             } else {
-                for t in &d.transitions {
-                    let _ = writeln!(
-                        s,
-                        "  {:<14} {} → {}  ({} requests)",
-                        t.kind, t.old, t.new, t.count
-                    );
-                }
+                let rows = d
+                    .transitions
+                    .iter()
+                    .map(|t| {
+                        vec![
+                            t.kind.clone(),
+                            format!("{} → {}", t.old, t.new),
+                            format!("({} requests)", t.count),
+                        ]
+                    })
+                    .collect();
+                s.push_str(&table::render(&table::headless(rows, &[]), "  "));
             }
             s.push('\n');
         }
@@ -659,6 +665,7 @@ fn render(r: &DiffReport, a: &Args, md: bool) -> String {
                     "| {title} | metric | old | new | change |\n|---|---|---:|---:|---:|"
                 );
             }
+            let mut rows = Vec::new();
             for g in groups.iter() {
                 for m in g
                     .metrics
@@ -676,18 +683,20 @@ fn render(r: &DiffReport, a: &Args, md: bool) -> String {
                             fmt_delta(m)
                         );
                     } else {
-                        let _ = writeln!(
-                            s,
-                            "  {:<8} {:<16} {:<16} {:>12} → {:<12} {}",
-                            title,
-                            g.name,
-                            m.metric,
+                        rows.push(vec![
+                            title.to_string(),
+                            g.name.clone(),
+                            m.metric.clone(),
                             fmt_num(m.old),
-                            fmt_num(m.new),
-                            fmt_delta(m)
-                        );
+                            format!("→ {}", fmt_num(m.new)),
+                            fmt_delta(m),
+                        ]);
                     }
                 }
+            }
+            if !md {
+                let aligns = [Left, Left, Left, Right];
+                s.push_str(&table::render(&table::headless(rows, &aligns), "  "));
             }
             s.push('\n');
         }

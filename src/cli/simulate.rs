@@ -246,41 +246,38 @@ fn capacity_table(rows: &[CapacityRow], markdown: bool) -> String {
         (_, None, Some(x)) => format!("< {x:.4}×"),
         (_, None, None) => "-".into(),
     };
-    let mut s = String::new();
-    if markdown {
-        let _ = writeln!(
-            s,
-            "| scheduler | capacity at SLO | replays | binding tier |"
-        );
-        let _ = writeln!(s, "|---|---:|---:|---|");
-    } else {
-        let _ = writeln!(
-            s,
-            "{:<24} {:>16} {:>8}  binding tier",
-            "scheduler", "capacity at SLO", "replays"
-        );
-    }
-    for r in rows {
-        let binding = r.found.binding.as_deref().unwrap_or("-");
-        if markdown {
-            let _ = writeln!(
-                s,
-                "| {} | {} | {} | {} |",
-                r.scheduler,
+    if !markdown {
+        let mut t = crate::table::new(&[
+            ("scheduler", crate::table::Left),
+            ("capacity at SLO", crate::table::Right),
+            ("replays", crate::table::Right),
+            ("binding tier", crate::table::Left),
+        ]);
+        for r in rows {
+            t.add_row(vec![
+                r.scheduler.clone(),
                 cap(&r.found),
-                r.found.replays,
-                binding
-            );
-        } else {
-            let _ = writeln!(
-                s,
-                "{:<24} {:>16} {:>8}  {}",
-                r.scheduler,
-                cap(&r.found),
-                r.found.replays,
-                binding
-            );
+                r.found.replays.to_string(),
+                r.found.binding.as_deref().unwrap_or("-").to_string(),
+            ]);
         }
+        return crate::table::render(&t, "");
+    }
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "| scheduler | capacity at SLO | replays | binding tier |"
+    );
+    let _ = writeln!(s, "|---|---:|---:|---|");
+    for r in rows {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} |",
+            r.scheduler,
+            cap(&r.found),
+            r.found.replays,
+            r.found.binding.as_deref().unwrap_or("-")
+        );
     }
     s
 }

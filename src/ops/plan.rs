@@ -27,6 +27,7 @@ use crate::graph::{limits, DecisionGraph};
 use crate::replay::capacity::{self, Thresholds, Verdict};
 use crate::replay::report::Report;
 use crate::replay::{self, PoolUse};
+use crate::table;
 use crate::traffic::Record;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -777,27 +778,11 @@ pub fn render(p: &CapacityPlan, markdown: bool) -> String {
             let _ = writeln!(s, "| {} |", r.join(" | "));
         }
     } else {
-        let mut w: Vec<usize> = cols.iter().map(|c| c.chars().count()).collect();
-        for r in &rows {
-            for (i, c) in r.iter().enumerate() {
-                w[i] = w[i].max(c.chars().count());
-            }
+        let mut t = table::new(&cols.map(|c| (c, table::Left)));
+        for r in rows {
+            t.add_row(r);
         }
-        let line = |cells: &[String]| -> String {
-            cells
-                .iter()
-                .enumerate()
-                .map(|(i, c)| format!("{c}{}", " ".repeat(w[i] - c.chars().count())))
-                .collect::<Vec<_>>()
-                .join("  ")
-                .trim_end()
-                .to_string()
-        };
-        let header: Vec<String> = cols.iter().map(|c| c.to_string()).collect();
-        let _ = writeln!(s, "{}", line(&header));
-        for r in &rows {
-            let _ = writeln!(s, "{}", line(r));
-        }
+        s.push_str(&table::render(&t, ""));
     }
     let att: Vec<String> = p
         .attainment
