@@ -70,14 +70,13 @@ pub fn run(a: Args) -> i32 {
             (Ok(o), Ok(n)) => (o, n),
             (Err(code), _) | (_, Err(code)) => return code,
         };
-        let show = std::io::IsTerminal::is_terminal(&std::io::stderr());
+        let bar = super::simulate::Progress::new(
+            "replay",
+            super::simulate::Progress::stderr_is_terminal(),
+            true,
+        );
         let Some(run) = diff::dry_run(&old, &new, (&co, &cn), &records, |done, total| {
-            if show {
-                eprint!("\r{}", super::simulate::progress_bar("replay", done, total));
-                if done == total {
-                    eprintln!();
-                }
-            }
+            bar.set(done, total)
         }) else {
             return usage_error("a replay failed");
         };
