@@ -6,6 +6,7 @@
 
 pub mod backend;
 pub mod batch;
+pub mod chart;
 pub mod cli;
 pub mod clock;
 pub mod compile;

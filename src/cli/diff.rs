@@ -95,7 +95,11 @@ pub fn run(a: Args) -> i32 {
         gates: results,
     };
     if let Some(p) = &a.plot {
-        if let Err(e) = std::fs::write(p, diff::plot::svg(&panels)) {
+        let svg = match diff::plot::svg(&panels) {
+            Ok(s) => s,
+            Err(e) => return usage_error(&e.to_string()),
+        };
+        if let Err(e) = std::fs::write(p, svg) {
             return usage_error(&format!("cannot write {}: {e}", p.display()));
         }
     }

@@ -136,7 +136,11 @@ pub fn run(a: Args) -> i32 {
         Err(e) => return fail(e),
     };
     if let Some(path) = &a.plot {
-        if let Err(e) = std::fs::write(path, plan::svg(&p)) {
+        let svg = match plan::svg(&p) {
+            Ok(s) => s,
+            Err(e) => return usage_error(&e.to_string()),
+        };
+        if let Err(e) = std::fs::write(path, svg) {
             return usage_error(&format!("cannot write {}: {e}", path.display()));
         }
     }
