@@ -6,6 +6,7 @@
 
 pub mod backend;
 pub mod batch;
+pub mod chart;
 pub mod cli;
 pub mod clock;
 pub mod compile;
@@ -23,6 +24,7 @@ pub mod sched;
 pub mod server;
 pub mod shared;
 pub mod source;
+pub mod table;
 pub mod tls;
 pub mod traffic;
 pub mod units;

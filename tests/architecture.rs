@@ -19,8 +19,9 @@ use std::path::{Path, PathBuf};
 /// on modules in lower layers. Keep in step with ARCHITECTURE.md.
 const LAYERS: &[&[&str]] = &[
     // Values and text: units and quantities, source files, wall time;
-    // outbound TLS settings (rustls client configurations).
-    &["units", "source", "clock", "tls"],
+    // outbound TLS settings (rustls client configurations); plain-text
+    // tables and SVG charts (they depend on no other module).
+    &["units", "source", "clock", "tls", "table", "chart"],
     // Diagnostics; the language (text → AST).
     &["diag"],
     &["lang"],

@@ -106,11 +106,21 @@ fn reports_snapshot() {
     let p = the_plan();
     insta::assert_snapshot!("plan_markdown", plan::render(p, true));
     insta::assert_json_snapshot!("plan_json", p);
-    let svg = plan::svg(p);
+    let svg = plan::svg(p).unwrap();
     assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
-    assert_eq!(svg.matches("<title>").count(), {
-        p.points.iter().map(|x| x.attainment.len()).sum::<usize>()
-    });
+    // A dot per evaluated point and tier, and one legend dot per tier.
+    let tiers: std::collections::BTreeSet<&String> =
+        p.points.iter().flat_map(|x| x.attainment.keys()).collect();
+    assert_eq!(
+        svg.matches("<circle").count(),
+        p.points.iter().map(|x| x.attainment.len()).sum::<usize>() + tiers.len()
+    );
+    for t in tiers {
+        assert!(svg.contains(&format!("\n{t}\n</text>")), "legend lacks {t}");
+    }
+    assert!(svg.contains(&format!("planned: {} GPUs", p.total_gpus)));
+    assert!(svg.contains("ttft 99%") && svg.contains("total GPUs"));
+    assert!(!svg.contains("NaN") && !svg.contains("inf"));
 }
 
 #[test]

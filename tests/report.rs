@@ -121,8 +121,10 @@ fn html_is_self_contained_and_escapes_hostile_names() {
             assert!(!page.contains(&bad), "external resource: {bad}");
         }
     }
-    // Both hours of the trace are charted: one bar per hour of day.
-    assert_eq!(page.matches("<title>00: ").count(), 2);
+    // Both hours of the trace are charted: a bar per hour of day in the
+    // requests-by-hour chart (its color), zero-height bars included.
+    assert_eq!(page.matches("fill=\"#1F77B4\"").count(), 24);
+    assert!(page.contains("Requests by hour of day (UTC)"));
     // The same page with the policy: tier tables appear.
     ok(&kiln(&[
         CONV,

@@ -97,28 +97,9 @@ pub fn render_table(batches: &[Value], now: i64) -> String {
             k["cost"].as_f64().map_or("-".into(), |c| format!("{c:.4}")),
         ]);
     }
-    let mut widths: Vec<usize> = head.iter().map(|h| h.len()).collect();
-    for r in &rows {
-        for (w, cell) in widths.iter_mut().zip(r.iter()) {
-            *w = (*w).max(cell.chars().count());
-        }
-    }
-    let mut out = String::new();
-    let line = |cells: Vec<&str>, out: &mut String| {
-        let mut l = String::new();
-        for (i, (c, w)) in cells.iter().zip(&widths).enumerate() {
-            if i > 0 {
-                l.push_str("  ");
-            }
-            let _ = write!(l, "{c:<w$}");
-        }
-        out.push_str(l.trim_end());
-        out.push('\n');
-    };
-    line(head.to_vec(), &mut out);
-    for r in &rows {
-        line(r.iter().map(String::as_str).collect(), &mut out);
-    }
+    let mut t = crate::table::new(&head.map(|h| (h, crate::table::Left)));
+    t.add_rows(rows);
+    let mut out = crate::table::render(&t, "");
     let misses: Vec<&str> = batches
         .iter()
         .filter(|b| b["kiln"]["predicted_miss"].as_bool() == Some(true))

@@ -61,7 +61,13 @@ pub fn run(a: Args) -> i32 {
             runbook_base: a.runbook_base.clone(),
         },
     );
-    write_out(a.output.as_deref(), &text)
+    match text {
+        Ok(text) => write_out(a.output.as_deref(), &text),
+        Err(e) => {
+            eprintln!("{:?}", miette::Report::new(e));
+            EXIT_USAGE
+        }
+    }
 }
 
 /// The policy paths as given, for titles and annotations.

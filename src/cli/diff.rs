@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::diff::{self, gate, semantic, traffic as dtraffic, DiffReport};
+use crate::table::{self, Left, Right};
 use std::fmt::Write as _;
 use std::sync::Arc;
 
@@ -69,14 +70,13 @@ pub fn run(a: Args) -> i32 {
             (Ok(o), Ok(n)) => (o, n),
             (Err(code), _) | (_, Err(code)) => return code,
         };
-        let show = std::io::IsTerminal::is_terminal(&std::io::stderr());
+        let bar = super::simulate::Progress::new(
+            "replay",
+            super::simulate::Progress::stderr_is_terminal(),
+            true,
+        );
         let Some(run) = diff::dry_run(&old, &new, (&co, &cn), &records, |done, total| {
-            if show {
-                eprint!("\r{}", super::simulate::progress_bar("replay", done, total));
-                if done == total {
-                    eprintln!();
-                }
-            }
+            bar.set(done, total)
         }) else {
             return usage_error("a replay failed");
         };
@@ -95,7 +95,11 @@ pub fn run(a: Args) -> i32 {
         gates: results,
     };
     if let Some(p) = &a.plot {
-        if let Err(e) = std::fs::write(p, diff::plot::svg(&panels)) {
+        let svg = match diff::plot::svg(&panels) {
+            Ok(s) => s,
+            Err(e) => return usage_error(&e.to_string()),
+        };
+        if let Err(e) = std::fs::write(p, svg) {
             return usage_error(&format!("cannot write {}: {e}", p.display()));
         }
     }
@@ -586,13 +590,18 @@ fn render(r: &DiffReport, a: &Args, md: bool) -> String {
                     let _ = writeln!(s, "| {} | {} | {} | {} |", t.kind, t.old, t.new, t.count);
                 }
             } else {
-                for t in &d.transitions {
-                    let _ = writeln!(
-                        s,
-                        "  {:<14} {} → {}  ({} requests)",
-                        t.kind, t.old, t.new, t.count
-                    );
-                }
+                let rows = d
+                    .transitions
+                    .iter()
+                    .map(|t| {
+                        vec![
+                            t.kind.clone(),
+                            format!("{} → {}", t.old, t.new),
+                            format!("({} requests)", t.count),
+                        ]
+                    })
+                    .collect();
+                s.push_str(&table::render(&table::headless(rows, &[]), "  "));
             }
             s.push('\n');
         }
@@ -659,6 +668,7 @@ fn render(r: &DiffReport, a: &Args, md: bool) -> String {
                     "| {title} | metric | old | new | change |\n|---|---|---:|---:|---:|"
                 );
             }
+            let mut rows = Vec::new();
             for g in groups.iter() {
                 for m in g
                     .metrics
@@ -676,18 +686,20 @@ fn render(r: &DiffReport, a: &Args, md: bool) -> String {
                             fmt_delta(m)
                         );
                     } else {
-                        let _ = writeln!(
-                            s,
-                            "  {:<8} {:<16} {:<16} {:>12} → {:<12} {}",
-                            title,
-                            g.name,
-                            m.metric,
+                        rows.push(vec![
+                            title.to_string(),
+                            g.name.clone(),
+                            m.metric.clone(),
                             fmt_num(m.old),
-                            fmt_num(m.new),
-                            fmt_delta(m)
-                        );
+                            format!("→ {}", fmt_num(m.new)),
+                            fmt_delta(m),
+                        ]);
                     }
                 }
+            }
+            if !md {
+                let aligns = [Left, Left, Left, Right];
+                s.push_str(&table::render(&table::headless(rows, &aligns), "  "));
             }
             s.push('\n');
         }

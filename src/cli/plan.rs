@@ -122,24 +122,25 @@ pub fn run(a: Args) -> i32 {
         Ok(p) => p,
         Err(e) => return fail(e),
     };
-    let show = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let bar = super::simulate::Progress::new(
+        "replay",
+        super::simulate::Progress::stderr_is_terminal(),
+        false,
+    );
     let result = planner.plan(|n, done, total| {
-        if show {
-            eprint!(
-                "\r{}",
-                super::simulate::progress_bar(&format!("replay {n}"), done, total)
-            );
-            if done == total {
-                eprint!("\r\x1b[2K");
-            }
-        }
+        bar.rename(&format!("replay {n}"));
+        bar.set(done, total)
     });
     let p = match result {
         Ok(p) => p,
         Err(e) => return fail(e),
     };
     if let Some(path) = &a.plot {
-        if let Err(e) = std::fs::write(path, plan::svg(&p)) {
+        let svg = match plan::svg(&p) {
+            Ok(s) => s,
+            Err(e) => return usage_error(&e.to_string()),
+        };
+        if let Err(e) = std::fs::write(path, svg) {
             return usage_error(&format!("cannot write {}: {e}", path.display()));
         }
     }

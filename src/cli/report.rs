@@ -104,7 +104,10 @@ pub fn run(a: Args) -> i32 {
     );
     let out = match a.format {
         ReportFormat::Markdown => report::markdown(&inv),
-        ReportFormat::Html => report::html(&inv),
+        ReportFormat::Html => match report::html(&inv) {
+            Ok(s) => s,
+            Err(e) => return usage_error(&e.to_string()),
+        },
         ReportFormat::Json => match serde_json::to_string_pretty(&inv) {
             Ok(s) => s + "\n",
             Err(e) => return usage_error(&e.to_string()),

@@ -101,13 +101,9 @@ fn replay_one(
         ..Config::default()
     };
     let name = run_name(mode, routing);
+    let bar = Progress::new(&name, show, true);
     replay::replay_at(g, cost, records, cfg, &name, scale, |done, total| {
-        if show {
-            eprint!("\r{}", progress_bar(&name, done, total));
-            if done == total {
-                eprintln!();
-            }
-        }
+        bar.set(done, total)
     })
 }
 
@@ -246,65 +242,112 @@ fn capacity_table(rows: &[CapacityRow], markdown: bool) -> String {
         (_, None, Some(x)) => format!("< {x:.4}×"),
         (_, None, None) => "-".into(),
     };
-    let mut s = String::new();
-    if markdown {
-        let _ = writeln!(
-            s,
-            "| scheduler | capacity at SLO | replays | binding tier |"
-        );
-        let _ = writeln!(s, "|---|---:|---:|---|");
-    } else {
-        let _ = writeln!(
-            s,
-            "{:<24} {:>16} {:>8}  binding tier",
-            "scheduler", "capacity at SLO", "replays"
-        );
-    }
-    for r in rows {
-        let binding = r.found.binding.as_deref().unwrap_or("-");
-        if markdown {
-            let _ = writeln!(
-                s,
-                "| {} | {} | {} | {} |",
-                r.scheduler,
+    if !markdown {
+        let mut t = crate::table::new(&[
+            ("scheduler", crate::table::Left),
+            ("capacity at SLO", crate::table::Right),
+            ("replays", crate::table::Right),
+            ("binding tier", crate::table::Left),
+        ]);
+        for r in rows {
+            t.add_row(vec![
+                r.scheduler.clone(),
                 cap(&r.found),
-                r.found.replays,
-                binding
-            );
-        } else {
-            let _ = writeln!(
-                s,
-                "{:<24} {:>16} {:>8}  {}",
-                r.scheduler,
-                cap(&r.found),
-                r.found.replays,
-                binding
-            );
+                r.found.replays.to_string(),
+                r.found.binding.as_deref().unwrap_or("-").to_string(),
+            ]);
         }
+        return crate::table::render(&t, "");
+    }
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "| scheduler | capacity at SLO | replays | binding tier |"
+    );
+    let _ = writeln!(s, "|---|---:|---:|---|");
+    for r in rows {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} |",
+            r.scheduler,
+            cap(&r.found),
+            r.found.replays,
+            r.found.binding.as_deref().unwrap_or("-")
+        );
     }
     s
 }
 
-/// `kiln   [##########..........]  50%  14092/28185 requests`
-pub(crate) fn progress_bar(name: &str, done: usize, total: usize) -> String {
-    const WIDTH: usize = 30;
-    let filled = (done * WIDTH).checked_div(total).unwrap_or(WIDTH);
-    let pct = (done * 100).checked_div(total).unwrap_or(100);
-    format!(
-        "{name:<8} [{}{}] {pct:>3}%  {done}/{total} requests",
-        "#".repeat(filled),
-        ".".repeat(WIDTH - filled)
-    )
+/// A replay's progress on stderr, drawn by indicatif:
+/// `kiln     [###############...............]  50%  5/10 requests`.
+/// Hidden unless stderr is a terminal, so pipes, logs and tests see no
+/// escape codes.
+pub(crate) struct Progress {
+    bar: indicatif::ProgressBar,
+    /// Leave the finished bar on screen (else it is cleared).
+    keep: bool,
+}
+
+impl Progress {
+    /// A bar named `name`, drawn where `show` (stderr is a terminal).
+    pub(crate) fn new(name: &str, show: bool, keep: bool) -> Self {
+        let target = if show {
+            indicatif::ProgressDrawTarget::stderr()
+        } else {
+            indicatif::ProgressDrawTarget::hidden()
+        };
+        let bar = indicatif::ProgressBar::with_draw_target(None, target);
+        let style = indicatif::ProgressStyle::with_template(
+            "{prefix:8} [{bar:30}] {percent:>3}%  {pos}/{len} requests",
+        )
+        .map(|s| s.progress_chars("#."))
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
+        bar.set_style(style);
+        bar.set_prefix(name.to_string());
+        Progress { bar, keep }
+    }
+
+    /// Stderr is a terminal: bars are drawn.
+    pub(crate) fn stderr_is_terminal() -> bool {
+        std::io::IsTerminal::is_terminal(&std::io::stderr())
+    }
+
+    /// `done` of `total` requests replayed; the bar ends at `total`.
+    pub(crate) fn set(&self, done: usize, total: usize) {
+        self.bar.set_length(total as u64);
+        self.bar.set_position(done as u64);
+        if done >= total {
+            if self.keep {
+                self.bar.finish();
+            } else {
+                self.bar.finish_and_clear();
+            }
+        }
+    }
+
+    /// A new replay on the same bar.
+    pub(crate) fn rename(&self, name: &str) {
+        if self.bar.is_finished() {
+            self.bar.reset();
+        }
+        self.bar.set_prefix(name.to_string());
+    }
 }
 
 #[cfg(test)]
 mod tests {
     #[test]
-    fn progress_bar_fills() {
-        assert_eq!(
-            super::progress_bar("kiln", 5, 10),
-            "kiln     [###############...............]  50%  5/10 requests"
-        );
-        assert!(super::progress_bar("kiln", 0, 0).contains("100%"));
+    fn progress_is_hidden_off_a_terminal_and_counts() {
+        let p = super::Progress::new("kiln", false, true);
+        assert!(p.bar.is_hidden());
+        p.set(5, 10);
+        assert_eq!((p.bar.position(), p.bar.length()), (5, Some(10)));
+        assert!(!p.bar.is_finished());
+        p.set(10, 10);
+        assert!(p.bar.is_finished());
+        p.rename("again");
+        assert!(!p.bar.is_finished());
+        // No requests: done at once, no division by zero.
+        super::Progress::new("empty", false, false).set(0, 0);
     }
 }

@@ -76,18 +76,26 @@ pub fn render_fleet(f: &serde_json::Value) -> String {
     let list = f["replicas"].as_array().cloned().unwrap_or_default();
     let versions: std::collections::BTreeSet<&str> =
         list.iter().filter_map(|r| r["version"].as_str()).collect();
-    for r in &list {
-        let me = r["id"] == f["replica"];
-        let line = format!(
-            "  {:<32} {}  epoch {:<4} in flight {:<5}{}",
-            r["id"].as_str().unwrap_or("?"),
-            r["version"].as_str().unwrap_or("?"),
-            r["epoch"].as_u64().unwrap_or(0),
-            r["in_flight"].as_u64().unwrap_or(0),
-            if me { "  (this one)" } else { "" }
-        );
-        let _ = writeln!(out, "{}", line.trim_end());
-    }
+    let rows = list
+        .iter()
+        .map(|r| {
+            vec![
+                r["id"].as_str().unwrap_or("?").to_string(),
+                r["version"].as_str().unwrap_or("?").to_string(),
+                format!("epoch {}", r["epoch"].as_u64().unwrap_or(0)),
+                format!("in flight {}", r["in_flight"].as_u64().unwrap_or(0)),
+                if r["id"] == f["replica"] {
+                    "(this one)".to_string()
+                } else {
+                    String::new()
+                },
+            ]
+        })
+        .collect();
+    out.push_str(&crate::table::render(
+        &crate::table::headless(rows, &[]),
+        "  ",
+    ));
     if list.is_empty() {
         out.push_str("  (none seen)\n");
     }

@@ -15,13 +15,49 @@
 //! tier: queue oldest wait above its SLO. Fleet: replicas busy, slots full,
 //! an upstream's breaker open, a rollout rolled back.
 //!
-//! The output is YAML written here ([`to_yaml`]): block structure, every
-//! string double-quoted with escapes, so hostile tier names cannot break it.
-//! No YAML crate is needed for that (Cargo.toml has none), and JSON escapes
-//! alone would leave characters YAML refuses.
+//! The rules file is built as [`RulesFile`] (Prometheus's rule file
+//! format as serde structs) and written by serde_norway, a maintained
+//! serde_yaml fork: it quotes and escapes every string that needs it, so
+//! hostile tier names cannot break the file.
 
 use crate::graph::{DecisionGraph, Owner, Tier};
-use serde_json::{json, Map, Value};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// A Prometheus rules file: `groups:`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RulesFile {
+    pub groups: Vec<RuleGroup>,
+}
+
+/// One rule group: a name and its rules, evaluated together.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RuleGroup {
+    pub name: String,
+    pub rules: Vec<Rule>,
+}
+
+/// An alerting rule (`alert`) or a recording rule (`record`).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct Rule {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub alert: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub record: Option<String>,
+    pub expr: String,
+    #[serde(rename = "for", default, skip_serializing_if = "Option::is_none")]
+    pub for_: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub annotations: BTreeMap<String, String>,
+}
+
+/// Why the rules file could not be written (serde_norway refused it).
+#[derive(Debug, thiserror::Error, miette::Diagnostic)]
+#[error("writing the rules as YAML: {0}")]
+#[diagnostic(code(kiln::alerts::yaml))]
+pub struct YamlError(String);
 
 /// The gateway's `kiln_ttft_seconds` buckets (`server::metrics`; a test in
 /// `tests/alerts.rs` checks they agree).
@@ -263,23 +299,12 @@ pub fn scope(expr: &str, matchers: &[Matcher]) -> String {
 /// The rules scoped and linked: every expression through [`scope`], every
 /// runbook link under `runbook_base` (a URL the repository's
 /// `docs/playbooks.md` is served under).
-fn finish(v: &mut Value, o: &Options) {
-    match v {
-        Value::Object(m) => {
-            for (k, x) in m.iter_mut() {
-                match (k.as_str(), x) {
-                    ("expr", Value::String(e)) => *e = scope(e, &o.selector),
-                    ("runbook_url", Value::String(u)) => {
-                        if let Some(base) = &o.runbook_base {
-                            *u = format!("{}/{u}", base.trim_end_matches('/'));
-                        }
-                    }
-                    (_, x) => finish(x, o),
-                }
-            }
+fn finish(f: &mut RulesFile, o: &Options) {
+    for r in f.groups.iter_mut().flat_map(|g| g.rules.iter_mut()) {
+        r.expr = scope(&r.expr, &o.selector);
+        if let (Some(u), Some(base)) = (r.annotations.get_mut("runbook_url"), &o.runbook_base) {
+            *u = format!("{}/{u}", base.trim_end_matches('/'));
         }
-        Value::Array(a) => a.iter_mut().for_each(|x| finish(x, o)),
-        _ => {}
     }
 }
 
@@ -406,14 +431,21 @@ fn rate_words(per_s: f64, what: &str) -> String {
     format!("{} {what} a second", num(per_s))
 }
 
-fn alert(name: &str, expr: String, for_: &str, severity: &str, ann: Value) -> Value {
-    json!({
-        "alert": name,
-        "expr": expr,
-        "for": for_,
-        "labels": { "severity": severity },
-        "annotations": ann,
-    })
+fn alert(
+    name: &str,
+    expr: String,
+    for_: &str,
+    severity: &str,
+    annotations: BTreeMap<String, String>,
+) -> Rule {
+    Rule {
+        alert: Some(name.into()),
+        expr,
+        for_: Some(for_.into()),
+        labels: BTreeMap::from([("severity".into(), severity.into())]),
+        annotations,
+        ..Rule::default()
+    }
 }
 
 /// A tier's alert: its `tier` label set too, so the same alert of two
@@ -426,28 +458,28 @@ fn tier_alert(
     expr: String,
     for_: &str,
     severity: &str,
-    ann: Value,
-) -> Value {
+    ann: BTreeMap<String, String>,
+) -> Rule {
     let mut a = alert(name, expr, for_, severity, ann);
-    a["labels"]["tier"] = Value::String(template_escape(&t.name));
+    a.labels.insert("tier".into(), template_escape(&t.name));
     owner_labels(&mut a, owner);
     a
 }
 
 /// `owner` and `escalation` labels, where the policy names them.
-fn owner_labels(a: &mut Value, owner: &Owner) {
+fn owner_labels(a: &mut Rule, owner: &Owner) {
     if let Some(o) = &owner.owner {
-        a["labels"]["owner"] = Value::String(template_escape(o));
+        a.labels.insert("owner".into(), template_escape(o));
     }
     if let Some(e) = &owner.escalation {
-        a["labels"]["escalation"] = Value::String(template_escape(e));
+        a.labels.insert("escalation".into(), template_escape(e));
     }
 }
 
 /// Labels of an alert by pool (`$labels.pool`): each pool's owner where a
 /// pool names its own, chosen by a template on the firing series' pool
 /// label, the policy's owner otherwise.
-fn pool_owner_labels(a: &mut Value, g: &DecisionGraph) {
+fn pool_owner_labels(a: &mut Rule, g: &DecisionGraph) {
     for (key, pick) in [
         (
             "owner",
@@ -467,7 +499,7 @@ fn pool_owner_labels(a: &mut Value, g: &DecisionGraph) {
         let fallback = pick(&g.owner);
         if own.is_empty() {
             if let Some(f) = fallback {
-                a["labels"][key] = Value::String(template_escape(&f));
+                a.labels.insert(key.into(), template_escape(&f));
             }
             continue;
         }
@@ -485,7 +517,7 @@ fn pool_owner_labels(a: &mut Value, g: &DecisionGraph) {
         let f = fallback.unwrap_or_else(|| "none".into());
         t.push_str(&format!("{{{{ else }}}}{}", template_escape(&f)));
         t.push_str("{{ end }}");
-        a["labels"][key] = Value::String(t);
+        a.labels.insert(key.into(), t);
     }
 }
 
@@ -494,16 +526,16 @@ fn go_string(s: &str) -> String {
     s.replace('\\', "\\\\").replace('"', "\\\"")
 }
 
-fn annotations(summary: String, description: String, anchor: &str) -> Value {
-    json!({
-        "summary": summary,
-        "description": description,
-        "runbook_url": runbook(anchor),
-    })
+fn annotations(summary: String, description: String, anchor: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        ("summary".into(), summary),
+        ("description".into(), description),
+        ("runbook_url".into(), runbook(anchor)),
+    ])
 }
 
-/// The rules file for a policy, as a value (`groups:`).
-pub fn rules(g: &DecisionGraph, o: &Options) -> Value {
+/// The rules file for a policy.
+pub fn rules(g: &DecisionGraph, o: &Options) -> RulesFile {
     let policy = template_escape(&o.policy);
     let budget = 1.0 - o.objective;
     let pct = num(o.objective * 100.0);
@@ -520,11 +552,12 @@ pub fn rules(g: &DecisionGraph, o: &Options) -> Value {
             let (bound, exact) = slo_bucket(ttft / 1000.0);
             let le = num(bound);
             for w in WINDOWS {
-                recording.push(json!({
-                    "record": ratio_name(w),
-                    "expr": ratio_expr(&sel, &le, w),
-                    "labels": { "tier": t.name },
-                }));
+                recording.push(Rule {
+                    record: Some(ratio_name(w)),
+                    expr: ratio_expr(&sel, &le, w),
+                    labels: BTreeMap::from([("tier".into(), t.name.clone())]),
+                    ..Rule::default()
+                });
             }
             let read_at = if exact {
                 format!("read at the histogram bucket le={le}s")
@@ -775,28 +808,28 @@ pub fn rules(g: &DecisionGraph, o: &Options) -> Value {
     ];
     let mut fleet = fleet;
     for a in &mut fleet {
-        let by_pool = a["expr"].as_str().is_some_and(|e| e.contains("by (pool"));
+        let by_pool = a.expr.contains("by (pool");
         if by_pool {
             pool_owner_labels(a, g);
         } else {
             owner_labels(a, &g.owner);
         }
     }
-    let mut groups = Vec::new();
-    if !recording.is_empty() {
-        groups.push(json!({ "name": "kiln-slo-ratios", "rules": recording }));
-    }
-    if !slo_alerts.is_empty() {
-        groups.push(json!({ "name": "kiln-slo-alerts", "rules": slo_alerts }));
-    }
-    if !saturation.is_empty() {
-        groups.push(json!({ "name": "kiln-saturation", "rules": saturation }));
-    }
-    if !budgets.is_empty() {
-        groups.push(json!({ "name": "kiln-budgets", "rules": budgets }));
-    }
-    groups.push(json!({ "name": "kiln-fleet", "rules": fleet }));
-    let mut out = json!({ "groups": groups });
+    let groups = [
+        ("kiln-slo-ratios", recording),
+        ("kiln-slo-alerts", slo_alerts),
+        ("kiln-saturation", saturation),
+        ("kiln-budgets", budgets),
+    ]
+    .into_iter()
+    .filter(|(_, rules)| !rules.is_empty())
+    .chain([("kiln-fleet", fleet)])
+    .map(|(name, rules)| RuleGroup {
+        name: name.into(),
+        rules,
+    })
+    .collect();
+    let mut out = RulesFile { groups };
     finish(&mut out, o);
     out
 }
@@ -804,7 +837,7 @@ pub fn rules(g: &DecisionGraph, o: &Options) -> Value {
 /// Per tenant or tier with a money `budget`: a ticket at 80% of it spent,
 /// a page once it is spent. Each replica exports its share of the budget
 /// and what it spent, so the sums over replicas are the fleet's.
-fn budget_alerts(g: &DecisionGraph, policy: &str) -> Vec<Value> {
+fn budget_alerts(g: &DecisionGraph, policy: &str) -> Vec<Rule> {
     let tenants = g.tenants.iter().filter_map(|t| {
         let owner = Owner {
             owner: t.owner.clone(),
@@ -847,7 +880,7 @@ fn budget_alerts(g: &DecisionGraph, policy: &str) -> Vec<Value> {
                     "a-budget-is-running-out",
                 ),
             );
-            a["labels"][scope] = Value::String(template_escape(name));
+            a.labels.insert(scope.into(), template_escape(name));
             owner_labels(&mut a, &owner);
             out.push(a);
         }
@@ -856,7 +889,8 @@ fn budget_alerts(g: &DecisionGraph, policy: &str) -> Vec<Value> {
 }
 
 /// The rules file as YAML, with a header saying where it came from.
-pub fn render(g: &DecisionGraph, o: &Options) -> String {
+pub fn render(g: &DecisionGraph, o: &Options) -> Result<String, YamlError> {
+    let yaml = serde_norway::to_string(&rules(g, o)).map_err(|e| YamlError(e.to_string()))?;
     let mut out = String::new();
     out.push_str("# Generated by `kiln alerts` from the policy ");
     // A comment runs to the end of its line: keep the name on it.
@@ -866,118 +900,8 @@ pub fn render(g: &DecisionGraph, o: &Options) -> String {
         "# Objective {}% per tier; TTFT SLOs are read at the largest bucket bound of kiln_ttft_seconds at or below them.\n",
         num(o.objective * 100.0)
     ));
-    out.push_str(&to_yaml(&rules(g, o)));
-    out
-}
-
-/// Whether YAML may hold `c` unescaped in a double-quoted scalar (its
-/// printable set, less the line breaks beyond `\n`).
-fn yaml_printable(c: char) -> bool {
-    matches!(c, ' '..='~' | '\u{A0}'..='\u{D7FF}' | '\u{E000}'..='\u{FFFD}' | '\u{10000}'..)
-        && !matches!(c, '\u{2028}' | '\u{2029}' | '\u{FEFF}')
-}
-
-/// A double-quoted YAML scalar. The escapes used (`\"`, `\\`, `\n`, `\t`,
-/// `\uXXXX`) are also JSON's, so the result reads back with a JSON parser.
-pub fn yaml_quote(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\t' => out.push_str("\\t"),
-            c if yaml_printable(c) => out.push(c),
-            c => out.push_str(&format!("\\u{:04x}", c as u32)),
-        }
-    }
-    out.push('"');
-    out
-}
-
-fn yaml_key(k: &str) -> String {
-    if !k.is_empty() && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
-        k.to_string()
-    } else {
-        yaml_quote(k)
-    }
-}
-
-fn yaml_scalar(v: &Value) -> Option<String> {
-    match v {
-        Value::Null => Some("null".into()),
-        Value::Bool(b) => Some(b.to_string()),
-        Value::Number(n) => Some(n.to_string()),
-        Value::String(s) => Some(yaml_quote(s)),
-        Value::Array(a) if a.is_empty() => Some("[]".into()),
-        Value::Object(m) if m.is_empty() => Some("{}".into()),
-        _ => None,
-    }
-}
-
-/// A value as block-style YAML.
-pub fn to_yaml(v: &Value) -> String {
-    let mut out = String::new();
-    match yaml_scalar(v) {
-        Some(s) => {
-            out.push_str(&s);
-            out.push('\n');
-        }
-        None => write_node(v, 0, &mut out),
-    }
-    out
-}
-
-fn write_map(m: &Map<String, Value>, indent: usize, first_inline: bool, out: &mut String) {
-    for (i, (k, v)) in m.iter().enumerate() {
-        if !(i == 0 && first_inline) {
-            out.push_str(&" ".repeat(indent));
-        }
-        out.push_str(&yaml_key(k));
-        out.push(':');
-        match yaml_scalar(v) {
-            Some(s) => {
-                out.push(' ');
-                out.push_str(&s);
-                out.push('\n');
-            }
-            None => {
-                out.push('\n');
-                write_node(v, indent + 2, out);
-            }
-        }
-    }
-}
-
-fn write_node(v: &Value, indent: usize, out: &mut String) {
-    match v {
-        Value::Object(m) => write_map(m, indent, false, out),
-        Value::Array(a) => {
-            for item in a {
-                out.push_str(&" ".repeat(indent));
-                out.push_str("- ");
-                match (yaml_scalar(item), item) {
-                    (Some(s), _) => {
-                        out.push_str(&s);
-                        out.push('\n');
-                    }
-                    (None, Value::Object(m)) => write_map(m, indent + 2, true, out),
-                    (None, other) => {
-                        out.push('\n');
-                        write_node(other, indent + 2, out);
-                    }
-                }
-            }
-        }
-        other => {
-            if let Some(s) = yaml_scalar(other) {
-                out.push_str(&" ".repeat(indent));
-                out.push_str(&s);
-                out.push('\n');
-            }
-        }
-    }
+    out.push_str(&yaml);
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -1049,26 +973,28 @@ mod tests {
     fn escapes() {
         assert_eq!(promql_escape("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
         assert_eq!(template_escape("x{{ y }}"), "x{{ \"{{\" }} y }}");
-        assert_eq!(yaml_quote("a\u{85}\u{7f}\""), "\"a\\u0085\\u007f\\\"\"");
-    }
-
-    #[test]
-    fn yaml_layout() {
-        let v = json!({"groups": [{"name": "g", "rules": [{"a": "x", "b": {"c": "y"}}]}], "e": []});
-        assert_eq!(
-            to_yaml(&v),
-            // serde_json's maps are sorted by key.
-            "e: []\ngroups:\n  - name: \"g\"\n    rules:\n      - a: \"x\"\n        b:\n          c: \"y\"\n"
-        );
     }
 
     proptest! {
+        /// Any string in a rule (a hostile tier name in its labels and
+        /// annotations) reads back from the YAML as it went in.
         #[test]
-        fn quoted_strings_read_back_and_stay_printable(s in any::<String>()) {
-            let q = yaml_quote(&s);
-            let back: String = serde_json::from_str(&q).unwrap();
-            prop_assert_eq!(back, s);
-            prop_assert!(q.chars().all(yaml_printable));
+        fn rules_read_back_from_their_yaml(s in any::<String>()) {
+            let f = RulesFile {
+                groups: vec![RuleGroup {
+                    name: s.clone(),
+                    rules: vec![Rule {
+                        alert: Some(s.clone()),
+                        expr: s.clone(),
+                        labels: BTreeMap::from([("tier".into(), s.clone())]),
+                        annotations: BTreeMap::from([(s.clone(), s.clone())]),
+                        ..Rule::default()
+                    }],
+                }],
+            };
+            let text = serde_norway::to_string(&f).unwrap();
+            let back: RulesFile = serde_norway::from_str(&text).unwrap();
+            prop_assert_eq!(back, f);
         }
 
         #[test]

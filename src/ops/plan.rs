@@ -28,6 +28,7 @@ use crate::replay::capacity::{self, Thresholds, Verdict};
 use crate::replay::report::Report;
 use crate::replay::{self, PoolUse};
 use crate::traffic::Record;
+use crate::{chart, table};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -777,27 +778,11 @@ pub fn render(p: &CapacityPlan, markdown: bool) -> String {
             let _ = writeln!(s, "| {} |", r.join(" | "));
         }
     } else {
-        let mut w: Vec<usize> = cols.iter().map(|c| c.chars().count()).collect();
-        for r in &rows {
-            for (i, c) in r.iter().enumerate() {
-                w[i] = w[i].max(c.chars().count());
-            }
+        let mut t = table::new(&cols.map(|c| (c, table::Left)));
+        for r in rows {
+            t.add_row(r);
         }
-        let line = |cells: &[String]| -> String {
-            cells
-                .iter()
-                .enumerate()
-                .map(|(i, c)| format!("{c}{}", " ".repeat(w[i] - c.chars().count())))
-                .collect::<Vec<_>>()
-                .join("  ")
-                .trim_end()
-                .to_string()
-        };
-        let header: Vec<String> = cols.iter().map(|c| c.to_string()).collect();
-        let _ = writeln!(s, "{}", line(&header));
-        for r in &rows {
-            let _ = writeln!(s, "{}", line(r));
-        }
+        s.push_str(&table::render(&t, ""));
     }
     let att: Vec<String> = p
         .attainment
@@ -831,14 +816,17 @@ pub fn render(p: &CapacityPlan, markdown: bool) -> String {
 }
 
 /// The plot: SLO attainment per tier against total GPUs, one dot per
-/// evaluated point (filled: the point passed), the thresholds dashed.
-/// Plain SVG; same plan, same bytes.
-pub fn svg(p: &CapacityPlan) -> String {
-    const W: f64 = 560.0;
-    const H: f64 = 300.0;
-    const PAD: f64 = 48.0;
-    const COLORS: [&str; 6] = [
-        "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf",
+/// evaluated point (filled: the point passed), the thresholds dashed and
+/// labelled right of the plot, the planned size a dashed vertical line
+/// labelled above it; the legend (one entry a tier) above the plot.
+pub fn svg(p: &CapacityPlan) -> Result<String, chart::ChartError> {
+    const COLORS: [chart::Rgb; 6] = [
+        chart::Rgb(0x1f, 0x77, 0xb4),
+        chart::Rgb(0xd6, 0x27, 0x28),
+        chart::Rgb(0x2c, 0xa0, 0x2c),
+        chart::Rgb(0x94, 0x67, 0xbd),
+        chart::Rgb(0xff, 0x7f, 0x0e),
+        chart::Rgb(0x17, 0xbe, 0xcf),
     ];
     let tiers: Vec<&String> = {
         let mut t: Vec<&String> = p.points.iter().flat_map(|x| x.attainment.keys()).collect();
@@ -850,6 +838,7 @@ pub fn svg(p: &CapacityPlan) -> String {
         .points
         .iter()
         .map(|x| x.total_gpus)
+        .chain([p.total_gpus])
         .max()
         .unwrap_or(1)
         .max(1) as f64;
@@ -857,103 +846,60 @@ pub fn svg(p: &CapacityPlan) -> String {
         .points
         .iter()
         .flat_map(|x| x.attainment.values())
+        .chain(p.thresholds.values())
         .fold(0.9f64, |a, &b| a.min(b))
         .clamp(0.0, 0.9);
     let ymin = (ymin * 10.0).floor() / 10.0;
-    let px = |g: f64| PAD + g / xmax * (W - 2.0 * PAD);
-    let py = |a: f64| H - PAD - (a - ymin) / (1.0 - ymin).max(1e-9) * (H - 2.0 * PAD);
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" font-family="sans-serif" font-size="11">"#
-    );
-    let _ = writeln!(s, r#"<rect width="{W}" height="{H}" fill="white"/>"#);
-    let _ = writeln!(
-        s,
-        r#"<text x="{PAD}" y="18" font-size="13">SLO attainment per tier against total GPUs ({} replays; planned: {} GPUs)</text>"#,
-        p.replays, p.total_gpus
-    );
-    let _ = writeln!(
-        s,
-        r#"<line x1="{PAD}" y1="{}" x2="{}" y2="{}" stroke="black"/><line x1="{PAD}" y1="{PAD}" x2="{PAD}" y2="{}" stroke="black"/>"#,
-        H - PAD,
-        W - PAD,
-        H - PAD,
-        H - PAD
-    );
-    for i in 0..=4 {
-        let a = ymin + (1.0 - ymin) * f64::from(i) / 4.0;
-        let _ = writeln!(
-            s,
-            r#"<text x="{}" y="{:.1}" text-anchor="end">{:.0}%</text>"#,
-            PAD - 4.0,
-            py(a) + 4.0,
-            a * 100.0
-        );
-        let g = xmax * f64::from(i) / 4.0;
-        let _ = writeln!(
-            s,
-            r#"<text x="{:.1}" y="{}" text-anchor="middle">{:.0}</text>"#,
-            px(g),
-            H - PAD + 14.0,
-            g
-        );
-    }
-    let _ = writeln!(
-        s,
-        r#"<text x="{}" y="{}" text-anchor="middle">total GPUs</text>"#,
-        W / 2.0,
-        H - 10.0
-    );
-    for (k, v) in &p.thresholds {
-        let _ = writeln!(
-            s,
-            r##"<line x1="{PAD}" y1="{y:.1}" x2="{}" y2="{y:.1}" stroke="#888" stroke-dasharray="4 3"/><text x="{}" y="{:.1}" fill="#888">{k} {:.0}%</text>"##,
-            W - PAD,
-            W - PAD - 60.0,
-            py(*v) - 3.0,
-            v * 100.0,
-            y = py(*v)
-        );
-    }
-    let _ = writeln!(
-        s,
-        r##"<line x1="{x:.1}" y1="{PAD}" x2="{x:.1}" y2="{}" stroke="#2ca02c" stroke-dasharray="2 2"/>"##,
-        H - PAD,
-        x = px(f64::from(p.total_gpus))
-    );
-    for (ti, t) in tiers.iter().enumerate() {
-        let c = COLORS[ti % COLORS.len()];
-        let _ = writeln!(
-            s,
-            r#"<circle cx="{}" cy="{}" r="4" fill="{c}"/><text x="{}" y="{}">{t}</text>"#,
-            W - PAD - 110.0,
-            PAD + 14.0 * ti as f64,
-            W - PAD - 100.0,
-            PAD + 4.0 + 14.0 * ti as f64
-        );
-        for pt in &p.points {
-            let Some(a) = pt.attainment.get(*t) else {
-                continue;
-            };
-            let fill = if pt.pass { c } else { "white" };
-            let _ = writeln!(
-                s,
-                r#"<circle cx="{:.1}" cy="{:.1}" r="3.5" fill="{fill}" stroke="{c}"><title>{} GPUs ({}): {t} {:.2}%</title></circle>"#,
-                px(f64::from(pt.total_gpus)),
-                py(a.max(ymin)),
-                pt.total_gpus,
-                pt.gpus
-                    .iter()
-                    .map(u32::to_string)
-                    .collect::<Vec<_>>()
-                    .join("+"),
-                a * 100.0
-            );
-        }
-    }
-    s.push_str("</svg>\n");
-    s
+    let dots = tiers
+        .iter()
+        .enumerate()
+        .map(|(ti, t)| chart::Dots {
+            label: (*t).clone(),
+            points: p
+                .points
+                .iter()
+                .filter_map(|pt| {
+                    pt.attainment
+                        .get(*t)
+                        .map(|a| (f64::from(pt.total_gpus), a.max(ymin), pt.pass))
+                })
+                .collect(),
+            color: COLORS[ti % COLORS.len()],
+        })
+        .collect();
+    let mut rules: Vec<chart::Rule> = p
+        .thresholds
+        .iter()
+        .map(|(k, v)| chart::Rule {
+            at: *v,
+            vertical: false,
+            label: format!("{k} {:.0}%", v * 100.0),
+            color: chart::Rgb(0x88, 0x88, 0x88),
+        })
+        .collect();
+    rules.push(chart::Rule {
+        at: f64::from(p.total_gpus),
+        vertical: true,
+        label: format!("planned: {} GPUs", p.total_gpus),
+        color: chart::Rgb(0x2c, 0xa0, 0x2c),
+    });
+    let panel = chart::Panel {
+        title: format!(
+            "SLO attainment per tier against total GPUs ({} replays)",
+            p.replays
+        ),
+        x_desc: "total GPUs".into(),
+        y_desc: "SLO attainment".into(),
+        x: (0.0, xmax * 1.05),
+        y: (ymin, 1.0),
+        x_ticks: |g| format!("{g:.0}"),
+        y_ticks: chart::percent,
+        lines: Vec::new(),
+        dots,
+        rules,
+        notes: vec!["filled: the plan passed at that size".into()],
+    };
+    chart::xy(560, 320, &[panel], &[])
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@
 //! Everything here is a pure function of the records (and the replay's
 //! outcomes), so the same traffic gives the same bytes.
 
+use crate::chart;
 use crate::graph::DecisionGraph;
 use crate::replay::{self, report as sim};
 use crate::traffic::stats::Percentiles;
@@ -628,70 +629,30 @@ pub fn escape(s: &str) -> String {
     o
 }
 
-const SVG_W: f64 = 640.0;
+const SVG_W: u32 = 640;
 
-/// Vertical bars, one per label, scaled to the largest value.
-fn bars_svg(title: &str, labels: &[String], values: &[u64], color: &str) -> String {
-    let (h, pad_l, pad_b, top) = (200.0, 60.0, 30.0, 24.0);
-    let max = values.iter().copied().max().unwrap_or(0).max(1) as f64;
-    let n = labels.len().max(1) as f64;
-    let bw = (SVG_W - pad_l - 10.0) / n;
-    let mut s = format!(
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{SVG_W}" height="{h}" viewBox="0 0 {SVG_W} {h}" font-family="sans-serif" font-size="10" role="img"><title>{t}</title><text x="4" y="14" font-size="12" font-weight="bold">{t}</text>"#,
-        t = escape(title)
-    );
-    let yb = h - pad_b;
-    let _ = write!(
-        s,
-        r##"<line x1="{pad_l}" y1="{yb}" x2="{}" y2="{yb}" stroke="#888"/><text x="{}" y="{}" text-anchor="end">{max:.0}</text><text x="{}" y="{yb}" text-anchor="end">0</text>"##,
-        SVG_W - 10.0,
-        pad_l - 4.0,
-        top + 4.0,
-        pad_l - 4.0
-    );
-    for (i, (l, &v)) in labels.iter().zip(values).enumerate() {
-        let bh = v as f64 / max * (yb - top);
-        let x = pad_l + i as f64 * bw;
-        let _ = write!(
-            s,
-            r#"<rect x="{x:.1}" y="{:.1}" width="{:.1}" height="{bh:.1}" fill="{color}"><title>{}: {v}</title></rect><text x="{:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
-            yb - bh,
-            (bw - 2.0).max(1.0),
-            escape(l),
-            x + bw / 2.0,
-            yb + 12.0,
-            escape(l)
-        );
-    }
-    s.push_str("</svg>\n");
-    s
+/// Vertical bars, one per label.
+fn bars_svg(
+    title: &str,
+    labels: &[String],
+    values: &[u64],
+    color: chart::Rgb,
+) -> Result<String, chart::ChartError> {
+    chart::bars(title, labels, values, color, SVG_W, 200)
 }
 
 /// Horizontal bars: the tenants' token shares.
-fn share_svg(rows: &[Row]) -> String {
-    let (row_h, pad_l) = (20.0, 160.0);
-    let h = 30.0 + row_h * rows.len() as f64;
-    let mut s = format!(
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{SVG_W}" height="{h}" viewBox="0 0 {SVG_W} {h}" font-family="sans-serif" font-size="11" role="img"><title>Token share per tenant</title><text x="4" y="14" font-size="12" font-weight="bold">Token share per tenant (prompt + output)</text>"#
-    );
-    for (i, r) in rows.iter().enumerate() {
-        let y = 24.0 + row_h * i as f64;
-        let w = r.token_share * (SVG_W - pad_l - 70.0);
-        let name: String = r.name.chars().take(24).collect();
-        let _ = write!(
-            s,
-            r##"<text x="{:.1}" y="{:.1}" text-anchor="end">{}</text><rect x="{pad_l}" y="{y:.1}" width="{w:.1}" height="{:.1}" fill="#2ca02c"/><text x="{:.1}" y="{:.1}">{:.1}%</text>"##,
-            pad_l - 6.0,
-            y + 12.0,
-            escape(&name),
-            row_h - 4.0,
-            pad_l + w + 4.0,
-            y + 12.0,
-            r.token_share * 100.0
-        );
-    }
-    s.push_str("</svg>\n");
-    s
+fn share_svg(rows: &[Row]) -> Result<String, chart::ChartError> {
+    let shares: Vec<(String, f64)> = rows
+        .iter()
+        .map(|r| (r.name.clone(), r.token_share))
+        .collect();
+    chart::shares(
+        "Token share per tenant (prompt + output)",
+        &shares,
+        chart::Rgb(0x2c, 0xa0, 0x2c),
+        SVG_W,
+    )
 }
 
 fn bucket_label(b: &Bucket) -> String {
@@ -743,7 +704,8 @@ fn row_cells(r: &Row) -> Vec<String> {
 
 /// A self-contained HTML page: inline CSS and SVG, no scripts, no
 /// external resources. Every string from traffic or policy is escaped.
-pub fn html(inv: &Inventory) -> String {
+/// The inventory as a self-contained HTML page (inline SVG charts).
+pub fn html(inv: &Inventory) -> Result<String, chart::ChartError> {
     let mut s = String::from(
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>kiln report: workload inventory</title>\n<style>\nbody{font-family:system-ui,sans-serif;margin:2em;max-width:1000px;color:#222}\ntable{border-collapse:collapse;margin:0.5em 0 1.5em}\nth,td{border:1px solid #ccc;padding:3px 8px;text-align:right}\nth:first-child,td:first-child{text-align:left}\nth{background:#f3f3f3}\nsvg{display:block;margin:0.5em 0 1.5em}\n.note{color:#555;font-size:0.9em}\n</style></head><body>\n<h1>Workload inventory</h1>\n",
     );
@@ -838,42 +800,42 @@ pub fn html(inv: &Inventory) -> String {
         "Requests by hour of day (UTC)",
         &hours,
         &inv.fleet.by_hour,
-        "#1f77b4",
-    ));
+        chart::Rgb(0x1f, 0x77, 0xb4),
+    )?);
     s.push_str(&bars_svg(
         "Tokens (prompt + output) by hour of day (UTC)",
         &hours,
         &inv.fleet.tokens_by_hour,
-        "#ff7f0e",
-    ));
+        chart::Rgb(0xff, 0x7f, 0x0e),
+    )?);
     let days: Vec<String> = WEEKDAYS.iter().map(|d| d.to_string()).collect();
     s.push_str(&bars_svg(
         "Requests by weekday",
         &days,
         &inv.fleet.by_weekday,
-        "#9467bd",
-    ));
+        chart::Rgb(0x94, 0x67, 0xbd),
+    )?);
     s.push_str("<h2>Token share per tenant</h2>\n");
-    s.push_str(&share_svg(&inv.tenants));
+    s.push_str(&share_svg(&inv.tenants)?);
     s.push_str("<h2>Token distributions</h2>\n<p class=\"note\">Log-2 buckets: a bar counts the requests with lower bound ≤ tokens &lt; twice it.</p>\n");
     for (title, hist, color) in [
         (
             "Prompt tokens per request",
             &inv.prompt_histogram,
-            "#17becf",
+            chart::Rgb(0x17, 0xbe, 0xcf),
         ),
         (
             "Output tokens per request",
             &inv.output_histogram,
-            "#d62728",
+            chart::Rgb(0xd6, 0x27, 0x28),
         ),
     ] {
         let labels: Vec<String> = hist.iter().map(bucket_label).collect();
         let values: Vec<u64> = hist.iter().map(|b| b.requests).collect();
-        s.push_str(&bars_svg(title, &labels, &values, color));
+        s.push_str(&bars_svg(title, &labels, &values, color)?);
     }
     s.push_str("</body></html>\n");
-    s
+    Ok(s)
 }
 
 #[cfg(test)]
@@ -1057,7 +1019,7 @@ mod tests {
             prompt_tokens: 5,
             ..Record::default()
         }];
-        let page = html(&build(&recs, Options::default(), None));
+        let page = html(&build(&recs, Options::default(), None)).unwrap();
         assert!(!page.contains("<script"));
         assert!(!page.contains("m<b>"));
         assert!(page.contains("&lt;script&gt;alert(&#39;x&#39;)&lt;/script&gt;&amp;&quot;"));

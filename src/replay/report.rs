@@ -6,6 +6,7 @@
 use super::Outcome;
 use crate::graph::DecisionGraph;
 use crate::sched::{Micros, MS, SEC};
+use crate::table::{self, Left, Right};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -658,33 +659,40 @@ pub fn human(reports: &[Report]) -> String {
             r.decode_tok_s,
             r.decode_capacity_tok_s
         );
-        for (title, groups) in [("tier", &r.tiers), ("tenant", &r.tenants)] {
-            let _ = writeln!(
-                s,
-                "  {:<18} {:>8} {:>22} {:>24} {:>8} {:>9} {:>9}  rejects",
+        // Tiers, then tenants under a header of their own: one table, so
+        // the two line up.
+        fn head(title: &str) -> [&str; 8] {
+            [
                 title,
                 "requests",
                 "TTFT ms p50/p95/p99",
                 "E2E ms p50/p95/p99",
                 "SLO met",
                 "admitted",
-                "goodput/s"
-            );
+                "goodput/s",
+                "rejects",
+            ]
+        }
+        let aligns = [Left, Right, Right, Right, Right, Right, Right, Left];
+        let mut t = table::new(&head("tier").into_iter().zip(aligns).collect::<Vec<_>>());
+        for (title, groups) in [("tier", &r.tiers), ("tenant", &r.tenants)] {
+            if title == "tenant" {
+                t.add_row(head(title).to_vec());
+            }
             for gr in groups.iter() {
-                let _ = writeln!(
-                    s,
-                    "  {:<18} {:>8} {:>22} {:>24} {:>7.1}% {:>8.1}% {:>9.2}  {}",
-                    gr.name,
-                    gr.requests,
+                t.add_row(vec![
+                    gr.name.clone(),
+                    gr.requests.to_string(),
                     fmt_pct(&gr.ttft_ms),
                     fmt_pct(&gr.e2e_ms),
-                    gr.slo_attainment * 100.0,
-                    gr.slo_attainment_admitted * 100.0,
-                    gr.goodput_rps,
-                    rejects(gr)
-                );
+                    format!("{:.1}%", gr.slo_attainment * 100.0),
+                    format!("{:.1}%", gr.slo_attainment_admitted * 100.0),
+                    format!("{:.2}", gr.goodput_rps),
+                    rejects(gr),
+                ]);
             }
         }
+        s.push_str(&table::render(&t, "  "));
         reclaimed(&mut s, &r.tiers);
         for m in r.models.iter().filter(|m| m.value.is_some()) {
             let value = m.value.unwrap_or(0.0);
@@ -713,23 +721,25 @@ pub fn human(reports: &[Report]) -> String {
             );
         }
         if !r.batches.is_empty() {
-            let _ = writeln!(
-                s,
-                "  {:<18} {:>8} {:>9} {:>8} {:>15}  finish vs deadline",
-                "batch", "items", "completed", "rejected", "deadline misses"
-            );
+            let mut t = table::new(&[
+                ("batch", Left),
+                ("items", Right),
+                ("completed", Right),
+                ("rejected", Right),
+                ("deadline misses", Right),
+                ("finish vs deadline", Left),
+            ]);
             for b in &r.batches {
-                let _ = writeln!(
-                    s,
-                    "  {:<18} {:>8} {:>9} {:>8} {:>15}  {}",
-                    b.id,
-                    b.items,
-                    b.completed,
-                    b.rejected,
-                    b.deadline_misses,
-                    batch_timing(b)
-                );
+                t.add_row(vec![
+                    b.id.clone(),
+                    b.items.to_string(),
+                    b.completed.to_string(),
+                    b.rejected.to_string(),
+                    b.deadline_misses.to_string(),
+                    batch_timing(b),
+                ]);
             }
+            s.push_str(&table::render(&t, "  "));
         }
         s.push('\n');
     }

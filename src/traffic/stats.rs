@@ -1,6 +1,7 @@
 //! Summary of a trace per tenant: count, span, rate, token percentiles.
 
 use super::Record;
+use crate::table::{self, Left, Right};
 use serde::Serialize;
 use std::collections::BTreeMap;
 
@@ -104,31 +105,29 @@ pub fn stats(records: &[Record]) -> Vec<Stats> {
 
 /// A plain-text table of [`stats`].
 pub fn render(rows: &[Stats]) -> String {
-    let mut s = format!(
-        "{:<20} {:>9} {:>10} {:>9} {:>11}  {:>27}  {:>27}\n",
-        "tenant",
-        "requests",
-        "span s",
-        "req/s",
-        "trace req/s",
-        "prompt p50/p95/p99/max",
-        "output p50/p95/p99/max"
-    );
+    let mut t = table::new(&[
+        ("tenant", Left),
+        ("requests", Right),
+        ("span s", Right),
+        ("req/s", Right),
+        ("trace req/s", Right),
+        ("prompt p50/p95/p99/max", Right),
+        ("output p50/p95/p99/max", Right),
+    ]);
     let p = |x: &Percentiles| format!("{}/{}/{}/{}", x.p50, x.p95, x.p99, x.max);
     for r in rows {
-        s.push_str(&format!(
-            "{:<20} {:>9} {:>10.1} {:>9} {:>11.3}  {:>27}  {:>27}\n",
-            r.tenant,
-            r.count,
-            r.duration_s,
+        t.add_row(vec![
+            r.tenant.clone(),
+            r.count.to_string(),
+            format!("{:.1}", r.duration_s),
             r.rate
                 .map_or_else(|| "-".to_string(), |x| format!("{x:.3}")),
-            r.rate_over_trace,
+            format!("{:.3}", r.rate_over_trace),
             p(&r.prompt_tokens),
-            p(&r.output_tokens)
-        ));
+            p(&r.output_tokens),
+        ]);
     }
-    s
+    table::render(&t, "")
 }
 
 #[cfg(test)]

@@ -1239,24 +1239,28 @@ pub fn render(r: &Report) -> String {
         r.rows.len() - held,
         held
     );
-    let _ = writeln!(
-        s,
-        "{:>7} {:>6} {:>9} {:>12} {:>12} {:>8}  set",
-        "prefill", "batch", "context", "measured ms", "simulated ms", "error"
-    );
+    use crate::table::{Left, Right};
+    let mut t = crate::table::new(&[
+        ("prefill", Right),
+        ("batch", Right),
+        ("context", Right),
+        ("measured ms", Right),
+        ("simulated ms", Right),
+        ("error", Right),
+        ("set", Left),
+    ]);
     for x in &r.rows {
-        let _ = writeln!(
-            s,
-            "{:>7} {:>6} {:>9} {:>12} {:>12} {:>7.1}%  {}",
-            x.point.prefill_tokens,
-            x.point.decode_seqs,
-            x.point.context_tokens,
+        t.add_row(vec![
+            x.point.prefill_tokens.to_string(),
+            x.point.decode_seqs.to_string(),
+            x.point.context_tokens.to_string(),
             ms(x.measured),
             ms(x.simulated),
-            tidy(x.error) * 100.0,
-            if x.held_back { "held back" } else { "fitted" }
-        );
+            format!("{:.1}%", tidy(x.error) * 100.0),
+            if x.held_back { "held back" } else { "fitted" }.to_string(),
+        ]);
     }
+    s.push_str(&crate::table::render(&t, ""));
     let _ = writeln!(
         s,
         "\nfit: effective bandwidth {:.3} TB/s, compute {:.1} TFLOP/s, step overhead {:.3} ms \
