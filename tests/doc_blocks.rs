@@ -24,7 +24,8 @@
 //! ships (a generated report, the alert rules) must reproduce it byte
 //! for byte. `toml` blocks holding `[[case]]`s run as `kiln test` against
 //! README's policy; other `toml` and `json` blocks must parse. `python`
-//! blocks run where the `openai` package is installed (CI installs it).
+//! blocks run where the `openai` package is installed (`KILN_DOC_PYTHON`,
+//! CI's `target/pyvenv`, or `python3`).
 //! `text` and `promql` blocks are shown, not run. A block without a
 //! language is an error.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test and bench code may panic
@@ -372,16 +373,31 @@ fn start_gateway(s: &Scratch, port: u16, args: &str, tag: &str) -> (Group, std::
     (group, child)
 }
 
-fn has_openai() -> bool {
-    Command::new("python3")
-        .args(["-c", "import openai"])
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
+/// A Python with the `openai` package: `KILN_DOC_PYTHON`, CI's venv
+/// (`target/pyvenv`), or `python3`; none if it lacks the package.
+fn python_with_openai() -> Option<String> {
+    let mut candidates = Vec::new();
+    if let Ok(p) = std::env::var("KILN_DOC_PYTHON") {
+        candidates.push(p);
+    }
+    candidates.push(
+        root()
+            .join("target/pyvenv/bin/python")
+            .display()
+            .to_string(),
+    );
+    candidates.push("python3".into());
+    candidates.into_iter().find(|p| {
+        Command::new(p)
+            .args(["-c", "import openai"])
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    })
 }
 
 /// What went wrong with one block, if anything.
-fn check_block(b: &Block, s: &Scratch, n: usize, python: bool) -> Option<String> {
+fn check_block(b: &Block, s: &Scratch, n: usize, python: Option<&str>) -> Option<String> {
     match (&b.marker, b.lang.as_str()) {
         (
             Marker::NotRun(r) | Marker::Fragment(r) | Marker::ExpectError(r) | Marker::Traces(r),
@@ -436,7 +452,7 @@ fn check_block(b: &Block, s: &Scratch, n: usize, python: bool) -> Option<String>
             .err()
             .map(|e| format!("not TOML: {e}")),
         (Marker::None | Marker::Gateway(_) | Marker::Traces(_), "sh" | "python") => {
-            if b.lang == "python" && !python {
+            if b.lang == "python" && python.is_none() {
                 eprintln!(
                     "{}: skipped: the openai Python package is not installed",
                     b.at()
@@ -452,7 +468,7 @@ fn check_block(b: &Block, s: &Scratch, n: usize, python: bool) -> Option<String>
             let (program, script) = if b.lang == "sh" {
                 ("bash", format!("{}{body}", prelude(port)))
             } else {
-                ("python3", body)
+                (python.unwrap_or("python3"), body)
             };
             let file = s.dir.join(format!(".block-{n}"));
             std::fs::write(&file, script).unwrap();
@@ -472,7 +488,7 @@ fn check_block(b: &Block, s: &Scratch, n: usize, python: bool) -> Option<String>
 
 #[test]
 fn every_block_in_readme_and_docs_runs_as_written() {
-    let python = has_openai();
+    let python = python_with_openai();
     let mut failures = Vec::new();
     let (mut run, mut not_run) = (0, 0);
     let started = Instant::now();
@@ -489,7 +505,7 @@ fn every_block_in_readme_and_docs_runs_as_written() {
                 run += 1;
             }
             let t = Instant::now();
-            let failed = check_block(b, &scratch, n, python);
+            let failed = check_block(b, &scratch, n, python.as_deref());
             if t.elapsed() > Duration::from_secs(2) {
                 eprintln!("{}: {:.1?}", b.at(), t.elapsed());
             }
@@ -524,9 +540,9 @@ fn markers_are_read_and_a_broken_block_fails() {
     assert_eq!(bs[1].marker, Marker::Fragment("a tier alone".into()));
     assert_eq!(bs[2].marker, Marker::None);
     let s = Scratch::new("self-test");
-    assert!(check_block(&bs[0], &s, 0, false).is_none());
-    assert!(check_block(&bs[1], &s, 1, false).is_none());
-    assert!(check_block(&bs[2], &s, 2, false).is_some());
+    assert!(check_block(&bs[0], &s, 0, None).is_none());
+    assert!(check_block(&bs[1], &s, 1, None).is_none());
+    assert!(check_block(&bs[2], &s, 2, None).is_some());
     let failing = Block {
         file: "x.md".into(),
         line: 1,
@@ -534,10 +550,10 @@ fn markers_are_read_and_a_broken_block_fails() {
         text: "kiln check no-such-policy\n".into(),
         marker: Marker::None,
     };
-    assert!(check_block(&failing, &s, 3, false).is_some());
+    assert!(check_block(&failing, &s, 3, None).is_some());
     let empty = Block {
         marker: Marker::NotRun(String::new()),
         ..failing
     };
-    assert!(check_block(&empty, &s, 4, false).is_some());
+    assert!(check_block(&empty, &s, 4, None).is_some());
 }
