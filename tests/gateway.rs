@@ -820,12 +820,12 @@ async fn tier_and_model_quotas_refuse_with_429_and_say_which() {
 // Metrics exist at zero before anything happens, for every tier, tenant and
 // pool of the policy, and for a swapped-in policy's new names too.
 
-/// The metric names README's **Metrics** paragraph lists.
+/// The metric names the **Metrics** paragraph of docs/gateway.md lists.
 fn readme_metrics() -> Vec<String> {
-    let readme = std::fs::read_to_string("README.md").unwrap();
+    let readme = std::fs::read_to_string("docs/gateway.md").unwrap();
     let start = readme
         .find("**Metrics**")
-        .expect("README lists the metrics");
+        .expect("docs/gateway.md lists the metrics");
     let para = &readme[start..];
     let para = &para[..para.find("\n\n").unwrap_or(para.len())];
     let mut names: Vec<String> = para
@@ -900,7 +900,7 @@ async fn every_listed_metric_is_exported_at_zero_from_the_start_and_after_a_swap
         let family = m.contains(&format!("# TYPE {name} "));
         assert!(
             family,
-            "{name} is listed in README but not exported before any request"
+            "{name} is listed in docs/gateway.md but not exported before any request"
         );
         match name.as_str() {
             "kiln_policy_info" | "kiln_policy_swaps_total" | "kiln_keys_reloads_total" => {}

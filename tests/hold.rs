@@ -1,4 +1,4 @@
-//! Holding as an admit outcome: README's operating move ("hold batch while
+//! Holding as an admit outcome: the operating move of docs/fair-admission.md ("hold batch while
 //! interactive misses its SLO") on two tiers of *one* priority sharing one
 //! GPU, where only the policy can protect interactive work. `hold` keeps
 //! the batch tier's new and queued work out of dispatch while the rule

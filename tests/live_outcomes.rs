@@ -1,4 +1,4 @@
-//! Every outcome in README's rules table acts at decide time, in the
+//! Every outcome in the rules table of docs/language.md acts at decide time, in the
 //! replay and in the gateway alike: one request per outcome (chosen by a
 //! header), each decided as its rule says, and the gateway on a virtual
 //! clock matching the replay request for request (decision, start and

@@ -1,6 +1,6 @@
-//! README's table of measured signals is the compiler's own list
-//! (`kiln::graph::signal`), so a signal's name and what README says it
-//! measures cannot drift apart. `KILN_UPDATE_README=1 cargo test --test
+//! The table of measured signals in docs/language.md is the compiler's
+//! own list (`kiln::graph::signal`), so a signal's name and what the docs
+//! say it measures cannot drift apart. `KILN_UPDATE_README=1 cargo test --test
 //! readme_signals` rewrites the table.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test and bench code may panic
 
@@ -11,11 +11,11 @@ const END: &str = "<!-- signals:end -->";
 
 #[test]
 fn readme_signal_table_is_generated_from_the_compiler() {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md");
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/language.md");
     let text = std::fs::read_to_string(&path).unwrap();
     let start = text
         .find(BEGIN)
-        .expect("README has the signals:begin marker")
+        .expect("docs/language.md has the signals:begin marker")
         + BEGIN.len();
     let end = text[start..].find(END).expect("and the end marker") + start;
     let want = kiln::graph::signal::markdown_table();
@@ -28,7 +28,7 @@ fn readme_signal_table_is_generated_from_the_compiler() {
         return;
     }
     panic!(
-        "README's signal table differs from the compiler's list; run `KILN_UPDATE_README=1 cargo test --test readme_signals`\n--- README\n{}\n--- compiler\n{}",
+        "docs/language.md's signal table differs from the compiler's list; run `KILN_UPDATE_README=1 cargo test --test readme_signals`\n--- docs/language.md\n{}\n--- compiler\n{}",
         &text[start..end],
         want
     );

@@ -1,6 +1,6 @@
 //! GPU time on HTTP upstreams: a request is charged its replica's GPUs ×
 //! the wall time it held a slot, split evenly with the requests holding
-//! slots at the same time (README "Cost"), in its `x-kiln-gpu-seconds`,
+//! slots at the same time (docs/gateway.md, "Cost"), in its `x-kiln-gpu-seconds`,
 //! `/admin/costs` and the metrics, all the same figures.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test and bench code may panic
 

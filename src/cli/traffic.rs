@@ -11,7 +11,7 @@ use std::io::Write;
 
 #[derive(clap::Args, Debug)]
 #[command(
-    long_about = "Import, merge and summarise recorded traffic: JSONL, one request a line (README: \"Recorded traffic\").\n\nExit codes: 0 ok, 1 malformed input (unless --skip-malformed), 2 usage or I/O error."
+    long_about = "Import, merge and summarise recorded traffic: JSONL, one request a line (docs/traffic.md: \"Recorded traffic\").\n\nExit codes: 0 ok, 1 malformed input (unless --skip-malformed), 2 usage or I/O error."
 )]
 pub struct Args {
     #[command(subcommand)]

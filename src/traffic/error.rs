@@ -78,7 +78,7 @@ pub(crate) enum Kind {
 impl Kind {
     fn help(self) -> &'static str {
         match self {
-            Kind::Kiln => "each line must be one JSON object in the kiln traffic format, version 1 (README: \"Recorded traffic\"); --skip-malformed skips and counts bad lines",
+            Kind::Kiln => "each line must be one JSON object in the kiln traffic format, version 1 (docs/traffic.md: \"Recorded traffic\"); --skip-malformed skips and counts bad lines",
             Kind::Azure => "expected `TIMESTAMP,ContextTokens,GeneratedTokens` rows such as `2023-11-16 18:15:46.6805900,374,44`; --skip-malformed skips and counts bad lines",
             Kind::Mooncake => "expected one JSON object a line with `timestamp` (ms), `input_length`, `output_length` and `hash_ids`; --skip-malformed skips and counts bad lines",
             Kind::Servegen => "expected `window_start_s,rate_req_per_s,cv,distribution,param1,param2` rows, distribution `Gamma`, `Weibull` or empty; --skip-malformed skips and counts bad lines",
