@@ -72,64 +72,11 @@ pub struct ServerConfig {
     /// OpenTelemetry spans over OTLP (`[otlp] endpoint = "http://…:4318"`),
     /// built with the `otlp` feature: [`super::otel`].
     #[serde(default)]
-    pub otlp: Option<OtlpSection>,
+    pub otlp: Option<super::otel::OtlpSection>,
     /// The file this was read from (`ServerConfig::load`): a running
     /// gateway reloads its keys and admin tokens from it.
     #[serde(skip)]
     pub source: Option<PathBuf>,
-}
-
-/// `[otlp]`: where request spans go.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct OtlpSection {
-    /// The collector's base URL (`http://otel-collector:4318`); spans are
-    /// posted to its `/v1/traces`.
-    pub endpoint: String,
-    /// `http/protobuf` (the default) or `http/json`.
-    #[serde(default = "default_otlp_protocol")]
-    pub protocol: String,
-    /// Sent with every export (a vendor's API key header).
-    #[serde(default)]
-    pub headers: BTreeMap<String, String>,
-    /// The `service.name` resource attribute.
-    #[serde(default = "default_service_name")]
-    pub service_name: String,
-    /// How long one export may take.
-    #[serde(
-        default = "default_otlp_timeout",
-        deserialize_with = "crate::units::duration::deserialize"
-    )]
-    pub timeout: std::time::Duration,
-    /// How often batched spans are sent.
-    #[serde(
-        default = "default_otlp_every",
-        deserialize_with = "crate::units::duration::deserialize"
-    )]
-    pub every: std::time::Duration,
-    /// Spans held for export at most; past it new ones are dropped.
-    #[serde(default = "default_otlp_queue")]
-    pub max_queue: usize,
-}
-
-fn default_otlp_protocol() -> String {
-    "http/protobuf".into()
-}
-
-fn default_service_name() -> String {
-    "kiln".into()
-}
-
-fn default_otlp_timeout() -> std::time::Duration {
-    std::time::Duration::from_secs(10)
-}
-
-fn default_otlp_every() -> std::time::Duration {
-    std::time::Duration::from_secs(1)
-}
-
-fn default_otlp_queue() -> usize {
-    4096
 }
 
 /// `[cache]`: where the semantic caches' embedding model lives.
@@ -406,62 +353,7 @@ pub struct AuditSection {
     pub path: PathBuf,
 }
 
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct KeyConfig {
-    /// SHA-256 (hex) of the key.
-    pub sha256: String,
-    /// The policy tenant this key authenticates as.
-    pub tenant: String,
-    /// A label for logs (never the key); `kiln keys revoke NAME` and
-    /// `rotate NAME` find the key by it.
-    #[serde(default)]
-    pub name: Option<String>,
-    /// What the key is for, for whoever reads the file.
-    #[serde(default)]
-    pub description: Option<String>,
-    /// When the key stops authenticating: an RFC 3339 time
-    /// (`2027-01-31T00:00:00Z`) or a date (`2027-01-31`, midnight UTC).
-    #[serde(default)]
-    pub expires: Option<String>,
-}
-
-impl KeyConfig {
-    /// When the key expires, in Unix milliseconds (`None`: never, or an
-    /// `expires` that does not parse, which `validate` refuses).
-    pub fn expires_ms(&self) -> Option<i64> {
-        self.expires.as_deref().and_then(|e| parse_expiry(e).ok())
-    }
-
-    /// Whether the key has expired at `now_ms` (Unix milliseconds).
-    pub fn expired_at(&self, now_ms: i64) -> bool {
-        self.expires_ms().is_some_and(|e| now_ms >= e)
-    }
-
-    /// The key as messages name it: its name, else its entry's tenant.
-    pub fn label(&self) -> String {
-        match &self.name {
-            Some(n) => format!("`{n}`"),
-            None => format!("for tenant `{}`", self.tenant),
-        }
-    }
-}
-
-/// An `expires` value in Unix milliseconds: an RFC 3339 time, or a date
-/// (midnight UTC).
-pub fn parse_expiry(text: &str) -> Result<i64, String> {
-    let t = text.trim();
-    if let Ok(ts) = t.parse::<jiff::Timestamp>() {
-        return Ok(ts.as_millisecond());
-    }
-    match t.parse::<jiff::civil::Date>() {
-        Ok(d) => format!("{d}T00:00:00Z")
-            .parse::<jiff::Timestamp>()
-            .map(|ts| ts.as_millisecond())
-            .map_err(|e| e.to_string()),
-        Err(e) => Err(e.to_string()),
-    }
-}
+pub use super::api_key::{parse_expiry, KeyConfig};
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -854,32 +746,11 @@ impl ServerConfig {
         if let Some(st) = &self.state {
             st.validate()?;
         }
-        if let Some(o) = &self.otlp {
-            let scheme_ok = o.endpoint.starts_with("http://") || o.endpoint.starts_with("https://");
-            if !scheme_ok {
-                return Err(ConfigError::Invalid {
-                    message: format!("`[otlp] endpoint` `{}` is not an http(s) URL", o.endpoint),
-                    help: Some(
-                        "the collector's OTLP/HTTP base URL, e.g. http://otel-collector:4318"
-                            .into(),
-                    ),
-                });
-            }
-            if o.protocol != "http/protobuf" && o.protocol != "http/json" {
-                return Err(ConfigError::Invalid {
-                    message: format!("`[otlp] protocol` `{}` is not one kiln speaks", o.protocol),
-                    help: Some(
-                        "\"http/protobuf\" (the default) or \"http/json\"; gRPC is not built in"
-                            .into(),
-                    ),
-                });
-            }
-            if o.max_queue == 0 || o.max_queue > 1_000_000 {
-                return Err(ConfigError::Invalid {
-                    message: "`[otlp] max_queue` is outside 1..1000000".into(),
-                    help: Some("the default, 4096, holds a few seconds of spans at 1,000 requests a second".into()),
-                });
-            }
+        if let Some((message, help)) = self.otlp.as_ref().and_then(|o| o.check()) {
+            return Err(ConfigError::Invalid {
+                message,
+                help: Some(help),
+            });
         }
         let b = &self.batch;
         if b.max_in_flight == 0 || b.max_in_flight > 1_000_000 {

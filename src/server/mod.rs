@@ -13,6 +13,7 @@
 
 pub mod activation;
 pub mod admin;
+pub mod api_key;
 pub mod auth;
 pub mod batch_config;
 pub mod batch_lines;

@@ -12,7 +12,92 @@
 //! holds a request; spans it cannot take are dropped and counted by the
 //! SDK, never queued without bound.
 
-use super::config::OtlpSection;
+use serde::Deserialize;
+use std::collections::BTreeMap;
+
+/// `[otlp]`: where request spans go.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OtlpSection {
+    /// The collector's base URL (`http://otel-collector:4318`); spans are
+    /// posted to its `/v1/traces`.
+    pub endpoint: String,
+    /// `http/protobuf` (the default) or `http/json`.
+    #[serde(default = "default_otlp_protocol")]
+    pub protocol: String,
+    /// Sent with every export (a vendor's API key header).
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+    /// The `service.name` resource attribute.
+    #[serde(default = "default_service_name")]
+    pub service_name: String,
+    /// How long one export may take.
+    #[serde(
+        default = "default_otlp_timeout",
+        deserialize_with = "crate::units::duration::deserialize"
+    )]
+    pub timeout: std::time::Duration,
+    /// How often batched spans are sent.
+    #[serde(
+        default = "default_otlp_every",
+        deserialize_with = "crate::units::duration::deserialize"
+    )]
+    pub every: std::time::Duration,
+    /// Spans held for export at most; past it new ones are dropped.
+    #[serde(default = "default_otlp_queue")]
+    pub max_queue: usize,
+}
+
+fn default_otlp_protocol() -> String {
+    "http/protobuf".into()
+}
+
+fn default_service_name() -> String {
+    "kiln".into()
+}
+
+fn default_otlp_timeout() -> std::time::Duration {
+    std::time::Duration::from_secs(10)
+}
+
+fn default_otlp_every() -> std::time::Duration {
+    std::time::Duration::from_secs(1)
+}
+
+fn default_otlp_queue() -> usize {
+    4096
+}
+
+impl OtlpSection {
+    /// What is wrong with it, as a message and a help line (`None`: fine).
+    pub fn check(&self) -> Option<(String, String)> {
+        if !(self.endpoint.starts_with("http://") || self.endpoint.starts_with("https://")) {
+            return Some((
+                format!(
+                    "`[otlp] endpoint` `{}` is not an http(s) URL",
+                    self.endpoint
+                ),
+                "the collector's OTLP/HTTP base URL, e.g. http://otel-collector:4318".into(),
+            ));
+        }
+        if self.protocol != "http/protobuf" && self.protocol != "http/json" {
+            return Some((
+                format!(
+                    "`[otlp] protocol` `{}` is not one kiln speaks",
+                    self.protocol
+                ),
+                "\"http/protobuf\" (the default) or \"http/json\"; gRPC is not built in".into(),
+            ));
+        }
+        if self.max_queue == 0 || self.max_queue > 1_000_000 {
+            return Some((
+                "`[otlp] max_queue` is outside 1..1000000".into(),
+                "the default, 4096, holds a few seconds of spans at 1,000 requests a second".into(),
+            ));
+        }
+        None
+    }
+}
 
 /// One request's span, as the recorder knows it at its end.
 #[derive(Debug, Clone)]
