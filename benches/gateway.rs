@@ -45,12 +45,15 @@
 //!
 //! 4. Shared state (`[state] redis`), when `redis-server` is installed
 //!    (skipped with a note otherwise): one started on a free loopback
-//!    port, and two more kiln processes on `gateway-quota.kiln` (the
+//!    port, and four more kiln processes on `gateway-quota.kiln` (the
 //!    tenant has a quota far above the load, so every request claims it):
-//!    one alone (the quota in memory), one as a replica of a fleet (the
-//!    quota claimed in Redis, the upstream's slots split through it).
+//!    one alone (the quota in memory) and a fleet of three replicas on
+//!    that Redis (the quota claimed in Redis, the upstream's slots split
+//!    through it, the fleet's size from its registry), which take the
+//!    fleet's requests in turn as a round-robin balancer would hand them.
 //!    Latency open loop at the phase-1 rate, slots alternating direct /
-//!    alone / shared. The shared path's cost is shared minus alone.
+//!    alone / fleet. The fleet's cost is fleet minus alone (target: p50
+//!    ≤ 500 µs, p99 ≤ 3 ms).
 //!
 //! Knobs (environment): `GATEWAY_BENCH_SCALE` multiplies every request
 //! count (0.1 for a quick look), `GATEWAY_BENCH_RATE` the phase-1 rate,
@@ -98,6 +101,9 @@ fn request_body(prompt_bytes: usize) -> bytes::Bytes {
 /// The tenant's key in `benches/gateway/gateway.kiln` (the mock and LiteLLM
 /// ignore it; it is sent to all three so the requests are identical).
 const KEY: &str = "Bearer key-bench";
+
+/// Replicas of the fleet in phase 4, one `redis-server` between them.
+const FLEET_REPLICAS: usize = 3;
 
 type Error = String;
 type Res<T> = Result<T, Error>;
@@ -337,6 +343,25 @@ fn template(name: &str, upstream: &str, out: &Path) -> Res<PathBuf> {
     let path = out.join(name);
     std::fs::write(&path, text.replace("@UPSTREAM@", upstream))
         .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    Ok(path)
+}
+
+/// The gateway config for one `kiln serve` named `label`: the template,
+/// a Files and Batches store of its own in the scratch directory (`kiln
+/// serve` locks its store, so two gateways on the default one would
+/// refuse to start), then `extra`.
+fn gateway_config(upstream: &str, out: &Path, label: &str, extra: &str) -> Res<PathBuf> {
+    let src = repo().join("benches/gateway/kiln.toml");
+    let text =
+        std::fs::read_to_string(&src).map_err(|e| format!("cannot read {}: {e}", src.display()))?;
+    let store = out.join(format!("{label}.db"));
+    let path = out.join(format!("kiln-{label}.toml"));
+    let text = format!(
+        "{}\n[batch]\nstore = {:?}\n{extra}",
+        text.replace("@UPSTREAM@", upstream),
+        store.display().to_string()
+    );
+    std::fs::write(&path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
     Ok(path)
 }
 
@@ -660,7 +685,10 @@ impl Run {
 
 struct Target {
     name: &'static str,
-    url: String,
+    /// Where its requests go, in turn (several for a fleet of replicas
+    /// behind a round-robin balancer).
+    urls: Vec<String>,
+    next: std::sync::atomic::AtomicUsize,
     client: reqwest::Client,
     body: bytes::Bytes,
     /// The `authorization` header it is sent.
@@ -669,6 +697,11 @@ struct Target {
 
 impl Target {
     fn new(name: &'static str, base: &str, body: &bytes::Bytes) -> Res<Target> {
+        Target::spread(name, &[base.to_string()], body)
+    }
+
+    /// One target over several gateways, each request to the next.
+    fn spread(name: &'static str, bases: &[String], body: &bytes::Bytes) -> Res<Target> {
         let client = reqwest::Client::builder()
             .no_proxy()
             .tcp_nodelay(true)
@@ -680,7 +713,11 @@ impl Target {
             .map_err(|e| format!("cannot build the HTTP client: {e}"))?;
         Ok(Target {
             name,
-            url: format!("{base}/v1/chat/completions"),
+            urls: bases
+                .iter()
+                .map(|b| format!("{b}/v1/chat/completions"))
+                .collect(),
+            next: std::sync::atomic::AtomicUsize::new(0),
             client,
             body: body.clone(),
             auth: KEY.to_string(),
@@ -696,10 +733,15 @@ impl Target {
 
 /// One request; `Ok(latency)` on a 200 whose body has choices.
 async fn one(t: &Target) -> Result<Duration, String> {
+    let i = t.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % t.urls.len().max(1);
+    let url = t
+        .urls
+        .get(i)
+        .ok_or_else(|| format!("{}: no address", t.name))?;
     let start = Instant::now();
     let resp = t
         .client
-        .post(&t.url)
+        .post(url)
         .header("authorization", &t.auth)
         .header("content-type", "application/json")
         .body(t.body.clone())
@@ -905,7 +947,7 @@ fn bench() -> Res<usize> {
     let scratch = Scratch(scratch_dir()?);
 
     let (_mock_proc, mock_url) = start_mock(&mock)?;
-    let config = template("kiln.toml", &mock_url, &scratch.0)?;
+    let config = gateway_config(&mock_url, &scratch.0, "main", "")?;
     let log = with_log.then(|| scratch.0.join("decisions.jsonl"));
     let (mut kiln_proc, kiln_url) = start_kiln(&kiln, &config, log.as_deref())?;
     let (mut bare_proc, bare_url) = start_passthrough(&mock_url)?;
@@ -1167,34 +1209,41 @@ fn bench() -> Res<usize> {
             verdict.push(note.to_string());
         }
         Some((_redis, port)) => {
-            let alone_cfg = template("kiln.toml", &mock_url, &scratch.0)?;
-            let shared_cfg = scratch.0.join("kiln-shared.toml");
-            let text = std::fs::read_to_string(&alone_cfg).map_err(|e| e.to_string())?;
-            std::fs::write(
-                &shared_cfg,
-                format!(
-                    "{text}\n[state]\nredis = \"redis://127.0.0.1:{port}/0\"\non_unavailable = \"local\"\nreplicas = 1\n"
-                ),
-            )
-            .map_err(|e| e.to_string())?;
+            // The fleet's replicas each get their own store (as PostgreSQL
+            // would be shared, SQLite is per replica); the fleet's size is
+            // what the registry counts, so no `replicas` is set.
+            let state = format!(
+                "\n[state]\nredis = \"redis://127.0.0.1:{port}/0\"\non_unavailable = \"local\"\n"
+            );
+            let alone_cfg = gateway_config(&mock_url, &scratch.0, "alone", "")?;
             let (mut alone_proc, alone_url) =
                 start_kiln_with(&kiln, "gateway-quota.kiln", &alone_cfg, None)?;
-            let (mut shared_proc, shared_url) =
-                start_kiln_with(&kiln, "gateway-quota.kiln", &shared_cfg, None)?;
+            let mut fleet_procs = Vec::new();
+            let mut fleet_urls = Vec::new();
+            for r in 0..FLEET_REPLICAS {
+                let cfg = gateway_config(&mock_url, &scratch.0, &format!("replica{r}"), &state)?;
+                let (p, u) = start_kiln_with(&kiln, "gateway-quota.kiln", &cfg, None)?;
+                fleet_procs.push(p);
+                fleet_urls.push(u);
+            }
             let alone = Arc::new(Target::new("kiln alone", &alone_url, &body)?);
-            let shared = Arc::new(Target::new("kiln shared", &shared_url, &body)?);
+            let shared = Arc::new(Target::spread("kiln fleet", &fleet_urls, &body)?);
             println!(
-                "\n4. shared state: redis-server on port {port}; latency, open loop at {rate:.0} req/s per target, slots alternating direct / alone / shared, {n} each"
+                "\n4. shared state: redis-server on port {port}, {FLEET_REPLICAS} replicas ({}) taking requests in turn; latency, open loop at {rate:.0} req/s per target, slots alternating direct / alone / fleet, {n} each",
+                fleet_urls.join(", ")
             );
             let three = [direct.clone(), alone.clone(), shared.clone()];
             let warm = rt.block_on(paced(&three, scaled(2_000, scale), rate));
             report.check("warm-up alone", &warm[1]);
-            report.check("warm-up shared", &warm[2]);
+            report.check("warm-up fleet", &warm[2]);
             let lat = rt.block_on(paced(&three, n, rate));
             report.check("direct", &lat[0]);
             report.check("kiln alone (quota)", &lat[1]);
-            report.check("kiln shared (quota in Redis)", &lat[2]);
-            if let Some(e) = alone_proc.exited().or_else(|| shared_proc.exited()) {
+            report.check("kiln fleet (quota in Redis)", &lat[2]);
+            if let Some(e) = alone_proc
+                .exited()
+                .or_else(|| fleet_procs.iter_mut().find_map(|p| p.exited()))
+            {
                 return Err(e);
             }
             let (d, a, s) = (
@@ -1214,7 +1263,7 @@ fn bench() -> Res<usize> {
                 None,
             ));
             report.rows.push(row(
-                "**kiln, fleet replica (quota in Redis)**",
+                &format!("**kiln, fleet of {FLEET_REPLICAS} replicas (quota in Redis)**"),
                 &load4,
                 s,
                 Some(diff(s, d)),
@@ -1222,7 +1271,7 @@ fn bench() -> Res<usize> {
             ));
             let over = diff(s, a);
             verdict.push(format!(
-                "the shared-state path over the single-process gateway at {rate:.0} req/s: p50 {} (target ≤ 500 µs: {}), p90 {}, p99 {} (target ≤ 3 ms: {}), mean {}",
+                "a fleet of {FLEET_REPLICAS} replicas on one Redis over the single-process gateway at {rate:.0} req/s: p50 {} (target ≤ 500 µs: {}), p90 {}, p99 {} (target ≤ 3 ms: {}), mean {}",
                 us(over[0]),
                 met(over[0] <= 500.0),
                 us(over[1]),
