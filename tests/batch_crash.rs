@@ -18,10 +18,11 @@ use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Value};
 use std::collections::{HashMap, VecDeque};
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
+use support::TempDir;
 
 const POLICY: &str = r#"
 pool gpu { gpus 1 kind "H100-80GB" memory 80GB }
@@ -46,28 +47,6 @@ const MAX_TOKENS: u64 = 256;
 const KILLS: usize = 5;
 const SPEED: &str = "20";
 const SEED: u64 = 0x6b696c6e;
-
-/// A scratch directory, removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new() -> TempDir {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos();
-        let p =
-            std::env::temp_dir().join(format!("kiln-batch-crash-{}-{nanos}", std::process::id()));
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// One `kiln serve` process; killed (SIGKILL) and reaped when dropped, so
 /// a failing assertion never leaves it running.
@@ -251,7 +230,7 @@ async fn check_completed(c: &reqwest::Client, base: &str, b: &Value) -> HashMap<
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batches_survive_sigkill_with_every_result_once() {
     let started = Instant::now();
-    let dir = TempDir::new();
+    let dir = TempDir::new("batch-crash");
     std::fs::write(dir.0.join("crash.kiln"), POLICY).unwrap();
     // KILN_CRASH_SEED=N tries other kill points.
     let seed = std::env::var("KILN_CRASH_SEED")
@@ -374,7 +353,7 @@ async fn batches_survive_sigkill_with_every_result_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_survives_sigkill() {
     const N: usize = 400;
-    let dir = TempDir::new();
+    let dir = TempDir::new("batch-crash");
     std::fs::write(dir.0.join("crash.kiln"), POLICY).unwrap();
     let c = client();
     let gw = Gateway::start(&dir.0);
@@ -447,7 +426,7 @@ async fn a_cancel_survives_sigkill() {
 /// Uploads now await their sends and write in short transactions.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_uploads_do_not_stall_the_gateway() {
-    let dir = TempDir::new();
+    let dir = TempDir::new("batch-crash");
     std::fs::write(dir.0.join("crash.kiln"), POLICY).unwrap();
     let gw = Gateway::start(&dir.0);
     // kiln serve's runtime has one worker per core.
@@ -532,7 +511,7 @@ async fn create(c: &reqwest::Client, base: &str, file: &Value, window_s: u64) ->
 async fn a_promise_survives_sigkill_and_is_kept() {
     const A: usize = 20_000;
     const B: usize = 2000;
-    let dir = TempDir::new();
+    let dir = TempDir::new("batch-crash");
     std::fs::write(dir.0.join("crash.kiln"), promise_policy()).unwrap();
     let c = client();
     let gw = Gateway::start_at(&dir.0, PROMISE_SPEED);
@@ -666,7 +645,7 @@ async fn a_promise_survives_sigkill_and_is_kept() {
 #[test]
 fn a_second_gateway_on_a_held_store_is_refused_and_a_killed_ones_store_is_free() {
     use std::io::Read;
-    let dir = TempDir::new();
+    let dir = TempDir::new("batch-crash");
     std::fs::write(dir.0.join("crash.kiln"), POLICY).unwrap();
     let first = Gateway::start(&dir.0);
     let holder = first.child.id();

@@ -23,10 +23,11 @@ use kiln::batch::{BatchRow, BatchStatus, FileRow};
 use serde_json::{json, Value};
 use std::collections::{HashMap, VecDeque};
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
+use support::TempDir;
 
 const POLICY: &str = r#"
 pool gpu { gpus 8 kind "H100-80GB" memory 80GB }
@@ -52,27 +53,6 @@ const ITEMS: usize = 10_000;
 const MAX_TOKENS: u64 = 8;
 const SPEED: &str = "200";
 const LEASE: &str = "3s";
-
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new() -> TempDir {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos();
-        let p =
-            std::env::temp_dir().join(format!("kiln-fleet-batches-{}-{nanos}", std::process::id()));
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// One `kiln serve` replica on the shared store; SIGKILLed and reaped when
 /// dropped.
@@ -289,7 +269,7 @@ async fn a_batch_survives_two_kills_of_its_runner_with_every_item_once() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(ITEMS);
     let started = Instant::now();
-    let dir = TempDir::new();
+    let dir = TempDir::new("fleet-batches");
     std::fs::write(dir.0.join("fleet.kiln"), POLICY).unwrap();
     let url = pg.url();
     let names = ["a", "b", "c"];
@@ -826,7 +806,7 @@ async fn a_postgres_outage_is_answered_503_and_the_batch_resumes_with_every_item
     };
     const N: usize = 2_000;
     let proxy = PgProxy::start(pg.port).await;
-    let dir = TempDir::new();
+    let dir = TempDir::new("fleet-batches");
     std::fs::write(dir.0.join("fleet.kiln"), POLICY).unwrap();
     let r = Replica::start_with(
         &dir.0,
@@ -900,7 +880,7 @@ async fn a_replica_stopped_gracefully_hands_its_batch_on_at_once() {
         return;
     };
     const N: usize = 3_000;
-    let dir = TempDir::new();
+    let dir = TempDir::new("fleet-batches");
     std::fs::write(dir.0.join("fleet.kiln"), POLICY).unwrap();
     let url = pg.url();
     let mut fleet: Vec<Replica> = ["a", "b"]

@@ -14,6 +14,7 @@ use kiln::server::config::{hash_secret, OnUnavailable, ServerConfig, StateSectio
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 use support::redis::Redis;
+use support::TempDir;
 use support::{client, policy, serve_on_loopback};
 
 const POLICY: &str = r#"
@@ -29,30 +30,6 @@ tenant beta { owner "b@x" tiers [main] }
 classify { default => tier main }
 route main tiny { default => fp16 }
 "#;
-
-/// A directory removed when the test ends.
-struct TempDir(std::path::PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        let d = std::env::temp_dir().join(format!(
-            "kiln-fleet-keys-{tag}-{}-{}",
-            std::process::id(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos()
-        ));
-        std::fs::create_dir_all(&d).unwrap();
-        TempDir(d)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// kiln.toml with one key (`file-key` for alpha) and no policy keys.
 fn config_file(dir: &TempDir) -> std::path::PathBuf {

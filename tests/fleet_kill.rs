@@ -12,11 +12,12 @@ mod support;
 use serde_json::json;
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
+use support::TempDir;
 
 const POLICY: &str = r#"
 pool gpu { gpus 8 kind "H100-80GB" memory 80GB }
@@ -33,27 +34,6 @@ route [interactive] tiny { default => fp16 }
 "#;
 
 const LEASE_MS: u64 = 1000;
-
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new() -> TempDir {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos();
-        let p =
-            std::env::temp_dir().join(format!("kiln-fleet-kill-{}-{nanos}", std::process::id()));
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 struct Proc(Child);
 
@@ -170,7 +150,7 @@ async fn a_killed_replica_loses_no_accepted_request_and_frees_its_leases() {
         return;
     };
     let port = redis.port;
-    let dir = TempDir::new();
+    let dir = TempDir::new("fleet-kill");
     std::fs::write(dir.0.join("fleet.kiln"), POLICY).unwrap();
     let a = Replica::start(&dir.0, "a", port);
     let b = Replica::start(&dir.0, "b", port);

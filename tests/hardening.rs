@@ -11,6 +11,7 @@ use kiln::server::config::ServerConfig;
 use kiln::server::Running;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
+use support::TempDir;
 use support::{policy, serve_on_loopback};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -51,23 +52,6 @@ fn assert_openai_error(v: &Value) {
     assert!(e["message"].is_string(), "{v}");
     assert!(e["type"].is_string(), "{v}");
     assert!(e.get("param").is_some() && e.get("code").is_some(), "{v}");
-}
-
-struct TempDir(std::path::PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> TempDir {
-        let p = std::env::temp_dir().join(format!("kiln-hard-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 fn with_log(dir: &TempDir) -> ServerConfig {

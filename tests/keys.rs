@@ -9,6 +9,7 @@ mod support;
 use kiln::server::config::ServerConfig;
 use serde_json::{json, Value};
 use std::time::Duration;
+use support::TempDir;
 use support::{policy, serve_on_loopback};
 
 const QUOTAS: &str = r#"
@@ -137,30 +138,6 @@ async fn answers_carry_the_binding_quota_and_a_refusal_names_it() {
         "{msg}"
     );
     srv.stop().await;
-}
-
-/// A directory removed when the test ends.
-struct TempDir(std::path::PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        let d = std::env::temp_dir().join(format!(
-            "kiln-keys-{tag}-{}-{}",
-            std::process::id(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos()
-        ));
-        std::fs::create_dir_all(&d).unwrap();
-        TempDir(d)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 fn key_entry(name: &str, tenant: &str, key: &str, extra: &str) -> String {

@@ -6,12 +6,14 @@
 //! window lost the burst's buffered lines (90 and more of a batch).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code may panic
 
+mod support;
+
 use serde_json::json;
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
+use support::TempDir;
 
 const POLICY: &str = r#"
 pool gpu { gpus 8 kind "H100-80GB" memory 80GB }
@@ -25,26 +27,6 @@ tenant alpha { owner "a@x" tiers [high] api_keys ["k-alpha"] }
 classify { default => tier high }
 route [high] tiny { default => fp16 }
 "#;
-
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new() -> TempDir {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos();
-        let p = std::env::temp_dir().join(format!("kiln-log-kill-{}-{nanos}", std::process::id()));
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// SIGKILLed and reaped when dropped.
 struct Proc(Child);
@@ -103,7 +85,7 @@ fn start(dir: &TempDir) -> (Proc, String) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_loses_no_line_of_requests_answered_before_it() {
-    let dir = TempDir::new();
+    let dir = TempDir::new("log-kill");
     let (mut proc, base) = start(&dir);
     let c = reqwest::Client::builder()
         .no_proxy()

@@ -15,6 +15,7 @@ use proptest::prelude::*;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
+use support::TempDir;
 use support::{policy, scrape, serve_on_loopback};
 
 /// One simulated GPU; a 70B model decodes a token every few milliseconds,
@@ -32,31 +33,6 @@ tenant alpha { owner "a@x" tiers [high] api_keys ["k-alpha"] cost 2.5/h }
 classify { default => tier high }
 route [high] big { default => fp8 }
 "#;
-
-struct TempDir(std::path::PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> TempDir {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos();
-        let p =
-            std::env::temp_dir().join(format!("kiln-ends-{name}-{}-{nanos}", std::process::id()));
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-
-    fn log(&self) -> std::path::PathBuf {
-        self.0.join("d.jsonl")
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 async fn serve(dir: &TempDir, speed: f64) -> Running {
     let text = format!(

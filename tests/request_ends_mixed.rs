@@ -22,6 +22,7 @@ use proptest::prelude::*;
 use serde_json::{json, Value};
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
+use support::TempDir;
 use support::{policy, scrape, serve_on_loopback};
 
 /// `big` on a simulated GPU, slow enough (a 70B model, two at a time) that
@@ -51,30 +52,6 @@ classify {
 route [high, cached] big { default => fp8 }
 route [high, cached] tiny { default => fp16 }
 "#;
-
-struct TempDir(std::path::PathBuf);
-
-impl TempDir {
-    fn new() -> TempDir {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos();
-        let p = std::env::temp_dir().join(format!("kiln-mixed-{}-{nanos}", std::process::id()));
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-
-    fn log(&self) -> std::path::PathBuf {
-        self.0.join("d.jsonl")
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// An upstream that answers every call with a 500.
 async fn failing_upstream() -> String {
@@ -216,7 +193,7 @@ async fn until_logged(srv: &Running, dir: &TempDir, n: usize) -> Vec<Value> {
 }
 
 async fn run_ends(ends: Vec<(End, u64)>) {
-    let dir = TempDir::new();
+    let dir = TempDir::new("request-ends-mixed");
     let upstream = failing_upstream().await;
     let srv = serve(&dir, &upstream).await;
     let base = format!("http://{}", srv.addr);
@@ -349,7 +326,7 @@ proptest! {
 /// saying an override refused it. Before, only explain heard of it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tier_override_refusal_is_recorded_once() {
-    let dir = TempDir::new();
+    let dir = TempDir::new("request-ends-mixed");
     let upstream = failing_upstream().await;
     let srv = serve(&dir, &upstream).await;
     let base = format!("http://{}", srv.addr);

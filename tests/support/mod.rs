@@ -12,7 +12,33 @@ pub mod twin;
 use kiln::compile::compile_str;
 use kiln::server::config::ServerConfig;
 use kiln::server::{start, Policy, Running, ServeOptions};
+use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+/// A directory of the test's own, removed (with what it holds) when the
+/// value is dropped. `.0` is its path; the tempfile guard does the removal.
+pub struct TempDir(pub PathBuf, tempfile::TempDir);
+
+impl TempDir {
+    /// A new empty directory under the system's temporary directory, its
+    /// name starting with `kiln-TAG-` so a leftover says which test made it.
+    pub fn new(tag: &str) -> TempDir {
+        let guard = tempfile::Builder::new()
+            .prefix(&format!("kiln-{tag}-"))
+            .tempdir()
+            .unwrap_or_else(|e| panic!("cannot make a temporary directory: {e}"));
+        TempDir(guard.path().to_path_buf(), guard)
+    }
+
+    /// The path of a decision log inside it.
+    pub fn log(&self) -> PathBuf {
+        self.0.join("d.jsonl")
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
 
 /// Compiles `text` (as file `name`), failing the test with its errors.
 pub fn policy(name: &str, text: &str) -> Policy {
