@@ -93,7 +93,7 @@ try:
             "body": {"model": "tiny", "messages": [{"role": "user", "content": f"req-{i}"}], "max_tokens": 8}}) + "\n" for i in range(N))
         f = requests.post(base + "/v1/files", headers=H_, files={"file": ("in.jsonl", lines)}, data={"purpose": "batch"}, timeout=120).json()
         b = requests.post(base + "/v1/batches", headers=H_, json={"input_file_id": f["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}, timeout=30).json()
-    t0 = time.time(); statuses = collections.Counter(); opened = 0; lat = []; slow = []
+    t0 = time.time(); statuses = collections.Counter(); opened = 0; lat = []; slow = []; queued = []
     def inter():
         for i in range(a.interactive):
             s0 = time.time()
@@ -101,6 +101,9 @@ try:
             statuses[r.status_code] += 1
             if r.status_code == 200:
                 lat.append(time.time() - s0)
+                # kiln's own part of the wait: time in its queue before the
+                # upstream call began (the rest is the upstream and the wire).
+                queued.append(float(r.headers.get("x-kiln-queue-ms") or 0) / 1000)
                 slow.append((round(time.time() - s0, 3), round(s0 - t0, 2), r.headers.get("x-kiln-queue-ms"), r.headers.get("x-kiln-waited-for")))
             time.sleep(0.1)
     th = threading.Thread(target=inter); th.start()
@@ -117,12 +120,14 @@ try:
     took = time.time() - t0
     th.join(timeout=a.bound)
     poison = [k for k in calls if poisoned(k)]
-    q = lambda p: round(1000 * statistics.quantiles(lat, n=100)[p - 1], 1) if len(lat) >= 2 else None
+    qs = lambda xs, p: round(1000 * statistics.quantiles(xs, n=100)[p - 1], 1) if len(xs) >= 2 else None
+    q = lambda p: qs(lat, p)
     pc = collections.Counter(calls[k] for k in poison)
     print(json.dumps({"binary": a.binary, "items": 0 if a.no_batch else N, "poison_every": EVERY, "terminal": done is not None, "status": done and done["status"],
         "counts": done and done["request_counts"], "seconds": round(took, 2),
         "polls_with_breaker_not_closed": opened, "interactive_statuses": dict(statuses),
         "interactive_ms_p50_p99": [q(50), q(99)],
+        "interactive_kiln_queue_ms_p50_p99": [qs(queued, 50), qs(queued, 99)],
         "interactive_slowest": sorted(slow, reverse=True)[:3],
         "tries_per_poison_item": dict(pc), "breaker_opened_log_lines": open(f"{d}/log").read().count("circuit breaker opened")}))
 finally:
