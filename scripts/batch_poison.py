@@ -22,6 +22,11 @@ ap.add_argument("--poison-every", type=int, default=50)
 ap.add_argument("--interactive", type=int, default=40)
 ap.add_argument("--no-batch", action="store_true")
 ap.add_argument("--bound", type=float, default=60.0)
+# The interactive tier's TTFT SLO. On an upstream kiln preempts a batch
+# call for it only when waiting for a slot would take over half of it
+# (a cancelled upstream call loses all its work), so a tight one shows
+# preemption, a loose one patience.
+ap.add_argument("--ttft", default="5s")
 a = ap.parse_args()
 EVERY = a.poison_every
 
@@ -56,7 +61,7 @@ model tiny {
   kv_per_token 32KB
   variant fp16 { memory 4GB pools [gpu] max_batch 16 }
 }
-tier interactive { priority 100 slo { ttft 5s } preempts [batch] }
+tier interactive { priority 100 slo { ttft %TTFT% } preempts [batch] }
 tier batch { priority 10 slo { window 24h } preemptible }
 tenant alpha { owner "a@x" tiers [interactive, batch] api_keys ["k-alpha"] }
 classify {
@@ -64,7 +69,7 @@ classify {
   default => tier interactive
 }
 route [interactive, batch] tiny { default => fp16 }
-''')
+'''.replace("%TTFT%", a.ttft))
 open(f"{d}/k.toml", "w").write(f'''[pools.gpu]
 backend = "http"
 [[pools.gpu.upstreams]]

@@ -1294,8 +1294,10 @@ impl Scheduler {
             return; // its steps are the scheduler's to count
         }
         let share = self.external_share(r, i);
+        let now = self.now;
         let rep = &mut self.replicas[r];
         let s = rep.evict(i);
+        rep.note_call(now.saturating_sub(s.started) as f64 / SEC as f64);
         rep.remember_prefix(&s.w.prefix_blocks);
         // The upstream's steps are not seen: its work is the prompt and the
         // output at the roofline's saturated throughput, counted at the end.
@@ -2510,11 +2512,15 @@ impl Scheduler {
             .map(|ms| (ms * 1000.0 / 2.0) as Micros)
             .or_else(|| w.deadline.map(|d| d.saturating_sub(w.arrival) / 2));
         // (Not on an upstream: a preempted call there loses all its
-        // progress, so patience still comes first.)
+        // progress, so patience still comes first. Its calls' own times
+        // say when a slot frees there: the cost model may think the
+        // upstream far faster than it is, and then every wait looked short
+        // and nothing was preempted however tight the SLO.)
         let at_once = tier.slo.ttft.is_some() && backfill_victim && !self.replicas[r].spec.external;
         if let (Some(budget), false) = (budget, at_once) {
             let waited = self.now.saturating_sub(w.arrival);
-            if waited.saturating_add(self.replicas[r].time_to_free()) <= budget {
+            let to_free = self.replicas[r].observed_time_to_free(self.now);
+            if waited.saturating_add(to_free) <= budget {
                 return false;
             }
         }
@@ -2920,6 +2926,45 @@ mod tests {
             total.is_some_and(|(x, w)| x > 14.0 && w > 14.0 && w < x),
             "{total:?}"
         );
+    }
+
+    /// On an upstream, a protected request waits for a slot when the
+    /// upstream's calls, as timed, free one within half its TTFT SLO, and
+    /// preempts at once when they would not: the cost model thinks `api`
+    /// answers these in milliseconds, so before the calls were timed an
+    /// upstream taking seconds was never preempted on arrival.
+    #[test]
+    fn an_upstreams_timed_calls_decide_between_patience_and_preemption() {
+        let g = graph(BASE); // hi: ttft 10s, so it waits at most 5 s for a slot
+        for (call, preempts) in [(SEC, false), (4 * SEC, false), (8 * SEC, true)] {
+            let mut s = sched(&g);
+            let ext = s.replicas.iter().position(|r| r.spec.external).unwrap();
+            for id in 0..4 {
+                arrive(&mut s, 0, arrival(id, "bulk", "api", 100, 10));
+            }
+            // The first two calls take `call`; the next two start then.
+            let mut acts = Vec::new();
+            for id in 0..2 {
+                acts.extend(
+                    s.handle(
+                        call,
+                        Event::Complete {
+                            id,
+                            output_tokens: 10,
+                        },
+                    )
+                    .to_vec(),
+                );
+            }
+            assert_eq!(started(&acts), vec![2, 3]);
+            let at = call + SEC / 10;
+            let acts = arrive(&mut s, at, arrival(9, "chat", "api", 100, 10));
+            let preempted = acts
+                .iter()
+                .any(|a| matches!(a, Action::Preempted { by: 9, replica, .. } if *replica == ext));
+            assert_eq!(preempted, preempts, "calls of {call} µs: {acts:?}");
+            assert_eq!(started(&acts).contains(&9), preempts);
+        }
     }
 
     #[test]

@@ -289,6 +289,10 @@ pub struct Replica {
     /// A policy swap left it out of the plan: it takes no new work and
     /// finishes what runs. It keeps its index, as replicas are named by it.
     pub draining: bool,
+    /// An external replica's upstream calls as they really took, start to
+    /// answer (seconds, a moving mean of completed calls): the upstream's
+    /// progress is not seen, and the cost model may not know its speed.
+    pub call_secs: Option<f64>,
     blocks: Blocks,
     /// Seconds the replica has spent running steps (for utilization).
     pub busy_seconds: f64,
@@ -442,6 +446,7 @@ impl Replica {
             busy: false,
             up: true,
             draining: false,
+            call_secs: None,
             blocks: Blocks::default(),
             busy_seconds: 0.0,
             work_seconds: 0.0,
@@ -548,6 +553,38 @@ impl Replica {
             .unwrap_or(0);
         // A float-to-integer cast saturates: no overflow however large.
         (f64::from(steps) * step * SEC as f64) as Micros
+    }
+
+    /// An external replica's completed call took `secs`: its moving mean
+    /// (a fifth for the newest, so a slower or faster upstream is learnt
+    /// within a few calls).
+    pub fn note_call(&mut self, secs: f64) {
+        if !secs.is_finite() || secs < 0.0 {
+            return;
+        }
+        self.call_secs = Some(match self.call_secs {
+            Some(m) => 0.8 * m + 0.2 * secs,
+            None => secs,
+        });
+    }
+
+    /// When the first slot should free at `now`. On an external replica
+    /// whose calls have been timed, from those times: a call is expected
+    /// to take the mean, so the soonest is the running call closest to it
+    /// (none past it counts as free at once). Otherwise
+    /// [`Self::time_to_free`].
+    pub fn observed_time_to_free(&self, now: Micros) -> Micros {
+        match (self.spec.external, self.call_secs) {
+            (true, Some(mean)) => {
+                let mean = (mean * SEC as f64) as Micros;
+                self.running
+                    .iter()
+                    .map(|s| mean.saturating_sub(now.saturating_sub(s.started)))
+                    .min()
+                    .unwrap_or(0)
+            }
+            _ => self.time_to_free(),
+        }
     }
 
     /// Sequences past their prefill (each decodes a token per step).
