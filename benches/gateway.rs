@@ -336,14 +336,21 @@ impl Drop for Scratch {
     }
 }
 
-fn template(name: &str, upstream: &str, out: &Path) -> Res<PathBuf> {
+/// `benches/gateway/NAME` with the upstream's address in its placeholder.
+fn filled(name: &str, upstream: &str) -> Res<String> {
     let src = repo().join("benches/gateway").join(name);
     let text =
         std::fs::read_to_string(&src).map_err(|e| format!("cannot read {}: {e}", src.display()))?;
-    let path = out.join(name);
-    std::fs::write(&path, text.replace("@UPSTREAM@", upstream))
-        .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    Ok(text.replace("@UPSTREAM@", upstream))
+}
+
+fn write(path: PathBuf, text: &str) -> Res<PathBuf> {
+    std::fs::write(&path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
     Ok(path)
+}
+
+fn template(name: &str, upstream: &str, out: &Path) -> Res<PathBuf> {
+    write(out.join(name), &filled(name, upstream)?)
 }
 
 /// The gateway config for one `kiln serve` named `label`: the template,
@@ -351,18 +358,12 @@ fn template(name: &str, upstream: &str, out: &Path) -> Res<PathBuf> {
 /// serve` locks its store, so two gateways on the default one would
 /// refuse to start), then `extra`.
 fn gateway_config(upstream: &str, out: &Path, label: &str, extra: &str) -> Res<PathBuf> {
-    let src = repo().join("benches/gateway/kiln.toml");
-    let text =
-        std::fs::read_to_string(&src).map_err(|e| format!("cannot read {}: {e}", src.display()))?;
-    let store = out.join(format!("{label}.db"));
-    let path = out.join(format!("kiln-{label}.toml"));
+    let store = toml::Value::String(out.join(format!("{label}.db")).display().to_string());
     let text = format!(
-        "{}\n[batch]\nstore = {:?}\n{extra}",
-        text.replace("@UPSTREAM@", upstream),
-        store.display().to_string()
+        "{}\n[batch]\nstore = {store}\n{extra}",
+        filled("kiln.toml", upstream)?
     );
-    std::fs::write(&path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
-    Ok(path)
+    write(out.join(format!("kiln-{label}.toml")), &text)
 }
 
 fn start_mock(mock: &Path) -> Res<(Proc, String)> {

@@ -12,7 +12,7 @@ pub mod twin;
 use kiln::compile::compile_str;
 use kiln::server::config::ServerConfig;
 use kiln::server::{start, Policy, Running, ServeOptions};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 /// A directory of the test's own, removed (with what it holds) when the
@@ -33,10 +33,6 @@ impl TempDir {
     /// The path of a decision log inside it.
     pub fn log(&self) -> PathBuf {
         self.0.join("d.jsonl")
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.0
     }
 }
 
