@@ -918,15 +918,36 @@ tenant bulk { owner "o" tiers [lo] }
         (0..3).map(|i| a(i, "chat", 10, 2)).collect(),
     );
     assert_eq!(o[2].rejected, Some((Reason::Quota, 429)));
-    // A long bulk request is preempted at most twice, however many chat
-    // requests would like its slot.
+    // A long bulk request without a completion window is preempted at
+    // most twice, however many chat requests would like its slot.
     let tight = TWO_TIERS.replace("ttft 10s", "ttft 20ms");
-    let g = graph(&policy(&tight, TWO_TENANTS, ROUTE));
-    let mut list = vec![a(0, "bulk", 100, 3000)];
-    list.extend((1..8).map(|i| a(i * 100, "chat", 100, 5)));
-    let o = simulate(&g, Mode::Kiln, list);
+    let no_window = tight.replace("slo { window 1h } ", "");
+    let g = graph(&policy(&no_window, TWO_TENANTS, ROUTE));
+    let list = || {
+        let mut list = vec![a(0, "bulk", 100, 3000)];
+        list.extend((1..8).map(|i| a(i * 100, "chat", 100, 5)));
+        list
+    };
+    let o = simulate(&g, Mode::Kiln, list());
     assert_eq!(o[0].preemptions, 2);
     assert!(o[0].finished.is_some());
+    // With an hour to finish in, it gives way to every one of them (the
+    // budget holds its second half), and still finishes.
+    let g = graph(&policy(&tight, TWO_TENANTS, ROUTE));
+    let o = simulate(&g, Mode::Kiln, list());
+    assert_eq!(o[0].preemptions, 7);
+    assert!(o[0].finished.is_some());
+    // With half of a 4 s window spent before the chat requests come (it
+    // runs 3.4 s alone), the budget holds again.
+    let g = graph(&policy(
+        &tight.replace("window 1h", "window 4s"),
+        TWO_TENANTS,
+        ROUTE,
+    ));
+    let mut late = vec![a(0, "bulk", 100, 3000)];
+    late.extend((0..7).map(|i| a(2100 + i * 100, "chat", 100, 5)));
+    let o = simulate(&g, Mode::Kiln, late);
+    assert_eq!(o[0].preemptions, 2);
 }
 
 #[test]

@@ -827,8 +827,8 @@ impl Replica {
     /// Before a step: every decoding sequence gets the block its next token
     /// needs. When the pool has none (free or evictable), the lowest-ranked
     /// running sequence is preempted — lowest `rank` (the tier's priority),
-    /// then the one that started last — among those under `budget`
-    /// preemptions and not orphans, the one that needs the block included
+    /// then the one that started last — among those `within_budget`
+    /// (the thrash budget) and not orphans, the one that needs the block included
     /// (vLLM preempts itself too). If none may be chosen, the sequence that
     /// needs the block stalls: it skips this step, the others run.
     ///
@@ -839,7 +839,11 @@ impl Replica {
     /// a block needs more than the whole pool: it can never finish here
     /// and is handed back in [`Room::unfit`] rather than retried. Each
     /// round removes a sequence or gives one a block, so this ends.
-    pub fn make_room(&mut self, rank: &dyn Fn(&Waiting) -> i64, budget: u32) -> Room {
+    pub fn make_room(
+        &mut self,
+        rank: &dyn Fn(&Waiting) -> i64,
+        within_budget: &dyn Fn(&Seq) -> bool,
+    ) -> Room {
         let mut room = Room::default();
         if self.spec.external {
             return room;
@@ -867,7 +871,7 @@ impl Replica {
                     room.unfit.push(s);
                     continue;
                 }
-                let victim = self.lowest(rank, |s| s.w.preemptions < budget && !s.w.orphan);
+                let victim = self.lowest(rank, |s| within_budget(s) && !s.w.orphan);
                 match victim {
                     Some(v) => {
                         let seq = self.evict(v);
@@ -1340,7 +1344,7 @@ mod tests {
     /// Runs one step (blocks found first); returns what was preempted and
     /// what finished.
     fn step(r: &mut Replica, now: Micros, budget: u32) -> (Room, Vec<ReqId>) {
-        let room = r.make_room(&flat, budget);
+        let room = r.make_room(&flat, &|s: &Seq| s.w.preemptions < budget);
         let mut out = Vec::new();
         let done = match r.start_step(now) {
             Some(_) => r.finish_step(now, &mut out),
@@ -1556,7 +1560,7 @@ mod tests {
         assert!(r.can_start(&w, 0));
         r.admit(Seq::from_waiting(w, 0), 0);
         assert_eq!(r.kv_used(), 10 * 16);
-        let room = r.make_room(&flat, 0);
+        let room = r.make_room(&flat, &|_: &Seq| false);
         assert!(room.preempted.is_empty() && room.unfit.is_empty());
         r.check_blocks().unwrap();
         r.evict(0);

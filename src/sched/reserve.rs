@@ -238,10 +238,7 @@ impl Scheduler {
             let (hs, hk) = held(rep, s.w.tier);
             hs <= slots && hk <= kv
         };
-        preemptible
-            && !inside_own
-            && s.w.preemptions < self.cfg.max_preemptions_per_seq
-            && s.kv <= rep.pool_tokens()
+        preemptible && !inside_own && self.within_thrash_budget(s) && s.kv <= rep.pool_tokens()
     }
 
     /// Whether `tier` holds less than its reserved share of replica `r`.
