@@ -35,7 +35,7 @@
 //! written is kept and written again with backoff; meanwhile no item is
 //! sent (a model call whose result cannot be stored is wasted GPU time).
 
-use super::batch_plan::{endpoint_of, plan_rows, Placed, Plans};
+use super::batch_plan::{endpoint_of, plan_rows, Placed, Plans, Recent, PACE_WINDOW};
 use super::batch_writer::Writer;
 use super::request::Outcome as Ended;
 use super::App;
@@ -176,8 +176,11 @@ struct Live {
     cursor: u64,
     /// No pending lines are left past the cursor.
     exhausted: bool,
-    /// When recent items finished, for the observed rate.
-    finished: VecDeque<Instant>,
+    /// Items finished lately, for the observed rate: per tenth of a
+    /// second (when its first item finished, how many), so that a batch
+    /// finishing thousands a second keeps all of [`PACE_WINDOW`] in a
+    /// bounded list (timestamps each, capped, covered 3 s of it).
+    finished: VecDeque<(Instant, usize)>,
     last_forecast: Option<Instant>,
     /// The model its items call (from its first item).
     model: Option<String>,
@@ -293,12 +296,14 @@ fn finished(app: &App, live: &mut HashMap<String, Live>, d: Done) {
         }
         if d.wrote {
             let now = Instant::now();
-            l.finished.push_back(now);
+            match l.finished.back_mut() {
+                Some((t, n)) if now.duration_since(*t) < PACE_BUCKET => *n += 1,
+                _ => l.finished.push_back((now, 1)),
+            }
             while l
                 .finished
                 .front()
-                .is_some_and(|t| now.duration_since(*t) > Duration::from_secs(60))
-                || l.finished.len() > 10_000
+                .is_some_and(|(t, _)| now.duration_since(*t) > PACE_WINDOW)
             {
                 l.finished.pop_front();
             }
@@ -376,7 +381,7 @@ async fn step(
     if let Ok(mut m) = app.batches.plans.pace.lock() {
         m.clear();
         for (id, l) in live.iter() {
-            if let Some(p) = pace(l) {
+            if let Some(p) = recent(l) {
                 m.insert(id.clone(), p);
             }
         }
@@ -1040,16 +1045,18 @@ async fn close(app: &Arc<App>, b: &BatchRow, why: Closing) -> Result<(), StoreEr
     Ok(())
 }
 
-/// Items a second a batch finished lately (over at least a second and
-/// 20 items), if it has run that long.
-fn pace(l: &Live) -> Option<f64> {
-    match (l.finished.front(), l.finished.back()) {
-        (Some(a), Some(z)) if l.finished.len() >= 20 => {
-            let span = z.duration_since(*a).as_secs_f64();
-            (span >= 1.0).then(|| (l.finished.len() - 1) as f64 / span)
-        }
-        _ => None,
-    }
+/// How finely the runner counts finished items in time.
+const PACE_BUCKET: Duration = Duration::from_millis(100);
+
+/// The items a batch finished in the last [`PACE_WINDOW`], if any.
+fn recent(l: &Live) -> Option<Recent> {
+    let from = Instant::now().checked_sub(PACE_WINDOW);
+    let skip = from.map_or(0, |f| l.finished.partition_point(|(t, _)| *t < f));
+    let (since, _) = *l.finished.get(skip)?;
+    Some(Recent {
+        items: l.finished.iter().skip(skip).map(|(_, n)| n).sum(),
+        since,
+    })
 }
 
 /// How many items each running batch may have in flight: `cap` split
