@@ -2657,7 +2657,8 @@ impl Scheduler {
     /// Whether running `s` may be preempted once more: within the thrash
     /// budget ([`Config::max_preemptions_per_seq`]), or, for work that only
     /// backfills (its tier has no first-token SLO) and has a completion
-    /// deadline, while less than half of its window is spent. The budget
+    /// deadline, while less than half of its window is spent (and never
+    /// past [`THRASH_CEILING`] budgets). The budget
     /// keeps a sequence from never finishing; a window half left still
     /// holds that promise (its second half keeps the budget), while a
     /// budget spent early made batch sequences immune, and on the Azure
@@ -2693,11 +2694,22 @@ impl Scheduler {
     }
 }
 
+/// How many thrash budgets a backfill sequence with its window half left
+/// may spend at most (32 preemptions at the default budget of 2; the Azure
+/// hour's batch sequences needed at most 22).
+const THRASH_CEILING: u32 = 16;
+
 /// [`Scheduler::within_thrash_budget`], on its parts (so that it can be
 /// asked while a replica is borrowed).
 fn thrash_budget_allows(graph: &DecisionGraph, max: u32, now: Micros, s: &Seq) -> bool {
     if s.w.preemptions < max {
         return true;
+    }
+    // Never past sixteen budgets: a replica whose KV growth evicts the same
+    // backfill sequences step after step would otherwise thrash for half a
+    // window (a day's window, in a proptest) without finishing anything.
+    if s.w.preemptions >= max.saturating_mul(THRASH_CEILING) {
+        return false;
     }
     let backfill = graph
         .tiers
