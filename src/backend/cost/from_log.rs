@@ -231,6 +231,15 @@ pub struct Errors {
     pub e2e: Stat,
 }
 
+/// A line's time on its replica, start to end: as measured, and as
+/// `rates` predict it (first token, then its inter-token times).
+fn end_to_end(rates: &Rates, s: &Shape, o: &Obs) -> (f64, f64) {
+    match o.itl {
+        Some(i) => (o.ttft + i * o.n, rates.ttft(s, o) + rates.itl(s, o) * o.n),
+        None => (o.ttft, rates.ttft(s, o)),
+    }
+}
+
 fn errors(rates: &Rates, s: &Shape, held: &[Obs]) -> Errors {
     let rel = |pred: f64, t: f64| (pred / t - 1.0).abs();
     let ttft = held.iter().map(|o| rel(rates.ttft(s, o), o.ttft)).collect();
@@ -241,13 +250,7 @@ fn errors(rates: &Rates, s: &Shape, held: &[Obs]) -> Errors {
     let e2e = held
         .iter()
         .map(|o| {
-            let measured = o.ttft + o.itl.unwrap_or(0.0) * o.n;
-            let pred = rates.ttft(s, o)
-                + if o.itl.is_some() {
-                    rates.itl(s, o) * o.n
-                } else {
-                    0.0
-                };
+            let (measured, pred) = end_to_end(rates, s, o);
             rel(pred, measured)
         })
         .collect();
@@ -676,10 +679,7 @@ const ROBUST_PASSES: usize = 4;
 
 /// Whether a line ran far slower than `rates` say it should.
 fn slowed(rates: &Rates, s: &Shape, o: &Obs) -> bool {
-    let (measured, predicted) = match o.itl {
-        Some(i) => (o.ttft + i * o.n, rates.ttft(s, o) + rates.itl(s, o) * o.n),
-        None => (o.ttft, rates.ttft(s, o)),
-    };
+    let (measured, predicted) = end_to_end(rates, s, o);
     measured > SLOWED * predicted
 }
 
@@ -716,14 +716,7 @@ fn fit_robust(s: &Shape, obs: &[Obs], start: &Rates, prior_weight: f64) -> Rates
 /// report prints, as ratios). A median, so that the lines a neighbour
 /// slowed do not choose the slow fit that [`fit_robust`] avoided.
 fn held_score(rates: &Rates, s: &Shape, held: &[Obs]) -> f64 {
-    let med = |mut v: Vec<f64>| -> f64 {
-        v.retain(|x| x.is_finite());
-        if v.is_empty() {
-            return 0.0;
-        }
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
+    let med = |v: Vec<f64>| Stat::of(v).median;
     let ttft = held
         .iter()
         .map(|o| (rates.ttft(s, o) / o.ttft).ln().abs())
