@@ -468,8 +468,9 @@ prop_compose! {
         fallback_step in proptest::option::of(any::<u32>()),
         reason in proptest::option::of(text()),
         waited_for in proptest::option::of(text()),
+        replica in proptest::option::of(any::<u32>()),
     ) -> Decision {
-        Decision { tier, tenant, route, substituted_for, admission, status, fallback_step, reason, waited_for, cache: None }
+        Decision { tier, tenant, route, substituted_for, admission, status, fallback_step, reason, waited_for, cache: None, replica }
     }
 }
 

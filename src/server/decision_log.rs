@@ -608,6 +608,7 @@ mod tests {
                 reason: None,
                 waited_for: Some("saturation".into()),
                 cache: None,
+                replica: Some(0),
             }),
             queue_ms: Some(12.25),
             ttft_ms: Some(180.5),

@@ -138,6 +138,11 @@ pub struct Decision {
     /// `miss` when it was cacheable and served fresh.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache: Option<String>,
+    /// The replica it started on (its index in the gateway's plan): the
+    /// requests that shared its replica are the batch it ran in, which
+    /// `kiln calibrate --from-log` reads instead of the pool's average.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replica: Option<u32>,
 }
 
 impl Default for Record {

@@ -4,15 +4,16 @@
 //! A decision-log line of a served request carries its arrival (`at_ms`),
 //! the wait in kiln's queue (`queue_ms`), the time to first token and the
 //! end-to-end time (both from arrival, so both include the queue), the
-//! prompt and output tokens, and the route (`model.variant on pool`). The
-//! engine's steps are not in the log, so each line is turned into two
+//! prompt and output tokens, the route (`model.variant on pool`) and the
+//! replica it ran on (`decision.replica`). The engine's steps are not in the log, so each line is turned into two
 //! observations of the roofline `step(p, b, C) = max(bytes / B, flops / F) + o`
 //! ([`super::replica`]) at the load the line met:
 //!
 //! - **Time to first token on the replica** (`ttft − queue`): the prompt's
 //!   prefill step beside the `b₀` sequences already decoding on its replica
-//!   (lines of the same pool running at its start, divided by the pool's
-//!   replicas), plus on average half of the step in flight when it arrived:
+//!   (lines of the same replica running at its start; in a log without
+//!   replicas, lines of the same pool divided by the pool's replicas), plus
+//!   on average half of the step in flight when it arrived:
 //!   `step(prompt, b₀, C₀) + ½ · min(b₀, 1) · step(0, max(b₀, 1), C₀)`.
 //! - **Inter-token time** (`(e2e − ttft) / (output − 1)`): decode steps at
 //!   the time-averaged batch `b̄` over its decode (itself plus the others
@@ -98,6 +99,8 @@ struct Line {
     end: f64,
     prompt: f64,
     output: f64,
+    /// The replica it ran on, where the log says.
+    replica: Option<u32>,
 }
 
 /// What a line is turned into: its load and its two measured times.
@@ -373,6 +376,7 @@ fn line_of(r: &Record, skipped: &mut Skipped) -> Option<Line> {
         end: (r.at_ms + e) / 1e3,
         prompt: r.prompt_tokens as f64,
         output: r.output_tokens as f64,
+        replica: d.and_then(|d| d.replica),
     })
 }
 
@@ -471,35 +475,59 @@ impl Load {
 }
 
 /// The observations of a group's lines (in start order) on `replicas`.
+///
+/// Where every line names the replica it ran on (a gateway's log since the
+/// `replica` field), its batch is the lines that ran on that replica.
+/// Otherwise the pool's running lines are spread evenly over its replicas:
+/// an average that reads half a sequence where one replica ran one and the
+/// other none.
 fn observations(lines: &[Line], replicas: usize) -> Vec<Obs> {
-    let r = replicas.max(1) as f64;
-    let load = Load::new(lines);
     let n = lines.len().max(1) as f64;
     let ctx = lines.iter().map(|l| l.prompt + l.output / 2.0).sum::<f64>() / n;
-    lines
-        .iter()
-        .map(|l| {
-            // Itself is running at its start: the others are the batch.
-            let b0 = ((load.count_at(l.start) - 1.0).max(0.0)) / r;
-            let others = (load.mean(l.first, l.end) - 1.0).max(0.0);
-            let bbar = 1.0 + others / r;
-            let (m, tokens) = load.started(l.first, l.end);
-            let steps = (l.output - 1.0).max(0.0);
-            let itl = (steps >= 1.0).then(|| (l.end - l.first) / steps);
-            Obs {
-                prompt: l.prompt.max(1.0),
-                b0,
-                c0: b0 * ctx,
-                bbar,
-                cbar: bbar * ctx,
-                m: m / r,
-                pbar: if m > 0.0 { tokens / m } else { 0.0 },
-                n: steps,
-                ttft: l.first - l.start,
-                itl: itl.filter(|t| *t > 0.0),
-            }
-        })
-        .collect()
+    if lines.iter().all(|l| l.replica.is_some()) {
+        let mut by_replica: BTreeMap<Option<u32>, Vec<Line>> = BTreeMap::new();
+        for l in lines {
+            by_replica.entry(l.replica).or_default().push(*l);
+        }
+        let loads: BTreeMap<Option<u32>, Load> = by_replica
+            .iter()
+            .map(|(id, own)| (*id, Load::new(own)))
+            .collect();
+        // In start order, as the lines came (the held-back third is every
+        // third of them).
+        lines
+            .iter()
+            .filter_map(|l| loads.get(&l.replica).map(|load| observe(l, load, 1.0, ctx)))
+            .collect()
+    } else {
+        let load = Load::new(lines);
+        let r = replicas.max(1) as f64;
+        lines.iter().map(|l| observe(l, &load, r, ctx)).collect()
+    }
+}
+
+/// The observation of line `l` among running counts `load`, spread over
+/// `r` replicas, with `ctx` the pool's mean context per sequence.
+fn observe(l: &Line, load: &Load, r: f64, ctx: f64) -> Obs {
+    // Itself is running at its start: the others are the batch.
+    let b0 = ((load.count_at(l.start) - 1.0).max(0.0)) / r;
+    let others = (load.mean(l.first, l.end) - 1.0).max(0.0);
+    let bbar = 1.0 + others / r;
+    let (m, tokens) = load.started(l.first, l.end);
+    let steps = (l.output - 1.0).max(0.0);
+    let itl = (steps >= 1.0).then(|| (l.end - l.first) / steps);
+    Obs {
+        prompt: l.prompt.max(1.0),
+        b0,
+        c0: b0 * ctx,
+        bbar,
+        cbar: bbar * ctx,
+        m: m / r,
+        pbar: if m > 0.0 { tokens / m } else { 0.0 },
+        n: steps,
+        ttft: l.first - l.start,
+        itl: itl.filter(|t| *t > 0.0),
+    }
 }
 
 /// Squared log error, capped so that a few wild lines cannot pull the fit.

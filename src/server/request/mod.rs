@@ -142,6 +142,8 @@ pub(in crate::server) struct Arrived {
 pub(in crate::server) struct Started {
     pub(in crate::server) d: Decided,
     pub(in crate::server) route: String,
+    /// Its index in the scheduler's plan (for the decision log).
+    pub(in crate::server) replica: usize,
     pub(in crate::server) waited_for: Option<Reason>,
     pub(in crate::server) queue_s: f64,
     pub(in crate::server) preempted: u32,

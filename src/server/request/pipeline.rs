@@ -639,6 +639,7 @@ async fn wait_inner(
                 let started = Started {
                     d,
                     route,
+                    replica,
                     waited_for,
                     queue_s: ctx.received.elapsed().as_secs_f64(),
                     preempted,

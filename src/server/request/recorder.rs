@@ -547,6 +547,7 @@ fn ran(
         let sub = served_substitution(ctx, s);
         if let Some(dec) = rec.decision.as_mut() {
             dec.route = Some(s.route.clone());
+            dec.replica = u32::try_from(s.replica).ok();
             dec.substituted_for = sub.map(|x| x.asked);
             dec.admission = Some(
                 if s.waited_for.is_some() {

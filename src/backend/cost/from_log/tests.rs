@@ -90,6 +90,12 @@ fn traffic(rate: f64, n: usize, seed: u64) -> Vec<Record> {
 
 /// Replays `records` on the truth and writes what a gateway would log.
 fn logged(g: &DecisionGraph, records: &[Record]) -> Vec<Record> {
+    logged_naming(g, records, true)
+}
+
+/// [`logged`], with or without the replica each line ran on (a log
+/// written before the field existed has none).
+fn logged_naming(g: &DecisionGraph, records: &[Record], replicas: bool) -> Vec<Record> {
     let truth = Calibration::from_toml_str(TRUTH).unwrap();
     let cost = CostModel::from_graph(g, Some(&truth)).unwrap();
     let plan = crate::replay::plan(g, &cost);
@@ -111,6 +117,10 @@ fn logged(g: &DecisionGraph, records: &[Record]) -> Vec<Record> {
                     route: Some("m8.bf16 on gpu".into()),
                     admission: Some("accept".into()),
                     status: Some(200),
+                    replica: o
+                        .replica
+                        .filter(|_| replicas)
+                        .and_then(|x| u32::try_from(x).ok()),
                     ..Decision::default()
                 }),
                 ..r.clone()
@@ -353,4 +363,84 @@ fn hostile_lines_are_skipped_and_counted() {
     // Nothing usable: an error that says what a log needs.
     let err = calibrate_from_log(&g, &cost, None, &log[good..], 0).unwrap_err();
     assert_eq!(err, FromLogError::TooFewLines { lines: 0 });
+}
+
+/// A served line of `prompt` and `output` tokens on `replica`, seconds.
+fn line(start: f64, first: f64, end: f64, replica: Option<u32>) -> Line {
+    Line {
+        queue: 0.0,
+        start,
+        first,
+        end,
+        prompt: 100.0,
+        output: 11.0,
+        replica,
+    }
+}
+
+#[test]
+fn a_line_that_names_its_replica_is_batched_with_its_replica_only() {
+    // Two replicas: b runs alone on replica 1 while a runs on replica 0;
+    // c starts on replica 0 beside a.
+    let named = [
+        line(0.0, 1.0, 10.0, Some(0)),
+        line(2.0, 3.0, 6.0, Some(1)),
+        line(4.0, 5.0, 8.0, Some(0)),
+    ];
+    let obs = observations(&named, 2);
+    let b0: Vec<f64> = obs.iter().map(|o| o.b0).collect();
+    assert_eq!(b0, [0.0, 0.0, 1.0]);
+    // c decodes beside a all the way: a batch of two.
+    assert!((obs[2].bbar - 2.0).abs() < 1e-9, "{:?}", obs[2]);
+    // b decodes alone.
+    assert!((obs[1].bbar - 1.0).abs() < 1e-9, "{:?}", obs[1]);
+    // Without the names, the pool's count is spread over both replicas:
+    // b reads half a sequence beside it, c one (a and b, halved).
+    let plain: Vec<Line> = named
+        .iter()
+        .map(|l| Line {
+            replica: None,
+            ..*l
+        })
+        .collect();
+    let b0: Vec<f64> = observations(&plain, 2).iter().map(|o| o.b0).collect();
+    assert_eq!(b0, [0.0, 0.5, 1.0]);
+    // One line without a name: the whole group is averaged.
+    let mut mixed = named;
+    mixed[0].replica = None;
+    let b0: Vec<f64> = observations(&mixed, 2).iter().map(|o| o.b0).collect();
+    assert_eq!(b0, [0.0, 0.5, 1.0]);
+}
+
+/// Lines that name their replica are read with the batch they ran in:
+/// inter-token and end-to-end times fit closer the busier the replicas
+/// (on the pool's average a replica running four read as two running two
+/// each), and first tokens no worse than by a point and a half (at light
+/// load a prompt meets half a step in flight on average either way).
+#[test]
+fn a_log_that_names_replicas_fits_decode_closer() {
+    let g = graph();
+    let cost = CostModel::from_graph(&g, None).unwrap();
+    for (rate, seed) in [(2.0, 3), (6.0, 5), (14.0, 7)] {
+        let records = traffic(rate, 400, seed);
+        let fit = |replicas: bool| {
+            let log = logged_naming(&g, &records, replicas);
+            calibrate_from_log(&g, &cost, None, &log, 0).unwrap()
+        };
+        let (plain, named) = (fit(false), fit(true));
+        let (p, n) = (&plain.report.groups[0].after, &named.report.groups[0].after);
+        let why = || {
+            format!(
+                "rate {rate}: named {n:?}\nplain {p:?}\n{}",
+                render(&named.report)
+            )
+        };
+        assert!(n.itl.median <= p.itl.median + 0.002, "{}", why());
+        assert!(n.e2e.median <= p.e2e.median + 0.002, "{}", why());
+        assert!(n.ttft.median <= p.ttft.median + 0.015, "{}", why());
+        if rate >= 14.0 {
+            assert!(n.e2e.median < 0.6 * p.e2e.median, "{}", why());
+            assert!(n.itl.median < 0.6 * p.itl.median, "{}", why());
+        }
+    }
 }
