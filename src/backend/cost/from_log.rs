@@ -5,8 +5,8 @@
 //! the wait in kiln's queue (`queue_ms`), the time to first token and the
 //! end-to-end time (both from arrival, so both include the queue), the
 //! prompt and output tokens, the route (`model.variant on pool`) and the
-//! replica it ran on (`decision.replica`). The engine's steps are not in the log, so each line is turned into two
-//! observations of the roofline `step(p, b, C) = max(bytes / B, flops / F) + o`
+//! replica it ran on (`decision.replica`). The engine's steps are not in
+//! the log, so each line is turned into two observations of the roofline `step(p, b, C) = max(bytes / B, flops / F) + o`
 //! ([`super::replica`]) at the load the line met:
 //!
 //! - **Time to first token on the replica** (`ttft − queue`): the prompt's
@@ -484,26 +484,27 @@ impl Load {
 fn observations(lines: &[Line], replicas: usize) -> Vec<Obs> {
     let n = lines.len().max(1) as f64;
     let ctx = lines.iter().map(|l| l.prompt + l.output / 2.0).sum::<f64>() / n;
-    if lines.iter().all(|l| l.replica.is_some()) {
-        let mut by_replica: BTreeMap<Option<u32>, Vec<Line>> = BTreeMap::new();
-        for l in lines {
-            by_replica.entry(l.replica).or_default().push(*l);
-        }
-        let loads: BTreeMap<Option<u32>, Load> = by_replica
-            .iter()
-            .map(|(id, own)| (*id, Load::new(own)))
-            .collect();
-        // In start order, as the lines came (the held-back third is every
-        // third of them).
-        lines
-            .iter()
-            .filter_map(|l| loads.get(&l.replica).map(|load| observe(l, load, 1.0, ctx)))
-            .collect()
-    } else {
+    let named: Option<Vec<u32>> = lines.iter().map(|l| l.replica).collect();
+    let Some(named) = named else {
         let load = Load::new(lines);
         let r = replicas.max(1) as f64;
-        lines.iter().map(|l| observe(l, &load, r, ctx)).collect()
+        return lines.iter().map(|l| observe(l, &load, r, ctx)).collect();
+    };
+    let mut own: BTreeMap<u32, Vec<Line>> = BTreeMap::new();
+    for (l, id) in lines.iter().zip(&named) {
+        own.entry(*id).or_default().push(*l);
     }
+    let loads: BTreeMap<u32, Load> = own
+        .into_iter()
+        .map(|(id, ls)| (id, Load::new(&ls)))
+        .collect();
+    // In start order, as the lines came (the held-back third is every
+    // third of them).
+    lines
+        .iter()
+        .zip(&named)
+        .filter_map(|(l, id)| loads.get(id).map(|load| observe(l, load, 1.0, ctx)))
+        .collect()
 }
 
 /// The observation of line `l` among running counts `load`, spread over
