@@ -50,12 +50,12 @@ pub const MIN_LINES: usize = 12;
 /// Why no calibration could be fitted from the logs.
 #[derive(Debug, Clone, PartialEq, thiserror::Error, Diagnostic)]
 pub enum FromLogError {
-    #[error("no (pool, model, variant) in the logs has {MIN_LINES} or more served lines with timings ({lines} usable lines in all)")]
+    #[error("no (pool, model, variant) in the logs has {MIN_LINES} or more served lines with timings ({lines} usable lines in all, {malformed} malformed lines skipped)")]
     #[diagnostic(
         code(kiln::calibrate::log_too_short),
-        help("a decision log of an HTTP upstream records queue_ms, ttft_ms and e2e_ms for each served request; pass a longer log, or several (kiln calibrate --from-log a.jsonl b.jsonl …)")
+        help("a decision log of an HTTP upstream records queue_ms, ttft_ms and e2e_ms for each served request; pass a longer log, or several (kiln calibrate --from-log a.jsonl b.jsonl …); where lines were malformed, `kiln traffic stats LOG` shows the first one and its bad field")
     )]
-    TooFewLines { lines: usize },
+    TooFewLines { lines: usize, malformed: usize },
 }
 
 /// Lines left out of the fit, by why.
@@ -924,7 +924,10 @@ pub fn calibrate_from_log(
         fits.push(fit);
     }
     if fits.is_empty() {
-        return Err(FromLogError::TooFewLines { lines: usable });
+        return Err(FromLogError::TooFewLines {
+            lines: usable,
+            malformed: skipped.malformed,
+        });
     }
     Ok(FromLog {
         report: Report {

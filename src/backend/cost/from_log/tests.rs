@@ -362,7 +362,13 @@ fn hostile_lines_are_skipped_and_counted() {
 
     // Nothing usable: an error that says what a log needs.
     let err = calibrate_from_log(&g, &cost, None, &log[good..], 0).unwrap_err();
-    assert_eq!(err, FromLogError::TooFewLines { lines: 0 });
+    assert_eq!(
+        err,
+        FromLogError::TooFewLines {
+            lines: 0,
+            malformed: 0
+        }
+    );
 }
 
 /// A served line of `prompt` and `output` tokens on `replica`, seconds.
