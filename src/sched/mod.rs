@@ -1799,7 +1799,7 @@ impl Scheduler {
         let prompt32 = q.prompt.min(u64::from(u32::MAX)) as u32;
         let (mut running_left, mut shape_rate, mut decode, mut n_up) = (0.0, 0.0, f64::MAX, 0usize);
         // A replica takes new work at its next step boundary.
-        let (mut rate, mut prefill, mut prefill_ref) = (0.0, Micros::MAX, Micros::MAX);
+        let (mut rate, mut prefill, mut prefill_ref) = (0.0, [Micros::MAX; 2], [Micros::MAX; 2]);
         let (mut room_at, mut boundary) = (Micros::MAX, Micros::MAX);
         // A replica running nothing, with room: dispatch runs on every
         // event, so whatever still waits cannot use it (pinned to another
@@ -1838,15 +1838,18 @@ impl Scheduler {
             let cached = u64::from(rep.cached_prefix_tokens(q.prefix));
             let tokens = q.prompt.saturating_sub(cached);
             let rank = self.start_rank(r, q.tier);
-            let own = rep.first_token_time(tokens, rank);
-            prefill = prefill.min(own);
-            prefill_ref = prefill_ref.min(if reference > tokens {
-                rep.first_token_time(reference, rank)
-            } else {
-                own
-            });
+            // At the next step boundary (if it starts at once) and later.
+            for (i, next) in [(0, true), (1, false)] {
+                let own = rep.first_token_time(tokens, rank, next);
+                prefill[i] = prefill[i].min(own);
+                prefill_ref[i] = prefill_ref[i].min(if reference > tokens {
+                    rep.first_token_time(reference, rank, next)
+                } else {
+                    own
+                });
+            }
         }
-        if prefill == Micros::MAX {
+        if prefill[1] == Micros::MAX {
             return Estimate {
                 raw_start: u64::MAX / 4,
                 first_token: u64::MAX / 4,
@@ -1894,7 +1897,15 @@ impl Scheduler {
         } else {
             (((ahead_tokens / rate) * SEC as f64) as Micros).saturating_add(boundary)
         };
-        let prefill = if reference > 0 { prefill_ref } else { prefill };
+        // Starting at the next boundary, where the step in flight is done.
+        let next = (idle_now && self.cfg.mode == Mode::Kiln)
+            || (ahead_tokens <= 0.0 && room_at < Micros::MAX);
+        let i = usize::from(!next);
+        let prefill = if reference > 0 {
+            prefill_ref[i]
+        } else {
+            prefill[i]
+        };
         // Corrected by how far off such estimates have been lately, learnt
         // apart for the two kinds: a request first in fair order (nothing
         // queued ahead of it, it waits for the next slot to free) and one
