@@ -1345,6 +1345,31 @@ mod tests {
         assert_eq!(r.pending_prefill(1), 0, "nothing ranked above 0");
     }
 
+    #[test]
+    fn a_request_starting_at_the_next_boundary_does_not_pay_for_the_chunk_in_flight() {
+        let mut r = paged(1_000_000, 8);
+        r.admit(Seq::from_waiting(seq(0, 6000, 5, &[]), 0), 0);
+        // Before the step starts, both read the whole 6,000 pending.
+        assert_eq!(
+            r.first_token_time(100, 0, true),
+            r.first_token_time(100, 0, false)
+        );
+        r.start_step(0);
+        assert_eq!(r.running[0].step_prefill, 4096);
+        let next = r.first_token_time(100, 0, true);
+        let later = r.first_token_time(100, 0, false);
+        // At the boundary 1,904 of the prompt and our 100 are left: one
+        // step. Later, the pending 6,000 stand for what it will meet: the
+        // chunk in flight counted again, one full step more.
+        let one = sane_secs(r.spec.cost.step_time(2004, 0, 0));
+        let full = sane_secs(r.spec.cost.step_time(4096, 0, 0));
+        assert!((next as f64 / SEC as f64 - one).abs() < 1e-5, "{next}");
+        assert!(
+            (later.saturating_sub(next) as f64 / SEC as f64 - full).abs() < 1e-5,
+            "{later} {next}"
+        );
+    }
+
     fn seq(id: ReqId, prompt: u32, output: u32, prefix: &[u64]) -> Waiting {
         let mut w = waiting(id, 0, None);
         w.prompt_tokens = prompt;
