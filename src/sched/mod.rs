@@ -1839,11 +1839,11 @@ impl Scheduler {
             let tokens = q.prompt.saturating_sub(cached);
             let rank = self.start_rank(r, q.tier);
             // At the next step boundary (if it starts at once) and later.
-            for (i, next) in [(0, true), (1, false)] {
-                let own = rep.first_token_time(tokens, rank, next);
+            for (i, ahead) in rep.prefill_ahead(rank).iter().enumerate() {
+                let own = rep.first_token_after(ahead, tokens);
                 prefill[i] = prefill[i].min(own);
                 prefill_ref[i] = prefill_ref[i].min(if reference > tokens {
-                    rep.first_token_time(reference, rank, next)
+                    rep.first_token_after(ahead, reference)
                 } else {
                     own
                 });

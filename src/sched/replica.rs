@@ -273,6 +273,15 @@ pub struct EngineSignals {
     pub kv_cache: Option<f64>,
 }
 
+/// Prefill queued ahead of a new prompt on a replica, and the decodes its
+/// steps run beside ([`Replica::prefill_ahead`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PrefillAhead {
+    pending: u64,
+    decodes: u32,
+    context: u64,
+}
+
 #[derive(Debug)]
 pub struct Replica {
     pub spec: ReplicaSpec,
@@ -619,24 +628,44 @@ impl Replica {
     /// requests late, 9.5% of those admitted at 2.6x overload on one H100
     /// against 2.3%.
     pub fn first_token_time(&self, tokens: u64, rank: i64, next_boundary: bool) -> Micros {
-        let (mut pending, mut decodes, mut context) = (0u64, 0u32, 0u64);
-        let in_flight = next_boundary && self.busy && !self.spec.external;
+        let ahead = self.prefill_ahead(rank);
+        self.first_token_after(&ahead[usize::from(!next_boundary)], tokens)
+    }
+
+    /// What goes before a new prompt ranked `rank` in one pass over the
+    /// running sequences: at the next step boundary (`[0]`) and as it
+    /// stands now (`[1]`), for [`Self::first_token_after`]. (Admission
+    /// prices both, at two sizes, on every arrival.)
+    pub fn prefill_ahead(&self, rank: i64) -> [PrefillAhead; 2] {
+        let mut out = [PrefillAhead::default(); 2];
+        let in_flight = self.busy && !self.spec.external;
         for s in &self.running {
-            let left = if in_flight {
+            let next = if in_flight {
                 s.prefill_left.saturating_sub(s.step_prefill)
             } else {
                 s.prefill_left
             };
-            if left > 0 {
-                if s.rank >= rank {
-                    pending += u64::from(left);
+            for (a, left) in out.iter_mut().zip([next, s.prefill_left]) {
+                if left > 0 {
+                    if s.rank >= rank {
+                        a.pending += u64::from(left);
+                    }
+                } else {
+                    a.decodes += 1;
+                    a.context += u64::from(s.w.prompt_tokens) + u64::from(s.generated);
                 }
-            } else {
-                decodes += 1;
-                context += u64::from(s.w.prompt_tokens) + u64::from(s.generated);
             }
         }
-        self.prefill_time(pending.saturating_add(tokens.max(1)), decodes, context)
+        out
+    }
+
+    /// [`Self::first_token_time`] of a prompt of `tokens` behind `ahead`.
+    pub fn first_token_after(&self, ahead: &PrefillAhead, tokens: u64) -> Micros {
+        self.prefill_time(
+            ahead.pending.saturating_add(tokens.max(1)),
+            ahead.decodes,
+            ahead.context,
+        )
     }
 
     /// How long one request takes here from start to last token when
