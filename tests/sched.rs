@@ -1378,3 +1378,32 @@ mod window_promise {
         }
     }
 }
+
+/// When KV blocks run out mid-decode someone must be preempted. Within a
+/// priority it is a sequence of the tenant above its weighted share, not
+/// the newest one: a polite tenant's request arrives into a full pool and
+/// starts last, so "newest first" alone made it the victim every time.
+#[test]
+fn kv_preemption_takes_from_the_tenant_above_its_share() {
+    let text = r#"
+pool p { gpus 1 kind "H100-80GB" memory 80GB }
+model m { variant fp16 { memory 10GB pools [p] max_batch 16 } }
+tier t { priority 10 slo { ttft 60s } }
+tenant flood { owner "o" tiers [t] }
+tenant polite { owner "o" tiers [t] }
+classify { default => tier t }
+route t m { default => fp16 }
+"#;
+    let g = graph(text);
+    // 100 blocks of 16 tokens; the flooder's twelve sequences of up to 300
+    // tokens cannot all grow to their end, and the polite tenant's one
+    // request arrives when the pool is full.
+    let mut list: Vec<A> = (0..12).map(|i| a(i, "flood", 100, 200)).collect();
+    list.push(a(60, "polite", 100, 200));
+    let mut s = sched(&g, Mode::Kiln, 1600);
+    let o = run(&mut s, arrivals(list), |_, _| {});
+    assert!(o.iter().all(|x| x.finished.is_some()), "{o:?}");
+    let flood: u32 = o[..12].iter().map(|x| x.preemptions).sum();
+    assert!(flood > 0, "blocks ran out: the flooder gave some up: {o:?}");
+    assert_eq!(o[12].preemptions, 0, "the polite request: {:?}", o[12]);
+}

@@ -2419,17 +2419,40 @@ impl Scheduler {
     /// or, if none could take it, refused (`policy-changed`: only a swap
     /// shrinks a replica below what the 413 gate let in).
     fn make_room(&mut self, r: usize) {
-        let graph = &self.graph;
         // Sequences inside their tier's reserved share are kept.
         let protected = self.protected_tiers(r);
+        // Within a priority, a tenant using under 90% of its weighted share
+        // keeps its sequences while a tenant at or above it has one to give
+        // up (the newest of those, as before): what the pool must shed comes
+        // from who uses its share. Newest first alone evicted the polite
+        // tenant's sequences, which start last because they arrive into a
+        // full pool (on a KV-bound 70B pair, 240 of a tenant's asking 70% of
+        // its share against 12 of the backlogged one's). Only looked at when
+        // the blocks may run out this step (one per running sequence).
+        let rep = &self.replicas[r];
+        let tight = rep.kv_free() < rep.running.len() as u64 * u64::from(replica::KV_BLOCK_TOKENS);
+        let giving: Vec<(TierId, Option<TenantId>)> = if self.cfg.mode == Mode::Kiln && tight {
+            let key = (rep.spec.model, rep.spec.variant);
+            let mut v: Vec<(TierId, Option<TenantId>)> =
+                rep.running.iter().map(|s| (s.w.tier, s.w.tenant)).collect();
+            v.sort_unstable();
+            v.dedup();
+            v.retain(|&(tier, tenant)| self.share_used(key, tier, tenant) >= 0.9);
+            v
+        } else {
+            Vec::new()
+        };
+        let graph = &self.graph;
         let rank = |w: &Waiting| {
             if protected.contains(&w.tier) {
                 return i64::MAX;
             }
-            graph
+            let priority = graph
                 .tiers
                 .get(w.tier as usize)
-                .map_or(i64::MIN, |t| t.priority)
+                .map_or(i64::MIN / 2, |t| t.priority);
+            let keeps = i64::from(!giving.contains(&(w.tier, w.tenant)));
+            priority.saturating_mul(2).saturating_add(keeps)
         };
         let (max, now) = (self.cfg.max_preemptions_per_seq, self.now);
         let within = |s: &Seq| thrash_budget_allows(graph, max, now, s);
