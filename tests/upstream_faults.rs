@@ -359,7 +359,18 @@ async fn one(c: &reqwest::Client, base: &str, i: usize) -> (Verdict, u16) {
     let r = match sent {
         Ok(r) => r,
         Err(e) if e.is_timeout() => return (Verdict::Hung, 0),
-        Err(e) => return (Verdict::Unexplained(format!("send: {e}")), 0),
+        // The whole chain: reqwest's own message names only the URL, and
+        // a transport failure between the test's client and the gateway
+        // (reset, closed before the answer) reads the same at the top.
+        Err(e) => {
+            let mut why = format!("send: {e}");
+            let mut source = std::error::Error::source(&e);
+            while let Some(s) = source {
+                why.push_str(&format!(": {s}"));
+                source = s.source();
+            }
+            return (Verdict::Unexplained(why), 0);
+        }
     };
     let status = r.status().as_u16();
     let requeued = r.headers().contains_key("x-kiln-upstream-requeued");
