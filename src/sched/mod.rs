@@ -530,6 +530,11 @@ type MisKey = ((u16, u16), TierId, Option<TenantId>);
 /// Queued work started recently is counted over about this long.
 pub const DRAIN_WINDOW: Micros = 10 * SEC;
 
+/// A tenant whose [`Scheduler::share_used`] is over this is using about its
+/// weighted share: admission prices it size-neutrally, and its sequences go
+/// before those of tenants under it when KV blocks run out.
+const USING_ITS_SHARE: f64 = 0.9;
+
 /// How fast queued work starts on a variant's replicas: tokens started,
 /// decayed exponentially, so the rate follows the load.
 #[derive(Debug, Clone, Copy, Default)]
@@ -1779,7 +1784,7 @@ impl Scheduler {
         // at all: this runs on every arrival).
         let used = self.share_used(q.key, q.tier, q.tenant);
         let above_share = used > 1.05 || ahead.above_share;
-        let reference = if above_share || used > 0.9 {
+        let reference = if above_share || used > USING_ITS_SHARE {
             q.reference
         } else {
             0
@@ -2437,7 +2442,7 @@ impl Scheduler {
                 rep.running.iter().map(|s| (s.w.tier, s.w.tenant)).collect();
             v.sort_unstable();
             v.dedup();
-            v.retain(|&(tier, tenant)| self.share_used(key, tier, tenant) >= 0.9);
+            v.retain(|&(tier, tenant)| self.share_used(key, tier, tenant) > USING_ITS_SHARE);
             v
         } else {
             Vec::new()
