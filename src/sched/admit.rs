@@ -568,7 +568,9 @@ impl Scheduler {
             .flatten();
         let (id, tier) = (a.id, a.tier);
         self.enqueue(a);
-        if let Some((key, candidates)) = shed {
+        // Replicas with room take what is queued as slots free: no tenant
+        // is over a share of a pool nobody else is waiting for.
+        if let Some((key, candidates)) = shed.filter(|(_, c)| self.contended(c)) {
             self.shed_over_share(key, tier, id, &candidates);
         }
     }

@@ -668,6 +668,12 @@ impl Replica {
         )
     }
 
+    /// [`Self::first_token_after`] with no other prompt pending: its own
+    /// prefill beside the decodes of `ahead`.
+    pub fn first_token_alone(&self, ahead: &PrefillAhead, tokens: u64) -> Micros {
+        self.prefill_time(tokens.max(1), ahead.decodes, ahead.context)
+    }
+
     /// How long one request takes here from start to last token when
     /// nothing else runs: its prefill, then one single-sequence decode
     /// step per output token at half its final context, seconds. A batch
