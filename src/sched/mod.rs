@@ -539,7 +539,11 @@ pub const DRAIN_WINDOW: Micros = 10 * SEC;
 /// before those of tenants under it when KV blocks run out.
 const USING_ITS_SHARE: f64 = 0.9;
 
-/// A replica's real load is read over about this long.
+/// A replica's real load is read over about this long. A flood arriving
+/// at a pool idle for longer reads contended after about 27 s. 10 s read
+/// it in 9 s, but an overloaded one-GPU pool then read below the line in
+/// its lulls, and its batch tier's deadlines slipped (`tests/simulate.rs`
+/// batch report: 6 s late to 11 s).
 const LOAD_WINDOW: Micros = 30 * SEC;
 
 /// Below this real load (over [`LOAD_WINDOW`]) a variant's replicas have
