@@ -62,6 +62,9 @@ pub(super) struct Admitting<'g> {
     /// When admission estimated it would start (uncorrected), and whether
     /// it was first in fair order then (its estimate's kind).
     pub est_start: Option<(Micros, bool)>,
+    /// Whether its replicas were contended when admission estimated it
+    /// (none: not estimated).
+    pub contended: Option<bool>,
     /// Its completion window from arrival: its own ([`Arrival::window`],
     /// a batch item's) or else its tier's, µs.
     pub window: Option<Micros>,
@@ -424,6 +427,7 @@ fn wait_within_slo(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refus
     };
     let e = s.estimate_for(&q, &a.candidates);
     a.est_start = Some((e.raw_start, e.first_in_order));
+    a.contended = Some(e.contended);
     let est = if e.by_window { e.finish } else { e.first_token };
     let above_share = e.above_share;
     if est <= limit {
@@ -530,6 +534,7 @@ impl Scheduler {
             borrowed: false,
             baseline,
             est_start: None,
+            contended: None,
             window,
             deadline,
             quota_claimed: arrival.quota_claimed,
@@ -566,11 +571,13 @@ impl Scheduler {
                     .map(|t| ((t.model, t.variant), a.candidates.clone()))
             })
             .flatten();
-        let (id, tier) = (a.id, a.tier);
+        let (id, tier, contended) = (a.id, a.tier, a.contended);
         self.enqueue(a);
         // Replicas with room take what is queued as slots free: no tenant
         // is over a share of a pool nobody else is waiting for.
-        if let Some((key, candidates)) = shed.filter(|(_, c)| self.contended(c)) {
+        if let Some((key, candidates)) =
+            shed.filter(|(_, c)| contended.unwrap_or_else(|| self.contended(c)))
+        {
             self.shed_over_share(key, tier, id, &candidates);
         }
     }
@@ -666,7 +673,9 @@ impl Scheduler {
                 reference: self.size_reference(key, tier),
             };
             let waited = self.now.saturating_sub(w.arrival);
-            let e = self.estimate_for(&q, candidates);
+            // Only reached on contended replicas, and nothing since (at
+            // this instant) changes their load.
+            let e = self.estimate_given(&q, candidates, true);
             let est = if e.by_window { e.finish } else { e.first_token };
             if est.saturating_add(waited) as f64 <= SHED_MARGIN * limit as f64 {
                 return false;

@@ -490,6 +490,9 @@ pub(crate) struct Estimate {
     pub above_share: bool,
     /// Nothing queued goes ahead of it (its wait is the next slot).
     pub first_in_order: bool,
+    /// Its replicas were contended ([`Scheduler::contended`]) when it was
+    /// made: read once per arrival, passed on rather than read again.
+    pub contended: bool,
 }
 
 /// How far off wait estimates run: a running estimate of a high quantile
@@ -559,30 +562,54 @@ const LOAD_WINDOW: Micros = 30 * SEC;
 /// the bench does.
 const CONTENDED: f64 = 0.6;
 
+/// A sum decayed exponentially over `WINDOW`: added to as things happen,
+/// read as a rate that follows the recent past. No history kept, so the
+/// same sequence of events gives the same value.
+#[derive(Debug, Clone, Copy, Default)]
+struct Decayed<const WINDOW: Micros> {
+    sum: f64,
+    at: Micros,
+}
+
+impl<const WINDOW: Micros> Decayed<WINDOW> {
+    fn decayed(&self, now: Micros) -> f64 {
+        let dt = now.saturating_sub(self.at) as f64 / WINDOW as f64;
+        self.sum * (-dt).exp()
+    }
+
+    fn add(&mut self, now: Micros, x: f64) {
+        self.sum = (self.decayed(now) + x).max(0.0);
+        self.at = now;
+    }
+
+    /// Per second, as if the sum had always been accumulating.
+    fn rate(&self, now: Micros) -> f64 {
+        self.decayed(now) / (WINDOW as f64 / SEC as f64)
+    }
+}
+
+/// How fast queued work starts on a variant's replicas: tokens started,
+/// so the rate follows the load.
+type Drain = Decayed<DRAIN_WINDOW>;
+
 /// The work a replica's steps did (at its saturated throughput, so a
-/// second of it is a second of full capacity), decayed exponentially:
-/// its rate is the replica's real load.
+/// second of it is a second of full capacity): its rate is the replica's
+/// real load.
 #[derive(Debug, Clone, Copy, Default)]
 struct Load {
-    work: f64,
-    at: Micros,
+    work: Decayed<LOAD_WINDOW>,
     since: Option<Micros>,
 }
 
 impl Load {
     fn add(&mut self, now: Micros, work: f64) {
-        self.work = self.decayed(now) + work.max(0.0);
-        self.at = now;
+        self.work.add(now, work.max(0.0));
         self.since.get_or_insert(now);
     }
 
-    fn decayed(&self, now: Micros) -> f64 {
-        let dt = now.saturating_sub(self.at) as f64 / LOAD_WINDOW as f64;
-        self.work * (-dt).exp()
-    }
-
-    /// Seconds of work a second: what a constant load `u` would have
-    /// summed since the first step is `u * window * (1 - e^(-t/window))`.
+    /// Seconds of work a second. Until a whole window has passed since the
+    /// first step, a constant load `u` would have summed only
+    /// `u * window * (1 - e^(-t/window))`, so that is what it is divided by.
     fn rate(&self, now: Micros) -> f64 {
         let Some(since) = self.since else {
             return 0.0;
@@ -590,35 +617,10 @@ impl Load {
         let t = now.saturating_sub(since) as f64 / LOAD_WINDOW as f64;
         let span = (LOAD_WINDOW as f64 / SEC as f64) * (1.0 - (-t).exp());
         if span > 0.0 {
-            self.decayed(now) / span
+            self.work.decayed(now) / span
         } else {
             0.0
         }
-    }
-}
-
-/// How fast queued work starts on a variant's replicas: tokens started,
-/// decayed exponentially, so the rate follows the load.
-#[derive(Debug, Clone, Copy, Default)]
-struct Drain {
-    tokens: f64,
-    at: Micros,
-}
-
-impl Drain {
-    fn decayed(&self, now: Micros) -> f64 {
-        let dt = now.saturating_sub(self.at) as f64 / DRAIN_WINDOW as f64;
-        self.tokens * (-dt).exp()
-    }
-
-    fn add(&mut self, now: Micros, tokens: f64) {
-        self.tokens = (self.decayed(now) + tokens).max(0.0);
-        self.at = now;
-    }
-
-    /// Tokens per second.
-    fn rate(&self, now: Micros) -> f64 {
-        self.decayed(now) / (DRAIN_WINDOW as f64 / SEC as f64)
     }
 }
 
@@ -1806,13 +1808,18 @@ impl Scheduler {
     /// batch slot is free. Also says whether its tenant is above its fair
     /// share (so a refusal can say `fairness`).
     fn estimate_for(&self, q: &Estimating, replicas: &[usize]) -> Estimate {
+        self.estimate_given(q, replicas, self.contended(replicas))
+    }
+
+    /// [`Self::estimate_for`] where whether `replicas` are contended is
+    /// already known at this instant (one `exp` per replica to read it).
+    fn estimate_given(&self, q: &Estimating, replicas: &[usize], contended: bool) -> Estimate {
         let cost = self.cfg.vtc_input_weight * q.prompt as f64
             + self.cfg.vtc_output_weight * f64::from(q.output);
         // Later arrivals that fair share puts ahead: each tenant's recent
         // admitted rate over the tier's wait limit.
         // On replicas with room, later arrivals start beside it, not
         // before it: only contended ones make it wait for them.
-        let contended = self.contended(replicas);
         let horizon = if contended {
             self.wait_limit(q.tier, q.window).unwrap_or(0) as f64 / SEC as f64
         } else {
@@ -1940,8 +1947,9 @@ impl Scheduler {
                 first_token: u64::MAX / 4,
                 finish: u64::MAX / 4,
                 by_window,
-                above_share: ahead.above_share && self.contended(replicas),
+                above_share: ahead.above_share && contended,
                 first_in_order: false,
+                contended,
             };
         }
         let rate = rate.max(self.drain_rate(q.key)) * share;
@@ -2043,6 +2051,7 @@ impl Scheduler {
             by_window,
             above_share,
             first_in_order,
+            contended,
         }
     }
 
