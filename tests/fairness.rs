@@ -590,3 +590,71 @@ fn a_pool_with_room_does_not_refuse_the_tenant_sending_more() {
     assert!(refused * 100 <= asked, "{refused} of {asked} refused");
     assert!(kiln * 100 >= fifo * 99, "kiln {kiln} in time, fifo {fifo}");
 }
+
+/// On a KV-bound pool that a backlogged tenant keeps full, a tenant asking
+/// 70% of its share waits for a backlogged decode to finish before it can
+/// start, and misses its first-token SLO or is refused for it (`cargo
+/// bench --bench fair_mixes`, mix 11: 79% of what it asked on the 70B
+/// pair). Where the tier is `preemptible`, a tenant within its share takes
+/// the newest running sequence of its tier's tenant above its share
+/// instead; without `preemptible` nothing of the tier is preempted for it.
+#[test]
+fn a_tenant_within_its_share_takes_room_from_one_above_it_in_a_preemptible_tier() {
+    let ws = [("flood", 3.0), ("polite", 8.0)];
+    let pair = |preemptible: &str| {
+        one_tier_policy(
+            &format!(
+                r#"pool p {{ gpus 4 kind "H100-80GB" memory 80GB }}
+model llama-70b {{ params 70B kv_per_token 320KB variant fp16 {{ memory 140GB gpus_per_replica 2 pools [p] }} }}
+tier chat {{ priority 10 slo {{ ttft 2s }} {preemptible} }}
+route chat llama-70b {{ default => fp16 }}
+"#
+            ),
+            &ws,
+        )
+    };
+    let cap = pair_capacity();
+    let loads = [
+        synth::Load {
+            tenant: "flood".into(),
+            rate_per_s: 1.88 * cap,
+        },
+        synth::Load {
+            tenant: "polite".into(),
+            rate_per_s: 0.47 * cap,
+        },
+    ];
+    let recs = synth::poisson(sizes(), "llama-70b", &loads, 600.0, 11);
+    let outcome = |preemptible: &str| {
+        let o = run(&pair(preemptible), Mode::Kiln, &recs);
+        let (mut asked, mut met, mut polite_preempted, mut flood_preempted) = (0, 0, 0, 0);
+        for (r, o) in recs.iter().zip(&o) {
+            if r.tenant.as_deref() == Some("flood") {
+                flood_preempted += o.preemptions;
+                continue;
+            }
+            polite_preempted += o.preemptions;
+            if r.at_ms < 60_000.0 {
+                continue;
+            }
+            asked += 1;
+            met += usize::from(
+                o.rejected.is_none() && o.first_token.is_some_and(|f| f - o.arrival <= 2 * SEC),
+            );
+        }
+        (asked, met, polite_preempted, flood_preempted)
+    };
+    let (asked, waits, _, _) = outcome("");
+    let (_, takes, polite_preempted, flood_preempted) = outcome("preemptible");
+    eprintln!(
+        "polite: {asked} asked, in time {waits} (not preemptible) / {takes} (preemptible); \
+         preempted: polite {polite_preempted}, flood {flood_preempted}"
+    );
+    assert!(asked >= 300, "{asked}");
+    assert!(flood_preempted > 0, "the flooder gave way");
+    assert!(
+        takes * 100 >= waits * 105,
+        "preemptible {takes} against {waits} in time"
+    );
+    assert!(takes * 100 >= asked * 90, "{takes} of {asked} in time");
+}

@@ -542,6 +542,10 @@ pub const DRAIN_WINDOW: Micros = 10 * SEC;
 /// before those of tenants under it when KV blocks run out.
 const USING_ITS_SHARE: f64 = 0.9;
 
+/// A tenant whose [`Scheduler::share_used`] is over this is above its
+/// weighted share (5% of slack for rates read over a decaying window).
+const ABOVE_ITS_SHARE: f64 = 1.05;
+
 /// A replica's real load is read over about this long. A flood arriving
 /// at a pool idle for longer reads contended after about 27 s. 10 s read
 /// it in 9 s, but an overloaded one-GPU pool then read below the line in
@@ -1867,7 +1871,7 @@ impl Scheduler {
         } else {
             0.0
         };
-        let above_share = contended && (used > 1.05 || ahead.above_share);
+        let above_share = contended && (used > ABOVE_ITS_SHARE || ahead.above_share);
         let reference = if above_share || used > USING_ITS_SHARE {
             q.reference
         } else {
@@ -2122,7 +2126,7 @@ impl Scheduler {
     /// (in fair-share cost) than its weight's part among the tenants that
     /// sent any (by more than 5%).
     fn above_share(&self, key: (u16, u16), tier: TierId, tenant: Option<TenantId>) -> bool {
-        self.share_used(key, tier, tenant) > 1.05
+        self.share_used(key, tier, tenant) > ABOVE_ITS_SHARE
     }
 
     /// The tenant's recent admitted rate over its weighted part of the
@@ -2641,7 +2645,11 @@ impl Scheduler {
             return false;
         };
         let lends = w.tenant.and_then(|t| self.quotas.cohort(t)).is_some();
-        if tier.preempts.is_empty() && !lends {
+        // In its own tier only where the policy lets that tier's work be
+        // preempted and it promises a first token (a completion window
+        // waits its turn in fair order: recompute would only cost it).
+        let fair = self.cfg.mode == Mode::Kiln && tier.preemptible && tier.slo.ttft.is_some();
+        if tier.preempts.is_empty() && !lends && !fair {
             return false;
         }
         let victim = self.replicas[r]
@@ -2796,31 +2804,60 @@ impl Scheduler {
     }
 
     /// Whether a request of `tier` and `tenant` may preempt sequence `s`
-    /// running on replica `r`: a lower tier it may preempt, or work a
-    /// cohort member runs on borrowed quota, which the lender reclaims;
+    /// running on replica `r`: a lower tier it may preempt, work a cohort
+    /// member runs on borrowed quota (which the lender reclaims), or work
+    /// of its own tier's tenant above its share ([`Self::fair_victim`]);
     /// preemptible, within its thrash budget, and able to come back here.
     fn may_preempt(&self, r: usize, s: &Seq, tier: TierId, tenant: Option<TenantId>) -> bool {
         let Some(t) = self.graph.tiers.get(tier as usize) else {
             return false;
         };
+        let preemptible = s.w.preemptible_item
+            || self
+                .graph
+                .tiers
+                .get(s.w.tier as usize)
+                .is_some_and(|t| t.preemptible);
+        if !preemptible || s.w.orphan {
+            return false;
+        }
         let cohort = tenant.and_then(|t| self.quotas.cohort(t));
         let reclaim = s.w.borrowed
             && cohort.is_some()
             && s.w.tenant != tenant
             && s.w.tenant.and_then(|t| self.quotas.cohort(t)) == cohort;
-        (t.preempts.contains(&s.w.tier) || reclaim)
-            && (s.w.preemptible_item
-                || self
-                    .graph
-                    .tiers
-                    .get(s.w.tier as usize)
-                    .is_some_and(|t| t.preemptible))
-            && !s.w.orphan
+        (t.preempts.contains(&s.w.tier) || reclaim || self.fair_victim(s, tier, tenant))
             && self.within_thrash_budget(s)
             && self
                 .replicas
                 .get(r)
                 .is_some_and(|x| s.kv <= x.pool_tokens())
+    }
+
+    /// Whether `s` may give way, in its own tier, to a request of
+    /// `tenant`: its tier is preemptible (checked by the caller) and has a
+    /// first-token SLO, its tenant is above its weighted share, and
+    /// `tenant` is within its own.
+    /// So on a pool that a backlogged tenant keeps full, a tenant within
+    /// its share waits for no more than a step, not for a backlogged
+    /// decode to finish: what is held is over-share work (issue 26). Only
+    /// where the policy says the tier's work may be preempted (a paused
+    /// stream, recomputed on resume, or `on_preempt`'s answer).
+    fn fair_victim(&self, s: &Seq, tier: TierId, tenant: Option<TenantId>) -> bool {
+        if self.cfg.mode != Mode::Kiln
+            || s.w.tier != tier
+            || s.w.tenant == tenant
+            || self
+                .graph
+                .tiers
+                .get(tier as usize)
+                .is_none_or(|t| t.slo.ttft.is_none())
+        {
+            return false;
+        }
+        let key = (s.w.model, s.w.variant);
+        self.share_used(key, tier, s.w.tenant) > ABOVE_ITS_SHARE
+            && self.share_used(key, tier, tenant) < USING_ITS_SHARE
     }
 
     /// Whether running `s` may be preempted once more: within the thrash
