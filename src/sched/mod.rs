@@ -2534,13 +2534,7 @@ impl Scheduler {
                     .tiers
                     .get(seq.w.tier as usize)
                     .is_some_and(|t| t.slo.ttft.is_none());
-            seq.yields = seq.capped
-                && (seq.w.preemptible_item
-                    || self
-                        .graph
-                        .tiers
-                        .get(seq.w.tier as usize)
-                        .is_some_and(|t| t.preemptible));
+            seq.yields = seq.capped && seq.w.preemptible(&self.graph);
             self.replicas[r].admit(seq, now);
             self.out.push(Action::Started {
                 id,
@@ -2812,13 +2806,7 @@ impl Scheduler {
         let Some(t) = self.graph.tiers.get(tier as usize) else {
             return false;
         };
-        let preemptible = s.w.preemptible_item
-            || self
-                .graph
-                .tiers
-                .get(s.w.tier as usize)
-                .is_some_and(|t| t.preemptible);
-        if !preemptible || s.w.orphan {
+        if !s.w.preemptible(&self.graph) || s.w.orphan {
             return false;
         }
         let cohort = tenant.and_then(|t| self.quotas.cohort(t));

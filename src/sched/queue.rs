@@ -115,6 +115,16 @@ pub struct Slot {
 pub const AFFINITY_HOLD: Micros = 50_000;
 
 impl Waiting {
+    /// Whether its running work may be preempted: its tier says so, or its
+    /// batch marked its items so.
+    pub fn preemptible(&self, graph: &DecisionGraph) -> bool {
+        self.preemptible_item
+            || graph
+                .tiers
+                .get(self.tier as usize)
+                .is_some_and(|t| t.preemptible)
+    }
+
     pub fn tokens(&self) -> u64 {
         u64::from(self.prompt_tokens)
             + u64::from(self.output_tokens - self.generated.min(self.output_tokens))

@@ -226,12 +226,7 @@ impl Scheduler {
         if rep.spec.external || s.w.tier == tier || s.w.orphan {
             return false;
         }
-        let preemptible = s.w.preemptible_item
-            || self
-                .graph
-                .tiers
-                .get(s.w.tier as usize)
-                .is_some_and(|t| t.preemptible);
+        let preemptible = s.w.preemptible(&self.graph);
         let own = self.reserved_share(s.w.tier, rep.spec.pool);
         let inside_own = own > 0.0 && {
             let (slots, kv) = amount(rep, own);
