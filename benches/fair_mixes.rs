@@ -12,10 +12,6 @@
 //! kiln, fifo and priority in the same run. Capacity is throughput at
 //! saturation (a burst served first come first served).
 //!
-//! The tier is `preemptible`, so a tenant within its share may take a
-//! running sequence of its tier's tenant above its share; with
-//! `KILN_NOT_PREEMPTIBLE=1` it is not, and waits for room.
-//!
 //! `cargo bench --bench fair_mixes` (`-- quick` for fewer seeds).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // bench code may panic
 
@@ -58,13 +54,8 @@ const SHAPES: &[Shape] = &[
 ];
 
 fn policy(shape: &Shape, tenants: &[(String, u32)]) -> Arc<DecisionGraph> {
-    let preemptible = if std::env::var_os("KILN_NOT_PREEMPTIBLE").is_some() {
-        ""
-    } else {
-        " preemptible"
-    };
     let mut text = format!(
-        "{}\n{}\ntier chat {{ priority 10 slo {{ ttft {} }}{preemptible} }}\nclassify {{ default => tier chat }}\nroute chat m {{ default => fp16 }}\n",
+        "{}\n{}\ntier chat {{ priority 10 slo {{ ttft {} }} }}\nclassify {{ default => tier chat }}\nroute chat m {{ default => fp16 }}\n",
         shape.pool, shape.model, shape.slo
     );
     for (name, w) in tenants {

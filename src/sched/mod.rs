@@ -2639,11 +2639,7 @@ impl Scheduler {
             return false;
         };
         let lends = w.tenant.and_then(|t| self.quotas.cohort(t)).is_some();
-        // In its own tier only where the policy lets that tier's work be
-        // preempted and it promises a first token (a completion window
-        // waits its turn in fair order: recompute would only cost it).
-        let fair = self.cfg.mode == Mode::Kiln && tier.preemptible && tier.slo.ttft.is_some();
-        if tier.preempts.is_empty() && !lends && !fair {
+        if tier.preempts.is_empty() && !lends {
             return false;
         }
         let victim = self.replicas[r]
@@ -2798,9 +2794,8 @@ impl Scheduler {
     }
 
     /// Whether a request of `tier` and `tenant` may preempt sequence `s`
-    /// running on replica `r`: a lower tier it may preempt, work a cohort
-    /// member runs on borrowed quota (which the lender reclaims), or work
-    /// of its own tier's tenant above its share ([`Self::fair_victim`]);
+    /// running on replica `r`: a lower tier it may preempt, or work a
+    /// cohort member runs on borrowed quota, which the lender reclaims;
     /// preemptible, within its thrash budget, and able to come back here.
     fn may_preempt(&self, r: usize, s: &Seq, tier: TierId, tenant: Option<TenantId>) -> bool {
         let Some(t) = self.graph.tiers.get(tier as usize) else {
@@ -2814,38 +2809,12 @@ impl Scheduler {
             && cohort.is_some()
             && s.w.tenant != tenant
             && s.w.tenant.and_then(|t| self.quotas.cohort(t)) == cohort;
-        (t.preempts.contains(&s.w.tier) || reclaim || self.fair_victim(s, tier, tenant))
+        (t.preempts.contains(&s.w.tier) || reclaim)
             && self.within_thrash_budget(s)
             && self
                 .replicas
                 .get(r)
                 .is_some_and(|x| s.kv <= x.pool_tokens())
-    }
-
-    /// Whether `s` may give way, in its own tier, to a request of
-    /// `tenant`: its tier is preemptible (checked by the caller) and has a
-    /// first-token SLO, its tenant is above its weighted share, and
-    /// `tenant` is within its own.
-    /// So on a pool that a backlogged tenant keeps full, a tenant within
-    /// its share waits for no more than a step, not for a backlogged
-    /// decode to finish: what is held is over-share work (issue 26). Only
-    /// where the policy says the tier's work may be preempted (a paused
-    /// stream, recomputed on resume, or `on_preempt`'s answer).
-    fn fair_victim(&self, s: &Seq, tier: TierId, tenant: Option<TenantId>) -> bool {
-        if self.cfg.mode != Mode::Kiln
-            || s.w.tier != tier
-            || s.w.tenant == tenant
-            || self
-                .graph
-                .tiers
-                .get(tier as usize)
-                .is_none_or(|t| t.slo.ttft.is_none())
-        {
-            return false;
-        }
-        let key = (s.w.model, s.w.variant);
-        self.share_used(key, tier, s.w.tenant) > ABOVE_ITS_SHARE
-            && self.share_used(key, tier, tenant) < USING_ITS_SHARE
     }
 
     /// Whether running `s` may be preempted once more: within the thrash
