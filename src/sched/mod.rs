@@ -687,7 +687,6 @@ pub struct Scheduler {
     /// throughput: its real load, 0 to 1 ([`Load`]).
     load: HashMap<usize, Load>,
     /// How far off wait estimates have run, per (model, variant, tier).
-    /// How far off wait estimates have run, per (model, variant, tier).
     /// (Per tenant was tried: a tenant pushed back by others then learnt a
     /// larger factor, was refused more and fell below its share; on
     /// generated mixes the worst deviation went from 7% to over 200%.)
@@ -1937,7 +1936,11 @@ impl Scheduler {
             for (i, ahead) in rep.prefill_ahead(rank).iter().enumerate() {
                 let own = rep.first_token_after(ahead, tokens);
                 prefill[i] = prefill[i].min(own);
-                alone = alone.min(rep.first_token_alone(ahead, tokens));
+                // Read only where the pool has room (below): one more
+                // cost-model step per replica on every arrival otherwise.
+                if !contended {
+                    alone = alone.min(rep.first_token_alone(ahead, tokens));
+                }
                 prefill_ref[i] = prefill_ref[i].min(if reference > tokens {
                     rep.first_token_after(ahead, reference)
                 } else {
