@@ -2344,16 +2344,10 @@ impl Scheduler {
     /// Fills every idle replica: decodes continue, new work is admitted in
     /// queue order under the replica's budgets, preempting if needed.
     fn dispatch_all(&mut self) {
+        self.fill_upstreams();
         for r in 0..self.replicas.len() {
             let rep = &self.replicas[r];
-            if !rep.up {
-                continue;
-            }
-            if rep.spec.external {
-                // The upstream runs the batch: fill its slots, no steps.
-                if !rep.draining {
-                    self.fill(r);
-                }
+            if !rep.up || rep.spec.external {
                 continue;
             }
             if rep.busy {
@@ -2361,7 +2355,7 @@ impl Scheduler {
             }
             self.make_room(r);
             if !self.replicas[r].draining {
-                self.fill(r);
+                self.fill(r, usize::MAX);
             }
             let now = self.now;
             self.replicas[r].step_cap = self.step_cap(r);
@@ -2373,7 +2367,66 @@ impl Scheduler {
         }
     }
 
-    fn fill(&mut self, r: usize) {
+    /// Fills the slots of external replicas (HTTP upstreams run their own
+    /// batches; kiln only decides what is sent), one request at a time to
+    /// the least loaded replica with room: the share of its slots in use,
+    /// then its outstanding tokens, then its index. Filling them in index
+    /// order sent everything to the first upstream until its `concurrency`
+    /// was full (on two llama.cpp servers, 53 of 60 requests to one, each
+    /// slowed by the others in its batch, while the other idled); a
+    /// simulated replica takes new work only between its steps, so the
+    /// replay spread the same requests, and predicted half the latency.
+    fn fill_upstreams(&mut self) {
+        let load = |rep: &Replica| -> (f64, u64) {
+            let used = rep.running.len() as f64 / f64::from(rep.slots().max(1));
+            let tokens: u64 = rep
+                .running
+                .iter()
+                .map(|s| {
+                    u64::from(s.prefill_left)
+                        + u64::from(s.w.output_tokens.saturating_sub(s.generated))
+                })
+                .sum();
+            (used, tokens)
+        };
+        // (share of slots used, outstanding tokens, replica): computed once,
+        // and again only for the replica that took a request.
+        let mut open: Vec<(f64, u64, usize)> = self
+            .replicas
+            .iter()
+            .enumerate()
+            .filter(|(_, rep)| rep.up && rep.spec.external && !rep.draining)
+            .map(|(r, rep)| {
+                let (used, tokens) = load(rep);
+                (used, tokens, r)
+            })
+            .collect();
+        while !open.is_empty() {
+            open.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+            // The least loaded that starts something; one that starts
+            // nothing now (full, or nothing queued it can serve) is done.
+            let mut took = None;
+            let mut done = 0;
+            for (i, &(_, _, r)) in open.iter().enumerate() {
+                if self.fill(r, 1) > 0 {
+                    took = Some(i);
+                    break;
+                }
+                done = i + 1;
+            }
+            let Some(i) = took else {
+                break;
+            };
+            let r = open[i].2;
+            let (used, tokens) = load(&self.replicas[r]);
+            open[i] = (used, tokens, r);
+            open.drain(..done);
+        }
+    }
+
+    /// Starts queued work on replica `r`, at most `limit` requests; returns
+    /// how many started.
+    fn fill(&mut self, r: usize, limit: usize) -> usize {
         // The spec's plain fields: cloning it (its cost model is an `Arc`)
         // on every fill of every replica was a fifth of replay time.
         struct Spec {
@@ -2386,7 +2439,7 @@ impl Scheduler {
             max_batch_tokens: u32,
         }
         let Some(rep) = self.replicas.get(r) else {
-            return;
+            return 0;
         };
         let spec = Spec {
             pool: rep.spec.pool,
@@ -2397,7 +2450,8 @@ impl Scheduler {
             max_batch: rep.spec.max_batch,
             max_batch_tokens: rep.spec.max_batch_tokens,
         };
-        loop {
+        let mut started = 0;
+        while started < limit {
             // Work waits here, in fair order, not inside the batch: a new
             // sequence starts only when its prompt fits in the next step's
             // token budget beside the prefill already admitted and the
@@ -2544,7 +2598,9 @@ impl Scheduler {
                 replica: r,
                 waited_for,
             });
+            started += 1;
         }
+        started
     }
 
     /// Before a step on replica `r`: decoding sequences get the KV block
@@ -2897,6 +2953,60 @@ mod tests {
             Action::Cancelled { id } => Some(*id),
             _ => None,
         })
+    }
+
+    /// Where each started request went.
+    fn started_on(acts: &[Action]) -> Vec<(ReqId, usize)> {
+        acts.iter()
+            .filter_map(|a| match a {
+                Action::Started { id, replica, .. } => Some((*id, *replica)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn upstreams_are_filled_least_loaded_first_not_in_index_order() {
+        // Three HTTP upstreams of four slots each. Filled in index order,
+        // the first took every request until its four slots were full
+        // while the others idled (a real engine slows every sequence it
+        // runs for each one beside it).
+        let g = graph(
+            r#"
+pool ext { gpus 3 kind "H100-80GB" memory 80GB }
+model api { variant up { precision fp16 memory 10GB pools [ext] max_batch 4 } }
+tier t { priority 10 }
+tenant a { owner "o" tiers [t] }
+classify { default => tier t }
+route [t] api { default => up }
+"#,
+        );
+        let mut s = sched(&g);
+        assert_eq!(s.replicas.len(), 3);
+        assert!(s.replicas.iter().all(|r| r.spec.external));
+        let mut on = Vec::new();
+        for id in 0..6 {
+            on.extend(started_on(&arrive(
+                &mut s,
+                id * MS,
+                arrival(id, "a", "api", 100, 20),
+            )));
+        }
+        let per = |r: usize| on.iter().filter(|(_, x)| *x == r).count();
+        assert_eq!((per(0), per(1), per(2)), (2, 2, 2), "{on:?}");
+        // Arrivals of one instant too; and twelve fill all twelve slots.
+        let mut s = sched(&g);
+        for id in 0..6 {
+            arrive(&mut s, 0, arrival(id, "a", "api", 100, 20));
+        }
+        let running =
+            |s: &Scheduler| -> Vec<usize> { s.replicas.iter().map(|r| r.running.len()).collect() };
+        assert_eq!(running(&s), [2, 2, 2]);
+        for id in 6..13 {
+            arrive(&mut s, 0, arrival(id, "a", "api", 100, 20));
+        }
+        assert_eq!(running(&s), [4, 4, 4]);
+        assert_eq!(s.waiting(), 1);
     }
 
     #[test]
