@@ -8,6 +8,7 @@
 //! mbu = 0.8                # memory-bandwidth utilisation, (0, 1]
 //! mfu = 0.5                # FLOP utilisation, (0, 1]
 //! step_overhead_ms = 1.0   # fixed cost per step, ≥ 0
+//! seq_overhead_ms = 0.0    # cost per decoding sequence in a step, ≥ 0
 //! activation_reserve = 0.1 # share of GPU memory not for weights/KV, [0, 1)
 //! attention_q_per_kv = 8   # query heads per KV head (attention FLOPs), ≥ 0
 //!
@@ -36,6 +37,7 @@ pub struct EfficiencyOverride {
     pub mbu: Option<f64>,
     pub mfu: Option<f64>,
     pub step_overhead_ms: Option<f64>,
+    pub seq_overhead_ms: Option<f64>,
     pub activation_reserve: Option<f64>,
     pub attention_q_per_kv: Option<f64>,
 }
@@ -56,6 +58,8 @@ pub struct VariantOverride {
     pub mbu: Option<f64>,
     pub mfu: Option<f64>,
     pub step_overhead_ms: Option<f64>,
+    /// Cost of each decoding sequence in a step (output head, sampling).
+    pub seq_overhead_ms: Option<f64>,
     pub activation_reserve: Option<f64>,
     /// Multiplies every step time of the variant.
     pub time_factor: Option<f64>,
@@ -107,6 +111,7 @@ struct RawEfficiency {
     mbu: Num,
     mfu: Num,
     step_overhead_ms: Num,
+    seq_overhead_ms: Num,
     activation_reserve: Num,
     attention_q_per_kv: Num,
 }
@@ -137,6 +142,7 @@ struct RawVariant {
     mbu: Num,
     mfu: Num,
     step_overhead_ms: Num,
+    seq_overhead_ms: Num,
     activation_reserve: Num,
     time_factor: Num,
     kv_bytes_per_token: Num,
@@ -211,6 +217,7 @@ impl Calibration {
                 mbu: take(spans, p("mbu"), e.mbu),
                 mfu: take(spans, p("mfu"), e.mfu),
                 step_overhead_ms: take(spans, p("step_overhead_ms"), e.step_overhead_ms),
+                seq_overhead_ms: take(spans, p("seq_overhead_ms"), e.seq_overhead_ms),
                 activation_reserve: take(spans, p("activation_reserve"), e.activation_reserve),
                 attention_q_per_kv: take(spans, p("attention_q_per_kv"), e.attention_q_per_kv),
             };
@@ -250,6 +257,7 @@ impl Calibration {
                     mbu: take(spans, p("mbu"), v.mbu),
                     mfu: take(spans, p("mfu"), v.mfu),
                     step_overhead_ms: take(spans, p("step_overhead_ms"), v.step_overhead_ms),
+                    seq_overhead_ms: take(spans, p("seq_overhead_ms"), v.seq_overhead_ms),
                     activation_reserve: take(spans, p("activation_reserve"), v.activation_reserve),
                     time_factor: take(spans, p("time_factor"), v.time_factor),
                     kv_bytes_per_token: take(spans, p("kv_bytes_per_token"), v.kv_bytes_per_token),
@@ -296,6 +304,11 @@ impl Calibration {
             Rule::NonNegative,
         ));
         checks.push((
+            "efficiency.seq_overhead_ms".into(),
+            e.seq_overhead_ms,
+            Rule::NonNegative,
+        ));
+        checks.push((
             "efficiency.activation_reserve".into(),
             e.activation_reserve,
             Rule::Reserve,
@@ -327,6 +340,7 @@ impl Calibration {
                 checks.push((p("mbu"), v.mbu, Rule::Fraction));
                 checks.push((p("mfu"), v.mfu, Rule::Fraction));
                 checks.push((p("step_overhead_ms"), v.step_overhead_ms, Rule::NonNegative));
+                checks.push((p("seq_overhead_ms"), v.seq_overhead_ms, Rule::NonNegative));
                 checks.push((p("activation_reserve"), v.activation_reserve, Rule::Reserve));
                 checks.push((p("time_factor"), v.time_factor, Rule::Positive));
                 checks.push((
@@ -387,7 +401,7 @@ impl Calibration {
             &mut e,
             o.mbu,
             o.mfu,
-            o.step_overhead_ms,
+            (o.step_overhead_ms, o.seq_overhead_ms),
             o.activation_reserve,
         );
         if let Some(q) = o.attention_q_per_kv {
@@ -404,7 +418,7 @@ impl Calibration {
                 &mut e,
                 v.mbu,
                 v.mfu,
-                v.step_overhead_ms,
+                (v.step_overhead_ms, v.seq_overhead_ms),
                 v.activation_reserve,
             );
         }
@@ -525,6 +539,7 @@ impl Calibration {
                 ("mbu", e.mbu),
                 ("mfu", e.mfu),
                 ("step_overhead_ms", e.step_overhead_ms),
+                ("seq_overhead_ms", e.seq_overhead_ms),
                 ("activation_reserve", e.activation_reserve),
                 ("attention_q_per_kv", e.attention_q_per_kv),
             ],
@@ -558,6 +573,7 @@ impl Calibration {
                         ("mbu", v.mbu),
                         ("mfu", v.mfu),
                         ("step_overhead_ms", v.step_overhead_ms),
+                        ("seq_overhead_ms", v.seq_overhead_ms),
                         ("activation_reserve", v.activation_reserve),
                         ("time_factor", v.time_factor),
                         ("kv_bytes_per_token", v.kv_bytes_per_token),
@@ -573,7 +589,7 @@ fn apply(
     e: &mut Efficiency,
     mbu: Option<f64>,
     mfu: Option<f64>,
-    overhead_ms: Option<f64>,
+    (overhead_ms, seq_overhead_ms): (Option<f64>, Option<f64>),
     reserve: Option<f64>,
 ) {
     if let Some(v) = mbu {
@@ -584,6 +600,9 @@ fn apply(
     }
     if let Some(v) = overhead_ms {
         e.step_overhead = v / 1e3;
+    }
+    if let Some(v) = seq_overhead_ms {
+        e.seq_overhead = v / 1e3;
     }
     if let Some(v) = reserve {
         e.activation_reserve = v;

@@ -7,7 +7,8 @@
 //! stream every weight from memory once per step, plus the KV cache of every
 //! sequence it attends over. A step takes as long as the slower of the two
 //! (the roofline), plus a fixed per-step overhead (scheduling, kernel
-//! launches, sampling). Tensor parallelism over `tp` GPUs divides both the
+//! launches) and a cost per decoding sequence (the output head and
+//! sampling, 0 unless calibrated). Tensor parallelism over `tp` GPUs divides both the
 //! bytes and the FLOPs by `tp`; its all-reduce cost is folded into the
 //! efficiency factors.
 //!
@@ -21,7 +22,7 @@
 //!
 //! t_memory      = (weight_bytes + C × kv_bytes) / BW
 //! t_compute     = (2 × params × (p + b) + attn_flops_per_pair × pairs) / F
-//! step_time     = (max(t_memory, t_compute) + overhead) × time_factor
+//! step_time     = (max(t_memory, t_compute) + overhead + b × seq_overhead) × time_factor
 //!               = 0 when p = 0 and b = 0 (no step)
 //! ```
 //!
@@ -66,7 +67,7 @@
 //! Not modelled: KV-cache writes (`(p + b) × kv_bytes`, tiny next to the
 //! weight read), quantisation scales (~3% for int4 group-128), MoE routing
 //! (a MoE model's `params` should be its *active* parameters for time, which
-//! undercounts its weight memory), PCIe/NVLink transfers, and sampling.
+//! undercounts its weight memory), PCIe/NVLink transfers, and (unless calibrated) sampling.
 
 use super::error::SimError;
 use super::gpu::GpuSpec;
@@ -81,8 +82,14 @@ pub struct Efficiency {
     /// Model-FLOP utilisation, 0–1: the share of dense tensor-core peak real
     /// GEMMs reach on a prefill-sized batch (~0.5).
     pub mfu: f64,
-    /// Fixed cost of every step, seconds: scheduling, launches, sampling.
+    /// Fixed cost of every step, seconds: scheduling, launches.
     pub step_overhead: f64,
+    /// Cost of each sequence that decodes a token in a step, seconds: the
+    /// output head over the vocabulary and sampling, paid per sequence and
+    /// not shared by batching. Negligible beside a GPU's weight read (0 by
+    /// default); on a CPU engine (llama.cpp) a decode token measured about
+    /// 1.8x a prompt token, and a fit from its log sets it.
+    pub seq_overhead: f64,
     /// Share of GPU memory kept for activations and the CUDA context, 0–1.
     pub activation_reserve: f64,
     /// Query heads per KV head, for the default attention-FLOP estimate.
@@ -95,6 +102,7 @@ impl Default for Efficiency {
             mbu: 0.8,
             mfu: 0.5,
             step_overhead: 0.001,
+            seq_overhead: 0.0,
             activation_reserve: 0.10,
             attention_q_per_kv: 8.0,
         }
@@ -308,7 +316,7 @@ impl ReplicaModel {
         let pairs = p * (p + 1.0) / 2.0 + p * prior + ctx;
         let flops = 2.0 * self.params * (p + b) + self.attention_flops_per_pair * pairs;
         let compute = flops / self.effective_flops;
-        let overhead = self.efficiency.step_overhead;
+        let overhead = self.efficiency.step_overhead + self.efficiency.seq_overhead * b;
         let total = (memory.max(compute) + overhead) * self.time_factor;
         StepBreakdown {
             memory,
