@@ -6,8 +6,10 @@
 //! end-to-end time (both from arrival, so both include the queue), the
 //! prompt and output tokens, the route (`model.variant on pool`) and the
 //! replica it ran on (`decision.replica`). The engine's steps are not in
-//! the log, so each line is turned into two observations of the roofline `step(p, b, C) = max(bytes / B, flops / F) + o`
-//! ([`super::replica`]) at the load the line met:
+//! the log, so each line is turned into two observations of the roofline
+//! `step(p, b, C) = max(bytes / B, flops / F) + o + s·b` ([`super::replica`];
+//! `s` is the cost of each decoding sequence, the output head and sampling)
+//! at the load the line met:
 //!
 //! - **Time to first token on the replica** (`ttft − queue`): the prompt's
 //!   prefill step beside the `b₀` sequences already decoding on its replica
@@ -17,22 +19,25 @@
 //!   `step(prompt, b₀, C₀) + ½ · min(b₀, 1) · step(0, max(b₀, 1), C₀)`.
 //! - **Inter-token time** (`(e2e − ttft) / (output − 1)`): decode steps at
 //!   the time-averaged batch `b̄` over its decode (itself plus the others
-//!   running on its replica), each other prompt that started in that span
+//!   running on its replica), each other prompt prefilled in that span
 //!   adding its prefill to one of the steps:
 //!   `step(0, b̄, C̄) + m/n · (step(p̄, b̄, C̄) − step(0, b̄, C̄))` with `m`
 //!   such prompts per replica, of `p̄` tokens on average, over `n` tokens.
+//!   A prompt counts by the share of its prefill (its start to its first
+//!   token) inside the span.
 //!
 //! Context `C` is the batch times the pool's mean `prompt + output / 2`.
 //! Queueing in kiln is excluded (it is recorded); queueing inside the engine
 //! is what the batch terms model.
 //!
-//! `(B, F, o)` minimise the squared log error of both predictions over
+//! `(B, F, o, s)` minimise the squared log error of both predictions over
 //! two thirds of the lines (Nelder–Mead in log space, from the current
 //! cost model's figures, with restarts); the other third is held back and
 //! the report gives the median and p90 absolute relative error of TTFT,
 //! inter-token time and end-to-end time on the replica there, before and
-//! after. The fit is written as the variant's `mbu`, `mfu` and
-//! `step_overhead_ms` (relative to the pool's GPU figures); a device faster
+//! after. The fit is written as the variant's `mbu`, `mfu`,
+//! `step_overhead_ms` and `seq_overhead_ms` (relative to the pool's GPU
+//! figures); a device faster
 //! than its figures gets a `time_factor` below 1 instead of a factor above
 //! 1, so the file always loads.
 
@@ -113,7 +118,8 @@ struct Obs {
     /// Mean batch over its decode, and the batch's context.
     bbar: f64,
     cbar: f64,
-    /// Other prompts started during its decode per replica, their mean size.
+    /// Other prompts prefilled during its decode per replica (each counted
+    /// by the share of its prefill inside the span), their mean size.
     m: f64,
     pbar: f64,
     /// Decode steps (output − 1).
@@ -149,6 +155,9 @@ pub struct Rates {
     pub bandwidth: f64,
     pub flops: f64,
     pub overhead: f64,
+    /// Seconds per decoding sequence per step (the output head and
+    /// sampling; `seq_overhead_ms`).
+    pub per_seq: f64,
 }
 
 impl Rates {
@@ -163,6 +172,7 @@ impl Rates {
             bandwidth: r.effective_bandwidth / k,
             flops: r.effective_flops / k,
             overhead: r.efficiency.step_overhead * k,
+            per_seq: r.efficiency.seq_overhead * k,
         }
     }
 
@@ -174,7 +184,7 @@ impl Rates {
         let bytes = s.weight_bytes + c * s.kv_bytes_per_token;
         let pairs = p * (p + 1.0) / 2.0 + c;
         let flops = 2.0 * s.params * (p + b) + s.attention_flops_per_pair * pairs;
-        (bytes / self.bandwidth).max(flops / self.flops) + self.overhead
+        (bytes / self.bandwidth).max(flops / self.flops) + self.overhead + self.per_seq * b
     }
 
     fn ttft(&self, s: &Shape, o: &Obs) -> f64 {
@@ -285,6 +295,8 @@ pub struct GroupFit {
     pub mbu: f64,
     pub mfu: f64,
     pub step_overhead_ms: f64,
+    /// Per decoding sequence and step; `None` where the fit found none.
+    pub seq_overhead_ms: Option<f64>,
     /// Below 1 only when the device beats its datasheet figures.
     pub time_factor: f64,
     /// The pull toward the cost model's rates of the fit that was kept
@@ -387,9 +399,10 @@ struct Load {
     count: Vec<f64>,
     /// ∫ count dt from the first event to each event time.
     area: Vec<f64>,
-    /// Starts, ascending, with the running sum of prompt tokens.
-    starts: Vec<f64>,
-    prompts: Vec<f64>,
+    /// Prefills (start, first token, prompt tokens), by start, and the
+    /// longest of them.
+    prefills: Vec<(f64, f64, f64)>,
+    longest: f64,
 }
 
 impl Load {
@@ -415,23 +428,16 @@ impl Load {
             count.push(c);
             area.push(a);
         }
-        let mut st: Vec<(f64, f64)> = lines.iter().map(|l| (l.start, l.prompt)).collect();
-        st.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let mut sum = 0.0;
-        let mut starts = Vec::with_capacity(st.len());
-        let mut prompts = Vec::with_capacity(st.len() + 1);
-        prompts.push(0.0);
-        for (t, p) in st {
-            sum += p;
-            starts.push(t);
-            prompts.push(sum);
-        }
+        let mut prefills: Vec<(f64, f64, f64)> =
+            lines.iter().map(|l| (l.start, l.first, l.prompt)).collect();
+        prefills.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let longest = prefills.iter().map(|p| p.1 - p.0).fold(0.0f64, f64::max);
         Load {
             times,
             count,
             area,
-            starts,
-            prompts,
+            prefills,
+            longest,
         }
     }
 
@@ -463,14 +469,31 @@ impl Load {
         (self.integral_to(b) - self.integral_to(a)) / (b - a)
     }
 
-    /// Starts in `(a, b]`, and their prompt tokens.
-    fn started(&self, a: f64, b: f64) -> (f64, f64) {
-        let i = self.starts.partition_point(|x| *x <= a);
-        let j = self.starts.partition_point(|x| *x <= b);
-        if j <= i {
+    /// Prompts prefilled during `[a, b]` and their tokens: each prompt
+    /// spread evenly over its prefill (start to first token) and counted
+    /// by the share of it inside the span. (Counting only the prompts that
+    /// started inside a line's decode missed those still prefilling when it
+    /// began, and the engine's time per token of work, prompt or decode,
+    /// measured flat across loads once they were counted.)
+    fn prefilling(&self, a: f64, b: f64) -> (f64, f64) {
+        if b <= a {
             return (0.0, 0.0);
         }
-        ((j - i) as f64, self.prompts[j] - self.prompts[i])
+        let from = self.prefills.partition_point(|p| p.0 < a - self.longest);
+        let (mut n, mut tokens) = (0.0, 0.0);
+        for &(start, first, prompt) in &self.prefills[from..] {
+            if start >= b {
+                break;
+            }
+            let span = first - start;
+            if span <= 0.0 {
+                continue;
+            }
+            let inside = ((b.min(first) - a.max(start)) / span).clamp(0.0, 1.0);
+            n += inside;
+            tokens += prompt * inside;
+        }
+        (n, tokens)
     }
 }
 
@@ -514,7 +537,7 @@ fn observe(l: &Line, load: &Load, r: f64, ctx: f64) -> Obs {
     let b0 = ((load.count_at(l.start) - 1.0).max(0.0)) / r;
     let others = (load.mean(l.first, l.end) - 1.0).max(0.0);
     let bbar = 1.0 + others / r;
-    let (m, tokens) = load.started(l.first, l.end);
+    let (m, tokens) = load.prefilling(l.first, l.end);
     let steps = (l.output - 1.0).max(0.0);
     let itl = (steps >= 1.0).then(|| (l.end - l.first) / steps);
     Obs {
@@ -551,40 +574,50 @@ fn objective(rates: &Rates, s: &Shape, obs: &[Obs]) -> f64 {
         .sum()
 }
 
-fn rates_of(x: &[f64; 3]) -> Rates {
+/// The fitted parameters, in log space: bandwidth, compute, step
+/// overhead, per-sequence overhead.
+const PARAMS: usize = 4;
+
+fn rates_of(x: &[f64; PARAMS]) -> Rates {
     Rates {
         bandwidth: x[0].exp(),
         flops: x[1].exp(),
         overhead: x[2].exp(),
+        per_seq: x[3].exp(),
     }
 }
 
 /// Nelder–Mead over `x` (log rates), `iters` iterations from a simplex of
 /// `step` around `x0`.
-fn nelder_mead(f: &dyn Fn(&[f64; 3]) -> f64, x0: [f64; 3], step: f64, iters: usize) -> [f64; 3] {
-    let mut pts: Vec<([f64; 3], f64)> = Vec::with_capacity(4);
+fn nelder_mead<const N: usize>(
+    f: &dyn Fn(&[f64; N]) -> f64,
+    x0: [f64; N],
+    step: f64,
+    iters: usize,
+) -> [f64; N] {
+    let mut pts: Vec<([f64; N], f64)> = Vec::with_capacity(N + 1);
     pts.push((x0, f(&x0)));
-    for i in 0..3 {
+    for i in 0..N {
         let mut x = x0;
         x[i] += step;
         pts.push((x, f(&x)));
     }
     for _ in 0..iters {
         pts.sort_by(|a, b| a.1.total_cmp(&b.1));
-        let (best, worst) = (pts[0].1, pts[3].1);
+        let (best, worst) = (pts[0].1, pts[N].1);
         if (worst - best).abs() <= 1e-12 * (1.0 + best.abs()) {
             break;
         }
-        let mut c = [0.0; 3];
-        for p in &pts[..3] {
+        let mut c = [0.0; N];
+        for p in &pts[..N] {
             for (cj, pj) in c.iter_mut().zip(p.0.iter()) {
-                *cj += pj / 3.0;
+                *cj += pj / N as f64;
             }
         }
-        let along = |t: f64| -> [f64; 3] {
-            let mut x = [0.0; 3];
-            for j in 0..3 {
-                x[j] = c[j] + t * (pts[3].0[j] - c[j]);
+        let along = |t: f64| -> [f64; N] {
+            let mut x = [0.0; N];
+            for j in 0..N {
+                x[j] = c[j] + t * (pts[N].0[j] - c[j]);
             }
             x
         };
@@ -593,18 +626,18 @@ fn nelder_mead(f: &dyn Fn(&[f64; 3]) -> f64, x0: [f64; 3], step: f64, iters: usi
         if fr < pts[0].1 {
             let xe = along(-2.0);
             let fe = f(&xe);
-            pts[3] = if fe < fr { (xe, fe) } else { (xr, fr) };
-        } else if fr < pts[2].1 {
-            pts[3] = (xr, fr);
+            pts[N] = if fe < fr { (xe, fe) } else { (xr, fr) };
+        } else if fr < pts[N - 1].1 {
+            pts[N] = (xr, fr);
         } else {
-            let xc = if fr < pts[3].1 {
+            let xc = if fr < pts[N].1 {
                 along(-0.5)
             } else {
                 along(0.5)
             };
             let fc = f(&xc);
-            if fc < pts[3].1.min(fr) {
-                pts[3] = (xc, fc);
+            if fc < pts[N].1.min(fr) {
+                pts[N] = (xc, fc);
             } else {
                 let b = pts[0].0;
                 for p in pts.iter_mut().skip(1) {
@@ -654,11 +687,12 @@ fn fit_rates(s: &Shape, obs: &[Obs], start: &Rates, prior_weight: f64) -> Rates 
         ln(start.bandwidth, 1.0),
         ln(start.flops, 1.0),
         ln(start.overhead, 1e-6),
+        ln(start.per_seq, 1e-6),
     ];
     let span = MAX_RATE_FACTOR.ln();
-    let lo = [x0[0] - span, x0[1] - span, 1e-7f64.ln()];
-    let hi = [x0[0] + span, x0[1] + span, 10.0f64.ln()];
-    let clamp = |x: &[f64; 3]| -> [f64; 3] {
+    let lo = [x0[0] - span, x0[1] - span, 1e-7f64.ln(), 1e-7f64.ln()];
+    let hi = [x0[0] + span, x0[1] + span, 10.0f64.ln(), 10.0f64.ln()];
+    let clamp = |x: &[f64; PARAMS]| -> [f64; PARAMS] {
         let mut y = *x;
         for (i, v) in y.iter_mut().enumerate() {
             *v = v.clamp(lo[i], hi[i]);
@@ -666,11 +700,14 @@ fn fit_rates(s: &Shape, obs: &[Obs], start: &Rates, prior_weight: f64) -> Rates 
         y
     };
     let pull = prior_weight.max(0.0);
-    let f = |x: &[f64; 3]| {
+    let f = |x: &[f64; PARAMS]| {
         let y = clamp(x);
-        let away: f64 = y
+        // The pull is on the three roofline figures: the per-sequence
+        // cost starts at 0 (none) for most devices, where a pull in log
+        // space would hold it there at any weight.
+        let away: f64 = y[..3]
             .iter()
-            .zip(x0.iter())
+            .zip(x0[..3].iter())
             .map(|(a, b)| (a - b) * (a - b))
             .sum();
         objective(&rates_of(&y), s, obs) + pull * away
@@ -681,11 +718,14 @@ fn fit_rates(s: &Shape, obs: &[Obs], start: &Rates, prior_weight: f64) -> Rates 
     let mut best = (f(&x), x);
     for k in -12..=12 {
         for ko in [-4.0, -2.0, 0.0, 2.0, 4.0] {
-            let shift = f64::from(k) * 0.75;
-            let y = clamp(&[x[0] + shift, x[1] + shift, x[2] + ko]);
-            let v = f(&y);
-            if v < best.0 {
-                best = (v, y);
+            // The per-sequence cost: as it starts, or 0.3 ms, 3 ms, 30 ms.
+            for ks in [x[3], 3e-4f64.ln(), 3e-3f64.ln(), 3e-2f64.ln()] {
+                let shift = f64::from(k) * 0.75;
+                let y = clamp(&[x[0] + shift, x[1] + shift, x[2] + ko, ks]);
+                let v = f(&y);
+                if v < best.0 {
+                    best = (v, y);
+                }
             }
         }
     }
@@ -755,6 +795,46 @@ fn held_score(rates: &Rates, s: &Shape, held: &[Obs]) -> f64 {
         .filter_map(|o| o.itl.map(|i| (rates.itl(s, o) / i).ln().abs()))
         .collect();
     med(ttft) + med(itl)
+}
+
+/// A rate the lines never found binding is written as its datasheet
+/// figure (utilisation 1), or the lowest value above it that fits as
+/// well, not as whatever the fit drifted to: a CPU engine whose every
+/// step is compute-bound fits any bandwidth above some value, and one 10⁴
+/// times the sheet's made `time_factor` 10⁻⁴ and every other figure in the
+/// file 10⁴ times too large (the same model, written so that nobody could
+/// read it). Lowered only as far as the fitting loss stays within a
+/// thousandth.
+fn never_the_bound(rates: Rates, s: &Shape, obs: &[Obs], bandwidth: f64, flops: f64) -> Rates {
+    let loss = |r: &Rates| objective(r, s, obs);
+    let within = loss(&rates) * 1.001 + 1e-12;
+    // The lowest value (down to the sheet's) at which the loss holds:
+    // bisection in log space between the sheet and the fit.
+    let lowest = |fitted: f64, sheet: f64, with: &dyn Fn(f64) -> Rates| -> f64 {
+        if !(sheet > 0.0 && fitted > sheet) {
+            return fitted;
+        }
+        if loss(&with(sheet)) <= within {
+            return sheet;
+        }
+        let (mut lo, mut hi) = (sheet.ln(), fitted.ln());
+        for _ in 0..40 {
+            let mid = 0.5 * (lo + hi);
+            if loss(&with(mid.exp())) <= within {
+                hi = mid;
+            } else {
+                lo = mid;
+            }
+        }
+        hi.exp()
+    };
+    let bandwidth = lowest(rates.bandwidth, bandwidth, &|b| Rates {
+        bandwidth: b,
+        ..rates
+    });
+    let rates = Rates { bandwidth, ..rates };
+    let flops = lowest(rates.flops, flops, &|f| Rates { flops: f, ..rates });
+    Rates { flops, ..rates }
 }
 
 /// Significant digits kept in the file.
@@ -849,15 +929,24 @@ pub fn calibrate_from_log(
         }
         let (_, rates, prior_weight) = choice;
         let tp = f64::from(replica.tp.max(1));
+        let rates = never_the_bound(
+            rates,
+            &shape,
+            &train,
+            tp * replica.gpu.hbm_bandwidth,
+            tp * compute_rate(&replica.gpu, replica.precision),
+        );
         let mut mbu = rates.bandwidth / (tp * replica.gpu.hbm_bandwidth);
         let mut mfu = rates.flops / (tp * compute_rate(&replica.gpu, replica.precision));
         let mut overhead = rates.overhead;
+        let mut per_seq = rates.per_seq;
         let top = mbu.max(mfu);
         let time_factor = if top > 1.0 { sig(1.0 / top) } else { 1.0 };
         if time_factor < 1.0 {
             mbu = (mbu * time_factor).min(1.0);
             mfu = (mfu * time_factor).min(1.0);
             overhead /= time_factor;
+            per_seq /= time_factor;
             notes.push(format!(
                 "{}.{} on {}: the fitted rates beat the {} figures ({:.4e} B/s, {:.4e} FLOP/s); written as time_factor {} with factors ≤ 1",
                 replica.model_name,
@@ -871,6 +960,8 @@ pub fn calibrate_from_log(
         }
         let (mbu, mfu) = (sig(mbu).clamp(1e-9, 1.0), sig(mfu).clamp(1e-9, 1.0));
         let step_overhead_ms = sig(overhead * 1e3).max(0.0);
+        // Below a microsecond it is the fit's floor, not a cost: not written.
+        let seq_overhead_ms = Some(sig(per_seq * 1e3)).filter(|v| *v >= 1e-3);
         let mean_queue_ms =
             lines.iter().map(|l| l.queue).sum::<f64>() / lines.len().max(1) as f64 * 1e3;
         let mean_batch =
@@ -891,6 +982,7 @@ pub fn calibrate_from_log(
             mbu,
             mfu,
             step_overhead_ms,
+            seq_overhead_ms,
             time_factor,
             prior_weight,
             mean_queue_ms,
@@ -918,6 +1010,7 @@ pub fn calibrate_from_log(
             vo.mbu = Some(fit.mbu);
             vo.mfu = Some(fit.mfu);
             vo.step_overhead_ms = Some(fit.step_overhead_ms);
+            vo.seq_overhead_ms = fit.seq_overhead_ms;
             vo.time_factor = (fit.time_factor < 1.0).then_some(fit.time_factor);
             *slot = fits.len();
         }
@@ -975,14 +1068,16 @@ pub fn render(r: &Report) -> String {
         );
         let _ = writeln!(
             s,
-            "  fit on {} lines: bandwidth {:.4e} B/s, compute {:.4e} FLOP/s, step overhead {:.3} ms (before: {:.4e} B/s, {:.4e} FLOP/s, {:.3} ms)",
+            "  fit on {} lines: bandwidth {:.4e} B/s, compute {:.4e} FLOP/s, step overhead {:.3} ms, per decoding sequence {:.3} ms (before: {:.4e} B/s, {:.4e} FLOP/s, {:.3} ms, {:.3} ms)",
             g.fitted,
             g.rates.bandwidth,
             g.rates.flops,
             g.rates.overhead * 1e3,
+            g.rates.per_seq * 1e3,
             g.before_rates.bandwidth,
             g.before_rates.flops,
-            g.before_rates.overhead * 1e3
+            g.before_rates.overhead * 1e3,
+            g.before_rates.per_seq * 1e3
         );
         let _ = match g.prior_weight {
             Some(0.0) => writeln!(
@@ -1001,10 +1096,13 @@ pub fn render(r: &Report) -> String {
         };
         let _ = writeln!(
             s,
-            "  written: mbu {}, mfu {}, step_overhead_ms {}{}",
+            "  written: mbu {}, mfu {}, step_overhead_ms {}{}{}",
             g.mbu,
             g.mfu,
             g.step_overhead_ms,
+            g.seq_overhead_ms
+                .map(|v| format!(", seq_overhead_ms {v}"))
+                .unwrap_or_default(),
             if g.time_factor < 1.0 {
                 format!(", time_factor {}", g.time_factor)
             } else {
