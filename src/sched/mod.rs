@@ -1691,18 +1691,11 @@ impl Scheduler {
         let backlog: u64 = rep.running.iter().map(|s| u64::from(s.prefill_left)).sum();
         let queue_wait = (pinned.saturating_add(backlog) as f64 / rep.throughput_tokens_per_s()
             * SEC as f64) as Micros;
-        let running: u64 = rep
-            .running
-            .iter()
-            .map(|s| {
-                u64::from(s.prefill_left) + u64::from(s.w.output_tokens.saturating_sub(s.generated))
-            })
-            .sum();
         route::Candidate {
             replica: r,
             saved,
             wait: slot_wait.saturating_add(queue_wait),
-            load: pinned.saturating_add(running),
+            load: pinned.saturating_add(rep.outstanding_tokens()),
         }
     }
 
@@ -2377,17 +2370,14 @@ impl Scheduler {
     /// simulated replica takes new work only between its steps, so the
     /// replay spread the same requests, and predicted half the latency.
     fn fill_upstreams(&mut self) {
+        // Nothing queued, nothing to place (the common case on a quiet
+        // gateway): no keys, no picks.
+        if self.queues.is_empty() {
+            return;
+        }
         let load = |rep: &Replica| -> (f64, u64) {
             let used = rep.running.len() as f64 / f64::from(rep.slots().max(1));
-            let tokens: u64 = rep
-                .running
-                .iter()
-                .map(|s| {
-                    u64::from(s.prefill_left)
-                        + u64::from(s.w.output_tokens.saturating_sub(s.generated))
-                })
-                .sum();
-            (used, tokens)
+            (used, rep.outstanding_tokens())
         };
         // (share of slots used, outstanding tokens, replica): computed once,
         // and again only for the replica that took a request.
@@ -2417,6 +2407,9 @@ impl Scheduler {
             let Some(i) = took else {
                 break;
             };
+            if self.queues.is_empty() {
+                break;
+            }
             let r = open[i].2;
             let (used, tokens) = load(&self.replicas[r]);
             open[i] = (used, tokens, r);

@@ -412,6 +412,17 @@ impl Replica {
         self.saturated_secs(prompt, 0, 0) + f64::from(output) * self.saturated_secs(0, 1, ctx)
     }
 
+    /// Tokens its running sequences still have to process: what is left
+    /// of each prefill and each answer.
+    pub fn outstanding_tokens(&self) -> u64 {
+        self.running
+            .iter()
+            .map(|s| {
+                u64::from(s.prefill_left) + u64::from(s.w.output_tokens.saturating_sub(s.generated))
+            })
+            .sum()
+    }
+
     /// The running sequences' remaining work at saturated throughput
     /// (what is left of each one's prefill and output), seconds.
     pub fn remaining_work_secs(&self) -> f64 {
