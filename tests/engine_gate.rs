@@ -27,6 +27,10 @@ struct Engine {
     metrics_fail: AtomicBool,
     received: AtomicU32,
     running: AtomicU32,
+    /// Requests another client runs there (added to what it publishes).
+    foreign: AtomicU32,
+    /// The most of kiln's requests it ran at once.
+    peak: AtomicU32,
 }
 
 async fn metrics(State(e): State<Arc<Engine>>) -> axum::response::Response {
@@ -37,7 +41,7 @@ async fn metrics(State(e): State<Arc<Engine>>) -> axum::response::Response {
         "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name=\"tiny\"}} {}\n\
          vllm:num_requests_waiting{{model_name=\"tiny\"}} {}\n\
          vllm:kv_cache_usage_perc{{model_name=\"tiny\"}} {}\n",
-        e.running.load(Ordering::SeqCst),
+        e.running.load(Ordering::SeqCst) + e.foreign.load(Ordering::SeqCst),
         e.waiting.load(Ordering::SeqCst),
         f64::from(e.kv.load(Ordering::SeqCst)) / 100.0
     )
@@ -46,7 +50,8 @@ async fn metrics(State(e): State<Arc<Engine>>) -> axum::response::Response {
 
 async fn chat(State(e): State<Arc<Engine>>, Json(_): Json<Value>) -> Json<Value> {
     e.received.fetch_add(1, Ordering::SeqCst);
-    e.running.fetch_add(1, Ordering::SeqCst);
+    let now = e.running.fetch_add(1, Ordering::SeqCst) + 1;
+    e.peak.fetch_max(now, Ordering::SeqCst);
     tokio::time::sleep(Duration::from_millis(100)).await;
     e.running.fetch_sub(1, Ordering::SeqCst);
     Json(json!({
@@ -205,7 +210,8 @@ async fn a_saturated_engine_gets_nothing_new_and_kiln_keeps_the_queue() {
     assert_eq!(e.received.load(Ordering::SeqCst), 3);
     // Open again, it fills what the engine runs, not the ceiling at once:
     // never seen full with anything running (its waiting requests were
-    // not ours), one more than it ran at the last scrape.
+    // not ours), half as much again as it ran at the last scrape, at
+    // least one more (below 4: one more).
     let g = wait_for_state(&c, &base, "ok").await;
     let ran = g["load"]["running"].as_f64().unwrap() as u64;
     assert_eq!(g["cap"].as_u64(), Some((ran + 1).min(4)), "{g}");
@@ -221,6 +227,53 @@ async fn a_saturated_engine_gets_nothing_new_and_kiln_keeps_the_queue() {
     assert_eq!(send(c.clone(), base.clone()).await, 200);
     let sig = signals(&c, &base).await;
     assert_eq!(sig["kv_occupancy"].as_f64(), Some(50.0), "{sig}");
+    gw.stop().await;
+    task.abort();
+}
+
+/// What another client runs and queues in the engine is taken off what
+/// kiln may hold there: the gate counts kiln's own requests (as they start
+/// and end) against the engine's slots less the others'.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_clients_requests_in_the_engine_take_room_from_kiln() {
+    let e = Arc::new(Engine::default());
+    // Another client runs 3 and queues 3: the engine is seen full at 3.
+    e.foreign.store(3, Ordering::SeqCst);
+    e.waiting.store(3, Ordering::SeqCst);
+    let (url, task) = engine(e.clone()).await;
+    let gw = serve_on_loopback(policy("engine.kiln", POLICY), config(&url)).await;
+    let base = format!("http://{}", gw.addr);
+    let c = client(Duration::from_secs(30));
+    let g = wait_for_state(&c, &base, "saturated").await;
+    assert_eq!(g["cap"], 0, "the others hold every slot and queue: {g}");
+
+    // Its queue drains; it still runs 2 of the 3 slots. Kiln may hold the
+    // slots and the waiting it allows (3 + max_engine_waiting 2) less the
+    // others' 2: 3, below the ceiling of 4.
+    e.foreign.store(2, Ordering::SeqCst);
+    e.waiting.store(0, Ordering::SeqCst);
+    let until = Instant::now() + Duration::from_secs(5);
+    let g = loop {
+        let g = gate(&c, &base).await;
+        if g["state"] == "ok" && g["load"]["running"] == 2.0 {
+            break g;
+        }
+        assert!(Instant::now() < until, "never open: {g}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(g["cap"], 3, "{g}");
+    let calls: Vec<_> = (0..6)
+        .map(|_| tokio::spawn(send(c.clone(), base.clone())))
+        .collect();
+    for call in calls {
+        assert_eq!(call.await.unwrap(), 200);
+    }
+    assert_eq!(e.received.load(Ordering::SeqCst), 6);
+    let peak = e.peak.load(Ordering::SeqCst);
+    assert!(
+        (1..=3).contains(&peak),
+        "kiln ran {peak} at once beside the other client's 2"
+    );
     gw.stop().await;
     task.abort();
 }

@@ -53,6 +53,7 @@ def llama(kiln_log_dir):
         "--host", "127.0.0.1",
         "--port", str(port),
         "--no-webui",
+        "--metrics",  # for the engine-aware gateway below
     ]  # fmt: skip
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -205,6 +206,37 @@ class Outcome:
 
 def explain(kiln, o: Outcome) -> dict:
     return kiln.get_json(f"/admin/explain/{o.rid}")
+
+
+def test_an_engine_aware_gateway_reads_the_slots_llama_cpp_declares(llama, kiln_log_dir):
+    """With `engine = "llama.cpp"` kiln scrapes `/metrics` and reads the
+    engine's slots from `/props` (`total_slots`, its `--parallel 1`), so,
+    with no waiting allowed there, it fills one slot, not the ceiling of 4,
+    from the first request on."""
+    template = CONFIG_TEMPLATE.read_text()
+    config = kiln_log_dir / "kiln-llama-engine.toml"
+    config.write_text(
+        template.replace(TEMPLATE_URL, f'url = "{llama}"\nengine = "llama.cpp"\nscrape_interval = "200ms"\nscrape_timeout = "200ms"\nmax_engine_waiting = 0')
+        .replace("concurrency = 1 ", "concurrency = 4 ")
+        .replace(TEMPLATE_CALIBRATION, f'calibration = "{POLICY / "calibration.toml"}"')
+    )
+    assert "concurrency = 4 " in config.read_text(), "examples/llama/kiln.toml no longer sets `concurrency = 1`"
+    with run_kiln(["--policy", str(POLICY), "--config", str(config)], kiln_log_dir / "kiln-llama-engine.log") as k:
+        gate = {}
+        for _ in range(100):  # up to ~10 s
+            gate = k.get_json("/admin/queues")["replicas"][0].get("engine") or {}
+            if gate.get("slots") is not None:
+                break
+            time.sleep(0.1)
+        print("\nengine gate:", gate)
+        assert gate.get("engine") == "llama.cpp", gate
+        assert gate.get("slots") == 1, gate
+        assert gate.get("state") == "ok", gate
+        assert gate.get("cap") == 1 and gate.get("ceiling") == 4, gate
+        c = client(k, CHAT_KEY)
+        r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+        assert r.choices[0].message.content is not None, r
+        c.close()
 
 
 def test_high_tier_overtakes_queued_batch_work(kiln):

@@ -12,15 +12,23 @@
 //! static `concurrency` ceiling an adaptive limit moves with the time to
 //! first token kiln observes on the replica (AIMD against `target_ttft`,
 //! where one is set), and below the engine's slots: an open gate lets kiln
-//! fill what the engine runs at once (the most it was seen running while
-//! requests waited in it, plus `max_engine_waiting`), or, before it was
-//! ever seen full, one more than it ran at the last scrape. (Filling up to
-//! the ceiling at once overshot the engine between two scrapes, and the
-//! extra requests waited in the engine's own FIFO, where priority no
-//! longer orders them.) A scrape that fails, or is older than three
-//! intervals, falls back to the static ceiling, and `/admin/queues` says
-//! so. `engine = "openai"` (the default) scrapes nothing: `concurrency`
-//! alone bounds it.
+//! fill what the engine runs at once (its slots as llama.cpp declares them
+//! in `/props`, else the most it was seen running while requests waited
+//! in it; plus `max_engine_waiting`), or, before it was
+//! ever seen full, half as much again as kiln had there at the last scrape
+//! (at least one more). (Filling up to the ceiling at once overshot the
+//! engine between two scrapes, and the extra requests waited in the
+//! engine's own FIFO, where priority no longer orders them.) The gate is
+//! a number of kiln's own requests on the replica, which kiln counts as
+//! they start and end; a scrape says how many of the engine's requests
+//! are not kiln's (other clients, other gateways) and whether the engine
+//! is full below its slots (KV memory), and those are taken off. So a
+//! scrape that caught a request of kiln's waiting in the engine for a
+//! moment holds nothing back for the scrape interval: the next request
+//! goes as soon as one of kiln's own ends. A scrape that fails, or is
+//! older than three intervals, falls back to the static ceiling, and
+//! `/admin/queues` says so. `engine = "openai"` (the default) scrapes
+//! nothing: `concurrency` alone bounds it.
 
 use super::Upstream;
 use crate::units::duration;
@@ -91,6 +99,18 @@ impl Engine {
                 kv: &[],
                 enable: "TGI serves /metrics by default",
             }),
+        }
+    }
+
+    /// Where the engine says how many requests it runs at once, and the
+    /// JSON field: llama.cpp's `llama-server` answers `GET /props` with
+    /// `total_slots` (its `--parallel`). The others publish no such figure
+    /// (vLLM's `max_num_seqs` is not in its metrics), so their slots are
+    /// learnt from scrapes that show requests waiting.
+    fn declares_slots(self) -> Option<(&'static str, &'static str)> {
+        match self {
+            Engine::LlamaCpp => Some(("/props", "total_slots")),
+            _ => None,
         }
     }
 
@@ -245,6 +265,12 @@ pub(super) struct EngineState {
     /// The most requests the engine was seen running while others waited
     /// in it: its slots (`None` until it was seen full).
     pub(super) slots: Option<f64>,
+    /// Requests the engine held at the last scrape that were not this
+    /// gateway's (other clients, other replicas of a fleet).
+    pub(super) others: f64,
+    /// Whether the engine's declared slots are still to be read
+    /// ([`Engine::declares_slots`]): until it answers once.
+    pub(super) ask_slots: bool,
     /// Why the last scrape failed, if it did.
     pub(super) error: Option<String>,
     pub(super) aimd: Aimd,
@@ -255,6 +281,8 @@ impl EngineState {
         EngineState {
             last: None,
             slots: None,
+            others: 0.0,
+            ask_slots: true,
             error: None,
             aimd: Aimd::new(ceiling, target),
         }
@@ -271,17 +299,56 @@ pub(super) fn learn_slots(slots: Option<f64>, load: &EngineLoad) -> Option<f64> 
     }
 }
 
-/// How many requests kiln may have on the engine with the gate open: its
-/// slots and the waiting it allows once they are known, else one more
-/// than it ran at the last scrape (a ramp of one a scrape until it is
-/// first seen full).
-pub(super) fn fill_below_slots(load: &EngineLoad, slots: Option<f64>, max_waiting: u32) -> u32 {
+/// The slots an engine declares in its JSON answer (`field`, a whole
+/// number from 1 to 4,096), if it does.
+pub(super) fn declared_slots(body: &[u8], field: &str) -> Option<f64> {
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let n = v.get(field)?.as_f64()?;
+    (n.fract() == 0.0 && (1.0..=4096.0).contains(&n)).then_some(n)
+}
+
+/// Requests the engine held that were not this gateway's: what it ran
+/// and queued beyond the `mine` kiln held there while the scrape was in
+/// flight (the larger count of its start and end, so a request of
+/// kiln's still in transit is never read as someone else's).
+pub(super) fn others(load: &EngineLoad, mine: u32) -> f64 {
+    let n = load.running + load.waiting - f64::from(mine);
+    if n.is_finite() {
+        n.max(0.0)
+    } else {
+        0.0
+    }
+}
+
+/// How many of kiln's own requests the engine may hold with the gate
+/// open. Once its slots are known: its slots (only as many as it runs,
+/// while more than `max_waiting` wait in it: full below its slots, e.g.
+/// of KV memory) and the waiting it allows, less what other clients hold
+/// there. Before: half as much again as kiln had there at the last
+/// scrape, at least one more (a ramp that reaches a large engine's slots
+/// in a few scrapes and overshoots a small one by at most half).
+pub(super) fn fill_below_slots(
+    load: &EngineLoad,
+    slots: Option<f64>,
+    max_waiting: u32,
+    others: f64,
+) -> u32 {
     let n = match slots {
-        Some(s) => s + f64::from(max_waiting),
-        None => load.running.max(0.0) + 1.0,
+        Some(s) => {
+            let runs = if load.waiting > f64::from(max_waiting) {
+                s.min(load.running)
+            } else {
+                s
+            };
+            runs + f64::from(max_waiting) - others
+        }
+        None => {
+            let mine = (load.running - others).max(0.0);
+            mine + (mine / 2.0).floor().max(1.0)
+        }
     };
     if n.is_finite() {
-        (n.floor() as u32).max(1)
+        (n.floor().max(0.0) as u32).max(u32::from(slots.is_none()))
     } else {
         1
     }
@@ -301,15 +368,20 @@ fn lock(m: &std::sync::Mutex<EngineState>) -> std::sync::MutexGuard<'_, EngineSt
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct EngineStatus {
     pub engine: &'static str,
-    /// `ok` (below saturation: sending up to `limit`), `saturated`
-    /// (sending nothing new), `fallback` (no fresh scrape: the static
-    /// `concurrency`).
+    /// `ok` (below saturation: sending up to `cap`), `saturated` (requests
+    /// wait in the engine or its KV memory is full: kiln holds at most
+    /// `cap` of its own there, 0 for KV), `fallback` (no fresh scrape: the
+    /// static `concurrency`).
     pub state: &'static str,
     /// The slots kiln may fill now.
     pub cap: u32,
     /// The adaptive limit and the static ceiling it moves under.
     pub limit: u32,
     pub ceiling: u32,
+    /// The engine's slots, as it declared them or as scrapes showed them
+    /// (not known until it was seen full).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slots: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub load: Option<EngineLoad>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -325,9 +397,10 @@ impl Upstream {
     }
 
     /// The slots kiln may fill on this replica now, and why: the adaptive
-    /// limit below saturation, none while saturated (requests running
-    /// there finish; no new one starts), the static `concurrency` without
-    /// a fresh scrape. `None` for an upstream whose engine is not scraped
+    /// limit below the engine's slots (less what other clients hold
+    /// there), what the engine runs while requests wait in it, none while
+    /// its KV memory is full or it queues before its slots are known, the
+    /// static `concurrency` without a fresh scrape. `None` for an upstream whose engine is not scraped
     /// (its `concurrency` alone bounds it).
     pub fn slot_gate(&self) -> Option<EngineStatus> {
         if !self.cfg.engine.scraped() {
@@ -344,6 +417,7 @@ impl Upstream {
             cap: ceiling,
             limit,
             ceiling,
+            slots: st.slots,
             load: st.last.map(|(l, _)| l),
             scraped_ms_ago: st
                 .last
@@ -375,18 +449,23 @@ impl Upstream {
         };
         let over_queue = load.waiting > f64::from(self.cfg.max_engine_waiting);
         let over_kv = load.kv_cache.is_some_and(|kv| kv >= self.cfg.max_kv_cache);
-        if over_queue || over_kv {
-            let why = if over_queue {
-                format!(
-                    "{} requests wait in the engine (more than max_engine_waiting = {})",
-                    load.waiting, self.cfg.max_engine_waiting
-                )
-            } else {
+        let queued = || {
+            format!(
+                "{} requests wait in the engine (more than max_engine_waiting = {})",
+                load.waiting, self.cfg.max_engine_waiting
+            )
+        };
+        // KV memory full, or requests waiting in an engine whose slots are
+        // not known yet: nothing new until a scrape says otherwise.
+        if over_kv || (over_queue && st.slots.is_none()) {
+            let why = if over_kv {
                 format!(
                     "KV cache {:.0}% used (max_kv_cache = {:.0}%)",
                     load.kv_cache.unwrap_or(0.0) * 100.0,
                     self.cfg.max_kv_cache * 100.0
                 )
+            } else {
+                queued()
             };
             return Some(EngineStatus {
                 state: "saturated",
@@ -395,10 +474,26 @@ impl Upstream {
                 ..base
             });
         }
-        let room = fill_below_slots(&load, st.slots, self.cfg.max_engine_waiting);
+        let room = fill_below_slots(&load, st.slots, self.cfg.max_engine_waiting, st.others);
+        let cap = limit.min(room);
+        if over_queue {
+            // Its slots are known: what waits there is kiln's own overshoot
+            // (kiln holds more than `cap` and sends again as its own
+            // requests end, not a scrape later) or the engine is full below
+            // its slots (`cap` follows what it runs).
+            return Some(EngineStatus {
+                state: "saturated",
+                cap,
+                reason: Some(format!(
+                    "{}: kiln keeps at most {cap} of its own requests there",
+                    queued()
+                )),
+                ..base
+            });
+        }
         Some(EngineStatus {
             state: "ok",
-            cap: limit.min(room),
+            cap,
             ..base
         })
     }
@@ -407,6 +502,7 @@ impl Upstream {
     /// what it read (or why it failed) is kept for [`Upstream::slot_gate`].
     pub async fn scrape(&self) -> Result<EngineLoad, String> {
         let engine = self.cfg.engine;
+        let held_before = self.meter.holding();
         let request = self.client.get(self.endpoint(&self.cfg.metrics_path));
         let request = match &self.auth {
             Some(auth) => request.header(reqwest::header::AUTHORIZATION, auth.clone()),
@@ -433,9 +529,22 @@ impl Upstream {
                 duration::format(self.cfg.scrape_timeout)
             )),
         };
+        let mine = held_before.max(self.meter.holding());
+        let ask = outcome.is_ok() && lock(&self.engine_state).ask_slots;
+        let declared = match self.cfg.engine.declares_slots() {
+            Some((path, field)) if ask => self.ask_slots(path, field).await,
+            _ => None,
+        };
         let mut st = lock(&self.engine_state);
+        if let Some(answer) = declared {
+            st.ask_slots = false;
+            if let Some(n) = answer {
+                st.slots = Some(st.slots.map_or(n, |s| s.max(n)));
+            }
+        }
         match &outcome {
             Ok(load) => {
+                st.others = others(load, mine);
                 if st.error.take().is_some() {
                     tracing::info!(upstream = &*self.name, "engine metrics scraped again");
                 }
@@ -450,6 +559,41 @@ impl Upstream {
             }
         }
         outcome
+    }
+
+    /// Asks the engine how many requests it runs at once (`GET path`,
+    /// within `scrape_timeout`): `None` when it could not be asked (ask
+    /// again at the next scrape), `Some(None)` when it answered without
+    /// the figure (do not ask again).
+    async fn ask_slots(&self, path: &str, field: &str) -> Option<Option<f64>> {
+        let request = self.client.get(self.endpoint(path));
+        let request = match &self.auth {
+            Some(auth) => request.header(reqwest::header::AUTHORIZATION, auth.clone()),
+            None => request,
+        };
+        let fetch = async {
+            let resp = request.send().await.ok()?;
+            let ok = resp.status().is_success();
+            // `/props` carries the chat template: a few KB, rarely more.
+            let (bytes, cut) = super::read_body(resp, 4 << 20).await.ok()?;
+            Some(
+                (ok && !cut)
+                    .then(|| declared_slots(&bytes, field))
+                    .flatten(),
+            )
+        };
+        let answer = tokio::time::timeout(self.cfg.scrape_timeout, fetch)
+            .await
+            .ok()
+            .flatten();
+        if let Some(Some(n)) = answer {
+            tracing::info!(
+                upstream = &*self.name,
+                slots = n,
+                "engine declares its slots"
+            );
+        }
+        answer
     }
 
     /// A first token came `ttft` after the request took its slot here:
@@ -523,10 +667,10 @@ vllm:prompt_tokens_total{model_name="m"} 1e6
         assert!(parse_metrics(Engine::OpenAi, VLLM).is_err());
     }
 
-    /// The open gate fills below the engine's slots: one more than it ran
-    /// until it is seen full, then its slots (plus the waiting allowed),
-    /// learnt from scrapes that show requests waiting; a scrape with
-    /// nothing waiting teaches nothing.
+    /// The open gate fills below the engine's slots: half as much again as
+    /// kiln had there (at least one more) until it is seen full, then its
+    /// slots (plus the waiting allowed), learnt from scrapes that show
+    /// requests waiting; a scrape with nothing waiting teaches nothing.
     #[test]
     fn the_gate_fills_what_the_engine_runs_not_the_ceiling() {
         let load = |running: f64, waiting: f64| EngineLoad {
@@ -534,8 +678,10 @@ vllm:prompt_tokens_total{model_name="m"} 1e6
             waiting,
             kv_cache: None,
         };
-        assert_eq!(fill_below_slots(&load(0.0, 0.0), None, 0), 1);
-        assert_eq!(fill_below_slots(&load(3.0, 0.0), None, 0), 4);
+        assert_eq!(fill_below_slots(&load(0.0, 0.0), None, 0, 0.0), 1);
+        assert_eq!(fill_below_slots(&load(3.0, 0.0), None, 0, 0.0), 4);
+        // A large engine is reached in a few scrapes, not one a scrape.
+        assert_eq!(fill_below_slots(&load(100.0, 0.0), None, 0, 0.0), 150);
         let mut slots = None;
         for l in [load(2.0, 0.0), load(3.0, 0.0)] {
             slots = learn_slots(slots, &l);
@@ -546,10 +692,67 @@ vllm:prompt_tokens_total{model_name="m"} 1e6
         // Fewer running later (requests ending) does not shrink it.
         slots = learn_slots(slots, &load(2.0, 1.0));
         assert_eq!(slots, Some(4.0));
-        assert_eq!(fill_below_slots(&load(1.0, 0.0), slots, 0), 4);
-        assert_eq!(fill_below_slots(&load(1.0, 0.0), slots, 2), 6);
+        assert_eq!(fill_below_slots(&load(1.0, 0.0), slots, 0, 0.0), 4);
+        assert_eq!(fill_below_slots(&load(1.0, 0.0), slots, 2, 0.0), 6);
         // Garbage from a scrape never opens more than one.
-        assert_eq!(fill_below_slots(&load(f64::NAN, 0.0), None, 0), 1);
+        assert_eq!(fill_below_slots(&load(f64::NAN, 0.0), None, 0, 0.0), 1);
+    }
+
+    /// A request of kiln's caught waiting in the engine (it was sent as
+    /// one of kiln's ended, before the engine freed that slot) does not
+    /// close the gate until the next scrape: kiln keeps filling the
+    /// engine's slots as its own requests end. An engine full below its
+    /// slots (KV memory) is filled only to what it runs, and what other
+    /// clients hold there is taken off kiln's part.
+    #[test]
+    fn the_gate_counts_kilns_own_requests_and_takes_off_the_others() {
+        let load = |running: f64, waiting: f64| EngineLoad {
+            running,
+            waiting,
+            kv_cache: None,
+        };
+        let slots = Some(4.0);
+        // Kiln held 5: 4 running, its fifth waiting a moment.
+        let l = load(4.0, 1.0);
+        assert_eq!(others(&l, 5), 0.0);
+        assert_eq!(fill_below_slots(&l, slots, 0, others(&l, 5)), 4);
+        // Full below its slots: 2 run, 3 wait, all kiln's.
+        let l = load(2.0, 3.0);
+        assert_eq!(fill_below_slots(&l, slots, 0, others(&l, 5)), 2);
+        // Another client runs 3 of the 4 slots: kiln may hold 1.
+        let l = load(4.0, 0.0);
+        assert_eq!(others(&l, 1), 3.0);
+        assert_eq!(fill_below_slots(&l, slots, 0, others(&l, 1)), 1);
+        // And none while it holds them all and queues more.
+        let l = load(4.0, 2.0);
+        assert_eq!(fill_below_slots(&l, slots, 0, others(&l, 0)), 0);
+        // A request of kiln's not yet arrived there is not someone else's.
+        assert_eq!(others(&load(1.0, 0.0), 2), 0.0);
+        assert_eq!(others(&load(f64::NAN, 0.0), 0), 0.0);
+        // While ramping, the others' requests are not kiln's to grow from.
+        assert_eq!(fill_below_slots(&load(6.0, 0.0), None, 0, 4.0), 3);
+    }
+
+    /// llama-server's `/props` says its slots; anything else says nothing.
+    #[test]
+    fn declared_slots_are_read_from_the_engines_answer() {
+        let props = br#"{"default_generation_settings":{"n_ctx":4096},"total_slots":4,"chat_template":"{{x}}"}"#;
+        assert_eq!(declared_slots(props, "total_slots"), Some(4.0));
+        for bad in [
+            &br#"{"total_slots":0}"#[..],
+            br#"{"total_slots":2.5}"#,
+            br#"{"total_slots":"4"}"#,
+            br#"{"total_slots":1e9}"#,
+            br#"{}"#,
+            b"<html>not found</html>",
+        ] {
+            assert_eq!(declared_slots(bad, "total_slots"), None);
+        }
+        assert_eq!(
+            Engine::LlamaCpp.declares_slots().map(|d| d.0),
+            Some("/props")
+        );
+        assert_eq!(Engine::Vllm.declares_slots(), None);
     }
 
     #[test]
