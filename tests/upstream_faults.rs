@@ -859,3 +859,81 @@ async fn each_requeue_after_an_upstream_failure_is_counted_once() {
     assert_eq!(counted("client"), 0.0, "{m}");
     srv.stop().await;
 }
+
+/// A replica that closes a connection as a request goes out, before any
+/// answer (what a kept-alive connection it is closing at that moment looks
+/// like; llama.cpp's server did this to 10 of 90 requests in the engine
+/// sweep): with no other replica to go to, the request is sent again on a
+/// new connection and answered, not failed with a 502.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_the_replica_closes_before_answering_is_sent_again() {
+    closed_then_answered(false).await;
+    closed_then_answered(true).await;
+}
+
+async fn closed_then_answered(stream: bool) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let healthy = Mock::start("a", Mode::Healthy).await;
+    let front = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", front.local_addr().unwrap());
+    let closed = Arc::new(AtomicUsize::new(0));
+    let (closed_in, backend) = (closed.clone(), healthy.addr);
+    // In front of the healthy mock: the first two connections are closed
+    // once their request is read; the rest are passed through.
+    let task = tokio::spawn(async move {
+        while let Ok((mut sock, _)) = front.accept().await {
+            let closed = closed_in.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 8192];
+                let n = sock.read(&mut buf).await.unwrap_or(0);
+                if closed.fetch_add(1, Ordering::SeqCst) < 2 {
+                    return; // dropped: closed with no answer
+                }
+                let Ok(mut up) = tokio::net::TcpStream::connect(backend).await else {
+                    return;
+                };
+                if up.write_all(&buf[..n]).await.is_ok() {
+                    let _ = tokio::io::copy_bidirectional(&mut sock, &mut up).await;
+                }
+            });
+        }
+    });
+    // No health checks: every connection to it is a chat request's.
+    let cfg = ServerConfig::parse(
+        "kiln.toml",
+        &format!(
+            "[limits]\nupstream_budget = \"3s\"\n\n[pools.gpu]\nbackend = \"http\"\n\
+             [[pools.gpu.upstreams]]\nmodel = \"tiny\"\nvariant = \"fp16\"\nurl = \"{url}\"\n\
+             concurrency = 8\ntimeout = \"1s\"\nhealth_path = \"\"\nfailure_threshold = 5\n"
+        ),
+    )
+    .unwrap();
+    let srv = serve_on_loopback(policy("faults.kiln", POLICY), cfg).await;
+    let base = format!("http://{}", srv.addr);
+    let c = support::client(QUEUE + BUDGET + SLACK);
+    let r = c
+        .post(format!("{base}/v1/chat/completions"))
+        .bearer_auth("k-alpha")
+        .json(&json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": stream}))
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let requeued = r
+        .headers()
+        .get("x-kiln-upstream-requeued")
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    let body = r.text().await.unwrap();
+    assert_eq!(status, 200, "stream {stream}: {body}");
+    assert!(body.contains("choices"), "{body}");
+    assert_eq!(closed.load(Ordering::SeqCst), 3, "two closed, one passed");
+    assert_eq!(requeued, Some(2), "stream {stream}: sent again twice");
+    let m = support::scrape(&c, &base).await;
+    assert_eq!(
+        support::metric_sum(&m, "kiln_retries_total", &["reason=\"upstream_unsent\""]),
+        2.0,
+        "{m}"
+    );
+    srv.stop().await;
+    task.abort();
+}

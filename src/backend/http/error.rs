@@ -63,6 +63,19 @@ pub enum UpstreamError {
     )]
     Protocol { upstream: String, reason: String },
 
+    /// The replica closed the connection as the request went out, before
+    /// any answer: a kept-alive connection it was closing at that moment
+    /// (cpp-httplib's and uvicorn's keep-alive timeouts and request limits
+    /// do this), or it crashed. It counts against the breaker (a sporadic
+    /// close among answers opens nothing; a dying replica's run of them
+    /// does) and is sent again on a new connection.
+    #[error("upstream `{upstream}` closed the connection before answering: {reason}")]
+    #[diagnostic(
+        code(kiln::upstream::closed),
+        help("kiln sends such a request again on a new connection; if it recurs, the replica is restarting or closes kept-alive connections early (raise its keep-alive timeout above 4 s)")
+    )]
+    Closed { upstream: String, reason: String },
+
     /// The connection failed after the request was sent (reset, closed
     /// mid-answer).
     #[error("upstream `{upstream}`: connection failed: {reason}")]
@@ -106,6 +119,7 @@ impl UpstreamError {
             UpstreamError::Status { status, .. } if (400..500).contains(status) => *status,
             UpstreamError::Status { .. } => 502,
             UpstreamError::Protocol { .. }
+            | UpstreamError::Closed { .. }
             | UpstreamError::Transport { .. }
             | UpstreamError::Tls { .. } => 502,
             UpstreamError::BadRequest { .. } => 400,
@@ -124,15 +138,25 @@ impl UpstreamError {
         )
     }
 
+    /// Whether the request may be sent again on the same replica: it
+    /// certainly never reached it ([`Self::is_unsent`]), or the replica
+    /// closed the connection before any answer (a kept-alive connection
+    /// closing as it went out; nothing of an answer was produced for it).
+    pub fn may_resend(&self) -> bool {
+        self.is_unsent() || matches!(self, UpstreamError::Closed { .. })
+    }
+
     /// Whether this error counts against the upstream's circuit breaker:
     /// connect errors, timeouts, broken connections, protocol errors (bad
     /// JSON, a JSON answer to a streaming request, a stream cut before its
-    /// end), 429 and 5xx do; other 4xx (the client's fault) do not.
+    /// end), a connection closed before any answer, 429 and 5xx do; other
+    /// 4xx (the client's fault) do not.
     pub fn is_upstream_failure(&self) -> bool {
         match self {
             UpstreamError::Unavailable { .. }
             | UpstreamError::Timeout { .. }
             | UpstreamError::Transport { .. }
+            | UpstreamError::Closed { .. }
             | UpstreamError::Tls { .. }
             | UpstreamError::Protocol { .. } => true,
             UpstreamError::Status { status, .. } => *status >= 500 || *status == 429,

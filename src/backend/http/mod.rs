@@ -716,6 +716,11 @@ impl Upstream {
             }
         } else if e.is_timeout() {
             self.timeout("response", self.cfg.timeout)
+        } else if closed_before_answer(&e) {
+            UpstreamError::Closed {
+                upstream: self.name.to_string(),
+                reason: error_chain(&e),
+            }
         } else {
             UpstreamError::Transport {
                 upstream: self.name.to_string(),
@@ -723,6 +728,7 @@ impl Upstream {
             }
         }
     }
+
 
     /// Classifies an error while reading the body.
     fn body_error(&self, e: reqwest::Error) -> UpstreamError {
@@ -821,6 +827,19 @@ impl Drop for Call<'_> {
             lock(&self.upstream.breaker).release_trial();
         }
     }
+}
+
+/// Whether a send failed because the connection closed before any of
+/// the answer came (hyper's "connection closed before message completed").
+fn closed_before_answer(e: &reqwest::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(s) = source {
+        if let Some(h) = s.downcast_ref::<hyper::Error>() {
+            return h.is_incomplete_message();
+        }
+        source = s.source();
+    }
+    false
 }
 
 /// Reads a body up to `cap` bytes; the flag says whether it was cut.
@@ -1241,6 +1260,47 @@ mod tests {
     }
 
     // -- errors and the breaker ----------------------------------------------
+
+    /// A replica that reads each request and closes the connection without
+    /// a byte of answer (what a kept-alive connection closing as a request
+    /// goes out looks like): the error says so and may be sent again,
+    /// streaming or not; a run of them opens the breaker (a replica that
+    /// dies as requests arrive).
+    #[tokio::test]
+    async fn a_connection_closed_before_any_answer_may_be_sent_again() {
+        bounded(async {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let url = format!("http://{}", listener.local_addr().unwrap());
+            let task = tokio::spawn(async move {
+                use tokio::io::AsyncReadExt;
+                while let Ok((mut sock, _)) = listener.accept().await {
+                    let mut buf = [0u8; 4096];
+                    let _ = sock.read(&mut buf).await;
+                    drop(sock);
+                }
+            });
+            let up = upstream(&url, |c| c.failure_threshold = 6);
+            for _ in 0..3 {
+                let e = up
+                    .complete("/v1/chat/completions", json!({}))
+                    .await
+                    .unwrap_err();
+                assert!(matches!(e, UpstreamError::Closed { .. }), "{e:?}");
+                assert!(e.may_resend() && !e.is_unsent(), "{e:?}");
+                assert!(e.is_upstream_failure());
+                assert_eq!(e.http_status(), 502);
+                match up.stream("/v1/chat/completions", json!({})).await {
+                    Err(UpstreamError::Closed { .. }) => {}
+                    Err(e) => panic!("unexpected error {e:?}"),
+                    Ok(_) => panic!("nothing was answered"),
+                }
+            }
+            assert_eq!(up.consecutive_failures(), 6);
+            assert!(!up.available(), "six in a row open it");
+            task.abort();
+        })
+        .await;
+    }
 
     #[tokio::test]
     async fn server_errors_open_the_breaker() {

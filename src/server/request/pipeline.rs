@@ -405,7 +405,7 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Outcome, ApiError> {
                             err,
                             (
                                 "upstream_unsent",
-                                "the upstream never received it; queued again",
+                                "the upstream never received it (or closed the connection before answering); queued again",
                             ),
                         )
                     }

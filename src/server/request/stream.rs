@@ -471,7 +471,7 @@ fn before_answer(
     let (err, outcome) = match &e {
         Before::Upstream(e) => {
             let err = upstream_error(&ctx.rid, e);
-            if attempt.may_resend && e.is_unsent() {
+            if attempt.may_resend && e.may_resend() {
                 return HttpFail::Unsent(Box::new(ctx), err);
             }
             if attempt.may_retry && e.is_upstream_failure() && another_ready(&ctx, up) {
