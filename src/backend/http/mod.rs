@@ -729,7 +729,6 @@ impl Upstream {
         }
     }
 
-
     /// Classifies an error while reading the body.
     fn body_error(&self, e: reqwest::Error) -> UpstreamError {
         if let Some(reason) = crate::tls::tls_cause(&e) {
