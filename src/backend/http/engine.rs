@@ -503,11 +503,7 @@ impl Upstream {
     pub async fn scrape(&self) -> Result<EngineLoad, String> {
         let engine = self.cfg.engine;
         let held_before = self.meter.holding();
-        let request = self.client.get(self.endpoint(&self.cfg.metrics_path));
-        let request = match &self.auth {
-            Some(auth) => request.header(reqwest::header::AUTHORIZATION, auth.clone()),
-            None => request,
-        };
+        let request = self.get(&self.cfg.metrics_path);
         let fetch = async {
             let resp = request
                 .send()
@@ -566,11 +562,7 @@ impl Upstream {
     /// again at the next scrape), `Some(None)` when it answered without
     /// the figure (do not ask again).
     async fn ask_slots(&self, path: &str, field: &str) -> Option<Option<f64>> {
-        let request = self.client.get(self.endpoint(path));
-        let request = match &self.auth {
-            Some(auth) => request.header(reqwest::header::AUTHORIZATION, auth.clone()),
-            None => request,
-        };
+        let request = self.get(path);
         let fetch = async {
             let resp = request.send().await.ok()?;
             let ok = resp.status().is_success();

@@ -501,11 +501,7 @@ impl Upstream {
             .health_interval
             .max(self.cfg.connect_timeout)
             .min(self.cfg.timeout);
-        let request = self.client.get(self.endpoint(&self.cfg.health_path));
-        let request = match &self.auth {
-            Some(auth) => request.header(AUTHORIZATION, auth.clone()),
-            None => request,
-        };
+        let request = self.get(&self.cfg.health_path);
         let probe = async {
             let resp = request.send().await.map_err(|e| self.send_error(e))?;
             let status = resp.status().as_u16();
@@ -694,6 +690,17 @@ impl Upstream {
         if let Some(t) = traceparent {
             request = request.header(trace::TRACEPARENT, t);
         }
+        self.authorized(request)
+    }
+
+    /// `GET {url}{path}` with the upstream's key (health checks, engine
+    /// scrapes).
+    pub(super) fn get(&self, path: &str) -> reqwest::RequestBuilder {
+        self.authorized(self.client.get(self.endpoint(path)))
+    }
+
+    /// A request with the upstream's key, where it has one.
+    fn authorized(&self, request: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
         match &self.auth {
             Some(auth) => request.header(AUTHORIZATION, auth.clone()),
             None => request,
