@@ -747,6 +747,63 @@ vllm:prompt_tokens_total{model_name="m"} 1e6
         assert_eq!(Engine::Vllm.declares_slots(), None);
     }
 
+    /// A scrape's numbers, hostile ones included.
+    fn any_count() -> impl proptest::strategy::Strategy<Value = f64> {
+        use proptest::prelude::*;
+        prop_oneof![
+            8 => (0u32..300).prop_map(f64::from),
+            1 => Just(f64::NAN),
+            1 => Just(f64::INFINITY),
+            1 => Just(-3.0),
+            1 => Just(1e300),
+        ]
+    }
+
+    proptest::proptest! {
+        /// Whatever a scrape says: once the engine's slots are known, kiln's
+        /// part and the other clients' never add up to more than its slots
+        /// and the waiting allowed, kiln keeps what the engine runs while
+        /// it is full below its slots, more others never give kiln more,
+        /// and before the slots are known the ramp always sends at least
+        /// one and at most half again of what kiln holds, one more.
+        #[test]
+        fn the_gate_never_overfills_the_engine(
+            running in any_count(),
+            waiting in any_count(),
+            slots in proptest::option::of(1u32..512),
+            max_waiting in 0u32..8,
+            mine in 0u32..600,
+            more in 0u32..50,
+        ) {
+            use proptest::prop_assert;
+            let l = EngineLoad { running, waiting, kv_cache: None };
+            let o = others(&l, mine);
+            prop_assert!(o.is_finite() && o >= 0.0, "others {o}");
+            let slots = slots.map(f64::from);
+            let cap = fill_below_slots(&l, slots, max_waiting, o);
+            let fewer = fill_below_slots(&l, slots, max_waiting, o + f64::from(more));
+            prop_assert!(fewer <= cap, "more others gave more: {fewer} > {cap}");
+            match slots {
+                Some(s) => {
+                    let room = s + f64::from(max_waiting);
+                    prop_assert!(f64::from(cap) + o.min(room) <= room, "cap {cap} + others {o} > {room}");
+                    if running.is_finite() && waiting.is_finite() && running >= 0.0 && waiting >= 0.0 {
+                        let floor = (s.min(running) + f64::from(max_waiting) - o).floor().max(0.0);
+                        prop_assert!(f64::from(cap) >= floor.min(f64::from(u32::MAX)), "cap {cap} below {floor}");
+                    }
+                }
+                None => {
+                    prop_assert!(cap >= 1, "the ramp stalled");
+                    let held = (running - o).max(0.0);
+                    if held.is_finite() && held < 1e9 {
+                        prop_assert!(f64::from(cap) <= held + (held / 2.0).floor().max(1.0), "ramp {cap} from {held}");
+                        prop_assert!(f64::from(cap) > held, "ramp {cap} does not grow from {held}");
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn aimd_backs_off_on_late_first_tokens_and_creeps_back() {
         let mut a = Aimd::new(10, Some(Duration::from_millis(100)));
