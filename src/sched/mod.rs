@@ -381,6 +381,15 @@ pub struct Config {
     /// [`replica::Replica::backfill_slack`]): backfill uses idle capacity
     /// without slowing interactive work by more than this.
     pub backfill_slack: f64,
+    /// The same for backfill *prefill* in a step that prefills other work
+    /// (a first token waits for that step). 1%: at 10% a ServeGen mix
+    /// whose interactive tier is 85% of the work (prefill-bound) lost 8%
+    /// of its capacity at SLO to batch prompts sharing those steps
+    /// (0.1146x against 0.1250x with no batch); at 1% none. A lower slack
+    /// for every step instead starved the batch's decodes: its sequences
+    /// held their slots and interactive work was refused for room
+    /// (BENCHMARKS.md, "Backfill prefill").
+    pub backfill_prefill_slack: f64,
     /// Share of each tenant's quotas this scheduler enforces by itself: 1
     /// alone; 1/N in each of N replicas sharing state, for requests not
     /// claimed across the fleet (while the shared store is down, with
@@ -441,6 +450,7 @@ impl Default for Config {
             routing: route::Routing::Kiln,
             seed: 0,
             backfill_slack: 0.1,
+            backfill_prefill_slack: 0.01,
             quota_scale: 1.0,
             rate_limits: false,
             shared_upstreams: false,
@@ -2354,6 +2364,7 @@ impl Scheduler {
             self.replicas[r].step_cap = self.step_cap(r);
             self.replicas[r].backfill_slack =
                 (self.cfg.mode == Mode::Kiln).then_some(self.cfg.backfill_slack);
+            self.replicas[r].backfill_prefill_slack = self.cfg.backfill_prefill_slack;
             if let Some(until) = self.replicas[r].start_step(now) {
                 self.out.push(Action::Step { replica: r, until });
             }

@@ -319,6 +319,10 @@ pub struct Replica {
     /// steps at most this much longer (0.1: 10%); the rest of that work
     /// sits the step out, its KV kept. `None` (the baselines): no limit.
     pub backfill_slack: Option<f64>,
+    /// In such a step that also prefills (a first token waits for it),
+    /// capped work's prefill may make it at most this much longer (0.01),
+    /// its decodes still [`Self::backfill_slack`].
+    pub backfill_prefill_slack: f64,
     /// The step in flight as (prefill tokens, decoding sequences, context
     /// tokens): what a real GPU backend runs for it.
     pub step_shape: (u32, u32, u64),
@@ -473,6 +477,7 @@ impl Replica {
             last_step: 0.0,
             step_cap: None,
             backfill_slack: None,
+            backfill_prefill_slack: 0.0,
             step_shape: (0, 0, 0),
             step_until: 0,
             rate,
@@ -1108,6 +1113,15 @@ impl Replica {
                 budget -= 1;
                 context += ctx;
             }
+            // Where the step prefills, a first token waits for it: capped
+            // prefill (compute, like the prompt beside it) gets the smaller
+            // slack; its decodes above cost little and let its sequences
+            // finish and free their slots.
+            let limit = if prefill > 0 {
+                limit.min(base * (1.0 + self.backfill_prefill_slack.max(0.0)))
+            } else {
+                limit
+            };
             for i in deferred_prefill {
                 if budget == 0 {
                     break;
@@ -1389,6 +1403,53 @@ mod tests {
         assert!(chunk(&r, 0) > 0);
         assert_eq!(r.pending_prefill(0), 6000);
         assert_eq!(r.pending_prefill(1), 0, "nothing ranked above 0");
+    }
+
+    /// Batch prefill beside work with a first-token SLO: a tenth more on a
+    /// step that only decodes, a hundredth on one that prefills (a first
+    /// token waits for that step).
+    #[test]
+    fn batch_prefill_barely_lengthens_a_step_that_prefills_a_first_token() {
+        let batch = |r: &mut Replica| {
+            let mut low = Seq::from_waiting(seq(9, 6000, 5, &[]), 0);
+            low.capped = true;
+            low.yields = true;
+            r.admit(low, 0);
+        };
+        let chunk = |r: &Replica| {
+            r.running
+                .iter()
+                .find(|s| s.w.id == 9)
+                .map_or(0, |s| s.step_prefill)
+        };
+        let slack = |r: &mut Replica| {
+            r.backfill_slack = Some(0.1);
+            r.backfill_prefill_slack = 0.01;
+        };
+        // Linear: 1 ms a step, 0.01 ms a prefill token, 0.1 ms a decode.
+        // A 2,000-token prompt: 21 ms; 1% more is 21 batch tokens (10%
+        // would be 210).
+        let mut r = paged(1_000_000, 8);
+        slack(&mut r);
+        let mut high = Seq::from_waiting(seq(1, 2000, 5, &[]), 0);
+        high.rank = 100;
+        r.admit(high, 0);
+        batch(&mut r);
+        r.start_step(0);
+        assert!((20..=21).contains(&chunk(&r)), "{}", chunk(&r));
+        // A step where it only decodes (1.1 ms): 10% more, 11 tokens.
+        let mut r = paged(1_000_000, 8);
+        slack(&mut r);
+        let mut high = Seq::from_waiting(seq(1, 10, 50, &[]), 0);
+        high.rank = 100;
+        r.admit(high, 0);
+        let mut out = Vec::new();
+        r.start_step(0);
+        r.finish_step(0, &mut out);
+        batch(&mut r);
+        r.start_step(0);
+        assert!(r.running.iter().any(|s| s.w.id == 1 && s.step_decode));
+        assert!((10..=11).contains(&chunk(&r)), "{}", chunk(&r));
     }
 
     #[test]
