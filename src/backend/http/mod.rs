@@ -15,6 +15,7 @@
 //! An optional periodic health check ([`Upstream::spawn_health_checks`])
 //! feeds the same breaker.
 
+mod answer;
 mod breaker;
 mod config;
 mod engine;
@@ -24,6 +25,7 @@ mod retry;
 mod sse;
 pub mod trace;
 
+pub use answer::Answer;
 use breaker::{lock, record, Outcome};
 pub use breaker::{Admission, Breaker, BreakerState};
 pub use config::UpstreamConfig;
@@ -334,7 +336,8 @@ impl Upstream {
     /// The whole exchange is bounded by `timeout`. Dropping the future
     /// closes the connection.
     pub async fn complete(&self, path: &str, body: Value) -> Result<Value, UpstreamError> {
-        self.complete_as(path, body, CallClass::Online).await
+        let answer = self.complete_as(path, body, CallClass::Online).await?;
+        Ok(answer.to_value())
     }
 
     /// [`Upstream::complete`] for a class of caller. A batch item's 5xx
@@ -348,7 +351,7 @@ impl Upstream {
         path: &str,
         body: Value,
         class: CallClass,
-    ) -> Result<Value, UpstreamError> {
+    ) -> Result<Answer, UpstreamError> {
         self.complete_traced(path, body, class, None).await
     }
 
@@ -360,7 +363,7 @@ impl Upstream {
         body: Value,
         class: CallClass,
         traceparent: Option<String>,
-    ) -> Result<Value, UpstreamError> {
+    ) -> Result<Answer, UpstreamError> {
         let payload = self.prepare(body, false)?;
         let mut call = self.begin()?;
         let request = self.post(path, payload, "application/json", traceparent);
@@ -393,8 +396,7 @@ impl Upstream {
                     self.protocol(format!("the answer is larger than {} MiB", MAX_BODY >> 20))
                 );
             }
-            serde_json::from_slice(&bytes)
-                .map_err(|e| self.protocol(format!("the answer is not JSON: {e}")))
+            Answer::parse(&bytes).map_err(|e| self.protocol(format!("the answer is not JSON: {e}")))
         });
         match answer.as_ref().err() {
             Some(UpstreamError::Status { status, .. })

@@ -31,7 +31,7 @@ enum Piece {
     /// A streaming chunk an upstream sent, in OpenAI's shape.
     Chunk(Value),
     /// A non-streaming upstream's whole answer.
-    Whole(Value),
+    Whole(crate::backend::http::Answer),
     /// The scheduler preempted the sequence (it will resume).
     Preempted(ReqId),
     /// The end: GPU time (and the part of it that recomputed KV lost to
@@ -813,7 +813,7 @@ impl Generation {
         mut headers: Vec<(&'static str, String)>,
         mut pieces: BoxStream<'static, Piece>,
     ) -> Result<Response, ApiError> {
-        let mut answer: Option<Value> = None;
+        let mut answer: Option<crate::backend::http::Answer> = None;
         while let Some(p) = pieces.next().await {
             match p {
                 Piece::Tokens { n, gpu_seconds } => self.tokens(n, gpu_seconds),
@@ -821,11 +821,8 @@ impl Generation {
                 Piece::Whole(mut v) => {
                     // A whole answer's first token is its last.
                     self.tally.first_token(&self.ctx);
-                    self.tally.usage_completion =
-                        Some(v["usage"]["completion_tokens"].as_u64().unwrap_or(0));
-                    if let Some(obj) = v.as_object_mut() {
-                        obj.insert("model".into(), json!(self.ctx.client_model));
-                    }
+                    self.tally.usage_completion = Some(v.completion_tokens());
+                    v.set_model(&self.ctx.client_model);
                     answer = Some(v);
                 }
                 Piece::Preempted(by) => self.preempted(by),
@@ -836,8 +833,25 @@ impl Generation {
                 } => {
                     self.tally.wasted = wasted;
                     let gpu_seconds = self.settle(MetricOutcome::Ok, gpu_seconds, at, Some(200));
+                    // What the answer cost (the batch runner bills it).
+                    if gpu_seconds > 0.0 {
+                        headers.push(("x-kiln-gpu-seconds", format!("{gpu_seconds:.6}")));
+                    }
                     let body = match answer {
-                        Some(b) => b,
+                        // An upstream's answer goes out as it came, its
+                        // model rewritten: parsing it whole and printing it
+                        // again was a tenth of the gateway's own work.
+                        Some(a) => {
+                            if self.s.d.cache.is_some() {
+                                super::cache::store(&self.ctx, &self.s.d, &a.to_value());
+                            }
+                            let mut r = Response::new(Body::from(a.to_vec()));
+                            r.headers_mut().insert(
+                                axum::http::header::CONTENT_TYPE,
+                                HeaderValue::from_static("application/json"),
+                            );
+                            r
+                        }
                         None => {
                             let n = self.tally.produced;
                             let prompt = self.ctx.req.prompt_tokens;
@@ -849,15 +863,11 @@ impl Generation {
                                 m["content"] = Value::Null;
                                 m["tool_calls"] = calls;
                             }
-                            b
+                            super::cache::store(&self.ctx, &self.s.d, &b);
+                            axum::Json(b).into_response()
                         }
                     };
-                    // What the answer cost (the batch runner bills it).
-                    if gpu_seconds > 0.0 {
-                        headers.push(("x-kiln-gpu-seconds", format!("{gpu_seconds:.6}")));
-                    }
-                    super::cache::store(&self.ctx, &self.s.d, &body);
-                    let mut resp = with_headers(axum::Json(body).into_response(), headers);
+                    let mut resp = with_headers(body, headers);
                     resp.extensions_mut().insert(super::GpuSeconds(gpu_seconds));
                     return Ok(resp);
                 }
@@ -954,7 +964,7 @@ impl Generation {
                 Some(sse(&v))
             }
             // Only non-streaming calls give whole answers.
-            Piece::Whole(v) => Some(sse(&v)),
+            Piece::Whole(v) => Some(sse(&v.to_value())),
             Piece::Preempted(by) => {
                 self.preempted(by);
                 None
