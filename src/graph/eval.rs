@@ -782,6 +782,15 @@ fallback hi [route m.int4 on small, demote lo]
         );
         let g = compile_str("t.kiln", &text).graph.unwrap();
         assert_eq!(g.headers_read(), ["x-batch", "x-tier"]);
+        // Worked out once per graph: a clone equals it, and a clone that is
+        // changed afterwards works it out again.
+        let mut h = g.clone();
+        assert_eq!(g, h);
+        h.classify.rules.clear();
+        h.routes.clear();
+        h.admits.clear();
+        assert!(h.headers_read().is_empty());
+        assert_eq!(g.headers_read(), ["x-batch", "x-tier"]);
     }
 
     #[test]

@@ -766,6 +766,26 @@ pub struct DecisionGraph {
     pub exceptions: Vec<Exception>,
     pub(crate) index: Names,
     pub(crate) builtin: Builtin,
+    /// [`DecisionGraph::headers_read`], worked out at its first call.
+    headers_read: Memo<Vec<String>>,
+}
+
+/// A value worked out once from a graph that no longer changes. It takes
+/// no part in comparing graphs, and a clone (which may still be changed)
+/// starts without it.
+#[derive(Debug, Default)]
+struct Memo<T>(std::sync::OnceLock<T>);
+
+impl<T> Clone for Memo<T> {
+    fn clone(&self) -> Self {
+        Memo(std::sync::OnceLock::new())
+    }
+}
+
+impl<T> PartialEq for Memo<T> {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -876,8 +896,13 @@ impl DecisionGraph {
 
     /// The request headers the policy's classify, route and admit rules
     /// read (`header("…")`), lowercased, sorted, each once: what a request
-    /// record needs to be decided again the same way.
-    pub fn headers_read(&self) -> Vec<String> {
+    /// record needs to be decided again the same way. Every request's
+    /// record reads it, so it is worked out once (a walk of every rule).
+    pub fn headers_read(&self) -> &[String] {
+        self.headers_read.0.get_or_init(|| self.find_headers_read())
+    }
+
+    fn find_headers_read(&self) -> Vec<String> {
         let mut names = Vec::new();
         for (_, c, _) in &self.classify.rules {
             c.headers_read(&mut names);
@@ -930,6 +955,7 @@ impl DecisionGraph {
             exceptions: Vec::new(),
             index: Names::default(),
             builtin: Builtin::default(),
+            headers_read: Memo::default(),
         }
     }
 

@@ -69,8 +69,14 @@ const SECRET_HEADERS: &[&str] = &[
 /// [`SECRET_HEADERS`], or named like one (`…-token`, `…-secret`,
 /// `…-password`, `…-api-key`, `…credential…`).
 pub fn secret_header(name: &str) -> bool {
-    let n = name.to_ascii_lowercase();
-    SECRET_HEADERS.contains(&n.as_str())
+    // Every record asks this of every header: no copy for a name that is
+    // lowercase already (all that come over HTTP).
+    let n: std::borrow::Cow<'_, str> = if name.bytes().any(|b| b.is_ascii_uppercase()) {
+        name.to_ascii_lowercase().into()
+    } else {
+        name.into()
+    };
+    SECRET_HEADERS.contains(&n.as_ref())
         || ["-token", "-secret", "-password", "-api-key", "-apikey"]
             .iter()
             .any(|w| n.ends_with(w))

@@ -63,7 +63,13 @@ fn kept_headers(
     if headers.is_empty() {
         return BTreeMap::new();
     }
-    let read: Vec<String> = graphs.iter().flat_map(|g| g.headers_read()).collect();
+    let read = |name: &str| {
+        graphs.iter().any(|g| {
+            g.headers_read()
+                .binary_search_by(|h| h.as_str().cmp(name))
+                .is_ok()
+        })
+    };
     let mut kept = BTreeMap::new();
     let mut left = MAX_RECORDED_HEADER_BYTES;
     // The policy's headers (and the runner's batch id) first, then the
@@ -71,20 +77,26 @@ fn kept_headers(
     // skipped whole (never cut: a cut value would replay as another one).
     for policy_pass in [true, false] {
         for (k, v) in headers {
-            let name = k.to_ascii_lowercase();
-            if crate::server::decision_log::secret_header(&name) {
+            // Names from HTTP are lowercase already.
+            let name: std::borrow::Cow<'_, str> = if k.bytes().any(|b| b.is_ascii_uppercase()) {
+                k.to_ascii_lowercase().into()
+            } else {
+                k.as_str().into()
+            };
+            let name = name.as_ref();
+            if crate::server::decision_log::secret_header(name) {
                 continue;
             }
             let wanted = if policy_pass {
                 // The retry markers too: admission's retry budget reads
                 // them, so a replay decides the request as the gateway did,
                 // and `kiln report` counts retries from them.
-                read.contains(&name) || name == BATCH_HEADER || retry_marker(&name)
+                read(name) || name == BATCH_HEADER || retry_marker(name)
             } else {
                 kiln && name.starts_with("x-kiln-")
-                    && !read.contains(&name)
+                    && !read(name)
                     && name != BATCH_HEADER
-                    && !retry_marker(&name)
+                    && !retry_marker(name)
             };
             let size = k.len() + v.len();
             if wanted && size <= left {
