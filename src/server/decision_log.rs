@@ -69,18 +69,22 @@ const SECRET_HEADERS: &[&str] = &[
 /// [`SECRET_HEADERS`], or named like one (`…-token`, `…-secret`,
 /// `…-password`, `…-api-key`, `…credential…`).
 pub fn secret_header(name: &str) -> bool {
-    // Every record asks this of every header: no copy for a name that is
-    // lowercase already (all that come over HTTP).
-    let n: std::borrow::Cow<'_, str> = if name.bytes().any(|b| b.is_ascii_uppercase()) {
-        name.to_ascii_lowercase().into()
-    } else {
-        name.into()
-    };
+    let n = lowercase(name);
     SECRET_HEADERS.contains(&n.as_ref())
         || ["-token", "-secret", "-password", "-api-key", "-apikey"]
             .iter()
             .any(|w| n.ends_with(w))
         || n.contains("credential")
+}
+
+/// A header name in lowercase, copied only when it is not already (names
+/// that come over HTTP are): every record asks this of every header.
+pub fn lowercase(name: &str) -> std::borrow::Cow<'_, str> {
+    if name.bytes().any(|b| b.is_ascii_uppercase()) {
+        name.to_ascii_lowercase().into()
+    } else {
+        name.into()
+    }
 }
 
 /// Where and how much to log.

@@ -77,12 +77,7 @@ fn kept_headers(
     // skipped whole (never cut: a cut value would replay as another one).
     for policy_pass in [true, false] {
         for (k, v) in headers {
-            // Names from HTTP are lowercase already.
-            let name: std::borrow::Cow<'_, str> = if k.bytes().any(|b| b.is_ascii_uppercase()) {
-                k.to_ascii_lowercase().into()
-            } else {
-                k.as_str().into()
-            };
+            let name = crate::server::decision_log::lowercase(k);
             let name = name.as_ref();
             if crate::server::decision_log::secret_header(name) {
                 continue;
