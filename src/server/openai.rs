@@ -183,12 +183,35 @@ impl GenerationRequest {
 #[derive(Clone, Copy)]
 pub struct Tokenizer {
     bpe: &'static bpe_openai::Tokenizer,
+    whole: &'static WholeTokens,
+}
+
+/// Every token of the vocabulary by its bytes. A pre-tokenized piece that
+/// is itself one token encodes to that token (tiktoken's own fast path;
+/// `every_token_encodes_to_itself` checks it for the whole vocabulary), so
+/// most words of a prompt need no encoder, which allocates twice a piece.
+type WholeTokens = rustc_hash::FxHashMap<&'static [u8], u32>;
+
+fn whole_tokens(bpe: &'static bpe_openai::Tokenizer) -> &'static WholeTokens {
+    static WHOLE: std::sync::OnceLock<WholeTokens> = std::sync::OnceLock::new();
+    WHOLE.get_or_init(|| {
+        let n = bpe.bpe.num_tokens();
+        let mut m = WholeTokens::with_capacity_and_hasher(n, Default::default());
+        for id in 0..n as u32 {
+            m.insert(bpe.bpe.token_bytes(id), id);
+        }
+        m
+    })
 }
 
 impl Tokenizer {
+    /// Built once at start (the vocabulary's lookup table, ~100k tokens),
+    /// so no request pays for it.
     pub fn new() -> Result<Tokenizer, String> {
+        let bpe = bpe_openai::cl100k_base();
         Ok(Tokenizer {
-            bpe: bpe_openai::cl100k_base(),
+            bpe,
+            whole: whole_tokens(bpe),
         })
     }
 
@@ -196,7 +219,20 @@ impl Tokenizer {
         if text.is_empty() {
             return 0;
         }
-        self.bpe.count(text) as u64
+        let norm = self.bpe.normalize(text);
+        self.bpe
+            .split(norm.as_str())
+            .map(|piece| self.count_piece(piece.as_bytes()))
+            .sum()
+    }
+
+    /// One pre-tokenized piece's token count, as the encoder gives it.
+    fn count_piece(&self, bytes: &[u8]) -> u64 {
+        if self.whole.contains_key(bytes) {
+            1
+        } else {
+            self.bpe.bpe.count(bytes) as u64
+        }
     }
 
     pub fn prompt_tokens(&self, req: &GenerationRequest) -> u64 {
@@ -288,7 +324,12 @@ impl Tokenizer {
         let mut n = 0u64;
         for piece in self.bpe.split(norm.as_str()) {
             let bytes = piece.as_bytes();
-            if keep.wants() && bytes.len() <= MAX_PIECE_BYTES {
+            if let Some(&t) = self.whole.get(bytes) {
+                n += 1;
+                if keep.wants() {
+                    keep.push(&[t]);
+                }
+            } else if keep.wants() && bytes.len() <= MAX_PIECE_BYTES {
                 let t = self.bpe.bpe.encode_via_backtracking(bytes);
                 n += t.len() as u64;
                 keep.push(&t);
@@ -296,7 +337,7 @@ impl Tokenizer {
                 if bytes.len() > MAX_PIECE_BYTES {
                     keep.close();
                 }
-                n += self.bpe.bpe.count(bytes) as u64;
+                n += self.count_piece(bytes);
             }
         }
         n
@@ -569,6 +610,48 @@ mod tests {
         // Capped by the caller.
         assert_eq!(t.prompt(&r, 2).prefix_blocks, p.prefix_blocks[..2]);
         assert!(t.prompt(&r, 0).prefix_blocks.is_empty());
+    }
+
+    /// The fast path's premise, for the whole vocabulary: a piece that is
+    /// one token's bytes encodes to that token alone.
+    #[test]
+    fn every_token_encodes_to_itself() {
+        let t = Tokenizer::new().unwrap();
+        let bpe = &t.bpe.bpe;
+        let mut wrong = Vec::new();
+        for id in 0..bpe.num_tokens() as u32 {
+            let got = bpe.encode_via_backtracking(bpe.token_bytes(id));
+            if got != [id] {
+                wrong.push((id, got));
+            }
+        }
+        assert!(
+            wrong.is_empty(),
+            "{} tokens: {:?}",
+            wrong.len(),
+            &wrong[..wrong.len().min(5)]
+        );
+        assert_eq!(t.whole.len(), bpe.num_tokens());
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(300))]
+        /// Counting and keeping tokens with the fast path give the
+        /// encoder's own count and tokens, on any text (words, numbers,
+        /// runs, punctuation, whitespace, other scripts).
+        #[test]
+        fn counts_and_tokens_are_the_encoders(
+            text in "([a-zA-Z]{1,12}|[0-9]{1,6}|[ \\t\\n]{1,3}|[.,!?'\"()-]{1,3}|[\\u{400}-\\u{4ff}\\u{4e00}-\\u{4e40}\\u{1f600}-\\u{1f610}]{1,4}|x{20,60}){0,40}"
+        ) {
+            let t = Tokenizer::new().unwrap();
+            let want = t.bpe.encode(text.as_str());
+            proptest::prop_assert_eq!(t.count(&text), t.bpe.count(text.as_str()) as u64);
+            proptest::prop_assert_eq!(t.count(&text), want.len() as u64);
+            let mut keep = PrefixTokens::new(usize::MAX);
+            let n = t.count_into(&text, &mut keep);
+            proptest::prop_assert_eq!(n, want.len() as u64);
+            proptest::prop_assert_eq!(keep.tokens(), want);
+        }
     }
 
     #[test]
