@@ -21,6 +21,7 @@ mod config;
 mod engine;
 mod error;
 mod meter;
+mod payload;
 mod retry;
 mod sse;
 pub mod trace;
@@ -33,6 +34,7 @@ pub use engine::{parse_metrics, Engine, EngineLoad, EngineStatus};
 pub use error::UpstreamError;
 use error::{error_chain, parse_retry_after};
 pub use meter::{Hold, Meter};
+pub use payload::StreamOptions;
 pub use retry::{retry_backoff, RETRY_BASE, RETRY_MAX};
 use sse::SseStream;
 
@@ -364,7 +366,20 @@ impl Upstream {
         class: CallClass,
         traceparent: Option<String>,
     ) -> Result<Answer, UpstreamError> {
-        let payload = self.prepare(body, false)?;
+        let payload = self.payload(&body, false, StreamOptions::Merge)?;
+        self.complete_payload(path, payload, class, traceparent)
+            .await
+    }
+
+    /// [`Upstream::complete_traced`] with the body already written
+    /// ([`Upstream::payload`]).
+    pub async fn complete_payload(
+        &self,
+        path: &str,
+        payload: Vec<u8>,
+        class: CallClass,
+        traceparent: Option<String>,
+    ) -> Result<Answer, UpstreamError> {
         let mut call = self.begin()?;
         let request = self.post(path, payload, "application/json", traceparent);
         let exchange = async {
@@ -437,7 +452,19 @@ impl Upstream {
         traceparent: Option<String>,
     ) -> Result<impl Stream<Item = Result<Value, UpstreamError>> + Send + 'static, UpstreamError>
     {
-        let payload = self.prepare(body, true)?;
+        let payload = self.payload(&body, true, StreamOptions::Merge)?;
+        self.stream_payload(path, payload, traceparent).await
+    }
+
+    /// [`Upstream::stream_traced`] with the body already written
+    /// ([`Upstream::payload`]).
+    pub async fn stream_payload(
+        &self,
+        path: &str,
+        payload: Vec<u8>,
+        traceparent: Option<String>,
+    ) -> Result<impl Stream<Item = Result<Value, UpstreamError>> + Send + 'static, UpstreamError>
+    {
         let mut call = self.begin()?;
         let request = self.post(path, payload, "text/event-stream", traceparent);
         let resp = match tokio::time::timeout(self.cfg.timeout, request.send()).await {
@@ -626,39 +653,18 @@ fn refusal(breaker: &Breaker) -> String {
 }
 
 impl Upstream {
-    /// The body to send: the client's JSON object with `model`, `stream`
-    /// and `stream_options` adjusted.
-    fn prepare(&self, body: Value, stream: bool) -> Result<Vec<u8>, UpstreamError> {
-        let Value::Object(mut map) = body else {
-            return Err(UpstreamError::BadRequest {
-                reason: "the body is not a JSON object".into(),
-            });
-        };
-        if let Some(model) = &self.cfg.served_model {
-            map.insert("model".into(), Value::String(model.clone()));
-        }
-        if stream {
-            map.insert("stream".into(), Value::Bool(true));
-            match map.get_mut("stream_options") {
-                Some(Value::Object(options)) => {
-                    options.insert("include_usage".into(), Value::Bool(true));
-                }
-                _ => {
-                    let mut options = serde_json::Map::new();
-                    options.insert("include_usage".into(), Value::Bool(true));
-                    map.insert("stream_options".into(), Value::Object(options));
-                }
-            }
-        } else {
-            if map.contains_key("stream") {
-                map.insert("stream".into(), Value::Bool(false));
-            }
-            // vLLM and OpenAI refuse stream_options without streaming.
-            map.remove("stream_options");
-        }
-        serde_json::to_vec(&map).map_err(|e| UpstreamError::BadRequest {
-            reason: e.to_string(),
-        })
+    /// The body to send: the client's JSON object `body` with `model`
+    /// (this upstream's served model, if set), `stream` and
+    /// `stream_options` set ([`payload::write`]), written without copying
+    /// the body.
+    pub fn payload(
+        &self,
+        body: &Value,
+        stream: bool,
+        options: StreamOptions,
+    ) -> Result<Vec<u8>, UpstreamError> {
+        payload::write(body, self.served_model(), stream, options)
+            .map_err(|reason| UpstreamError::BadRequest { reason })
     }
 
     fn endpoint(&self, path: &str) -> String {

@@ -212,9 +212,12 @@ pub(in crate::server) async fn serve_upstream(
     // The slot is held from here: its GPU time is charged to the request.
     let mut hold = up.hold();
     let headers = kiln_headers(&ctx, &s, &format!("http:{}", up.name()));
-    let served_model = up.served_model().map(str::to_string);
     let path = ctx.endpoint.path();
-    let body = upstream_body(&ctx, served_model.as_deref(), ctx.stream);
+    let payload = up.payload(
+        &ctx.body,
+        ctx.stream,
+        crate::backend::http::StreamOptions::UsageOnly,
+    );
     // W3C trace context: the client's trace (or the one the gateway
     // started for it) continued, kiln's span (stamped on arrival) as the
     // parent.
@@ -234,14 +237,17 @@ pub(in crate::server) async fn serve_upstream(
     // scheduler's queue.
     let pieces = if ctx.stream {
         let open = async {
-            let opened =
-                match tokio::time::timeout_at(deadline, up.stream_traced(path, body, traceparent))
-                    .await
-                {
-                    Ok(Ok(chunks)) => Ok(Box::pin(chunks)),
-                    Ok(Err(e)) => Err(Before::Upstream(e)),
-                    Err(_) => Err(Before::Budget),
-                };
+            let call = async {
+                match payload {
+                    Ok(p) => up.stream_payload(path, p, traceparent).await,
+                    Err(e) => Err(e),
+                }
+            };
+            let opened = match tokio::time::timeout_at(deadline, call).await {
+                Ok(Ok(chunks)) => Ok(Box::pin(chunks)),
+                Ok(Err(e)) => Err(Before::Upstream(e)),
+                Err(_) => Err(Before::Budget),
+            };
             // The first chunk is awaited before the answer begins, so a
             // stream that fails at once can still go to another replica.
             match opened {
@@ -321,8 +327,13 @@ pub(in crate::server) async fn serve_upstream(
         } else {
             crate::backend::http::CallClass::Online
         };
-        let call =
-            tokio::time::timeout_at(deadline, up.complete_traced(path, body, class, traceparent));
+        let call = async {
+            match payload {
+                Ok(p) => up.complete_payload(path, p, class, traceparent).await,
+                Err(e) => Err(e),
+            }
+        };
+        let call = tokio::time::timeout_at(deadline, call);
         let left = LeftBeforeAnswer::new(&ctx, &s);
         let raced = tokio::select! {
             r = call => Raced::Done(r),
@@ -1083,23 +1094,6 @@ impl Drop for Generation {
             self.ctx.app.exec.send(Command::Cancel(self.ctx.id));
         }
     }
-}
-
-/// The body sent upstream: the client's, with the upstream's model name.
-fn upstream_body(ctx: &Ctx, served_model: Option<&str>, stream: bool) -> Value {
-    let mut b = ctx.body.clone();
-    if let Some(obj) = b.as_object_mut() {
-        if let Some(m) = served_model {
-            obj.insert("model".into(), json!(m));
-        }
-        obj.insert("stream".into(), json!(stream));
-        if stream {
-            obj.insert("stream_options".into(), json!({"include_usage": true}));
-        } else {
-            obj.remove("stream_options");
-        }
-    }
-    b
 }
 
 /// The client's answer for an upstream error: its status, and for 429
