@@ -637,7 +637,14 @@ pub enum ConfigError {
 
 /// SHA-256 of a secret, lowercase hex: what the config stores.
 pub fn hash_secret(secret: &str) -> String {
-    hex::encode(Sha256::digest(secret.as_bytes()))
+    let digest = Sha256::digest(secret.as_bytes());
+    // Into a buffer in one pass: `hex::encode` collects 64 chars one by
+    // one, and this runs for every request's key.
+    let mut buf = [0u8; 64];
+    match hex::encode_to_slice(digest, &mut buf) {
+        Ok(()) => String::from_utf8_lossy(&buf).into_owned(),
+        Err(_) => hex::encode(digest),
+    }
 }
 
 impl LogSection {
@@ -1028,9 +1035,11 @@ impl ServerConfig {
         for t in &g.tenants {
             for key in &t.api_keys {
                 let h = hash_secret(key);
-                let entry = self.keys.iter().enumerate().find(|(_, k)| {
-                    constant_time_eq(k.sha256.to_ascii_lowercase().as_bytes(), h.as_bytes())
-                });
+                let entry = self
+                    .keys
+                    .iter()
+                    .enumerate()
+                    .find(|(_, k)| same_hash(&k.sha256, &h));
                 if let Some((i, k)) = entry {
                     if k.tenant != t.name {
                         let label = k
@@ -1064,9 +1073,7 @@ impl ServerConfig {
 
     /// The `[[keys]]` entry of a key's hash ([`hash_secret`]).
     pub fn key_entry_hashed(&self, h: &str) -> Option<&KeyConfig> {
-        self.keys
-            .iter()
-            .find(|k| constant_time_eq(k.sha256.to_ascii_lowercase().as_bytes(), h.as_bytes()))
+        self.keys.iter().find(|k| same_hash(&k.sha256, h))
     }
 
     pub fn admin_token_ok(&self, token: &str) -> bool {
@@ -1077,7 +1084,7 @@ impl ServerConfig {
     /// `admin` for a token listed in `token_sha256`.
     pub fn admin_identity(&self, token: &str) -> Option<String> {
         let h = hash_secret(token);
-        let same = |t: &str| constant_time_eq(t.to_ascii_lowercase().as_bytes(), h.as_bytes());
+        let same = |t: &str| same_hash(t, &h);
         if let Some(t) = self.admin.tokens.iter().find(|t| same(&t.sha256)) {
             return Some(t.person().to_string());
         }
@@ -1095,7 +1102,7 @@ impl ServerConfig {
             return false;
         };
         let h = hash_secret(token);
-        let same = |t: &str| constant_time_eq(t.to_ascii_lowercase().as_bytes(), h.as_bytes());
+        let same = |t: &str| same_hash(t, &h);
         !self.admin.tokens.iter().any(|t| same(&t.sha256))
             && self.admin.token_sha256.iter().any(|t| same(t))
     }
@@ -1184,13 +1191,33 @@ fn check_upstream_keys(name: &str, text: &str) -> Result<(), ConfigError> {
 }
 
 /// Comparison that does not stop at the first differing byte.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+/// Whether a stored hash (hex in any case) is `h` (lowercase hex, from
+/// [`hash_secret`]), in time that does not depend on where they differ,
+/// and without a lowercased copy of every stored hash per request.
+fn same_hash(stored: &str, h: &str) -> bool {
+    let (a, b) = (stored.as_bytes(), h.as_bytes());
+    a.len() == b.len()
+        && a.iter()
+            .zip(b)
+            .fold(0u8, |acc, (x, y)| acc | (x.to_ascii_lowercase() ^ y))
+            == 0
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_secret_hashes_to_sha256_lowercase_hex() {
+        assert_eq!(
+            hash_secret("abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+        assert_eq!(
+            hash_secret("key-bench"),
+            hex::encode(Sha256::digest(b"key-bench"))
+        );
+    }
 
     #[test]
     fn shared_state_section_is_checked_with_help() {
@@ -1263,6 +1290,20 @@ mod tests {
         .unwrap();
         assert_eq!(c.tenant_for_key("s3cret"), Some("acme"));
         assert_eq!(c.tenant_for_key("s3cret "), None);
+        // A hash stored in capitals matches too; a hash one digit off,
+        // shorter or longer does not.
+        let upper = ServerConfig::parse(
+            "t",
+            &format!(
+                "[[keys]]\nsha256 = \"{}\"\ntenant = \"acme\"\n",
+                h.to_ascii_uppercase()
+            ),
+        )
+        .unwrap();
+        assert_eq!(upper.tenant_for_key("s3cret"), Some("acme"));
+        assert!(same_hash(&h, &h) && !same_hash(&h[..63], &h) && !same_hash(&format!("{h}0"), &h));
+        let off = format!("{}{}", &h[..10], if &h[10..11] == "0" { "1" } else { "0" });
+        assert!(!same_hash(&format!("{off}{}", &h[11..]), &h));
     }
 
     #[test]

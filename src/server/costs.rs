@@ -33,11 +33,24 @@ impl Spend {
 
 #[derive(Debug, Default)]
 struct Inner {
-    /// (tier, tenant, pool, model) → spend.
-    routes: HashMap<[String; 4], Spend>,
+    /// (tier, tenant, pool, model) → spend. hashbrown's map, so a charge
+    /// looks its route up by the borrowed names ([`RouteRef`]) and copies
+    /// them only for a route's first charge.
+    routes: hashbrown::HashMap<[String; 4], Spend>,
     /// batch id → (last charge's sequence number, spend).
     batches: HashMap<String, (u64, Spend)>,
     seq: u64,
+}
+
+/// A route's names, borrowed: hashes as `[String; 4]` does (both hash as
+/// a slice of four `str`), so the map finds a route without copying them.
+#[derive(Hash)]
+struct RouteRef<'a>([&'a str; 4]);
+
+impl hashbrown::Equivalent<[String; 4]> for RouteRef<'_> {
+    fn equivalent(&self, key: &[String; 4]) -> bool {
+        self.0.iter().zip(key).all(|(a, b)| *a == b.as_str())
+    }
 }
 
 /// Shared by the request path (charges) and the admin API (reads).
@@ -72,8 +85,14 @@ impl Ledger {
         let clean = |x: f64| if x.is_finite() && x > 0.0 { x } else { 0.0 };
         let (gpu_seconds, cost) = (clean(gpu_seconds), clean(cost));
         let Ok(mut g) = self.inner.lock() else { return };
-        let key = route.map(str::to_string);
-        g.routes.entry(key).or_default().add(gpu_seconds, cost);
+        match g.routes.get_mut(&RouteRef(route)) {
+            Some(s) => s.add(gpu_seconds, cost),
+            None => g
+                .routes
+                .entry(route.map(str::to_string))
+                .or_default()
+                .add(gpu_seconds, cost),
+        }
         if let Some(b) = batch {
             g.seq += 1;
             let seq = g.seq;
@@ -180,6 +199,30 @@ mod tests {
         assert!((c.tenants[0].spend.gpu_seconds - 6.0).abs() < 1e-9);
         assert_eq!(c.batches.len(), 1);
         assert_eq!(c.batches[0].spend.requests, 2);
+    }
+
+    /// A route charged again (names in fresh strings) is found by its
+    /// borrowed names: one entry, whatever the names (empty, shared
+    /// prefixes, a name that is another's two joined).
+    #[test]
+    fn a_route_is_found_by_its_borrowed_names() {
+        let l = Ledger::default();
+        let routes = [
+            ["a", "b", "c", "d"],
+            ["ab", "", "c", "d"],
+            ["a", "bc", "", "d"],
+            ["", "", "", ""],
+            ["a", "b", "c", "de"],
+        ];
+        for round in 0..3 {
+            for r in routes {
+                let owned = r.map(str::to_string);
+                l.charge(owned.each_ref().map(String::as_str), None, 1.0, 0.0);
+            }
+            let g = l.inner.lock().unwrap();
+            assert_eq!(g.routes.len(), routes.len(), "round {round}");
+            assert!(g.routes.values().all(|s| s.requests == round + 1));
+        }
     }
 
     #[test]
