@@ -36,6 +36,7 @@ pub mod metrics;
 pub mod openai;
 pub mod otel;
 pub mod prefix;
+mod pretokenize;
 mod request;
 pub mod routes;
 pub mod surface;

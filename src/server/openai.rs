@@ -219,11 +219,22 @@ impl Tokenizer {
         if text.is_empty() {
             return 0;
         }
+        let mut n = 0;
+        self.pieces(text, |piece| n += self.count_piece(piece.as_bytes()));
+        n
+    }
+
+    /// Calls `f` with each pre-tokenized piece of `text`: ASCII text by
+    /// [`super::pretokenize`] (cl100k_base's pattern by hand), other text
+    /// by the tokenizer's own regex.
+    fn pieces(&self, text: &str, f: impl FnMut(&str)) {
         let norm = self.bpe.normalize(text);
-        self.bpe
-            .split(norm.as_str())
-            .map(|piece| self.count_piece(piece.as_bytes()))
-            .sum()
+        let norm = norm.as_str();
+        if norm.is_ascii() {
+            super::pretokenize::ascii_pieces(norm, f);
+        } else {
+            self.bpe.split(norm).for_each(f);
+        }
     }
 
     /// One pre-tokenized piece's token count, as the encoder gives it.
@@ -320,9 +331,8 @@ impl Tokenizer {
         if !keep.wants() {
             return self.count(text);
         }
-        let norm = self.bpe.normalize(text);
         let mut n = 0u64;
-        for piece in self.bpe.split(norm.as_str()) {
+        self.pieces(text, |piece| {
             let bytes = piece.as_bytes();
             if let Some(&t) = self.whole.get(bytes) {
                 n += 1;
@@ -339,7 +349,7 @@ impl Tokenizer {
                 }
                 n += self.count_piece(bytes);
             }
-        }
+        });
         n
     }
 }
