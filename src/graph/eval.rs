@@ -794,6 +794,26 @@ fallback hi [route m.int4 on small, demote lo]
     }
 
     #[test]
+    fn whether_a_policy_reads_estimated_wait() {
+        assert!(!graph().reads_estimated_wait());
+        for (from, to) in [
+            ("when prompt_tokens > 10k", "when estimated_wait > 2s"),
+            (
+                "when quota.remaining < 10%",
+                "when not (estimated_wait < 1s or prompt_tokens < 5)",
+            ),
+        ] {
+            let text = POLICY.replace(from, to);
+            assert_ne!(text, POLICY);
+            let g = compile_str("t.kiln", &text).graph.unwrap();
+            assert!(g.reads_estimated_wait(), "{to}");
+            let mut h = g.clone();
+            h.admits.clear();
+            assert!(!h.reads_estimated_wait());
+        }
+    }
+
+    #[test]
     fn a_header_cannot_raise_a_tenant_beyond_its_grant() {
         let g = graph();
         let mut r = req(Some("guest"), "m");

@@ -768,6 +768,8 @@ pub struct DecisionGraph {
     pub(crate) builtin: Builtin,
     /// [`DecisionGraph::headers_read`], worked out at its first call.
     headers_read: Memo<Vec<String>>,
+    /// [`DecisionGraph::reads_estimated_wait`], likewise.
+    reads_wait: Memo<bool>,
 }
 
 /// A value worked out once from a graph that no longer changes. It takes
@@ -902,6 +904,27 @@ impl DecisionGraph {
         self.headers_read.0.get_or_init(|| self.find_headers_read())
     }
 
+    /// Whether a classify, route or admit rule reads `estimated_wait`.
+    /// Working the signal out costs the scheduler a decision and a wait
+    /// estimate per arrival, which a policy that never reads it is spared;
+    /// worked out once per graph.
+    pub fn reads_estimated_wait(&self) -> bool {
+        *self.reads_wait.0.get_or_init(|| {
+            let reads = |c: &Cond| c.any_test(&|t: &Test| t.sig == Sig::EstimatedWait);
+            self.classify.rules.iter().any(|(_, c, _)| reads(c))
+                || self
+                    .routes
+                    .iter()
+                    .flatten()
+                    .any(|rs| rs.rules.iter().any(|(_, c, _)| reads(c)))
+                || self
+                    .admits
+                    .iter()
+                    .flatten()
+                    .any(|rs| rs.rules.iter().any(|(_, c, _)| reads(c)))
+        })
+    }
+
     fn find_headers_read(&self) -> Vec<String> {
         let mut names = Vec::new();
         for (_, c, _) in &self.classify.rules {
@@ -956,6 +979,7 @@ impl DecisionGraph {
             index: Names::default(),
             builtin: Builtin::default(),
             headers_read: Memo::default(),
+            reads_wait: Memo::default(),
         }
     }
 

@@ -484,7 +484,18 @@ impl Scheduler {
             .as_ref()
             .and_then(|s| self.sessions.get(s))
             .map(|(t, _)| *t);
-        let estimate = self.estimate_wait(&req, arrival.window);
+        // Only a policy (or its canary) that reads `estimated_wait` needs
+        // it worked out: a decision and a wait estimate per arrival.
+        let reads_wait = graph.reads_estimated_wait()
+            || self
+                .canary
+                .as_ref()
+                .is_some_and(|c| c.graph().reads_estimated_wait());
+        let estimate = if reads_wait {
+            self.estimate_wait(&req, arrival.window)
+        } else {
+            0
+        };
         self.signals.estimated_wait = estimate as f64 / 1000.0;
         let baseline = self.cfg.mode != Mode::Kiln;
         let canary_graph = match &self.canary {

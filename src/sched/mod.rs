@@ -2969,6 +2969,55 @@ mod tests {
             .collect()
     }
 
+    /// `estimated_wait` is worked out only for a policy that reads it
+    /// (`DecisionGraph::reads_estimated_wait`); one that does still has
+    /// it: behind a long request on the only slot, the next one's estimate
+    /// is its wait, and the rule refuses it. Without the rule it queues.
+    #[test]
+    fn a_policy_that_reads_estimated_wait_is_given_it() {
+        let policy = |admit: &str| {
+            graph(&format!(
+                r#"
+pool p {{ gpus 1 kind "H100-80GB" memory 80GB }}
+model m {{ variant v {{ precision fp16 memory 10GB pools [p] max_batch 1 }} }}
+tier t {{ priority 10 }}
+tenant a {{ owner "o" tiers [t] }}
+classify {{ default => tier t }}
+route [t] m {{ default => v }}
+{admit}
+"#
+            ))
+        };
+        let rejected = |acts: &[Action]| {
+            ids(acts, |a| match a {
+                Action::Reject { id, .. } => Some(*id),
+                _ => None,
+            })
+        };
+        let reads = policy(
+            "admit t {\n  when estimated_wait > 50ms => reject 503 \"busy\"\n  default => accept\n}",
+        );
+        assert!(reads.reads_estimated_wait());
+        let mut s = sched(&reads);
+        assert_eq!(
+            started(&arrive(&mut s, 0, arrival(0, "a", "m", 100, 2000))),
+            [0]
+        );
+        assert_eq!(
+            rejected(&arrive(&mut s, MS, arrival(1, "a", "m", 100, 10))),
+            [1]
+        );
+        let ignores = policy("");
+        assert!(!ignores.reads_estimated_wait());
+        let mut s = sched(&ignores);
+        assert_eq!(
+            started(&arrive(&mut s, 0, arrival(0, "a", "m", 100, 2000))),
+            [0]
+        );
+        assert!(rejected(&arrive(&mut s, MS, arrival(1, "a", "m", 100, 10))).is_empty());
+        assert_eq!(s.waiting(), 1);
+    }
+
     #[test]
     fn upstreams_are_filled_least_loaded_first_not_in_index_order() {
         // Three HTTP upstreams of four slots each. Filled in index order,
