@@ -910,35 +910,25 @@ impl DecisionGraph {
     /// worked out once per graph.
     pub fn reads_estimated_wait(&self) -> bool {
         *self.reads_wait.0.get_or_init(|| {
-            let reads = |c: &Cond| c.any_test(&|t: &Test| t.sig == Sig::EstimatedWait);
-            self.classify.rules.iter().any(|(_, c, _)| reads(c))
-                || self
-                    .routes
-                    .iter()
-                    .flatten()
-                    .any(|rs| rs.rules.iter().any(|(_, c, _)| reads(c)))
-                || self
-                    .admits
-                    .iter()
-                    .flatten()
-                    .any(|rs| rs.rules.iter().any(|(_, c, _)| reads(c)))
+            self.rule_conditions()
+                .any(|c| c.any_test(&|t: &Test| t.sig == Sig::EstimatedWait))
         })
+    }
+
+    /// The conditions of every classify, route and admit rule.
+    fn rule_conditions(&self) -> impl Iterator<Item = &Cond> {
+        fn of<O>(rules: &[(RuleId, Cond, O)]) -> impl Iterator<Item = &Cond> {
+            rules.iter().map(|(_, c, _)| c)
+        }
+        of(&self.classify.rules)
+            .chain(self.routes.iter().flatten().flat_map(|rs| of(&rs.rules)))
+            .chain(self.admits.iter().flatten().flat_map(|rs| of(&rs.rules)))
     }
 
     fn find_headers_read(&self) -> Vec<String> {
         let mut names = Vec::new();
-        for (_, c, _) in &self.classify.rules {
+        for c in self.rule_conditions() {
             c.headers_read(&mut names);
-        }
-        for rs in self.routes.iter().flatten() {
-            for (_, c, _) in &rs.rules {
-                c.headers_read(&mut names);
-            }
-        }
-        for rs in self.admits.iter().flatten() {
-            for (_, c, _) in &rs.rules {
-                c.headers_read(&mut names);
-            }
         }
         let mut out: Vec<String> = names.iter().map(|n| n.to_ascii_lowercase()).collect();
         out.sort();

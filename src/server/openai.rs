@@ -347,7 +347,8 @@ impl Tokenizer {
                 if bytes.len() > MAX_PIECE_BYTES {
                     keep.close();
                 }
-                n += self.count_piece(bytes);
+                // Not a whole token (looked up above): the encoder counts it.
+                n += self.bpe.bpe.count(bytes) as u64;
             }
         });
         n

@@ -853,10 +853,13 @@ impl Generation {
                         // model rewritten: parsing it whole and printing it
                         // again was a tenth of the gateway's own work.
                         Some(a) => {
+                            let bytes = a.to_vec();
                             if self.s.d.cache.is_some() {
-                                super::cache::store(&self.ctx, &self.s.d, &a.to_value());
+                                // The bytes the client gets, parsed once.
+                                let v = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+                                super::cache::store(&self.ctx, &self.s.d, &v);
                             }
-                            let mut r = Response::new(Body::from(a.to_vec()));
+                            let mut r = Response::new(Body::from(bytes));
                             r.headers_mut().insert(
                                 axum::http::header::CONTENT_TYPE,
                                 HeaderValue::from_static("application/json"),
