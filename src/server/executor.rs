@@ -1,14 +1,21 @@
-//! The executor: the one task that owns the scheduler core and feeds it
-//! real time. Request handlers submit arrivals and cancellations over a
-//! channel; the executor turns the scheduler's actions into progress
-//! messages for each handler, sleeps until the next simulated step ends or
-//! timer fires, and applies policy swaps between two events, so every
+//! The executor: the one owner of the scheduler core, fed real time.
+//! Request handlers submit arrivals and cancellations through an
+//! [`ExecHandle`]; the executor turns the scheduler's actions into progress
+//! messages for each handler, fires the next simulated step or timer when
+//! it is due, and applies policy swaps between two events, so every
 //! request is decided wholly by one version.
 //!
-//! Why one task: the scheduler is a pure state machine with `&mut self`
-//! methods; serialising events through a channel keeps it lock-free. The
-//! timers and the order of events are the [`crate::driver`]'s, the same
-//! code the replay runs; the executor adds only the clock (wall or
+//! Why a lock and not a task: the scheduler is a pure state machine with
+//! `&mut self` methods, and events must reach it one at a time and in
+//! time order. A command is applied on the caller's thread under one
+//! mutex (time is read inside it, so it never goes back), which costs a
+//! request no hop to another task: a channel round trip to an executor
+//! task was two task wake-ups and, on a multi-threaded runtime, about two
+//! moves between worker threads per request. Only timers (steps of
+//! simulated replicas, queue expiries) and the periodic health check run
+//! on a task of their own, woken when a command moves the next timer
+//! earlier. The timers and the order of events are the [`crate::driver`]'s,
+//! the same code the replay runs; the executor adds only the clock (wall or
 //! virtual) and a [`Sink`] that turns actions into progress messages.
 
 use crate::backend::Backend;
@@ -20,9 +27,10 @@ use crate::sched::ratelimit::RateLimits;
 use crate::sched::{Action, Arrival, Event, Micros, QueueRow, Reason, ReqId, Scheduler};
 use rustc_hash::FxHashMap as HashMap;
 use serde::Serialize;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, Notify};
 
 /// What a handler hears about its request.
 #[derive(Clone)]
@@ -262,15 +270,24 @@ pub struct ReplicaRow {
     pub engine: Option<crate::backend::http::EngineStatus>,
 }
 
-/// A cheap, cloneable handle to the executor task.
+/// Applies a command to the executor on the caller's thread.
+trait Apply: Send + Sync {
+    fn apply(&self, c: Command);
+}
+
+/// A cheap, cloneable handle to the executor.
 #[derive(Clone)]
 pub struct ExecHandle {
-    tx: mpsc::UnboundedSender<Command>,
+    exec: Arc<dyn Apply>,
 }
 
 impl ExecHandle {
+    /// Applies `c` now, on this thread (replies go out on its channels
+    /// before this returns). Always true: the executor lives as long as a
+    /// handle does.
     pub fn send(&self, c: Command) -> bool {
-        self.tx.send(c).is_ok()
+        self.exec.apply(c);
+        true
     }
 
     pub async fn snapshot(&self) -> Option<Snapshot> {
@@ -355,9 +372,9 @@ struct Handlers {
     /// Set while an arrival is fed: its decision carries the live signals
     /// it saw (for explain), copied once.
     arriving: bool,
-    /// The executor's own channel, for results of work it hands to
-    /// blocking threads (CUDA steps).
-    self_tx: Option<mpsc::UnboundedSender<Command>>,
+    /// The executor itself, for results of work it hands to blocking
+    /// threads (CUDA steps). Weak: the executor must not keep itself alive.
+    this: Option<Weak<dyn Apply>>,
     /// CUDA replicas' KV changes between steps, and their steps.
     #[cfg(feature = "cuda")]
     cuda: crate::backend::cuda::step::Steps,
@@ -586,21 +603,25 @@ impl Sink for Handlers {
             else {
                 return false;
             };
-            let Some(tx) = self.self_tx.clone() else {
+            let Some(this) = self.this.clone() else {
                 return false;
             };
+            // Runs on a blocking thread once the step ended, never inside
+            // the command that started it (which holds the executor).
             self.cuda.run(r, slot, rep.step_shape, move |result| {
-                let _ = tx.send(Command::StepRan {
-                    replica: r,
-                    until,
-                    result,
-                });
+                if let Some(exec) = this.upgrade() {
+                    exec.apply(Command::StepRan {
+                        replica: r,
+                        until,
+                        result,
+                    });
+                }
             });
             true
         }
         #[cfg(not(feature = "cuda"))]
         {
-            let _ = (r, until, sched, &self.self_tx);
+            let _ = (r, until, sched, &self.this);
             false
         }
     }
@@ -621,6 +642,68 @@ pub struct Executor<C: Clock> {
     /// at every arrival, not only every `HEALTH_EVERY`).
     engines: bool,
     arrivals: u64,
+}
+
+/// The executor behind its lock, and what its timer task sleeps on.
+struct Shared<C: Clock> {
+    exec: Mutex<Executor<C>>,
+    /// Wakes the timer task when a command moved the next timer before
+    /// the one it sleeps until.
+    timer: Notify,
+    /// The timer the timer task sleeps until (`Micros::MAX`: none).
+    armed: AtomicU64,
+}
+
+impl<C: Clock> Shared<C> {
+    /// The executor; a panic that poisoned the lock left the scheduler
+    /// between two events, which is as consistent as it gets.
+    fn lock(&self) -> std::sync::MutexGuard<'_, Executor<C>> {
+        self.exec.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl<C: Clock> Apply for Shared<C> {
+    fn apply(&self, c: Command) {
+        let next = {
+            let mut exec = self.lock();
+            exec.command(c);
+            let now = exec.clock.now();
+            let exec = &mut *exec;
+            exec.driver.fire_due(now, &mut exec.handlers);
+            exec.driver.next_timer()
+        };
+        if next.is_some_and(|t| t < self.armed.load(Ordering::Acquire)) {
+            self.timer.notify_one();
+        }
+    }
+}
+
+/// Fires the executor's timers as the clock passes them, and folds
+/// upstream health in every [`HEALTH_EVERY`].
+async fn timers<C: Clock>(shared: Arc<Shared<C>>, clock: C, has_http: bool) {
+    let mut health = tokio::time::interval(HEALTH_EVERY);
+    health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let next = {
+            let mut exec = shared.lock();
+            let now = exec.clock.now();
+            let exec = &mut *exec;
+            exec.driver.fire_due(now, &mut exec.handlers);
+            let next = exec.driver.next_timer();
+            // Stored under the lock, so a command after this sees it and
+            // one before it is in `next`.
+            shared
+                .armed
+                .store(next.unwrap_or(Micros::MAX), Ordering::Release);
+            next
+        };
+        tokio::select! {
+            biased;
+            _ = shared.timer.notified() => {}
+            _ = clock.passed(next.unwrap_or(Micros::MAX)), if next.is_some() => {}
+            _ = health.tick(), if has_http => shared.lock().check_health(),
+        }
+    }
 }
 
 /// The smaller of two slot caps (`None`: no cap).
@@ -655,7 +738,7 @@ impl<C: Clock> Executor<C> {
                 canary_version: None,
                 backends,
                 arriving: false,
-                self_tx: None,
+                this: None,
                 #[cfg(feature = "cuda")]
                 cuda: Default::default(),
             },
@@ -667,50 +750,30 @@ impl<C: Clock> Executor<C> {
         }
     }
 
-    /// Starts the executor on the current tokio runtime.
-    pub fn spawn(mut self) -> (ExecHandle, tokio::task::JoinHandle<()>) {
-        let (tx, rx) = mpsc::unbounded_channel();
-        self.handlers.self_tx = Some(tx.clone());
-        let task = tokio::spawn(self.run(rx));
-        (ExecHandle { tx }, task)
-    }
-
-    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Command>) {
+    /// Starts the executor's timer task on the current tokio runtime;
+    /// commands run on the threads that send them.
+    pub fn spawn(self) -> (ExecHandle, tokio::task::JoinHandle<()>)
+    where
+        C: Clone,
+    {
+        let clock = self.clock.clone();
         let has_http = self
             .handlers
             .backends
             .iter()
             .any(|b| matches!(b, Backend::Http(_)));
-        let mut health = tokio::time::interval(HEALTH_EVERY);
-        health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            let next = self.driver.next_timer();
-            let cmd = tokio::select! {
-                biased;
-                c = rx.recv() => Some(c),
-                _ = self.clock.passed(next.unwrap_or(Micros::MAX)), if next.is_some() => None,
-                _ = health.tick(), if has_http => {
-                    self.check_health();
-                    None
-                }
-            };
-            match cmd {
-                Some(None) => break,
-                Some(Some(c)) => {
-                    self.command(c);
-                    // Drain what queued meanwhile before sleeping again.
-                    for _ in 0..256 {
-                        match rx.try_recv() {
-                            Ok(c) => self.command(c),
-                            Err(_) => break,
-                        }
-                    }
-                }
-                None => {}
+        let shared = Arc::new_cyclic(|this: &Weak<Shared<C>>| {
+            let mut exec = self;
+            let this: Weak<dyn Apply> = this.clone();
+            exec.handlers.this = Some(this);
+            Shared {
+                exec: Mutex::new(exec),
+                timer: Notify::new(),
+                armed: AtomicU64::new(Micros::MAX),
             }
-            let now = self.clock.now();
-            self.driver.fire_due(now, &mut self.handlers);
-        }
+        });
+        let task = tokio::spawn(timers(shared.clone(), clock, has_http));
+        (ExecHandle { exec: shared }, task)
     }
 
     fn fleet_view(&mut self) -> FleetView {
