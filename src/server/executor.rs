@@ -153,6 +153,16 @@ pub enum Command {
         id: ReqId,
         output_tokens: u32,
     },
+    /// An HTTP upstream's request ended for its client, served or not:
+    /// its first token first when it came with the end (a whole answer),
+    /// then `Complete`, then `Cancel` (a no-op unless a preemption crossed
+    /// the end and queued it again). One command, so one turn of the lock
+    /// where there were three.
+    Ended {
+        id: ReqId,
+        output_tokens: u32,
+        first_token: bool,
+    },
     Swap {
         graph: Arc<DecisionGraph>,
         plan: Plan,
@@ -881,6 +891,19 @@ impl<C: Clock> Executor<C> {
                 self.feed(now, Event::Complete { id, output_tokens });
             }
             Command::FirstToken(id) => self.feed(now, Event::FirstToken { id }),
+            Command::Ended {
+                id,
+                output_tokens,
+                first_token,
+            } => {
+                if first_token {
+                    self.feed(now, Event::FirstToken { id });
+                }
+                self.feed(now, Event::Complete { id, output_tokens });
+                if self.handlers.reqs.remove(&id).is_some() {
+                    self.feed(now, Event::Cancel { id });
+                }
+            }
             Command::Swap {
                 graph,
                 plan,

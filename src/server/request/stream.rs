@@ -567,6 +567,10 @@ struct Tally {
     /// An upstream produces the tokens: the scheduler learns of the first
     /// one from here (for the tier's TTFT signals).
     upstream: bool,
+    /// A whole answer's first token, not yet told to the scheduler: it
+    /// goes with the end (one command, `Command::Ended`), since a whole
+    /// answer's first token is its last.
+    first_token_unsent: bool,
     /// GPU time the scheduler's replica has spent on it so far.
     gpu_seconds: f64,
     /// Of a served one's, the part that recomputed KV lost to a preemption.
@@ -584,7 +588,11 @@ impl Tally {
     fn first_token(&mut self, ctx: &Ctx) {
         if self.ttft.is_none() {
             if self.upstream {
-                ctx.app.exec.send(Command::FirstToken(ctx.id));
+                if ctx.stream {
+                    ctx.app.exec.send(Command::FirstToken(ctx.id));
+                } else {
+                    self.first_token_unsent = true;
+                }
             }
             // A stream's first token (a whole answer's is its last) steers
             // an engine-aware upstream's adaptive limit.
@@ -647,6 +655,7 @@ async fn respond(
             usage_completion: None,
             ttft: None,
             upstream: producer == Producer::Upstream,
+            first_token_unsent: false,
             gpu_seconds: 0.0,
             wasted: 0.0,
             hold,
@@ -738,12 +747,16 @@ impl Generation {
             super::recorder::finished_at(&self.ctx, at);
         }
         if self.producer == Producer::Upstream {
-            report_output(&self.ctx, self.tally.output());
-            // A preemption may have crossed the end (the scheduler queued
-            // it again just before it heard of the end, or it was cut off
-            // mid-stream): then it must not start again for a client that
-            // has its answer. For a request that ended this is a no-op.
-            self.ctx.app.exec.send(Command::Cancel(self.ctx.id));
+            // Its output, and a cancel in the same command: a preemption
+            // may have crossed the end (the scheduler queued it again just
+            // before it heard of the end, or it was cut off mid-stream),
+            // and then it must not start again for a client that has its
+            // answer.
+            self.ctx.app.exec.send(Command::Ended {
+                id: self.ctx.id,
+                output_tokens: self.tally.output().min(u64::from(u32::MAX)) as u32,
+                first_token: std::mem::take(&mut self.tally.first_token_unsent),
+            });
         }
         let (out, ttft) = (self.tally.output(), self.tally.ttft);
         // A served answer wasted only its recompute and its earlier
