@@ -1,21 +1,14 @@
-//! The executor: the one owner of the scheduler core, fed real time.
-//! Request handlers submit arrivals and cancellations through an
-//! [`ExecHandle`]; the executor turns the scheduler's actions into progress
-//! messages for each handler, fires the next simulated step or timer when
-//! it is due, and applies policy swaps between two events, so every
+//! The executor: the one task that owns the scheduler core and feeds it
+//! real time. Request handlers submit arrivals and cancellations over a
+//! channel; the executor turns the scheduler's actions into progress
+//! messages for each handler, sleeps until the next simulated step ends or
+//! timer fires, and applies policy swaps between two events, so every
 //! request is decided wholly by one version.
 //!
-//! Why a lock and not a task: the scheduler is a pure state machine with
-//! `&mut self` methods, and events must reach it one at a time and in
-//! time order. A command is applied on the caller's thread under one
-//! mutex (time is read inside it, so it never goes back), which costs a
-//! request no hop to another task: a channel round trip to an executor
-//! task was two task wake-ups and, on a multi-threaded runtime, about two
-//! moves between worker threads per request. Only timers (steps of
-//! simulated replicas, queue expiries) and the periodic health check run
-//! on a task of their own, woken when a command moves the next timer
-//! earlier. The timers and the order of events are the [`crate::driver`]'s,
-//! the same code the replay runs; the executor adds only the clock (wall or
+//! Why one task: the scheduler is a pure state machine with `&mut self`
+//! methods; serialising events through a channel keeps it lock-free. The
+//! timers and the order of events are the [`crate::driver`]'s, the same
+//! code the replay runs; the executor adds only the clock (wall or
 //! virtual) and a [`Sink`] that turns actions into progress messages.
 
 use crate::backend::Backend;
@@ -27,10 +20,9 @@ use crate::sched::ratelimit::RateLimits;
 use crate::sched::{Action, Arrival, Event, Micros, QueueRow, Reason, ReqId, Scheduler};
 use rustc_hash::FxHashMap as HashMap;
 use serde::Serialize;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{mpsc, oneshot, Notify};
+use tokio::sync::{mpsc, oneshot};
 
 /// What a handler hears about its request.
 #[derive(Clone)]
@@ -156,8 +148,7 @@ pub enum Command {
     /// An HTTP upstream's request ended for its client, served or not:
     /// its first token first when it came with the end (a whole answer),
     /// then `Complete`, then `Cancel` (a no-op unless a preemption crossed
-    /// the end and queued it again). One command, so one turn of the lock
-    /// where there were three.
+    /// the end and queued it again). One message where there were three.
     Ended {
         id: ReqId,
         output_tokens: u32,
@@ -280,24 +271,15 @@ pub struct ReplicaRow {
     pub engine: Option<crate::backend::http::EngineStatus>,
 }
 
-/// Applies a command to the executor on the caller's thread.
-trait Apply: Send + Sync {
-    fn apply(&self, c: Command);
-}
-
-/// A cheap, cloneable handle to the executor.
+/// A cheap, cloneable handle to the executor task.
 #[derive(Clone)]
 pub struct ExecHandle {
-    exec: Arc<dyn Apply>,
+    tx: mpsc::UnboundedSender<Command>,
 }
 
 impl ExecHandle {
-    /// Applies `c` now, on this thread (replies go out on its channels
-    /// before this returns). Always true: the executor lives as long as a
-    /// handle does.
     pub fn send(&self, c: Command) -> bool {
-        self.exec.apply(c);
-        true
+        self.tx.send(c).is_ok()
     }
 
     pub async fn snapshot(&self) -> Option<Snapshot> {
@@ -382,9 +364,9 @@ struct Handlers {
     /// Set while an arrival is fed: its decision carries the live signals
     /// it saw (for explain), copied once.
     arriving: bool,
-    /// The executor itself, for results of work it hands to blocking
-    /// threads (CUDA steps). Weak: the executor must not keep itself alive.
-    this: Option<Weak<dyn Apply>>,
+    /// The executor's own channel, for results of work it hands to
+    /// blocking threads (CUDA steps).
+    self_tx: Option<mpsc::UnboundedSender<Command>>,
     /// CUDA replicas' KV changes between steps, and their steps.
     #[cfg(feature = "cuda")]
     cuda: crate::backend::cuda::step::Steps,
@@ -613,25 +595,21 @@ impl Sink for Handlers {
             else {
                 return false;
             };
-            let Some(this) = self.this.clone() else {
+            let Some(tx) = self.self_tx.clone() else {
                 return false;
             };
-            // Runs on a blocking thread once the step ended, never inside
-            // the command that started it (which holds the executor).
             self.cuda.run(r, slot, rep.step_shape, move |result| {
-                if let Some(exec) = this.upgrade() {
-                    exec.apply(Command::StepRan {
-                        replica: r,
-                        until,
-                        result,
-                    });
-                }
+                let _ = tx.send(Command::StepRan {
+                    replica: r,
+                    until,
+                    result,
+                });
             });
             true
         }
         #[cfg(not(feature = "cuda"))]
         {
-            let _ = (r, until, sched, &self.this);
+            let _ = (r, until, sched, &self.self_tx);
             false
         }
     }
@@ -652,68 +630,6 @@ pub struct Executor<C: Clock> {
     /// at every arrival, not only every `HEALTH_EVERY`).
     engines: bool,
     arrivals: u64,
-}
-
-/// The executor behind its lock, and what its timer task sleeps on.
-struct Shared<C: Clock> {
-    exec: Mutex<Executor<C>>,
-    /// Wakes the timer task when a command moved the next timer before
-    /// the one it sleeps until.
-    timer: Notify,
-    /// The timer the timer task sleeps until (`Micros::MAX`: none).
-    armed: AtomicU64,
-}
-
-impl<C: Clock> Shared<C> {
-    /// The executor; a panic that poisoned the lock left the scheduler
-    /// between two events, which is as consistent as it gets.
-    fn lock(&self) -> std::sync::MutexGuard<'_, Executor<C>> {
-        self.exec.lock().unwrap_or_else(|p| p.into_inner())
-    }
-}
-
-impl<C: Clock> Apply for Shared<C> {
-    fn apply(&self, c: Command) {
-        let next = {
-            let mut exec = self.lock();
-            exec.command(c);
-            let now = exec.clock.now();
-            let exec = &mut *exec;
-            exec.driver.fire_due(now, &mut exec.handlers);
-            exec.driver.next_timer()
-        };
-        if next.is_some_and(|t| t < self.armed.load(Ordering::Acquire)) {
-            self.timer.notify_one();
-        }
-    }
-}
-
-/// Fires the executor's timers as the clock passes them, and folds
-/// upstream health in every [`HEALTH_EVERY`].
-async fn timers<C: Clock>(shared: Arc<Shared<C>>, clock: C, has_http: bool) {
-    let mut health = tokio::time::interval(HEALTH_EVERY);
-    health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        let next = {
-            let mut exec = shared.lock();
-            let now = exec.clock.now();
-            let exec = &mut *exec;
-            exec.driver.fire_due(now, &mut exec.handlers);
-            let next = exec.driver.next_timer();
-            // Stored under the lock, so a command after this sees it and
-            // one before it is in `next`.
-            shared
-                .armed
-                .store(next.unwrap_or(Micros::MAX), Ordering::Release);
-            next
-        };
-        tokio::select! {
-            biased;
-            _ = shared.timer.notified() => {}
-            _ = clock.passed(next.unwrap_or(Micros::MAX)), if next.is_some() => {}
-            _ = health.tick(), if has_http => shared.lock().check_health(),
-        }
-    }
 }
 
 /// The smaller of two slot caps (`None`: no cap).
@@ -748,7 +664,7 @@ impl<C: Clock> Executor<C> {
                 canary_version: None,
                 backends,
                 arriving: false,
-                this: None,
+                self_tx: None,
                 #[cfg(feature = "cuda")]
                 cuda: Default::default(),
             },
@@ -760,30 +676,50 @@ impl<C: Clock> Executor<C> {
         }
     }
 
-    /// Starts the executor's timer task on the current tokio runtime;
-    /// commands run on the threads that send them.
-    pub fn spawn(self) -> (ExecHandle, tokio::task::JoinHandle<()>)
-    where
-        C: Clone,
-    {
-        let clock = self.clock.clone();
+    /// Starts the executor on the current tokio runtime.
+    pub fn spawn(mut self) -> (ExecHandle, tokio::task::JoinHandle<()>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.handlers.self_tx = Some(tx.clone());
+        let task = tokio::spawn(self.run(rx));
+        (ExecHandle { tx }, task)
+    }
+
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Command>) {
         let has_http = self
             .handlers
             .backends
             .iter()
             .any(|b| matches!(b, Backend::Http(_)));
-        let shared = Arc::new_cyclic(|this: &Weak<Shared<C>>| {
-            let mut exec = self;
-            let this: Weak<dyn Apply> = this.clone();
-            exec.handlers.this = Some(this);
-            Shared {
-                exec: Mutex::new(exec),
-                timer: Notify::new(),
-                armed: AtomicU64::new(Micros::MAX),
+        let mut health = tokio::time::interval(HEALTH_EVERY);
+        health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let next = self.driver.next_timer();
+            let cmd = tokio::select! {
+                biased;
+                c = rx.recv() => Some(c),
+                _ = self.clock.passed(next.unwrap_or(Micros::MAX)), if next.is_some() => None,
+                _ = health.tick(), if has_http => {
+                    self.check_health();
+                    None
+                }
+            };
+            match cmd {
+                Some(None) => break,
+                Some(Some(c)) => {
+                    self.command(c);
+                    // Drain what queued meanwhile before sleeping again.
+                    for _ in 0..256 {
+                        match rx.try_recv() {
+                            Ok(c) => self.command(c),
+                            Err(_) => break,
+                        }
+                    }
+                }
+                None => {}
             }
-        });
-        let task = tokio::spawn(timers(shared.clone(), clock, has_http));
-        (ExecHandle { exec: shared }, task)
+            let now = self.clock.now();
+            self.driver.fire_due(now, &mut self.handlers);
+        }
     }
 
     fn fleet_view(&mut self) -> FleetView {
