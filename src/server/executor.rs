@@ -779,6 +779,13 @@ impl<C: Clock> Executor<C> {
         self.handlers.arriving = false;
     }
 
+    /// Cancels a request the executor still tracks (a no-op otherwise).
+    fn cancel(&mut self, now: Micros, id: ReqId) {
+        if self.handlers.reqs.remove(&id).is_some() {
+            self.feed(now, Event::Cancel { id });
+        }
+    }
+
     fn command(&mut self, c: Command) {
         let now = self.clock.now();
         match c {
@@ -804,11 +811,7 @@ impl<C: Clock> Executor<C> {
                 }
                 self.feed(now, Event::Arrive(arrival));
             }
-            Command::Cancel(id) => {
-                if self.handlers.reqs.remove(&id).is_some() {
-                    self.feed(now, Event::Cancel { id });
-                }
-            }
+            Command::Cancel(id) => self.cancel(now, id),
             Command::CacheStore {
                 graph,
                 tier,
@@ -836,9 +839,7 @@ impl<C: Clock> Executor<C> {
                     self.feed(now, Event::FirstToken { id });
                 }
                 self.feed(now, Event::Complete { id, output_tokens });
-                if self.handlers.reqs.remove(&id).is_some() {
-                    self.feed(now, Event::Cancel { id });
-                }
+                self.cancel(now, id);
             }
             Command::Swap {
                 graph,

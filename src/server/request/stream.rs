@@ -552,8 +552,12 @@ fn upstream_failure(rid: &str, e: &UpstreamError) -> Piece {
 fn report_output(ctx: &Ctx, tokens: u64) {
     ctx.app.exec.send(Command::Complete {
         id: ctx.id,
-        output_tokens: tokens.min(u64::from(u32::MAX)) as u32,
+        output_tokens: saturating_u32(tokens),
     });
+}
+
+fn saturating_u32(tokens: u64) -> u32 {
+    u32::try_from(tokens).unwrap_or(u32::MAX)
 }
 
 /// What has been produced so far, for the usage and the accounting.
@@ -567,10 +571,6 @@ struct Tally {
     /// An upstream produces the tokens: the scheduler learns of the first
     /// one from here (for the tier's TTFT signals).
     upstream: bool,
-    /// A whole answer's first token, not yet told to the scheduler: it
-    /// goes with the end (one command, `Command::Ended`), since a whole
-    /// answer's first token is its last.
-    first_token_unsent: bool,
     /// GPU time the scheduler's replica has spent on it so far.
     gpu_seconds: f64,
     /// Of a served one's, the part that recomputed KV lost to a preemption.
@@ -587,12 +587,10 @@ impl Tally {
 
     fn first_token(&mut self, ctx: &Ctx) {
         if self.ttft.is_none() {
-            if self.upstream {
-                if ctx.stream {
-                    ctx.app.exec.send(Command::FirstToken(ctx.id));
-                } else {
-                    self.first_token_unsent = true;
-                }
+            // A whole answer's first token is its last: the scheduler
+            // hears of it with the end (`Command::Ended`).
+            if self.upstream && ctx.stream {
+                ctx.app.exec.send(Command::FirstToken(ctx.id));
             }
             // A stream's first token (a whole answer's is its last) steers
             // an engine-aware upstream's adaptive limit.
@@ -655,7 +653,6 @@ async fn respond(
             usage_completion: None,
             ttft: None,
             upstream: producer == Producer::Upstream,
-            first_token_unsent: false,
             gpu_seconds: 0.0,
             wasted: 0.0,
             hold,
@@ -754,8 +751,8 @@ impl Generation {
             // answer.
             self.ctx.app.exec.send(Command::Ended {
                 id: self.ctx.id,
-                output_tokens: self.tally.output().min(u64::from(u32::MAX)) as u32,
-                first_token: std::mem::take(&mut self.tally.first_token_unsent),
+                output_tokens: saturating_u32(self.tally.output()),
+                first_token: !self.ctx.stream && self.tally.ttft.is_some(),
             });
         }
         let (out, ttft) = (self.tally.output(), self.tally.ttft);
