@@ -361,7 +361,8 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Outcome, ApiError> {
                 let rid = ctx.rid.clone();
                 return Ok(served(
                     rid,
-                    serve_scheduled(ctx, guard, rx, started, &name).await,
+                    // Boxed, as below: this loop's future stays small.
+                    Box::pin(serve_scheduled(ctx, guard, rx, started, &name)).await,
                 ));
             }
             Backend::Http(u) => {
@@ -378,8 +379,13 @@ async fn run(mut ctx: Ctx, max_tokens: u64) -> Result<Outcome, ApiError> {
                     budget: limits.upstream_budget,
                 };
                 let rid = ctx.rid.clone();
-                let (back, err, what) = match serve_upstream(ctx, guard, rx, started, u, attempt)
-                    .await
+                // Boxed: serving is kilobytes of future; inline, it made
+                // this loop's (and every caller's) future as large, copied
+                // whole at each level when first polled.
+                let (back, err, what) = match Box::pin(serve_upstream(
+                    ctx, guard, rx, started, u, attempt,
+                ))
+                .await
                 {
                     Ok(r) => return Ok(served(rid, r)),
                     Err(HttpFail::Fatal(e)) => return Err(e),

@@ -377,7 +377,8 @@ pub(in crate::server) async fn serve_upstream(
             }
         }
     };
-    respond(
+    // Boxed: the answer's future is kilobytes (see `run`).
+    Box::pin(respond(
         ctx,
         guard,
         s,
@@ -385,7 +386,7 @@ pub(in crate::server) async fn serve_upstream(
         pieces,
         Producer::Upstream,
         Some(hold),
-    )
+    ))
     .await
     .map_err(HttpFail::Fatal)
 }
