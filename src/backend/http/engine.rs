@@ -503,10 +503,11 @@ impl Upstream {
     pub async fn scrape(&self) -> Result<EngineLoad, String> {
         let engine = self.cfg.engine;
         let held_before = self.meter.holding();
-        let request = self.get(&self.cfg.metrics_path);
+        let request = self.get(&self.cfg.metrics_path).map_err(|e| e.to_string());
         let fetch = async {
-            let resp = request
-                .send()
+            let resp = self
+                .client
+                .send(request?)
                 .await
                 .map_err(|e| super::error::error_chain(&e))?;
             let status = resp.status().as_u16();
@@ -562,9 +563,9 @@ impl Upstream {
     /// again at the next scrape), `Some(None)` when it answered without
     /// the figure (do not ask again).
     async fn ask_slots(&self, path: &str, field: &str) -> Option<Option<f64>> {
-        let request = self.get(path);
+        let request = self.get(path).ok();
         let fetch = async {
-            let resp = request.send().await.ok()?;
+            let resp = self.client.send(request?).await.ok()?;
             let ok = resp.status().is_success();
             // `/props` carries the chat template: a few KB, rarely more.
             let (bytes, cut) = super::read_body(resp, 4 << 20).await.ok()?;

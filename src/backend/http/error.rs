@@ -196,8 +196,8 @@ pub(super) fn snippet(body: &str) -> &str {
     &body[..end]
 }
 
-/// An error and its causes on one line (reqwest's own message names only
-/// the URL; the cause is in the source chain).
+/// An error and its causes on one line (the client's own message says
+/// little, e.g. "client error (Connect)"; the cause is in the source chain).
 pub(super) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut source = e.source();

@@ -17,6 +17,7 @@
 
 mod answer;
 mod breaker;
+mod client;
 mod config;
 mod engine;
 mod error;
@@ -39,8 +40,11 @@ pub use retry::{retry_backoff, RETRY_BASE, RETRY_MAX};
 use sse::SseStream;
 
 use crate::units::duration;
+use bytes::Bytes;
 use futures_util::Stream;
-use reqwest::header::{HeaderValue, ACCEPT, AUTHORIZATION, CONTENT_TYPE, RETRY_AFTER};
+use http_body_util::{BodyExt, Full};
+use hyper::header::{HeaderValue, ACCEPT, AUTHORIZATION, CONTENT_TYPE, RETRY_AFTER};
+use hyper::{HeaderMap, Method, Uri};
 use serde_json::Value;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -64,12 +68,15 @@ pub struct Upstream {
     cfg: UpstreamConfig,
     /// `cfg.url` without its trailing `/`.
     base: String,
-    /// The two generation endpoints' URLs, parsed once: parsing a URL for
-    /// every call showed in the gateway's profile. `None` where `base`
-    /// does not parse (the call then reports reqwest's own error).
-    chat_url: Option<reqwest::Url>,
-    completions_url: Option<reqwest::Url>,
-    client: reqwest::Client,
+    /// `cfg.url` as the URL parser wrote it (an international host in
+    /// punycode), without its trailing `/`: what request URIs start with.
+    uri_base: String,
+    /// The two generation endpoints' URIs, parsed once: parsing a URL for
+    /// every call showed in the gateway's profile. `None` where they do
+    /// not parse (the call then fails as a bad URI).
+    chat_uri: Option<Uri>,
+    completions_uri: Option<Uri>,
+    client: client::Client,
     auth: Option<HeaderValue>,
     breaker: Arc<Mutex<Breaker>>,
     /// The GPU time its requests are charged ([`meter`]).
@@ -204,34 +211,30 @@ impl Upstream {
                 Some(value)
             }
         };
-        let builder = reqwest::Client::builder();
         // TLS: rustls with the platform's roots or `ca_file`'s, the client
         // certificate if set; HTTP/1.1 only, as over plain http (one
         // pooled connection per slot, each stream on its own).
-        let builder = if https {
-            let config = tls
-                .client_config(&[b"http/1.1"])
-                .map_err(|e| invalid(tls_config_error(&e)))?;
-            builder.use_preconfigured_tls(config)
-        } else {
-            builder
-        };
-        let client = builder
-            .no_proxy()
-            .tcp_nodelay(true)
-            .connect_timeout(cfg.connect_timeout)
-            .pool_max_idle_per_host(
-                usize::try_from(cfg.concurrency)
-                    .unwrap_or(usize::MAX)
-                    .saturating_add(1),
+        let config = if https {
+            Some(
+                tls.client_config(&[b"http/1.1"])
+                    .map_err(|e| invalid(tls_config_error(&e)))?,
             )
-            .pool_idle_timeout(POOL_IDLE)
-            .redirect(reqwest::redirect::Policy::none())
-            .build()
-            .map_err(|e| invalid(format!("cannot build the HTTP client: {}", error_chain(&e))))?;
+        } else {
+            None
+        };
+        let client = client::Client::new(
+            config,
+            cfg.connect_timeout,
+            usize::try_from(cfg.concurrency)
+                .unwrap_or(usize::MAX)
+                .saturating_add(1),
+            POOL_IDLE,
+        )
+        .map_err(|e| invalid(format!("cannot build the HTTP client: {e}")))?;
         let base = cfg.url.trim().trim_end_matches('/').to_string();
-        let chat_url = reqwest::Url::parse(&format!("{base}/v1/chat/completions")).ok();
-        let completions_url = reqwest::Url::parse(&format!("{base}/v1/completions")).ok();
+        let uri_base = url.as_str().trim_end_matches('/').to_string();
+        let chat_uri = format!("{uri_base}/v1/chat/completions").parse().ok();
+        let completions_uri = format!("{uri_base}/v1/completions").parse().ok();
         let breaker = Breaker::new(
             cfg.failure_threshold,
             cfg.open_for,
@@ -240,8 +243,9 @@ impl Upstream {
         Ok(Upstream {
             name: name.into(),
             base,
-            chat_url,
-            completions_url,
+            uri_base,
+            chat_uri,
+            completions_uri,
             client,
             auth,
             breaker: Arc::new(Mutex::new(breaker)),
@@ -381,17 +385,23 @@ impl Upstream {
         traceparent: Option<String>,
     ) -> Result<Answer, UpstreamError> {
         let mut call = self.begin()?;
-        let request = self.post(path, payload, "application/json", traceparent);
+        let request = self.post(path, payload, "application/json", traceparent)?;
         let exchange = async {
-            let resp = request.send().await.map_err(|e| self.send_error(e))?;
+            let resp = self
+                .client
+                .send(request)
+                .await
+                .map_err(|e| self.send_error(&e))?;
             let status = resp.status().as_u16();
-            let retry_after = retry_after_of(&resp);
+            let retry_after = retry_after_of(resp.headers());
             let cap = if status < 300 {
                 MAX_BODY
             } else {
                 MAX_ERROR_BODY
             };
-            let (bytes, truncated) = read_body(resp, cap).await.map_err(|e| self.body_error(e))?;
+            let (bytes, truncated) = read_body(resp, cap)
+                .await
+                .map_err(|e| self.body_error(&e))?;
             Ok::<_, UpstreamError>((status, retry_after, bytes, truncated))
         };
         let outcome = match tokio::time::timeout(self.cfg.timeout, exchange).await {
@@ -466,11 +476,11 @@ impl Upstream {
     ) -> Result<impl Stream<Item = Result<Value, UpstreamError>> + Send + 'static, UpstreamError>
     {
         let mut call = self.begin()?;
-        let request = self.post(path, payload, "text/event-stream", traceparent);
-        let resp = match tokio::time::timeout(self.cfg.timeout, request.send()).await {
+        let request = self.post(path, payload, "text/event-stream", traceparent)?;
+        let resp = match tokio::time::timeout(self.cfg.timeout, self.client.send(request)).await {
             Ok(Ok(resp)) => resp,
             Ok(Err(e)) => {
-                let e = self.send_error(e);
+                let e = self.send_error(&e);
                 call.finish(self.outcome(Some(&e)));
                 return Err(e);
             }
@@ -482,7 +492,7 @@ impl Upstream {
         };
         let status = resp.status().as_u16();
         if !(200..300).contains(&status) {
-            let retry_after = retry_after_of(&resp);
+            let retry_after = retry_after_of(resp.headers());
             let body = match tokio::time::timeout(self.cfg.timeout, read_body(resp, MAX_ERROR_BODY))
                 .await
             {
@@ -530,15 +540,19 @@ impl Upstream {
             .health_interval
             .max(self.cfg.connect_timeout)
             .min(self.cfg.timeout);
-        let request = self.get(&self.cfg.health_path);
+        let request = self.get(&self.cfg.health_path)?;
         let probe = async {
-            let resp = request.send().await.map_err(|e| self.send_error(e))?;
+            let resp = self
+                .client
+                .send(request)
+                .await
+                .map_err(|e| self.send_error(&e))?;
             let status = resp.status().as_u16();
             // Read the (small) body so the connection can be reused.
-            let retry_after = retry_after_of(&resp);
+            let retry_after = retry_after_of(resp.headers());
             let (bytes, _) = read_body(resp, MAX_ERROR_BODY)
                 .await
-                .map_err(|e| self.body_error(e))?;
+                .map_err(|e| self.body_error(&e))?;
             if (200..300).contains(&status) {
                 Ok(())
             } else {
@@ -675,49 +689,72 @@ impl Upstream {
         }
     }
 
+    /// The URI of `path` on this upstream.
+    fn uri(&self, path: &str) -> Result<Uri, UpstreamError> {
+        let parsed = match path {
+            "/v1/chat/completions" => self.chat_uri.clone(),
+            "/v1/completions" => self.completions_uri.clone(),
+            _ => None,
+        };
+        if let Some(uri) = parsed {
+            return Ok(uri);
+        }
+        let text = if path.starts_with('/') {
+            format!("{}{path}", self.uri_base)
+        } else {
+            format!("{}/{path}", self.uri_base)
+        };
+        text.parse().map_err(|e| UpstreamError::Transport {
+            upstream: self.name.to_string(),
+            reason: format!(
+                "`{}` is not a URI kiln can send to: {e}",
+                self.endpoint(path)
+            ),
+        })
+    }
+
     fn post(
         &self,
         path: &str,
         payload: Vec<u8>,
         accept: &'static str,
         traceparent: Option<String>,
-    ) -> reqwest::RequestBuilder {
-        let parsed = match path {
-            "/v1/chat/completions" => self.chat_url.clone(),
-            "/v1/completions" => self.completions_url.clone(),
-            _ => None,
-        };
-        let request = match parsed {
-            Some(url) => self.client.post(url),
-            None => self.client.post(self.endpoint(path)),
-        };
-        let mut request = request
-            .header(CONTENT_TYPE, "application/json")
-            .header(ACCEPT, accept)
-            .body(payload);
-        if let Some(t) = traceparent {
-            request = request.header(trace::TRACEPARENT, t);
+    ) -> Result<client::Request, UpstreamError> {
+        let mut request = self.request(Method::POST, path, Bytes::from(payload))?;
+        let headers = request.headers_mut();
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        headers.insert(ACCEPT, HeaderValue::from_static(accept));
+        if let Some(t) = traceparent.and_then(|t| HeaderValue::try_from(t).ok()) {
+            headers.insert(trace::TRACEPARENT, t);
         }
-        self.authorized(request)
+        Ok(request)
     }
 
     /// `GET {url}{path}` with the upstream's key (health checks, engine
     /// scrapes).
-    pub(super) fn get(&self, path: &str) -> reqwest::RequestBuilder {
-        self.authorized(self.client.get(self.endpoint(path)))
+    pub(super) fn get(&self, path: &str) -> Result<client::Request, UpstreamError> {
+        self.request(Method::GET, path, Bytes::new())
     }
 
     /// A request with the upstream's key, where it has one.
-    fn authorized(&self, request: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
-        match &self.auth {
-            Some(auth) => request.header(AUTHORIZATION, auth.clone()),
-            None => request,
+    fn request(
+        &self,
+        method: Method,
+        path: &str,
+        body: Bytes,
+    ) -> Result<client::Request, UpstreamError> {
+        let mut request = client::Request::new(Full::new(body));
+        *request.method_mut() = method;
+        *request.uri_mut() = self.uri(path)?;
+        if let Some(auth) = &self.auth {
+            request.headers_mut().insert(AUTHORIZATION, auth.clone());
         }
+        Ok(request)
     }
 
     /// Classifies an error of sending the request and waiting for headers.
-    fn send_error(&self, e: reqwest::Error) -> UpstreamError {
-        if let Some(reason) = crate::tls::tls_cause(&e) {
+    fn send_error(&self, e: &client::SendError) -> UpstreamError {
+        if let Some(reason) = crate::tls::tls_cause(e) {
             UpstreamError::Tls {
                 upstream: self.name.to_string(),
                 url: self.base.clone(),
@@ -726,27 +763,25 @@ impl Upstream {
         } else if e.is_connect() {
             UpstreamError::Unavailable {
                 upstream: self.name.to_string(),
-                reason: format!("cannot connect to {}: {}", self.base, error_chain(&e)),
+                reason: format!("cannot connect to {}: {}", self.base, error_chain(e)),
                 retry_after: None,
             }
-        } else if e.is_timeout() {
-            self.timeout("response", self.cfg.timeout)
-        } else if closed_before_answer(&e) {
+        } else if closed_before_answer(e) {
             UpstreamError::Closed {
                 upstream: self.name.to_string(),
-                reason: error_chain(&e),
+                reason: error_chain(e),
             }
         } else {
             UpstreamError::Transport {
                 upstream: self.name.to_string(),
-                reason: error_chain(&e),
+                reason: error_chain(e),
             }
         }
     }
 
     /// Classifies an error while reading the body.
-    fn body_error(&self, e: reqwest::Error) -> UpstreamError {
-        if let Some(reason) = crate::tls::tls_cause(&e) {
+    fn body_error(&self, e: &hyper::Error) -> UpstreamError {
+        if let Some(reason) = crate::tls::tls_cause(e) {
             return UpstreamError::Tls {
                 upstream: self.name.to_string(),
                 url: self.base.clone(),
@@ -755,7 +790,7 @@ impl Upstream {
         }
         UpstreamError::Transport {
             upstream: self.name.to_string(),
-            reason: error_chain(&e),
+            reason: error_chain(e),
         }
     }
 
@@ -827,12 +862,8 @@ pub enum CallClass {
 }
 
 /// A response's `Retry-After`, where it has a usable one.
-fn retry_after_of(resp: &reqwest::Response) -> Option<Duration> {
-    parse_retry_after(
-        resp.headers()
-            .get(RETRY_AFTER)
-            .and_then(|v| v.to_str().ok()),
-    )
+fn retry_after_of(headers: &HeaderMap) -> Option<Duration> {
+    parse_retry_after(headers.get(RETRY_AFTER).and_then(|v| v.to_str().ok()))
 }
 
 impl Drop for Call<'_> {
@@ -845,7 +876,7 @@ impl Drop for Call<'_> {
 
 /// Whether a send failed because the connection closed before any of
 /// the answer came (hyper's "connection closed before message completed").
-fn closed_before_answer(e: &reqwest::Error) -> bool {
+fn closed_before_answer(e: &client::SendError) -> bool {
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(s) = source {
         if let Some(h) = s.downcast_ref::<hyper::Error>() {
@@ -857,17 +888,21 @@ fn closed_before_answer(e: &reqwest::Error) -> bool {
 }
 
 /// Reads a body up to `cap` bytes; the flag says whether it was cut.
-async fn read_body(
-    mut resp: reqwest::Response,
-    cap: usize,
-) -> Result<(Vec<u8>, bool), reqwest::Error> {
+async fn read_body(resp: client::Response, cap: usize) -> Result<(Vec<u8>, bool), hyper::Error> {
     let hint = resp
-        .content_length()
-        .and_then(|n| usize::try_from(n).ok())
+        .headers()
+        .get(hyper::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok())
         .unwrap_or(0)
         .min(cap);
+    let mut body = resp.into_body();
     let mut buf = Vec::with_capacity(hint);
-    while let Some(chunk) = resp.chunk().await? {
+    while let Some(frame) = body.frame().await {
+        // Trailers carry no answer.
+        let Ok(chunk) = frame?.into_data() else {
+            continue;
+        };
         if buf.len() + chunk.len() > cap {
             let room = cap - buf.len();
             buf.extend_from_slice(&chunk[..room]);
@@ -947,12 +982,16 @@ mod tests {
                 let base = format!("http://{host}{prefix}");
                 let u = upstream(&base, |_| {});
                 for (path, parsed) in [
-                    ("/v1/chat/completions", &u.chat_url),
-                    ("/v1/completions", &u.completions_url),
+                    ("/v1/chat/completions", &u.chat_uri),
+                    ("/v1/completions", &u.completions_uri),
                 ] {
-                    let joined = reqwest::Url::parse(&u.endpoint(path)).ok();
+                    let joined = reqwest::Url::parse(&u.endpoint(path))
+                        .ok()
+                        .and_then(|url| url.as_str().parse::<Uri>().ok());
                     assert!(parsed.is_some(), "{base}{path}");
                     assert_eq!(parsed, &joined, "{base}{path}");
+                    // Any other path is joined the same way.
+                    assert_eq!(u.uri(path).ok().as_ref(), joined.as_ref(), "{base}{path}");
                 }
             }
         }

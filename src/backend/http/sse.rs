@@ -6,6 +6,7 @@ use super::error::{error_chain, snippet};
 use super::{UpstreamError, MAX_ERROR_BODY};
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
+use http_body_util::BodyExt;
 use serde_json::Value;
 use std::future::Future;
 use std::pin::Pin;
@@ -19,7 +20,7 @@ pub(super) const MAX_EVENT: usize = 16 << 20;
 /// background so that its connection goes back to the pool.
 const DRAIN_FOR: Duration = Duration::from_secs(1);
 
-pub(super) type ByteStream = Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>;
+pub(super) type ByteStream = Pin<Box<dyn Stream<Item = Result<Bytes, hyper::Error>> + Send>>;
 
 /// The stream [`Upstream::stream`] returns.
 pub(super) struct SseStream {
@@ -37,13 +38,13 @@ pub(super) struct SseStream {
 impl SseStream {
     /// Reads `resp`'s events, each within `gap` of the last.
     pub(super) fn new(
-        resp: reqwest::Response,
+        resp: super::client::Response,
         gap: Duration,
         breaker: Arc<Mutex<Breaker>>,
         name: Arc<str>,
     ) -> SseStream {
         SseStream {
-            body: Some(Box::pin(resp.bytes_stream())),
+            body: Some(Box::pin(resp.into_body().into_data_stream())),
             parser: SseParser::default(),
             eof: false,
             gap,
