@@ -68,9 +68,6 @@ pub struct Upstream {
     cfg: UpstreamConfig,
     /// `cfg.url` without its trailing `/`.
     base: String,
-    /// `cfg.url` as the URL parser wrote it (an international host in
-    /// punycode), without its trailing `/`: what request URIs start with.
-    uri_base: String,
     /// The two generation endpoints' URIs, parsed once: parsing a URL for
     /// every call showed in the gateway's profile. `None` where they do
     /// not parse (the call then fails as a bad URI).
@@ -232,9 +229,8 @@ impl Upstream {
         )
         .map_err(|e| invalid(format!("cannot build the HTTP client: {e}")))?;
         let base = cfg.url.trim().trim_end_matches('/').to_string();
-        let uri_base = url.as_str().trim_end_matches('/').to_string();
-        let chat_uri = format!("{uri_base}/v1/chat/completions").parse().ok();
-        let completions_uri = format!("{uri_base}/v1/completions").parse().ok();
+        let chat_uri = parse_uri(&format!("{base}/v1/chat/completions")).ok();
+        let completions_uri = parse_uri(&format!("{base}/v1/completions")).ok();
         let breaker = Breaker::new(
             cfg.failure_threshold,
             cfg.open_for,
@@ -243,7 +239,6 @@ impl Upstream {
         Ok(Upstream {
             name: name.into(),
             base,
-            uri_base,
             chat_uri,
             completions_uri,
             client,
@@ -385,11 +380,11 @@ impl Upstream {
         traceparent: Option<String>,
     ) -> Result<Answer, UpstreamError> {
         let mut call = self.begin()?;
-        let request = self.post(path, payload, "application/json", traceparent)?;
+        let request = self.post(path, payload, "application/json", traceparent);
         let exchange = async {
             let resp = self
                 .client
-                .send(request)
+                .send(request?)
                 .await
                 .map_err(|e| self.send_error(&e))?;
             let status = resp.status().as_u16();
@@ -476,7 +471,13 @@ impl Upstream {
     ) -> Result<impl Stream<Item = Result<Value, UpstreamError>> + Send + 'static, UpstreamError>
     {
         let mut call = self.begin()?;
-        let request = self.post(path, payload, "text/event-stream", traceparent)?;
+        let request = match self.post(path, payload, "text/event-stream", traceparent) {
+            Ok(r) => r,
+            Err(e) => {
+                call.finish(self.outcome(Some(&e)));
+                return Err(e);
+            }
+        };
         let resp = match tokio::time::timeout(self.cfg.timeout, self.client.send(request)).await {
             Ok(Ok(resp)) => resp,
             Ok(Err(e)) => {
@@ -540,11 +541,11 @@ impl Upstream {
             .health_interval
             .max(self.cfg.connect_timeout)
             .min(self.cfg.timeout);
-        let request = self.get(&self.cfg.health_path)?;
+        let request = self.get(&self.cfg.health_path);
         let probe = async {
             let resp = self
                 .client
-                .send(request)
+                .send(request?)
                 .await
                 .map_err(|e| self.send_error(&e))?;
             let status = resp.status().as_u16();
@@ -699,17 +700,10 @@ impl Upstream {
         if let Some(uri) = parsed {
             return Ok(uri);
         }
-        let text = if path.starts_with('/') {
-            format!("{}{path}", self.uri_base)
-        } else {
-            format!("{}/{path}", self.uri_base)
-        };
-        text.parse().map_err(|e| UpstreamError::Transport {
+        let endpoint = self.endpoint(path);
+        parse_uri(&endpoint).map_err(|e| UpstreamError::Transport {
             upstream: self.name.to_string(),
-            reason: format!(
-                "`{}` is not a URI kiln can send to: {e}",
-                self.endpoint(path)
-            ),
+            reason: format!("`{endpoint}` is not a URL kiln can send to: {e}"),
         })
     }
 
@@ -861,6 +855,14 @@ pub enum CallClass {
     Batch,
 }
 
+/// A URL as a request URI: parsed as a URL first (an international host
+/// in punycode, characters a URI cannot hold percent-encoded), as the
+/// configuration's URL was checked.
+fn parse_uri(text: &str) -> Result<Uri, String> {
+    let url = reqwest::Url::parse(text).map_err(|e| e.to_string())?;
+    url.as_str().parse::<Uri>().map_err(|e| e.to_string())
+}
+
 /// A response's `Retry-After`, where it has a usable one.
 fn retry_after_of(headers: &HeaderMap) -> Option<Duration> {
     parse_retry_after(headers.get(RETRY_AFTER).and_then(|v| v.to_str().ok()))
@@ -985,14 +987,16 @@ mod tests {
                     ("/v1/chat/completions", &u.chat_uri),
                     ("/v1/completions", &u.completions_uri),
                 ] {
-                    let joined = reqwest::Url::parse(&u.endpoint(path))
-                        .ok()
-                        .and_then(|url| url.as_str().parse::<Uri>().ok());
+                    let joined = parse_uri(&u.endpoint(path)).ok();
                     assert!(parsed.is_some(), "{base}{path}");
                     assert_eq!(parsed, &joined, "{base}{path}");
                     // Any other path is joined the same way.
                     assert_eq!(u.uri(path).ok().as_ref(), joined.as_ref(), "{base}{path}");
                 }
+                // What a URI cannot hold is percent-encoded, as the URL
+                // parser writes it (a health path with a space).
+                let odd = u.uri("/health check").unwrap();
+                assert!(odd.path().ends_with("/health%20check"), "{odd}");
             }
         }
     }
