@@ -173,7 +173,7 @@ pub struct PemFiles {
 }
 
 /// rustls's crypto on ring.
-fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+pub(crate) fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 

@@ -14,7 +14,6 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
-use std::sync::Arc;
 use std::time::Duration;
 
 /// A request to an upstream (its body in one piece).
@@ -74,9 +73,10 @@ impl Client {
 /// The TLS side of a plain-http upstream's connector: never used (its
 /// URLs are `http://`), so it trusts nothing.
 fn plain() -> Result<rustls::ClientConfig, rustls::Error> {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    Ok(rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()?
-        .with_root_certificates(rustls::RootCertStore::empty())
-        .with_no_client_auth())
+    Ok(
+        rustls::ClientConfig::builder_with_provider(crate::tls::provider())
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(rustls::RootCertStore::empty())
+            .with_no_client_auth(),
+    )
 }
