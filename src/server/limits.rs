@@ -6,12 +6,11 @@ use super::config::Limits;
 use super::openai::ApiError;
 use super::App;
 use axum::body::Body;
-use axum::extract::{Request, State};
+use axum::extract::Request;
 use axum::http::HeaderMap;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use std::future::Future as _;
-use std::sync::Arc;
 use std::time::Duration;
 
 /// Checks a request's headers against the limits.
@@ -47,9 +46,10 @@ pub fn check_headers(h: &HeaderMap, l: &Limits) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// The middleware in front of every route: refuses oversized headers and
-/// puts a deadline on reading the body.
-pub async fn guard(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
+/// In front of every route (run by [`super::surface::stamp`], the one
+/// middleware, so a request pays for one layer, not two): refuses
+/// oversized headers and puts a deadline on reading the body.
+pub async fn guard(app: &App, req: Request, next: Next) -> Response {
     if let Err(e) = check_headers(req.headers(), &app.config.limits) {
         return e.into_response();
     }

@@ -481,10 +481,6 @@ pub async fn start(opts: ServeOptions) -> Result<Running, ServeError> {
         .method_not_allowed_fallback(surface::method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(
             app.clone(),
-            limits::guard,
-        ))
-        .layer(axum::middleware::from_fn_with_state(
-            app.clone(),
             surface::stamp,
         ));
     let runner = governance::spawn_runner(app.clone());

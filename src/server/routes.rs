@@ -61,11 +61,12 @@ async fn generate_inner(
     let tenant = authenticate(&app, &policy.graph, &headers)?;
     let limits = &app.config.limits;
     let limit = limits.max_body_bytes;
-    let timeout = limits.body_timeout();
-    let bytes = match tokio::time::timeout(timeout, axum::body::to_bytes(body, limit)).await {
-        Ok(Ok(b)) => b,
-        Ok(Err(e)) => return Err(super::limits::body_error(&e, limit, timeout)),
-        Err(_) => return Err(super::limits::body_timeout_error(timeout)),
+    // The body's deadline is `limits::guard`'s, in front of every route: it
+    // fails the body itself (`BodyTimeout`), so a second timer here would
+    // only cost one more timer a request.
+    let bytes = match axum::body::to_bytes(body, limit).await {
+        Ok(b) => b,
+        Err(e) => return Err(super::limits::body_error(&e, limit, limits.body_timeout())),
     };
     let (greq, raw) = GenerationRequest::parse(endpoint, &bytes)?;
     let big = bytes.len() > limits.blocking_tokenize_bytes;

@@ -454,8 +454,8 @@ pub async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
 /// The largest error body the surface middleware reads to rewrite it.
 const MAX_REWRITTEN: usize = 64 * 1024;
 
-/// The middleware in front of every route: an error that does not carry a
-/// request id gets one, and an error whose body is not JSON (an
+/// The middleware in front of every route (with [`super::limits::guard`]
+/// inside it): an error that does not carry a request id gets one, and an error whose body is not JSON (an
 /// extractor's plain-text rejection, an empty body) is answered in
 /// OpenAI's shape instead, its headers (Allow, Retry-After) kept.
 ///
@@ -523,7 +523,7 @@ pub async fn stamp(
 }
 
 async fn stamp_inner(app: Arc<App>, req: axum::extract::Request, next: Next) -> Response {
-    let resp = next.run(req).await;
+    let resp = super::limits::guard(&app, req, next).await;
     let status = resp.status();
     if !(status.is_client_error() || status.is_server_error()) {
         return resp;
