@@ -459,7 +459,7 @@ fn wait_within_slo(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refus
 impl Scheduler {
     /// An arrival: the policy decides it, the gates admit or refuse it,
     /// and an admitted request is queued (or parked until its time).
-    pub(super) fn arrive(&mut self, arrival: Arrival) {
+    pub(super) fn arrive(&mut self, mut arrival: Arrival) {
         // The fleet's level of the tenant's buckets as its claim left them:
         // `quota.remaining` reads the fleet's value.
         if let (true, Some(level)) = (
@@ -477,7 +477,9 @@ impl Scheduler {
         }
         self.refresh_signals();
         let graph = self.graph.clone();
-        let req = arrival.request.clone();
+        // Moved out, not cloned (its headers and tags are allocations);
+        // nothing below reads `arrival.request`.
+        let req = std::mem::take(&mut arrival.request);
         // Agentic sessions keep the tier of their first step.
         let session_tier = req
             .session

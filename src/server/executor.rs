@@ -46,8 +46,9 @@ pub enum Progress {
     },
     Started {
         replica: usize,
-        /// `model.variant on pool`.
-        route: String,
+        /// `model.variant on pool` (shared: the same for every request
+        /// the replica starts).
+        route: Arc<str>,
         backend: Backend,
         waited_for: Option<Reason>,
         /// Scheduler time of the start, for queue-wait accounting.
@@ -352,6 +353,9 @@ struct Entry {
     target: u32,
 }
 
+/// What a replica's route is written from: its model, variant and pool.
+type RouteOf = (u16, u16, u16);
+
 /// The gateway's [`Sink`]: actions become progress messages for the
 /// handler that submitted each request.
 struct Handlers {
@@ -361,6 +365,9 @@ struct Handlers {
     canary_version: Option<Arc<str>>,
     /// Backends by `ReplicaSpec::tag`.
     backends: Arc<Vec<Backend>>,
+    /// Each replica's route as a request started there last read it, with
+    /// the (model, variant, pool) it was written for; emptied by a swap.
+    routes: Vec<Option<(RouteOf, Arc<str>)>>,
     /// Set while an arrival is fed: its decision carries the live signals
     /// it saw (for explain), copied once.
     arriving: bool,
@@ -399,6 +406,31 @@ impl Handlers {
             None
         };
         (signals, canary)
+    }
+
+    /// `model.variant on pool` for replica `i` serving `spec` (model,
+    /// variant, pool), written once per replica, not per request.
+    fn route(&mut self, i: usize, spec: RouteOf) -> Arc<str> {
+        if let Some(Some((at, r))) = self.routes.get(i) {
+            if *at == spec {
+                return r.clone();
+            }
+        }
+        let g = &self.graph;
+        let route: Arc<str> = format!(
+            "{} on {}",
+            g.variant_name(spec.0, spec.1),
+            g.pools
+                .get(spec.2 as usize)
+                .map(|p| p.name.as_str())
+                .unwrap_or("?")
+        )
+        .into();
+        if self.routes.len() <= i {
+            self.routes.resize(i + 1, None);
+        }
+        self.routes[i] = Some((spec, route.clone()));
+        route
     }
 
     /// Frees a sequence's KV blocks on its CUDA replica (at its next step).
@@ -481,18 +513,8 @@ impl Sink for Handlers {
                     self.cuda.started(id, replica, tokens);
                 }
                 let route = rep
-                    .map(|r| {
-                        let g = &self.graph;
-                        format!(
-                            "{} on {}",
-                            g.variant_name(r.spec.model, r.spec.variant),
-                            g.pools
-                                .get(r.spec.pool as usize)
-                                .map(|p| p.name.as_str())
-                                .unwrap_or("?")
-                        )
-                    })
-                    .unwrap_or_default();
+                    .map(|r| self.route(replica, (r.spec.model, r.spec.variant, r.spec.pool)))
+                    .unwrap_or_else(|| Arc::from(""));
                 if let Some(e) = self.reqs.get_mut(&id) {
                     if let Some(t) = target {
                         e.target = t;
@@ -663,6 +685,7 @@ impl<C: Clock> Executor<C> {
                 version,
                 canary_version: None,
                 backends,
+                routes: Vec::new(),
                 arriving: false,
                 self_tx: None,
                 #[cfg(feature = "cuda")]
@@ -849,6 +872,7 @@ impl<C: Clock> Executor<C> {
             } => {
                 self.driver.fire_due(now, &mut self.handlers);
                 self.handlers.graph = graph.clone();
+                self.handlers.routes.clear();
                 self.handlers.version = version;
                 let actions = self.driver.swap(now, graph, plan, &mut self.handlers);
                 let redecide: Vec<ReqId> = actions

@@ -103,7 +103,7 @@ pub(in crate::server) struct Ctx {
     pub(in crate::server) spent_gpu_seconds: f64,
     /// Where it ran last (`model.variant on pool`), for the labels of
     /// that time when it is refused afterwards.
-    pub(in crate::server) spent_on: Option<String>,
+    pub(in crate::server) spent_on: Option<std::sync::Arc<str>>,
     /// The prompt's prefix block ids ([`crate::server::prefix`]).
     pub(in crate::server) prefix_blocks: Vec<u64>,
     /// A batch item's own deadline, from its arrival.
@@ -141,7 +141,7 @@ pub(in crate::server) struct Arrived {
 
 pub(in crate::server) struct Started {
     pub(in crate::server) d: Decided,
-    pub(in crate::server) route: String,
+    pub(in crate::server) route: std::sync::Arc<str>,
     /// Its index in the scheduler's plan (for the decision log).
     pub(in crate::server) replica: usize,
     pub(in crate::server) waited_for: Option<Reason>,

@@ -175,7 +175,7 @@ fn span_of(ctx: &Ctx, end: &End<'_>) -> crate::server::otel::RequestSpan {
             ..
         } => {
             span.outcome = outcome.as_str().to_string();
-            span.route = Some(s.route.clone());
+            span.route = Some(s.route.to_string());
             span.response_model = s.route.split(" on ").next().map(str::to_string);
             span.output_tokens = Some(*output_tokens);
             span.ttft_s = *ttft_s;
@@ -546,7 +546,7 @@ fn ran(
         rec.cache_key = ctx.cache_content.as_ref().map(crate::server::cache::hex);
         let sub = served_substitution(ctx, s);
         if let Some(dec) = rec.decision.as_mut() {
-            dec.route = Some(s.route.clone());
+            dec.route = Some(s.route.to_string());
             dec.replica = u32::try_from(s.replica).ok();
             dec.substituted_for = sub.map(|x| x.asked);
             dec.admission = Some(
@@ -677,7 +677,7 @@ pub(in crate::server) fn kiln_headers(
     let sub = served_substitution(ctx, s);
     let route = match &sub {
         Some(x) => format!("{} (substituted for {})", s.route, x.asked),
-        None => s.route.clone(),
+        None => s.route.to_string(),
     };
     let mut h = vec![
         ("x-kiln-request-id", ctx.rid.clone()),
