@@ -353,9 +353,6 @@ struct Entry {
     target: u32,
 }
 
-/// What a replica's route is written from: its model, variant and pool.
-type RouteOf = (u16, u16, u16);
-
 /// The gateway's [`Sink`]: actions become progress messages for the
 /// handler that submitted each request.
 struct Handlers {
@@ -365,9 +362,9 @@ struct Handlers {
     canary_version: Option<Arc<str>>,
     /// Backends by `ReplicaSpec::tag`.
     backends: Arc<Vec<Backend>>,
-    /// Each replica's route as a request started there last read it, with
-    /// the (model, variant, pool) it was written for; emptied by a swap.
-    routes: Vec<Option<(RouteOf, Arc<str>)>>,
+    /// Each replica's route, written when a request first starts there;
+    /// emptied by a swap (the only change of graph or replicas).
+    routes: Vec<Option<Arc<str>>>,
     /// Set while an arrival is fed: its decision carries the live signals
     /// it saw (for explain), copied once.
     arriving: bool,
@@ -408,20 +405,18 @@ impl Handlers {
         (signals, canary)
     }
 
-    /// `model.variant on pool` for replica `i` serving `spec` (model,
-    /// variant, pool), written once per replica, not per request.
-    fn route(&mut self, i: usize, spec: RouteOf) -> Arc<str> {
-        if let Some(Some((at, r))) = self.routes.get(i) {
-            if *at == spec {
-                return r.clone();
-            }
+    /// `model.variant on pool` for replica `i`, written once per replica,
+    /// not per request.
+    fn route(&mut self, i: usize, spec: &crate::sched::plan::ReplicaSpec) -> Arc<str> {
+        if let Some(Some(r)) = self.routes.get(i) {
+            return r.clone();
         }
         let g = &self.graph;
         let route: Arc<str> = format!(
             "{} on {}",
-            g.variant_name(spec.0, spec.1),
+            g.variant_name(spec.model, spec.variant),
             g.pools
-                .get(spec.2 as usize)
+                .get(spec.pool as usize)
                 .map(|p| p.name.as_str())
                 .unwrap_or("?")
         )
@@ -429,7 +424,7 @@ impl Handlers {
         if self.routes.len() <= i {
             self.routes.resize(i + 1, None);
         }
-        self.routes[i] = Some((spec, route.clone()));
+        self.routes[i] = Some(route.clone());
         route
     }
 
@@ -513,7 +508,7 @@ impl Sink for Handlers {
                     self.cuda.started(id, replica, tokens);
                 }
                 let route = rep
-                    .map(|r| self.route(replica, (r.spec.model, r.spec.variant, r.spec.pool)))
+                    .map(|r| self.route(replica, &r.spec))
                     .unwrap_or_else(|| Arc::from(""));
                 if let Some(e) = self.reqs.get_mut(&id) {
                     if let Some(t) = target {

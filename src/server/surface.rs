@@ -455,9 +455,10 @@ pub async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
 const MAX_REWRITTEN: usize = 64 * 1024;
 
 /// The middleware in front of every route (with [`super::limits::guard`]
-/// inside it): an error that does not carry a request id gets one, and an error whose body is not JSON (an
-/// extractor's plain-text rejection, an empty body) is answered in
-/// OpenAI's shape instead, its headers (Allow, Retry-After) kept.
+/// inside it): an error that does not carry a request id gets one, and an
+/// error whose body is not JSON (an extractor's plain-text rejection, an
+/// empty body) is answered in OpenAI's shape instead, its headers (Allow,
+/// Retry-After) kept.
 ///
 /// Every request runs in a `request` span (its id once known, the W3C
 /// trace id, method and path), so every line it logs names them; a request
