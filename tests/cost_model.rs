@@ -280,3 +280,46 @@ fn saturation_throughput_against_published_figures() {
         assert!(r.max_concurrent >= reserved, "{name}: {r:?}");
     }
 }
+
+/// A variant that sets no `max_batch_tokens` gets the step vLLM's server
+/// picks on the pool's GPU: 8,192 tokens on GPUs of 70 GiB or more other
+/// than A100s, 2,048 elsewhere; one that sets it keeps it on every GPU.
+#[test]
+fn step_token_budget_defaults_to_the_engines_choice_for_the_gpu() {
+    for (kind, memory, set, want) in [
+        ("H100-80GB", "80GB", None, 8192),
+        ("H200-141GB", "141GB", None, 8192),
+        ("A100-80GB", "80GB", None, 2048),
+        ("L4", "24GB", None, 2048),
+        ("L40S-48GB", "48GB", None, 2048),
+        ("L4", "24GB", Some(8192), 8192),
+        ("H100-80GB", "80GB", Some(1024), 1024),
+    ] {
+        let budget = set.map_or(String::new(), |t| format!("max_batch_tokens {t}"));
+        let text = format!(
+            r#"
+pool p {{ gpus 1 kind "{kind}" memory {memory} }}
+model m {{ params 8B kv_per_token 128KB variant fp16 {{ memory 18GB pools [p] {budget} }} }}
+tier t {{ priority 1 slo {{ window 24h }} }}
+tenant x {{ owner "o" tiers [t] }}
+classify {{ default => tier t }}
+route t m {{ default => fp16 }}
+"#
+        );
+        let c = kiln::compile::compile_str("budget.kiln", &text);
+        let g = c
+            .graph
+            .unwrap_or_else(|| panic!("{kind}: {:?}", c.diagnostics.items));
+        let cost = CostModel::from_graph(&g, None).unwrap();
+        let r = cost.replicas().next().unwrap();
+        assert_eq!(r.max_batch_tokens, want, "{kind} {memory} {set:?}");
+        let plan = kiln::backend::deploy::simulated(&g, &cost);
+        assert!(!plan.replicas.is_empty(), "{kind}");
+        for spec in &plan.replicas {
+            assert_eq!(
+                spec.max_batch_tokens, want,
+                "{kind} {memory} {set:?}: the scheduler's replica"
+            );
+        }
+    }
+}

@@ -260,7 +260,7 @@ pub fn plan(
                 // The upstream manages its own KV memory.
                 kv_capacity: u64::MAX / 8,
                 max_batch: u.upstream.concurrency.max(1),
-                max_batch_tokens: var.max_batch_tokens,
+                max_batch_tokens: var.batch_tokens_on(&g.pools[usize::from(pool)]),
                 cost: step,
                 only_tier: None,
                 external: true,

@@ -1421,13 +1421,11 @@ impl Compiler<'_> {
             let max_batch = self
                 .positive_count(vf.get("max_batch"), "`max_batch`", limits::MAX_BATCH)
                 .unwrap_or(256);
-            let max_batch_tokens = self
-                .positive_count(
-                    vf.get("max_batch_tokens"),
-                    "`max_batch_tokens`",
-                    limits::MAX_TOKENS,
-                )
-                .unwrap_or(8192);
+            let max_batch_tokens = self.positive_count(
+                vf.get("max_batch_tokens"),
+                "`max_batch_tokens`",
+                limits::MAX_TOKENS,
+            );
             self.facts
                 .variant_spans
                 .insert((d.name.name.clone(), name.name.clone()), name.span);

@@ -723,8 +723,10 @@ fn variant(
     out.field(
         subject,
         "max_batch_tokens",
-        a.max_batch_tokens.to_string(),
-        b.max_batch_tokens.to_string(),
+        a.max_batch_tokens
+            .map_or_else(|| "the GPU's default".to_string(), |t| t.to_string()),
+        b.max_batch_tokens
+            .map_or_else(|| "the GPU's default".to_string(), |t| t.to_string()),
         k,
     );
 }

@@ -155,8 +155,36 @@ pub struct Variant {
     /// Continuous batching limits per replica: sequences in a step, and
     /// tokens (prefill chunks plus decodes) in a step.
     pub max_batch: u32,
-    pub max_batch_tokens: u32,
+    /// `None`: the engine's default for the pool's GPU
+    /// ([`Variant::batch_tokens_on`]).
+    pub max_batch_tokens: Option<u32>,
     pub span: Span,
+}
+
+impl Variant {
+    /// Tokens in one step of a replica of this variant on `pool`: what the
+    /// policy says, else what the engine would choose on that GPU.
+    pub fn batch_tokens_on(&self, pool: &Pool) -> u32 {
+        self.max_batch_tokens
+            .unwrap_or_else(|| default_batch_tokens(pool))
+    }
+}
+
+/// The step's token budget an engine picks when it is not told: vLLM's
+/// OpenAI server (`EngineArgs.get_batch_defaults`) takes 8,192 tokens on
+/// GPUs with at least 70 GiB that are not A100s, and 2,048 on every other
+/// GPU (larger chunks cost A100s throughput, vLLM PR 17885); SGLang's
+/// `chunked_prefill_size` also shrinks with the GPU. A step of 8,192
+/// prefill tokens takes about 2 s on an L4, so modelling it there would
+/// put seconds of other prompts in front of a short prompt's first token
+/// that the engine never does.
+pub fn default_batch_tokens(pool: &Pool) -> u32 {
+    const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
+    if pool.gpu_memory >= 70.0 * GIB && !pool.kind.to_ascii_lowercase().contains("a100") {
+        8192
+    } else {
+        2048
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -145,7 +145,7 @@ impl Plan {
                             gpus: *gpus,
                             kv_capacity: c.kv_capacity,
                             max_batch: var.max_batch,
-                            max_batch_tokens: var.max_batch_tokens,
+                            max_batch_tokens: var.batch_tokens_on(&g.pools[usize::from(pi)]),
                             cost: c.cost.clone(),
                             only_tier: None,
                             external: false,

@@ -195,7 +195,7 @@ impl CostModel {
                         efficiency: eff,
                         time_factor: vo.and_then(|o| o.time_factor).unwrap_or(1.0),
                         max_batch: variant.max_batch,
-                        max_batch_tokens: variant.max_batch_tokens,
+                        max_batch_tokens: variant.batch_tokens_on(pool),
                     });
                     match r.kv_capacity_tokens() {
                         Ok(_) => {}
