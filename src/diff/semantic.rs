@@ -720,13 +720,13 @@ fn variant(
         b.max_batch.to_string(),
         k,
     );
+    let budget =
+        |t: Option<u32>| t.map_or_else(|| "the GPU's default".to_string(), |t| t.to_string());
     out.field(
         subject,
         "max_batch_tokens",
-        a.max_batch_tokens
-            .map_or_else(|| "the GPU's default".to_string(), |t| t.to_string()),
-        b.max_batch_tokens
-            .map_or_else(|| "the GPU's default".to_string(), |t| t.to_string()),
+        budget(a.max_batch_tokens),
+        budget(b.max_batch_tokens),
         k,
     );
 }

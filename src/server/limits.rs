@@ -138,7 +138,7 @@ pub fn body_error(e: &axum::Error, limit: usize, timeout: Duration) -> ApiError 
     ApiError::new(400, "the request body could not be read in full").code("incomplete_body")
 }
 
-pub fn body_timeout_error(timeout: Duration) -> ApiError {
+fn body_timeout_error(timeout: Duration) -> ApiError {
     ApiError::new(
         408,
         format!(
