@@ -590,3 +590,74 @@ fn a_pool_with_room_does_not_refuse_the_tenant_sending_more() {
     assert!(refused * 100 <= asked, "{refused} of {asked} refused");
     assert!(kiln * 100 >= fifo * 99, "kiln {kiln} in time, fifo {fifo}");
 }
+
+/// A replay of the 70B pair with fair share's own preemption on or off.
+fn run_preempting(g: &Arc<DecisionGraph>, on: bool, records: &[Record]) -> Vec<Outcome> {
+    let cost = CostModel::from_graph(g, None).expect("cost model");
+    let cfg = Config {
+        fair_preemption: on,
+        ..Config::default()
+    };
+    let mut s = Scheduler::new(g.clone(), replay::plan(g, &cost), cfg);
+    replay::run(&mut s, replay::arrivals(records), |_, _| {})
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 8,
+        failure_persistence: None,
+        rng_seed: proptest::test_runner::RngSeed::Fixed(0x6b696c6e),
+        ..ProptestConfig::default()
+    })]
+    /// A light tenant (asking 20-80% of its weighted share) beside one or
+    /// two backlogged tenants (1.5-3x the 70B pair each), random weights:
+    /// a pool the backlogged tenants keep full, where its requests arrive
+    /// to find every slot and KV block taken. It may take a slot from a
+    /// tenant above its share (fair share's own preemption), so it is
+    /// served in time most of what it asks, and never less than without
+    /// that (within two requests: one preemption moves every later start).
+    #[test]
+    fn a_light_tenant_beside_backlogged_ones_gets_what_it_asks_in_time(
+        light_w in 1u32..=8,
+        heavy in prop::collection::vec((1u32..=8, 1.5f64..3.0), 1..=2),
+        part in 0.2f64..0.8,
+        seed in 0u64..1000,
+    ) {
+        let names = ["light", "h0", "h1"];
+        let mut ws: Vec<(&str, f64)> = vec![("light", f64::from(light_w))];
+        for (i, (w, _)) in heavy.iter().enumerate() {
+            ws.push((names[i + 1], f64::from(*w)));
+        }
+        let wsum: f64 = ws.iter().map(|(_, w)| w).sum();
+        let g = pair_policy(&ws);
+        let cap = pair_capacity();
+        let light_rate = part * f64::from(light_w) / wsum * cap;
+        // Long enough for about 60 of its requests after the first minute.
+        let secs = (60.0 + 60.0 / light_rate).clamp(300.0, 1_200.0);
+        let mut l = vec![synth::Load { tenant: "light".into(), rate_per_s: light_rate }];
+        for (i, (_, d)) in heavy.iter().enumerate() {
+            l.push(synth::Load { tenant: names[i + 1].into(), rate_per_s: d * cap });
+        }
+        let recs = synth::poisson(sizes(), "llama-70b", &l, secs, seed);
+        let in_time = |o: &[Outcome]| {
+            let (mut asked, mut ok) = (0usize, 0usize);
+            for (r, o) in recs.iter().zip(o) {
+                if r.tenant.as_deref() != Some("light") || r.at_ms < 60_000.0 {
+                    continue;
+                }
+                asked += 1;
+                ok += usize::from(
+                    o.rejected.is_none() && o.first_token.is_some_and(|f| f - o.arrival <= 2 * SEC),
+                );
+            }
+            (asked, ok)
+        };
+        let (asked, with) = in_time(&run_preempting(&g, true, &recs));
+        let (_, without) = in_time(&run_preempting(&g, false, &recs));
+        eprintln!("light w{light_w} part {part:.2} heavy {heavy:?}: {asked} asked, {with} in time with, {without} without");
+        // Not the 95% of issue 26 yet: a weight-1 light tenant beside one
+        // or two backlogged ones gets 83-92% of its requests in time here.
+        prop_assert!(with * 100 >= asked * 80, "{with} of {asked} in time (without: {without})");
+        prop_assert!(with + 2 >= without, "{with} in time with, {without} without, of {asked}");
+    }
+}

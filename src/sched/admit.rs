@@ -425,6 +425,14 @@ fn wait_within_slo(s: &mut Scheduler, a: &mut Admitting<'_>) -> Result<(), Refus
         prefix: a.prefix_blocks,
         reference,
     };
+    // What its tenant asks, refused or not (who may preempt for fair
+    // share, [`Scheduler::fair_preempts`]).
+    s.asked_since.get_or_insert(s.now);
+    s.asked.entry((key, a.tier, a.tenant)).or_default().add(
+        s.now,
+        s.cfg.vtc_input_weight * a.req.prompt_tokens as f64
+            + s.cfg.vtc_output_weight * f64::from(a.output),
+    );
     let e = s.estimate_for(&q, &a.candidates);
     a.est_start = Some((e.raw_start, e.first_in_order));
     a.contended = Some(e.contended);
@@ -670,8 +678,9 @@ impl Scheduler {
             let Some(w) = self.queues.get(id) else {
                 return false;
             };
-            // Admitted knowing it would be late; it waits for no one.
-            if w.best_effort {
+            // Admitted knowing it would be late, it waits for no one; one
+            // put back after a preemption already had its first token.
+            if w.best_effort || w.started {
                 return false;
             }
             let q = super::Estimating {
@@ -703,6 +712,9 @@ impl Scheduler {
             if let Some((c, t)) = self.incoming.get_mut(&(key, tier, w.tenant)) {
                 c.add(self.now, -cost);
                 t.add(self.now, -(w.tokens() as f64));
+            }
+            if let Some(c) = self.admitted.get_mut(&(key, tier, w.tenant)) {
+                c.add(self.now, -cost);
             }
             let retry = est.saturating_add(waited).saturating_sub(limit);
             self.reject(id, Reason::Fairness, 429, Some(retry.max(SEC)));
@@ -784,6 +796,10 @@ impl Scheduler {
             .or_default();
         c.add(self.now, cost);
         t.add(self.now, w.tokens() as f64);
+        self.admitted
+            .entry(((w.model, w.variant), w.tier, w.tenant))
+            .or_default()
+            .add(self.now, cost);
         if let (Admission::Delay { until }, false) = (a.admission, a.baseline) {
             w.waiting_for = Some(Reason::Delay);
             let at = self.time_at_minute(u32::from(until));

@@ -362,6 +362,11 @@ pub struct Config {
     pub fairness_window: Option<Micros>,
     /// A sequence may be preempted at most this many times (thrash budget).
     pub max_preemptions_per_seq: u32,
+    /// Whether a tenant asking within its weighted share may take a slot
+    /// from its own tier's running work of a tenant above it (on replicas
+    /// kiln steps; [`Scheduler::fair_preempts`]). On by default; off to
+    /// compare.
+    pub fair_preemption: bool,
     /// Minute of day at time 0 and weekday (0 = Monday), for time-of-day rules.
     pub start_minute_of_day: u32,
     pub start_weekday: u8,
@@ -443,6 +448,7 @@ impl Default for Config {
             vtc_output_weight: 2.0,
             fairness_window: Some(600 * SEC),
             max_preemptions_per_seq: 2,
+            fair_preemption: true,
             start_minute_of_day: 12 * 60,
             start_weekday: 0,
             start_date: crate::graph::IDLE_DATE,
@@ -546,6 +552,12 @@ type MisKey = ((u16, u16), TierId, Option<TenantId>);
 
 /// Queued work started recently is counted over about this long.
 pub const DRAIN_WINDOW: Micros = 10 * SEC;
+
+/// For fair share's own preemption, what each tenant asks and is admitted
+/// is read over about this long: long enough that a light tenant's few
+/// requests are not read as a burst above its share, short enough to see a
+/// flood within it.
+const SHARE_WINDOW: Micros = 60 * SEC;
 
 /// A tenant whose [`Scheduler::share_used`] is over this is using about its
 /// weighted share: admission prices it size-neutrally, and its sequences go
@@ -708,6 +720,17 @@ pub struct Scheduler {
     /// Work admitted lately per (model, variant, tier, tenant), as
     /// (fair-share cost, tokens), for what will arrive while one waits.
     incoming: HashMap<MisKey, (Drain, Drain)>,
+    /// Work admitted per (model, variant, tier, tenant) in fair-share cost
+    /// over [`SHARE_WINDOW`] ([`Self::fair_preempts`]).
+    admitted: HashMap<MisKey, Decayed<SHARE_WINDOW>>,
+    /// What each reached admission's wait check with over [`SHARE_WINDOW`],
+    /// refused or not, in fair-share cost: what it asks
+    /// ([`Self::fair_preempts`]).
+    asked: HashMap<MisKey, Decayed<SHARE_WINDOW>>,
+    /// When `asked` began: shares read over a fraction of the window say
+    /// little (in its first seconds every tenant reads as asking only what
+    /// it was admitted).
+    asked_since: Option<Micros>,
     /// When a request of each tier last started (to tell a request that
     /// was overtaken by a higher tier from one that only lacked room).
     tier_started: Vec<Micros>,
@@ -815,6 +838,9 @@ impl Scheduler {
             misestimate: HashMap::default(),
             sizes: HashMap::default(),
             incoming: HashMap::default(),
+            admitted: HashMap::default(),
+            asked: HashMap::default(),
+            asked_since: None,
             router,
             pinned,
             pinned_ids: Vec::new(),
@@ -2128,6 +2154,34 @@ impl Scheduler {
             .unwrap_or(0)
     }
 
+    /// Whether a request of `tenant` may take a slot from its own tier's
+    /// work of tenants above their weighted share ([`Self::may_preempt`]):
+    /// in a tier with a TTFT SLO, its tenant *asks* (refused or not, over
+    /// [`SHARE_WINDOW`]) no more than its weight's part of what the tier
+    /// admits. (By what it was admitted, a backlogged tenant held at about
+    /// its share reads a little under or over it from one minute to the
+    /// next; backlogged tenants then took slots from each other, a weight-1
+    /// tenant among 24 losing 13% of its tokens on a 70B pair.)
+    fn fair_preempts(&self, key: (u16, u16), tier: TierId, tenant: Option<TenantId>) -> bool {
+        self.cfg.mode == Mode::Kiln
+            && self.cfg.fair_preemption
+            && self
+                .graph
+                .tiers
+                .get(tier as usize)
+                .is_some_and(|t| t.slo.ttft.is_some())
+            && self
+                .asked_since
+                .is_some_and(|t| self.now.saturating_sub(t) >= SHARE_WINDOW / 2)
+            && {
+                let asked = self
+                    .asked
+                    .get(&(key, tier, tenant))
+                    .map_or(0.0, |c| c.rate(self.now));
+                self.share_of(key, tier, tenant, Some(asked), true) <= 1.0
+            }
+    }
+
     /// Whether `tenant` has lately been admitted more of its tier's work
     /// (in fair-share cost) than its weight's part among the tenants that
     /// sent any (by more than 5%).
@@ -2136,23 +2190,44 @@ impl Scheduler {
     }
 
     /// The tenant's recent admitted rate over its weighted part of the
-    /// route and tier's (among tenants with recent work); 0 when nothing
-    /// was admitted lately, or when no other tenant sent any (alone).
+    /// route and tier's (among tenants with recent work), over the 10 s of
+    /// [`DRAIN_WINDOW`]; 0 when nothing was admitted lately, or when no
+    /// other tenant sent any (alone).
     fn share_used(&self, key: (u16, u16), tier: TierId, tenant: Option<TenantId>) -> f64 {
+        self.share_of(key, tier, tenant, None, false)
+    }
+
+    /// [`Self::share_used`], with `own` in place of the tenant's own
+    /// admitted rate where given (what it asks), and read over
+    /// [`SHARE_WINDOW`] where `long`. (Read over 10 s, a weight-1 tenant of
+    /// 12 that sent two requests in a few seconds is above its share.)
+    fn share_of(
+        &self,
+        key: (u16, u16),
+        tier: TierId,
+        tenant: Option<TenantId>,
+        own: Option<f64>,
+        long: bool,
+    ) -> f64 {
         let mut mine = 0.0;
         let mut others = false;
         let (mut total, mut weights, mut my_w) = (0.0, 0.0, 1.0);
         for slot in 0..=self.graph.tenants.len() {
             let t = slot.checked_sub(1).map(|x| x as TenantId);
-            let rate = self
-                .incoming
-                .get(&(key, tier, t))
-                .map_or(0.0, |(c, _)| c.rate(self.now));
+            let rate = if long {
+                self.admitted
+                    .get(&(key, tier, t))
+                    .map_or(0.0, |c| c.rate(self.now))
+            } else {
+                self.incoming
+                    .get(&(key, tier, t))
+                    .map_or(0.0, |(c, _)| c.rate(self.now))
+            };
             let w = t
                 .and_then(|t| self.graph.tenants.get(t as usize))
                 .map_or(1.0, |x| x.weight.max(1e-9));
             if t == tenant {
-                mine = rate;
+                mine = own.unwrap_or(rate);
                 my_w = w;
             }
             if rate > 1e-9 || t == tenant {
@@ -2702,7 +2777,8 @@ impl Scheduler {
             return false;
         };
         let lends = w.tenant.and_then(|t| self.quotas.cohort(t)).is_some();
-        if tier.preempts.is_empty() && !lends {
+        let fair = self.fair_preempts((w.model, w.variant), w.tier, w.tenant);
+        if tier.preempts.is_empty() && !lends && !fair {
             return false;
         }
         let victim = self.replicas[r]
@@ -2858,21 +2934,41 @@ impl Scheduler {
 
     /// Whether a request of `tier` and `tenant` may preempt sequence `s`
     /// running on replica `r`: a lower tier it may preempt, or work a
-    /// cohort member runs on borrowed quota, which the lender reclaims;
-    /// preemptible, within its thrash budget, and able to come back here.
+    /// cohort member runs on borrowed quota, which the lender reclaims
+    /// (either preemptible), or its own tier's work of a tenant above its
+    /// share while its own tenant asks within its share; within its thrash
+    /// budget, and able to come back here.
     fn may_preempt(&self, r: usize, s: &Seq, tier: TierId, tenant: Option<TenantId>) -> bool {
         let Some(t) = self.graph.tiers.get(tier as usize) else {
             return false;
         };
-        if !s.w.preemptible(&self.graph) || s.w.orphan {
-            return false;
-        }
         let cohort = tenant.and_then(|t| self.quotas.cohort(t));
         let reclaim = s.w.borrowed
             && cohort.is_some()
             && s.w.tenant != tenant
             && s.w.tenant.and_then(|t| self.quotas.cohort(t)) == cohort;
-        (t.preempts.contains(&s.w.tier) || reclaim)
+        if s.w.orphan {
+            return false;
+        }
+        // Fair share's own preemption: work of a tenant above its weighted
+        // share gives its slot to a tenant within its share, in the same
+        // tier, on a replica kiln steps (an upstream's call would lose all
+        // its progress; there the batch's reserve and fair order act
+        // alone). Without it a within-share tenant arriving at a pool
+        // that over-share work filled waits for a sequence to end: on a
+        // KV-bound 70B pair one asking 70% of its share got 79% of it in
+        // time (issue 26).
+        let fair = s.w.tier == tier
+            && s.w.tenant != tenant
+            && !s.w.best_effort
+            && !self.replicas.get(r).is_some_and(|x| x.spec.external)
+            && self.fair_preempts((s.w.model, s.w.variant), tier, tenant)
+            && self.share_of((s.w.model, s.w.variant), tier, s.w.tenant, None, true)
+                > ABOVE_ITS_SHARE;
+        if !fair && !s.w.preemptible(&self.graph) {
+            return false;
+        }
+        (t.preempts.contains(&s.w.tier) || reclaim || fair)
             && self.within_thrash_budget(s)
             && self
                 .replicas

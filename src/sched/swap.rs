@@ -253,6 +253,11 @@ impl Scheduler {
         self.live
             .remap(&graph, |t| map.tier(t), |t| map.tenant(t), |p| map.pool(p));
         self.tier_started = vec![0; graph.tiers.len()];
+        // Who asks and is admitted what is read anew under the new ids
+        // (fair share's own preemption waits until half a window is read).
+        self.admitted.clear();
+        self.asked.clear();
+        self.asked_since = None;
         // A new version decides anew whether to hold.
         self.holds = vec![None; graph.tiers.len()];
         self.signals = Signals::idle(&graph);
