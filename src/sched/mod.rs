@@ -2942,14 +2942,14 @@ impl Scheduler {
         let Some(t) = self.graph.tiers.get(tier as usize) else {
             return false;
         };
+        if s.w.orphan {
+            return false;
+        }
         let cohort = tenant.and_then(|t| self.quotas.cohort(t));
         let reclaim = s.w.borrowed
             && cohort.is_some()
             && s.w.tenant != tenant
             && s.w.tenant.and_then(|t| self.quotas.cohort(t)) == cohort;
-        if s.w.orphan {
-            return false;
-        }
         // Fair share's own preemption: work of a tenant above its weighted
         // share gives its slot to a tenant within its share, in the same
         // tier, on a replica kiln steps (an upstream's call would lose all
