@@ -1997,6 +1997,8 @@ impl Scheduler {
             } else {
                 // The first slot to free, or at once where it may preempt.
                 let mut soonest = Micros::MAX;
+                // Read once, not per running sequence (a pass over tenants).
+                let fair = self.fair_preempts(q.key, q.tier, q.tenant);
                 for &r in replicas {
                     let Some(rep) = self.replicas.get(r).filter(|x| x.up && !x.draining) else {
                         continue;
@@ -2005,7 +2007,7 @@ impl Scheduler {
                         && (rep
                             .running
                             .iter()
-                            .any(|x| self.may_preempt(r, x, q.tier, q.tenant))
+                            .any(|x| self.may_preempt(r, x, q.tier, q.tenant, fair))
                             || self.may_reclaim(r, q.tier));
                     soonest = soonest.min(if preempt { 0 } else { rep.time_to_free() });
                 }
@@ -2785,7 +2787,7 @@ impl Scheduler {
             .running
             .iter()
             .enumerate()
-            .filter(|(_, s)| self.may_preempt(r, s, w.tier, w.tenant))
+            .filter(|(_, s)| self.may_preempt(r, s, w.tier, w.tenant, fair))
             // lowest priority first, then the one that started last (least work lost)
             .min_by_key(|(_, s)| {
                 (
@@ -2936,9 +2938,17 @@ impl Scheduler {
     /// running on replica `r`: a lower tier it may preempt, or work a
     /// cohort member runs on borrowed quota, which the lender reclaims
     /// (either preemptible), or its own tier's work of a tenant above its
-    /// share while its own tenant asks within its share; within its thrash
-    /// budget, and able to come back here.
-    fn may_preempt(&self, r: usize, s: &Seq, tier: TierId, tenant: Option<TenantId>) -> bool {
+    /// share while its own tenant asks within its share (`fair`, the
+    /// caller's [`Self::fair_preempts`] for it); within its thrash budget,
+    /// and able to come back here.
+    fn may_preempt(
+        &self,
+        r: usize,
+        s: &Seq,
+        tier: TierId,
+        tenant: Option<TenantId>,
+        fair: bool,
+    ) -> bool {
         let Some(t) = self.graph.tiers.get(tier as usize) else {
             return false;
         };
@@ -2958,11 +2968,11 @@ impl Scheduler {
         // that over-share work filled waits for a sequence to end: on a
         // KV-bound 70B pair one asking 70% of its share got 79% of it in
         // time (issue 26).
-        let fair = s.w.tier == tier
+        let fair = fair
+            && s.w.tier == tier
             && s.w.tenant != tenant
             && !s.w.best_effort
             && !self.replicas.get(r).is_some_and(|x| x.spec.external)
-            && self.fair_preempts((s.w.model, s.w.variant), tier, tenant)
             && self.share_of((s.w.model, s.w.variant), tier, s.w.tenant, None, true)
                 > ABOVE_ITS_SHARE;
         if !fair && !s.w.preemptible(&self.graph) {
